@@ -1,0 +1,78 @@
+//! Engine configuration as Rust sees it, and its validation. The C struct `kvs_engine_config` is converted
+//! into this in `ffi`; everything that can be checked once (head size, block size, GQA ratio, policy spec)
+//! is checked here, so a bad configuration fails at engine start rather than inside a forward pass.
+
+use crate::error::Result;
+use crate::tensor::{DType, Device};
+use crate::{bail, ensure};
+
+/// Head sizes the kernels are built and tested for (the set vLLM's paged kernels support).
+pub const SUPPORTED_HEAD_DIMS: [usize; 7] = [64, 80, 96, 112, 128, 192, 256];
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub device: Device,
+    /// Number of attention layers the engine serves (layer ids are `0..num_layers`).
+    pub num_layers: usize,
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Tokens per KV block; a power of two from 1 to 256.
+    pub block_size: usize,
+    /// Number of blocks in each layer's cache; 0 = take it from the caches passed in (checked per call).
+    pub num_blocks: usize,
+    /// dtype of queries, caches and outputs.
+    pub dtype: DType,
+    /// Policy spec (see docs/policies.md); empty = dense.
+    pub policy: String,
+    /// CPU worker threads; 0 = one per available core.
+    pub num_threads: usize,
+    /// Upper bound on per-sequence policy state in bytes; 0 = unbounded.
+    pub max_state_bytes: u64,
+}
+
+impl EngineConfig {
+    /// A dense CPU configuration; adjust fields as needed.
+    pub fn new(num_layers: usize, num_q_heads: usize, num_kv_heads: usize, head_dim: usize, block_size: usize, dtype: DType) -> Self {
+        EngineConfig {
+            device: Device::Cpu,
+            num_layers,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            num_blocks: 0,
+            dtype,
+            policy: String::new(),
+            num_threads: 0,
+            max_state_bytes: 0,
+        }
+    }
+
+    pub fn group_size(&self) -> usize {
+        self.num_q_heads / self.num_kv_heads
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        ensure!(self.num_layers >= 1, InvalidArgument, "num_layers must be at least 1");
+        ensure!(self.num_q_heads >= 1 && self.num_kv_heads >= 1, InvalidArgument, "head counts must be positive (num_q_heads={}, num_kv_heads={})", self.num_q_heads, self.num_kv_heads);
+        ensure!(
+            self.num_q_heads % self.num_kv_heads == 0,
+            InvalidArgument,
+            "num_q_heads ({}) must be a multiple of num_kv_heads ({})",
+            self.num_q_heads,
+            self.num_kv_heads
+        );
+        if !SUPPORTED_HEAD_DIMS.contains(&self.head_dim) {
+            bail!(Unsupported, "head_dim {} is not supported; supported sizes are {:?}", self.head_dim, SUPPORTED_HEAD_DIMS);
+        }
+        ensure!(
+            self.block_size.is_power_of_two() && self.block_size <= 256,
+            Unsupported,
+            "block_size {} is not supported; it must be a power of two from 1 to 256",
+            self.block_size
+        );
+        ensure!(self.dtype.is_float(), InvalidDtype, "dtype {} is not supported; use float32, float16 or bfloat16", self.dtype.name());
+        Ok(())
+    }
+}

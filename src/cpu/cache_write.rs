@@ -1,0 +1,53 @@
+//! Writing new K/V rows into the paged cache by slot mapping (slot = block * block_size + offset),
+//! as vLLM's `reshape_and_cache_flash` does; negative slots are padding and are skipped.
+
+use crate::error::Result;
+use crate::layout::KvCache;
+use crate::tensor::TensorRef;
+use crate::ensure;
+
+/// Validated slot list: `Some((block, offset))` per token, `None` for skipped (negative) slots.
+pub fn decode_slots(slot_mapping: &TensorRef, num_tokens: usize, cache: &KvCache) -> Result<Vec<Option<(usize, usize)>>> {
+    let capacity = (cache.num_blocks * cache.block_size) as i64;
+    let mut out = Vec::with_capacity(num_tokens);
+    for t in 0..num_tokens {
+        // SAFETY: t < num_tokens == slot_mapping.shape[0], validated by the caller.
+        let slot = unsafe { slot_mapping.read_int(&[t]) };
+        if slot < 0 {
+            out.push(None);
+            continue;
+        }
+        ensure!(slot < capacity, OutOfRange, "slot_mapping[{t}] = {slot} is outside the cache's {capacity} slots ({} blocks of {})", cache.num_blocks, cache.block_size);
+        out.push(Some(((slot as usize) / cache.block_size, (slot as usize) % cache.block_size)));
+    }
+    Ok(out)
+}
+
+/// Copies `key[t]` / `value[t]` (`[num_tokens, num_kv_heads, head_dim]`, same dtype as the cache) into
+/// their slots. Everything was validated, including the slots, before the first byte is written.
+pub fn write(cache: &KvCache, key: &TensorRef, value: &TensorRef, slots: &[Option<(usize, usize)>]) {
+    let es = cache.dtype.size_bytes();
+    let d = cache.head_dim;
+    for (t, slot) in slots.iter().enumerate() {
+        let Some((b, o)) = *slot else { continue };
+        for h in 0..cache.num_kv_heads {
+            for (src, dst_row, dst_stride) in [
+                (key, cache.k_row(b, o, h) as *mut u8, cache.k_dim_stride()),
+                (value, cache.v_row(b, o, h) as *mut u8, cache.v_dim_stride()),
+            ] {
+                let src_row = src.ptr_at(&[t, h, 0]);
+                let src_stride = src.stride(2);
+                // SAFETY: indices validated; source and cache are distinct allocations by contract.
+                unsafe {
+                    if src_stride == 1 && dst_stride == 1 {
+                        std::ptr::copy_nonoverlapping(src_row, dst_row, d * es);
+                    } else {
+                        for i in 0..d {
+                            std::ptr::copy_nonoverlapping(src_row.offset(i as isize * src_stride * es as isize), dst_row.offset(i as isize * dst_stride * es as isize), es);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,9 @@
+//! CPU backend: the reference implementation, exact in f32 accumulation, and fast enough to serve.
+
+pub mod attention;
+pub mod cache_write;
+pub mod convert;
+pub mod forward;
+pub mod isa;
+pub mod math;
+pub mod merge;

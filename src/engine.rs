@@ -1,0 +1,221 @@
+//! The engine: configuration, thread pool, per-sequence state, statistics, and dispatch of each call to
+//! the backend (CPU here) and, for decode rows of non-dense layers, to the policy pipeline.
+
+use std::ffi::c_void;
+
+use parking_lot::Mutex;
+
+use crate::config::EngineConfig;
+use crate::cpu;
+use crate::cpu::attention::AttnParams;
+use crate::cpu::forward::ForwardIo;
+use crate::error::Result;
+use crate::layout::{validate_params, Batch, KvCache};
+use crate::policy::Policy;
+use crate::sequences::Registry;
+use crate::stats::{Counters, EngineStats};
+use crate::tensor::{DType, Device, TensorRef};
+use crate::{bail, ensure};
+
+/// Arguments of one attention forward call (see `kvs_forward_args` in the C header for the contract).
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardArgs {
+    pub layer: usize,
+    /// `[num_tokens, num_q_heads, head_dim]`
+    pub query: TensorRef,
+    /// `[num_blocks, block_size, num_kv_heads, head_dim]` each
+    pub key_cache: TensorRef,
+    pub value_cache: TensorRef,
+    /// `[num_seqs, max_blocks]` int32
+    pub block_table: TensorRef,
+    /// `[num_seqs]` int32, total length including the new tokens
+    pub seq_lens: TensorRef,
+    /// `[num_seqs + 1]` int32
+    pub query_start_loc: TensorRef,
+    /// `[num_seqs]` int64/uint64 stable ids, needed by stateful policies
+    pub seq_ids: Option<TensorRef>,
+    /// `[num_tokens, num_q_heads, head_dim]`, dtype of the query
+    pub out: TensorRef,
+    /// `[num_tokens, num_q_heads]` float32
+    pub lse: Option<TensorRef>,
+    pub scale: f32,
+    pub sliding_window: i32,
+    pub softcap: f32,
+    pub stream: *mut c_void,
+}
+
+/// Arguments of a cache write.
+#[derive(Clone, Copy, Debug)]
+pub struct CacheWriteArgs {
+    pub layer: usize,
+    /// `[num_tokens, num_kv_heads, head_dim]`
+    pub key: TensorRef,
+    pub value: TensorRef,
+    pub key_cache: TensorRef,
+    pub value_cache: TensorRef,
+    /// `[num_tokens]` int64 or int32; negative entries are skipped
+    pub slot_mapping: TensorRef,
+    pub stream: *mut c_void,
+}
+
+/// Arguments of a state merge: `out, lse = merge((out_a, lse_a), (out_b, lse_b))`.
+#[derive(Clone, Copy, Debug)]
+pub struct MergeArgs {
+    pub out_a: TensorRef,
+    pub lse_a: TensorRef,
+    pub out_b: TensorRef,
+    pub lse_b: TensorRef,
+    pub out: TensorRef,
+    pub lse_out: Option<TensorRef>,
+    pub stream: *mut c_void,
+}
+
+pub struct Engine {
+    cfg: EngineConfig,
+    policy: Policy,
+    pool: rayon::ThreadPool,
+    sequences: Registry,
+    stats: Mutex<(Counters, Vec<Counters>)>,
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig) -> Result<Self> {
+        cfg.validate()?;
+        if let Device::Cuda(_) = cfg.device {
+            bail!(Unsupported, "CUDA device requested, but this build of kvsparse has no CUDA backend yet; use a CPU device");
+        }
+        let policy = Policy::parse(&cfg.policy)?;
+        let threads = if cfg.num_threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { cfg.num_threads };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("kvsparse-{i}"))
+            .build()
+            .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?;
+        let per_layer = vec![Counters::default(); cfg.num_layers];
+        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), stats: Mutex::new((Counters::default(), per_layer)) })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        ensure!(layer < self.cfg.num_layers, OutOfRange, "layer {layer} is outside the engine's {} layers", self.cfg.num_layers);
+        Ok(())
+    }
+
+    /// Causal varlen attention for one layer. Validates everything before writing anything.
+    pub fn attention_forward(&self, a: &ForwardArgs) -> Result<Counters> {
+        let cfg = &self.cfg;
+        let dev = cfg.device;
+        self.check_layer(a.layer)?;
+        validate_params(a.scale, a.sliding_window, a.softcap)?;
+        a.query.expect("query", 3, &[cfg.dtype], dev)?;
+        a.query.expect_shape("query", &[None, Some(cfg.num_q_heads), Some(cfg.head_dim)])?;
+        let num_tokens = a.query.dim(0);
+        a.out.expect("out", 3, &[cfg.dtype], dev)?;
+        a.out.expect_shape("out", &[Some(num_tokens), Some(cfg.num_q_heads), Some(cfg.head_dim)])?;
+        a.out.expect_no_self_overlap("out")?;
+        if let Some(lse) = &a.lse {
+            lse.expect("lse", 2, &[DType::F32], dev)?;
+            lse.expect_shape("lse", &[Some(num_tokens), Some(cfg.num_q_heads)])?;
+            lse.expect_no_self_overlap("lse")?;
+        }
+        let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
+        let batch = Batch::from_host_tensors(num_tokens, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref(), cfg.block_size, cache.num_blocks)?;
+        ensure!(
+            batch.has_seq_ids || self.policy.is_dense_for_layer(a.layer),
+            InvalidArgument,
+            "policy {:?} keeps per-sequence state, so seq_ids is required",
+            cfg.policy
+        );
+
+        if batch.has_seq_ids {
+            for s in &batch.seqs {
+                self.sequences.get_or_create(s.seq_id);
+            }
+        }
+        let params = AttnParams { scale: a.scale, softcap: a.softcap, window: a.sliding_window as usize };
+        let io = ForwardIo { q: a.query, out: a.out, lse: a.lse, cache: &cache, batch: &batch, params, num_q_heads: cfg.num_q_heads, num_kv_heads: cfg.num_kv_heads };
+        let dense: Vec<usize> = (0..batch.seqs.len()).collect();
+        cpu::forward::dense_forward(&io, &dense, &self.pool);
+
+        let mut c = Counters { calls: 1, ..Default::default() };
+        let row_bytes = (cfg.head_dim * cfg.dtype.size_bytes() * 2 * cfg.num_kv_heads) as u64;
+        for s in &batch.seqs {
+            if s.q_len == 1 {
+                c.decode_rows += 1;
+            } else {
+                c.prefill_tokens += s.q_len as u64;
+            }
+            let first_visible = if a.sliding_window > 0 { (s.first_pos() + 1).saturating_sub(a.sliding_window as usize) } else { 0 };
+            c.kv_bytes_read += (s.seq_len - first_visible) as u64 * row_bytes;
+        }
+        self.record(a.layer, &c);
+        Ok(c)
+    }
+
+    fn record(&self, layer: usize, c: &Counters) {
+        let mut st = self.stats.lock();
+        st.0.add(c);
+        st.1[layer].add(c);
+    }
+
+    /// Stores new K/V rows by slot mapping. Validates every slot before writing any.
+    pub fn cache_write(&self, a: &CacheWriteArgs) -> Result<()> {
+        let cfg = &self.cfg;
+        let dev = cfg.device;
+        self.check_layer(a.layer)?;
+        let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
+        for (name, t) in [("key", &a.key), ("value", &a.value)] {
+            t.expect(name, 3, &[cfg.dtype], dev)?;
+            t.expect_shape(name, &[None, Some(cfg.num_kv_heads), Some(cfg.head_dim)])?;
+        }
+        let n = a.key.dim(0);
+        ensure!(a.value.dim(0) == n, InvalidShape, "key has {n} tokens but value has {}", a.value.dim(0));
+        a.slot_mapping.expect("slot_mapping", 1, &[DType::I64, DType::I32], dev)?;
+        ensure!(a.slot_mapping.dim(0) >= n, InvalidShape, "slot_mapping has {} entries for {n} tokens", a.slot_mapping.dim(0));
+        let slots = cpu::cache_write::decode_slots(&a.slot_mapping, n, &cache)?;
+        cpu::cache_write::write(&cache, &a.key, &a.value, &slots);
+        Ok(())
+    }
+
+    /// Merges two partial attention states exactly through their LSEs.
+    pub fn merge_states(&self, a: &MergeArgs) -> Result<()> {
+        let dev = self.cfg.device;
+        a.out.expect("out", 3, &[DType::F32, DType::F16, DType::BF16], dev)?;
+        let shape = [Some(a.out.dim(0)), Some(a.out.dim(1)), Some(a.out.dim(2))];
+        a.out.expect_no_self_overlap("out")?;
+        for (name, t) in [("out_a", &a.out_a), ("out_b", &a.out_b)] {
+            t.expect(name, 3, &[a.out.dtype], dev)?;
+            t.expect_shape(name, &shape)?;
+        }
+        let lse_list = [("lse_a", Some(&a.lse_a)), ("lse_b", Some(&a.lse_b)), ("lse_out", a.lse_out.as_ref())];
+        for (name, t) in lse_list {
+            if let Some(t) = t {
+                t.expect(name, 2, &[DType::F32], dev)?;
+                t.expect_shape(name, &shape[..2])?;
+            }
+        }
+        cpu::merge::merge_states(&a.out_a, &a.lse_a, &a.out_b, &a.lse_b, &a.out, a.lse_out.as_ref());
+        Ok(())
+    }
+
+    /// Frees all state kept for `seq_id`.
+    pub fn release_sequence(&self, seq_id: u64) -> Result<()> {
+        self.sequences.release(seq_id)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let st = self.stats.lock();
+        let (created, released) = self.sequences.lifecycle();
+        EngineStats {
+            total: st.0,
+            per_layer: st.1.clone(),
+            live_sequences: self.sequences.live(),
+            sequences_created: created,
+            sequences_released: released,
+            state_bytes: self.sequences.state_bytes(),
+        }
+    }
+}

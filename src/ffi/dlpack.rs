@@ -1,0 +1,101 @@
+//! DLPack's `DLTensor` (and its device and dtype structs), laid out exactly as in `dlpack.h`, and their
+//! conversion into [`TensorRef`]. The header defines these types only when `dlpack.h` was not included
+//! first, so callers can use either.
+
+use std::os::raw::c_void;
+
+use crate::error::Result;
+use crate::tensor::{DType, Device, TensorRef};
+use crate::{bail, ensure};
+
+/// DLPack device (`kDLCPU` = 1, `kDLCUDA` = 2, `kDLCUDAHost` = 3, ...).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DLDevice {
+    pub device_type: i32,
+    pub device_id: i32,
+}
+
+/// DLPack dtype: `code` (`kDLInt` 0, `kDLUInt` 1, `kDLFloat` 2, `kDLBfloat` 4), `bits`, `lanes`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DLDataType {
+    pub code: u8,
+    pub bits: u8,
+    pub lanes: u16,
+}
+
+/// DLPack tensor descriptor. Not owned by kvsparse; strides are in elements (NULL = compact row-major).
+#[repr(C)]
+#[derive(Debug)]
+pub struct DLTensor {
+    pub data: *mut c_void,
+    pub device: DLDevice,
+    pub ndim: i32,
+    pub dtype: DLDataType,
+    pub shape: *mut i64,
+    pub strides: *mut i64,
+    pub byte_offset: u64,
+}
+
+pub const KDL_CPU: i32 = 1;
+pub const KDL_CUDA: i32 = 2;
+pub const KDL_CUDA_HOST: i32 = 3;
+
+pub fn device_from_dl(device_type: i32, device_id: i32) -> Result<Device> {
+    match device_type {
+        KDL_CPU | KDL_CUDA_HOST => Ok(Device::Cpu),
+        KDL_CUDA => Ok(Device::Cuda(device_id)),
+        other => bail!(Unsupported, "DLPack device type {other} is not supported (use kDLCPU=1 or kDLCUDA=2)"),
+    }
+}
+
+fn dtype_from_dl(name: &str, t: DLDataType) -> Result<DType> {
+    ensure!(t.lanes == 1, InvalidDtype, "{name} has {} lanes; only scalar dtypes are supported", t.lanes);
+    Ok(match (t.code, t.bits) {
+        (2, 32) => DType::F32,
+        (2, 16) => DType::F16,
+        (4, 16) => DType::BF16,
+        (0, 32) => DType::I32,
+        (0, 64) => DType::I64,
+        (1, 64) => DType::U64,
+        (c, b) => bail!(InvalidDtype, "{name} has an unsupported dtype (DLPack code {c}, {b} bits)"),
+    })
+}
+
+/// Converts a possibly-NULL `DLTensor*`. `required` tensors may not be NULL.
+///
+/// # Safety
+/// A non-NULL `p` must point to a valid `DLTensor` whose `shape` (and `strides`, when not NULL) arrays
+/// hold `ndim` entries, and whose data holds the addressed elements for the duration of the call.
+pub unsafe fn tensor_opt(name: &str, p: *const DLTensor) -> Result<Option<TensorRef>> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    let t = &*p;
+    ensure!(t.ndim >= 0 && t.ndim as usize <= crate::tensor::MAX_NDIM, InvalidShape, "{name} has ndim {}, which is not supported", t.ndim);
+    let ndim = t.ndim as usize;
+    ensure!(ndim == 0 || !t.shape.is_null(), InvalidArgument, "{name}.shape is NULL");
+    let shape = if ndim == 0 { &[][..] } else { std::slice::from_raw_parts(t.shape, ndim) };
+    let strides = if t.strides.is_null() || ndim == 0 { None } else { Some(std::slice::from_raw_parts(t.strides, ndim)) };
+    let dtype = dtype_from_dl(name, t.dtype)?;
+    let device = device_from_dl(t.device.device_type, t.device.device_id)?;
+    let numel: i64 = shape.iter().product();
+    ensure!(numel == 0 || !t.data.is_null(), InvalidArgument, "{name}.data is NULL");
+    let data = (t.data as *mut u8).wrapping_add(t.byte_offset as usize);
+    TensorRef::from_raw(data, dtype, device, shape, strides).map(Some).map_err(|mut e| {
+        e.message = format!("{name}: {}", e.message);
+        e
+    })
+}
+
+/// Like [`tensor_opt`] for required tensors: NULL is an invalid-argument error naming the tensor.
+///
+/// # Safety
+/// As for [`tensor_opt`].
+pub unsafe fn tensor(name: &str, p: *const DLTensor) -> Result<TensorRef> {
+    match tensor_opt(name, p)? {
+        Some(t) => Ok(t),
+        None => bail!(InvalidArgument, "{name} is NULL"),
+    }
+}

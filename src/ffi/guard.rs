@@ -1,0 +1,59 @@
+//! The one wrapper every exported function goes through: it catches panics (none may cross the C
+//! boundary), turns a `Result` into a status code, and keeps the message for `kvs_last_error`.
+
+use std::cell::RefCell;
+use std::ffi::CString;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use super::types::kvs_status;
+use crate::error::{ErrorKind, Result};
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::new("no error").unwrap());
+}
+
+/// Stores `msg` as this thread's last error (interior NULs are replaced).
+pub fn set_last_error(msg: &str) {
+    let c = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Pointer to this thread's last error message; valid until the thread's next failing kvsparse call.
+pub fn last_error_ptr() -> *const std::os::raw::c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+pub fn status_of(kind: ErrorKind) -> kvs_status {
+    match kind {
+        ErrorKind::InvalidArgument => kvs_status::KVS_ERR_INVALID_ARGUMENT,
+        ErrorKind::InvalidShape => kvs_status::KVS_ERR_INVALID_SHAPE,
+        ErrorKind::InvalidDtype => kvs_status::KVS_ERR_INVALID_DTYPE,
+        ErrorKind::OutOfRange => kvs_status::KVS_ERR_OUT_OF_RANGE,
+        ErrorKind::Unsupported => kvs_status::KVS_ERR_UNSUPPORTED,
+        ErrorKind::UnknownSequence => kvs_status::KVS_ERR_UNKNOWN_SEQUENCE,
+        ErrorKind::OutOfMemory => kvs_status::KVS_ERR_OUT_OF_MEMORY,
+        ErrorKind::Device => kvs_status::KVS_ERR_DEVICE,
+        ErrorKind::Internal => kvs_status::KVS_ERR_INTERNAL,
+    }
+}
+
+/// Runs `f`, mapping `Ok` to `KVS_OK`, errors to their status (message kept), panics to
+/// `KVS_ERR_INTERNAL`.
+pub fn guard(f: impl FnOnce() -> Result<()>) -> kvs_status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => kvs_status::KVS_OK,
+        Ok(Err(e)) => {
+            set_last_error(&e.message);
+            status_of(e.kind)
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            set_last_error(&format!("internal error (a bug in kvsparse, please report it): {what}"));
+            kvs_status::KVS_ERR_INTERNAL
+        }
+    }
+}

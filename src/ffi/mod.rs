@@ -1,0 +1,295 @@
+//! The stable C ABI (version 0). Every exported function goes through [`guard::guard`], so no panic
+//! crosses the boundary and every failure leaves a message for `kvs_last_error`.
+//!
+//! Thread safety: an engine may be used from several threads at once (for different sequences); the
+//! calls synchronise internally. Ownership: tensors are borrowed for the duration of a call; the engine
+//! handle is owned by the caller between `kvs_engine_create` and `kvs_engine_destroy`.
+
+pub mod dlpack;
+pub mod guard;
+pub mod types;
+
+use std::ffi::CStr;
+use std::os::raw::c_char;
+
+use dlpack::{tensor, tensor_opt, DLTensor};
+use guard::guard;
+pub use types::*;
+
+use crate::config::EngineConfig;
+use crate::engine::{CacheWriteArgs, Engine, ForwardArgs, MergeArgs};
+use crate::error::Result;
+use crate::stats::Counters;
+use crate::tensor::DType;
+use crate::{bail, ensure};
+
+/// Checks a caller-provided struct pointer and its `struct_size`.
+unsafe fn args_ref<'a, T>(name: &str, p: *const T, struct_size: impl Fn(&T) -> u32) -> Result<&'a T> {
+    ensure!(!p.is_null(), InvalidArgument, "{name} is NULL");
+    let a = &*p;
+    let have = struct_size(a) as usize;
+    ensure!(
+        have >= std::mem::size_of::<T>(),
+        InvalidArgument,
+        "{name}.struct_size is {have}, expected at least {} (set it to sizeof({name}))",
+        std::mem::size_of::<T>()
+    );
+    Ok(a)
+}
+
+unsafe fn engine_ref<'a>(p: *const kvs_engine) -> Result<&'a Engine> {
+    ensure!(!p.is_null(), InvalidArgument, "engine is NULL");
+    Ok(&(*p).inner)
+}
+
+/// ABI version of this library (0). Compare with `KVS_ABI_VERSION` from the header you compiled with.
+/// Thread-safe; never fails.
+#[no_mangle]
+pub extern "C" fn kvs_version() -> u32 {
+    crate::ABI_VERSION
+}
+
+/// Message of the calling thread's last failed kvsparse call; never NULL. The string is owned by
+/// kvsparse and stays valid until this thread's next failing call.
+#[no_mangle]
+pub extern "C" fn kvs_last_error() -> *const c_char {
+    guard::last_error_ptr()
+}
+
+/// Fills `config` with defaults (CPU, dense, float16, all cores) and the right `struct_size`.
+/// The model fields (layers, heads, head_dim, block_size) must still be set.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_engine_config_init(config: *mut kvs_engine_config) -> kvs_status {
+    guard(|| {
+        ensure!(!config.is_null(), InvalidArgument, "config is NULL");
+        config.write(kvs_engine_config {
+            struct_size: std::mem::size_of::<kvs_engine_config>() as u32,
+            device_type: dlpack::KDL_CPU,
+            device_id: 0,
+            num_layers: 0,
+            num_q_heads: 0,
+            num_kv_heads: 0,
+            head_dim: 0,
+            block_size: 16,
+            num_blocks: 0,
+            dtype: kvs_dtype::KVS_DTYPE_FLOAT16,
+            num_threads: 0,
+            max_state_bytes: 0,
+            policy: std::ptr::null(),
+        });
+        Ok(())
+    })
+}
+
+unsafe fn config_from_c(c: &kvs_engine_config) -> Result<EngineConfig> {
+    let policy = if c.policy.is_null() {
+        String::new()
+    } else {
+        match CStr::from_ptr(c.policy).to_str() {
+            Ok(s) => s.to_string(),
+            Err(_) => bail!(InvalidArgument, "config.policy is not valid UTF-8"),
+        }
+    };
+    Ok(EngineConfig {
+        device: dlpack::device_from_dl(c.device_type, c.device_id)?,
+        num_layers: c.num_layers as usize,
+        num_q_heads: c.num_q_heads as usize,
+        num_kv_heads: c.num_kv_heads as usize,
+        head_dim: c.head_dim as usize,
+        block_size: c.block_size as usize,
+        num_blocks: c.num_blocks as usize,
+        dtype: match c.dtype {
+            kvs_dtype::KVS_DTYPE_FLOAT32 => DType::F32,
+            kvs_dtype::KVS_DTYPE_FLOAT16 => DType::F16,
+            kvs_dtype::KVS_DTYPE_BFLOAT16 => DType::BF16,
+        },
+        policy,
+        num_threads: c.num_threads as usize,
+        max_state_bytes: c.max_state_bytes,
+    })
+}
+
+/// Creates an engine. On success `*out` owns a new engine (free it with `kvs_engine_destroy`); on failure
+/// `*out` is set to NULL (when `out` is not NULL) and nothing is allocated. The config is read during the
+/// call only. A bad configuration (head size, block size, GQA ratio, policy spec, device) fails here.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_engine_create(config: *const kvs_engine_config, out: *mut *mut kvs_engine) -> kvs_status {
+    guard(|| {
+        ensure!(!out.is_null(), InvalidArgument, "out is NULL");
+        out.write(std::ptr::null_mut());
+        // The dtype field is an enum: check its raw value before Rust reads it as one.
+        ensure!(!config.is_null(), InvalidArgument, "config is NULL");
+        let raw_dtype = std::ptr::addr_of!((*config).dtype) as *const i32;
+        let dt = raw_dtype.read_unaligned();
+        ensure!((0..=2).contains(&dt), InvalidDtype, "config.dtype {dt} is not a kvs_dtype");
+        let c = args_ref("kvs_engine_config", config, |c| c.struct_size)?;
+        let engine = Engine::new(config_from_c(c)?)?;
+        out.write(Box::into_raw(Box::new(kvs_engine { inner: engine })));
+        Ok(())
+    })
+}
+
+/// Destroys an engine and all its per-sequence state. NULL is a no-op. No call on this engine may be in
+/// flight or follow.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_engine_destroy(engine: *mut kvs_engine) {
+    if !engine.is_null() {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(Box::from_raw(engine))));
+    }
+}
+
+/// Writes new K/V rows into the layer's caches by slot mapping. Every slot is validated before any byte
+/// is written. Thread-safe with respect to other sequences' calls.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_cache_write(engine: *mut kvs_engine, args: *const kvs_cache_write_args) -> kvs_status {
+    guard(|| {
+        let e = engine_ref(engine)?;
+        let a = args_ref("kvs_cache_write_args", args, |a| a.struct_size)?;
+        e.cache_write(&CacheWriteArgs {
+            layer: a.layer as usize,
+            key: tensor("key", a.key)?,
+            value: tensor("value", a.value)?,
+            key_cache: tensor("key_cache", a.key_cache)?,
+            value_cache: tensor("value_cache", a.value_cache)?,
+            slot_mapping: tensor("slot_mapping", a.slot_mapping)?,
+            stream: a.stream,
+        })
+    })
+}
+
+/// Causal paged attention for a varlen batch of one layer; decode rows of non-dense layers go through the
+/// engine's policy. Validates everything (shapes, dtypes, block ids, lengths) before writing `out`/`lse`;
+/// on failure nothing is written. Per-call counters go to `args->call_stats` when it is not NULL.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_attention_forward(engine: *mut kvs_engine, args: *const kvs_forward_args) -> kvs_status {
+    guard(|| {
+        let e = engine_ref(engine)?;
+        let a = args_ref("kvs_forward_args", args, |a| a.struct_size)?;
+        if !a.call_stats.is_null() {
+            ensure!((*a.call_stats).struct_size >= 8, InvalidArgument, "call_stats.struct_size must be set (to sizeof(kvs_stats))");
+        }
+        let c = e.attention_forward(&ForwardArgs {
+            layer: a.layer as usize,
+            query: tensor("query", a.query)?,
+            key_cache: tensor("key_cache", a.key_cache)?,
+            value_cache: tensor("value_cache", a.value_cache)?,
+            block_table: tensor("block_table", a.block_table)?,
+            seq_lens: tensor("seq_lens", a.seq_lens)?,
+            query_start_loc: tensor("query_start_loc", a.query_start_loc)?,
+            seq_ids: tensor_opt("seq_ids", a.seq_ids)?,
+            out: tensor("out", a.out)?,
+            lse: tensor_opt("lse", a.lse)?,
+            scale: a.scale,
+            sliding_window: a.sliding_window,
+            softcap: a.softcap,
+            stream: a.stream,
+        })?;
+        if !a.call_stats.is_null() {
+            write_stats(a.call_stats, &c, None);
+        }
+        Ok(())
+    })
+}
+
+/// Merges two partial attention states exactly (see `kvs_merge_args`). Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_merge_states(engine: *mut kvs_engine, args: *const kvs_merge_args) -> kvs_status {
+    guard(|| {
+        let e = engine_ref(engine)?;
+        let a = args_ref("kvs_merge_args", args, |a| a.struct_size)?;
+        e.merge_states(&MergeArgs {
+            out_a: tensor("out_a", a.out_a)?,
+            lse_a: tensor("lse_a", a.lse_a)?,
+            out_b: tensor("out_b", a.out_b)?,
+            lse_b: tensor("lse_b", a.lse_b)?,
+            out: tensor("out", a.out)?,
+            lse_out: tensor_opt("lse_out", a.lse_out)?,
+            stream: a.stream,
+        })
+    })
+}
+
+/// Frees the per-sequence state of `seq_id` (call when a request finishes or is preempted).
+/// Returns `KVS_ERR_UNKNOWN_SEQUENCE` for an id the engine does not hold.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_sequence_release(engine: *mut kvs_engine, seq_id: u64) -> kvs_status {
+    guard(|| engine_ref(engine)?.release_sequence(seq_id))
+}
+
+/// Accumulated counters: `layer = -1` for all layers, else one layer. `out->struct_size` must be set;
+/// kvsparse writes at most that many bytes. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_engine_stats(engine: *const kvs_engine, layer: i32, out: *mut kvs_stats) -> kvs_status {
+    guard(|| {
+        let e = engine_ref(engine)?;
+        ensure!(!out.is_null(), InvalidArgument, "out is NULL");
+        ensure!((*out).struct_size >= 8, InvalidArgument, "out.struct_size must be set (to sizeof(kvs_stats))");
+        let s = e.stats();
+        let c = if layer < 0 {
+            s.total
+        } else {
+            match s.per_layer.get(layer as usize) {
+                Some(c) => *c,
+                None => bail!(OutOfRange, "layer {layer} is outside the engine's {} layers", s.per_layer.len()),
+            }
+        };
+        write_stats(out, &c, Some(&s));
+        Ok(())
+    })
+}
+
+/// Short constant name of a status code ("KVS_OK", ...). Never NULL.
+#[no_mangle]
+pub extern "C" fn kvs_status_name(status: i32) -> *const c_char {
+    let s: &'static [u8] = match status {
+        0 => b"KVS_OK\0",
+        1 => b"KVS_ERR_INVALID_ARGUMENT\0",
+        2 => b"KVS_ERR_INVALID_SHAPE\0",
+        3 => b"KVS_ERR_INVALID_DTYPE\0",
+        4 => b"KVS_ERR_OUT_OF_RANGE\0",
+        5 => b"KVS_ERR_UNSUPPORTED\0",
+        6 => b"KVS_ERR_UNKNOWN_SEQUENCE\0",
+        7 => b"KVS_ERR_OUT_OF_MEMORY\0",
+        8 => b"KVS_ERR_DEVICE\0",
+        9 => b"KVS_ERR_INTERNAL\0",
+        _ => b"KVS_UNKNOWN_STATUS\0",
+    };
+    s.as_ptr() as *const c_char
+}
+
+/// Copies counters into a caller struct, honouring its `struct_size`.
+unsafe fn write_stats(out: *mut kvs_stats, c: &Counters, engine: Option<&crate::stats::EngineStats>) {
+    let full = kvs_stats {
+        struct_size: std::mem::size_of::<kvs_stats>() as u32,
+        reserved: 0,
+        calls: c.calls,
+        prefill_tokens: c.prefill_tokens,
+        decode_rows: c.decode_rows,
+        policy_rows: c.policy_rows,
+        blocks_eligible: c.blocks_eligible,
+        blocks_visited: c.blocks_visited,
+        blocks_skipped_termination: c.blocks_skipped_termination,
+        top_p_candidates: c.top_p_candidates,
+        top_p_kept: c.top_p_kept,
+        spec_predicted_blocks: c.spec_predicted_blocks,
+        spec_hit_blocks: c.spec_hit_blocks,
+        spec_true_blocks: c.spec_true_blocks,
+        spec_repaired_blocks: c.spec_repaired_blocks,
+        refresh_full_steps: c.refresh_full_steps,
+        refresh_partial_steps: c.refresh_partial_steps,
+        kv_bytes_read: c.kv_bytes_read,
+        live_sequences: engine.map_or(0, |s| s.live_sequences),
+        sequences_created: engine.map_or(0, |s| s.sequences_created),
+        sequences_released: engine.map_or(0, |s| s.sequences_released),
+        state_bytes: engine.map_or(0, |s| s.state_bytes),
+    };
+    let caller_size = (*out).struct_size as usize;
+    let n = caller_size.min(std::mem::size_of::<kvs_stats>());
+    // Keep the caller's struct_size; copy the rest up to what the caller declared.
+    let src = &full as *const kvs_stats as *const u8;
+    std::ptr::copy_nonoverlapping(src.add(4), (out as *mut u8).add(4), n - 4);
+}
+
+// Re-exported so cbindgen sees DLTensor in signatures; the header defines it guarded by DLPACK_VERSION.
+#[allow(unused)]
+fn _dl(_: DLTensor) {}

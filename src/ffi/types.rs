@@ -1,0 +1,185 @@
+//! The C-visible types. Field order is ABI: append new fields at the end only (callers say how much of a
+//! struct they know through `struct_size`).
+#![allow(non_camel_case_types)]
+
+use std::os::raw::{c_char, c_void};
+
+use super::dlpack::DLTensor;
+
+/// Result of every kvsparse call except `kvs_version`, `kvs_last_error` and `kvs_engine_destroy`.
+/// 0 is success; any other value comes with a message from `kvs_last_error()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvs_status {
+    KVS_OK = 0,
+    /// A NULL pointer, a bad scalar, a malformed policy spec, a struct_size that is too small.
+    KVS_ERR_INVALID_ARGUMENT = 1,
+    /// Wrong ndim, extent or strides.
+    KVS_ERR_INVALID_SHAPE = 2,
+    /// A dtype not accepted for that argument.
+    KVS_ERR_INVALID_DTYPE = 3,
+    /// An index or length outside the cache or table: block ids, seq_lens, query lengths, slots, layers.
+    KVS_ERR_OUT_OF_RANGE = 4,
+    /// A valid request this build or device cannot serve (head size, block size, device, ...).
+    KVS_ERR_UNSUPPORTED = 5,
+    /// `kvs_sequence_release` of an id the engine does not hold.
+    KVS_ERR_UNKNOWN_SEQUENCE = 6,
+    KVS_ERR_OUT_OF_MEMORY = 7,
+    /// The GPU driver or runtime reported an error.
+    KVS_ERR_DEVICE = 8,
+    /// A bug in kvsparse (including a caught panic); the message says where.
+    KVS_ERR_INTERNAL = 9,
+}
+
+/// Element type of queries, caches and outputs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvs_dtype {
+    KVS_DTYPE_FLOAT32 = 0,
+    KVS_DTYPE_FLOAT16 = 1,
+    KVS_DTYPE_BFLOAT16 = 2,
+}
+
+/// Engine configuration. Fill it with `kvs_engine_config_init` and then set the model's fields.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvs_engine_config {
+    /// `sizeof(kvs_engine_config)` as the caller was compiled.
+    pub struct_size: u32,
+    /// DLPack device type of the tensors this engine serves (1 = CPU, 2 = CUDA).
+    pub device_type: i32,
+    pub device_id: i32,
+    /// Attention layers served; layer ids in calls are `0 .. num_layers-1`.
+    pub num_layers: u32,
+    pub num_q_heads: u32,
+    /// Must divide `num_q_heads` (GQA/MQA).
+    pub num_kv_heads: u32,
+    /// One of 64, 80, 96, 112, 128, 192, 256.
+    pub head_dim: u32,
+    /// Tokens per KV block: a power of two from 1 to 256.
+    pub block_size: u32,
+    /// Blocks per layer cache; 0 = whatever the caches passed in hold.
+    pub num_blocks: u32,
+    /// dtype of queries, caches and outputs.
+    pub dtype: kvs_dtype,
+    /// CPU worker threads; 0 = one per available core.
+    pub num_threads: u32,
+    /// Cap on per-sequence policy state in bytes; 0 = none.
+    pub max_state_bytes: u64,
+    /// NUL-terminated policy spec (docs/policies.md); NULL or "" = dense. Copied during the call.
+    pub policy: *const c_char,
+}
+
+/// One attention call over a varlen batch (prefill, chunked prefill and decode rows mixed).
+/// Tensor pointers are borrowed for the duration of the call only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvs_forward_args {
+    pub struct_size: u32,
+    pub layer: u32,
+    /// `[num_tokens, num_q_heads, head_dim]`, the engine's dtype.
+    pub query: *const DLTensor,
+    /// `[num_blocks, block_size, num_kv_heads, head_dim]` each, any strides (vLLM flash layout).
+    pub key_cache: *const DLTensor,
+    pub value_cache: *const DLTensor,
+    /// `[num_seqs, max_blocks_per_seq]` int32.
+    pub block_table: *const DLTensor,
+    /// `[num_seqs]` int32: total length of each sequence including its new tokens.
+    pub seq_lens: *const DLTensor,
+    /// `[num_seqs + 1]` int32: query row offsets; sequence s owns rows `[qsl[s], qsl[s+1])`.
+    pub query_start_loc: *const DLTensor,
+    /// `[num_seqs]` int64/uint64 stable sequence ids; may be NULL for dense policies.
+    pub seq_ids: *const DLTensor,
+    /// `[num_tokens, num_q_heads, head_dim]` output, the engine's dtype. Written only on success.
+    pub out: *const DLTensor,
+    /// `[num_tokens, num_q_heads]` float32 log-sum-exp (natural log of scaled logits); may be NULL.
+    pub lse: *const DLTensor,
+    /// Softmax scale, usually `1/sqrt(head_dim)`.
+    pub scale: f32,
+    /// Sliding window in tokens (a query sees its last `sliding_window` keys, itself included); 0 = off.
+    pub sliding_window: i32,
+    /// Logit soft-cap (`cap * tanh(s / cap)` on scaled logits); 0 = off.
+    pub softcap: f32,
+    /// Largest query length and sequence length in the batch (needed by GPU launches; 0 = unknown).
+    pub max_query_len: i32,
+    pub max_seq_len: i32,
+    /// CUstream for CUDA engines (NULL = default stream); ignored on CPU.
+    pub stream: *mut c_void,
+    /// If not NULL, receives this call's counters (set its `struct_size` first).
+    pub call_stats: *mut kvs_stats,
+}
+
+/// Writes new K/V rows into a layer's cache by slot mapping (`slot = block * block_size + offset`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvs_cache_write_args {
+    pub struct_size: u32,
+    pub layer: u32,
+    /// `[num_tokens, num_kv_heads, head_dim]` each, the engine's dtype.
+    pub key: *const DLTensor,
+    pub value: *const DLTensor,
+    /// The layer's caches, as in `kvs_forward_args`.
+    pub key_cache: *const DLTensor,
+    pub value_cache: *const DLTensor,
+    /// `[num_tokens]` int64 (or int32); negative slots are skipped (padding).
+    pub slot_mapping: *const DLTensor,
+    pub stream: *mut c_void,
+}
+
+/// Merges two partial attention results over disjoint key sets: `out, lse_out = merge(a, b)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvs_merge_args {
+    pub struct_size: u32,
+    /// `[num_tokens, num_heads, head_dim]`, one float dtype for all three outputs.
+    pub out_a: *const DLTensor,
+    /// `[num_tokens, num_heads]` float32.
+    pub lse_a: *const DLTensor,
+    pub out_b: *const DLTensor,
+    pub lse_b: *const DLTensor,
+    /// May alias `out_a` or `out_b` (merged in place).
+    pub out: *const DLTensor,
+    /// May be NULL.
+    pub lse_out: *const DLTensor,
+    pub stream: *mut c_void,
+}
+
+/// Counters, for one call or accumulated by the engine (totals or one layer).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvs_stats {
+    /// Set by the caller to `sizeof(kvs_stats)`; kvsparse writes only that many bytes.
+    pub struct_size: u32,
+    pub reserved: u32,
+    pub calls: u64,
+    pub prefill_tokens: u64,
+    pub decode_rows: u64,
+    /// Decode rows × KV heads served by a non-dense policy.
+    pub policy_rows: u64,
+    /// Blocks (per KV head) dense attention would have read for those rows.
+    pub blocks_eligible: u64,
+    /// Blocks (per KV head) actually read.
+    pub blocks_visited: u64,
+    /// Blocks offered by the selector but skipped by early termination.
+    pub blocks_skipped_termination: u64,
+    pub top_p_candidates: u64,
+    pub top_p_kept: u64,
+    pub spec_predicted_blocks: u64,
+    pub spec_hit_blocks: u64,
+    pub spec_true_blocks: u64,
+    pub spec_repaired_blocks: u64,
+    pub refresh_full_steps: u64,
+    pub refresh_partial_steps: u64,
+    pub kv_bytes_read: u64,
+    /// Engine-wide (not per layer, not per call): sequences with live state, created, released.
+    pub live_sequences: u64,
+    pub sequences_created: u64,
+    pub sequences_released: u64,
+    /// Bytes of per-sequence policy state held now.
+    pub state_bytes: u64,
+}
+
+/// Opaque engine handle.
+pub struct kvs_engine {
+    pub(crate) inner: crate::engine::Engine,
+}

@@ -1,0 +1,174 @@
+//! KV-cache geometry, varlen batches and the validation of both.
+//!
+//! Everything the kernels index is checked here first: ranks, extents, dtypes, strides, block ids, sequence
+//! lengths and query lengths. A validated [`Batch`] is a host-side copy of the per-sequence metadata, so the
+//! CPU kernels (and the policies) never read caller memory they have not already checked.
+
+use crate::config::EngineConfig;
+use crate::error::Result;
+use crate::tensor::{DType, Device, TensorRef};
+use crate::{bail, ensure};
+
+/// One layer's K and V caches in vLLM's flash layout `[num_blocks, block_size, num_kv_heads, head_dim]`,
+/// with arbitrary non-negative strides (in elements).
+#[derive(Clone, Copy, Debug)]
+pub struct KvCache {
+    pub k: TensorRef,
+    pub v: TensorRef,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub dtype: DType,
+}
+
+impl KvCache {
+    pub fn new(cfg: &EngineConfig, k: TensorRef, v: TensorRef, device: Device) -> Result<Self> {
+        for (name, t) in [("key_cache", &k), ("value_cache", &v)] {
+            t.expect(name, 4, &[cfg.dtype], device)?;
+            t.expect_shape(name, &[None, Some(cfg.block_size), Some(cfg.num_kv_heads), Some(cfg.head_dim)])?;
+        }
+        ensure!(k.shape() == v.shape(), InvalidShape, "key_cache shape {:?} differs from value_cache shape {:?}", k.shape(), v.shape());
+        let num_blocks = k.dim(0);
+        if cfg.num_blocks != 0 {
+            ensure!(num_blocks == cfg.num_blocks, InvalidShape, "caches have {} blocks, the engine was configured for {}", num_blocks, cfg.num_blocks);
+        }
+        Ok(KvCache { k, v, num_blocks, block_size: cfg.block_size, num_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim, dtype: cfg.dtype })
+    }
+
+    /// Pointer to the K row of (block, offset-in-block, kv head).
+    #[inline(always)]
+    pub fn k_row(&self, block: usize, off: usize, head: usize) -> *const u8 {
+        self.k.ptr_at(&[block, off, head, 0])
+    }
+    #[inline(always)]
+    pub fn v_row(&self, block: usize, off: usize, head: usize) -> *const u8 {
+        self.v.ptr_at(&[block, off, head, 0])
+    }
+    /// Element stride along head_dim (1 for every cache a framework normally allocates).
+    pub fn k_dim_stride(&self) -> isize {
+        self.k.stride(3)
+    }
+    pub fn v_dim_stride(&self) -> isize {
+        self.v.stride(3)
+    }
+}
+
+/// One sequence of a varlen batch, validated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqDesc {
+    /// Index of the sequence in the batch (row of the block table).
+    pub index: usize,
+    /// First row of this sequence in the query/output tensors.
+    pub q_start: usize,
+    /// Number of new query tokens (1 for decode).
+    pub q_len: usize,
+    /// Total length including the new tokens.
+    pub seq_len: usize,
+    /// Caller's stable id for policy state (0 when the caller passed none).
+    pub seq_id: u64,
+}
+
+impl SeqDesc {
+    /// Position of the first new token; query row `i` sits at `first_pos() + i`.
+    pub fn first_pos(&self) -> usize {
+        self.seq_len - self.q_len
+    }
+    pub fn is_decode(&self) -> bool {
+        self.q_len == 1
+    }
+}
+
+/// A validated varlen batch: per-sequence descriptors plus the block table copied to the host.
+#[derive(Clone, Debug)]
+pub struct Batch {
+    pub seqs: Vec<SeqDesc>,
+    pub num_tokens: usize,
+    /// Flattened `[num_seqs, blocks_per_seq]` table; only the first `ceil(seq_len / block_size)` entries of
+    /// each row are meaningful (and validated).
+    block_table: Vec<u32>,
+    blocks_per_seq: usize,
+    pub has_seq_ids: bool,
+}
+
+impl Batch {
+    /// Reads and validates `query_start_loc`, `seq_lens`, `block_table` and `seq_ids` (host tensors).
+    pub fn from_host_tensors(
+        num_tokens: usize,
+        query_start_loc: &TensorRef,
+        seq_lens: &TensorRef,
+        block_table: &TensorRef,
+        seq_ids: Option<&TensorRef>,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<Self> {
+        let dev = Device::Cpu;
+        seq_lens.expect("seq_lens", 1, &[DType::I32], dev)?;
+        let num_seqs = seq_lens.dim(0);
+        query_start_loc.expect("query_start_loc", 1, &[DType::I32], dev)?;
+        query_start_loc.expect_shape("query_start_loc", &[Some(num_seqs + 1)])?;
+        block_table.expect("block_table", 2, &[DType::I32], dev)?;
+        block_table.expect_shape("block_table", &[Some(num_seqs), None])?;
+        if let Some(ids) = seq_ids {
+            ids.expect("seq_ids", 1, &[DType::I64, DType::U64], dev)?;
+            ids.expect_shape("seq_ids", &[Some(num_seqs)])?;
+        }
+        let blocks_per_seq = block_table.dim(1);
+        let mut seqs = Vec::with_capacity(num_seqs);
+        let mut table = Vec::with_capacity(num_seqs * blocks_per_seq);
+        // SAFETY (all reads below): indices are within the shapes checked above.
+        let qsl0 = unsafe { query_start_loc.read_int(&[0]) };
+        ensure!(qsl0 == 0, InvalidArgument, "query_start_loc[0] must be 0, got {qsl0}");
+        for s in 0..num_seqs {
+            let a = unsafe { query_start_loc.read_int(&[s]) };
+            let b = unsafe { query_start_loc.read_int(&[s + 1]) };
+            ensure!(b >= a, InvalidArgument, "query_start_loc must be non-decreasing: entry {} is {b} after {a}", s + 1);
+            ensure!(b as usize <= num_tokens, OutOfRange, "query_start_loc[{}] = {b} exceeds the {num_tokens} query tokens", s + 1);
+            let seq_len = unsafe { seq_lens.read_int(&[s]) };
+            ensure!(seq_len >= 0, OutOfRange, "seq_lens[{s}] = {seq_len} is negative");
+            let q_len = (b - a) as usize;
+            let seq_len = seq_len as usize;
+            ensure!(q_len <= seq_len, OutOfRange, "sequence {s} has {q_len} query tokens but seq_len {seq_len}; seq_lens must include the new tokens");
+            let needed = seq_len.div_ceil(block_size);
+            ensure!(
+                needed <= blocks_per_seq,
+                OutOfRange,
+                "sequence {s} has seq_len {seq_len}, which needs {needed} blocks of {block_size}, but the block table has {blocks_per_seq} columns"
+            );
+            for j in 0..blocks_per_seq {
+                let id = unsafe { block_table.read_int(&[s, j]) };
+                if j < needed {
+                    ensure!(id >= 0 && (id as usize) < num_blocks, OutOfRange, "block_table[{s}][{j}] = {id} is outside the cache's {num_blocks} blocks");
+                    table.push(id as u32);
+                } else {
+                    table.push(u32::MAX);
+                }
+            }
+            let seq_id = match seq_ids {
+                Some(ids) => unsafe { ids.read_int(&[s]) as u64 },
+                None => 0,
+            };
+            seqs.push(SeqDesc { index: s, q_start: a as usize, q_len, seq_len, seq_id });
+        }
+        let last = unsafe { query_start_loc.read_int(&[num_seqs]) } as usize;
+        ensure!(last == num_tokens, InvalidShape, "query_start_loc ends at {last} but the query has {num_tokens} tokens");
+        Ok(Batch { seqs, num_tokens, block_table: table, blocks_per_seq, has_seq_ids: seq_ids.is_some() })
+    }
+
+    /// The physical block ids of sequence `s` (only the validated prefix).
+    #[inline]
+    pub fn blocks(&self, s: usize, block_size: usize) -> &[u32] {
+        let row = &self.block_table[s * self.blocks_per_seq..(s + 1) * self.blocks_per_seq];
+        &row[..self.seqs[s].seq_len.div_ceil(block_size)]
+    }
+}
+
+/// Checks the scalar attention parameters.
+pub fn validate_params(scale: f32, sliding_window: i32, softcap: f32) -> Result<()> {
+    ensure!(scale.is_finite() && scale > 0.0, InvalidArgument, "scale must be a positive finite number, got {scale}");
+    ensure!(sliding_window >= 0, InvalidArgument, "sliding_window must be 0 (off) or a positive number of tokens, got {sliding_window}");
+    if !(softcap.is_finite() && softcap >= 0.0) {
+        bail!(InvalidArgument, "softcap must be 0 (off) or a positive finite number, got {softcap}");
+    }
+    Ok(())
+}

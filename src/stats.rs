@@ -1,0 +1,75 @@
+//! Counters users tune policies with: what was eligible, what was visited, what each stage removed.
+//! Kept per layer (plus totals) in the engine, and per call for the caller that asks.
+
+/// One set of counters. Also the payload of the C struct `kvs_stats` (see `ffi::types`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Forward calls (per layer: calls that touched that layer).
+    pub calls: u64,
+    /// Query rows of prefill / chunked-prefill sequences (query length > 1).
+    pub prefill_tokens: u64,
+    /// Decode rows (query length 1), dense or not.
+    pub decode_rows: u64,
+    /// Decode rows × KV heads that went through a non-dense policy.
+    pub policy_rows: u64,
+    /// KV blocks that dense attention would have visited for those policy rows (per KV head).
+    pub blocks_eligible: u64,
+    /// KV blocks (per KV head) whose keys were actually read.
+    pub blocks_visited: u64,
+    /// Blocks the selector offered but early termination (ART) did not visit.
+    pub blocks_skipped_termination: u64,
+    /// Tokens offered to top-p, and tokens it kept.
+    pub top_p_candidates: u64,
+    pub top_p_kept: u64,
+    /// Speculate/repair: blocks predicted, of those in the true set, and missed blocks repaired.
+    pub spec_predicted_blocks: u64,
+    pub spec_hit_blocks: u64,
+    pub spec_true_blocks: u64,
+    pub spec_repaired_blocks: u64,
+    /// Refresh scheduling: full-attention steps and partial (token-set) steps.
+    pub refresh_full_steps: u64,
+    pub refresh_partial_steps: u64,
+    /// Bytes of K and V read by attention (all rows, dense and sparse).
+    pub kv_bytes_read: u64,
+}
+
+impl Counters {
+    pub fn add(&mut self, o: &Counters) {
+        self.calls += o.calls;
+        self.prefill_tokens += o.prefill_tokens;
+        self.decode_rows += o.decode_rows;
+        self.policy_rows += o.policy_rows;
+        self.blocks_eligible += o.blocks_eligible;
+        self.blocks_visited += o.blocks_visited;
+        self.blocks_skipped_termination += o.blocks_skipped_termination;
+        self.top_p_candidates += o.top_p_candidates;
+        self.top_p_kept += o.top_p_kept;
+        self.spec_predicted_blocks += o.spec_predicted_blocks;
+        self.spec_hit_blocks += o.spec_hit_blocks;
+        self.spec_true_blocks += o.spec_true_blocks;
+        self.spec_repaired_blocks += o.spec_repaired_blocks;
+        self.refresh_full_steps += o.refresh_full_steps;
+        self.refresh_partial_steps += o.refresh_partial_steps;
+        self.kv_bytes_read += o.kv_bytes_read;
+    }
+
+    /// Fraction of eligible blocks visited by policy rows (1.0 when nothing was eligible).
+    pub fn visited_fraction(&self) -> f64 {
+        if self.blocks_eligible == 0 {
+            1.0
+        } else {
+            self.blocks_visited as f64 / self.blocks_eligible as f64
+        }
+    }
+}
+
+/// Engine-wide view: totals, one entry per layer, and the sequence registry's counts.
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    pub total: Counters,
+    pub per_layer: Vec<Counters>,
+    pub live_sequences: u64,
+    pub sequences_created: u64,
+    pub sequences_released: u64,
+    pub state_bytes: u64,
+}
