@@ -9,9 +9,11 @@ use crate::config::EngineConfig;
 use crate::cpu;
 use crate::cpu::attention::AttnParams;
 use crate::cpu::forward::ForwardIo;
+use crate::cpu::metadata::CacheMeta;
+use crate::cpu::sparse::{sparse_forward, SparseCtx};
 use crate::error::Result;
 use crate::layout::{validate_params, Batch, KvCache};
-use crate::policy::Policy;
+use crate::policy::{Policy, Selector, SnapSelection};
 use crate::sequences::Registry;
 use crate::stats::{Counters, EngineStats};
 use crate::tensor::{DType, Device, TensorRef};
@@ -75,6 +77,8 @@ pub struct Engine {
     policy: Policy,
     pool: rayon::ThreadPool,
     sequences: Registry,
+    /// Key metadata (Quest min/max, INT4 K) maintained on cache writes for the policy's needs.
+    meta: CacheMeta,
     stats: Mutex<(Counters, Vec<Counters>)>,
 }
 
@@ -92,11 +96,21 @@ impl Engine {
             .build()
             .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?;
         let per_layer = vec![Counters::default(); cfg.num_layers];
-        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), stats: Mutex::new((Counters::default(), per_layer)) })
+        let meta = CacheMeta::new(policy.meta_needs(), cfg.num_layers);
+        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)) })
     }
 
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Bytes of key metadata (all layers) kept for the policy.
+    pub fn metadata_bytes(&self) -> usize {
+        self.meta.bytes()
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
@@ -123,36 +137,113 @@ impl Engine {
         }
         let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
         let batch = Batch::from_host_tensors(num_tokens, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref(), cfg.block_size, cache.num_blocks)?;
+        let pipeline = if self.policy.is_dense_for_layer(a.layer) { None } else { self.policy.pipeline() };
         ensure!(
-            batch.has_seq_ids || self.policy.is_dense_for_layer(a.layer),
+            batch.has_seq_ids || pipeline.is_none() || !self.policy.is_stateful(),
             InvalidArgument,
             "policy {:?} keeps per-sequence state, so seq_ids is required",
             cfg.policy
         );
+        let params = AttnParams { scale: a.scale, softcap: a.softcap, window: a.sliding_window as usize };
+        let io = ForwardIo { q: a.query, out: a.out, lse: a.lse, cache: &cache, batch: &batch, params, num_q_heads: cfg.num_q_heads, num_kv_heads: cfg.num_kv_heads };
+        let (policy_seqs, dense_seqs): (Vec<usize>, Vec<usize>) = (0..batch.seqs.len()).partition(|&s| pipeline.is_some() && batch.seqs[s].is_decode());
+
+        // Everything that can fail is checked before anything is written: metadata coverage, state cap.
+        let meta_guard = if self.meta.needs.any() && pipeline.is_some() && !policy_seqs.is_empty() { Some(self.meta.read(a.layer)) } else { None };
+        let meta = match &meta_guard {
+            Some(g) => {
+                let Some(m) = g.as_ref() else {
+                    bail!(InvalidArgument, "policy {:?} needs key metadata for layer {}, but no cache write for that layer went through kvs_cache_write", cfg.policy, a.layer);
+                };
+                ensure!(m.num_blocks == cache.num_blocks, InvalidShape, "layer {}'s key metadata was built for {} blocks, the caches have {}", a.layer, m.num_blocks, cache.num_blocks);
+                for &s in &policy_seqs {
+                    let sd = &batch.seqs[s];
+                    let lim = crate::cpu::attention::RowLimits::causal(sd.seq_len - 1, params.window);
+                    m.check_covers(batch.blocks(s, cfg.block_size), lim.lo, lim.hi, &format!("policy {:?} (layer {}, sequence {})", cfg.policy, a.layer, sd.seq_id))?;
+                }
+                Some(m)
+            }
+            None => None,
+        };
+        let snap_choices = match pipeline.map(|p| &p.selector) {
+            Some(&Selector::SnapKv { budget, window, pool }) => self.snapkv_prefill(&io, budget, window, pool)?,
+            _ => Vec::new(),
+        };
 
         if batch.has_seq_ids {
             for s in &batch.seqs {
                 self.sequences.get_or_create(s.seq_id);
             }
         }
-        let params = AttnParams { scale: a.scale, softcap: a.softcap, window: a.sliding_window as usize };
-        let io = ForwardIo { q: a.query, out: a.out, lse: a.lse, cache: &cache, batch: &batch, params, num_q_heads: cfg.num_q_heads, num_kv_heads: cfg.num_kv_heads };
-        let dense: Vec<usize> = (0..batch.seqs.len()).collect();
-        cpu::forward::dense_forward(&io, &dense, &self.pool);
+        for (s, heads) in snap_choices {
+            let st = self.sequences.get_or_create(batch.seqs[s].seq_id);
+            let mut st = st.lock();
+            for (h, sel) in heads.into_iter().enumerate() {
+                st.policy.head_mut(a.layer, h, cfg.num_kv_heads).snapkv = Some(std::sync::Arc::new(sel));
+            }
+        }
+        cpu::forward::dense_forward(&io, &dense_seqs, &self.pool);
 
         let mut c = Counters { calls: 1, ..Default::default() };
+        if let Some(p) = pipeline {
+            if !policy_seqs.is_empty() {
+                let snap = policy_seqs
+                    .iter()
+                    .map(|&s| {
+                        let st = self.sequences.get(batch.seqs[s].seq_id);
+                        let st = st.as_ref().map(|st| st.lock());
+                        (0..cfg.num_kv_heads).map(|h| st.as_ref().and_then(|st| st.policy.head(a.layer, h)).and_then(|hs| hs.snapkv.clone())).collect()
+                    })
+                    .collect();
+                let ctx = SparseCtx { pipeline: p, meta, snap };
+                c.add(&sparse_forward(&io, &policy_seqs, &ctx, &self.pool));
+            }
+        }
+        drop(meta_guard);
+
         let row_bytes = (cfg.head_dim * cfg.dtype.size_bytes() * 2 * cfg.num_kv_heads) as u64;
-        for s in &batch.seqs {
+        for (i, s) in batch.seqs.iter().enumerate() {
             if s.q_len == 1 {
                 c.decode_rows += 1;
             } else {
                 c.prefill_tokens += s.q_len as u64;
             }
-            let first_visible = if a.sliding_window > 0 { (s.first_pos() + 1).saturating_sub(a.sliding_window as usize) } else { 0 };
-            c.kv_bytes_read += (s.seq_len - first_visible) as u64 * row_bytes;
+            if dense_seqs.binary_search(&i).is_ok() {
+                let first_visible = if a.sliding_window > 0 { (s.first_pos() + 1).saturating_sub(a.sliding_window as usize) } else { 0 };
+                c.kv_bytes_read += (s.seq_len - first_visible) as u64 * row_bytes;
+            }
         }
         self.record(a.layer, &c);
         Ok(c)
+    }
+
+    /// SnapKV choices for the prefill sequences of this call, per (sequence, KV head), computed before
+    /// anything is written; fails if storing them would exceed the engine's state cap.
+    fn snapkv_prefill(&self, io: &ForwardIo, budget: usize, window: usize, pool: usize) -> Result<Vec<(usize, Vec<SnapSelection>)>> {
+        use rayon::prelude::*;
+        let hk = self.cfg.num_kv_heads;
+        let seqs: Vec<usize> = (0..io.batch.seqs.len()).filter(|&s| !io.batch.seqs[s].is_decode() && io.batch.seqs[s].q_len > 0).collect();
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let items: Vec<(usize, usize)> = seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
+        let mut sels: Vec<SnapSelection> = self.pool.install(|| items.par_iter().map(|&(s, h)| cpu::snapkv::choose(io, s, h, budget, window, pool)).collect());
+        if self.cfg.max_state_bytes > 0 {
+            let new: u64 = sels.iter().map(|s| (s.keep.len() * 4 + std::mem::size_of::<SnapSelection>()) as u64).sum();
+            let held = self.sequences.state_bytes();
+            ensure!(
+                held + new <= self.cfg.max_state_bytes,
+                OutOfMemory,
+                "SnapKV state for this call needs {new} bytes, the engine holds {held} of its {} byte cap; release finished sequences",
+                self.cfg.max_state_bytes
+            );
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        for &s in seqs.iter().rev() {
+            let heads = sels.split_off(sels.len() - hk);
+            out.push((s, heads));
+        }
+        Ok(out)
     }
 
     fn record(&self, layer: usize, c: &Counters) {
@@ -176,7 +267,11 @@ impl Engine {
         a.slot_mapping.expect("slot_mapping", 1, &[DType::I64, DType::I32], dev)?;
         ensure!(a.slot_mapping.dim(0) >= n, InvalidShape, "slot_mapping has {} entries for {n} tokens", a.slot_mapping.dim(0));
         let slots = cpu::cache_write::decode_slots(&a.slot_mapping, n, &cache)?;
+        let mut meta = self.meta.begin_write(a.layer, &cache)?;
         cpu::cache_write::write(&cache, &a.key, &a.value, &slots);
+        if let Some(g) = meta.as_mut() {
+            CacheMeta::finish_write(g, &cache, &slots);
+        }
         Ok(())
     }
 

@@ -124,10 +124,27 @@ pub fn attend_spans(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &Se
     }
 }
 
+/// Like [`attend_spans`] for an explicit list of key positions (any order, no duplicates), taken
+/// [`CHUNK`] at a time: what token-level selections (top-p, SnapKV) use, so a scattered set costs one
+/// online-softmax update per chunk, not per token.
+pub fn attend_tokens(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, tokens: &[u32], softcap: f32) {
+    match isa::detected() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => unsafe { attend_tokens_avx2(st, q, limits, kv, tokens, softcap) },
+        IsaLevel::Portable => attend_tokens_generic::<Portable>(st, q, limits, kv, tokens, softcap),
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_spans_avx2(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
     attend_spans_generic::<super::convert::Avx2>(st, q, limits, kv, spans, softcap)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_tokens_avx2(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, tokens: &[u32], softcap: f32) {
+    attend_tokens_generic::<super::convert::Avx2>(st, q, limits, kv, tokens, softcap)
 }
 
 #[inline(always)]
@@ -138,16 +155,61 @@ fn attend_spans_generic<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimi
         let mut c0 = start;
         while c0 < end {
             let c1 = (c0 + CHUNK).min(end);
-            chunk::<I>(st, q, limits, kv, c0, c1, softcap);
+            chunk::<I>(st, q, limits, kv, Keys::Range(c0, c1), softcap);
             c0 = c1;
         }
     }
 }
 
-/// One chunk of keys `[c0, c1)`: scores, online-softmax update, value accumulation.
 #[inline(always)]
-fn chunk<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, c0: usize, c1: usize, softcap: f32) {
-    let n = c1 - c0;
+fn attend_tokens_generic<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, tokens: &[u32], softcap: f32) {
+    debug_assert_eq!(q.len(), st.rows * st.dim);
+    debug_assert_eq!(limits.len(), st.rows);
+    for part in tokens.chunks(CHUNK) {
+        chunk::<I>(st, q, limits, kv, Keys::List(part), softcap);
+    }
+}
+
+/// The keys of one chunk: a contiguous range of positions or an explicit list (at most [`CHUNK`]).
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    Range(usize, usize),
+    List(&'a [u32]),
+}
+
+impl Keys<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        match *self {
+            Keys::Range(a, b) => b - a,
+            Keys::List(l) => l.len(),
+        }
+    }
+    #[inline(always)]
+    fn pos(&self, jj: usize) -> usize {
+        match *self {
+            Keys::Range(a, _) => a + jj,
+            Keys::List(l) => l[jj] as usize,
+        }
+    }
+    /// Smallest and one past the largest position.
+    fn bounds(&self) -> (usize, usize) {
+        match *self {
+            Keys::Range(a, b) => (a, b),
+            Keys::List(l) => {
+                let lo = l.iter().copied().min().unwrap_or(0) as usize;
+                let hi = l.iter().copied().max().map_or(0, |x| x as usize + 1);
+                (lo, hi)
+            }
+        }
+    }
+}
+
+/// One chunk of keys: scores, online-softmax update, value accumulation.
+#[inline(always)]
+fn chunk<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, keys: Keys, softcap: f32) {
+    let n = keys.len();
+    let (c0, c1) = keys.bounds();
     let d = st.dim;
     let cache = kv.cache;
     // Which rows see any key of this chunk? Skip the chunk (no loads) when none does.
@@ -157,7 +219,7 @@ fn chunk<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv
     }
     for jj in 0..n {
         // SAFETY: positions < seq_len, whose blocks were validated against the cache.
-        unsafe { load_row::<I>(kv.k_row(c0 + jj), cache.dtype, cache.k_dim_stride(), d, &mut st.kbuf[jj * d..(jj + 1) * d]) };
+        unsafe { load_row::<I>(kv.k_row(keys.pos(jj)), cache.dtype, cache.k_dim_stride(), d, &mut st.kbuf[jj * d..(jj + 1) * d]) };
     }
     let mut any_weight = false;
     for r in 0..st.rows {
@@ -170,7 +232,7 @@ fn chunk<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv
         let qr = &q[r * d..(r + 1) * d];
         let mut cmax = f32::NEG_INFINITY;
         for jj in 0..n {
-            let pos = c0 + jj;
+            let pos = keys.pos(jj);
             let s = if pos < lim.lo || pos > lim.hi {
                 f32::NEG_INFINITY
             } else {
@@ -210,7 +272,7 @@ fn chunk<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv
         return;
     }
     for jj in 0..n {
-        unsafe { load_row::<I>(kv.v_row(c0 + jj), cache.dtype, cache.v_dim_stride(), d, &mut st.vbuf) };
+        unsafe { load_row::<I>(kv.v_row(keys.pos(jj)), cache.dtype, cache.v_dim_stride(), d, &mut st.vbuf) };
         for r in 0..st.rows {
             let p = st.scores[r * CHUNK + jj];
             if p != 0.0 {

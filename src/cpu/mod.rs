@@ -7,3 +7,7 @@ pub mod forward;
 pub mod isa;
 pub mod math;
 pub mod merge;
+pub mod metadata;
+pub mod quantize;
+pub mod snapkv;
+pub mod sparse;

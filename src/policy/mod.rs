@@ -1,34 +1,114 @@
 //! Decode policies: which KV blocks or tokens each decode row visits, in which order, and when it stops.
-//! Policies decide; kernels compute. This module is only the dense pipeline for now.
+//! Policies decide; kernels compute (`cpu::sparse` runs a pipeline through the one exact kernel).
+//!
+//! A pipeline is `selector [> top_p] [> art]` (spec grammar: [`spec`], docs/policies.md). It applies to
+//! decode rows (query length 1) of layers `>= dense_layers`, one decision per (sequence, KV head) shared
+//! by the query heads of the GQA group (scores aggregated by max over the group).
+//!
+//! Stateful stages keep per-(sequence, layer, KV head) state in [`SequencePolicyState`], owned by the
+//! engine's sequence registry: created on first use, freed by `kvs_sequence_release`.
 
+pub mod select;
+pub mod spec;
+pub mod termination;
+pub mod top_p;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::cpu::metadata::MetaNeeds;
 use crate::error::Result;
-use crate::bail;
+pub use spec::{Art, Order, Pipeline, Probe, Selector, Spec, TopP};
 
 /// A parsed policy spec. The empty spec and `dense` mean dense attention everywhere.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Policy {}
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    pub spec: Spec,
+}
 
-impl Policy {
-    pub fn parse(spec: &str) -> Result<Self> {
-        let s = spec.trim();
-        if s.is_empty() || s == "dense" {
-            return Ok(Policy {});
-        }
-        bail!(InvalidArgument, "policy spec {spec:?}: at position 0 expected `dense` (sparse policies are not built yet)")
-    }
-
-    /// True when no decode row of `layer` runs anything but dense attention.
-    pub fn is_dense_for_layer(&self, _layer: usize) -> bool {
-        true
+impl Default for Policy {
+    fn default() -> Self {
+        Policy { spec: Spec { pipeline: None, dense_layers: spec::DEFAULT_DENSE_LAYERS } }
     }
 }
 
-/// Per-sequence policy state (per layer and KV head inside).
+impl Policy {
+    pub fn parse(text: &str) -> Result<Self> {
+        Ok(Policy { spec: spec::parse(text)? })
+    }
+
+    pub fn pipeline(&self) -> Option<&Pipeline> {
+        self.spec.pipeline.as_ref()
+    }
+
+    pub fn dense_layers(&self) -> usize {
+        self.spec.dense_layers
+    }
+
+    /// True when no decode row of `layer` runs anything but dense attention.
+    pub fn is_dense_for_layer(&self, layer: usize) -> bool {
+        self.spec.pipeline.is_none() || layer < self.spec.dense_layers
+    }
+
+    /// True when the pipeline keeps per-sequence state (so forward calls must pass seq_ids).
+    pub fn is_stateful(&self) -> bool {
+        matches!(self.pipeline(), Some(Pipeline { selector: Selector::SnapKv { .. }, .. }))
+    }
+
+    /// Key metadata the cache writes must maintain.
+    pub fn meta_needs(&self) -> MetaNeeds {
+        match self.pipeline() {
+            None => MetaNeeds::default(),
+            Some(p) => MetaNeeds {
+                quest_page: match p.selector {
+                    Selector::Quest { page, .. } => Some(page),
+                    _ => None,
+                },
+                int4: p.top_p.is_some(),
+            },
+        }
+    }
+}
+
+/// SnapKV's choice for one (sequence, layer, KV head), made at the sequence's last prefill chunk.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SnapSelection {
+    /// Sequence length when the choice was made; positions from here on (generated tokens) are all kept.
+    pub prefill_len: usize,
+    /// Sorted kept positions `< prefill_len` (the chosen prefix positions and the observation window).
+    pub keep: Vec<u32>,
+}
+
+/// State of one (sequence, layer, KV head).
+#[derive(Clone, Debug, Default)]
+pub struct HeadState {
+    pub snapkv: Option<Arc<SnapSelection>>,
+}
+
+impl HeadState {
+    pub fn bytes(&self) -> usize {
+        self.snapkv.as_ref().map_or(0, |s| std::mem::size_of::<SnapSelection>() + s.keep.capacity() * 4)
+    }
+}
+
+/// Per-sequence policy state: per layer, one [`HeadState`] per KV head.
 #[derive(Default)]
-pub struct SequencePolicyState {}
+pub struct SequencePolicyState {
+    pub layers: HashMap<usize, Vec<HeadState>>,
+}
 
 impl SequencePolicyState {
     pub fn bytes(&self) -> usize {
-        0
+        self.layers.values().flat_map(|v| v.iter()).map(|h| h.bytes() + std::mem::size_of::<HeadState>()).sum()
+    }
+
+    /// The state of (layer, head), created empty for `num_kv_heads` heads on first use.
+    pub fn head_mut(&mut self, layer: usize, head: usize, num_kv_heads: usize) -> &mut HeadState {
+        let v = self.layers.entry(layer).or_insert_with(|| vec![HeadState::default(); num_kv_heads]);
+        &mut v[head]
+    }
+
+    pub fn head(&self, layer: usize, head: usize) -> Option<&HeadState> {
+        self.layers.get(&layer).and_then(|v| v.get(head))
     }
 }

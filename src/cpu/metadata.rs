@@ -1,0 +1,237 @@
+//! Per-layer key metadata that policies read instead of K itself, maintained on every `Engine::cache_write`:
+//!
+//! * a fill mask per physical block (one bit per slot), so a forward call can refuse to trust metadata for
+//!   rows that were never written through kvsparse;
+//! * Quest: channel-wise min and max of K per page unit (`unit = min(page, block_size)` slots of one block)
+//!   and KV head;
+//! * Twilight: an INT4 per-token copy of K (see [`super::quantize`]).
+//!
+//! Blocks are reused by serving engines for other sequences, and sequences only grow (or are rewritten from
+//! some position on, as after rejected speculative tokens). So a write at offset `j` of a block starts that
+//! block over from `j`: fill bits `>= j` not written by the same call are cleared, and every page unit from
+//! `j` on is recomputed from scratch from the rows still marked filled. Min/max are therefore never stale
+//! after a reuse. If the caller writes the cache by other means, the metadata is stale for those rows:
+//! rows never written through kvsparse are detected (the forward call fails), overwritten ones are not.
+//!
+//! Allocated lazily, on the first write to a layer, sized from that cache's `num_blocks`; a later call
+//! with a cache of another size fails instead of silently mixing two caches.
+
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use super::convert::{load_row, Portable};
+use super::quantize::{code_bytes, quantize_row};
+use crate::error::Result;
+use crate::layout::KvCache;
+use crate::{bail, ensure};
+
+/// What the configured policy needs maintained.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MetaNeeds {
+    /// Quest page size in tokens (the unit kept is `min(page, block_size)`).
+    pub quest_page: Option<usize>,
+    pub int4: bool,
+}
+
+impl MetaNeeds {
+    pub fn any(&self) -> bool {
+        self.quest_page.is_some() || self.int4
+    }
+}
+
+/// Metadata of one layer's cache.
+pub struct LayerMeta {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub kv_heads: usize,
+    pub dim: usize,
+    filled: Vec<[u64; 4]>,
+    /// Slots per Quest unit and units per block (0 when Quest is off).
+    pub unit: usize,
+    pub units_per_block: usize,
+    qmin: Vec<f32>,
+    qmax: Vec<f32>,
+    codes: Vec<u8>,
+    qparams: Vec<(f32, f32)>,
+}
+
+impl LayerMeta {
+    fn new(needs: MetaNeeds, cache: &KvCache) -> Self {
+        let (nb, bs, hk, d) = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim);
+        let unit = needs.quest_page.map_or(0, |p| p.min(bs));
+        let upb = if unit > 0 { bs / unit } else { 0 };
+        let qn = nb * upb * hk * d;
+        let rows = if needs.int4 { nb * bs * hk } else { 0 };
+        LayerMeta {
+            num_blocks: nb,
+            block_size: bs,
+            kv_heads: hk,
+            dim: d,
+            filled: vec![[0; 4]; nb],
+            unit,
+            units_per_block: upb,
+            qmin: vec![f32::INFINITY; qn],
+            qmax: vec![f32::NEG_INFINITY; qn],
+            codes: vec![0; rows * code_bytes(d)],
+            qparams: vec![(0.0, 0.0); rows],
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.filled.len() * 32 + (self.qmin.len() + self.qmax.len()) * 4 + self.codes.len() + self.qparams.len() * 8
+    }
+
+    #[inline]
+    pub fn is_filled(&self, block: usize, off: usize) -> bool {
+        self.filled[block][off / 64] >> (off % 64) & 1 == 1
+    }
+
+    fn set_filled(&mut self, block: usize, off: usize) {
+        self.filled[block][off / 64] |= 1 << (off % 64);
+    }
+
+    fn clear_from(&mut self, block: usize, from: usize) {
+        for off in from..self.block_size {
+            self.filled[block][off / 64] &= !(1 << (off % 64));
+        }
+    }
+
+    /// Fails unless every position of `lo..=hi` of a sequence with physical `blocks` was written here.
+    pub fn check_covers(&self, blocks: &[u32], lo: usize, hi: usize, what: &str) -> Result<()> {
+        let bs = self.block_size;
+        for pos in lo..=hi {
+            let (b, off) = (blocks[pos / bs] as usize, pos % bs);
+            if !self.is_filled(b, off) {
+                bail!(
+                    InvalidArgument,
+                    "{what} needs key metadata for position {pos} (block {b}, offset {off}), but that slot was never written through kvs_cache_write; write the cache through kvsparse when a policy uses quest or top_p"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Channel-wise (min, max) of the keys of Quest unit `u` of `block` for `head`; `None` when empty.
+    #[inline]
+    pub fn unit_minmax(&self, block: usize, u: usize, head: usize) -> (&[f32], &[f32]) {
+        let i = ((block * self.units_per_block + u) * self.kv_heads + head) * self.dim;
+        (&self.qmin[i..i + self.dim], &self.qmax[i..i + self.dim])
+    }
+
+    /// INT4 codes and (min, scale) of the key row (block, off, head).
+    #[inline]
+    pub fn row_q4(&self, block: usize, off: usize, head: usize) -> (&[u8], f32, f32) {
+        let r = (block * self.block_size + off) * self.kv_heads + head;
+        let cb = code_bytes(self.dim);
+        let (mn, sc) = self.qparams[r];
+        (&self.codes[r * cb..(r + 1) * cb], mn, sc)
+    }
+
+    pub fn has_int4(&self) -> bool {
+        !self.qparams.is_empty()
+    }
+
+    /// Brings the metadata up to date after `slots` were written into `cache` (already done).
+    fn update(&mut self, cache: &KvCache, slots: &[Option<(usize, usize)>]) {
+        let mut touched: Vec<(usize, usize)> = slots.iter().flatten().copied().collect();
+        touched.sort_unstable();
+        touched.dedup();
+        let mut row = vec![0f32; self.dim];
+        let mut i = 0;
+        while i < touched.len() {
+            let b = touched[i].0;
+            let mut j = i;
+            while j < touched.len() && touched[j].0 == b {
+                j += 1;
+            }
+            let first = touched[i].1;
+            self.clear_from(b, first);
+            for &(_, off) in &touched[i..j] {
+                self.set_filled(b, off);
+            }
+            if self.unit > 0 {
+                for u in first / self.unit..self.units_per_block {
+                    self.recompute_unit(cache, b, u, &mut row);
+                }
+            }
+            if self.has_int4() {
+                let cb = code_bytes(self.dim);
+                for &(_, off) in &touched[i..j] {
+                    for h in 0..self.kv_heads {
+                        // SAFETY: (b, off) are validated slots, h < num_kv_heads.
+                        unsafe { load_row::<Portable>(cache.k_row(b, off, h), cache.dtype, cache.k_dim_stride(), self.dim, &mut row) };
+                        let r = (b * self.block_size + off) * self.kv_heads + h;
+                        self.qparams[r] = quantize_row(&row, &mut self.codes[r * cb..(r + 1) * cb]);
+                    }
+                }
+            }
+            i = j;
+        }
+    }
+
+    fn recompute_unit(&mut self, cache: &KvCache, b: usize, u: usize, row: &mut [f32]) {
+        let d = self.dim;
+        for h in 0..self.kv_heads {
+            let i = ((b * self.units_per_block + u) * self.kv_heads + h) * d;
+            self.qmin[i..i + d].fill(f32::INFINITY);
+            self.qmax[i..i + d].fill(f32::NEG_INFINITY);
+            for off in u * self.unit..(u + 1) * self.unit {
+                if !self.is_filled(b, off) {
+                    continue;
+                }
+                // SAFETY: b < num_blocks (validated slot), off < block_size, h < num_kv_heads.
+                unsafe { load_row::<Portable>(cache.k_row(b, off, h), cache.dtype, cache.k_dim_stride(), d, row) };
+                for ((mn, mx), &x) in self.qmin[i..i + d].iter_mut().zip(&mut self.qmax[i..i + d]).zip(row.iter()) {
+                    *mn = mn.min(x);
+                    *mx = mx.max(x);
+                }
+            }
+        }
+    }
+}
+
+/// The engine's metadata for all layers.
+pub struct CacheMeta {
+    pub needs: MetaNeeds,
+    layers: Vec<RwLock<Option<LayerMeta>>>,
+}
+
+impl CacheMeta {
+    pub fn new(needs: MetaNeeds, num_layers: usize) -> Self {
+        CacheMeta { needs, layers: (0..num_layers).map(|_| RwLock::new(None)).collect() }
+    }
+
+    /// Locks `layer` for a cache write and makes sure its metadata exists and fits `cache`. Call before
+    /// writing the cache (so a mismatch changes nothing), then [`finish_write`](Self::finish_write).
+    pub fn begin_write(&self, layer: usize, cache: &KvCache) -> Result<Option<RwLockWriteGuard<'_, Option<LayerMeta>>>> {
+        if !self.needs.any() {
+            return Ok(None);
+        }
+        let mut g = self.layers[layer].write();
+        match &*g {
+            Some(m) => ensure!(
+                m.num_blocks == cache.num_blocks,
+                InvalidShape,
+                "layer {layer}'s key metadata was built for a cache of {} blocks, this cache has {}; one engine layer serves one cache",
+                m.num_blocks,
+                cache.num_blocks
+            ),
+            None => *g = Some(LayerMeta::new(self.needs, cache)),
+        }
+        Ok(Some(g))
+    }
+
+    pub fn finish_write(g: &mut RwLockWriteGuard<'_, Option<LayerMeta>>, cache: &KvCache, slots: &[Option<(usize, usize)>]) {
+        if let Some(m) = g.as_mut() {
+            m.update(cache, slots);
+        }
+    }
+
+    /// Read access for a forward call.
+    pub fn read(&self, layer: usize) -> RwLockReadGuard<'_, Option<LayerMeta>> {
+        self.layers[layer].read()
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.read().as_ref().map_or(0, |m| m.bytes())).sum()
+    }
+}

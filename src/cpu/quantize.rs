@@ -1,0 +1,84 @@
+//! INT4 asymmetric per-token quantization of key rows (Twilight's cheap copy of K for estimating
+//! attention weights): each row of `head_dim` values gets its own `min` and `scale = (max - min) / 15`,
+//! and codes `round((x - min) / scale)` in 0..=15, two per byte (low nibble = even index).
+//!
+//! The estimate of `q·k` is then `min·Σq + scale·Σ q_i·code_i`, which needs no dequantized row.
+
+/// Bytes of codes per row.
+pub fn code_bytes(dim: usize) -> usize {
+    dim.div_ceil(2)
+}
+
+/// Quantizes `x` into `codes` (`code_bytes(x.len())` bytes); returns `(min, scale)`.
+pub fn quantize_row(x: &[f32], codes: &mut [u8]) -> (f32, f32) {
+    let mut mn = f32::INFINITY;
+    let mut mx = f32::NEG_INFINITY;
+    for &v in x {
+        mn = mn.min(v);
+        mx = mx.max(v);
+    }
+    if !mn.is_finite() || !mx.is_finite() {
+        // Non-finite keys cannot be estimated; a zero row keeps the estimate finite (and documented).
+        codes.fill(0);
+        return (0.0, 0.0);
+    }
+    let scale = (mx - mn) / 15.0;
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    codes.fill(0);
+    for (i, &v) in x.iter().enumerate() {
+        let c = ((v - mn) * inv).round().clamp(0.0, 15.0) as u8;
+        codes[i / 2] |= c << ((i % 2) * 4);
+    }
+    (mn, scale)
+}
+
+/// Estimated dot product of `q` with a quantized row; `q_sum = Σ q_i` is passed in (shared by all rows).
+#[inline]
+pub fn dot_q4(q: &[f32], q_sum: f32, codes: &[u8], mn: f32, scale: f32) -> f32 {
+    let mut acc0 = 0f32;
+    let mut acc1 = 0f32;
+    for (pair, &byte) in q.chunks_exact(2).zip(codes) {
+        acc0 += pair[0] * (byte & 15) as f32;
+        acc1 += pair[1] * (byte >> 4) as f32;
+    }
+    if q.len() % 2 == 1 {
+        acc0 += q[q.len() - 1] * (codes[q.len() / 2] & 15) as f32;
+    }
+    mn * q_sum + scale * (acc0 + acc1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    #[test]
+    fn roundtrip_error_is_at_most_half_a_step() {
+        let mut rng = Rng::new(Rng::fresh_seed());
+        for d in [64usize, 80, 127, 128] {
+            let x: Vec<f32> = (0..d).map(|_| (rng.normal() * 3.0) as f32).collect();
+            let mut codes = vec![0u8; code_bytes(d)];
+            let (mn, sc) = quantize_row(&x, &mut codes);
+            for (i, &v) in x.iter().enumerate() {
+                let c = (codes[i / 2] >> ((i % 2) * 4)) & 15;
+                let deq = mn + sc * c as f32;
+                assert!((deq - v).abs() <= sc * 0.5 + 1e-5, "d {d} i {i}: {v} vs {deq}");
+            }
+            // dot_q4 equals the dot product with the dequantized row.
+            let q: Vec<f32> = (0..d).map(|_| rng.normal() as f32).collect();
+            let want: f64 = (0..d).map(|i| q[i] as f64 * (mn + sc * ((codes[i / 2] >> ((i % 2) * 4)) & 15) as f32) as f64).sum();
+            let got = dot_q4(&q, q.iter().sum(), &codes, mn, sc) as f64;
+            assert!((got - want).abs() < 1e-3 * (1.0 + want.abs()), "{got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn constant_row_is_exact() {
+        let x = vec![2.5f32; 64];
+        let mut codes = vec![0u8; 32];
+        let (mn, sc) = quantize_row(&x, &mut codes);
+        assert_eq!((mn, sc), (2.5, 0.0));
+        let q = vec![1.0f32; 64];
+        assert_eq!(dot_q4(&q, 64.0, &codes, mn, sc), 160.0);
+    }
+}

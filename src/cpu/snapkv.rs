@@ -1,0 +1,78 @@
+//! SnapKV's one-time choice, made at a prefill chunk: the attention weights of the chunk's last `window`
+//! queries (the observation window) over the earlier prompt positions, summed over the window, aggregated
+//! over the GQA group by max, max-pooled over `pool` positions; the top positions are kept for the whole
+//! decode, together with the window itself and every generated token.
+//!
+//! `budget` counts prompt tokens kept, the window included: `budget - window` positions are chosen from
+//! the prefix (all of them when the prompt fits the budget). A later prefill chunk of the same sequence
+//! replaces the choice, so the last chunk before decoding decides.
+
+use super::attention::RowLimits;
+use super::convert::{dot, load_row, Portable};
+use super::forward::ForwardIo;
+use crate::policy::select::{max_pool, top_k_positions};
+use crate::policy::SnapSelection;
+
+/// The choice for prefill sequence `s` (index into the batch, `q_len > 1`) and `head`.
+pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usize, pool: usize) -> SnapSelection {
+    let sd = &io.batch.seqs[s];
+    let len = sd.seq_len;
+    if len <= budget {
+        return SnapSelection { prefill_len: len, keep: (0..len as u32).collect() };
+    }
+    let obs_start = len.saturating_sub(window);
+    let k_prefix = budget.saturating_sub(len - obs_start);
+    let cache = io.cache;
+    let (d, g, bs) = (cache.head_dim, io.group(), cache.block_size);
+    let blocks = io.batch.blocks(s, bs);
+    // Observation rows: the chunk's tokens at positions >= obs_start.
+    let t_end = sd.q_start + sd.q_len;
+    let t0 = t_end - (t_end - sd.q_start).min(len - obs_start);
+    let rows = (t_end - t0) * g;
+    let mut q = vec![0f32; rows * d];
+    io.load_queries(t0..t_end, head, &mut q);
+    let mut lim = Vec::new();
+    io.limits(sd, t0..t_end, &mut lim);
+    let width = lim.iter().map(|l| l.hi + 1).max().unwrap_or(0);
+    // Logits of every observation row over every position it sees.
+    let mut logits = vec![f32::NEG_INFINITY; rows * width];
+    let mut k = vec![0f32; d];
+    for pos in 0..width {
+        // SAFETY: pos < seq_len, whose blocks were validated.
+        unsafe { load_row::<Portable>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_dim_stride(), d, &mut k) };
+        for r in 0..rows {
+            let RowLimits { lo, hi } = lim[r];
+            if (lo..=hi).contains(&pos) {
+                let mut x = dot(&q[r * d..(r + 1) * d], &k);
+                if io.params.softcap > 0.0 {
+                    x = io.params.softcap * (x / io.params.softcap).tanh();
+                }
+                logits[r * width + pos] = x;
+            }
+        }
+    }
+    // Softmax per row (normalised over everything the row sees), summed over the window per query head,
+    // then max over the group.
+    let mut per_head = vec![0f32; g * obs_start];
+    for r in 0..rows {
+        let row = &mut logits[r * width..(r + 1) * width];
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if m == f32::NEG_INFINITY {
+            continue;
+        }
+        let mut z = 0f64;
+        for x in row.iter_mut() {
+            *x = (*x - m).exp();
+            z += *x as f64;
+        }
+        let h = r % g;
+        for j in 0..obs_start {
+            per_head[h * obs_start + j] += (row[j] as f64 / z) as f32;
+        }
+    }
+    let agg: Vec<f32> = (0..obs_start).map(|j| (0..g).map(|h| per_head[h * obs_start + j]).fold(0f32, f32::max)).collect();
+    let pooled = max_pool(&agg, pool);
+    let mut keep = top_k_positions(&pooled, k_prefix);
+    keep.extend(obs_start as u32..len as u32);
+    SnapSelection { prefill_len: len, keep }
+}

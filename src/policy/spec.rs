@@ -1,0 +1,471 @@
+//! The policy spec language (grammar in docs/policies.md):
+//!
+//! ```text
+//! spec     := pipeline [ ';' option { (',' | ';') option } ]
+//! pipeline := 'dense' | stage { '>' stage }
+//! stage    := name [ '(' [ key '=' value { ',' key '=' value } ] ')' ]
+//! option   := key '=' value                       (only dense_layers=N today)
+//! value    := number | 'inf' | name
+//! ```
+//!
+//! Every error names the byte position in the spec and what was expected there; unknown stages, keys and
+//! out-of-range values are errors, never ignored.
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Which blocks/tokens are eligible for a decode row.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Selector {
+    /// Every position the row may see (dense).
+    All,
+    /// The first `sink` and the last `recent` tokens.
+    Streaming { sink: usize, recent: usize },
+    /// The `ceil(budget / page)` pages with the highest upper-bound score `Σ_i max(q_i·max_i, q_i·min_i)`.
+    Quest { budget: usize, page: usize },
+    /// Tokens chosen at prefill from the attention of the last `window` prompt queries, max-pooled over `pool`.
+    SnapKv { budget: usize, window: usize, pool: usize },
+}
+
+/// Twilight's select-then-prune: keep the smallest set whose estimated attention mass reaches `p`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TopP {
+    pub p: f32,
+}
+
+/// Traversal order of ART (sink units always come first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    Recent,
+    Priority,
+}
+
+/// Which output dimensions ART compares between blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// A fixed scattered subset (see `termination::probe_dims`).
+    Scattered,
+    Full,
+}
+
+/// Adaptive (early) termination of the block traversal.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Art {
+    pub tau: f32,
+    pub phi: f32,
+    /// Consecutive stable blocks before stopping; `None` = never stop (`patience=inf`).
+    pub patience: Option<u32>,
+    pub order: Order,
+    pub probe: Probe,
+}
+
+/// A non-dense pipeline: select, then optionally prune (top-p), then optionally terminate (ART).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pipeline {
+    pub selector: Selector,
+    pub top_p: Option<TopP>,
+    pub art: Option<Art>,
+}
+
+/// A parsed spec: `pipeline == None` is dense attention everywhere.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Spec {
+    pub pipeline: Option<Pipeline>,
+    pub dense_layers: usize,
+}
+
+/// Default number of leading layers kept dense.
+pub const DEFAULT_DENSE_LAYERS: usize = 2;
+
+#[derive(Clone, Debug, PartialEq)]
+enum Tok {
+    Name(String),
+    Num(f64, String),
+    Sym(char),
+    End,
+}
+
+impl Tok {
+    fn describe(&self) -> String {
+        match self {
+            Tok::Name(n) => format!("`{n}`"),
+            Tok::Num(_, s) => format!("number {s}"),
+            Tok::Sym(c) => format!("`{c}`"),
+            Tok::End => "end of spec".to_string(),
+        }
+    }
+}
+
+struct Parser<'a> {
+    src: &'a str,
+    toks: Vec<(usize, Tok)>,
+    i: usize,
+}
+
+fn lex(src: &str) -> Result<Vec<(usize, Tok)>> {
+    let b = src.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i] as char;
+        if c.is_ascii_whitespace() {
+            i += 1;
+        } else if c.is_ascii_alphabetic() || c == '_' {
+            let s = i;
+            while i < b.len() && ((b[i] as char).is_ascii_alphanumeric() || b[i] == b'_') {
+                i += 1;
+            }
+            out.push((s, Tok::Name(src[s..i].to_string())));
+        } else if c.is_ascii_digit() || c == '.' || c == '-' || c == '+' {
+            let s = i;
+            i += 1;
+            while i < b.len() {
+                let d = b[i] as char;
+                let exp_sign = (d == '-' || d == '+') && matches!(b[i - 1], b'e' | b'E');
+                if d.is_ascii_digit() || d == '.' || d == 'e' || d == 'E' || exp_sign {
+                    i += 1;
+                } else {
+                    break;
+                }
+            }
+            let text = &src[s..i];
+            match text.parse::<f64>() {
+                Ok(v) => out.push((s, Tok::Num(v, text.to_string()))),
+                Err(_) => return Err(err(src, s, "a number", &format!("`{text}`"))),
+            }
+        } else if "()=,>;".contains(c) {
+            out.push((i, Tok::Sym(c)));
+            i += 1;
+        } else {
+            let ch = src[i..].chars().next().unwrap_or('?');
+            return Err(err(src, i, "a stage name, `(`, `)`, `=`, `,`, `>` or `;`", &format!("`{ch}`")));
+        }
+    }
+    out.push((src.len(), Tok::End));
+    Ok(out)
+}
+
+fn err(src: &str, pos: usize, expected: &str, found: &str) -> Error {
+    Error::new(ErrorKind::InvalidArgument, format!("policy spec {src:?}: at position {pos} expected {expected}, found {found}"))
+}
+
+/// One `key=value` argument with the position of its value.
+struct Arg {
+    key: String,
+    key_pos: usize,
+    val: Tok,
+    val_pos: usize,
+}
+
+impl<'a> Parser<'a> {
+    fn peek(&self) -> &(usize, Tok) {
+        &self.toks[self.i]
+    }
+    fn next(&mut self) -> (usize, Tok) {
+        let t = self.toks[self.i].clone();
+        if self.i + 1 < self.toks.len() {
+            self.i += 1;
+        }
+        t
+    }
+    fn fail<T>(&self, expected: &str) -> Result<T> {
+        let (pos, t) = self.peek();
+        Err(err(self.src, *pos, expected, &t.describe()))
+    }
+    fn eat(&mut self, c: char) -> bool {
+        if self.peek().1 == Tok::Sym(c) {
+            self.next();
+            true
+        } else {
+            false
+        }
+    }
+
+    fn arg(&mut self) -> Result<Arg> {
+        let (key_pos, key) = match self.peek().clone() {
+            (p, Tok::Name(n)) => (p, n),
+            _ => return self.fail("a key name"),
+        };
+        self.next();
+        if !self.eat('=') {
+            return self.fail("`=`");
+        }
+        let (val_pos, val) = self.peek().clone();
+        match val {
+            Tok::Num(..) | Tok::Name(_) => {
+                self.next();
+            }
+            _ => return self.fail("a value (number, `inf` or a name)"),
+        }
+        Ok(Arg { key, key_pos, val, val_pos })
+    }
+
+    fn args(&mut self) -> Result<Vec<Arg>> {
+        let mut v = Vec::new();
+        if !self.eat('(') {
+            return Ok(v);
+        }
+        if self.eat(')') {
+            return Ok(v);
+        }
+        loop {
+            v.push(self.arg()?);
+            if self.eat(',') {
+                continue;
+            }
+            if self.eat(')') {
+                return Ok(v);
+            }
+            return self.fail("`,` or `)`");
+        }
+    }
+}
+
+/// Typed access to a stage's arguments; complains about unknown and duplicate keys.
+struct Args<'a> {
+    src: &'a str,
+    stage: &'a str,
+    args: Vec<Arg>,
+    used: Vec<bool>,
+}
+
+impl<'a> Args<'a> {
+    fn new(src: &'a str, stage: &'a str, args: Vec<Arg>, allowed: &[&str]) -> Result<Self> {
+        for (i, a) in args.iter().enumerate() {
+            if !allowed.contains(&a.key.as_str()) {
+                return Err(err(src, a.key_pos, &format!("a key of `{stage}` ({})", allowed.join(", ")), &format!("unknown key `{}`", a.key)));
+            }
+            if args[..i].iter().any(|b| b.key == a.key) {
+                return Err(err(src, a.key_pos, &format!("each key of `{stage}` at most once"), &format!("`{}` again", a.key)));
+            }
+        }
+        let used = vec![false; args.len()];
+        Ok(Args { src, stage, args, used })
+    }
+
+    fn find(&mut self, key: &str) -> Option<usize> {
+        let i = self.args.iter().position(|a| a.key == key)?;
+        self.used[i] = true;
+        Some(i)
+    }
+
+    fn bad(&self, a: &Arg, expected: &str) -> Error {
+        err(self.src, a.val_pos, &format!("{expected} for `{}.{}`", self.stage, a.key), &a.val.describe())
+    }
+
+    /// A number, `inf` allowed when `allow_inf`; checks `ok` on the value.
+    fn num(&mut self, key: &str, default: Option<f64>, allow_inf: bool, expected: &str, ok: impl Fn(f64) -> bool) -> Result<f64> {
+        let Some(i) = self.find(key) else {
+            return default.ok_or_else(|| {
+                Error::new(ErrorKind::InvalidArgument, format!("policy spec {:?}: stage `{}` needs `{key}=...` ({expected})", self.src, self.stage))
+            });
+        };
+        let a = &self.args[i];
+        let v = match &a.val {
+            Tok::Num(v, _) => *v,
+            Tok::Name(n) if allow_inf && n == "inf" => f64::INFINITY,
+            _ => return Err(self.bad(a, expected)),
+        };
+        if !ok(v) {
+            return Err(self.bad(a, expected));
+        }
+        Ok(v)
+    }
+
+    fn int(&mut self, key: &str, default: Option<usize>, min: usize, extra: &str, ok: impl Fn(usize) -> bool) -> Result<usize> {
+        let expected = format!("an integer >= {min}{extra}");
+        let v = self.num(key, default.map(|d| d as f64), false, &expected, |v| v.fract() == 0.0 && v >= min as f64 && v <= u32::MAX as f64 && ok(v as usize))?;
+        Ok(v as usize)
+    }
+
+    fn word(&mut self, key: &str, default: &'static str, choices: &[&'static str]) -> Result<&'static str> {
+        let Some(i) = self.find(key) else { return Ok(default) };
+        let a = &self.args[i];
+        if let Tok::Name(n) = &a.val {
+            if let Some(c) = choices.iter().find(|c| **c == n.as_str()) {
+                return Ok(c);
+            }
+        }
+        Err(self.bad(a, &format!("one of {}", choices.join(", "))))
+    }
+}
+
+/// Parses a whole spec.
+pub fn parse(src: &str) -> Result<Spec> {
+    let mut p = Parser { src, toks: lex(src)?, i: 0 };
+    let mut dense_layers = DEFAULT_DENSE_LAYERS;
+    if p.peek().1 == Tok::End {
+        return Ok(Spec { pipeline: None, dense_layers });
+    }
+    let mut selector: Option<Selector> = None;
+    let mut top_p: Option<TopP> = None;
+    let mut art: Option<Art> = None;
+    let mut dense = false;
+    let mut n_stages = 0;
+    loop {
+        let (pos, name) = match p.peek().clone() {
+            (pos, Tok::Name(n)) => (pos, n),
+            _ => return p.fail("a stage name (dense, all, streaming, quest, snapkv, top_p, art)"),
+        };
+        p.next();
+        let raw = p.args()?;
+        let late = |what: &str| err(src, pos, what, &format!("`{name}`"));
+        if dense || (name == "dense" && n_stages > 0) {
+            return Err(late("`dense` alone (it is the empty pipeline)"));
+        }
+        let is_selector = matches!(name.as_str(), "all" | "streaming" | "quest" | "snapkv");
+        if is_selector && (selector.is_some() || top_p.is_some() || art.is_some()) {
+            return Err(late("at most one selector, as the first stage"));
+        }
+        if name == "top_p" && (top_p.is_some() || art.is_some()) {
+            return Err(late("at most one `top_p`, before `art`"));
+        }
+        if name == "art" && art.is_some() {
+            return Err(late("at most one `art`, as the last stage"));
+        }
+        match name.as_str() {
+            "dense" => {
+                Args::new(src, "dense", raw, &[])?;
+                dense = true;
+            }
+            "all" => {
+                Args::new(src, "all", raw, &[])?;
+                selector = Some(Selector::All);
+            }
+            "streaming" => {
+                let mut a = Args::new(src, "streaming", raw, &["sink", "recent"])?;
+                let sink = a.int("sink", Some(4), 0, "", |_| true)?;
+                let recent = a.int("recent", None, 1, "", |_| true)?;
+                selector = Some(Selector::Streaming { sink, recent });
+            }
+            "quest" => {
+                let mut a = Args::new(src, "quest", raw, &["budget", "page"])?;
+                let budget = a.int("budget", None, 1, "", |_| true)?;
+                let page = a.int("page", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
+                selector = Some(Selector::Quest { budget, page });
+            }
+            "snapkv" => {
+                let mut a = Args::new(src, "snapkv", raw, &["budget", "window", "pool"])?;
+                let budget = a.int("budget", None, 1, "", |_| true)?;
+                let window = a.int("window", Some(32), 1, "", |_| true)?;
+                let pool = a.int("pool", Some(7), 1, ", odd", |v| v % 2 == 1)?;
+                selector = Some(Selector::SnapKv { budget, window, pool });
+            }
+            "top_p" => {
+                let mut a = Args::new(src, "top_p", raw, &["p"])?;
+                let v = a.num("p", Some(0.95), false, "a number in (0, 1]", |v| v > 0.0 && v <= 1.0)?;
+                top_p = Some(TopP { p: v as f32 });
+            }
+            "art" => {
+                let mut a = Args::new(src, "art", raw, &["tau", "phi", "patience", "order", "probe"])?;
+                let tau = a.num("tau", Some(1e-5), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
+                let phi = a.num("phi", Some(1e-3), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
+                let pat = a.num("patience", Some(5.0), true, "an integer >= 1 or `inf`", |v| v == f64::INFINITY || (v.fract() == 0.0 && v >= 1.0 && v <= u32::MAX as f64))?;
+                let order = match a.word("order", "recent", &["recent", "priority"])? {
+                    "priority" => Order::Priority,
+                    _ => Order::Recent,
+                };
+                let probe = match a.word("probe", "scattered", &["scattered", "full"])? {
+                    "full" => Probe::Full,
+                    _ => Probe::Scattered,
+                };
+                let patience = if pat.is_infinite() { None } else { Some(pat as u32) };
+                art = Some(Art { tau: tau as f32, phi: phi as f32, patience, order, probe });
+            }
+            _ => return Err(err(src, pos, "a stage name (dense, all, streaming, quest, snapkv, top_p, art)", &format!("unknown stage `{name}`"))),
+        }
+        n_stages += 1;
+        if p.eat('>') {
+            continue;
+        }
+        break;
+    }
+    if p.eat(';') {
+        loop {
+            let a = p.arg()?;
+            match a.key.as_str() {
+                "dense_layers" => match a.val {
+                    Tok::Num(v, _) if v.fract() == 0.0 && (0.0..=1e6).contains(&v) => dense_layers = v as usize,
+                    _ => return Err(err(src, a.val_pos, "an integer >= 0 for `dense_layers`", &a.val.describe())),
+                },
+                _ => return Err(err(src, a.key_pos, "an option (dense_layers)", &format!("unknown option `{}`", a.key))),
+            }
+            if p.eat(',') || p.eat(';') {
+                continue;
+            }
+            break;
+        }
+    }
+    if p.peek().1 != Tok::End {
+        return p.fail(if n_stages > 0 { "`>`, `;` or end of spec" } else { "end of spec" });
+    }
+    let pipeline = if dense { None } else { Some(Pipeline { selector: selector.unwrap_or(Selector::All), top_p, art }) };
+    Ok(Spec { pipeline, dense_layers })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_example() {
+        let s = parse("quest(budget=4096) > top_p(p=0.95) > art(tau=1e-5, phi=1e-3, patience=5)").unwrap();
+        let p = s.pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Quest { budget: 4096, page: 16 });
+        assert_eq!(p.top_p, Some(TopP { p: 0.95 }));
+        let a = p.art.unwrap();
+        assert_eq!((a.tau, a.phi, a.patience, a.order, a.probe), (1e-5, 1e-3, Some(5), Order::Recent, Probe::Scattered));
+        assert_eq!(s.dense_layers, 2);
+    }
+
+    #[test]
+    fn dense_forms_and_options() {
+        assert_eq!(parse("").unwrap().pipeline, None);
+        assert_eq!(parse("  dense ").unwrap().pipeline, None);
+        assert_eq!(parse("dense; dense_layers=0").unwrap().dense_layers, 0);
+        let s = parse("art(patience=inf, order=priority, probe=full); dense_layers=3").unwrap();
+        assert_eq!(s.dense_layers, 3);
+        let p = s.pipeline.unwrap();
+        assert_eq!(p.selector, Selector::All);
+        assert_eq!(p.art.unwrap().patience, None);
+        assert_eq!(parse("streaming(recent=64)").unwrap().pipeline.unwrap().selector, Selector::Streaming { sink: 4, recent: 64 });
+        assert_eq!(parse("snapkv(budget=100)").unwrap().pipeline.unwrap().selector, Selector::SnapKv { budget: 100, window: 32, pool: 7 });
+        assert_eq!(parse("top_p").unwrap().pipeline.unwrap().top_p, Some(TopP { p: 0.95 }));
+    }
+
+    fn msg(spec: &str) -> String {
+        let e = parse(spec).expect_err(spec);
+        assert_eq!(e.kind, ErrorKind::InvalidArgument);
+        e.message
+    }
+
+    #[test]
+    fn bad_specs_name_position_and_expectation() {
+        let m = msg("qest(budget=4)");
+        assert!(m.contains("position 0") && m.contains("unknown stage `qest`"), "{m}");
+        let m = msg("quest(budget=4, pages=16)");
+        assert!(m.contains("position 16") && m.contains("unknown key `pages`") && m.contains("budget, page"), "{m}");
+        let m = msg("top_p(p=1.5)");
+        assert!(m.contains("(0, 1]") && m.contains("position 8"), "{m}");
+        assert!(msg("top_p(p=0)").contains("(0, 1]"));
+        assert!(msg("art(tau=-1e-5)").contains("art.tau"));
+        assert!(msg("art(phi=-1)").contains("art.phi"));
+        assert!(msg("quest(budget=0)").contains("quest.budget"));
+        assert!(msg("quest()").contains("needs `budget=")); // nothing defaulted silently
+        assert!(msg("quest(budget=64, page=12)").contains("power of two"));
+        assert!(msg("snapkv(budget=0)").contains("snapkv.budget"));
+        assert!(msg("snapkv(budget=8, pool=4)").contains("odd"));
+        assert!(msg("art(patience=0)").contains("patience"));
+        assert!(msg("art(order=oldest)").contains("recent, priority"));
+        assert!(msg("art > quest(budget=8)").contains("first stage"));
+        assert!(msg("art > top_p").contains("before `art`"));
+        assert!(msg("quest(budget=8) > quest(budget=8)").contains("at most one selector"));
+        assert!(msg("quest(budget=8) top_p").contains("`>`, `;` or end of spec"));
+        assert!(msg("quest(budget=8").contains("`,` or `)`"));
+        assert!(msg("quest(budget=8,budget=9)").contains("at most once"));
+        assert!(msg("all; dense_layer=2").contains("unknown option `dense_layer`"));
+        assert!(msg("all; dense_layers=-1").contains("dense_layers"));
+        assert!(msg("dense > art").contains("alone"));
+        assert!(msg("all ! art").contains("position 4"));
+        assert!(msg("streaming(sink=4)").contains("needs `recent="));
+    }
+}

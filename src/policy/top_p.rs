@@ -1,0 +1,160 @@
+//! Twilight's top-p pruning as a pure decision on estimated attention weights.
+//!
+//! Input: for each query row `r` of a GQA group, the estimated softmax weights `P[r][j]` of the candidate
+//! tokens. One set is chosen per KV head, by a threshold on the aggregated weight `w_j = max_r P[r][j]`:
+//! `S(t) = { j : w_j >= t }`. The kept set is the smallest `S(t)` whose mass reaches `p` for *every* row
+//! (`Σ_{j∈S(t)} P[r][j] >= p · Σ_j P[r][j]`). With one row this is the classic top-p set.
+//!
+//! As in the paper's Algorithm 1 the threshold is found by binary search on `t` with an epsilon stop
+//! (`EPS` × the largest weight); the few tokens whose weight falls inside the final bracket are then added
+//! in decreasing weight until the mass is reached, so the result is exactly minimal (checked against
+//! sort-and-accumulate in the tests), not just minimal up to epsilon.
+
+/// Relative width of the bracket at which the binary search stops.
+pub const EPS: f32 = 1e-3;
+
+/// Per-row mass of `S(t)`: true when every row reaches its target.
+fn reaches(p_rows: &[f32], n: usize, w: &[f32], t: f32, target: &[f32]) -> bool {
+    target.iter().enumerate().all(|(r, &goal)| {
+        let row = &p_rows[r * n..(r + 1) * n];
+        let mut m = 0f32;
+        for (j, &x) in row.iter().enumerate() {
+            if w[j] >= t {
+                m += x;
+            }
+        }
+        m >= goal
+    })
+}
+
+/// Chooses the kept tokens; `keep[j]` is set for every kept candidate. Returns the number kept.
+/// `p_rows` is `rows × n` (each row non-negative), `w` the aggregated weights (scratch, overwritten).
+pub fn select(p_rows: &[f32], rows: usize, n: usize, p: f32, w: &mut Vec<f32>, keep: &mut Vec<bool>) -> usize {
+    keep.clear();
+    keep.resize(n, false);
+    if n == 0 {
+        return 0;
+    }
+    if p >= 1.0 {
+        // p = 1 keeps every candidate (also those whose weight underflowed to zero).
+        keep.fill(true);
+        return n;
+    }
+    w.clear();
+    w.extend((0..n).map(|j| (0..rows).map(|r| p_rows[r * n + j]).fold(0f32, f32::max)));
+    let target: Vec<f32> = (0..rows).map(|r| p * p_rows[r * n..(r + 1) * n].iter().sum::<f32>()).collect();
+    let wmax = w.iter().copied().fold(0f32, f32::max);
+    // Invariant: S(lo) reaches the target, S(hi) does not (or hi is above every weight).
+    let (mut lo, mut hi) = (0f32, f32::INFINITY);
+    if reaches(p_rows, n, w, wmax, &target) {
+        lo = wmax;
+    } else {
+        hi = wmax;
+        while hi - lo > EPS * wmax {
+            let mid = 0.5 * (lo + hi);
+            if reaches(p_rows, n, w, mid, &target) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+    }
+    // Exact finish: start from S(hi) and add the bracket's tokens, heaviest first, until every row
+    // reaches its target.
+    let mut mass: Vec<f32> = vec![0.0; rows];
+    let mut band: Vec<usize> = Vec::new();
+    let mut kept = 0;
+    for j in 0..n {
+        if w[j] >= hi {
+            keep[j] = true;
+            kept += 1;
+            for (r, m) in mass.iter_mut().enumerate() {
+                *m += p_rows[r * n + j];
+            }
+        } else if w[j] >= lo {
+            band.push(j);
+        }
+    }
+    band.sort_unstable_by(|&a, &b| w[b].total_cmp(&w[a]));
+    for j in band {
+        if mass.iter().zip(&target).all(|(m, t)| m >= t) {
+            break;
+        }
+        keep[j] = true;
+        kept += 1;
+        for (r, m) in mass.iter_mut().enumerate() {
+            *m += p_rows[r * n + j];
+        }
+    }
+    kept
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    /// Sort by aggregated weight and accumulate until every row reaches p: the minimal threshold set.
+    fn sort_and_accumulate(p_rows: &[f32], rows: usize, n: usize, p: f32) -> usize {
+        let w: Vec<f32> = (0..n).map(|j| (0..rows).map(|r| p_rows[r * n + j]).fold(0f32, f32::max)).collect();
+        let mut idx: Vec<usize> = (0..n).collect();
+        idx.sort_by(|&a, &b| w[b].total_cmp(&w[a]));
+        let target: Vec<f64> = (0..rows).map(|r| p as f64 * p_rows[r * n..(r + 1) * n].iter().map(|&x| x as f64).sum::<f64>()).collect();
+        let mut mass = vec![0f64; rows];
+        for (k, &j) in idx.iter().enumerate() {
+            if mass.iter().zip(&target).all(|(m, t)| m >= t) {
+                return k;
+            }
+            for r in 0..rows {
+                mass[r] += p_rows[r * n + j] as f64;
+            }
+        }
+        n
+    }
+
+    fn softmax_rows(rng: &mut Rng, rows: usize, n: usize, temp: f64) -> Vec<f32> {
+        let mut out = vec![0f32; rows * n];
+        for r in 0..rows {
+            let logits: Vec<f64> = (0..n).map(|_| rng.normal() * temp).collect();
+            let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = logits.iter().map(|x| (x - m).exp()).sum();
+            for j in 0..n {
+                out[r * n + j] = ((logits[j] - m).exp() / z) as f32;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn kept_set_reaches_p_and_is_minimal() {
+        let seed = Rng::fresh_seed();
+        let mut rng = Rng::new(seed);
+        let (mut w, mut keep) = (Vec::new(), Vec::new());
+        for trial in 0..200 {
+            let rows = [1, 2, 4, 8][trial % 4];
+            let n = 1 + rng.below(3000);
+            let p = [0.5f32, 0.8, 0.9, 0.95, 0.99][trial % 5];
+            let temp = [0.5, 2.0, 4.0][trial % 3];
+            let pr = softmax_rows(&mut rng, rows, n, temp);
+            let k = select(&pr, rows, n, p, &mut w, &mut keep);
+            assert_eq!(k, keep.iter().filter(|&&b| b).count());
+            for r in 0..rows {
+                let total: f32 = pr[r * n..(r + 1) * n].iter().sum();
+                let m: f32 = (0..n).filter(|&j| keep[j]).map(|j| pr[r * n + j]).sum();
+                assert!(m >= p * total * (1.0 - 1e-5), "seed {seed} trial {trial}: row {r} mass {m} < {p}");
+            }
+            let want = sort_and_accumulate(&pr, rows, n, p);
+            // f32 vs f64 accumulation may differ by a token right at the boundary.
+            assert!(k.abs_diff(want) <= 1, "seed {seed} trial {trial}: kept {k}, minimal {want} (n {n}, rows {rows}, p {p})");
+        }
+    }
+
+    #[test]
+    fn p_one_keeps_everything() {
+        let pr = vec![1.0, 0.0, 0.0, 0.0];
+        let (mut w, mut keep) = (Vec::new(), Vec::new());
+        assert_eq!(select(&pr, 1, 4, 1.0, &mut w, &mut keep), 4);
+        assert_eq!(select(&pr, 1, 4, 0.9, &mut w, &mut keep), 1);
+        assert!(keep[0]);
+    }
+}
