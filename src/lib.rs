@@ -6,7 +6,8 @@
 //!
 //! Layout: [`tensor`] (strided views of DLPack tensors), [`layout`] (cache geometry, batches, validation),
 //! [`engine`] (configuration, sequences, statistics, dispatch), [`cpu`] (reference kernels),
-//! [`policy`] (which blocks a decode row visits), [`conformance`] (the float64 reference and test matrix).
+//! [`policy`] (which blocks a decode row visits), [`conformance`] (the float64 reference and test matrix),
+//! [`synthetic`] (LLM-like decode batches for benchmarks and policy tests).
 
 pub mod config;
 pub mod conformance;
@@ -19,6 +20,7 @@ pub mod policy;
 pub mod rng;
 pub mod sequences;
 pub mod stats;
+pub mod synthetic;
 pub mod tensor;
 
 pub use config::EngineConfig;
