@@ -8,7 +8,7 @@
 //! replaces the choice, so the last chunk before decoding decides.
 
 use super::attention::RowLimits;
-use super::convert::{dot, load_row, Portable};
+use super::convert::{load_row, Portable};
 use super::forward::ForwardIo;
 use crate::policy::select::{max_pool, top_k_positions};
 use crate::policy::SnapSelection;
@@ -75,4 +75,16 @@ pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usiz
     let mut keep = top_k_positions(&pooled, k_prefix);
     keep.extend(obs_start as u32..len as u32);
     SnapSelection { prefill_len: len, keep }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
