@@ -50,6 +50,11 @@ impl Args {
         self.flags.iter().any(|f| f == name)
     }
 
+    /// Every value given for a repeatable option, in order.
+    pub fn values_of(&self, name: &str) -> Vec<String> {
+        self.values.get(name).cloned().unwrap_or_default()
+    }
+
     pub fn str(&self, name: &str) -> Option<&str> {
         self.values.get(name).and_then(|v| v.last()).map(|s| s.as_str())
     }

@@ -2,6 +2,7 @@
 //! Each subcommand lives in its own module; this file only dispatches.
 
 mod args;
+mod bench;
 mod conformance;
 mod demo;
 
@@ -13,6 +14,8 @@ commands:
   demo          synthetic long-context decode batch on the CPU: tokens/s, GB/s of KV read vs the
                 machine's streaming-read bandwidth, max error vs a float64 reference
   conformance   dense paged attention vs the float64 reference over the case matrix, per device
+  bench         dense vs decode policies (--policy SPEC) on one synthetic batch: time, KV bytes,
+                blocks visited, relative error vs dense
 
 run `kvsparse <command> --help` for the options of a command";
 
@@ -26,6 +29,7 @@ fn main() -> ExitCode {
     let result = match cmd.as_str() {
         "demo" => demo::run(rest),
         "conformance" => conformance::run(rest),
+        "bench" => bench::run(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())
