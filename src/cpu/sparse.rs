@@ -9,11 +9,13 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::attention::{attend_spans, attend_tokens, RowLimits, RowsState, SeqKv};
+use super::attention::{attend_spans, attend_tokens, RowLimits, RowsState, SeqKv, CHUNK};
+use super::convert::{Isa, Portable};
+use super::isa::{self, IsaLevel};
 use super::forward::ForwardIo;
 use super::math::fast_exp;
 use super::metadata::LayerMeta;
-use super::quantize::{code_bytes, dot_q4};
+use super::quantize::code_bytes;
 use crate::policy::select::{self, Candidates};
 use crate::policy::termination::{order_units, probe_dims, ArtState};
 use crate::policy::{top_p, Pipeline, Selector, SnapSelection};
@@ -42,6 +44,7 @@ struct Scratch {
     keep: Vec<bool>,
     tokens: Vec<u32>,
     order: Vec<usize>,
+    merged: Vec<(usize, usize)>,
     art: ArtState,
     probe: Vec<f32>,
 }
@@ -176,8 +179,16 @@ fn run_item(io: &ForwardIo, s: usize, head: usize, snap: Option<Arc<SnapSelectio
     let mut attended_tokens = 0usize;
     match p.art {
         None => {
+            // Units split spans at block boundaries; coalesce them again so chunks stay full.
+            sc.merged.clear();
+            for &(a, b) in &cand.spans {
+                match sc.merged.last_mut() {
+                    Some(l) if l.1 == a => l.1 = b,
+                    _ => sc.merged.push((a, b)),
+                }
+            }
             let n_tok = cand.tokens();
-            attend_set(st, &sc.q, &sc.limits, &kv, &cand.spans, n_tok, &mut sc.tokens, io.params.softcap);
+            attend_set(st, &sc.q, &sc.limits, &kv, &sc.merged, n_tok, &mut sc.tokens, io.params.softcap);
             attended_tokens = n_tok;
             c.blocks_visited = cand.units.len() as u64;
         }
@@ -242,22 +253,53 @@ pub fn quest_bound(q: &[f32], mn: &[f32], mx: &[f32]) -> f32 {
 }
 
 /// Estimated softmax weights (`rows × n`, each row normalised to sum 1) of the candidate `tokens` from the
-/// INT4 copy of K; `q` holds the scaled query rows.
+/// INT4 copy of K; `q` holds the scaled query rows. Codes are unpacked 32 tokens at a time and scored with
+/// the same register-blocked kernel as exact attention: `q·k̂ = min·Σq + scale·(q·codes)`.
 #[allow(clippy::too_many_arguments)]
 pub fn estimate_weights(q: &[f32], rows: usize, d: usize, tokens: &[u32], blocks: &[u32], bs: usize, head: usize, meta: &LayerMeta, softcap: f32, out: &mut Vec<f32>) {
+    match isa::detected() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => unsafe { estimate_avx2(q, rows, d, tokens, blocks, bs, head, meta, softcap, out) },
+        IsaLevel::Portable => estimate_generic::<Portable>(q, rows, d, tokens, blocks, bs, head, meta, softcap, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn estimate_avx2(q: &[f32], rows: usize, d: usize, tokens: &[u32], blocks: &[u32], bs: usize, head: usize, meta: &LayerMeta, softcap: f32, out: &mut Vec<f32>) {
+    estimate_generic::<super::convert::Avx2>(q, rows, d, tokens, blocks, bs, head, meta, softcap, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn estimate_generic<I: Isa>(q: &[f32], rows: usize, d: usize, tokens: &[u32], blocks: &[u32], bs: usize, head: usize, meta: &LayerMeta, softcap: f32, out: &mut Vec<f32>) {
     let n = tokens.len();
     out.clear();
     out.resize(rows * n, 0.0);
     let sums: Vec<f32> = (0..rows).map(|r| q[r * d..(r + 1) * d].iter().sum()).collect();
-    for (j, &t) in tokens.iter().enumerate() {
-        let t = t as usize;
-        let (codes, mn, scl) = meta.row_q4(blocks[t / bs] as usize, t % bs, head);
-        for r in 0..rows {
-            let mut s = dot_q4(&q[r * d..(r + 1) * d], sums[r], codes, mn, scl);
-            if softcap > 0.0 {
-                s = softcap * (s / softcap).tanh();
+    let mut kbuf = vec![0f32; CHUNK * d];
+    let mut sc = vec![0f32; rows * CHUNK];
+    let mut prm = [(0f32, 0f32); CHUNK];
+    for (ci, part) in tokens.chunks(CHUNK).enumerate() {
+        for (jj, &t) in part.iter().enumerate() {
+            let t = t as usize;
+            let (codes, mn, scl) = meta.row_q4(blocks[t / bs] as usize, t % bs, head);
+            prm[jj] = (mn, scl);
+            for (pair, &byte) in kbuf[jj * d..(jj + 1) * d].chunks_exact_mut(2).zip(codes) {
+                pair[0] = (byte & 15) as f32;
+                pair[1] = (byte >> 4) as f32;
             }
-            out[r * n + j] = s;
+        }
+        I::scores(&mut sc, q, &kbuf, rows, part.len(), d);
+        for r in 0..rows {
+            for (jj, &(mn, scl)) in prm[..part.len()].iter().enumerate() {
+                let mut x = mn * sums[r] + scl * sc[r * CHUNK + jj];
+                if softcap > 0.0 {
+                    x = softcap * (x / softcap).tanh();
+                }
+                out[r * n + ci * CHUNK + jj] = x;
+            }
         }
     }
     for r in 0..rows {
