@@ -30,33 +30,63 @@ pub struct SparseCtx<'a> {
     pub snap: Vec<Vec<Option<Arc<SnapSelection>>>>,
 }
 
+/// One KV head's work inside an item: its query rows, candidates, accumulators and traversal state.
+#[derive(Default)]
+struct HeadWork {
+    head: usize,
+    q: Vec<f32>,
+    limits: Vec<RowLimits>,
+    cand: Candidates,
+    st: Option<RowsState>,
+    order: Vec<usize>,
+    merged: Vec<(usize, usize)>,
+    art: ArtState,
+    active: bool,
+    visited: usize,
+    attended: usize,
+    cursor: usize,
+}
+
 /// Reusable per-thread buffers, so a steady decode loop allocates little.
 #[derive(Default)]
 struct Scratch {
-    st: Option<RowsState>,
-    q: Vec<f32>,
+    heads: Vec<HeadWork>,
     row: Vec<f32>,
-    limits: Vec<RowLimits>,
-    cand: Candidates,
     page_scores: Vec<f32>,
     p_rows: Vec<f32>,
     w: Vec<f32>,
     keep: Vec<bool>,
     tokens: Vec<u32>,
-    order: Vec<usize>,
-    merged: Vec<(usize, usize)>,
-    art: ArtState,
     probe: Vec<f32>,
+    part: Vec<(usize, usize)>,
 }
 
 /// Below this many tokens per span on average, a selection is attended as a token list (full chunks).
 const MIN_RUN_FOR_SPANS: usize = 8;
 
+/// Positions per step when the KV heads of an item are interleaved: every head's selected keys in one
+/// window are consumed before the next window, so the cache is read roughly in address order.
+const WINDOW: usize = 64;
+
 /// Policy attention for the decode sequences `seqs` (indices into the batch); returns the counters.
+///
+/// Work items are (sequence, group of KV heads): heads are grouped so there are about two items per
+/// thread, and inside an item the heads are interleaved (by position window, or step by step under
+/// ART), since one head's rows alone are scattered over the cache.
 pub fn sparse_forward(io: &ForwardIo, seqs: &[usize], ctx: &SparseCtx, pool: &rayon::ThreadPool) -> Counters {
-    let items: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|i| (0..io.num_kv_heads).map(move |h| (i, h))).collect();
-    let run = |sc: &mut Scratch, &(i, h): &(usize, usize)| -> Counters { run_item(io, seqs[i], h, ctx.snap.get(i).and_then(|v| v[h].clone()), ctx, sc) };
-    if items.len() <= 1 || pool.current_num_threads() <= 1 {
+    let hk = io.num_kv_heads;
+    let threads = pool.current_num_threads();
+    let per_item = (seqs.len() * hk).div_ceil(2 * threads).clamp(1, hk);
+    let mut items: Vec<(usize, usize, usize)> = Vec::new();
+    for i in 0..seqs.len() {
+        let mut h0 = 0;
+        while h0 < hk {
+            items.push((i, h0, (h0 + per_item).min(hk)));
+            h0 += per_item;
+        }
+    }
+    let run = |sc: &mut Scratch, &(i, h0, h1): &(usize, usize, usize)| -> Counters { run_item(io, seqs[i], h0..h1, ctx.snap.get(i), ctx, sc) };
+    if items.len() <= 1 || threads <= 1 {
         let mut sc = Scratch::default();
         let mut total = Counters::default();
         for it in &items {
@@ -75,29 +105,131 @@ pub fn sparse_forward(io: &ForwardIo, seqs: &[usize], ctx: &SparseCtx, pool: &ra
     })
 }
 
-fn run_item(io: &ForwardIo, s: usize, head: usize, snap: Option<Arc<SnapSelection>>, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
+fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Option<&Vec<Option<Arc<SnapSelection>>>>, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
     let cache = io.cache;
     let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
     let sd = &io.batch.seqs[s];
-    let pos = sd.seq_len - 1;
-    let lim = RowLimits::causal(pos, io.params.window);
+    let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
     let blocks = io.batch.blocks(s, bs);
-    let kv = SeqKv { cache, blocks, head };
+    let p = ctx.pipeline;
+    let mut c = Counters::default();
+    let nh = heads.len();
+    let mut hws = std::mem::take(&mut sc.heads);
+    hws.resize_with(nh, HeadWork::default);
+    for (hw, head) in hws.iter_mut().zip(heads.clone()) {
+        hw.head = head;
+        let sel = snap.and_then(|v| v[head].clone());
+        c.add(&prepare_head(io, s, lim, blocks, sel, ctx, hw, sc));
+    }
+    let kv_of = |head: usize| SeqKv { cache, blocks, head };
+    let softcap = io.params.softcap;
+    match p.art {
+        None => {
+            // Interleave heads by position window.
+            for hw in hws.iter_mut() {
+                hw.cursor = 0;
+            }
+            let mut w0 = lim.lo / WINDOW * WINDOW;
+            while w0 <= lim.hi {
+                let w1 = w0 + WINDOW;
+                for hw in hws.iter_mut() {
+                    sc.part.clear();
+                    while hw.cursor < hw.merged.len() {
+                        let (a, b) = hw.merged[hw.cursor];
+                        if a >= w1 {
+                            break;
+                        }
+                        sc.part.push((a.max(w0), b.min(w1)));
+                        if b <= w1 {
+                            hw.cursor += 1;
+                        } else {
+                            break;
+                        }
+                    }
+                    let n_tok: usize = sc.part.iter().map(|(a, b)| b - a).sum();
+                    let st = hw.st.as_mut().expect("prepared");
+                    attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), &sc.part, n_tok, &mut sc.tokens, softcap);
+                    hw.attended += n_tok;
+                }
+                w0 = w1;
+            }
+            for hw in hws.iter() {
+                c.blocks_visited += hw.cand.units.len() as u64;
+            }
+        }
+        Some(art) => {
+            let dims = probe_dims(d, art.probe);
+            let steps = hws.iter().map(|h| h.order.len()).max().unwrap_or(0);
+            for t in 0..steps {
+                for hw in hws.iter_mut() {
+                    if !hw.active || t >= hw.order.len() {
+                        continue;
+                    }
+                    let u = hw.cand.units[hw.order[t]];
+                    let spans = hw.cand.unit_spans(&u);
+                    let n_tok: usize = spans.iter().map(|(a, b)| b - a).sum();
+                    let st = hw.st.as_mut().expect("prepared");
+                    attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
+                    hw.attended += n_tok;
+                    hw.visited += 1;
+                    sc.probe.clear();
+                    for r in 0..g {
+                        let l = st.l[r];
+                        for &i in &dims {
+                            sc.probe.push(if l > 0.0 { st.acc[r * d + i] / l } else { f32::NAN });
+                        }
+                    }
+                    if hw.art.observe(&sc.probe, dims.len(), art.tau, art.phi, art.patience) {
+                        hw.active = false;
+                    }
+                }
+            }
+            for hw in hws.iter() {
+                c.blocks_visited += hw.visited as u64;
+                c.blocks_skipped_termination += (hw.cand.units.len() - hw.visited) as u64;
+            }
+        }
+    }
+    let row_bytes = (2 * d * cache.dtype.size_bytes()) as u64;
+    sc.row.resize(d, 0.0);
+    for hw in hws.iter() {
+        c.kv_bytes_read += hw.attended as u64 * row_bytes;
+        io.store_rows(hw.st.as_ref().expect("prepared"), sd.q_start..sd.q_start + 1, hw.head, &mut sc.row);
+    }
+    sc.heads = hws;
+    c
+}
+
+/// Select and prune for one KV head; leaves the candidates (and, under ART, the visiting order) in `hw`.
+/// Returns the counters of these stages (metadata bytes read, top-p counts, eligible blocks).
+#[allow(clippy::too_many_arguments)]
+fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: Option<Arc<SnapSelection>>, ctx: &SparseCtx, hw: &mut HeadWork, sc: &mut Scratch) -> Counters {
+    let cache = io.cache;
+    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let sd = &io.batch.seqs[s];
+    let head = hw.head;
     let p = ctx.pipeline;
     let mut c = Counters { policy_rows: 1, ..Default::default() };
     c.blocks_eligible = (lim.hi / bs - lim.lo / bs + 1) as u64;
-    let row_bytes = (2 * d * cache.dtype.size_bytes()) as u64;
     let mut meta_bytes = 0u64;
-
-    sc.q.resize(g * d, 0.0);
-    sc.row.resize(d, 0.0);
-    io.load_queries(sd.q_start..sd.q_start + 1, head, &mut sc.q);
-    io.limits(sd, sd.q_start..sd.q_start + 1, &mut sc.limits);
+    hw.q.resize(g * d, 0.0);
+    io.load_queries(sd.q_start..sd.q_start + 1, head, &mut hw.q);
+    io.limits(sd, sd.q_start..sd.q_start + 1, &mut hw.limits);
+    hw.active = true;
+    hw.visited = 0;
+    hw.attended = 0;
+    hw.art.reset();
+    match &mut hw.st {
+        Some(st) if st.rows == g => st.reset(),
+        slot => {
+            *slot = Some(RowsState::new(g, d));
+        }
+    }
 
     // 1. Select.
     match p.selector {
-        Selector::All => select::all(&mut sc.cand, lim.lo, lim.hi, bs),
-        Selector::Streaming { sink, recent } => select::streaming(&mut sc.cand, lim.lo, lim.hi, sink, recent, bs),
+        Selector::All => select::all(&mut hw.cand, lim.lo, lim.hi, bs),
+        Selector::Streaming { sink, recent } => select::streaming(&mut hw.cand, lim.lo, lim.hi, sink, recent, bs),
         Selector::Quest { budget, page } => {
             let meta = ctx.meta.expect("engine checked quest metadata");
             let first_page = lim.lo / page;
@@ -111,7 +243,7 @@ fn run_item(io: &ForwardIo, s: usize, head: usize, snap: Option<Arc<SnapSelectio
                     let (blk, u) = (u0 / meta.units_per_block, u0 % meta.units_per_block);
                     let (mn, mx) = meta.unit_minmax(blocks[blk] as usize, u, head);
                     for r in 0..g {
-                        best = best.max(quest_bound(&sc.q[r * d..(r + 1) * d], mn, mx));
+                        best = best.max(quest_bound(&hw.q[r * d..(r + 1) * d], mn, mx));
                     }
                     meta_bytes += (2 * d * 4) as u64;
                     u0 += 1;
@@ -119,16 +251,16 @@ fn run_item(io: &ForwardIo, s: usize, head: usize, snap: Option<Arc<SnapSelectio
                 sc.page_scores.push(best);
             }
             let kept = select::quest_pages(&sc.page_scores, first_page, budget, page);
-            select::quest(&mut sc.cand, &kept, &sc.page_scores, first_page, lim.lo, lim.hi, page, bs);
+            select::quest(&mut hw.cand, &kept, &sc.page_scores, first_page, lim.lo, lim.hi, page, bs);
         }
         Selector::SnapKv { .. } => match &snap {
             Some(sel) => {
                 let fixed = sel.keep.iter().map(|&t| t as usize).filter(|&t| t >= lim.lo && t <= lim.hi && t < sel.prefill_len);
                 let generated = sel.prefill_len.max(lim.lo)..lim.hi + 1;
-                sc.cand.from_tokens(fixed.chain(generated), bs, 1, |_| f32::NAN);
+                hw.cand.from_tokens(fixed.chain(generated), bs, 1, |_| f32::NAN);
             }
             // No prefill was seen for this sequence and layer: nothing to choose from, attend everything.
-            None => select::all(&mut sc.cand, lim.lo, lim.hi, bs),
+            None => select::all(&mut hw.cand, lim.lo, lim.hi, bs),
         },
     }
 
@@ -136,13 +268,13 @@ fn run_item(io: &ForwardIo, s: usize, head: usize, snap: Option<Arc<SnapSelectio
     if let Some(tp) = p.top_p {
         let meta = ctx.meta.expect("engine checked int4 metadata");
         sc.tokens.clear();
-        for &(a, b) in &sc.cand.spans {
+        for &(a, b) in &hw.cand.spans {
             sc.tokens.extend(a as u32..b as u32);
         }
         let n = sc.tokens.len();
         c.top_p_candidates += n as u64;
         meta_bytes += (n * (code_bytes(d) + 8)) as u64;
-        estimate_weights(&sc.q, g, d, &sc.tokens, blocks, bs, head, meta, io.params.softcap, &mut sc.p_rows);
+        estimate_weights(&hw.q, g, d, &sc.tokens, blocks, bs, head, meta, io.params.softcap, &mut sc.p_rows);
         let kept = top_p::select(&sc.p_rows, g, n, tp.p, &mut sc.w, &mut sc.keep);
         c.top_p_kept += kept as u64;
         // Rebuild the units from the kept tokens; a unit's priority becomes its estimated mass.
@@ -158,69 +290,25 @@ fn run_item(io: &ForwardIo, s: usize, head: usize, snap: Option<Arc<SnapSelectio
                 _ => mass.push((blk, wj)),
             }
         }
-        let keep = std::mem::take(&mut sc.keep);
-        let toks = std::mem::take(&mut sc.tokens);
-        let kept_iter = toks.iter().zip(&keep).filter(|(_, &k)| k).map(|(&t, _)| t as usize);
+        let kept_iter = sc.tokens.iter().zip(&sc.keep).filter(|(_, &k)| k).map(|(&t, _)| t as usize);
         let score = |blk: usize| mass.binary_search_by_key(&blk, |m| m.0).map_or(f32::NAN, |i| mass[i].1);
-        sc.cand.from_tokens(kept_iter, bs, 1, score);
-        sc.keep = keep;
-        sc.tokens = toks;
+        hw.cand.from_tokens(kept_iter, bs, 1, score);
     }
 
-    // 3. Attend (with ART: unit by unit, in order, until the probe is stable for `patience` units).
-    let st = match &mut sc.st {
-        Some(st) if st.rows == g => {
-            st.reset();
-            st
-        }
-        slot => slot.insert(RowsState::new(g, d)),
-    };
-    let cand = &sc.cand;
-    let mut attended_tokens = 0usize;
+    // 3. Order (ART) or coalesce (units split spans at block boundaries; merge them so chunks stay full).
     match p.art {
+        Some(art) => order_units(&hw.cand, art.order, &mut hw.order),
         None => {
-            // Units split spans at block boundaries; coalesce them again so chunks stay full.
-            sc.merged.clear();
-            for &(a, b) in &cand.spans {
-                match sc.merged.last_mut() {
+            hw.merged.clear();
+            for &(a, b) in &hw.cand.spans {
+                match hw.merged.last_mut() {
                     Some(l) if l.1 == a => l.1 = b,
-                    _ => sc.merged.push((a, b)),
+                    _ => hw.merged.push((a, b)),
                 }
             }
-            let n_tok = cand.tokens();
-            attend_set(st, &sc.q, &sc.limits, &kv, &sc.merged, n_tok, &mut sc.tokens, io.params.softcap);
-            attended_tokens = n_tok;
-            c.blocks_visited = cand.units.len() as u64;
-        }
-        Some(art) => {
-            order_units(cand, art.order, &mut sc.order);
-            let dims = probe_dims(d, art.probe);
-            sc.art.reset();
-            let mut visited = 0;
-            for &ui in &sc.order {
-                let u = &cand.units[ui];
-                let spans = cand.unit_spans(u);
-                let n_tok: usize = spans.iter().map(|(a, b)| b - a).sum();
-                attend_set(st, &sc.q, &sc.limits, &kv, spans, n_tok, &mut sc.tokens, io.params.softcap);
-                attended_tokens += n_tok;
-                visited += 1;
-                sc.probe.clear();
-                for r in 0..g {
-                    let l = st.l[r];
-                    for &i in &dims {
-                        sc.probe.push(if l > 0.0 { st.acc[r * d + i] / l } else { f32::NAN });
-                    }
-                }
-                if sc.art.observe(&sc.probe, dims.len(), art.tau, art.phi, art.patience) {
-                    break;
-                }
-            }
-            c.blocks_visited = visited as u64;
-            c.blocks_skipped_termination = (cand.units.len() - visited) as u64;
         }
     }
-    c.kv_bytes_read = attended_tokens as u64 * row_bytes + meta_bytes;
-    io.store_rows(st, sd.q_start..sd.q_start + 1, head, &mut sc.row);
+    c.kv_bytes_read = meta_bytes;
     c
 }
 
