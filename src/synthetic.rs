@@ -7,14 +7,14 @@
 //!
 //! * **background**: a shared mean vector (a constant logit shift, as real keys have) plus noise that
 //!   drifts slowly along positions (AR(1), ρ = 0.9: neighbouring keys resemble each other, as in real
-//!   caches, which is what page-level bounds like Quest's exploit); logits ≈ N(0, 1);
+//!   caches, which is what page-level bounds like Quest's exploit); logits ≈ N(−ln(context/8192), 1), so
+//!   the background keeps about a quarter of the mass at every context length;
 //! * **sinks**: the first `sinks` tokens with `a = 8.5` (together ≈ 40% of the mass at 8K context);
 //! * **recent**: `a = 6.5 − i/16` for the token `i` places before the query (≈ 20% at 8K);
 //! * **needles**: `needles` random positions with `a ≈ 7` (≈ 15% at 8K together).
 //!
 //! Values are N(0, 1) per channel, except sinks (0.2× as large, as sink values are small in real models)
 //! and needles (3× as large and distinct from each other), so missing a needle moves the output.
-//! The background's share grows with context, as attention gets more diffuse in long contexts.
 //!
 //! The cache is written through `Engine::cache_write` (so policy metadata is maintained) from staging rows
 //! in position order: row `s·context + j` of `new_k`/`new_v` is position `j` of sequence `s`. Tests may
@@ -104,6 +104,8 @@ impl Synth {
         let innov = (1.0 - rho * rho).sqrt();
         let sigma = 0.9;
         let mut drift = vec![0f64; d];
+        // Background logit shift: keeps the background's share of the mass near a quarter at any context.
+        let background = -(l as f64 / 8192.0).ln();
         for s in 0..b {
             for h in 0..hk {
                 let u = unit(&mut rng, d);
@@ -138,9 +140,8 @@ impl Synth {
                         (NEEDLE_LOGIT + rng.normal() * 0.3, 3.0)
                     } else {
                         let back = (l - 1 - j) as f64;
-                        (RECENT_LOGIT - back / RECENT_DECAY, 1.0)
+                        (background.max(RECENT_LOGIT - back / RECENT_DECAY), 1.0)
                     };
-                    let a = a.max(0.0);
                     let row = (s * l + j) * hk + h;
                     for i in 0..d {
                         new_k.set(row * d + i, a * u[i] + mean[i] + sigma * drift[i]);

@@ -48,8 +48,9 @@ pub struct LayerMeta {
     /// Slots per Quest unit and units per block (0 when Quest is off).
     pub unit: usize,
     pub units_per_block: usize,
-    qmin: Vec<f32>,
-    qmax: Vec<f32>,
+    /// fp16 bits, rounded down (min) and up (max), so the bound stays a bound at half the bytes.
+    qmin: Vec<u16>,
+    qmax: Vec<u16>,
     codes: Vec<u8>,
     qparams: Vec<(f32, f32)>,
 }
@@ -69,15 +70,15 @@ impl LayerMeta {
             filled: vec![[0; 4]; nb],
             unit,
             units_per_block: upb,
-            qmin: vec![f32::INFINITY; qn],
-            qmax: vec![f32::NEG_INFINITY; qn],
+            qmin: vec![F16_POS_INF; qn],
+            qmax: vec![F16_NEG_INF; qn],
             codes: vec![0; rows * code_bytes(d)],
             qparams: vec![(0.0, 0.0); rows],
         }
     }
 
     pub fn bytes(&self) -> usize {
-        self.filled.len() * 32 + (self.qmin.len() + self.qmax.len()) * 4 + self.codes.len() + self.qparams.len() * 8
+        self.filled.len() * 32 + (self.qmin.len() + self.qmax.len()) * 2 + self.codes.len() + self.qparams.len() * 8
     }
 
     #[inline]
@@ -110,9 +111,10 @@ impl LayerMeta {
         Ok(())
     }
 
-    /// Channel-wise (min, max) of the keys of Quest unit `u` of `block` for `head`; `None` when empty.
+    /// Channel-wise (min, max) of the keys of Quest unit `u` of `block` for `head`, as fp16 bits
+    /// (min rounded down, max rounded up); +inf / -inf for an empty unit.
     #[inline]
-    pub fn unit_minmax(&self, block: usize, u: usize, head: usize) -> (&[f32], &[f32]) {
+    pub fn unit_minmax(&self, block: usize, u: usize, head: usize) -> (&[u16], &[u16]) {
         let i = ((block * self.units_per_block + u) * self.kv_heads + head) * self.dim;
         (&self.qmin[i..i + self.dim], &self.qmax[i..i + self.dim])
     }
@@ -170,23 +172,53 @@ impl LayerMeta {
 
     fn recompute_unit(&mut self, cache: &KvCache, b: usize, u: usize, row: &mut [f32]) {
         let d = self.dim;
+        let mut mn = vec![f32::INFINITY; d];
+        let mut mx = vec![f32::NEG_INFINITY; d];
         for h in 0..self.kv_heads {
             let i = ((b * self.units_per_block + u) * self.kv_heads + h) * d;
-            self.qmin[i..i + d].fill(f32::INFINITY);
-            self.qmax[i..i + d].fill(f32::NEG_INFINITY);
+            mn.fill(f32::INFINITY);
+            mx.fill(f32::NEG_INFINITY);
             for off in u * self.unit..(u + 1) * self.unit {
                 if !self.is_filled(b, off) {
                     continue;
                 }
                 // SAFETY: b < num_blocks (validated slot), off < block_size, h < num_kv_heads.
                 unsafe { load_row::<Portable>(cache.k_row(b, off, h), cache.dtype, cache.k_dim_stride(), d, row) };
-                for ((mn, mx), &x) in self.qmin[i..i + d].iter_mut().zip(&mut self.qmax[i..i + d]).zip(row.iter()) {
-                    *mn = mn.min(x);
-                    *mx = mx.max(x);
+                for ((a, z), &x) in mn.iter_mut().zip(mx.iter_mut()).zip(row.iter()) {
+                    *a = a.min(x);
+                    *z = z.max(x);
                 }
+            }
+            for c in 0..d {
+                self.qmin[i + c] = f16_down(mn[c]);
+                self.qmax[i + c] = f16_up(mx[c]);
             }
         }
     }
+}
+
+const F16_POS_INF: u16 = 0x7C00;
+const F16_NEG_INF: u16 = 0xFC00;
+
+/// The largest fp16 value `<= x` (as bits).
+pub fn f16_down(x: f32) -> u16 {
+    let h = half::f16::from_f32(x);
+    if h.is_nan() || h.to_f32() <= x {
+        return h.to_bits();
+    }
+    let b = h.to_bits();
+    if b & 0x7fff == 0 {
+        0x8001 // ±0 above a tiny negative x: the smallest negative subnormal
+    } else if b & 0x8000 == 0 {
+        b - 1
+    } else {
+        b + 1
+    }
+}
+
+/// The smallest fp16 value `>= x` (as bits).
+pub fn f16_up(x: f32) -> u16 {
+    f16_down(-x) ^ 0x8000
 }
 
 /// The engine's metadata for all layers.
@@ -233,5 +265,24 @@ impl CacheMeta {
 
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(|l| l.read().as_ref().map_or(0, |m| m.bytes())).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    #[test]
+    fn directed_fp16_rounding_brackets_the_value() {
+        let mut rng = Rng::new(Rng::fresh_seed());
+        for i in 0..100_000 {
+            let x = (rng.normal() * [1e-6, 1e-3, 1.0, 100.0, 1e5][i % 5]) as f32;
+            let lo = half::f16::from_bits(f16_down(x)).to_f32();
+            let hi = half::f16::from_bits(f16_up(x)).to_f32();
+            assert!(lo <= x && x <= hi, "{x}: [{lo}, {hi}]");
+        }
+        assert_eq!(f16_down(f32::INFINITY), F16_POS_INF);
+        assert_eq!(f16_up(f32::NEG_INFINITY), F16_NEG_INF);
     }
 }
