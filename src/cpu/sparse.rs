@@ -337,7 +337,7 @@ pub fn quest_bound(q: &[f32], mn: &[f32], mx: &[f32]) -> f32 {
 /// Bounds of the pages `lo/page ..= hi/page` (max over the group's rows and over the page's units) into
 /// `out`; returns the metadata bytes read.
 #[allow(clippy::too_many_arguments)]
-fn quest_page_scores(q: &[f32], rows: usize, d: usize, lim: RowLimits, page: usize, blocks: &[u32], head: usize, meta: &LayerMeta, out: &mut Vec<f32>) -> u64 {
+pub fn quest_page_scores(q: &[f32], rows: usize, d: usize, lim: RowLimits, page: usize, blocks: &[u32], head: usize, meta: &LayerMeta, out: &mut Vec<f32>) -> u64 {
     match isa::detected() {
         #[cfg(target_arch = "x86_64")]
         IsaLevel::Avx2 => unsafe { quest_scores_avx2(q, rows, d, lim, page, blocks, head, meta, out) },
