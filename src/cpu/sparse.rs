@@ -244,8 +244,12 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
         }
         Selector::SnapKv { .. } => match &snap {
             Some(sel) => {
-                let fixed = sel.keep.iter().map(|&t| t as usize).filter(|&t| t >= lim.lo && t <= lim.hi && t < sel.prefill_len);
-                let generated = sel.prefill_len.max(lim.lo)..lim.hi + 1;
+                // Chosen prompt positions, then everything from the end of the prompt on (generated
+                // tokens); the row's own position is always attended, even if the sequence is now shorter
+                // than the prompt the choice was made for.
+                let cut = sel.prefill_len.min(lim.hi).max(lim.lo);
+                let fixed = sel.keep.iter().map(|&t| t as usize).filter(|&t| t >= lim.lo && t < cut);
+                let generated = cut..lim.hi + 1;
                 hw.cand.from_tokens(fixed.chain(generated), bs, 1, |_| f32::NAN);
             }
             // No prefill was seen for this sequence and layer: nothing to choose from, attend everything.
