@@ -4,17 +4,19 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-fn target_dir() -> PathBuf {
-    // tests run from target/<profile>/deps/<name>; the cdylib sits in target/<profile>/.
+/// Directory holding libkvsparse.so: `cargo test` leaves it next to the test binary in
+/// target/<profile>/deps/; `cargo build` also copies it up to target/<profile>/.
+fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
+    let deps = exe.parent().unwrap().to_path_buf();
+    let profile = deps.parent().unwrap().to_path_buf();
+    [deps, profile].into_iter().find(|d| d.join("libkvsparse.so").exists()).expect("libkvsparse.so next to the test binary")
 }
 
 #[test]
 fn c_program_against_the_header_and_cdylib() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let lib_dir = target_dir();
-    assert!(lib_dir.join("libkvsparse.so").exists(), "cdylib not found in {}", lib_dir.display());
+    let lib_dir = lib_dir();
     let bin = lib_dir.join("kvs_abi_test");
     let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g"])
