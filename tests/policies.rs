@@ -352,3 +352,37 @@ fn quest_bound_holds_and_survives_block_reuse() {
         }
     }
 }
+
+#[test]
+fn policy_specs_through_the_c_abi() {
+    use kvsparse::ffi::types::{kvs_engine_config, kvs_status};
+    use kvsparse::ffi::{kvs_engine_config_init, kvs_engine_create, kvs_engine_destroy, kvs_last_error};
+    use std::ffi::{CStr, CString};
+    for (spec, ok) in [("quest(budget=4096) > top_p(p=0.95) > art(tau=1e-5, phi=1e-3, patience=5)", true), ("art(tau=-1)", false), ("top_p(p=2)", false), ("nonsense(", false)] {
+        let text = CString::new(spec).unwrap();
+        // SAFETY: plain C calls with valid pointers; the engine is destroyed below.
+        unsafe {
+            let mut cfg: kvs_engine_config = std::mem::zeroed();
+            cfg.struct_size = std::mem::size_of::<kvs_engine_config>() as u32;
+            assert_eq!(kvs_engine_config_init(&mut cfg), kvs_status::KVS_OK);
+            cfg.num_layers = 4;
+            cfg.num_q_heads = 8;
+            cfg.num_kv_heads = 2;
+            cfg.head_dim = 128;
+            cfg.block_size = 16;
+            cfg.policy = text.as_ptr();
+            let mut e = std::ptr::null_mut();
+            let st = kvs_engine_create(&cfg, &mut e);
+            if ok {
+                assert_eq!(st, kvs_status::KVS_OK, "{spec}");
+                assert!(!e.is_null());
+            } else {
+                assert_eq!(st, kvs_status::KVS_ERR_INVALID_ARGUMENT, "{spec}");
+                assert!(e.is_null());
+                let msg = CStr::from_ptr(kvs_last_error()).to_string_lossy().into_owned();
+                assert!(msg.contains("position"), "{spec}: {msg}");
+            }
+            kvs_engine_destroy(e);
+        }
+    }
+}
