@@ -225,7 +225,6 @@ struct Args<'a> {
     src: &'a str,
     stage: &'a str,
     args: Vec<Arg>,
-    used: Vec<bool>,
 }
 
 impl<'a> Args<'a> {
@@ -238,14 +237,11 @@ impl<'a> Args<'a> {
                 return Err(err(src, a.key_pos, &format!("each key of `{stage}` at most once"), &format!("`{}` again", a.key)));
             }
         }
-        let used = vec![false; args.len()];
-        Ok(Args { src, stage, args, used })
+        Ok(Args { src, stage, args })
     }
 
     fn find(&mut self, key: &str) -> Option<usize> {
-        let i = self.args.iter().position(|a| a.key == key)?;
-        self.used[i] = true;
-        Some(i)
+        self.args.iter().position(|a| a.key == key)
     }
 
     fn bad(&self, a: &Arg, expected: &str) -> Error {
