@@ -15,7 +15,7 @@ use crate::error::Result;
 use crate::layout::{validate_params, Batch, KvCache};
 use crate::policy::{Policy, Selector, SnapSelection};
 use crate::sequences::Registry;
-use crate::stats::{Counters, EngineStats};
+use crate::stats::{Counters, EngineStats, VisitRecord};
 use crate::tensor::{DType, Device, TensorRef};
 use crate::{bail, ensure};
 
@@ -80,6 +80,8 @@ pub struct Engine {
     /// Key metadata (Quest min/max, INT4 K) maintained on cache writes for the policy's needs.
     meta: CacheMeta,
     stats: Mutex<(Counters, Vec<Counters>)>,
+    /// Per-row visit records, collected only while [`Engine::record_visits`] is on.
+    visits: Mutex<Option<Vec<VisitRecord>>>,
 }
 
 impl Engine {
@@ -97,7 +99,7 @@ impl Engine {
             .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?;
         let per_layer = vec![Counters::default(); cfg.num_layers];
         let meta = CacheMeta::new(policy.meta_needs(), cfg.num_layers);
-        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)) })
+        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None) })
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -195,8 +197,12 @@ impl Engine {
                         (0..cfg.num_kv_heads).map(|h| st.as_ref().and_then(|st| st.policy.head(a.layer, h)).and_then(|hs| hs.snapkv.clone())).collect()
                     })
                     .collect();
-                let ctx = SparseCtx { pipeline: p, meta, snap };
+                let log = self.visits.lock().is_some().then(|| std::sync::Mutex::new(Vec::new()));
+                let ctx = SparseCtx { pipeline: p, meta, snap, visits: log.as_ref() };
                 c.add(&sparse_forward(&io, &policy_seqs, &ctx, &self.pool));
+                if let (Some(log), Some(dst)) = (log, self.visits.lock().as_mut()) {
+                    dst.extend(log.into_inner().expect("visit log").into_iter().map(|r| VisitRecord { layer: a.layer, ..r }));
+                }
             }
         }
         drop(meta_guard);
@@ -294,6 +300,18 @@ impl Engine {
         }
         cpu::merge::merge_states(&a.out_a, &a.lse_a, &a.out_b, &a.lse_b, &a.out, a.lse_out.as_ref());
         Ok(())
+    }
+
+    /// Starts (`true`) or stops collecting, per policy row, the positions it attended (see
+    /// [`VisitRecord`]). Off by default; for evaluation and debugging, not for serving (it allocates).
+    pub fn record_visits(&self, on: bool) {
+        let mut v = self.visits.lock();
+        *v = if on { Some(v.take().unwrap_or_default()) } else { None };
+    }
+
+    /// The visit records collected since the last call (empty when recording is off).
+    pub fn take_visits(&self) -> Vec<VisitRecord> {
+        self.visits.lock().as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// Frees all state kept for `seq_id`.

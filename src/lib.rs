@@ -22,6 +22,7 @@ pub mod sequences;
 pub mod stats;
 pub mod synthetic;
 pub mod tensor;
+pub mod traces;
 
 pub use config::EngineConfig;
 pub use engine::{CacheWriteArgs, Engine, ForwardArgs, MergeArgs};

@@ -73,3 +73,15 @@ pub struct EngineStats {
     pub sequences_released: u64,
     pub state_bytes: u64,
 }
+
+/// What one policy row attended: for (sequence, KV head) of a decode row in a non-dense layer, the sorted
+/// half-open position spans whose keys exact attention read (after selection, top-p and ART's early stop).
+/// Collected only when asked for ([`crate::Engine::record_visits`]); evaluation uses it to measure the
+/// attention mass a policy recovered. Dense rows are not recorded (they visit every visible position).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VisitRecord {
+    pub layer: usize,
+    pub seq_id: u64,
+    pub kv_head: usize,
+    pub spans: Vec<(usize, usize)>,
+}

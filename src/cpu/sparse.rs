@@ -19,7 +19,7 @@ use super::quantize::code_bytes;
 use crate::policy::select::{self, Candidates};
 use crate::policy::termination::{order_units, probe_dims, ArtState};
 use crate::policy::{top_p, Pipeline, Selector, SnapSelection};
-use crate::stats::Counters;
+use crate::stats::{Counters, VisitRecord};
 
 /// Everything one call's policy rows need besides the caller's tensors.
 pub struct SparseCtx<'a> {
@@ -28,6 +28,8 @@ pub struct SparseCtx<'a> {
     pub meta: Option<&'a LayerMeta>,
     /// SnapKV choices per decode sequence (same order as `seqs`), one entry per KV head.
     pub snap: Vec<Vec<Option<Arc<SnapSelection>>>>,
+    /// When set, each policy row appends the spans it attended (evaluation only; off when serving).
+    pub visits: Option<&'a std::sync::Mutex<Vec<VisitRecord>>>,
 }
 
 /// One KV head's work inside an item: its query rows, candidates, accumulators and traversal state.
@@ -195,6 +197,10 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
             }
         }
     }
+    if let Some(log) = ctx.visits {
+        let recs = hws.iter().map(|hw| VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: hw.head, spans: visited_spans(hw, p.art.is_some()) });
+        log.lock().expect("visit log").extend(recs);
+    }
     let row_bytes = (2 * d * cache.dtype.size_bytes()) as u64;
     sc.row.resize(d, 0.0);
     for hw in hws.iter() {
@@ -203,6 +209,17 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
     }
     sc.heads = hws;
     c
+}
+
+/// The sorted spans one head attended: all candidates, or under ART the units visited before it stopped.
+fn visited_spans(hw: &HeadWork, art: bool) -> Vec<(usize, usize)> {
+    let mut v: Vec<(usize, usize)> = if art {
+        hw.order[..hw.visited].iter().flat_map(|&u| hw.cand.unit_spans(&hw.cand.units[u]).iter().copied()).collect()
+    } else {
+        hw.cand.spans.clone()
+    };
+    v.sort_unstable();
+    v
 }
 
 /// Select and prune for one KV head; leaves the candidates (and, under ART, the visiting order) in `hw`.
