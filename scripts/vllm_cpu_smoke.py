@@ -28,7 +28,8 @@ DEFAULT_MODEL = REPO_ROOT / ".cache" / "smollm2"
 PROMPT = "What is the capital of France? Answer in one sentence."
 
 
-def vllm_generate(model_dir: Path, max_tokens: int) -> tuple[list[int], str, list[int]]:
+def vllm_generate(model_dir: Path, max_tokens: int,
+                  enforce_eager: bool) -> tuple[list[int], str, list[int]]:
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
@@ -38,6 +39,7 @@ def vllm_generate(model_dir: Path, max_tokens: int) -> tuple[list[int], str, lis
         max_model_len=8192,
         dtype="float32",
         seed=0,
+        enforce_eager=enforce_eager,
     )
     print(f"[vllm] LLM() startup: {time.time() - t0:.1f} s", flush=True)
     tok = llm.get_tokenizer()
@@ -69,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", nargs="?", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="skip vLLM's torch.compile warm-up (faster startup)")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    vllm_ids, text, prompt_ids = vllm_generate(args.model_dir, args.max_tokens)
+    vllm_ids, text, prompt_ids = vllm_generate(args.model_dir, args.max_tokens,
+                                             args.enforce_eager)
     print(f"[vllm] prompt {len(prompt_ids)} tokens; output ids {vllm_ids}")
     print(f"[vllm] output text {text!r}")
     if args.no_hf:
