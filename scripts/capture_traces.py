@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         # Exactness: from the float32 q/k/v the model used, our float64
         # recomputation must reproduce its output to float32 accuracy.
         err32, _ = attention_errors(exact, spec.layers, info["prompt_len"])
-        if err32 > 1e-5:
+        if err32 > 1e-4:
             raise SystemExit(f"{spec.name}: capture check failed, fp32 relative error {err32:.2e}")
         # What a reader of the stored (fp16 q/k/v) tensors will see.
         err16_step, err16_layer = attention_errors(tensors, spec.layers, info["prompt_len"])
