@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Measured full install time: 166 s (2 min 46 s) for a fresh venv with an
-# empty pip cache (PIP_NO_CACHE_DIR=1) on the 2-core dev machine; ~6.3 GB.
-# A re-run on a complete venv: ~8 s (stamp check) / ~15 s (pip re-check).
+# Measured full install time, fresh venv, empty pip cache (PIP_NO_CACHE_DIR=1),
+# 2-core dev machine: 166 s (2 min 46 s) with the cores free, 388 s (6 min 28 s)
+# with other jobs keeping both cores busy. Venv size ~6.3 GB.
+# A re-run on a complete venv: ~8 s (stamp check) / ~15-50 s (pip re-check).
 #
 # Creates (or updates) the Python virtual environment used by the Python side
 # of kvsparse: trace capture, model conversion, tests and the vLLM CPU runs.

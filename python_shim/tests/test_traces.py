@@ -116,3 +116,27 @@ def test_recompute_detects_wrong_alignment():
     ref = recompute(q, k, v, P - 1, 0.125, 3)  # attends one key too few
     err = np.linalg.norm(ref - out) / np.linalg.norm(ref)
     assert err > 10 * LAYER_REL_TOL
+
+
+def test_recompute_detects_wrong_gqa_mapping():
+    """Sanity check of the check itself: pairing query head h with kv head
+    h % 3 instead of h // 3 must be caught."""
+    entry = next(e for e in trace_entries() if e["kind"] == "needle")
+    tensors = load_file(str(TRACES / entry["file"]))
+    L, P = entry["layers"][0], entry["prompt_len"]
+    q = tensors[f"layer{L}.q"].astype(np.float64)[:4]
+    # Reorder kv heads so that np.repeat(..., 3) yields head order h % 3.
+    k = tensors[f"layer{L}.k"].astype(np.float64)
+    v = tensors[f"layer{L}.v"].astype(np.float64)
+    out = tensors[f"layer{L}.out"].astype(np.float64)[:4]
+    perm = np.array([h % 3 for h in range(9)])
+    ref = np.empty_like(out)
+    for t in range(q.shape[0]):
+        n = P + t + 1
+        kk, vv = k[:n][:, perm], v[:n][:, perm]
+        s = np.einsum("hd,nhd->hn", q[t], kk) * 0.125
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        ref[t] = np.einsum("hn,nhd->hd", p, vv)
+    err = np.linalg.norm(ref - out) / np.linalg.norm(ref)
+    assert err > 10 * LAYER_REL_TOL
