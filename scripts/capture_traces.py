@@ -125,8 +125,15 @@ class Recorder:
             return
         if self.fact_span is not None and weights is not None:
             s, e = self.fact_span
-            # weights [1, 9, S, kv_len]; mass of the last query row on the fact
-            self.fact_mass.setdefault(layer, []).append(weights[0, :, -1, s:e].sum(-1).detach().clone())
+            # weights [1, 9, S, kv_len]; mass of the last query row on the fact.
+            # Prefill runs in chunks: only the last chunk's last row (the last
+            # prompt position) is kept, as element 0 of the list.
+            mass = weights[0, :, -1, s:e].sum(-1).detach().clone()
+            rows = self.fact_mass.setdefault(layer, [])
+            if self.phase == "prefill":
+                rows[:] = [mass]
+            else:
+                rows.append(mass)
         if layer not in self.layers:
             return
         if self.phase == "prefill":
