@@ -15,7 +15,7 @@ use crate::policy::Policy;
 use crate::sequences::Registry;
 use crate::stats::{Counters, EngineStats};
 use crate::tensor::{DType, Device, TensorRef};
-use crate::{bail, ensure};
+use crate::ensure;
 
 /// Arguments of one attention forward call (see `kvs_forward_args` in the C header for the contract).
 #[derive(Clone, Copy, Debug)]
@@ -41,6 +41,10 @@ pub struct ForwardArgs {
     pub scale: f32,
     pub sliding_window: i32,
     pub softcap: f32,
+    /// Largest query length / sequence length in the batch, for GPU grid sizing (0 = unknown: the CUDA
+    /// backend then assumes the block table's capacity). Ignored on the CPU, which reads the metadata.
+    pub max_query_len: i32,
+    pub max_seq_len: i32,
     pub stream: *mut c_void,
 }
 
@@ -76,14 +80,17 @@ pub struct Engine {
     pool: rayon::ThreadPool,
     sequences: Registry,
     stats: Mutex<(Counters, Vec<Counters>)>,
+    /// The CUDA backend when the engine's device is a GPU (None = CPU backend).
+    cuda: Option<crate::cuda::CudaBackend>,
 }
 
 impl Engine {
     pub fn new(cfg: EngineConfig) -> Result<Self> {
         cfg.validate()?;
-        if let Device::Cuda(_) = cfg.device {
-            bail!(Unsupported, "CUDA device requested, but this build of kvsparse has no CUDA backend yet; use a CPU device");
-        }
+        let cuda = match cfg.device {
+            Device::Cuda(i) => Some(crate::cuda::CudaBackend::new(&cfg, i)?),
+            Device::Cpu => None,
+        };
         let policy = Policy::parse(&cfg.policy)?;
         let threads = if cfg.num_threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { cfg.num_threads };
         let pool = rayon::ThreadPoolBuilder::new()
@@ -92,7 +99,7 @@ impl Engine {
             .build()
             .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?;
         let per_layer = vec![Counters::default(); cfg.num_layers];
-        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), stats: Mutex::new((Counters::default(), per_layer)) })
+        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), stats: Mutex::new((Counters::default(), per_layer)), cuda })
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -122,6 +129,14 @@ impl Engine {
             lse.expect_no_self_overlap("lse")?;
         }
         let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
+        if let Some(gpu) = &self.cuda {
+            // Device metadata cannot be read without a sync, so the GPU path counts calls only.
+            ensure!(self.policy.is_dense_for_layer(a.layer), Unsupported, "the CUDA backend runs dense attention only; policy {:?} is not available on it yet", cfg.policy);
+            gpu.forward(cfg, a, &cache)?;
+            let c = Counters { calls: 1, ..Default::default() };
+            self.record(a.layer, &c);
+            return Ok(c);
+        }
         let batch = Batch::from_host_tensors(num_tokens, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref(), cfg.block_size, cache.num_blocks)?;
         ensure!(
             batch.has_seq_ids || self.policy.is_dense_for_layer(a.layer),
@@ -175,6 +190,9 @@ impl Engine {
         ensure!(a.value.dim(0) == n, InvalidShape, "key has {n} tokens but value has {}", a.value.dim(0));
         a.slot_mapping.expect("slot_mapping", 1, &[DType::I64, DType::I32], dev)?;
         ensure!(a.slot_mapping.dim(0) >= n, InvalidShape, "slot_mapping has {} entries for {n} tokens", a.slot_mapping.dim(0));
+        if let Some(gpu) = &self.cuda {
+            return gpu.cache_write(cfg, a, &cache, n);
+        }
         let slots = cpu::cache_write::decode_slots(&a.slot_mapping, n, &cache)?;
         cpu::cache_write::write(&cache, &a.key, &a.value, &slots);
         Ok(())
@@ -196,6 +214,9 @@ impl Engine {
                 t.expect(name, 2, &[DType::F32], dev)?;
                 t.expect_shape(name, &shape[..2])?;
             }
+        }
+        if let Some(gpu) = &self.cuda {
+            return gpu.merge(a);
         }
         cpu::merge::merge_states(&a.out_a, &a.lse_a, &a.out_b, &a.lse_b, &a.out, a.lse_out.as_ref());
         Ok(())
