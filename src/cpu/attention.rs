@@ -6,7 +6,7 @@
 //! every query row of the group, so the loop streams the KV cache once per (sequence, KV head) in decode.
 //! Dense attention calls it with one position range; policies call it with their own span lists.
 
-use super::convert::{axpy, dot, load_row, Isa, Portable};
+use super::convert::{load_row, Isa, Portable};
 use super::isa::{self, IsaLevel};
 use super::math::fast_exp;
 use crate::layout::KvCache;
@@ -84,7 +84,7 @@ impl RowsState {
             l: vec![0.0; rows],
             acc: vec![0.0; rows * dim],
             kbuf: vec![0.0; CHUNK * dim],
-            vbuf: vec![0.0; dim],
+            vbuf: vec![0.0; CHUNK * dim],
             scores: vec![0.0; rows * CHUNK],
         }
     }
@@ -94,6 +94,25 @@ impl RowsState {
         self.m.fill(f32::NEG_INFINITY);
         self.l.fill(0.0);
         self.acc.fill(0.0);
+    }
+
+    /// Folds another partial state over a disjoint key set into this one (exact, through the running
+    /// maxima): used to combine split-KV partials.
+    pub fn merge_from(&mut self, o: &RowsState) {
+        let d = self.dim;
+        for r in 0..self.rows {
+            let m = self.m[r].max(o.m[r]);
+            if m == f32::NEG_INFINITY {
+                continue;
+            }
+            let a = if self.l[r] > 0.0 { fast_exp(self.m[r] - m) } else { 0.0 };
+            let b = if o.l[r] > 0.0 { fast_exp(o.m[r] - m) } else { 0.0 };
+            self.l[r] = self.l[r] * a + o.l[r] * b;
+            for (x, &y) in self.acc[r * d..(r + 1) * d].iter_mut().zip(&o.acc[r * d..(r + 1) * d]) {
+                *x = *x * a + y * b;
+            }
+            self.m[r] = m;
+        }
     }
 
     /// Normalised output of row `r` written into `out`; returns its log-sum-exp (natural log, scaled
@@ -124,6 +143,42 @@ pub fn attend_spans(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &Se
     }
 }
 
+/// Like [`attend_spans`] for several KV heads of one sequence at once (`states[i]` and the query rows
+/// `qs[i]` belong to KV head `head0 + i`): each chunk of positions is consumed for every head before the
+/// next, so the cache is read in address order (a token's heads are adjacent) instead of one head's rows
+/// scattered over pages, which is what keeps the CPU decode loop at memory bandwidth.
+pub fn attend_spans_heads(states: &mut [RowsState], qs: &[Vec<f32>], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
+    match isa::detected() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => unsafe { attend_spans_heads_avx2(states, qs, limits, kv, spans, softcap) },
+        IsaLevel::Portable => attend_spans_heads_generic::<Portable>(states, qs, limits, kv, spans, softcap),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_spans_heads_avx2(states: &mut [RowsState], qs: &[Vec<f32>], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
+    attend_spans_heads_generic::<super::convert::Avx2>(states, qs, limits, kv, spans, softcap)
+}
+
+#[inline(always)]
+fn attend_spans_heads_generic<I: Isa>(states: &mut [RowsState], qs: &[Vec<f32>], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
+    let dim = states.first().map_or(0, |s| s.dim);
+    let n_heads = states.len();
+    for &(start, end) in spans {
+        let mut c0 = start;
+        while c0 < end {
+            let c1 = (c0 + CHUNK).min(end);
+            prefetch_token_rows(kv, c1, (c1 + CHUNK).min(end), n_heads * dim);
+            for (i, st) in states.iter_mut().enumerate() {
+                let kvh = SeqKv { head: kv.head + i, ..*kv };
+                chunk::<I>(st, &qs[i], limits, &kvh, c0, c1, softcap);
+            }
+            c0 = c1;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_spans_avx2(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
@@ -138,10 +193,34 @@ fn attend_spans_generic<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimi
         let mut c0 = start;
         while c0 < end {
             let c1 = (c0 + CHUNK).min(end);
+            prefetch_token_rows(kv, c1, (c1 + CHUNK).min(end), st.dim);
             chunk::<I>(st, q, limits, kv, c0, c1, softcap);
             c0 = c1;
         }
     }
+}
+
+/// Asks for `elems` elements of K and V from head `kv.head` on, for positions `[p0, p1)`, ahead of use
+/// (the hardware prefetcher stops at page boundaries, which paged caches cross often).
+#[inline(always)]
+fn prefetch_token_rows(kv: &SeqKv, p0: usize, p1: usize, elems: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let row_bytes = elems * kv.cache.dtype.size_bytes();
+        for pos in p0..p1 {
+            for base in [kv.k_row(pos), kv.v_row(pos)] {
+                let mut off = 0;
+                while off < row_bytes {
+                    // SAFETY: prefetch is a hint; it never faults, and the address is inside the cache row.
+                    unsafe { _mm_prefetch(base.wrapping_add(off) as *const i8, _MM_HINT_T0) };
+                    off += 64;
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (kv, p0, p1, elems);
 }
 
 /// One chunk of keys `[c0, c1)`: scores, online-softmax update, value accumulation.
@@ -150,39 +229,28 @@ fn chunk<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv
     let n = c1 - c0;
     let d = st.dim;
     let cache = kv.cache;
-    // Which rows see any key of this chunk? Skip the chunk (no loads) when none does.
-    let any = limits.iter().any(|lim| lim.lo < c1 && lim.hi >= c0);
-    if !any {
+    // Skip the chunk (no loads) when no row sees any of its keys.
+    if !limits.iter().any(|lim| lim.lo < c1 && lim.hi >= c0) {
         return;
     }
     for jj in 0..n {
         // SAFETY: positions < seq_len, whose blocks were validated against the cache.
         unsafe { load_row::<I>(kv.k_row(c0 + jj), cache.dtype, cache.k_dim_stride(), d, &mut st.kbuf[jj * d..(jj + 1) * d]) };
     }
+    I::scores(&mut st.scores, q, &st.kbuf, st.rows, n, d);
     let mut any_weight = false;
     for r in 0..st.rows {
         let lim = limits[r];
         let sc = &mut st.scores[r * CHUNK..r * CHUNK + n];
-        if lim.lo >= c1 || lim.hi < c0 {
-            sc.fill(0.0);
-            continue;
-        }
-        let qr = &q[r * d..(r + 1) * d];
         let mut cmax = f32::NEG_INFINITY;
-        for jj in 0..n {
+        for (jj, s) in sc.iter_mut().enumerate() {
             let pos = c0 + jj;
-            let s = if pos < lim.lo || pos > lim.hi {
-                f32::NEG_INFINITY
-            } else {
-                let s = dot(qr, &st.kbuf[jj * d..(jj + 1) * d]);
-                if softcap > 0.0 {
-                    softcap * (s / softcap).tanh()
-                } else {
-                    s
-                }
-            };
-            sc[jj] = s;
-            cmax = cmax.max(s);
+            if pos < lim.lo || pos > lim.hi {
+                *s = f32::NEG_INFINITY;
+            } else if softcap > 0.0 {
+                *s = softcap * (*s / softcap).tanh();
+            }
+            cmax = cmax.max(*s);
         }
         if cmax == f32::NEG_INFINITY {
             sc.fill(0.0);
@@ -198,24 +266,137 @@ fn chunk<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv
             }
         }
         st.m[r] = m_new;
-        let mut sum = 0f32;
         for s in sc.iter_mut() {
             *s = fast_exp(*s - m_new);
-            sum += *s;
         }
-        st.l[r] += sum;
+        st.l[r] += sum8(sc);
         any_weight = true;
     }
     if !any_weight {
         return;
     }
     for jj in 0..n {
-        unsafe { load_row::<I>(kv.v_row(c0 + jj), cache.dtype, cache.v_dim_stride(), d, &mut st.vbuf) };
-        for r in 0..st.rows {
-            let p = st.scores[r * CHUNK + jj];
-            if p != 0.0 {
-                axpy(&mut st.acc[r * d..(r + 1) * d], p, &st.vbuf);
+        unsafe { load_row::<I>(kv.v_row(c0 + jj), cache.dtype, cache.v_dim_stride(), d, &mut st.vbuf[jj * d..(jj + 1) * d]) };
+    }
+    I::accumulate(&mut st.acc, &st.scores, &st.vbuf, st.rows, n, d);
+}
+
+/// Sum with eight independent lanes (vectorises; a plain fold is a serial dependency chain).
+#[inline(always)]
+fn sum8(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for l in 0..8 {
+            acc[l] += c[l];
+        }
+    }
+    let tail: f32 = it.remainder().iter().sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `scores[r][j] = q_r · k_j` for `rows` query rows and `n` keys (`kbuf` is `n × d`, `d % 8 == 0`).
+/// Register-blocked 4 rows × 2 keys: every K load feeds four rows, every Q load two keys.
+#[inline(always)]
+pub(crate) fn scores_generic<I: Isa>(scores: &mut [f32], q: &[f32], kbuf: &[f32], rows: usize, n: usize, d: usize) {
+    let mut r0 = 0;
+    while r0 + 4 <= rows {
+        let mut j = 0;
+        while j + 2 <= n {
+            let s = dot_block::<I, 4, 2>(q, r0, kbuf, j, d);
+            for a in 0..4 {
+                for b in 0..2 {
+                    scores[(r0 + a) * CHUNK + j + b] = s[a][b];
+                }
+            }
+            j += 2;
+        }
+        if j < n {
+            let s = dot_block::<I, 4, 1>(q, r0, kbuf, j, d);
+            for a in 0..4 {
+                scores[(r0 + a) * CHUNK + j] = s[a][0];
+            }
+        }
+        r0 += 4;
+    }
+    while r0 < rows {
+        let mut j = 0;
+        while j + 4 <= n {
+            let s = dot_block::<I, 1, 4>(q, r0, kbuf, j, d);
+            for b in 0..4 {
+                scores[r0 * CHUNK + j + b] = s[0][b];
+            }
+            j += 4;
+        }
+        while j < n {
+            scores[r0 * CHUNK + j] = dot_block::<I, 1, 1>(q, r0, kbuf, j, d)[0][0];
+            j += 1;
+        }
+        r0 += 1;
+    }
+}
+
+#[inline(always)]
+fn dot_block<I: Isa, const R: usize, const K: usize>(q: &[f32], r0: usize, kbuf: &[f32], j0: usize, d: usize) -> [[f32; K]; R] {
+    let mut acc = [[[0f32; 8]; K]; R];
+    for c in (0..d).step_by(8) {
+        let mut kk = [[0f32; 8]; K];
+        for b in 0..K {
+            kk[b].copy_from_slice(&kbuf[(j0 + b) * d + c..(j0 + b) * d + c + 8]);
+        }
+        for a in 0..R {
+            let qq = &q[(r0 + a) * d + c..(r0 + a) * d + c + 8];
+            for b in 0..K {
+                for l in 0..8 {
+                    acc[a][b][l] = I::fma(qq[l], kk[b][l], acc[a][b][l]);
+                }
             }
         }
     }
+    let mut out = [[0f32; K]; R];
+    for a in 0..R {
+        for b in 0..K {
+            let v = &acc[a][b];
+            out[a][b] = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+        }
+    }
+    out
 }
+
+/// `acc[r] += Σ_j p[r][j] · v_j`, register-blocked 4 rows × 16 columns so the accumulators stay in
+/// registers for the whole chunk instead of being loaded and stored once per key.
+#[inline(always)]
+pub(crate) fn accumulate_generic<I: Isa>(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
+    let mut r0 = 0;
+    while r0 + 4 <= rows {
+        accumulate_block::<I, 4>(acc, p, vbuf, r0, n, d);
+        r0 += 4;
+    }
+    while r0 < rows {
+        accumulate_block::<I, 1>(acc, p, vbuf, r0, n, d);
+        r0 += 1;
+    }
+}
+
+#[inline(always)]
+fn accumulate_block<I: Isa, const R: usize>(acc: &mut [f32], p: &[f32], vbuf: &[f32], r0: usize, n: usize, d: usize) {
+    for c in (0..d).step_by(16) {
+        let mut a = [[0f32; 16]; R];
+        for r in 0..R {
+            a[r].copy_from_slice(&acc[(r0 + r) * d + c..(r0 + r) * d + c + 16]);
+        }
+        for j in 0..n {
+            let v = &vbuf[j * d + c..j * d + c + 16];
+            for r in 0..R {
+                let w = p[(r0 + r) * CHUNK + j];
+                for l in 0..16 {
+                    a[r][l] = I::fma(w, v[l], a[r][l]);
+                }
+            }
+        }
+        for r in 0..R {
+            acc[(r0 + r) * d + c..(r0 + r) * d + c + 16].copy_from_slice(&a[r]);
+        }
+    }
+}
+

@@ -13,6 +13,18 @@ pub trait Isa: Copy {
     /// # Safety
     /// `src` must hold `n` halfs; `dst.len() >= n`.
     unsafe fn f16_to_f32(src: *const u16, dst: &mut [f32], n: usize);
+    /// `a * b + c`: a fused instruction where the ISA has one (a libm call would be far slower).
+    fn fma(a: f32, b: f32, c: f32) -> f32;
+    /// Scores `q · kᵀ` of a chunk (see `attention::scores_generic`).
+    #[inline(always)]
+    fn scores(scores: &mut [f32], q: &[f32], kbuf: &[f32], rows: usize, n: usize, d: usize) {
+        super::attention::scores_generic::<Self>(scores, q, kbuf, rows, n, d)
+    }
+    /// Value accumulation `acc += p · v` of a chunk (see `attention::accumulate_generic`).
+    #[inline(always)]
+    fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
+        super::attention::accumulate_generic::<Self>(acc, p, vbuf, rows, n, d)
+    }
 }
 
 /// Portable code: whatever the baseline target allows.
@@ -26,6 +38,10 @@ impl Isa for Portable {
             *d = half::f16::from_bits(src.add(i).read_unaligned()).to_f32();
         }
     }
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
 }
 
 /// x86-64 with AVX2 + FMA + F16C.
@@ -38,6 +54,20 @@ impl Isa for Avx2 {
     #[inline(always)]
     unsafe fn f16_to_f32(src: *const u16, dst: &mut [f32], n: usize) {
         f16_to_f32_f16c(src, dst, n)
+    }
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn scores(scores: &mut [f32], q: &[f32], kbuf: &[f32], rows: usize, n: usize, d: usize) {
+        // SAFETY: this ISA is only selected when AVX2 and FMA were detected.
+        unsafe { super::avx2::scores(scores, q, kbuf, rows, n, d) }
+    }
+    #[inline(always)]
+    fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
+        // SAFETY: as above.
+        unsafe { super::avx2::accumulate(acc, p, vbuf, rows, n, d) }
     }
 }
 
@@ -123,30 +153,3 @@ pub unsafe fn copy_elem(src: *const u8, dst: *mut u8, size: usize) {
     std::ptr::copy_nonoverlapping(src, dst, size)
 }
 
-/// Dot product written so the compiler keeps eight independent accumulators (one AVX register).
-#[inline(always)]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; 8];
-    let mut ca = a.chunks_exact(8);
-    let mut cb = b.chunks_exact(8);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for k in 0..8 {
-            acc[k] = x[k].mul_add(y[k], acc[k]);
-        }
-    }
-    let mut tail = 0f32;
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        tail = x.mul_add(*y, tail);
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
-/// `acc += w * x`, vectorised.
-#[inline(always)]
-pub fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
-    for (a, &v) in acc.iter_mut().zip(x) {
-        *a = w.mul_add(v, *a);
-    }
-}

@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use super::attention::{attend_spans, AttnParams, RowLimits, RowsState, SeqKv};
+use super::attention::{attend_spans_heads, AttnParams, RowLimits, RowsState, SeqKv};
 use super::convert::{load_row, store_row, Portable};
 use crate::layout::{Batch, KvCache, SeqDesc};
 use crate::tensor::TensorRef;
@@ -70,6 +70,14 @@ impl ForwardIo<'_> {
         }
     }
 
+    /// Writes the finished states of all KV heads (`states[h]` for head h) for `tokens`.
+    pub fn store_heads(&self, states: &[RowsState], tokens: std::ops::Range<usize>, row_buf: &mut Vec<f32>) {
+        row_buf.resize(self.cache.head_dim, 0.0);
+        for (h, st) in states.iter().enumerate() {
+            self.store_rows(st, tokens.clone(), h, row_buf);
+        }
+    }
+
     /// Causal (and windowed) limits for the rows of `tokens` of sequence `s`.
     pub fn limits(&self, s: &SeqDesc, tokens: std::ops::Range<usize>, out: &mut Vec<RowLimits>) {
         out.clear();
@@ -83,65 +91,106 @@ impl ForwardIo<'_> {
     }
 }
 
-/// One unit of parallel work.
+/// One unit of parallel work: a tile of query tokens of one sequence, all KV heads, keys `[k0, k1)`.
 #[derive(Clone, Copy, Debug)]
 struct Item {
     seq: usize,
-    kv_head: usize,
     t0: usize,
     t1: usize,
+    k0: usize,
+    k1: usize,
 }
 
+/// Fewest keys worth a split of its own (below this, merging costs more than it spreads).
+const MIN_SPLIT_KEYS: usize = 512;
+
 /// Dense attention for the sequences `seqs` (indices into the batch) of one forward call.
+///
+/// Work items are (sequence, tile of query tokens), each covering all KV heads so the cache is read in
+/// address order. When there are fewer items than twice the threads (small decode batches), each item's
+/// key range is split and the partial states are merged exactly afterwards (split-KV).
 pub fn dense_forward(io: &ForwardIo, seqs: &[usize], pool: &rayon::ThreadPool) {
     let g = io.group();
     let tile_tokens = (TILE_ROWS / g).max(1);
-    let mut items = Vec::new();
+    let mut units = Vec::new();
     for &s in seqs {
         let sd = &io.batch.seqs[s];
         let mut t0 = sd.q_start;
         while t0 < sd.q_start + sd.q_len {
             let t1 = (t0 + tile_tokens).min(sd.q_start + sd.q_len);
-            for kv_head in 0..io.num_kv_heads {
-                items.push(Item { seq: s, kv_head, t0, t1 });
-            }
+            let first = RowLimits::causal(sd.first_pos() + (t0 - sd.q_start), io.params.window).lo;
+            let last = sd.first_pos() + (t1 - 1 - sd.q_start);
+            units.push(Item { seq: s, t0, t1, k0: first, k1: last + 1 });
             t0 = t1;
         }
     }
-    // Longest first, so the pool does not end waiting for one long prefill tile.
-    items.sort_by_key(|it| std::cmp::Reverse(io.batch.seqs[it.seq].first_pos() + (it.t1 - io.batch.seqs[it.seq].q_start)));
-    let run = |it: &Item, st: &mut Option<RowsState>, lim: &mut Vec<RowLimits>, qbuf: &mut Vec<f32>, row: &mut Vec<f32>| {
-        let d = io.cache.head_dim;
-        let rows = (it.t1 - it.t0) * g;
-        let st = match st {
-            Some(s) if s.rows == rows => {
-                s.reset();
-                s
-            }
-            _ => st.insert(RowsState::new(rows, d)),
-        };
-        qbuf.resize(rows * d, 0.0);
-        row.resize(d, 0.0);
-        let sd = &io.batch.seqs[it.seq];
-        io.load_queries(it.t0..it.t1, it.kv_head, qbuf);
-        io.limits(sd, it.t0..it.t1, lim);
-        let lo = lim.iter().map(|l| l.lo).min().unwrap_or(0);
-        let hi = lim.iter().map(|l| l.hi).max().unwrap_or(0);
-        let kv = SeqKv { cache: io.cache, blocks: io.batch.blocks(it.seq, io.cache.block_size), head: it.kv_head };
-        attend_spans(st, qbuf, lim, &kv, &[(lo, hi + 1)], io.params.softcap);
-        io.store_rows(st, it.t0..it.t1, it.kv_head, row);
+    let threads = pool.current_num_threads();
+    let wanted = 2 * threads;
+    if units.len() >= wanted || threads <= 1 {
+        // Longest first, so the pool does not end waiting for one long prefill tile.
+        units.sort_by_key(|it| std::cmp::Reverse(it.k1 - it.k0));
+        run_items(io, &units, pool, |st, it, row| io.store_heads(st, it.t0..it.t1, row));
+        return;
+    }
+    let mut items = Vec::new();
+    let mut unit_of = Vec::new();
+    for (u, it) in units.iter().enumerate() {
+        let keys = it.k1 - it.k0;
+        let n = wanted.div_ceil(units.len()).min(keys.div_ceil(MIN_SPLIT_KEYS)).max(1);
+        let step = keys.div_ceil(n);
+        let mut k0 = it.k0;
+        while k0 < it.k1 {
+            let k1 = (k0 + step).min(it.k1);
+            items.push(Item { k0, k1, ..*it });
+            unit_of.push(u);
+            k0 = k1;
+        }
+    }
+    let partials: Vec<Vec<RowsState>> = pool.install(|| items.par_iter().map(|it| attend_item(io, it, &mut Vec::new(), &mut Vec::new())).collect());
+    let mut merged: Vec<Option<Vec<RowsState>>> = vec![None; units.len()];
+    for (p, &u) in partials.into_iter().zip(&unit_of) {
+        match &mut merged[u] {
+            None => merged[u] = Some(p),
+            Some(acc) => acc.iter_mut().zip(&p).for_each(|(a, b)| a.merge_from(b)),
+        }
+    }
+    let mut row = Vec::new();
+    for (it, st) in units.iter().zip(merged) {
+        io.store_heads(&st.expect("every unit has at least one split"), it.t0..it.t1, &mut row);
+    }
+}
+
+/// Attends one item for every KV head; returns one state per head.
+fn attend_item(io: &ForwardIo, it: &Item, lim: &mut Vec<RowLimits>, qs_spare: &mut Vec<Vec<f32>>) -> Vec<RowsState> {
+    let d = io.cache.head_dim;
+    let rows = (it.t1 - it.t0) * io.group();
+    let mut states: Vec<RowsState> = (0..io.num_kv_heads).map(|_| RowsState::new(rows, d)).collect();
+    let mut qs = std::mem::take(qs_spare);
+    qs.resize_with(io.num_kv_heads, Vec::new);
+    for (h, q) in qs.iter_mut().enumerate() {
+        q.resize(rows * d, 0.0);
+        io.load_queries(it.t0..it.t1, h, q);
+    }
+    let sd = &io.batch.seqs[it.seq];
+    io.limits(sd, it.t0..it.t1, lim);
+    let kv = SeqKv { cache: io.cache, blocks: io.batch.blocks(it.seq, io.cache.block_size), head: 0 };
+    attend_spans_heads(&mut states, &qs, lim, &kv, &[(it.k0, it.k1)], io.params.softcap);
+    *qs_spare = qs;
+    states
+}
+
+/// Runs items in parallel, handing each finished set of per-head states to `finish`.
+fn run_items(io: &ForwardIo, items: &[Item], pool: &rayon::ThreadPool, finish: impl Fn(&[RowsState], &Item, &mut Vec<f32>) + Sync) {
+    let run = |it: &Item, lim: &mut Vec<RowLimits>, qs: &mut Vec<Vec<f32>>, row: &mut Vec<f32>| {
+        let st = attend_item(io, it, lim, qs);
+        finish(&st, it, row);
     };
     if items.len() <= 1 || pool.current_num_threads() <= 1 {
-        let (mut st, mut lim, mut qb, mut row) = (None, Vec::new(), Vec::new(), Vec::new());
-        for it in &items {
-            run(it, &mut st, &mut lim, &mut qb, &mut row);
-        }
+        let (mut lim, mut qs, mut row) = (Vec::new(), Vec::new(), Vec::new());
+        items.iter().for_each(|it| run(it, &mut lim, &mut qs, &mut row));
         return;
     }
     pool.install(|| {
-        items.par_iter().for_each_init(
-            || (None, Vec::new(), Vec::new(), Vec::new()),
-            |(st, lim, qb, row), it| run(it, st, lim, qb, row),
-        );
+        items.par_iter().for_each_init(|| (Vec::new(), Vec::new(), Vec::new()), |(lim, qs, row), it| run(it, lim, qs, row));
     });
 }

@@ -1,6 +1,8 @@
 //! CPU backend: the reference implementation, exact in f32 accumulation, and fast enough to serve.
 
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 pub mod cache_write;
 pub mod convert;
 pub mod forward;

@@ -1,0 +1,90 @@
+//! A deliberately small `--key value` / `--flag` parser: the CLI has few options, and every one of them
+//! is listed in its command's help text, so unknown options are errors, never silently ignored.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+
+pub struct Args {
+    values: HashMap<String, Vec<String>>,
+    flags: Vec<String>,
+}
+
+impl Args {
+    /// Parses `argv` given the option names that take a value and the flags; anything else is an error.
+    pub fn parse(argv: &[String], with_value: &[&str], flags: &[&str], help: &str) -> Result<Args, String> {
+        let mut a = Args { values: HashMap::new(), flags: Vec::new() };
+        let mut i = 0;
+        while i < argv.len() {
+            let arg = &argv[i];
+            if arg == "-h" || arg == "--help" {
+                println!("{help}");
+                std::process::exit(0);
+            }
+            let Some(name) = arg.strip_prefix("--") else {
+                return Err(format!("unexpected argument {arg:?}\n\n{help}"));
+            };
+            let (name, inline) = match name.split_once('=') {
+                Some((n, v)) => (n, Some(v.to_string())),
+                None => (name, None),
+            };
+            if with_value.contains(&name) {
+                let v = match inline {
+                    Some(v) => v,
+                    None => {
+                        i += 1;
+                        argv.get(i).cloned().ok_or_else(|| format!("--{name} needs a value"))?
+                    }
+                };
+                a.values.entry(name.to_string()).or_default().push(v);
+            } else if flags.contains(&name) && inline.is_none() {
+                a.flags.push(name.to_string());
+            } else {
+                return Err(format!("unknown option --{name}\n\n{help}"));
+            }
+            i += 1;
+        }
+        Ok(a)
+    }
+
+    pub fn flag(&self, name: &str) -> bool {
+        self.flags.iter().any(|f| f == name)
+    }
+
+    /// All values given for a repeatable option.
+    pub fn all(&self, name: &str) -> Vec<String> {
+        self.values.get(name).cloned().unwrap_or_default()
+    }
+
+    pub fn str(&self, name: &str) -> Option<&str> {
+        self.values.get(name).and_then(|v| v.last()).map(|s| s.as_str())
+    }
+
+    /// The last value of `name` parsed as `T`, or `default`.
+    pub fn get<T: FromStr>(&self, name: &str, default: T) -> Result<T, String> {
+        match self.str(name) {
+            None => Ok(default),
+            Some(s) => s.parse().map_err(|_| format!("--{name}: cannot parse {s:?}")),
+        }
+    }
+
+    /// A comma-separated list, e.g. `--batch 1,8,32`.
+    pub fn list<T: FromStr>(&self, name: &str, default: &[T]) -> Result<Vec<T>, String>
+    where
+        T: Clone,
+    {
+        match self.str(name) {
+            None => Ok(default.to_vec()),
+            Some(s) => s.split(',').map(|x| x.trim().parse().map_err(|_| format!("--{name}: cannot parse {x:?}"))).collect(),
+        }
+    }
+}
+
+/// Parses a dtype name as the CLI spells it.
+pub fn dtype(s: &str) -> Result<kvsparse::DType, String> {
+    match s {
+        "f32" | "float32" => Ok(kvsparse::DType::F32),
+        "f16" | "float16" | "half" => Ok(kvsparse::DType::F16),
+        "bf16" | "bfloat16" => Ok(kvsparse::DType::BF16),
+        other => Err(format!("unknown dtype {other:?} (use f32, f16 or bf16)")),
+    }
+}

@@ -1,0 +1,42 @@
+//! `kvsparse`: the command-line face of the library — demo, conformance, benchmarks and evaluation.
+//! Each subcommand lives in its own module; this file only dispatches.
+
+mod args;
+mod conformance;
+mod demo;
+
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: kvsparse <command> [options]
+
+commands:
+  demo          synthetic long-context decode batch on the CPU: tokens/s, GB/s of KV read vs the
+                machine's streaming-read bandwidth, max error vs a float64 reference
+  conformance   dense paged attention vs the float64 reference over the case matrix, per device
+
+run `kvsparse <command> --help` for the options of a command";
+
+fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let Some(cmd) = argv.first() else {
+        eprintln!("{USAGE}");
+        return ExitCode::from(2);
+    };
+    let rest = &argv[1..];
+    let result = match cmd.as_str() {
+        "demo" => demo::run(rest),
+        "conformance" => conformance::run(rest),
+        "-h" | "--help" | "help" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => Err(format!("unknown command {other:?}\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(msg) => {
+            eprintln!("kvsparse {cmd}: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
