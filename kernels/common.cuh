@@ -7,6 +7,9 @@ typedef long long i64;
 
 #define KVS_LOG2E 1.4426950408889634f
 #define KVS_LN2 0.6931471805599453f
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 
 __device__ __forceinline__ float kvs_to_f32(float x) { return x; }
 __device__ __forceinline__ float kvs_bf16_to_f32(u16 x) { return __uint_as_float(((unsigned)x) << 16); }

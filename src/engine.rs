@@ -102,6 +102,11 @@ impl Engine {
         Ok(Engine { cfg, policy, pool, sequences: Registry::default(), stats: Mutex::new((Counters::default(), per_layer)), cuda })
     }
 
+    /// The CUDA backend, when the engine runs on a GPU (benchmarks and tests use its helpers).
+    pub fn cuda_backend(&self) -> Option<&crate::cuda::CudaBackend> {
+        self.cuda.as_ref()
+    }
+
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
     }

@@ -159,3 +159,48 @@ mod tests {
         assert_eq!(fnv1a(&[b"x"]), fnv1a(&[b"x"]));
     }
 }
+
+/// Compiles every kernel source in the variants the conformance matrix and the benchmark use, without a
+/// GPU (NVRTC only; skipped when NVRTC is not installed). Catches source errors before a device run.
+#[cfg(test)]
+mod compile_tests {
+    use super::super::launch::{ATTENTION, CACHE_WRITE, COMMON, FILL, MERGE};
+    use super::*;
+
+    #[test]
+    fn kernel_sources_compile_with_nvrtc() {
+        if nvrtc().is_err() {
+            eprintln!("NVRTC not available, skipped");
+            return;
+        }
+        std::env::set_var("KVS_KERNEL_CACHE", "off");
+        let build = |name: &str, src: &str, defs: &[String]| {
+            let mut opts: Vec<String> = defs.iter().map(|d| format!("-D{d}")).collect();
+            opts.push("--std=c++17".into());
+            if std::env::var("KVS_PTXAS_VERBOSE").is_ok() {
+                opts.push("--ptxas-options=-v".into());
+            }
+            cubin(name, &format!("{COMMON}\n{src}"), &opts, "sm_90").unwrap_or_else(|e| panic!("{name} {defs:?}: {e}"));
+        };
+        for dt in 0..3 {
+            build("cache_write", CACHE_WRITE, &[format!("KVS_DTYPE={dt}")]);
+            build("fill", FILL, &[format!("KVS_DTYPE={dt}")]);
+            for &(d, g) in &[(64usize, 4usize), (80, 4), (256, 8), (128, 1), (192, 8)] {
+                let es = [4usize, 2, 2][dt];
+                for aligned in [true, false] {
+                    let s = super::super::plan::kernel_shape(g, d, es, aligned);
+                    let defs = vec![
+                        format!("KVS_DTYPE={dt}"),
+                        format!("HEAD_DIM={d}"),
+                        format!("GQ={}", s.gq),
+                        format!("GROUP={g}"),
+                        format!("LOAD_BYTES={}", s.load_bytes),
+                        format!("KB={}", s.kb),
+                    ];
+                    build("attention", ATTENTION, &defs);
+                }
+            }
+        }
+        build("merge", MERGE, &[]);
+    }
+}

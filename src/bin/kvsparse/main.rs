@@ -2,7 +2,9 @@
 //! Each subcommand lives in its own module; this file only dispatches.
 
 mod args;
+mod bench_cuda;
 mod conformance;
+mod conformance_cuda;
 mod demo;
 
 use std::process::ExitCode;
@@ -13,6 +15,7 @@ commands:
   demo          synthetic long-context decode batch on the CPU: tokens/s, GB/s of KV read vs the
                 machine's streaming-read bandwidth, max error vs a float64 reference
   conformance   dense paged attention vs the float64 reference over the case matrix, per device
+  bench         decode benchmark (--device cuda: paged decode vs device copy bandwidth on the GPU)
 
 run `kvsparse <command> --help` for the options of a command";
 
@@ -26,6 +29,7 @@ fn main() -> ExitCode {
     let result = match cmd.as_str() {
         "demo" => demo::run(rest),
         "conformance" => conformance::run(rest),
+        "bench" if rest.iter().any(|a| a == "cuda" || a == "--device=cuda") => bench_cuda::run(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())
