@@ -37,5 +37,6 @@ if [[ $what == all || $what == bench ]]; then
   GREP='done' step sdpa env PYTHONUNBUFFERED=1 python3 "$DIR/sdpa_bench.py" --csv "$OUT/sdpa.csv"
   [[ -f $DIR/compare.py ]] && python3 "$DIR/compare.py" "$OUT/bench.csv" "$OUT/sdpa.csv" | tee "$OUT/compare.txt"
 fi
+(cd "$OUT" && tar czf logs.tgz --remove-files *.log 2>/dev/null)
 echo "==== summary ===="
 printf '%s\n' "${summary[@]}"

@@ -60,7 +60,11 @@ impl DeviceCase {
     }
 
     /// Overwrites the device inputs with another fixture of identical geometry, and re-poisons outputs.
-    pub fn refill(&self, f: &Fixture, outs: &Outputs) -> Result<()> {
+    /// The rows to write (whose count varies with the random padding) get fresh buffers.
+    pub fn refill(&mut self, f: &Fixture, outs: &Outputs) -> Result<()> {
+        self.new_k = DevBuf::from_host(f.new_k.as_bytes())?;
+        self.new_v = DevBuf::from_host(f.new_v.as_bytes())?;
+        self.slots = DevBuf::from_host(bytes(&f.slots))?;
         self.cache.upload(0, f.cache.as_bytes())?;
         self.q.upload(0, f.q.as_bytes())?;
         self.block_table.upload(0, bytes(&f.block_table))?;
@@ -167,7 +171,7 @@ pub fn graph_replay(spec: &CaseSpec, seed_a: u64, seed_b: u64) -> Vec<CaseResult
         let api = cuda()?;
         let engine = cuda_engine(&fa)?;
         let outs = Outputs::new(&fa);
-        let dc = DeviceCase::upload(&fa, &outs)?;
+        let mut dc = DeviceCase::upload(&fa, &outs)?;
         let mut stream: CUstream = std::ptr::null_mut();
         // SAFETY: out-parameter; destroyed below.
         check(unsafe { (api.cuStreamCreate)(&mut stream, driver::CU_STREAM_NON_BLOCKING) }, "cuStreamCreate")?;

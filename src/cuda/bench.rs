@@ -100,6 +100,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Device-to-device copy bandwidth in GB/s (bytes read + bytes written), median of 20 copies of 1 GiB.
 pub fn copy_bandwidth() -> Result<f64> {
+    let _gpu = super::context::Gpu::open(0)?; // primary context current on this thread
     let n = 1usize << 30;
     let (a, b) = (DevBuf::alloc(n)?, DevBuf::alloc(n)?);
     let api = cuda()?;

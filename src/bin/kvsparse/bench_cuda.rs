@@ -42,6 +42,8 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     if grid.is_empty() {
         grid = full;
     }
+    // Keep the primary context alive (and current) for the whole run, between the per-point engines.
+    let _gpu = kvsparse::cuda::context::Gpu::open(0).map_err(|e| e.to_string())?;
     let copy = copy_bandwidth().map_err(|e| e.to_string())?;
     println!("device-to-device copy: {:.0} GB/s (read + write, 1 GiB, median of 20)", copy);
     let l2 = 50 << 20;
