@@ -48,15 +48,16 @@ pub struct SeqKv<'a> {
 }
 
 impl SeqKv<'_> {
+    // Block sizes are powers of two (validated), so position → (block, offset) is a shift and a mask.
     #[inline(always)]
     fn k_row(&self, pos: usize) -> *const u8 {
-        let bs = self.cache.block_size;
-        self.cache.k_row(self.blocks[pos / bs] as usize, pos % bs, self.head)
+        let sh = self.cache.block_size.trailing_zeros();
+        self.cache.k_row(self.blocks[pos >> sh] as usize, pos & (self.cache.block_size - 1), self.head)
     }
     #[inline(always)]
     fn v_row(&self, pos: usize) -> *const u8 {
-        let bs = self.cache.block_size;
-        self.cache.v_row(self.blocks[pos / bs] as usize, pos % bs, self.head)
+        let sh = self.cache.block_size.trailing_zeros();
+        self.cache.v_row(self.blocks[pos >> sh] as usize, pos & (self.cache.block_size - 1), self.head)
     }
 }
 
@@ -163,13 +164,10 @@ unsafe fn attend_spans_heads_avx2(states: &mut [RowsState], qs: &[Vec<f32>], lim
 
 #[inline(always)]
 fn attend_spans_heads_generic<I: Isa>(states: &mut [RowsState], qs: &[Vec<f32>], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
-    let dim = states.first().map_or(0, |s| s.dim);
-    let n_heads = states.len();
     for &(start, end) in spans {
         let mut c0 = start;
         while c0 < end {
             let c1 = (c0 + CHUNK).min(end);
-            prefetch_token_rows(kv, c1, (c1 + CHUNK).min(end), n_heads * dim);
             for (i, st) in states.iter_mut().enumerate() {
                 let kvh = SeqKv { head: kv.head + i, ..*kv };
                 chunk::<I>(st, &qs[i], limits, &kvh, c0, c1, softcap);
@@ -193,34 +191,10 @@ fn attend_spans_generic<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimi
         let mut c0 = start;
         while c0 < end {
             let c1 = (c0 + CHUNK).min(end);
-            prefetch_token_rows(kv, c1, (c1 + CHUNK).min(end), st.dim);
             chunk::<I>(st, q, limits, kv, c0, c1, softcap);
             c0 = c1;
         }
     }
-}
-
-/// Asks for `elems` elements of K and V from head `kv.head` on, for positions `[p0, p1)`, ahead of use
-/// (the hardware prefetcher stops at page boundaries, which paged caches cross often).
-#[inline(always)]
-fn prefetch_token_rows(kv: &SeqKv, p0: usize, p1: usize, elems: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let row_bytes = elems * kv.cache.dtype.size_bytes();
-        for pos in p0..p1 {
-            for base in [kv.k_row(pos), kv.v_row(pos)] {
-                let mut off = 0;
-                while off < row_bytes {
-                    // SAFETY: prefetch is a hint; it never faults, and the address is inside the cache row.
-                    unsafe { _mm_prefetch(base.wrapping_add(off) as *const i8, _MM_HINT_T0) };
-                    off += 64;
-                }
-            }
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (kv, p0, p1, elems);
 }
 
 /// One chunk of keys `[c0, c1)`: scores, online-softmax update, value accumulation.

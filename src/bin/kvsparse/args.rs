@@ -50,11 +50,6 @@ impl Args {
         self.flags.iter().any(|f| f == name)
     }
 
-    /// All values given for a repeatable option.
-    pub fn all(&self, name: &str) -> Vec<String> {
-        self.values.get(name).cloned().unwrap_or_default()
-    }
-
     pub fn str(&self, name: &str) -> Option<&str> {
         self.values.get(name).and_then(|v| v.last()).map(|s| s.as_str())
     }
@@ -64,17 +59,6 @@ impl Args {
         match self.str(name) {
             None => Ok(default),
             Some(s) => s.parse().map_err(|_| format!("--{name}: cannot parse {s:?}")),
-        }
-    }
-
-    /// A comma-separated list, e.g. `--batch 1,8,32`.
-    pub fn list<T: FromStr>(&self, name: &str, default: &[T]) -> Result<Vec<T>, String>
-    where
-        T: Clone,
-    {
-        match self.str(name) {
-            None => Ok(default.to_vec()),
-            Some(s) => s.split(',').map(|x| x.trim().parse().map_err(|_| format!("--{name}: cannot parse {x:?}"))).collect(),
         }
     }
 }
