@@ -25,9 +25,9 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         return Err("no CUDA driver/device available".into());
     }
     let full = default_grid();
-    let batches: Vec<usize> = a.list("batch", &[1, 4, 16, 32, 64, 128])?;
-    let ctxs: Vec<usize> = a.list("ctx", &[1024, 4096, 16384, 32768, 131072])?;
-    let heads: Vec<String> = a.list("heads", &["32/8".to_string(), "64/8".to_string()])?;
+    let batches: Vec<usize> = list(&a, "batch", &[1, 4, 16, 32, 64, 128])?;
+    let ctxs: Vec<usize> = list(&a, "ctx", &[1024, 4096, 16384, 32768, 131072])?;
+    let heads: Vec<String> = list(&a, "heads", &["32/8".to_string(), "64/8".to_string()])?;
     let max_kv = (a.get("max-kv-gib", 40.0f64)? * (1u64 << 30) as f64) as usize;
     let mut grid: Vec<Point> = Vec::new();
     for h in &heads {
@@ -69,4 +69,12 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// A comma-separated option, e.g. `--batch 1,8,32`, or `default`.
+fn list<T: std::str::FromStr + Clone>(a: &Args, name: &str, default: &[T]) -> Result<Vec<T>, String> {
+    match a.str(name) {
+        None => Ok(default.to_vec()),
+        Some(s) => s.split(',').map(|x| x.trim().parse().map_err(|_| format!("--{name}: cannot parse {x:?}"))).collect(),
+    }
 }
