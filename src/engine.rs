@@ -43,6 +43,10 @@ pub struct ForwardArgs {
     pub scale: f32,
     pub sliding_window: i32,
     pub softcap: f32,
+    /// Largest query length / sequence length in the batch, for GPU grid sizing (0 = unknown: the CUDA
+    /// backend then assumes the block table's capacity). Ignored on the CPU, which reads the metadata.
+    pub max_query_len: i32,
+    pub max_seq_len: i32,
     pub stream: *mut c_void,
 }
 
@@ -82,15 +86,20 @@ pub struct Engine {
     stats: Mutex<(Counters, Vec<Counters>)>,
     /// Per-row visit records, collected only while [`Engine::record_visits`] is on.
     visits: Mutex<Option<Vec<VisitRecord>>>,
+    /// The CUDA backend when the engine's device is a GPU (None = CPU backend).
+    cuda: Option<crate::cuda::CudaBackend>,
 }
 
 impl Engine {
     pub fn new(cfg: EngineConfig) -> Result<Self> {
         cfg.validate()?;
-        if let Device::Cuda(_) = cfg.device {
-            bail!(Unsupported, "CUDA device requested, but this build of kvsparse has no CUDA backend yet; use a CPU device");
-        }
+        let cuda = match cfg.device {
+            Device::Cuda(i) => Some(crate::cuda::CudaBackend::new(&cfg, i)?),
+            Device::Cpu => None,
+        };
         let policy = Policy::parse(&cfg.policy)?;
+        // Fail at engine start, not on the first forward call, when the policy has no GPU path yet.
+        ensure!(cuda.is_none() || policy.pipeline().is_none(), Unsupported, "the CUDA backend runs dense attention only; policy {:?} is not available on it yet", cfg.policy);
         let threads = if cfg.num_threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { cfg.num_threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -99,7 +108,12 @@ impl Engine {
             .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?;
         let per_layer = vec![Counters::default(); cfg.num_layers];
         let meta = CacheMeta::new(policy.meta_needs(), cfg.num_layers);
-        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None) })
+        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), cuda })
+    }
+
+    /// The CUDA backend, when the engine runs on a GPU (benchmarks and tests use its helpers).
+    pub fn cuda_backend(&self) -> Option<&crate::cuda::CudaBackend> {
+        self.cuda.as_ref()
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -138,6 +152,14 @@ impl Engine {
             lse.expect_no_self_overlap("lse")?;
         }
         let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
+        if let Some(gpu) = &self.cuda {
+            // Device metadata cannot be read without a sync, so the GPU path counts calls only.
+            ensure!(self.policy.is_dense_for_layer(a.layer), Unsupported, "the CUDA backend runs dense attention only; policy {:?} is not available on it yet", cfg.policy);
+            gpu.forward(cfg, a, &cache)?;
+            let c = Counters { calls: 1, ..Default::default() };
+            self.record(a.layer, &c);
+            return Ok(c);
+        }
         let batch = Batch::from_host_tensors(num_tokens, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref(), cfg.block_size, cache.num_blocks)?;
         let pipeline = if self.policy.is_dense_for_layer(a.layer) { None } else { self.policy.pipeline() };
         ensure!(
@@ -272,6 +294,9 @@ impl Engine {
         ensure!(a.value.dim(0) == n, InvalidShape, "key has {n} tokens but value has {}", a.value.dim(0));
         a.slot_mapping.expect("slot_mapping", 1, &[DType::I64, DType::I32], dev)?;
         ensure!(a.slot_mapping.dim(0) >= n, InvalidShape, "slot_mapping has {} entries for {n} tokens", a.slot_mapping.dim(0));
+        if let Some(gpu) = &self.cuda {
+            return gpu.cache_write(cfg, a, &cache, n);
+        }
         let slots = cpu::cache_write::decode_slots(&a.slot_mapping, n, &cache)?;
         let mut meta = self.meta.begin_write(a.layer, &cache)?;
         cpu::cache_write::write(&cache, &a.key, &a.value, &slots);
@@ -297,6 +322,9 @@ impl Engine {
                 t.expect(name, 2, &[DType::F32], dev)?;
                 t.expect_shape(name, &shape[..2])?;
             }
+        }
+        if let Some(gpu) = &self.cuda {
+            return gpu.merge(a);
         }
         cpu::merge::merge_states(&a.out_a, &a.lse_a, &a.out_b, &a.lse_b, &a.out, a.lse_out.as_ref());
         Ok(())

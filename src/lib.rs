@@ -12,6 +12,7 @@
 pub mod config;
 pub mod conformance;
 pub mod cpu;
+pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod ffi;

@@ -220,6 +220,8 @@ impl Synth {
             scale: self.scale,
             sliding_window: 0,
             softcap: 0.0,
+            max_query_len: 0,
+            max_seq_len: 0,
             stream: std::ptr::null_mut(),
         }
     }
@@ -246,6 +248,8 @@ impl Synth {
             scale: self.scale,
             sliding_window: 0,
             softcap: 0.0,
+            max_query_len: 0,
+            max_seq_len: 0,
             stream: std::ptr::null_mut(),
         }
     }

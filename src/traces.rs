@@ -296,6 +296,8 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
             scale: trace.scale,
             sliding_window: 0,
             softcap: 0.0,
+            max_query_len: 0,
+            max_seq_len: 0,
             stream: std::ptr::null_mut(),
         };
         engine.attention_forward(&args).map_err(|e| e.message)

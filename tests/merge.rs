@@ -28,6 +28,8 @@ fn attend(e: &Engine, q: &mut HostBuf, k: &mut HostBuf, v: &mut HostBuf, table: 
         scale: 0.1,
         sliding_window: 0,
         softcap: 0.0,
+        max_query_len: 0,
+        max_seq_len: 0,
         stream: std::ptr::null_mut(),
     })
     .unwrap();

@@ -274,6 +274,8 @@ pub fn run_on_engine(engine: &Engine, f: &mut Fixture) -> crate::Result<Outputs>
         scale: f.scale,
         sliding_window: s.window as i32,
         softcap: s.softcap,
+        max_query_len: s.seqs.iter().map(|&(q, _)| q).max().unwrap_or(0) as i32,
+        max_seq_len: s.seqs.iter().map(|&(_, l)| l).max().unwrap_or(0) as i32,
         stream: std::ptr::null_mut(),
     };
     engine.attention_forward(&args)?;

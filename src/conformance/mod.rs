@@ -2,6 +2,7 @@
 //! sequence lengths, windows, soft-caps, shuffled tables, strided tensors) checked against a float64
 //! reference on fresh random data. Used by `cargo test`, by `kvsparse conformance`, and by the CUDA backend.
 
+pub mod cuda;
 pub mod fixture;
 pub mod hostbuf;
 pub mod reference;

@@ -182,6 +182,8 @@ pub unsafe extern "C" fn kvs_attention_forward(engine: *mut kvs_engine, args: *c
             scale: a.scale,
             sliding_window: a.sliding_window,
             softcap: a.softcap,
+            max_query_len: a.max_query_len,
+            max_seq_len: a.max_seq_len,
             stream: a.stream,
         })?;
         if !a.call_stats.is_null() {

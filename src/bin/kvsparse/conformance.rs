@@ -9,7 +9,7 @@ const HELP: &str = "kvsparse conformance [--quick] [--seed N] [--filter SUBSTRIN
 
 Runs dense paged attention over the conformance matrix (head sizes, dtypes, GQA ratios, block sizes,
 query/sequence lengths, sliding window, soft-cap, shuffled tables, strided tensors) on fresh random data
-and compares with a float64 reference. Prints one line per case and device; exits non-zero on any failure.";
+and compares with a float64 reference. Prints one line per case and device; exits non-zero on any failure. Runs on CUDA device 0 too when a\ndriver and device are present (KVS_REQUIRE_CUDA=1: a missing device is a failure).";
 
 pub fn run(argv: &[String]) -> Result<(), String> {
     let a = Args::parse(argv, &["seed", "filter"], &["quick"], HELP)?;
@@ -26,6 +26,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         print_row("cpu", &r);
         results.push(("cpu".into(), r));
     }
+    results.extend(crate::conformance_cuda::run_matrix(a.flag("quick"), seed, &filter)?);
     let failed = results.iter().filter(|(_, r)| !r.pass).count();
     println!("{} passed, {} failed", results.len() - failed, failed);
     if failed > 0 {

@@ -74,6 +74,8 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         scale: 1.0 / (d as f32).sqrt(),
         sliding_window: 0,
         softcap: 0.0,
+        max_query_len: 1,
+        max_seq_len: ctx as i32,
         stream: std::ptr::null_mut(),
     };
     for _ in 0..2 {

@@ -3,7 +3,9 @@
 
 mod args;
 mod bench;
+mod bench_cuda;
 mod conformance;
+mod conformance_cuda;
 mod demo;
 
 use std::process::ExitCode;
@@ -15,7 +17,8 @@ commands:
                 machine's streaming-read bandwidth, max error vs a float64 reference
   conformance   dense paged attention vs the float64 reference over the case matrix, per device
   bench         dense vs decode policies (--policy SPEC) on one synthetic batch: time, KV bytes,
-                blocks visited, relative error vs dense
+                blocks visited, relative error vs dense; with --device cuda: paged decode on the GPU
+                over a grid vs the device copy bandwidth
 
 run `kvsparse <command> --help` for the options of a command";
 
@@ -29,6 +32,7 @@ fn main() -> ExitCode {
     let result = match cmd.as_str() {
         "demo" => demo::run(rest),
         "conformance" => conformance::run(rest),
+        "bench" if rest.iter().any(|a| a == "cuda" || a == "--device=cuda") => bench_cuda::run(rest),
         "bench" => bench::run(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");

@@ -1,0 +1,46 @@
+// Shared by every kvsparse kernel: element types and conversions without the CUDA headers, so NVRTC
+// needs no include path. The storage type is chosen by KVS_DTYPE (0 = f32, 1 = f16, 2 = bf16).
+// All arithmetic is f32; bf16/f16 are converted on load and rounded to nearest even on store.
+
+typedef unsigned short u16;
+typedef long long i64;
+
+#define KVS_LOG2E 1.4426950408889634f
+#define KVS_LN2 0.6931471805599453f
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+__device__ __forceinline__ float kvs_to_f32(float x) { return x; }
+__device__ __forceinline__ float kvs_bf16_to_f32(u16 x) { return __uint_as_float(((unsigned)x) << 16); }
+__device__ __forceinline__ float kvs_f16_to_f32(u16 x) {
+    float f;
+    asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(x));
+    return f;
+}
+__device__ __forceinline__ u16 kvs_f32_to_bf16(float x) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ u16 kvs_f32_to_f16(float x) {
+    u16 r;
+    asm("{ .reg .b16 h; cvt.rn.f16.f32 h, %1; mov.b16 %0, h; }" : "=h"(r) : "f"(x));
+    return r;
+}
+
+// Per-dtype load/store of single elements.
+struct F32T { typedef float S; static __device__ __forceinline__ float ld(float x) { return x; } static __device__ __forceinline__ float st(float x) { return x; } };
+struct F16T { typedef u16 S; static __device__ __forceinline__ float ld(u16 x) { return kvs_f16_to_f32(x); } static __device__ __forceinline__ u16 st(float x) { return kvs_f32_to_f16(x); } };
+struct BF16T { typedef u16 S; static __device__ __forceinline__ float ld(u16 x) { return kvs_bf16_to_f32(x); } static __device__ __forceinline__ u16 st(float x) { return kvs_f32_to_bf16(x); } };
+
+#ifdef KVS_DTYPE
+#if KVS_DTYPE == 0
+typedef F32T ET;
+#elif KVS_DTYPE == 1
+typedef F16T ET;
+#else
+typedef BF16T ET;
+#endif
+typedef ET::S elem_t;
+#endif

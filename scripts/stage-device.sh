@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Builds the release binaries here and copies what a GPU run needs into $1 (default /work/main/.device):
+# the CLI, the CUDA test binary (debug info stripped), gpu-check.sh and the SDPA script.
+set -euo pipefail
+dest=${1:-/work/main/.device}
+cd "$(dirname "$0")/.."
+cargo build --release --bins -q
+cargo test --release --no-run -q 2>/dev/null || true
+mkdir -p "$dest/bin"
+cp target/release/kvsparse "$dest/bin/kvsparse"
+t=$(ls -t target/release/deps/cuda-* | grep -v '\.d$' | head -1)
+cp "$t" "$dest/bin/cuda_tests"
+strip --strip-debug "$dest/bin/kvsparse" "$dest/bin/cuda_tests"
+cp scripts/gpu-check.sh scripts/sdpa_bench.py scripts/compare.py "$dest/"
+du -sh "$dest"

@@ -1,0 +1,59 @@
+//! The CUDA half of `kvsparse conformance`: the same matrix on CUDA device 0 when one is present, plus
+//! the CUDA-graph replay case, and a line saying how many kernel modules this process compiled versus
+//! loaded from the disk cache (a second process should compile none).
+
+use std::time::Instant;
+
+use kvsparse::conformance::cuda::{cuda_required, graph_replay, run_case_cuda};
+use kvsparse::conformance::{matrix, CaseResult, CaseSpec};
+use kvsparse::cuda::module_cache;
+use kvsparse::DType;
+
+use crate::conformance::print_row;
+
+pub fn run_matrix(quick: bool, seed: u64, filter: &str) -> Result<Vec<(String, CaseResult)>, String> {
+    if !kvsparse::cuda::device_available() {
+        if cuda_required() {
+            return Err("KVS_REQUIRE_CUDA=1 but no CUDA driver/device is available".into());
+        }
+        println!("cuda: no device, skipped (KVS_REQUIRE_CUDA=1 makes this a failure)");
+        return Ok(Vec::new());
+    }
+    let t0 = Instant::now();
+    let mut results = Vec::new();
+    for (i, spec) in matrix(quick).iter().enumerate() {
+        if !spec.name.contains(filter) {
+            continue;
+        }
+        let r = run_case_cuda(spec, seed.wrapping_add(i as u64));
+        if i == 0 {
+            let (c, d) = module_cache::counts();
+            println!("cuda: first case done in {:.0} ms ({c} kernel modules compiled, {d} loaded from the disk cache)", t0.elapsed().as_secs_f64() * 1e3);
+        }
+        print_row("cuda", &r);
+        results.push(("cuda".to_string(), r));
+    }
+    if "graph-decode".contains(filter) || filter.is_empty() {
+        let spec = CaseSpec {
+            name: "graph-decode-bf16-gqa4".into(),
+            dtype: DType::BF16,
+            head_dim: 128,
+            num_q_heads: 32,
+            num_kv_heads: 8,
+            block_size: 16,
+            seqs: vec![(1, 4000), (1, 1), (1, 17), (1, 1500)],
+            window: 0,
+            softcap: 0.0,
+            strided: false,
+            shuffled: true,
+        };
+        for r in graph_replay(&spec, seed, seed.wrapping_add(7919)) {
+            print_row("cuda", &r);
+            results.push(("cuda".to_string(), r));
+        }
+    }
+    let (c, d) = module_cache::counts();
+    let dir = module_cache::cache_dir().map(|p| p.display().to_string()).unwrap_or_else(|| "off".into());
+    println!("cuda: kernel modules compiled {c}, loaded from disk cache {d} (cache: {dir})");
+    Ok(results)
+}

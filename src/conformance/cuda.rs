@@ -1,0 +1,212 @@
+//! The conformance fixtures on a CUDA engine: host buffers are copied to the device as they are (same
+//! strides, offsets, padding and garbage), the engine runs cache write + forward on the device, and the
+//! (NaN-poisoned) outputs come back to be judged by the same `judge` as the CPU.
+//! Also the CUDA-graph check: one decode step captured once and replayed on new data.
+
+use super::fixture::{Fixture, Outputs};
+use super::{judge, CaseResult, CaseSpec};
+use crate::cuda::context::DevBuf;
+use crate::cuda::driver::{self, check, cuda, CUstream};
+use crate::engine::{CacheWriteArgs, Engine, ForwardArgs};
+use crate::error::Result;
+use crate::tensor::{DType, Device, TensorRef};
+
+/// Should a missing device fail (KVS_REQUIRE_CUDA=1) rather than skip?
+pub fn cuda_required() -> bool {
+    std::env::var("KVS_REQUIRE_CUDA").map(|v| v == "1").unwrap_or(false)
+}
+
+fn bytes<T>(v: &[T]) -> &[u8] {
+    // SAFETY: plain-old-data slices (ints) viewed as bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+fn view(buf: &DevBuf, byte_off: usize, dtype: DType, shape: &[i64], strides: &[i64]) -> Result<TensorRef> {
+    // SAFETY: the fixture's strides address only elements inside its host buffer, which has the same
+    // size as `buf` (checked for the host copy by `TensorRef::strided`).
+    unsafe { TensorRef::from_raw(buf.as_ptr().add(byte_off), dtype, Device::Cuda(0), shape, Some(strides)) }
+}
+
+/// A fixture's inputs on the device, plus NaN-poisoned outputs.
+pub struct DeviceCase {
+    pub cache: DevBuf,
+    pub q: DevBuf,
+    pub new_k: DevBuf,
+    pub new_v: DevBuf,
+    pub slots: DevBuf,
+    pub block_table: DevBuf,
+    pub seq_lens: DevBuf,
+    pub qsl: DevBuf,
+    pub seq_ids: DevBuf,
+    pub out: DevBuf,
+    pub lse: DevBuf,
+}
+
+impl DeviceCase {
+    pub fn upload(f: &Fixture, outs: &Outputs) -> Result<DeviceCase> {
+        Ok(DeviceCase {
+            cache: DevBuf::from_host(f.cache.as_bytes())?,
+            q: DevBuf::from_host(f.q.as_bytes())?,
+            new_k: DevBuf::from_host(f.new_k.as_bytes())?,
+            new_v: DevBuf::from_host(f.new_v.as_bytes())?,
+            slots: DevBuf::from_host(bytes(&f.slots))?,
+            block_table: DevBuf::from_host(bytes(&f.block_table))?,
+            seq_lens: DevBuf::from_host(bytes(&f.seq_lens))?,
+            qsl: DevBuf::from_host(bytes(&f.query_start_loc))?,
+            seq_ids: DevBuf::from_host(bytes(&f.seq_ids))?,
+            out: DevBuf::from_host(outs.out.as_bytes())?,
+            lse: DevBuf::from_host(bytes(&outs.lse))?,
+        })
+    }
+
+    /// Overwrites the device inputs with another fixture of identical geometry, and re-poisons outputs.
+    /// The rows to write (whose count varies with the random padding) get fresh buffers.
+    pub fn refill(&mut self, f: &Fixture, outs: &Outputs) -> Result<()> {
+        self.new_k = DevBuf::from_host(f.new_k.as_bytes())?;
+        self.new_v = DevBuf::from_host(f.new_v.as_bytes())?;
+        self.slots = DevBuf::from_host(bytes(&f.slots))?;
+        self.cache.upload(0, f.cache.as_bytes())?;
+        self.q.upload(0, f.q.as_bytes())?;
+        self.block_table.upload(0, bytes(&f.block_table))?;
+        self.seq_lens.upload(0, bytes(&f.seq_lens))?;
+        self.qsl.upload(0, bytes(&f.query_start_loc))?;
+        self.out.upload(0, outs.out.as_bytes())?;
+        self.lse.upload(0, bytes(&outs.lse))
+    }
+
+    pub fn cache_write_args(&self, f: &Fixture, stream: CUstream) -> Result<CacheWriteArgs> {
+        let (dt, es) = (f.spec.dtype, f.spec.dtype.size_bytes());
+        let (hk, d) = (f.spec.num_kv_heads as i64, f.spec.head_dim as i64);
+        let n = f.slots.len() as i64;
+        Ok(CacheWriteArgs {
+            layer: 0,
+            key: view(&self.new_k, 0, dt, &[n, hk, d], &[hk * d, d, 1])?,
+            value: view(&self.new_v, 0, dt, &[n, hk, d], &[hk * d, d, 1])?,
+            key_cache: view(&self.cache, 0, dt, &f.cache_shape, &f.cache_strides)?,
+            value_cache: view(&self.cache, f.v_offset * es, dt, &f.cache_shape, &f.cache_strides)?,
+            slot_mapping: view(&self.slots, 0, DType::I64, &[n], &[1])?,
+            stream,
+        })
+    }
+
+    pub fn forward_args(&self, f: &Fixture, outs: &Outputs, stream: CUstream) -> Result<ForwardArgs> {
+        let s = &f.spec;
+        let (dt, es) = (s.dtype, s.dtype.size_bytes());
+        let nseq = s.seqs.len() as i64;
+        let (t, hq, d) = (f.num_tokens as i64, s.num_q_heads as i64, s.head_dim as i64);
+        Ok(ForwardArgs {
+            layer: 0,
+            query: view(&self.q, 0, dt, &[t, hq, d], &f.q_strides)?,
+            key_cache: view(&self.cache, 0, dt, &f.cache_shape, &f.cache_strides)?,
+            value_cache: view(&self.cache, f.v_offset * es, dt, &f.cache_shape, &f.cache_strides)?,
+            block_table: view(&self.block_table, 0, DType::I32, &[nseq, f.max_blocks as i64], &[f.max_blocks as i64, 1])?,
+            seq_lens: view(&self.seq_lens, 0, DType::I32, &[nseq], &[1])?,
+            query_start_loc: view(&self.qsl, 0, DType::I32, &[nseq + 1], &[1])?,
+            seq_ids: Some(view(&self.seq_ids, 0, DType::I64, &[nseq], &[1])?),
+            out: view(&self.out, 0, dt, &[t, hq, d], &outs.out_strides)?,
+            lse: Some(view(&self.lse, 0, DType::F32, &[t, hq], &outs.lse_strides)?),
+            scale: f.scale,
+            sliding_window: s.window as i32,
+            softcap: s.softcap,
+            max_query_len: s.seqs.iter().map(|&(q, _)| q).max().unwrap_or(0) as i32,
+            max_seq_len: s.seqs.iter().map(|&(_, l)| l).max().unwrap_or(0) as i32,
+            stream,
+        })
+    }
+
+    /// Copies the device outputs back into `outs` (synchronous).
+    pub fn download(&self, outs: &mut Outputs) -> Result<()> {
+        let n = outs.out.len() * outs.out.dtype().size_bytes();
+        // SAFETY: the host buffer holds exactly n bytes.
+        let host = unsafe { std::slice::from_raw_parts_mut(outs.out.as_mut_ptr(), n) };
+        self.out.download(0, host)?;
+        // SAFETY: f32 slice viewed as bytes.
+        let lse = unsafe { std::slice::from_raw_parts_mut(outs.lse.as_mut_ptr() as *mut u8, outs.lse.len() * 4) };
+        self.lse.download(0, lse)
+    }
+}
+
+fn cuda_engine(f: &Fixture) -> Result<Engine> {
+    let mut cfg = f.engine_config();
+    cfg.device = Device::Cuda(0);
+    cfg.num_threads = 1;
+    Engine::new(cfg)
+}
+
+fn failed(spec: &CaseSpec, seed: u64, e: crate::Error) -> CaseResult {
+    CaseResult { name: spec.name.clone(), seed, rel_err: f64::NAN, lse_err: f64::NAN, pass: false, error: Some(e.to_string()) }
+}
+
+/// One conformance case on CUDA device 0 (default stream).
+pub fn run_case_cuda(spec: &CaseSpec, seed: u64) -> CaseResult {
+    let f = Fixture::new(spec, seed);
+    let run = || -> Result<Outputs> {
+        let engine = cuda_engine(&f)?;
+        let mut outs = Outputs::new(&f);
+        let dc = DeviceCase::upload(&f, &outs)?;
+        engine.cache_write(&dc.cache_write_args(&f, std::ptr::null_mut())?)?;
+        engine.attention_forward(&dc.forward_args(&f, &outs, std::ptr::null_mut())?)?;
+        engine_sync(&engine)?;
+        dc.download(&mut outs)?;
+        Ok(outs)
+    };
+    match run() {
+        Ok(outs) => judge(&f, &outs, seed),
+        Err(e) => failed(spec, seed, e),
+    }
+}
+
+fn engine_sync(_e: &Engine) -> Result<()> {
+    // SAFETY: no arguments; the engine made its context current on this thread.
+    check(unsafe { (cuda()?.cuCtxSynchronize)() }, "cuCtxSynchronize")
+}
+
+/// Captures the forward call of fixture `spec`/`seed_a` into a CUDA graph on a private stream, then
+/// replays it after overwriting every input with a second fixture (`seed_b`, same geometry); returns the
+/// judgement of the replay against the second fixture's reference (and of the first run).
+pub fn graph_replay(spec: &CaseSpec, seed_a: u64, seed_b: u64) -> Vec<CaseResult> {
+    let fa = Fixture::new(spec, seed_a);
+    let fb = Fixture::new(spec, seed_b);
+    let run = || -> Result<Vec<CaseResult>> {
+        let api = cuda()?;
+        let engine = cuda_engine(&fa)?;
+        let outs = Outputs::new(&fa);
+        let mut dc = DeviceCase::upload(&fa, &outs)?;
+        let mut stream: CUstream = std::ptr::null_mut();
+        // SAFETY: out-parameter; destroyed below.
+        check(unsafe { (api.cuStreamCreate)(&mut stream, driver::CU_STREAM_NON_BLOCKING) }, "cuStreamCreate")?;
+        let fwd = dc.forward_args(&fa, &outs, stream)?;
+        engine.cache_write(&dc.cache_write_args(&fa, stream)?)?;
+        engine.attention_forward(&fwd)?; // warm-up: loads modules, sizes the workspace
+        // SAFETY: capture / instantiate / launch on our own stream; handles destroyed below.
+        let mut results = Vec::new();
+        unsafe {
+            check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
+            dc.out.upload(0, outs.out.as_bytes())?;
+            check((api.cuStreamBeginCapture)(stream, driver::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
+            let r = engine.attention_forward(&fwd);
+            let mut graph = std::ptr::null_mut();
+            let end = check((api.cuStreamEndCapture)(stream, &mut graph), "cuStreamEndCapture");
+            r?;
+            end?;
+            let mut exec = std::ptr::null_mut();
+            check((api.cuGraphInstantiateWithFlags)(&mut exec, graph, 0), "cuGraphInstantiate")?;
+            for (f, tag) in [(&fa, "graph-replay-same-data"), (&fb, "graph-replay-new-data")] {
+                let mut o = Outputs::new(f);
+                dc.refill(f, &o)?;
+                engine.cache_write(&dc.cache_write_args(f, stream)?)?;
+                check((api.cuGraphLaunch)(exec, stream), "cuGraphLaunch")?;
+                check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
+                dc.download(&mut o)?;
+                let mut r = judge(f, &o, if tag.ends_with("new-data") { seed_b } else { seed_a });
+                r.name = format!("{}-{tag}", spec.name);
+                results.push(r);
+            }
+            (api.cuGraphExecDestroy)(exec);
+            (api.cuGraphDestroy)(graph);
+            (api.cuStreamDestroy)(stream);
+        }
+        Ok(results)
+    };
+    run().unwrap_or_else(|e| vec![failed(spec, seed_b, e)])
+}

@@ -1,0 +1,216 @@
+//! The CUDA backend behind `Engine`: host-side validation of everything that can be checked without
+//! reading device memory, kernel-variant choice, split planning, workspace, and the launches.
+//!
+//! Contract of a CUDA call (see also kernels/attention.cu): all tensors live on the engine's device;
+//! metadata (block table, seq_lens, query_start_loc, slot mapping) is read only by kernels, which clamp or
+//! mask anything out of range instead of reading or writing outside the tensors. Work is enqueued on the
+//! caller's stream (NULL = legacy default stream) in the device's primary context; nothing synchronizes.
+//! Workspace for split-KV partial results is kept per stream, allocated on first use and grown when a
+//! call needs more; inside a graph capture it is never allocated: a capture whose call needs more than
+//! a previous uncaptured call on that stream allocated fails with a clear error (warm up first).
+
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+
+use super::context::{DevBuf, Gpu};
+use super::launch::{self, KArgs, Modules};
+use super::plan::{self, SplitPolicy};
+use crate::config::EngineConfig;
+use crate::engine::{CacheWriteArgs, ForwardArgs, MergeArgs};
+use crate::error::Result;
+use crate::layout::KvCache;
+use crate::tensor::{DType, TensorRef};
+use crate::{bail, ensure};
+
+const NTHREADS: u32 = 128;
+
+pub struct CudaBackend {
+    pub gpu: Gpu,
+    modules: Modules,
+    /// Split-KV workspace per stream handle.
+    workspaces: Mutex<HashMap<usize, DevBuf>>,
+    policy: SplitPolicy,
+}
+
+fn dtype_code(d: DType) -> i32 {
+    match d {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        _ => 2,
+    }
+}
+
+fn p(t: &TensorRef) -> *const u8 {
+    t.data
+}
+
+impl CudaBackend {
+    /// Opens the engine's device. Fails with Unsupported when there is no driver or no such device.
+    pub fn new(cfg: &EngineConfig, ordinal: i32) -> Result<CudaBackend> {
+        let gpu = Gpu::open(ordinal)?;
+        let _ = cfg;
+        Ok(CudaBackend { gpu, modules: Modules::default(), workspaces: Mutex::new(HashMap::new()), policy: SplitPolicy::from_env() })
+    }
+
+    fn attn_defines(cfg: &EngineConfig, shape: &plan::KernelShape) -> Vec<String> {
+        vec![
+            format!("KVS_DTYPE={}", dtype_code(cfg.dtype)),
+            format!("HEAD_DIM={}", cfg.head_dim),
+            format!("GQ={}", shape.gq),
+            format!("GROUP={}", cfg.group_size()),
+            format!("LOAD_BYTES={}", shape.load_bytes),
+            format!("KB={}", shape.kb),
+        ]
+    }
+
+    /// Paged varlen attention on the device. `cache` and the query/output tensors were validated by the
+    /// engine; the metadata tensors are validated here (shape, dtype, device; not their contents).
+    pub fn forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache) -> Result<()> {
+        let dev = cfg.device;
+        let num_tokens = a.query.dim(0);
+        a.block_table.expect("block_table", 2, &[DType::I32], dev)?;
+        let num_seqs = a.block_table.dim(0);
+        let cols = a.block_table.dim(1);
+        a.seq_lens.expect("seq_lens", 1, &[DType::I32], dev)?;
+        a.seq_lens.expect_shape("seq_lens", &[Some(num_seqs)])?;
+        a.query_start_loc.expect("query_start_loc", 1, &[DType::I32], dev)?;
+        a.query_start_loc.expect_shape("query_start_loc", &[Some(num_seqs + 1)])?;
+        if let Some(ids) = &a.seq_ids {
+            ids.expect("seq_ids", 1, &[DType::I64, DType::U64], dev)?;
+            ids.expect_shape("seq_ids", &[Some(num_seqs)])?;
+        }
+        ensure!(a.max_seq_len >= 0 && a.max_query_len >= 0, InvalidArgument, "max_seq_len and max_query_len must be non-negative (0 = unknown)");
+        ensure!(cache.k_dim_stride() == 1 && cache.v_dim_stride() == 1, Unsupported, "the CUDA backend needs caches whose head_dim stride is 1 (got {} and {})", cache.k_dim_stride(), cache.v_dim_stride());
+        ensure!(num_tokens < i32::MAX as usize && cols.saturating_mul(cfg.block_size) < i32::MAX as usize, Unsupported, "batch too large for 32-bit positions");
+        if num_tokens == 0 {
+            return Ok(());
+        }
+        ensure!(num_seqs >= 1, InvalidShape, "query has {num_tokens} tokens but the batch has no sequences");
+        ensure!(cache.num_blocks >= 1, InvalidShape, "the caches hold no blocks");
+
+        let es = cfg.dtype.size_bytes();
+        let vec = 16 / es;
+        let aligned = [&cache.k, &cache.v].iter().all(|t| (t.data as usize) % 16 == 0 && t.strides()[..3].iter().all(|&s| s as usize % vec == 0));
+        let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
+        let defines = Self::attn_defines(cfg, &shape);
+        self.gpu.make_current()?;
+        let f_split = self.modules.function(&self.gpu, "attention", launch::ATTENTION, &defines, "kvs_attn_split")?;
+        let per_sm = launch::occupancy(f_split, NTHREADS)? as usize;
+        let head_groups = cfg.num_q_heads / shape.gq;
+        let max_len = if a.max_seq_len > 0 { (a.max_seq_len as usize).min(cols * cfg.block_size) } else { cols * cfg.block_size };
+        let (nsplit, chunk) = plan::splits(num_tokens * head_groups, max_len, per_sm * self.gpu.num_sms as usize, &shape, &self.policy);
+        let stream = a.stream;
+
+        let (mut ws_o, mut ws_lse) = (0u64, 0u64);
+        let mut ws_guard = None;
+        if nsplit > 1 {
+            let slots = num_tokens * cfg.num_q_heads * nsplit;
+            let need = slots * (cfg.head_dim + 1) * 4;
+            let mut map = self.workspaces.lock();
+            let key = stream as usize;
+            let too_small = map.get(&key).map_or(true, |b| b.bytes < need);
+            if too_small {
+                if self.gpu.is_capturing(stream)? {
+                    bail!(InvalidArgument, "this call needs {need} bytes of split-KV workspace on a stream that is being captured; run one call of the largest shape on this stream before capturing");
+                }
+                map.insert(key, DevBuf::alloc(need.next_power_of_two())?);
+            }
+            let b = map.get(&key).expect("inserted above");
+            ws_o = b.ptr;
+            ws_lse = b.ptr + (slots * cfg.head_dim * 4) as u64;
+            ws_guard = Some(map);
+        }
+
+        let (lse_ptr, l0, l1) = match &a.lse {
+            Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
+            None => (std::ptr::null(), 0, 0),
+        };
+        let mut k = KArgs::new();
+        k.ptr(p(&a.query)).i64(a.query.stride(0) as i64).i64(a.query.stride(1) as i64).i64(a.query.stride(2) as i64);
+        k.ptr(p(&cache.k)).i64(cache.k.stride(0) as i64).i64(cache.k.stride(1) as i64).i64(cache.k.stride(2) as i64);
+        k.ptr(p(&cache.v)).i64(cache.v.stride(0) as i64).i64(cache.v.stride(1) as i64).i64(cache.v.stride(2) as i64);
+        k.i64(cache.num_blocks as i64).i32(cfg.block_size.trailing_zeros() as i32);
+        k.ptr(p(&a.block_table)).i64(a.block_table.stride(0) as i64).i64(a.block_table.stride(1) as i64).i32(cols as i32);
+        k.ptr(p(&a.seq_lens)).i64(a.seq_lens.stride(0) as i64);
+        k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(num_seqs as i32);
+        k.f32(a.scale).f32(a.softcap).i32(a.sliding_window).i32(chunk as i32);
+        k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
+        k.ptr(lse_ptr).i64(l0).i64(l1);
+        k.i64(ws_o as i64).i64(ws_lse as i64).i32(cfg.num_q_heads as i32);
+        launch::launch(f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), NTHREADS, &mut k, stream, "kvs_attn_split launch")?;
+        if nsplit > 1 {
+            let f_comb = self.modules.function(&self.gpu, "attention", launch::ATTENTION, &defines, "kvs_attn_combine")?;
+            let mut k = KArgs::new();
+            k.i64(ws_o as i64).i64(ws_lse as i64).i32(nsplit as i32).i32(cfg.num_q_heads as i32);
+            k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
+            k.ptr(lse_ptr).i64(l0).i64(l1);
+            let threads = (cfg.head_dim as u32).next_multiple_of(32).min(256);
+            launch::launch(f_comb, (num_tokens as u32, cfg.num_q_heads as u32, 1), threads, &mut k, stream, "kvs_attn_combine launch")?;
+        }
+        drop(ws_guard);
+        Ok(())
+    }
+
+    /// Cache write by slot mapping on the device (validated shapes; slots are bounds-checked by the kernel).
+    pub fn cache_write(&self, cfg: &EngineConfig, a: &CacheWriteArgs, cache: &KvCache, n: usize) -> Result<()> {
+        ensure!(a.slot_mapping.strides()[0] >= 0, InvalidShape, "slot_mapping has a negative stride");
+        if n == 0 {
+            return Ok(());
+        }
+        let total = n * cfg.num_kv_heads * cfg.head_dim;
+        self.gpu.make_current()?;
+        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype))];
+        let f = self.modules.function(&self.gpu, "cache_write", launch::CACHE_WRITE, &defines, "kvs_cache_write")?;
+        let mut k = KArgs::new();
+        k.ptr(p(&a.key)).i64(a.key.stride(0) as i64).i64(a.key.stride(1) as i64).i64(a.key.stride(2) as i64);
+        k.ptr(p(&a.value)).i64(a.value.stride(0) as i64).i64(a.value.stride(1) as i64).i64(a.value.stride(2) as i64);
+        for t in [&cache.k, &cache.v] {
+            k.ptr(p(t));
+            for i in 0..4 {
+                k.i64(t.stride(i) as i64);
+            }
+        }
+        k.ptr(p(&a.slot_mapping)).i64(a.slot_mapping.stride(0) as i64).i32((a.slot_mapping.dtype == DType::I64) as i32);
+        k.i32(n as i32).i32(cfg.num_kv_heads as i32).i32(cfg.head_dim as i32).i64(cache.num_blocks as i64).i32(cfg.block_size as i32);
+        let grid = total.div_ceil(256).min(65536 * 4) as u32;
+        launch::launch(f, (grid, 1, 1), 256, &mut k, a.stream, "kvs_cache_write launch")
+    }
+
+    /// Merge of two partial states on the device (shapes validated by the engine).
+    pub fn merge(&self, a: &MergeArgs) -> Result<()> {
+        let (t, h, d) = (a.out.dim(0), a.out.dim(1), a.out.dim(2));
+        let total = t * h * d;
+        if total == 0 {
+            return Ok(());
+        }
+        self.gpu.make_current()?;
+        let func = match a.out.dtype {
+            DType::F32 => "kvs_merge_f32",
+            DType::F16 => "kvs_merge_f16",
+            _ => "kvs_merge_bf16",
+        };
+        let f = self.modules.function(&self.gpu, "merge", launch::MERGE, &[], func)?;
+        let mut k = KArgs::new();
+        for (o, l) in [(&a.out_a, Some(&a.lse_a)), (&a.out_b, Some(&a.lse_b)), (&a.out, a.lse_out.as_ref())] {
+            k.ptr(p(o)).i64(o.stride(0) as i64).i64(o.stride(1) as i64).i64(o.stride(2) as i64);
+            match l {
+                Some(l) => k.ptr(p(l)).i64(l.stride(0) as i64).i64(l.stride(1) as i64),
+                None => k.ptr(std::ptr::null::<u8>()).i64(0).i64(0),
+            };
+        }
+        k.i32(t as i32).i32(h as i32).i32(d as i32);
+        let grid = total.div_ceil(256).min(65536 * 4) as u32;
+        launch::launch(f, (grid, 1, 1), 256, &mut k, a.stream, "kvs_merge launch")
+    }
+
+    /// Fills `n` elements of `dtype` at `ptr` with pseudo-random values in [-amp/2, amp/2) (benchmarks).
+    pub fn fill_random(&self, ptr: u64, n: usize, dtype: DType, seed: u32, amp: f32, stream: super::driver::CUstream) -> Result<()> {
+        self.gpu.make_current()?;
+        let defines = vec![format!("KVS_DTYPE={}", dtype_code(dtype))];
+        let f = self.modules.function(&self.gpu, "fill", launch::FILL, &defines, "kvs_fill_random")?;
+        let mut k = KArgs::new();
+        k.i64(ptr as i64).i64(n as i64).i32(seed as i32).f32(amp);
+        launch::launch(f, (((n.div_ceil(256)).min(1 << 16)) as u32, 1, 1), 256, &mut k, stream, "kvs_fill_random launch")
+    }
+}

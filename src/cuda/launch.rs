@@ -1,0 +1,120 @@
+//! Kernel modules (compiled or loaded once per variant, then kept for the process) and kernel launches
+//! with by-value arguments packed without heap allocation.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+
+use parking_lot::Mutex;
+
+use super::context::Gpu;
+use super::driver::{check, cuda, CUfunction, CUmodule, CUstream};
+use super::module_cache;
+use crate::error::Result;
+
+/// The CUDA sources, embedded at build time; `COMMON` is prepended to each.
+pub const COMMON: &str = include_str!("../../kernels/common.cuh");
+pub const ATTENTION: &str = include_str!("../../kernels/attention.cu");
+pub const CACHE_WRITE: &str = include_str!("../../kernels/cache_write.cu");
+pub const MERGE: &str = include_str!("../../kernels/merge.cu");
+pub const FILL: &str = include_str!("../../kernels/fill.cu");
+
+/// Loaded modules by variant (source name + defines) and the functions looked up in them.
+#[derive(Default)]
+pub struct Modules {
+    modules: Mutex<HashMap<String, usize>>,
+    functions: Mutex<HashMap<(String, &'static str), usize>>,
+}
+
+impl Modules {
+    /// The function `func` of the module built from `source` with `defines` (e.g. "HEAD_DIM=128").
+    /// The first request compiles (or loads from the disk cache) and loads the module; later ones are a
+    /// hash-map lookup. Must not be first called inside a graph capture.
+    pub fn function(&self, gpu: &Gpu, name: &str, source: &str, defines: &[String], func: &'static str) -> Result<CUfunction> {
+        let variant = format!("{name}:{}", defines.join(","));
+        if let Some(&f) = self.functions.lock().get(&(variant.clone(), func)) {
+            return Ok(f as CUfunction);
+        }
+        let module = {
+            let mut mods = self.modules.lock();
+            match mods.get(&variant) {
+                Some(&m) => m as CUmodule,
+                None => {
+                    let mut opts: Vec<String> = defines.iter().map(|d| format!("-D{d}")).collect();
+                    opts.push("--std=c++17".to_string());
+                    if std::env::var("KVS_PTXAS_VERBOSE").is_ok() {
+                        opts.push("--ptxas-options=-v".to_string());
+                    }
+                    let text = format!("{COMMON}\n{source}");
+                    let bin = module_cache::cubin(name, &text, &opts, &gpu.arch())?;
+                    let mut m: CUmodule = std::ptr::null_mut();
+                    // SAFETY: bin is a complete cubin for this device's architecture.
+                    check(unsafe { (cuda()?.cuModuleLoadData)(&mut m, bin.as_ptr() as *const c_void) }, &format!("cuModuleLoadData({name})"))?;
+                    mods.insert(variant.clone(), m as usize);
+                    m
+                }
+            }
+        };
+        let cname = CString::new(func).expect("no NUL in function name");
+        let mut f: CUfunction = std::ptr::null_mut();
+        // SAFETY: module is loaded; out-parameter.
+        check(unsafe { (cuda()?.cuModuleGetFunction)(&mut f, module, cname.as_ptr()) }, &format!("cuModuleGetFunction({func})"))?;
+        self.functions.lock().insert((variant, func), f as usize);
+        Ok(f)
+    }
+}
+
+/// Up to 48 kernel arguments of at most 8 bytes each, stored inline.
+pub struct KArgs {
+    vals: [u64; 48],
+    n: usize,
+}
+
+impl KArgs {
+    pub fn new() -> Self {
+        KArgs { vals: [0; 48], n: 0 }
+    }
+    fn push(&mut self, v: u64) -> &mut Self {
+        assert!(self.n < self.vals.len(), "too many kernel arguments");
+        self.vals[self.n] = v;
+        self.n += 1;
+        self
+    }
+    pub fn ptr<T>(&mut self, p: *const T) -> &mut Self {
+        self.push(p as usize as u64)
+    }
+    pub fn i64(&mut self, v: i64) -> &mut Self {
+        self.push(v as u64)
+    }
+    /// 4-byte arguments sit in the low bytes of their slot (little-endian), which is what the driver copies.
+    pub fn i32(&mut self, v: i32) -> &mut Self {
+        self.push(v as u32 as u64)
+    }
+    pub fn f32(&mut self, v: f32) -> &mut Self {
+        self.push(v.to_bits() as u64)
+    }
+}
+
+impl Default for KArgs {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Launches `f` on `stream` and checks the launch (not the execution: that would need a sync).
+pub fn launch(f: CUfunction, grid: (u32, u32, u32), block: u32, args: &mut KArgs, stream: CUstream, what: &str) -> Result<()> {
+    let mut ptrs: [*mut c_void; 48] = [std::ptr::null_mut(); 48];
+    for i in 0..args.n {
+        ptrs[i] = &mut args.vals[i] as *mut u64 as *mut c_void;
+    }
+    // SAFETY: every argument pointer points into `args`, alive for the call; the kernel signature matches
+    // the packing order (each launcher below mirrors its kernel's parameter list).
+    check(unsafe { (cuda()?.cuLaunchKernel)(f, grid.0, grid.1, grid.2, block, 1, 1, 0, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()) }, what)
+}
+
+/// CTAs of `f` with `block` threads that fit on one multiprocessor.
+pub fn occupancy(f: CUfunction, block: u32) -> Result<i32> {
+    let mut n = 0;
+    // SAFETY: out-parameter, valid function.
+    check(unsafe { (cuda()?.cuOccupancyMaxActiveBlocksPerMultiprocessor)(&mut n, f, block as i32, 0) }, "cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+    Ok(n.max(1))
+}

@@ -1,0 +1,22 @@
+//! CUDA backend: the driver and NVRTC loaded at run time ([`driver`]), the device context ([`context`]),
+//! NVRTC compilation with an on-disk module cache ([`module_cache`]), launches ([`launch`]), split-KV
+//! planning ([`plan`]) and the backend the engine dispatches to ([`backend`]). Kernels: `kernels/*.cu`.
+//! Nothing here is needed at build time, and every entry point fails cleanly when no driver is present.
+
+pub mod backend;
+pub mod bench;
+pub mod context;
+pub mod driver;
+pub mod launch;
+pub mod module_cache;
+pub mod plan;
+
+pub use backend::CudaBackend;
+
+/// True when a CUDA driver loads and reports at least one device (never panics).
+pub fn device_available() -> bool {
+    let Ok(api) = driver::cuda() else { return false };
+    let mut n = 0;
+    // SAFETY: out-parameter.
+    unsafe { (api.cuDeviceGetCount)(&mut n) == 0 && n > 0 }
+}

@@ -1,0 +1,206 @@
+//! NVRTC compilation of the kernel sources in `kernels/` for the device's architecture, with an on-disk
+//! cache of the resulting cubins so that a second process loads them without compiling.
+//!
+//! Cache key: FNV-1a of (source text, NVRTC options, target architecture, NVRTC version). The file name
+//! carries the hash; the file itself starts with the full key text, which is compared on load, so a hash
+//! collision or a truncated file means "recompile", never a wrong module. Location: `$KVS_KERNEL_CACHE`,
+//! else `$XDG_CACHE_HOME/kvsparse/kernels`, else `$HOME/.cache/kvsparse/kernels`; `KVS_KERNEL_CACHE=off`
+//! disables it. Writes go to a temporary file renamed into place, so concurrent processes never see half
+//! a file. `KVS_LOG=1` prints one line per module (compiled or loaded, and how long it took).
+
+use std::ffi::{c_char, CString};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use super::driver::{check_nvrtc, nvrtc, NvrtcProgram};
+use crate::error::{Error, ErrorKind, Result};
+
+static COMPILED: AtomicU64 = AtomicU64::new(0);
+static FROM_DISK: AtomicU64 = AtomicU64::new(0);
+
+/// (modules compiled by NVRTC, modules loaded from the disk cache) in this process so far.
+pub fn counts() -> (u64, u64) {
+    (COMPILED.load(Ordering::Relaxed), FROM_DISK.load(Ordering::Relaxed))
+}
+
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for p in parts {
+        for &b in p.iter().chain(&[0xffu8]) {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+    }
+    h
+}
+
+/// The cache directory, or None when caching is off or no location is known.
+pub fn cache_dir() -> Option<PathBuf> {
+    match std::env::var("KVS_KERNEL_CACHE") {
+        Ok(v) if v == "off" || v == "0" => return None,
+        Ok(v) if !v.is_empty() => return Some(PathBuf::from(v)),
+        _ => {}
+    }
+    if let Ok(x) = std::env::var("XDG_CACHE_HOME") {
+        if !x.is_empty() {
+            return Some(PathBuf::from(x).join("kvsparse/kernels"));
+        }
+    }
+    std::env::var("HOME").ok().filter(|h| !h.is_empty()).map(|h| PathBuf::from(h).join(".cache/kvsparse/kernels"))
+}
+
+fn log_enabled() -> bool {
+    std::env::var("KVS_LOG").map(|v| v != "0" && !v.is_empty()).unwrap_or(false)
+}
+
+const MAGIC: &[u8] = b"KVSCUBIN1\n";
+
+/// Returns the cubin for `source` compiled with `options` for `arch` (e.g. "sm_90"), from the disk cache
+/// when present. `name` only labels logs and files.
+pub fn cubin(name: &str, source: &str, options: &[String], arch: &str) -> Result<Vec<u8>> {
+    let api = nvrtc();
+    let version = match api {
+        Ok(a) => {
+            let (mut ma, mut mi) = (0, 0);
+            // SAFETY: plain out-parameters.
+            unsafe { (a.nvrtcVersion)(&mut ma, &mut mi) };
+            format!("{ma}.{mi}")
+        }
+        Err(_) => "none".to_string(),
+    };
+    let key = format!("{name}\n{arch}\nnvrtc {version}\n{}\n", options.join(" "));
+    let hash = fnv1a(&[key.as_bytes(), source.as_bytes()]);
+    let full_key = format!("{key}{hash:016x}\n");
+    let path = cache_dir().map(|d| d.join(format!("{name}-{arch}-{hash:016x}.cubin")));
+    let t0 = Instant::now();
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            let head_len = MAGIC.len() + full_key.len();
+            if bytes.len() > head_len && &bytes[..MAGIC.len()] == MAGIC && &bytes[MAGIC.len()..head_len] == full_key.as_bytes() {
+                FROM_DISK.fetch_add(1, Ordering::Relaxed);
+                if log_enabled() {
+                    eprintln!("kvsparse: kernel module {name} loaded from cache {} ({:.1} ms)", p.display(), t0.elapsed().as_secs_f64() * 1e3);
+                }
+                return Ok(bytes[head_len..].to_vec());
+            }
+        }
+    }
+    let api = api?;
+    let bin = compile(api, name, source, options, arch)?;
+    COMPILED.fetch_add(1, Ordering::Relaxed);
+    if log_enabled() {
+        eprintln!("kvsparse: kernel module {name} compiled by NVRTC {version} for {arch} ({:.1} ms)", t0.elapsed().as_secs_f64() * 1e3);
+    }
+    if let Some(p) = &path {
+        // A cache that cannot be written only costs the next process a compile.
+        let _ = store(p, &full_key, &bin);
+    }
+    Ok(bin)
+}
+
+fn store(path: &PathBuf, key: &str, bin: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let mut data = Vec::with_capacity(MAGIC.len() + key.len() + bin.len());
+    data.extend_from_slice(MAGIC);
+    data.extend_from_slice(key.as_bytes());
+    data.extend_from_slice(bin);
+    std::fs::write(&tmp, &data)?;
+    std::fs::rename(&tmp, path)
+}
+
+fn compile(api: &super::driver::NvrtcApi, name: &str, source: &str, options: &[String], arch: &str) -> Result<Vec<u8>> {
+    let src = CString::new(source).map_err(|_| Error::new(ErrorKind::Internal, "kernel source contains a NUL byte"))?;
+    let cname = CString::new(format!("{name}.cu")).expect("no NUL in name");
+    let mut opts: Vec<CString> = options.iter().map(|o| CString::new(o.as_str()).expect("no NUL in option")).collect();
+    opts.push(CString::new(format!("--gpu-architecture={arch}")).expect("arch"));
+    let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
+    let mut prog: NvrtcProgram = std::ptr::null_mut();
+    // SAFETY: NVRTC calls with valid C strings and out-parameters; the program is destroyed on every path.
+    unsafe {
+        check_nvrtc(api, (api.nvrtcCreateProgram)(&mut prog, src.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null()), "nvrtcCreateProgram")?;
+        let rc = (api.nvrtcCompileProgram)(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr());
+        let mut log_len = 0usize;
+        (api.nvrtcGetProgramLogSize)(prog, &mut log_len);
+        let mut log = vec![0u8; log_len.max(1)];
+        (api.nvrtcGetProgramLog)(prog, log.as_mut_ptr() as *mut c_char);
+        let log = String::from_utf8_lossy(&log[..log_len.saturating_sub(1)]).into_owned();
+        if rc != 0 {
+            (api.nvrtcDestroyProgram)(&mut prog);
+            return Err(Error::new(ErrorKind::Internal, format!("NVRTC could not compile kernel module {name} ({}): {log}", options.join(" "))));
+        }
+        if log_enabled() && !log.trim().is_empty() {
+            eprintln!("kvsparse: NVRTC log for {name}:\n{log}");
+        }
+        let mut size = 0usize;
+        let r = (api.nvrtcGetCUBINSize)(prog, &mut size);
+        if r != 0 {
+            (api.nvrtcDestroyProgram)(&mut prog);
+            return check_nvrtc(api, r, "nvrtcGetCUBINSize").map(|_| Vec::new());
+        }
+        let mut bin = vec![0u8; size];
+        let r = (api.nvrtcGetCUBIN)(prog, bin.as_mut_ptr() as *mut c_char);
+        (api.nvrtcDestroyProgram)(&mut prog);
+        check_nvrtc(api, r, "nvrtcGetCUBIN")?;
+        Ok(bin)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_separates_parts() {
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+        assert_eq!(fnv1a(&[b"x"]), fnv1a(&[b"x"]));
+    }
+}
+
+/// Compiles every kernel source in the variants the conformance matrix and the benchmark use, without a
+/// GPU (NVRTC only; skipped when NVRTC is not installed). Catches source errors before a device run.
+#[cfg(test)]
+mod compile_tests {
+    use super::super::launch::{ATTENTION, CACHE_WRITE, COMMON, FILL, MERGE};
+    use super::*;
+
+    #[test]
+    fn kernel_sources_compile_with_nvrtc() {
+        if nvrtc().is_err() {
+            eprintln!("NVRTC not available, skipped");
+            return;
+        }
+        std::env::set_var("KVS_KERNEL_CACHE", "off");
+        let build = |name: &str, src: &str, defs: &[String]| {
+            let mut opts: Vec<String> = defs.iter().map(|d| format!("-D{d}")).collect();
+            opts.push("--std=c++17".into());
+            if std::env::var("KVS_PTXAS_VERBOSE").is_ok() {
+                opts.push("--ptxas-options=-v".into());
+            }
+            cubin(name, &format!("{COMMON}\n{src}"), &opts, "sm_90").unwrap_or_else(|e| panic!("{name} {defs:?}: {e}"));
+        };
+        for dt in 0..3 {
+            build("cache_write", CACHE_WRITE, &[format!("KVS_DTYPE={dt}")]);
+            build("fill", FILL, &[format!("KVS_DTYPE={dt}")]);
+            for &(d, g) in &[(64usize, 4usize), (80, 4), (256, 8), (128, 1), (192, 8)] {
+                let es = [4usize, 2, 2][dt];
+                for aligned in [true, false] {
+                    let s = super::super::plan::kernel_shape(g, d, es, aligned);
+                    let defs = vec![
+                        format!("KVS_DTYPE={dt}"),
+                        format!("HEAD_DIM={d}"),
+                        format!("GQ={}", s.gq),
+                        format!("GROUP={g}"),
+                        format!("LOAD_BYTES={}", s.load_bytes),
+                        format!("KB={}", s.kb),
+                    ];
+                    build("attention", ATTENTION, &defs);
+                }
+            }
+        }
+        build("merge", MERGE, &[]);
+    }
+}
