@@ -52,6 +52,7 @@ class Engine:
         self.policy = policy or ""
         self.dtype = dtype
         self.num_layers = num_layers
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self._lock = threading.Lock()
 
     def cache_write(self, layer, key, value, key_cache, value_cache, slot_mapping, stream=None):
