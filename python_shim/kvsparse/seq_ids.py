@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 
-log = logging.getLogger("kvsparse.vllm")
+log = logging.getLogger("vllm.kvsparse")
 
 # Ids for rows the runner has no request for (profiling / warm-up dummy batches).
 _EPHEMERAL_BASE = 1 << 62

@@ -6,7 +6,7 @@ token-major LBNHC (flash's layout) and LBHNC, and pass K and V to kvsparse as th
 two strided halves of `kv_cache.transpose(1, 2)` ([blocks, block_size, kv_heads,
 head_size] each), with no copy. One kvsparse engine per process serves all layers.
 """
-import logging
+
 import os
 import threading
 from dataclasses import dataclass
@@ -26,7 +26,9 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 from .engine import Engine, KvsError
 from .seq_ids import TRACKER
 
-log = logging.getLogger("kvsparse.vllm")
+from vllm.logger import init_logger
+
+log = init_logger("vllm.kvsparse")  # under vLLM's logger config, so INFO lines show
 LOG_EVERY = int(os.environ.get("KVSPARSE_LOG_EVERY", "64"))
 
 _engine_lock = threading.Lock()

@@ -69,7 +69,7 @@ def main():
     if a.kvsparse and result["backend"] == "kvsparse":
         from kvsparse import vllm_backend
         from kvsparse.seq_ids import TRACKER
-        result["stats_after"] = vllm_backend.log_stats(vllm_backend.get_engine())
+        result["stats_after"] = vllm_backend.get_engine().stats()
         result["live_request_ids"] = len(TRACKER.live())
     print("KVS_RESULT " + json.dumps(result))
     sys.stdout.flush()
