@@ -1,0 +1,96 @@
+"""Pythonic wrapper of one kvsparse engine: create, write cache, forward, release, stats.
+
+Every failing call raises KvsError carrying the status name and kvsparse's own
+message (kvs_last_error), so configuration errors surface verbatim at startup.
+"""
+import threading
+
+import torch
+
+from ._ffi import ffi, lib
+from .dlpack import ptr, view
+
+_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_STATS_FIELDS = [f[0] for f in ffi.typeof("kvs_stats").fields if f[0] not in ("struct_size", "reserved")]
+
+
+class KvsError(RuntimeError):
+    """A kvsparse call failed; `status` is the status name (e.g. KVS_ERR_UNSUPPORTED)."""
+
+    def __init__(self, status: int, what: str):
+        self.status = ffi.string(lib.kvs_status_name(status)).decode()
+        self.message = ffi.string(lib.kvs_last_error()).decode()
+        super().__init__(f"kvsparse {what}: {self.status}: {self.message}")
+
+
+def _check(status: int, what: str):
+    if status != 0:
+        raise KvsError(status, what)
+
+
+class Engine:
+    """One kvsparse engine (all attention layers of one model on one device)."""
+
+    def __init__(self, *, num_layers, num_q_heads, num_kv_heads, head_dim, block_size,
+                 dtype=torch.float16, device="cpu", policy="", num_threads=0, max_state_bytes=0):
+        if dtype not in _DTYPE:
+            raise ValueError(f"kvsparse: dtype {dtype} is not supported (float32, float16, bfloat16)")
+        cfg = ffi.new("kvs_engine_config *")
+        _check(lib.kvs_engine_config_init(cfg), "config_init")
+        dev = torch.device(device)
+        cfg.device_type = 1 if dev.type == "cpu" else 2
+        cfg.device_id = dev.index or 0
+        cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads = num_layers, num_q_heads, num_kv_heads
+        cfg.head_dim, cfg.block_size = head_dim, block_size
+        cfg.dtype = _DTYPE[dtype]
+        cfg.num_threads, cfg.max_state_bytes = num_threads, max_state_bytes
+        spec = ffi.new("char[]", (policy or "").encode())
+        cfg.policy = spec
+        out = ffi.new("kvs_engine **")
+        _check(lib.kvs_engine_create(cfg, out), "engine_create")
+        self._h = ffi.gc(out[0], lib.kvs_engine_destroy)
+        self.policy = policy or ""
+        self.dtype = dtype
+        self.num_layers = num_layers
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self._lock = threading.Lock()
+
+    def cache_write(self, layer, key, value, key_cache, value_cache, slot_mapping, stream=None):
+        vs = [view(t) for t in (key, value, key_cache, value_cache, slot_mapping)]
+        a = ffi.new("kvs_cache_write_args *")
+        a.struct_size = ffi.sizeof("kvs_cache_write_args")
+        a.layer = layer
+        a.key, a.value, a.key_cache, a.value_cache, a.slot_mapping = [v.ptr for v in vs]
+        a.stream = ffi.NULL if stream is None else ffi.cast("void *", stream)
+        _check(lib.kvs_cache_write(self._h, a), "cache_write")
+
+    def forward(self, layer, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                out, *, seq_ids=None, lse=None, scale, sliding_window=0, softcap=0.0,
+                max_query_len=0, max_seq_len=0, stream=None, call_stats=False):
+        """Causal paged attention of one layer; returns this call's counters when call_stats."""
+        tensors = [query, key_cache, value_cache, block_table, seq_lens, query_start_loc, seq_ids, out, lse]
+        vs = [view(t) for t in tensors]
+        a = ffi.new("kvs_forward_args *")
+        a.struct_size = ffi.sizeof("kvs_forward_args")
+        a.layer = layer
+        (a.query, a.key_cache, a.value_cache, a.block_table, a.seq_lens, a.query_start_loc,
+         a.seq_ids, a.out, a.lse) = [ptr(v) for v in vs]
+        a.scale, a.sliding_window, a.softcap = scale, sliding_window, softcap
+        a.max_query_len, a.max_seq_len = max_query_len, max_seq_len
+        a.stream = ffi.NULL if stream is None else ffi.cast("void *", stream)
+        st = None
+        if call_stats:
+            st = ffi.new("kvs_stats *")
+            st.struct_size = ffi.sizeof("kvs_stats")
+            a.call_stats = st
+        _check(lib.kvs_attention_forward(self._h, a), "attention_forward")
+        return None if st is None else {f: getattr(st, f) for f in _STATS_FIELDS}
+
+    def release(self, seq_id: int):
+        _check(lib.kvs_sequence_release(self._h, seq_id), "sequence_release")
+
+    def stats(self, layer: int = -1) -> dict:
+        st = ffi.new("kvs_stats *")
+        st.struct_size = ffi.sizeof("kvs_stats")
+        _check(lib.kvs_engine_stats(self._h, layer, st), "engine_stats")
+        return {f: getattr(st, f) for f in _STATS_FIELDS}

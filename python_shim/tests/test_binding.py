@@ -1,0 +1,88 @@
+"""The cffi binding: header parsing, engine errors, and attention on small tensors vs torch."""
+import math
+
+import pytest
+import torch
+
+import kvsparse
+from kvsparse import Engine, KvsError
+from kvsparse._ffi import HEADER_PATH, ffi
+
+
+def test_abi_version_matches_header():
+    text = HEADER_PATH.read_text()
+    assert f"#define KVS_ABI_VERSION {kvsparse.abi_version()}" in text
+
+
+def test_struct_sizes_come_from_header():
+    # Every config/args struct starts with struct_size; the layout is cffi's reading of the header.
+    assert ffi.offsetof("kvs_forward_args", "struct_size") == 0
+    assert ffi.sizeof("kvs_stats") == 8 + 8 * 20
+
+
+@pytest.mark.parametrize("kw,status,text", [
+    (dict(head_dim=65), "KVS_ERR_UNSUPPORTED", "head_dim 65"),
+    (dict(policy="nosuchpolicy(k=1)"), "KVS_ERR_INVALID_ARGUMENT", "nosuchpolicy"),
+    (dict(num_kv_heads=4), None, "num_kv_heads"),
+])
+def test_bad_config_fails_with_kvsparse_message(kw, status, text):
+    cfg = dict(num_layers=2, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+    cfg.update(kw)
+    with pytest.raises(KvsError) as e:
+        Engine(**cfg)
+    if status:
+        assert e.value.status == status
+    assert text in str(e.value)
+
+
+def _reference(q, k, v, scale):
+    # q [t, H, D], k/v [s, KH, D]; causal with q rows at the end of the sequence
+    t, H, _ = q.shape
+    s, KH, _ = k.shape
+    g = H // KH
+    kk = k.repeat_interleave(g, dim=1).double()
+    vv = v.repeat_interleave(g, dim=1).double()
+    logits = torch.einsum("thd,shd->hts", q.double(), kk) * scale
+    pos = torch.arange(s - t, s)[:, None]
+    mask = torch.arange(s)[None, :] > pos
+    logits = logits.masked_fill(mask[None], -math.inf)
+    return torch.einsum("hts,shd->thd", logits.softmax(-1), vv)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_cache_write_and_forward_match_reference_on_strided_vllm_cache(dtype, tol):
+    torch.manual_seed(0)
+    H, KH, D, bs, nb = 9, 3, 64, 16, 12
+    eng = Engine(num_layers=1, num_q_heads=H, num_kv_heads=KH, head_dim=D, block_size=bs, dtype=dtype)
+    # vLLM layout: logical [blocks, kv_heads, block_size, 2*D], token-major in memory (LBNHC)
+    raw = torch.zeros(nb, bs, KH, 2 * D, dtype=dtype)
+    kv_cache = raw.permute(0, 2, 1, 3)
+    kc, vc = kv_cache.transpose(1, 2).split(D, dim=-1)
+    lens, qlens = [37, 5], [37, 1]  # one prefill, one decode row
+    tables = torch.tensor([[3, 7, 1, 0], [9, 2, 0, 0]], dtype=torch.int32)
+    ks = [torch.randn(n, KH, D, dtype=dtype) for n in lens]
+    vs = [torch.randn(n, KH, D, dtype=dtype) for n in lens]
+    for s, n in enumerate(lens):
+        slots = torch.tensor([int(tables[s, p // bs]) * bs + p % bs for p in range(n)], dtype=torch.int64)
+        eng.cache_write(0, ks[s], vs[s], kc, vc, slots)
+    q = torch.randn(sum(qlens), H, D, dtype=dtype)
+    out = torch.empty_like(q)
+    qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32)
+    eng.forward(0, q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), qsl, out,
+                seq_ids=torch.tensor([11, 12]), scale=D ** -0.5)
+    for s in range(2):
+        rows = slice(int(qsl[s]), int(qsl[s + 1]))
+        ref = _reference(q[rows], ks[s], vs[s], D ** -0.5)
+        assert torch.allclose(out[rows].double(), ref, atol=tol, rtol=tol)
+    st = eng.stats()
+    assert st["sequences_created"] == 2 and st["live_sequences"] == 2
+    eng.release(11)
+    with pytest.raises(KvsError) as e:
+        eng.release(11)
+    assert e.value.status == "KVS_ERR_UNKNOWN_SEQUENCE"
+    assert eng.stats()["sequences_released"] == 1
+
+
+def test_unsupported_dtype_is_a_clear_error():
+    with pytest.raises(ValueError, match="float64"):
+        Engine(num_layers=1, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float64)
