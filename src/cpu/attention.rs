@@ -6,7 +6,7 @@
 //! every query row of the group, so the loop streams the KV cache once per (sequence, KV head) in decode.
 //! Dense attention calls it with one position range; policies call it with their own span lists.
 
-use super::convert::{load_row, Isa, Portable};
+use super::convert::{Isa, Portable};
 use super::isa::{self, IsaLevel};
 use super::math::fast_exp;
 use crate::layout::KvCache;
@@ -226,13 +226,22 @@ unsafe fn attend_spans_heads_avx2(states: &mut [RowsState], qs: &[Vec<f32>], lim
 
 #[inline(always)]
 fn attend_spans_heads_generic<I: Isa>(states: &mut [RowsState], qs: &[Vec<f32>], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
+    let row_bytes = kv.cache.head_dim * kv.cache.dtype.size_bytes();
     for &(start, end) in spans {
         let mut c0 = start;
         while c0 < end {
             let c1 = (c0 + CHUNK).min(end);
+            let keys = Keys::Range(c0, c1);
             for (i, st) in states.iter_mut().enumerate() {
                 let kvh = SeqKv { head: kv.head + i, ..*kv };
-                chunk::<I>(st, &qs[i], limits, &kvh, Keys::Range(c0, c1), softcap);
+                // This head's rows of the next chunk sit in other (shuffled) blocks, 2 KB apart, where
+                // the hardware prefetcher does not follow: ask for them one chunk (all heads) ahead so
+                // their misses overlap this chunk's arithmetic.
+                for pos in c1..(c1 + CHUNK).min(end) {
+                    prefetch_row(kvh.k_row(pos), row_bytes);
+                    prefetch_row(kvh.v_row(pos), row_bytes);
+                }
+                chunk::<I>(st, &qs[i], limits, &kvh, keys, softcap);
             }
             c0 = c1;
         }
@@ -259,22 +268,54 @@ fn attend_spans_generic<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimi
     }
 }
 
-/// One chunk of keys (a range or a list): scores, online-softmax update, value accumulation.
+/// Hints the cache lines of one row (`bytes` long) into the cache; a no-op off x86-64.
+#[inline(always)]
+fn prefetch_row(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..bytes).step_by(64) {
+        // SAFETY: prefetch never faults; the address is only a hint.
+        unsafe { std::arch::x86_64::_mm_prefetch(p.wrapping_add(off) as *const i8, std::arch::x86_64::_MM_HINT_T0) };
+    }
+}
+
+/// Whether any row sees any key of the chunk (otherwise the chunk is skipped without loads).
+#[inline(always)]
+fn visible(limits: &[RowLimits], keys: Keys) -> bool {
+    let (c0, c1) = keys.bounds();
+    limits.iter().any(|lim| lim.lo < c1 && lim.hi >= c0)
+}
+
+/// One chunk of keys (a range or a list): scores, online-softmax update, value accumulation. K and V
+/// rows are read where they lie in the cache (converted in registers where the ISA can).
 #[inline(always)]
 fn chunk<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, keys: Keys, softcap: f32) {
     let n = keys.len();
-    let (c0, c1) = keys.bounds();
     let d = st.dim;
     let cache = kv.cache;
-    // Skip the chunk (no loads) when no row sees any of its keys.
-    if !limits.iter().any(|lim| lim.lo < c1 && lim.hi >= c0) {
+    if !visible(limits, keys) {
         return;
     }
-    for jj in 0..n {
-        // SAFETY: positions < seq_len, whose blocks were validated against the cache.
-        unsafe { load_row::<I>(kv.k_row(keys.pos(jj)), cache.dtype, cache.k_dim_stride(), d, &mut st.kbuf[jj * d..(jj + 1) * d]) };
+    let mut rows = [std::ptr::null::<u8>(); CHUNK];
+    for (jj, r) in rows[..n].iter_mut().enumerate() {
+        *r = kv.k_row(keys.pos(jj));
     }
-    I::scores(&mut st.scores, q, &st.kbuf, st.rows, n, d);
+    // SAFETY: positions < seq_len, whose blocks were validated against the cache.
+    unsafe { I::scores_rows(&mut st.scores, q, &rows[..n], cache.dtype, cache.k_dim_stride(), &mut st.kbuf, st.rows, d) };
+    if !softmax_chunk(st, limits, keys, softcap) {
+        return;
+    }
+    for (jj, r) in rows[..n].iter_mut().enumerate() {
+        *r = kv.v_row(keys.pos(jj));
+    }
+    unsafe { I::accumulate_rows(&mut st.acc, &st.scores, &rows[..n], cache.dtype, cache.v_dim_stride(), &mut st.vbuf, st.rows, d) };
+}
+
+/// With the chunk's raw scores in `st.scores`: masking, soft-cap and the online-softmax update, leaving
+/// the chunk's unnormalised weights in `st.scores` (0 for masked keys). Returns whether any row got weight.
+#[inline(always)]
+fn softmax_chunk(st: &mut RowsState, limits: &[RowLimits], keys: Keys, softcap: f32) -> bool {
+    let n = keys.len();
+    let d = st.dim;
     let mut any_weight = false;
     for r in 0..st.rows {
         let lim = limits[r];
@@ -309,13 +350,7 @@ fn chunk<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv
         st.l[r] += sum8(sc);
         any_weight = true;
     }
-    if !any_weight {
-        return;
-    }
-    for jj in 0..n {
-        unsafe { load_row::<I>(kv.v_row(keys.pos(jj)), cache.dtype, cache.v_dim_stride(), d, &mut st.vbuf[jj * d..(jj + 1) * d]) };
-    }
-    I::accumulate(&mut st.acc, &st.scores, &st.vbuf, st.rows, n, d);
+    any_weight
 }
 
 /// Sum with eight independent lanes (vectorises; a plain fold is a serial dependency chain).

@@ -25,6 +25,29 @@ pub trait Isa: Copy {
     fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
         super::attention::accumulate_generic::<Self>(acc, p, vbuf, rows, n, d)
     }
+    /// Scores of the keys at `krows` (cache rows of `dtype`, element stride `stride`): by default
+    /// converted into `kbuf` first, then [`Isa::scores`].
+    ///
+    /// # Safety
+    /// Every pointer must address `d` elements at that stride.
+    #[inline(always)]
+    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, stride: isize, kbuf: &mut [f32], rows: usize, d: usize) {
+        for (j, &p) in krows.iter().enumerate() {
+            load_row::<Self>(p, dtype, stride, d, &mut kbuf[j * d..(j + 1) * d]);
+        }
+        Self::scores(scores, q, kbuf, rows, krows.len(), d)
+    }
+    /// Value accumulation from cache rows (see [`Isa::scores_rows`]).
+    ///
+    /// # Safety
+    /// Every pointer must address `d` elements at that stride.
+    #[inline(always)]
+    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, stride: isize, vbuf: &mut [f32], rows: usize, d: usize) {
+        for (j, &ptr) in vrows.iter().enumerate() {
+            load_row::<Self>(ptr, dtype, stride, d, &mut vbuf[j * d..(j + 1) * d]);
+        }
+        Self::accumulate(acc, p, vbuf, rows, vrows.len(), d)
+    }
 }
 
 /// Portable code: whatever the baseline target allows.
@@ -68,6 +91,36 @@ impl Isa for Avx2 {
     fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
         // SAFETY: as above.
         unsafe { super::avx2::accumulate(acc, p, vbuf, rows, n, d) }
+    }
+    #[inline(always)]
+    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, stride: isize, kbuf: &mut [f32], rows: usize, d: usize) {
+        use super::avx2 as k;
+        match (dtype, stride) {
+            (DType::F16, 1) => k::scores_rows::<{k::FMT_F16}>(scores, q, krows, rows, d),
+            (DType::BF16, 1) => k::scores_rows::<{k::FMT_BF16}>(scores, q, krows, rows, d),
+            (DType::F32, 1) => k::scores_rows::<{k::FMT_F32}>(scores, q, krows, rows, d),
+            _ => {
+                for (j, &p) in krows.iter().enumerate() {
+                    load_row::<Self>(p, dtype, stride, d, &mut kbuf[j * d..(j + 1) * d]);
+                }
+                Self::scores(scores, q, kbuf, rows, krows.len(), d)
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, stride: isize, vbuf: &mut [f32], rows: usize, d: usize) {
+        use super::avx2 as k;
+        match (dtype, stride) {
+            (DType::F16, 1) => k::accumulate_rows::<{k::FMT_F16}>(acc, p, vrows, rows, d),
+            (DType::BF16, 1) => k::accumulate_rows::<{k::FMT_BF16}>(acc, p, vrows, rows, d),
+            (DType::F32, 1) => k::accumulate_rows::<{k::FMT_F32}>(acc, p, vrows, rows, d),
+            _ => {
+                for (j, &ptr) in vrows.iter().enumerate() {
+                    load_row::<Self>(ptr, dtype, stride, d, &mut vbuf[j * d..(j + 1) * d]);
+                }
+                Self::accumulate(acc, p, vbuf, rows, vrows.len(), d)
+            }
+        }
     }
 }
 

@@ -15,7 +15,7 @@ const HELP: &str = "kvsparse demo [--batch 8] [--context 8192] [--q-heads 32] [-
               [--dtype f16] [--block-size 16] [--iters 20] [--threads 0] [--seed N]
 
 Decode step (one new token per sequence) over a paged KV cache with a shuffled block table.
-Reports median time per step, tokens/s, achieved GB/s of KV read, the streaming-read bandwidth of
+Reports median and best time per step, tokens/s, achieved GB/s of KV read, the streaming-read bandwidth of
 this machine measured with the same number of threads, their ratio, and the max relative error of
 any output row against a float64 reference.";
 
@@ -82,13 +82,18 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         engine.attention_forward(&args).map_err(|e| e.to_string())?;
     }
     let mut times = Vec::with_capacity(iters);
+    let mut cpu_best = f64::INFINITY;
     for _ in 0..iters {
+        let c = process_cpu_seconds();
         let t = Instant::now();
         engine.attention_forward(&args).map_err(|e| e.to_string())?;
         times.push(t.elapsed().as_secs_f64());
+        cpu_best = cpu_best.min(process_cpu_seconds() - c);
     }
     times.sort_by(|x, y| x.partial_cmp(y).unwrap());
     let t = times[times.len() / 2];
+    // Best-of, like the streaming figure it is compared with (that one is best-of-5).
+    let t_best = times[0];
     let kv_bytes = (batch * ctx * row * 2 * dt.size_bytes()) as f64;
     let stream_bw = streaming_read_bandwidth(threads);
 
@@ -114,17 +119,30 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     }
 
     println!("kvsparse demo: CPU decode, batch {batch}, context {ctx}, {hq}/{hk} heads, head {d}, {}, block {bs}, {threads} threads", dt.name());
-    println!("{:<34} {:>14}", "metric", "value");
-    println!("{:<34} {:>14.3}", "time per decode step (ms, median)", t * 1e3);
-    println!("{:<34} {:>14.1}", "tokens/s (one layer)", batch as f64 / t);
-    println!("{:<34} {:>14.2}", "KV read (GB/s)", kv_bytes / t / 1e9);
-    println!("{:<34} {:>14.2}", "streaming read (GB/s, measured)", stream_bw / 1e9);
-    println!("{:<34} {:>14.2}", "ratio KV read / streaming read", kv_bytes / t / stream_bw);
-    println!("{:<34} {:>14.2e}", "max rel error vs float64 (rows)", worst);
+    println!("{:<42} {:>12}", "metric", "value");
+    println!("{:<42} {:>12.3}", "time per decode step (ms, median)", t * 1e3);
+    println!("{:<42} {:>12.3}", "time per decode step (ms, best)", t_best * 1e3);
+    // CPU time is what the kernel costs when other processes share the cores (wall time then is not).
+    println!("{:<42} {:>12.3}", "CPU time per step (ms, all threads, best)", cpu_best * 1e3);
+    println!("{:<42} {:>12.1}", "tokens/s (one layer, median)", batch as f64 / t);
+    println!("{:<42} {:>12.2}", "KV read (GB/s, median)", kv_bytes / t / 1e9);
+    println!("{:<42} {:>12.2}", "KV read (GB/s, best)", kv_bytes / t_best / 1e9);
+    println!("{:<42} {:>12.2}", "streaming read (GB/s, best of 5)", stream_bw / 1e9);
+    println!("{:<42} {:>12.2}", "ratio KV read / streaming (median)", kv_bytes / t / stream_bw);
+    println!("{:<42} {:>12.2}", "ratio KV read / streaming (best)", kv_bytes / t_best / stream_bw);
+    println!("{:<42} {:>12.2e}", "max rel error vs float64 (rows)", worst);
     if !(worst < 5e-3) {
         return Err(format!("output error {worst:.3e} exceeds the tolerance"));
     }
     Ok(())
+}
+
+/// CPU time consumed by this process so far (all threads), in seconds.
+fn process_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 fn rayon_threads(requested: usize) -> usize {
