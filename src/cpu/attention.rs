@@ -274,7 +274,7 @@ fn prefetch_row(p: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     for off in (0..bytes).step_by(64) {
         // SAFETY: prefetch never faults; the address is only a hint.
-        unsafe { std::arch::x86_64::_mm_prefetch(p.wrapping_add(off) as *const i8, std::arch::x86_64::_MM_HINT_T0) };
+        unsafe { std::arch::x86_64::_mm_prefetch(p.wrapping_add(off) as *const i8, std::arch::x86_64::_MM_HINT_T1) };
     }
 }
 
