@@ -5,10 +5,12 @@
 //! one CTA per row would leave most of the memory system idle. We cut each row's keys into splits of at
 //! least `min_chunk` positions until the grid holds about `waves` full waves of CTAs; many short splits
 //! keep the last wave's tail small. Rows that already fill `waves / 2` waves get one split (no workspace,
-//! no combine pass). The partial results cost `rows * GQ * splits * (head_dim + 1) * 4` bytes of workspace,
+//! no combine pass). That is the lane-group kernel's planner (`splits`); the tensor-core kernel uses a wave
+//! model instead (`splits_waves`), which keeps full single waves unsplit. The partial results cost `rows * GQ * splits * (head_dim + 1) * 4` bytes of workspace,
 //! under 1% of the KV bytes for every grid point of the benchmark.
 
-/// Tunables (overridable with `KVS_CUDA_WAVES` / `KVS_CUDA_MIN_CHUNK` for experiments).
+/// Tunables (overridable with `KVS_CUDA_WAVES` / `KVS_CUDA_MIN_CHUNK` / `KVS_CUDA_MAX_SPLITS` /
+/// `KVS_CUDA_CTA_COST` for experiments).
 #[derive(Clone, Copy, Debug)]
 pub struct SplitPolicy {
     pub waves: usize,
