@@ -8,7 +8,8 @@
 // are in flight. Scores are reduced across the lane group with shuffles; each lane group keeps its own
 // online softmax (m, l, acc in f32, base-2 logits), and the CTA combines its lane groups in shared memory.
 // With one split the CTA writes the final output and LSE; otherwise it writes (O_s, LSE_s) to the
-// workspace and kvs_attn_combine merges the splits exactly through their LSEs.
+// workspace and kvs_attn_combine (kernels/combine.cuh) merges the splits exactly through their LSEs.
+// Used for f32 caches and whatever kernels/attention_mma.cu (the tensor-core path) does not cover.
 //
 // Bounds contract (metadata is on the device and never read by the host): seq_len is clamped to what the
 // block-table row can address; a token outside every sequence's query range, or whose position is
@@ -47,31 +48,6 @@ union VecU {
 __device__ __forceinline__ raw_t ld_stream(const elem_t* p) {
     // Read-only, read-once data: the non-coherent path, no L1 allocation.
     return __ldg(reinterpret_cast<const raw_t*>(p));
-}
-
-struct RowInfo {
-    int seq;
-    int lo, hi;  // inclusive visible key positions; hi < lo means the row sees nothing
-};
-
-__device__ __forceinline__ RowInfo locate(int t, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs,
-                                          int max_pos, int window) {
-    // Largest s with qsl[s] <= t (qsl is non-decreasing for valid input; any input gives some s in range).
-    int lo = 0, hi = num_seqs - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (qsl[mid * qsl0] <= t) lo = mid; else hi = mid - 1;
-    }
-    RowInfo r;
-    r.seq = lo;
-    int q0 = qsl[lo * qsl0], q1 = qsl[(lo + 1) * qsl0];
-    int len = seq_lens[lo * sl0];
-    len = len < 0 ? 0 : (len > max_pos ? max_pos : len);
-    int pos = len - (q1 - q0) + (t - q0);
-    bool ok = t >= q0 && t < q1 && pos >= 0 && pos < len;
-    r.hi = ok ? pos : -1;
-    r.lo = (window > 0 && pos + 1 - window > 0) ? pos + 1 - window : 0;
-    return r;
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
@@ -232,28 +208,5 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             ws_o[slot * HEAD_DIM + d] = o;
             if (d == 0) ws_lse[slot] = lse_nat;
         }
-    }
-}
-
-// Merges the nsplit partial states of every (token, query head) through their LSEs. One CTA per
-// (token, head), one thread per element of the head.
-extern "C" __global__ void kvs_attn_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse, int nsplit,
-                                            int num_q_heads, elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2,
-                                            float* __restrict__ lse, i64 l0, i64 l1) {
-    const int t = blockIdx.x, h = blockIdx.y;
-    const i64 base = ((i64)t * num_q_heads + h) * nsplit;
-    float M = -INFINITY;
-    for (int s = 0; s < nsplit; ++s) M = fmaxf(M, ws_lse[base + s]);
-    for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
-        float L = 0.f, O = 0.f;
-        if (M != -INFINITY)
-            for (int s = 0; s < nsplit; ++s) {
-                const float w = __expf(ws_lse[base + s] - M);
-                L += w;
-                O = fmaf(w, ws_o[(base + s) * HEAD_DIM + d], O);
-            }
-        const bool any = L > 0.f;
-        out[t * o0 + h * o1 + d * o2] = ET::st(any ? O / L : 0.f);
-        if (lse != 0 && d == 0) lse[t * l0 + h * l1] = any ? M + __logf(L) : -INFINITY;
     }
 }

@@ -44,3 +44,29 @@ typedef BF16T ET;
 #endif
 typedef ET::S elem_t;
 #endif
+
+// Which sequence token t belongs to and the key positions it may see (shared by the attention kernels).
+struct RowInfo {
+    int seq;
+    int lo, hi;  // inclusive visible key positions; hi < lo means the row sees nothing
+};
+
+__device__ __forceinline__ RowInfo locate(int t, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs,
+                                          int max_pos, int window) {
+    // Largest s with qsl[s] <= t (qsl is non-decreasing for valid input; any input gives some s in range).
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (qsl[mid * qsl0] <= t) lo = mid; else hi = mid - 1;
+    }
+    RowInfo r;
+    r.seq = lo;
+    int q0 = qsl[lo * qsl0], q1 = qsl[(lo + 1) * qsl0];
+    int len = seq_lens[lo * sl0];
+    len = len < 0 ? 0 : (len > max_pos ? max_pos : len);
+    int pos = len - (q1 - q0) + (t - q0);
+    bool ok = t >= q0 && t < q1 && pos >= 0 && pos < len;
+    r.hi = ok ? pos : -1;
+    r.lo = (window > 0 && pos + 1 - window > 0) ? pos + 1 - window : 0;
+    return r;
+}

@@ -25,7 +25,7 @@ step() { # name, command...
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/device.txt"
 if [[ $what == all || $what == tests ]]; then
   GREP='passed|failed|compiled' step conformance1 env KVS_LOG=1 "$DIR/bin/kvsparse" conformance
-  GREP='compiled' step conformance2-cache env KVS_LOG=1 "$DIR/bin/kvsparse" conformance --quick --filter mixed-h128
+  GREP='compiled' step conformance2-cache env KVS_LOG=1 "$DIR/bin/kvsparse" conformance --filter mixed-h128
   GREP='test result' step cuda-tests "$DIR/bin/cuda_tests" --test-threads=1 --nocapture
 fi
 if [[ $what == all || $what == sanitize ]]; then

@@ -11,5 +11,5 @@ cp target/release/kvsparse "$dest/bin/kvsparse"
 t=$(ls -t target/release/deps/cuda-* | grep -v '\.d$' | head -1)
 cp "$t" "$dest/bin/cuda_tests"
 strip --strip-debug "$dest/bin/kvsparse" "$dest/bin/cuda_tests"
-cp scripts/gpu-check.sh scripts/sdpa_bench.py scripts/compare.py "$dest/"
+cp scripts/gpu-check.sh scripts/mma-tune.sh scripts/clock-probe.sh scripts/sdpa_bench.py scripts/compare.py "$dest/"
 du -sh "$dest"

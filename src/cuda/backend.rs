@@ -9,7 +9,7 @@
 //! call needs more; inside a graph capture it is never allocated: a capture whose call needs more than
 //! a previous uncaptured call on that stream allocated fails with a clear error (warm up first).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use parking_lot::Mutex;
 
@@ -31,6 +31,9 @@ pub struct CudaBackend {
     /// Split-KV workspace per stream handle.
     workspaces: Mutex<HashMap<usize, DevBuf>>,
     policy: SplitPolicy,
+    mma: plan::MmaTunables,
+    /// Functions whose dynamic shared-memory limit was raised already.
+    smem_ready: Mutex<HashSet<usize>>,
 }
 
 fn dtype_code(d: DType) -> i32 {
@@ -50,7 +53,14 @@ impl CudaBackend {
     pub fn new(cfg: &EngineConfig, ordinal: i32) -> Result<CudaBackend> {
         let gpu = Gpu::open(ordinal)?;
         let _ = cfg;
-        Ok(CudaBackend { gpu, modules: Modules::default(), workspaces: Mutex::new(HashMap::new()), policy: SplitPolicy::from_env() })
+        Ok(CudaBackend {
+            gpu,
+            modules: Modules::default(),
+            workspaces: Mutex::new(HashMap::new()),
+            policy: SplitPolicy::from_env(),
+            mma: plan::MmaTunables::from_env(),
+            smem_ready: Mutex::new(HashSet::new()),
+        })
     }
 
     fn attn_defines(cfg: &EngineConfig, shape: &plan::KernelShape) -> Vec<String> {
@@ -92,14 +102,42 @@ impl CudaBackend {
         let es = cfg.dtype.size_bytes();
         let vec = 16 / es;
         let aligned = [&cache.k, &cache.v].iter().all(|t| (t.data as usize) % 16 == 0 && t.strides()[..3].iter().all(|&s| s as usize % vec == 0));
-        let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
-        let defines = Self::attn_defines(cfg, &shape);
         self.gpu.make_current()?;
-        let f_split = self.modules.function(&self.gpu, "attention", launch::ATTENTION, &defines, "kvs_attn_split")?;
-        let per_sm = launch::occupancy(f_split, NTHREADS)? as usize;
-        let head_groups = cfg.num_q_heads / shape.gq;
         let max_len = if a.max_seq_len > 0 { (a.max_seq_len as usize).min(cols * cfg.block_size) } else { cols * cfg.block_size };
-        let (nsplit, chunk) = plan::splits(num_tokens * head_groups, max_len, per_sm * self.gpu.num_sms as usize, &shape, &self.policy);
+        // Kernel variant: tensor cores where they apply, else the lane-group kernel.
+        let (f_split, defines, head_groups, threads, smem, nsplit, chunk);
+        let mma = plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &self.mma, (self.gpu.smem_optin as usize).saturating_sub(1024));
+        if let Some(ms) = mma {
+            defines = vec![
+                format!("KVS_DTYPE={}", dtype_code(cfg.dtype)),
+                format!("HEAD_DIM={}", cfg.head_dim),
+                format!("GQ={}", ms.gq),
+                format!("GROUP={}", cfg.group_size()),
+                format!("NWARPS={}", ms.warps),
+                format!("NSTAGE={}", ms.stages),
+                format!("L2_HINT={}", ms.l2_hint),
+            ];
+            f_split = self.modules.function(&self.gpu, "attention_mma", launch::ATTENTION_MMA, &defines, "kvs_attn_mma")?;
+            smem = ms.smem_bytes(cfg.head_dim);
+            threads = 32 * ms.warps as u32;
+            if !self.smem_ready.lock().contains(&(f_split as usize)) {
+                launch::allow_dynamic_smem(f_split, smem)?;
+                self.smem_ready.lock().insert(f_split as usize);
+            }
+            let per_sm = launch::occupancy_smem(f_split, threads, smem)? as usize;
+            head_groups = cfg.num_q_heads / ms.gq;
+            (nsplit, chunk) = plan::splits_waves(num_tokens * head_groups, max_len, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.policy);
+        } else {
+            let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
+            defines = Self::attn_defines(cfg, &shape);
+            f_split = self.modules.function(&self.gpu, "attention", launch::ATTENTION, &defines, "kvs_attn_split")?;
+            smem = 0;
+            threads = NTHREADS;
+            let per_sm = launch::occupancy(f_split, NTHREADS)? as usize;
+            head_groups = cfg.num_q_heads / shape.gq;
+            (nsplit, chunk) = plan::splits(num_tokens * head_groups, max_len, per_sm * self.gpu.num_sms as usize, &shape, &self.policy);
+        }
+        let module = if mma.is_some() { ("attention_mma", launch::ATTENTION_MMA) } else { ("attention", launch::ATTENTION) };
         let stream = a.stream;
 
         let (mut ws_o, mut ws_lse) = (0u64, 0u64);
@@ -138,14 +176,16 @@ impl CudaBackend {
         k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
         k.ptr(lse_ptr).i64(l0).i64(l1);
         k.i64(ws_o as i64).i64(ws_lse as i64).i32(cfg.num_q_heads as i32);
-        launch::launch(f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), NTHREADS, &mut k, stream, "kvs_attn_split launch")?;
+        launch::launch_smem(f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
         if nsplit > 1 {
-            let f_comb = self.modules.function(&self.gpu, "attention", launch::ATTENTION, &defines, "kvs_attn_combine")?;
+            let f_comb = self.modules.function(&self.gpu, module.0, module.1, &defines, "kvs_attn_combine")?;
             let mut k = KArgs::new();
             k.i64(ws_o as i64).i64(ws_lse as i64).i32(nsplit as i32).i32(cfg.num_q_heads as i32);
             k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
             k.ptr(lse_ptr).i64(l0).i64(l1);
-            let threads = (cfg.head_dim as u32).next_multiple_of(32).min(256);
+            // Splits spread over the CTA: HEAD_DIM threads per group of splits, up to 512 threads.
+            let parts = (512 / cfg.head_dim).clamp(1, nsplit);
+            let threads = (cfg.head_dim * parts) as u32;
             launch::launch(f_comb, (num_tokens as u32, cfg.num_q_heads as u32, 1), threads, &mut k, stream, "kvs_attn_combine launch")?;
         }
         drop(ws_guard);

@@ -15,6 +15,8 @@ pub struct Gpu {
     pub num_sms: i32,
     pub l2_bytes: i32,
     pub cc: (i32, i32),
+    /// Most shared memory one CTA may opt into, bytes.
+    pub smem_optin: i32,
 }
 
 // SAFETY: a primary context may be made current on any thread; the handles are plain tokens.
@@ -41,9 +43,10 @@ impl Gpu {
             ensure!(cc.0 >= 8, Unsupported, "CUDA device {ordinal} has compute capability {}.{}; kvsparse needs 8.0 or newer", cc.0, cc.1);
             let num_sms = attr(driver::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
             let l2_bytes = attr(driver::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?;
+            let smem_optin = attr(driver::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
             let mut ctx = std::ptr::null_mut();
             check((api.cuDevicePrimaryCtxRetain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
-            let g = Gpu { ordinal, dev, ctx, num_sms, l2_bytes, cc };
+            let g = Gpu { ordinal, dev, ctx, num_sms, l2_bytes, cc, smem_optin };
             g.make_current()?;
             Ok(g)
         }

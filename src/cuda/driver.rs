@@ -28,6 +28,7 @@ pub const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
 pub const CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: c_int = 38;
 pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
 pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
+pub const CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: c_int = 97;
 pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
 pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
@@ -85,6 +86,7 @@ api_table!(CudaApi {
     cuModuleLoadData: fn(*mut CUmodule, *const c_void) -> CUresult;
     cuModuleGetFunction: fn(*mut CUfunction, CUmodule, *const c_char) -> CUresult;
     cuLaunchKernel: fn(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, *mut *mut c_void, *mut *mut c_void) -> CUresult;
+    cuFuncSetAttribute: fn(CUfunction, c_int, c_int) -> CUresult;
     cuMemAlloc: fn(*mut CUdeviceptr, usize) -> CUresult;
     cuMemFree: fn(CUdeviceptr) -> CUresult;
     cuMemGetInfo: fn(*mut usize, *mut usize) -> CUresult;

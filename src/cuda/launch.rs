@@ -13,7 +13,8 @@ use crate::error::Result;
 
 /// The CUDA sources, embedded at build time; `COMMON` is prepended to each.
 pub const COMMON: &str = include_str!("../../kernels/common.cuh");
-pub const ATTENTION: &str = include_str!("../../kernels/attention.cu");
+pub const ATTENTION: &str = concat!(include_str!("../../kernels/combine.cuh"), "\n", include_str!("../../kernels/attention.cu"));
+pub const ATTENTION_MMA: &str = concat!(include_str!("../../kernels/combine.cuh"), "\n", include_str!("../../kernels/attention_mma.cu"));
 pub const CACHE_WRITE: &str = include_str!("../../kernels/cache_write.cu");
 pub const MERGE: &str = include_str!("../../kernels/merge.cu");
 pub const FILL: &str = include_str!("../../kernels/fill.cu");
@@ -102,19 +103,36 @@ impl Default for KArgs {
 
 /// Launches `f` on `stream` and checks the launch (not the execution: that would need a sync).
 pub fn launch(f: CUfunction, grid: (u32, u32, u32), block: u32, args: &mut KArgs, stream: CUstream, what: &str) -> Result<()> {
+    launch_smem(f, grid, block, 0, args, stream, what)
+}
+
+/// As `launch`, with `smem` bytes of dynamic shared memory (see `allow_dynamic_smem`).
+pub fn launch_smem(f: CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: &mut KArgs, stream: CUstream, what: &str) -> Result<()> {
     let mut ptrs: [*mut c_void; 48] = [std::ptr::null_mut(); 48];
     for i in 0..args.n {
         ptrs[i] = &mut args.vals[i] as *mut u64 as *mut c_void;
     }
     // SAFETY: every argument pointer points into `args`, alive for the call; the kernel signature matches
     // the packing order (each launcher below mirrors its kernel's parameter list).
-    check(unsafe { (cuda()?.cuLaunchKernel)(f, grid.0, grid.1, grid.2, block, 1, 1, 0, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()) }, what)
+    check(unsafe { (cuda()?.cuLaunchKernel)(f, grid.0, grid.1, grid.2, block, 1, 1, smem, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()) }, what)
 }
 
 /// CTAs of `f` with `block` threads that fit on one multiprocessor.
 pub fn occupancy(f: CUfunction, block: u32) -> Result<i32> {
+    occupancy_smem(f, block, 0)
+}
+
+/// CTAs of `f` with `block` threads and `smem` bytes of dynamic shared memory per multiprocessor.
+pub fn occupancy_smem(f: CUfunction, block: u32, smem: usize) -> Result<i32> {
     let mut n = 0;
     // SAFETY: out-parameter, valid function.
-    check(unsafe { (cuda()?.cuOccupancyMaxActiveBlocksPerMultiprocessor)(&mut n, f, block as i32, 0) }, "cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+    check(unsafe { (cuda()?.cuOccupancyMaxActiveBlocksPerMultiprocessor)(&mut n, f, block as i32, smem) }, "cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
     Ok(n.max(1))
+}
+
+/// Lets `f` use up to `bytes` of dynamic shared memory (needed above 48 KiB).
+pub fn allow_dynamic_smem(f: CUfunction, bytes: usize) -> Result<()> {
+    const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: i32 = 8;
+    // SAFETY: valid function handle; plain integer attribute.
+    check(unsafe { (cuda()?.cuFuncSetAttribute)(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32) }, "cuFuncSetAttribute(max dynamic shared memory)")
 }

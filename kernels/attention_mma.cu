@@ -1,0 +1,305 @@
+// Paged varlen attention on tensor cores (f16/bf16 caches), split-KV, for decode and prefill rows alike.
+//
+// Grid: (token, query-head group, split), as kvs_attn_split. A CTA owns the GQ query heads of one KV head
+// (GQ <= 16) for one token and the key positions [split*chunk, (split+1)*chunk) of its visible range.
+// The GQ query rows form the M = 16 side of mma.sync.m16n8k16 tiles (rows GQ..15 are zero padding), so
+// one decode token costs per 16 keys 2*HEAD_DIM/16 MMAs for S = Q K^T and HEAD_DIM/8 for O += P V,
+// instead of per-key FMAs and shuffle reductions.
+//
+// Each warp walks its own 16-key tiles (tile i of the CTA goes to warp i % NWARPS; a tile is 16
+// consecutive positions starting at a multiple of 16, so with block size >= 16 it is one page) through a
+// private NSTAGE-deep ring of shared-memory stages filled by 16-byte cp.async (zero-filled for masked
+// keys); only __syncwarp is needed inside the loop. K and V rows are padded by 16 bytes in shared memory
+// so that ldmatrix is free of bank conflicts. The online softmax runs on the S fragment in registers
+// (base-2 logits, f32); P is rounded to the cache type for the PV MMA, the row sums stay in f32. At the
+// end the warps are merged through shared memory (reusing the stage buffers) and the CTA writes the output (one split) or (O_s, LSE_s) to
+// the workspace for kvs_attn_combine.
+//
+// Bounds: identical contract to kvs_attn_split (positions clamped, out-of-range block ids masked; no index
+// derived from metadata is used unchecked). Needs: 16-byte aligned K/V rows and strides, HEAD_DIM % 16 == 0.
+//
+// Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT.
+// Dynamic shared memory: kvs_mma_smem_bytes() below (the host computes the same formula).
+
+#define NTHREADS (NWARPS * 32)
+#define CPR (HEAD_DIM / 8)          // 16-byte chunks per K/V row
+#define ROWB (HEAD_DIM * 2 + 16)    // padded shared-memory row, bytes
+#define TILEB (16 * ROWB)           // one 16-key tile of K (or V)
+#define KSTEPS (HEAD_DIM / 16)
+#define NT (HEAD_DIM / 8)
+#define STAGE_BYTES (NWARPS * NSTAGE * 2 * TILEB)
+#define MERGE_BYTES (NWARPS * GQ * (HEAD_DIM + 2) * 4)
+#define SMEM_BYTES (STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES)
+
+#if KVS_DTYPE == 1
+#define MMA_T "f16"
+#else
+#define MMA_T "bf16"
+#endif
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+// L2_HINT (0, 64, 128 or 256): L2 prefetch-size hint of the copies (0 = none).
+#ifndef L2_HINT
+#define L2_HINT 0
+#endif
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int bytes) {
+#if L2_HINT == 256
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+#elif L2_HINT == 128
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+#elif L2_HINT == 64
+    asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_T "." MMA_T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// Two f32 -> one register of two cache-type values (lo in the low half); *sum += the f32 values (the
+// softmax denominator and the LSE stay exact; only the PV weights are rounded).
+__device__ __forceinline__ unsigned pack2(float lo, float hi, float* sum) {
+    unsigned r;
+#if KVS_DTYPE == 1
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    *sum += lo + hi;
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
+             const elem_t* __restrict__ kc, i64 k0, i64 k1, i64 k2,
+             const elem_t* __restrict__ vc, i64 v0, i64 v1, i64 v2,
+             i64 num_blocks, int bs_log2,
+             const int* __restrict__ bt, i64 bt0, i64 bt1, int bt_cols,
+             const int* __restrict__ seq_lens, i64 sl0,
+             const int* __restrict__ qsl, i64 qsl0, int num_seqs,
+             float scale, float softcap, int window, int chunk,
+             elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2,
+             float* __restrict__ lse, i64 l0, i64 l1,
+             float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ unsigned sm_mask[NWARPS][NSTAGE];
+    const int t = blockIdx.x, hg = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r = lane >> 2, qd = lane & 3;  // fragment row (query head) and column pair
+    const int h0 = hg * GQ, kvh = h0 / GROUP;
+
+    const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
+    int s_lo = split * chunk, s_hi = (split == nsplit - 1) ? 0x7fffffff : (split + 1) * chunk - 1;
+    s_lo = max(s_lo, row.lo);
+    s_hi = min(s_hi, row.hi);
+
+    // Q as the A operand (raw cache-type bits; the scale is applied to S in f32).
+    unsigned qa[KSTEPS][4];
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int hr = r + (j & 1) * 8, col = ks * 16 + (j >> 1) * 8 + qd * 2;
+            unsigned v = 0;
+            if (hr < GQ) {
+                const elem_t* qp = q + t * q0 + (h0 + hr) * q1 + (i64)col * q2;
+                v = (unsigned)qp[0] | ((unsigned)qp[q2] << 16);
+            }
+            qa[ks][j] = v;
+        }
+
+    float o[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0s = 0.f, l1s = 0.f;
+
+    const int* bt_row = bt + row.seq * bt0;
+    const int bmask = (1 << bs_log2) - 1;
+    const int tb0 = s_lo & ~15;
+    const int ntiles = s_hi >= s_lo ? ((s_hi - tb0) >> 4) + 1 : 0;
+    const int my_n = ntiles > warp ? (ntiles - warp + NWARPS - 1) / NWARPS : 0;
+    const unsigned wbase = smem_u32(smem) + warp * (NSTAGE * 2 * TILEB);
+    const elem_t* kh = kc + kvh * k2;
+    const elem_t* vh = vc + kvh * v2;
+
+    // Issues the cp.async of this warp's k-th tile into stage st (always commits a group).
+    auto load = [&](int k, int st) {
+        if (k < my_n) {
+            const int pb = tb0 + (warp + k * NWARPS) * 16;
+            const int key = lane & 15, p = pb + key;
+            bool ok = p >= s_lo && p <= s_hi;
+            int blk = 0;
+            if (ok) {
+                blk = bt_row[(i64)(p >> bs_log2) * bt1];
+                ok = blk >= 0 && blk < num_blocks;
+            }
+            const unsigned msk = __ballot_sync(0xffffffffu, ok) & 0xffffu;
+            if (lane == 0) sm_mask[warp][st] = msk;
+            const unsigned kdst = wbase + st * (2 * TILEB), vdst = kdst + TILEB;
+#pragma unroll
+            for (int i = 0; i < CPR / 2; ++i) {
+                const int c = i * 32 + lane, kr = c / CPR, cc = c % CPR;
+                const int b = __shfl_sync(0xffffffffu, blk, kr);
+                const bool v = (msk >> kr) & 1;
+                const i64 off = (pb + kr) & bmask;
+                const elem_t* ks = v ? kh + (i64)b * k0 + off * k1 + cc * 8 : kc;
+                const elem_t* vs = v ? vh + (i64)b * v0 + off * v1 + cc * 8 : vc;
+                cp_async16(kdst + kr * ROWB + cc * 16, ks, v ? 16 : 0);
+                cp_async16(vdst + kr * ROWB + cc * 16, vs, v ? 16 : 0);
+            }
+        }
+        cp_commit();
+    };
+
+#pragma unroll
+    for (int st = 0; st < NSTAGE - 1; ++st) load(st, st);
+
+    const float sl2 = scale * KVS_LOG2E;
+    // ldmatrix lane addresses inside a tile: K (non-transposed, B of S = Q K^T) and V (transposed, B of P V).
+    const unsigned koff = ((lane & 7) + ((lane >> 4) << 3)) * ROWB + ((lane >> 3) & 1) * 16;
+    const unsigned voff = ((lane & 7) + (((lane >> 3) & 1) << 3)) * ROWB + (lane >> 4) * 16;
+
+    for (int k = 0; k < my_n; ++k) {
+        cp_wait<NSTAGE - 2>();
+        __syncwarp();
+        const int st = k % NSTAGE;
+        const unsigned msk = sm_mask[warp][st];
+        load(k + NSTAGE - 1, (k + NSTAGE - 1) % NSTAGE);
+        const unsigned kb = wbase + st * (2 * TILEB), vb = kb + TILEB;
+
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            unsigned b[4];
+            ldsm_x4(b, kb + koff + ks * 32);
+            mma16816(s[0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b[0], b[1]);
+            mma16816(s[1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b[2], b[3]);
+        }
+        // Logits (base 2), masked keys at -inf.
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[n][e];
+                x = softcap > 0.f ? softcap * tanhf(x * scale / softcap) * KVS_LOG2E : x * sl2;
+                s[n][e] = (msk >> (n * 8 + qd * 2 + (e & 1))) & 1 ? x : -INFINITY;
+            }
+        unsigned pa[4];
+        {
+            float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m0, mx), mu = mn == -INFINITY ? 0.f : mn;
+            const float alpha = exp2f(m0 - mu);
+            m0 = mn;
+            float sum = 0.f;
+            pa[0] = pack2(exp2f(s[0][0] - mu), exp2f(s[0][1] - mu), &sum);
+            pa[2] = pack2(exp2f(s[1][0] - mu), exp2f(s[1][1] - mu), &sum);
+            l0s = l0s * alpha + sum;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) { o[n][0] *= alpha; o[n][1] *= alpha; }
+        }
+#if GQ > 8
+        {
+            float mx = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m1, mx), mu = mn == -INFINITY ? 0.f : mn;
+            const float alpha = exp2f(m1 - mu);
+            m1 = mn;
+            float sum = 0.f;
+            pa[1] = pack2(exp2f(s[0][2] - mu), exp2f(s[0][3] - mu), &sum);
+            pa[3] = pack2(exp2f(s[1][2] - mu), exp2f(s[1][3] - mu), &sum);
+            l1s = l1s * alpha + sum;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) { o[n][2] *= alpha; o[n][3] *= alpha; }
+        }
+#else
+        pa[1] = pa[3] = 0u;
+#endif
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+            unsigned b[4];
+            ldsm_x4_t(b, vb + voff + j * 32);
+            mma16816(o[2 * j], pa[0], pa[1], pa[2], pa[3], b[0], b[1]);
+            mma16816(o[2 * j + 1], pa[0], pa[1], pa[2], pa[3], b[2], b[3]);
+        }
+    }
+    cp_wait<0>();
+
+    // Row sums across the quad (each lane summed its own columns).
+    l0s += __shfl_xor_sync(0xffffffffu, l0s, 1);
+    l0s += __shfl_xor_sync(0xffffffffu, l0s, 2);
+    l1s += __shfl_xor_sync(0xffffffffu, l1s, 1);
+    l1s += __shfl_xor_sync(0xffffffffu, l1s, 2);
+
+    // Merge the warps of this CTA in shared memory (the stage buffers are free once every warp is here).
+    __syncthreads();
+    float* sm_o = reinterpret_cast<float*>(smem);        // [NWARPS][GQ][HEAD_DIM]
+    float* sm_m = sm_o + NWARPS * GQ * HEAD_DIM;           // [NWARPS][GQ]
+    float* sm_l = sm_m + NWARPS * GQ;                      // [NWARPS][GQ]
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int hr = r + half * 8;
+        if (hr < GQ) {
+            if (qd == 0) {
+                sm_m[warp * GQ + hr] = half ? m1 : m0;
+                sm_l[warp * GQ + hr] = half ? l1s : l0s;
+            }
+            float* dst = sm_o + (warp * GQ + hr) * HEAD_DIM + qd * 2;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                dst[n * 8] = o[n][half * 2];
+                dst[n * 8 + 1] = o[n][half * 2 + 1];
+            }
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < GQ * HEAD_DIM; idx += NTHREADS) {
+        const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) M = fmaxf(M, sm_m[w * GQ + g]);
+        float L = 0.f, O = 0.f;
+        if (M != -INFINITY) {
+#pragma unroll
+            for (int w = 0; w < NWARPS; ++w) {
+                const float wt = exp2f(sm_m[w * GQ + g] - M);
+                L = fmaf(sm_l[w * GQ + g], wt, L);
+                O = fmaf(sm_o[(w * GQ + g) * HEAD_DIM + d], wt, O);
+            }
+        }
+        const bool any = L > 0.f;
+        const float ov = any ? O / L : 0.f;
+        const float lse_nat = any ? (M + log2f(L)) * KVS_LN2 : -INFINITY;
+        const int h = h0 + g;
+        if (nsplit == 1) {
+            out[t * o0 + h * o1 + d * o2] = ET::st(ov);
+            if (lse != 0 && d == 0) lse[t * l0 + h * l1] = lse_nat;
+        } else {
+            const i64 slot = ((i64)t * num_q_heads + h) * nsplit + split;
+            ws_o[slot * HEAD_DIM + d] = ov;
+            if (d == 0) ws_lse[slot] = lse_nat;
+        }
+    }
+}
