@@ -103,12 +103,10 @@ impl Engine {
         let policy = Policy::parse(&cfg.policy)?;
         // Fail at engine start, not on the first forward call, when the policy has no GPU path yet.
         ensure!(cuda.is_none() || policy.pipeline().is_none(), Unsupported, "the CUDA backend runs dense attention only; policy {:?} is not available on it yet", cfg.policy);
-        ensure!(
-            !matches!(policy.pipeline().map(|p| &p.selector), Some(Selector::Predictor(_))),
-            Unsupported,
-            "policy {:?}: the `predictor` stage is parsed but has no engine implementation yet",
-            cfg.policy
-        );
+        if let Some(Selector::Predictor(ps)) = policy.pipeline().map(|p| &p.selector) {
+            let w = crate::policy::predictor::PredictorWeights::builtin()?;
+            ensure!(ps.history == w.history, InvalidArgument, "policy {:?}: the built-in predictor weights were trained for history={}, not {}", cfg.policy, w.history, ps.history);
+        }
         let threads = if cfg.num_threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { cfg.num_threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -186,7 +184,11 @@ impl Engine {
             Some(Selector::Speculate(sp)) => Some(*sp),
             _ => None,
         };
-        let calib_seqs: Vec<usize> = if speculate.is_some() { (0..batch.seqs.len()).filter(|&s| !batch.seqs[s].is_decode() && batch.seqs[s].q_len > 0).collect() } else { Vec::new() };
+        let predictor = match pipeline.map(|p| &p.selector) {
+            Some(Selector::Predictor(ps)) => Some(*ps),
+            _ => None,
+        };
+        let calib_seqs: Vec<usize> = if speculate.is_some() || predictor.is_some() { (0..batch.seqs.len()).filter(|&s| !batch.seqs[s].is_decode() && batch.seqs[s].q_len > 0).collect() } else { Vec::new() };
         if self.cfg.max_state_bytes > 0 && pipeline.is_some() && self.policy.is_stateful() && !matches!(pipeline.map(|p| &p.selector), Some(Selector::SnapKv { .. })) {
             let held = self.sequences.state_bytes();
             ensure!(held <= self.cfg.max_state_bytes, OutOfMemory, "policy state holds {held} bytes, over the engine's cap of {}; release finished sequences", self.cfg.max_state_bytes);
@@ -240,6 +242,16 @@ impl Engine {
             }
             c.spec_calibrations += items.len() as u64;
             c.spec_calib_us += t0.elapsed().as_micros() as u64;
+        }
+        if let Some(ps) = predictor {
+            use rayon::prelude::*;
+            let hk = cfg.num_kv_heads;
+            let items: Vec<(usize, usize)> = calib_seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
+            let seeded: Vec<_> = self.pool.install(|| items.par_iter().map(|&(s, h)| cpu::sparse::predictor_seed(&io, s, h, &ps)).collect());
+            for (&(s, h), ph) in items.iter().zip(seeded) {
+                let st = self.sequences.get_or_create(batch.seqs[s].seq_id);
+                st.lock().policy.head_mut(a.layer, h, hk).predictor = Some(Box::new(ph));
+            }
         }
         cpu::forward::dense_forward(&io, &dense_seqs, &self.pool);
 

@@ -117,6 +117,47 @@ fn refresh_with_s1_stride1_is_dense() {
     assert_eq!(f.refresh_full_steps, (r.steps.len().div_ceil(4) * tr.layers.len()) as u64);
 }
 
+/// AttentionPredictor: with a budget covering everything it is the `all` pipeline bit for bit (full and
+/// predicted steps alike); with a small budget it visits fewer blocks, calibrates every `calib` steps, and
+/// still recovers most of the attention mass on a real trace.
+#[test]
+fn predictor_schedule_and_full_budget() {
+    let Some(tr) = trace("needle_2k") else { return };
+    let opts = ReplayOptions { dtype: DType::F32, threads: 2, record_visits: true, ..Default::default() };
+    let all = replay(&tr, "all", &opts).expect("replay");
+    let full = replay(&tr, "predictor(budget=100000)", &opts).expect("replay");
+    for li in 0..tr.layers.len() {
+        assert_eq!(rel_err(&full.out[li], &all.out[li]), 0.0, "predictor with an unlimited budget differs from `all`");
+    }
+    let r = replay(&tr, "predictor(budget=256, calib=5)", &opts).expect("replay");
+    let c = r.counters;
+    let heads = (tr.layers.len() * tr.hk) as u64;
+    // The prefill seeds the history, so the first full step is the 5th decode step.
+    assert_eq!(c.refresh_full_steps, (r.steps.len() / 5) as u64 * heads, "{c:?}");
+    assert_eq!(c.refresh_full_steps + c.refresh_partial_steps, r.steps.len() as u64 * heads);
+    assert!(c.blocks_visited < c.blocks_eligible / 2, "{c:?}");
+    let p = tr.info.prompt_len;
+    let (mut mass, mut rows) = (0f64, 0usize);
+    for li in 0..tr.layers.len() {
+        for (si, &t) in r.steps.iter().enumerate() {
+            let w = tr.dense_weights(li, t);
+            let n = p + t + 1;
+            for h in 0..tr.hk {
+                let spans = r.visits[r.visit_index(tr.hk, li, si, h)].as_ref().expect("recorded");
+                let tokens: usize = spans.iter().map(|(a, b)| b - a).sum();
+                assert!(tokens <= 256 + 16 || (t + 1) % 5 == 0, "step {t}: {tokens} tokens over a 256 budget");
+                for qh in h * tr.hq / tr.hk..(h + 1) * tr.hq / tr.hk {
+                    mass += kvsparse::traces::mass_in_spans(&w[qh * n..(qh + 1) * n], spans);
+                    rows += 1;
+                }
+            }
+        }
+    }
+    let rec = mass / rows as f64;
+    println!("predictor(budget=256) on needle_2k: recovery {rec:.3}, visited {}/{}", c.blocks_visited, c.blocks_eligible);
+    assert!(rec > 0.5 && rec < 1.0, "recovery {rec}");
+}
+
 fn small_synth(seed: u64, context: usize) -> Synth {
     let spec = SynthSpec { num_seqs: 4, context, num_q_heads: 4, num_kv_heads: 2, head_dim: 64, block_size: 16, dtype: DType::F32, sinks: 4, needles: 4, window: 16 };
     Synth::generate(&spec, seed)
@@ -137,7 +178,7 @@ fn engine(syn: &Synth, policy: &str) -> Engine {
 fn thousand_sequences_leave_no_state() {
     let seed = Rng::fresh_seed();
     println!("seed {seed}");
-    for policy in ["speculate(over=quest(budget=64))", "refresh(k=64, stride=2, s=0.9)", "snapkv(budget=64, window=16)"] {
+    for policy in ["speculate(over=quest(budget=64))", "refresh(k=64, stride=2, s=0.9)", "predictor(budget=64, sink=16, local=16, calib=2)", "snapkv(budget=64, window=16)"] {
         let mut syn = small_synth(seed, 258);
         let e = engine(&syn, policy);
         let sp = syn.spec.clone();
@@ -221,6 +262,42 @@ fn reused_ids_start_fresh() {
             assert_eq!(first.spec_reuse_hit_blocks, 0);
             assert_eq!(second.spec_reuse_hit_blocks, rows * 2, "same query twice: the previous set is the true set");
             assert_eq!(again.spec_reuse_hit_blocks, 0, "a reused id inherited the old predictor");
+        }
+    }
+}
+
+/// The stateful specs and the speculation budget table through the C ABI.
+#[test]
+fn stateful_policies_through_the_c_abi() {
+    use kvsparse::ffi::types::{kvs_engine_config, kvs_stats, kvs_status};
+    use kvsparse::ffi::{kvs_engine_config_init, kvs_engine_create, kvs_engine_destroy, kvs_engine_set_speculation_budgets, kvs_engine_stats};
+    use std::ffi::CString;
+    for spec in ["speculate(over=quest(budget=256), budget=512)", "refresh(k=512, stride=5, s=0.85)", "predictor(budget=512)"] {
+        let text = CString::new(spec).unwrap();
+        // SAFETY: plain C calls with valid pointers; the engine is destroyed below.
+        unsafe {
+            let mut cfg: kvs_engine_config = std::mem::zeroed();
+            cfg.struct_size = std::mem::size_of::<kvs_engine_config>() as u32;
+            assert_eq!(kvs_engine_config_init(&mut cfg), kvs_status::KVS_OK);
+            cfg.num_layers = 4;
+            cfg.num_q_heads = 8;
+            cfg.num_kv_heads = 2;
+            cfg.head_dim = 64;
+            cfg.block_size = 16;
+            cfg.policy = text.as_ptr();
+            let mut e = std::ptr::null_mut();
+            assert_eq!(kvs_engine_create(&cfg, &mut e), kvs_status::KVS_OK, "{spec}");
+            let (ctx, bud) = ([0u64, 4096, 4096], [256u64, 1024, 2048]);
+            assert_eq!(kvs_engine_set_speculation_budgets(e, ctx.as_ptr(), bud.as_ptr(), 2), kvs_status::KVS_OK);
+            assert_eq!(kvs_engine_set_speculation_budgets(e, ctx.as_ptr(), bud.as_ptr(), 3), kvs_status::KVS_ERR_INVALID_ARGUMENT, "repeated context length");
+            assert_eq!(kvs_engine_set_speculation_budgets(e, std::ptr::null(), bud.as_ptr(), 1), kvs_status::KVS_ERR_INVALID_ARGUMENT);
+            assert_eq!(kvs_engine_set_speculation_budgets(e, std::ptr::null(), std::ptr::null(), 0), kvs_status::KVS_OK);
+            assert_eq!(kvs_engine_set_speculation_budgets(std::ptr::null_mut(), ctx.as_ptr(), bud.as_ptr(), 1), kvs_status::KVS_ERR_INVALID_ARGUMENT);
+            let mut st: kvs_stats = std::mem::zeroed();
+            st.struct_size = std::mem::size_of::<kvs_stats>() as u32;
+            assert_eq!(kvs_engine_stats(e, -1, &mut st), kvs_status::KVS_OK);
+            assert_eq!((st.live_sequences, st.state_bytes), (0, 0));
+            kvs_engine_destroy(e);
         }
     }
 }

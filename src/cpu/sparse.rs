@@ -20,7 +20,8 @@ use super::convert::load_row;
 use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
 use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
 use crate::policy::termination::{order_units, probe_dims, ArtState};
-use crate::policy::{top_p, Pipeline, Refresh, Selector, SnapSelection, Speculate};
+use crate::policy::predictor::{self, PredictorHead, PredictorWeights};
+use crate::policy::{top_p, Pipeline, PredictorSpec, Refresh, Selector, SnapSelection, Speculate};
 use crate::sequences::SequenceState;
 use crate::stats::{Counters, VisitRecord};
 
@@ -113,6 +114,7 @@ pub fn sparse_forward(io: &ForwardIo, seqs: &[usize], ctx: &SparseCtx, pool: &ra
         match ctx.pipeline.selector {
             Selector::Speculate(sp) => run_speculate(io, seqs[i], i, h0..h1, &sp, ctx, sc),
             Selector::Refresh(r) => run_refresh(io, seqs[i], i, h0..h1, &r, full[i], ctx, sc),
+            Selector::Predictor(ps) => run_predictor(io, seqs[i], i, h0..h1, &ps, ctx, sc),
             _ => run_item(io, seqs[i], h0..h1, ctx.snap.get(i), ctx, sc),
         }
     };
@@ -317,6 +319,91 @@ pub fn prr_calibrate(io: &ForwardIo, s: usize, head: usize, sp: &Speculate, meta
     (cal.warm, cal.hit)
 }
 
+/// AttentionPredictor's history seeded from a prefill chunk: the true block rows of the chunk's last
+/// `history` query rows.
+pub fn predictor_seed(io: &ForwardIo, s: usize, head: usize, ps: &PredictorSpec) -> PredictorHead {
+    let (d, g) = (io.cache.head_dim, io.group());
+    let sd = &io.batch.seqs[s];
+    let blocks = io.batch.blocks(s, io.cache.block_size);
+    let t_end = sd.q_start + sd.q_len;
+    let t0 = t_end - sd.q_len.min(ps.history);
+    let mut q = vec![0f32; g * d];
+    let mut lims = Vec::new();
+    let (mut logits, mut w) = (Vec::new(), Vec::new());
+    let mut ph = PredictorHead::default();
+    for t in t0..t_end {
+        io.load_queries(t..t + 1, head, &mut q);
+        io.limits(sd, t..t + 1, &mut lims);
+        let lim = lims[0];
+        token_weights(io, &q, g, lim, blocks, head, &mut logits, &mut w);
+        let mut full = vec![0f32; lim.lo];
+        full.extend_from_slice(&w);
+        ph.push(predictor::block_max(&full, ps.block), ps.history);
+    }
+    ph
+}
+
+/// AttentionPredictor for the heads of one item: every `calib` steps (and while there is no history) a
+/// full step attends everything and appends the true block row; other steps attend the sink, the local
+/// window and the blocks the CNN predicts, and append the block row of the attended tokens' weights.
+fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops::Range<usize>, ps: &PredictorSpec, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
+    let cache = io.cache;
+    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let sd = &io.batch.seqs[s];
+    let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
+    let blocks = io.batch.blocks(s, bs);
+    let state = state_of(ctx, i);
+    let weights = PredictorWeights::builtin().expect("checked at engine creation");
+    let softcap = io.params.softcap;
+    let n = lim.hi + 1;
+    let mut c = Counters::default();
+    let mut hws = std::mem::take(&mut sc.heads);
+    hws.resize_with(1, HeadWork::default);
+    let hw = &mut hws[0];
+    for head in heads {
+        c.policy_rows += 1;
+        c.blocks_eligible += (lim.hi / bs - lim.lo / bs + 1) as u64;
+        load_head(io, s, head, hw);
+        let kv = SeqKv { cache, blocks, head };
+        let mut ph = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).predictor.take().unwrap_or_default();
+        ph.since_calib += 1;
+        let full = ph.rows.is_empty() || ph.since_calib >= ps.calib;
+        let spans: Vec<(usize, usize)> = if full {
+            ph.since_calib = 0;
+            c.refresh_full_steps += 1;
+            vec![(lim.lo, n)]
+        } else {
+            c.refresh_partial_steps += 1;
+            let scores = weights.predict(&ph.rows, n.div_ceil(ps.block));
+            let mut v: Vec<(usize, usize)> = predictor::select(&scores, n, ps.budget, ps.block, ps.sink, ps.local).into_iter().map(|(a, b)| (a.max(lim.lo), b)).collect();
+            normalize_spans(&mut v);
+            v
+        };
+        let n_tok = span_tokens(&spans);
+        let st = hw.st.as_mut().expect("loaded");
+        attend_set(st, &hw.q, &hw.limits, &kv, &spans, n_tok, &mut sc.tokens, softcap);
+        // The row appended to the history: weights of what was attended (all positions on a full step).
+        let pos: Vec<usize> = spans.iter().flat_map(|&(a, b)| a..b).collect();
+        weights_at(io, &hw.q, g, &pos, blocks, head, &mut sc.p_rows, &mut sc.w);
+        let mut row = vec![0f32; n];
+        for (&p, &x) in pos.iter().zip(&sc.w) {
+            row[p] = x;
+        }
+        ph.push(predictor::block_max(&row, ps.block), ps.history);
+        c.kv_bytes_read += (n_tok * 3 * d * cache.dtype.size_bytes()) as u64; // K twice (attend, score), V once
+        hw.cand.from_spans(&spans, bs, 1, |_| f32::NAN);
+        c.blocks_visited += hw.cand.units.len() as u64;
+        if let Some(log) = ctx.visits {
+            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans });
+        }
+        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).predictor = Some(ph);
+        sc.row.resize(d, 0.0);
+        io.store_rows(hw.st.as_ref().expect("loaded"), sd.q_start..sd.q_start + 1, head, &mut sc.row);
+    }
+    sc.heads = hws;
+    c
+}
+
 /// Query rows of a prefill chunk PRR calibrates on (the chunk's last rows; the observation window).
 pub const CALIB_ROWS: usize = 64;
 
@@ -386,14 +473,20 @@ fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::Range<usize>
 /// them), maximised over the group, into `out[pos - lo]`. Reads K (a full step's scoring pass).
 #[allow(clippy::too_many_arguments)]
 pub fn token_weights(io: &ForwardIo, q: &[f32], rows: usize, lim: RowLimits, blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
+    let pos: Vec<usize> = (lim.lo..=lim.hi).collect();
+    weights_at(io, q, rows, &pos, blocks, head, logits, out)
+}
+
+/// Like [`token_weights`] over an explicit list of positions (normalised over them).
+#[allow(clippy::too_many_arguments)]
+pub fn weights_at(io: &ForwardIo, q: &[f32], rows: usize, positions: &[usize], blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
     let cache = io.cache;
     let (d, bs) = (cache.head_dim, cache.block_size);
-    let n = lim.hi + 1 - lim.lo;
+    let n = positions.len();
     logits.clear();
     logits.resize(rows * n, 0.0);
     let mut k = vec![0f32; d];
-    for j in 0..n {
-        let pos = lim.lo + j;
+    for (j, &pos) in positions.iter().enumerate() {
         // SAFETY: pos <= hi < seq_len, whose blocks were validated.
         unsafe { load_row::<Portable>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_dim_stride(), d, &mut k) };
         for r in 0..rows {
