@@ -374,7 +374,7 @@ fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops::Range<usiz
             vec![(lim.lo, n)]
         } else {
             c.refresh_partial_steps += 1;
-            let scores = weights.predict(&ph.rows, n.div_ceil(ps.block));
+            let scores = weights.predict_cached(&mut ph, n.div_ceil(ps.block));
             let mut v: Vec<(usize, usize)> = predictor::select(&scores, n, ps.budget, ps.block, ps.sink, ps.local).into_iter().map(|(a, b)| (a.max(lim.lo), b)).collect();
             normalize_spans(&mut v);
             v
@@ -477,24 +477,48 @@ pub fn token_weights(io: &ForwardIo, q: &[f32], rows: usize, lim: RowLimits, blo
     weights_at(io, q, rows, &pos, blocks, head, logits, out)
 }
 
-/// Like [`token_weights`] over an explicit list of positions (normalised over them).
+/// Like [`token_weights`] over an explicit list of positions (normalised over them). Keys are loaded
+/// [`CHUNK`] at a time and scored with the attention kernel's register-blocked dot products.
 #[allow(clippy::too_many_arguments)]
 pub fn weights_at(io: &ForwardIo, q: &[f32], rows: usize, positions: &[usize], blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
+    match isa::detected() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => unsafe { weights_at_avx2(io, q, rows, positions, blocks, head, logits, out) },
+        IsaLevel::Portable => weights_at_generic::<Portable>(io, q, rows, positions, blocks, head, logits, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weights_at_avx2(io: &ForwardIo, q: &[f32], rows: usize, positions: &[usize], blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
+    weights_at_generic::<super::convert::Avx2>(io, q, rows, positions, blocks, head, logits, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn weights_at_generic<I: Isa>(io: &ForwardIo, q: &[f32], rows: usize, positions: &[usize], blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
     let cache = io.cache;
     let (d, bs) = (cache.head_dim, cache.block_size);
     let n = positions.len();
     logits.clear();
     logits.resize(rows * n, 0.0);
-    let mut k = vec![0f32; d];
-    for (j, &pos) in positions.iter().enumerate() {
-        // SAFETY: pos <= hi < seq_len, whose blocks were validated.
-        unsafe { load_row::<Portable>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_dim_stride(), d, &mut k) };
+    let mut kbuf = vec![0f32; CHUNK * d];
+    let mut sc = vec![0f32; rows * CHUNK];
+    for (ci, part) in positions.chunks(CHUNK).enumerate() {
+        for (jj, &pos) in part.iter().enumerate() {
+            // SAFETY: pos <= hi < seq_len, whose blocks were validated.
+            unsafe { load_row::<I>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_dim_stride(), d, &mut kbuf[jj * d..(jj + 1) * d]) };
+        }
+        I::scores(&mut sc, q, &kbuf, rows, part.len(), d);
         for r in 0..rows {
-            let mut x: f32 = q[r * d..(r + 1) * d].iter().zip(&k).map(|(a, b)| a * b).sum();
-            if io.params.softcap > 0.0 {
-                x = io.params.softcap * (x / io.params.softcap).tanh();
+            for jj in 0..part.len() {
+                let mut x = sc[r * CHUNK + jj];
+                if io.params.softcap > 0.0 {
+                    x = io.params.softcap * (x / io.params.softcap).tanh();
+                }
+                logits[r * n + ci * CHUNK + jj] = x;
             }
-            logits[r * n + j] = x;
         }
     }
     out.clear();

@@ -25,16 +25,22 @@ pub struct PredictorHead {
     pub rows: VecDeque<Vec<f32>>,
     /// Steps since the last full (calibration) step.
     pub since_calib: usize,
+    /// Convolution rows (before the temporal mix) of the last prediction, `history × conv_nb`, and the
+    /// rows pushed since (see [`PredictorWeights::predict_cached`]).
+    pub conv: Vec<f32>,
+    pub conv_nb: usize,
+    pub pushed: usize,
 }
 
 impl PredictorHead {
     pub fn bytes(&self) -> usize {
-        std::mem::size_of::<Self>() + self.rows.iter().map(|r| r.capacity() * 4 + std::mem::size_of::<Vec<f32>>()).sum::<usize>()
+        std::mem::size_of::<Self>() + self.rows.iter().map(|r| r.capacity() * 4 + std::mem::size_of::<Vec<f32>>()).sum::<usize>() + self.conv.capacity() * 4
     }
 
     /// Appends a row, keeping at most `h`.
     pub fn push(&mut self, row: Vec<f32>, h: usize) {
         self.rows.push_back(row);
+        self.pushed += 1;
         while self.rows.len() > h {
             self.rows.pop_front();
         }
@@ -93,11 +99,45 @@ impl PredictorWeights {
         })
     }
 
-    /// Predicted scores of `nb` blocks from `rows` (oldest first, at most `history`, raw block scores).
+    /// Predicted scores of `nb` blocks from `rows` (oldest first, at most `history`, raw block scores),
+    /// computing every row of the convolution.
     pub fn predict(&self, rows: &VecDeque<Vec<f32>>, nb: usize) -> Vec<f32> {
-        let (h, c) = (self.history, self.channels);
-        let n = nb;
-        // Input image, most recent row at h-1.
+        let x = self.image(rows, nb);
+        let mut y3 = vec![0f32; self.history * nb];
+        let all: Vec<usize> = (0..self.history).collect();
+        self.conv_rows(&x, nb, &all, &mut y3);
+        self.mix(&y3, nb)
+    }
+
+    /// Like [`Self::predict`] for the history of `ph`, reusing the convolution rows cached at its last
+    /// prediction: the image only shifts up by one row per pushed row, and an output row whose 5-row
+    /// receptive field lies inside both images (and away from the top padding) is unchanged. The result is
+    /// bit for bit that of [`Self::predict`] (tested).
+    pub fn predict_cached(&self, ph: &mut PredictorHead, nb: usize) -> Vec<f32> {
+        let h = self.history;
+        let x = self.image(&ph.rows, nb);
+        let s = ph.pushed;
+        let reuse = ph.conv_nb == nb && ph.conv.len() == h * nb && s + 4 < h;
+        let mut y3 = vec![0f32; h * nb];
+        let mut todo = Vec::new();
+        for t in 0..h {
+            if reuse && t >= 2 && t + s + 2 < h {
+                y3[t * nb..(t + 1) * nb].copy_from_slice(&ph.conv[(t + s) * nb..(t + s + 1) * nb]);
+            } else {
+                todo.push(t);
+            }
+        }
+        self.conv_rows(&x, nb, &todo, &mut y3);
+        let out = self.mix(&y3, nb);
+        ph.conv = y3;
+        ph.conv_nb = nb;
+        ph.pushed = 0;
+        out
+    }
+
+    /// Input image, most recent row at `history - 1`.
+    fn image(&self, rows: &VecDeque<Vec<f32>>, n: usize) -> Vec<f32> {
+        let h = self.history;
         let mut x = vec![0f32; h * n];
         let used = rows.len().min(h);
         for (k, row) in rows.iter().skip(rows.len() - used).enumerate() {
@@ -106,6 +146,26 @@ impl PredictorWeights {
                 x[t * n + b] = ((s.max(0.0) + EPS).ln() - EPS.ln()) / -EPS.ln();
             }
         }
+        x
+    }
+
+    fn mix(&self, y3: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![self.tb; n];
+        for t in 0..self.history {
+            let u = self.temporal[t];
+            for (o, &v) in out.iter_mut().zip(&y3[t * n..(t + 1) * n]) {
+                *o += u * v;
+            }
+        }
+        out
+    }
+
+    /// Output rows `todo` (of the 1×1 convolution, before the temporal mix) into `y3`.
+    fn conv_rows(&self, x: &[f32], n: usize, todo: &[usize], y3: &mut [f32]) {
+        let (h, c) = (self.history, self.channels);
+        if todo.is_empty() {
+            return;
+        }
         let at = |img: &[f32], t: isize, b: isize| -> f32 {
             if t < 0 || b < 0 || t >= h as isize || b >= n as isize {
                 0.0
@@ -113,36 +173,43 @@ impl PredictorWeights {
                 img[t as usize * n + b as usize]
             }
         };
+        // conv1 rows needed: t-1 ..= t+1 of every output row.
+        let mut need = vec![false; h];
+        for &t in todo {
+            for r in t.saturating_sub(1)..=(t + 1).min(h - 1) {
+                need[r] = true;
+            }
+        }
         let mut y1 = vec![0f32; c * h * n];
         for ch in 0..c {
             let w = &self.w1[ch * 9..ch * 9 + 9];
-            for t in 0..h {
+            for t in (0..h).filter(|&t| need[t]) {
                 for b in 0..n {
                     let mut acc = self.b1[ch];
                     for dt in 0..3 {
                         for db in 0..3 {
-                            acc += w[dt * 3 + db] * at(&x, t as isize + dt as isize - 1, b as isize + db as isize - 1);
+                            acc += w[dt * 3 + db] * at(x, t as isize + dt as isize - 1, b as isize + db as isize - 1);
                         }
                     }
                     y1[(ch * h + t) * n + b] = acc.max(0.0);
                 }
             }
         }
-        let mut y3 = vec![self.b3; h * n];
-        let mut y2 = vec![0f32; h * n];
-        for co in 0..c {
-            y2.fill(self.b2[co]);
-            for ci in 0..c {
-                let w = &self.w2[(co * c + ci) * 9..(co * c + ci) * 9 + 9];
-                let src = &y1[ci * h * n..(ci + 1) * h * n];
-                for t in 0..h {
+        let mut y2 = vec![0f32; n];
+        for &t in todo {
+            let dst = &mut y3[t * n..(t + 1) * n];
+            dst.fill(self.b3);
+            for co in 0..c {
+                y2.fill(self.b2[co]);
+                for ci in 0..c {
+                    let w = &self.w2[(co * c + ci) * 9..(co * c + ci) * 9 + 9];
+                    let src = &y1[ci * h * n..(ci + 1) * h * n];
                     for dt in 0..3 {
                         let ts = t as isize + dt as isize - 1;
                         if ts < 0 || ts >= h as isize {
                             continue;
                         }
                         let srow = &src[ts as usize * n..(ts as usize + 1) * n];
-                        let drow = &mut y2[t * n..(t + 1) * n];
                         for db in 0..3 {
                             let wv = w[dt * 3 + db];
                             // out[b] += wv * in[b + db - 1]
@@ -151,26 +218,18 @@ impl PredictorWeights {
                                 1 => (0, 0, n),
                                 _ => (0, 1, n.saturating_sub(1)),
                             };
-                            for (o, &i) in drow[d0..d0 + len].iter_mut().zip(&srow[s0..s0 + len]) {
+                            for (o, &i) in y2[d0..d0 + len].iter_mut().zip(&srow[s0..s0 + len]) {
                                 *o += wv * i;
                             }
                         }
                     }
                 }
-            }
-            let w3 = self.w3[co];
-            for (o, &v) in y3.iter_mut().zip(&y2) {
-                *o += w3 * v.max(0.0);
-            }
-        }
-        let mut out = vec![self.tb; n];
-        for t in 0..h {
-            let u = self.temporal[t];
-            for (o, &v) in out.iter_mut().zip(&y3[t * n..(t + 1) * n]) {
-                *o += u * v;
+                let w3 = self.w3[co];
+                for (o, &v) in dst.iter_mut().zip(&y2) {
+                    *o += w3 * v.max(0.0);
+                }
             }
         }
-        out
     }
 }
 
@@ -242,6 +301,29 @@ mod tests {
         let scale = want.iter().map(|x| x.abs()).fold(0f32, f32::max).max(1.0);
         for (b, (g, e)) in got.iter().zip(&want).enumerate() {
             assert!((g - e).abs() <= 1e-4 * scale, "block {b}: rust {g} vs pytorch {e}");
+        }
+    }
+
+    /// The cached prediction equals the full one through a decode-like sequence of pushes (one or two per
+    /// prediction), a growing number of blocks, and a history that fills up.
+    #[test]
+    fn cached_prediction_is_exact() {
+        let w = PredictorWeights::builtin().unwrap();
+        let mut rng = crate::rng::Rng::new(3);
+        let mut ph = PredictorHead::default();
+        let mut nb = 20;
+        for step in 0..150 {
+            let row: Vec<f32> = (0..nb).map(|_| (rng.uniform() as f32).powi(6)).collect();
+            ph.push(row, 64);
+            if step % 7 == 3 {
+                continue; // a full step: pushed without predicting
+            }
+            if step % 23 == 0 {
+                nb += 1;
+            }
+            let full = w.predict(&ph.rows, nb);
+            let cached = w.predict_cached(&mut ph, nb);
+            assert_eq!(full, cached, "step {step}");
         }
     }
 
