@@ -301,3 +301,32 @@ fn stateful_policies_through_the_c_abi() {
         }
     }
 }
+
+/// With a state cap, a call fails with OUT_OF_MEMORY (writing nothing) once the state held exceeds it, and
+/// works again after the sequences are released.
+#[test]
+fn state_cap_is_enforced() {
+    let mut syn = small_synth(9, 256);
+    let sp = syn.spec.clone();
+    let mut cfg = EngineConfig::new(1, sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.block_size, sp.dtype);
+    cfg.policy = "refresh(k=64); dense_layers=0".into();
+    cfg.num_threads = 2;
+    cfg.max_state_bytes = 1024;
+    let e = Engine::new(cfg).unwrap();
+    syn.write_cache(&e, 0).unwrap();
+    let tabs = syn.tables(256, 1);
+    let mut out = HostBuf::zeros(sp.dtype, sp.num_seqs * sp.num_q_heads * sp.head_dim);
+    let args = syn.decode_args(0, &tabs, &mut out);
+    e.attention_forward(&args).unwrap();
+    assert!(e.stats().state_bytes > 1024, "{} bytes", e.stats().state_bytes);
+    let mut out = HostBuf::nans(sp.dtype, sp.num_seqs * sp.num_q_heads * sp.head_dim);
+    let args = syn.decode_args(0, &tabs, &mut out);
+    let err = e.attention_forward(&args).unwrap_err();
+    assert_eq!(err.kind, kvsparse::ErrorKind::OutOfMemory, "{}", err.message);
+    assert!((0..out.len()).all(|i| out.get(i).is_nan()), "output written by a refused call");
+    for id in syn.seq_ids.clone() {
+        e.release_sequence(id as u64).unwrap();
+    }
+    let args = syn.decode_args(0, &tabs, &mut out);
+    e.attention_forward(&args).unwrap();
+}
