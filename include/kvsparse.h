@@ -62,6 +62,9 @@ typedef enum {
   KVS_DTYPE_BFLOAT16 = 2,
 } kvs_dtype;
 
+// Holt parameters.
+typedef struct HoltParams HoltParams;
+
 // Opaque engine handle.
 typedef struct kvs_engine kvs_engine;
 
@@ -237,6 +240,15 @@ kvs_status kvs_merge_states(kvs_engine *engine, const kvs_merge_args *args);
 // Frees the per-sequence state of `seq_id` (call when a request finishes or is preempted).
 // Returns `KVS_ERR_UNKNOWN_SEQUENCE` for an id the engine does not hold.
 kvs_status kvs_sequence_release(kvs_engine *engine, uint64_t seq_id);
+
+// Loads PRR's speculation budget table: `n` points `(context_lens[i], budgets[i])` (tokens), used as a
+// step function of the sequence length (a context below the first point takes the first budget). `n = 0`
+// (pointers may then be NULL) goes back to the policy spec's constant `budget`. The arrays are read
+// during the call only. Applies from the next forward call; thread-safe.
+kvs_status kvs_engine_set_speculation_budgets(kvs_engine *engine,
+                                              const uint64_t *context_lens,
+                                              const uint64_t *budgets,
+                                              size_t n);
 
 // Accumulated counters: `layer = -1` for all layers, else one layer. `out->struct_size` must be set;
 // kvsparse writes at most that many bytes. Thread-safe.

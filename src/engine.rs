@@ -13,6 +13,7 @@ use crate::cpu::metadata::CacheMeta;
 use crate::cpu::sparse::{sparse_forward, SparseCtx};
 use crate::error::Result;
 use crate::layout::{validate_params, Batch, KvCache};
+use crate::policy::speculate::SpecBudgetTable;
 use crate::policy::{Policy, Selector, SnapSelection};
 use crate::sequences::Registry;
 use crate::stats::{Counters, EngineStats, VisitRecord};
@@ -88,6 +89,8 @@ pub struct Engine {
     visits: Mutex<Option<Vec<VisitRecord>>>,
     /// The CUDA backend when the engine's device is a GPU (None = CPU backend).
     cuda: Option<crate::cuda::CudaBackend>,
+    /// PRR's speculation budget by context length, when loaded (else the spec's constant budget).
+    spec_budgets: parking_lot::RwLock<Option<SpecBudgetTable>>,
 }
 
 impl Engine {
@@ -100,6 +103,10 @@ impl Engine {
         let policy = Policy::parse(&cfg.policy)?;
         // Fail at engine start, not on the first forward call, when the policy has no GPU path yet.
         ensure!(cuda.is_none() || policy.pipeline().is_none(), Unsupported, "the CUDA backend runs dense attention only; policy {:?} is not available on it yet", cfg.policy);
+        if let Some(Selector::Predictor(ps)) = policy.pipeline().map(|p| &p.selector) {
+            let w = crate::policy::predictor::PredictorWeights::builtin()?;
+            ensure!(ps.history == w.history, InvalidArgument, "policy {:?}: the built-in predictor weights were trained for history={}, not {}", cfg.policy, w.history, ps.history);
+        }
         let threads = if cfg.num_threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { cfg.num_threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -108,7 +115,7 @@ impl Engine {
             .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?;
         let per_layer = vec![Counters::default(); cfg.num_layers];
         let meta = CacheMeta::new(policy.meta_needs(), cfg.num_layers);
-        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), cuda })
+        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), cuda, spec_budgets: parking_lot::RwLock::new(None) })
     }
 
     /// The CUDA backend, when the engine runs on a GPU (benchmarks and tests use its helpers).
@@ -172,15 +179,30 @@ impl Engine {
         let io = ForwardIo { q: a.query, out: a.out, lse: a.lse, cache: &cache, batch: &batch, params, num_q_heads: cfg.num_q_heads, num_kv_heads: cfg.num_kv_heads };
         let (policy_seqs, dense_seqs): (Vec<usize>, Vec<usize>) = (0..batch.seqs.len()).partition(|&s| pipeline.is_some() && batch.seqs[s].is_decode());
 
+        // PRR calibrates at prefill chunks (on Quest's page scores of the chunk's queries).
+        let speculate = match pipeline.map(|p| &p.selector) {
+            Some(Selector::Speculate(sp)) => Some(*sp),
+            _ => None,
+        };
+        let predictor = match pipeline.map(|p| &p.selector) {
+            Some(Selector::Predictor(ps)) => Some(*ps),
+            _ => None,
+        };
+        let calib_seqs: Vec<usize> = if speculate.is_some() || predictor.is_some() { (0..batch.seqs.len()).filter(|&s| !batch.seqs[s].is_decode() && batch.seqs[s].q_len > 0).collect() } else { Vec::new() };
+        if self.cfg.max_state_bytes > 0 && pipeline.is_some() && self.policy.is_stateful() && !matches!(pipeline.map(|p| &p.selector), Some(Selector::SnapKv { .. })) {
+            let held = self.sequences.state_bytes();
+            ensure!(held <= self.cfg.max_state_bytes, OutOfMemory, "policy state holds {held} bytes, over the engine's cap of {}; release finished sequences", self.cfg.max_state_bytes);
+        }
+
         // Everything that can fail is checked before anything is written: metadata coverage, state cap.
-        let meta_guard = if self.meta.needs.any() && pipeline.is_some() && !policy_seqs.is_empty() { Some(self.meta.read(a.layer)) } else { None };
+        let meta_guard = if self.meta.needs.any() && pipeline.is_some() && (!policy_seqs.is_empty() || !calib_seqs.is_empty()) { Some(self.meta.read(a.layer)) } else { None };
         let meta = match &meta_guard {
             Some(g) => {
                 let Some(m) = g.as_ref() else {
                     bail!(InvalidArgument, "policy {:?} needs key metadata for layer {}, but no cache write for that layer went through kvs_cache_write", cfg.policy, a.layer);
                 };
                 ensure!(m.num_blocks == cache.num_blocks, InvalidShape, "layer {}'s key metadata was built for {} blocks, the caches have {}", a.layer, m.num_blocks, cache.num_blocks);
-                for &s in &policy_seqs {
+                for &s in policy_seqs.iter().chain(&calib_seqs) {
                     let sd = &batch.seqs[s];
                     let lim = crate::cpu::attention::RowLimits::causal(sd.seq_len - 1, params.window);
                     m.check_covers(batch.blocks(s, cfg.block_size), lim.lo, lim.hi, &format!("policy {:?} (layer {}, sequence {})", cfg.policy, a.layer, sd.seq_id))?;
@@ -206,9 +228,33 @@ impl Engine {
                 st.policy.head_mut(a.layer, h, cfg.num_kv_heads).snapkv = Some(std::sync::Arc::new(sel));
             }
         }
+        let mut c = Counters { calls: 1, ..Default::default() };
+        if let (Some(sp), Some(m)) = (speculate, meta) {
+            use rayon::prelude::*;
+            let hk = cfg.num_kv_heads;
+            let t0 = std::time::Instant::now();
+            let table = self.spec_budgets.read();
+            let items: Vec<(usize, usize)> = calib_seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
+            let warm: Vec<_> = self.pool.install(|| items.par_iter().map(|&(s, h)| cpu::sparse::prr_calibrate(&io, s, h, &sp, m, table.as_ref()).0).collect());
+            for (&(s, h), w) in items.iter().zip(warm) {
+                let st = self.sequences.get_or_create(batch.seqs[s].seq_id);
+                st.lock().policy.head_mut(a.layer, h, hk).prr = Some(Box::new(w));
+            }
+            c.spec_calibrations += items.len() as u64;
+            c.spec_calib_us += t0.elapsed().as_micros() as u64;
+        }
+        if let Some(ps) = predictor {
+            use rayon::prelude::*;
+            let hk = cfg.num_kv_heads;
+            let items: Vec<(usize, usize)> = calib_seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
+            let seeded: Vec<_> = self.pool.install(|| items.par_iter().map(|&(s, h)| cpu::sparse::predictor_seed(&io, s, h, &ps)).collect());
+            for (&(s, h), ph) in items.iter().zip(seeded) {
+                let st = self.sequences.get_or_create(batch.seqs[s].seq_id);
+                st.lock().policy.head_mut(a.layer, h, hk).predictor = Some(Box::new(ph));
+            }
+        }
         cpu::forward::dense_forward(&io, &dense_seqs, &self.pool);
 
-        let mut c = Counters { calls: 1, ..Default::default() };
         if let Some(p) = pipeline {
             if !policy_seqs.is_empty() {
                 let snap = policy_seqs
@@ -220,7 +266,9 @@ impl Engine {
                     })
                     .collect();
                 let log = self.visits.lock().is_some().then(|| std::sync::Mutex::new(Vec::new()));
-                let ctx = SparseCtx { pipeline: p, meta, snap, visits: log.as_ref() };
+                let states = if self.policy.is_stateful() { policy_seqs.iter().map(|&s| self.sequences.get(batch.seqs[s].seq_id)).collect() } else { Vec::new() };
+                let table = self.spec_budgets.read();
+                let ctx = SparseCtx { pipeline: p, meta, snap, visits: log.as_ref(), layer: a.layer, states, spec_budgets: table.as_ref() };
                 c.add(&sparse_forward(&io, &policy_seqs, &ctx, &self.pool));
                 if let (Some(log), Some(dst)) = (log, self.visits.lock().as_mut()) {
                     dst.extend(log.into_inner().expect("visit log").into_iter().map(|r| VisitRecord { layer: a.layer, ..r }));
@@ -340,6 +388,18 @@ impl Engine {
     /// The visit records collected since the last call (empty when recording is off).
     pub fn take_visits(&self) -> Vec<VisitRecord> {
         self.visits.lock().as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Loads PRR's speculation budget table (context length → speculation budget in tokens), replacing the
+    /// spec's constant `budget`; `None` goes back to the constant. Applies from the next call.
+    pub fn set_speculation_budgets(&self, table: Option<SpecBudgetTable>) {
+        *self.spec_budgets.write() = table;
+    }
+
+    /// Number of policy state objects (per-(sequence, layer, KV head) states and per-(sequence, layer)
+    /// schedules) the engine holds now, over all live sequences.
+    pub fn policy_state_objects(&self) -> u64 {
+        self.sequences.state_objects()
     }
 
     /// Frees all state kept for `seq_id`.

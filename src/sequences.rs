@@ -60,6 +60,12 @@ impl Registry {
         *self.created.lock()
     }
 
+    /// Policy state objects held by all sequences.
+    pub fn state_objects(&self) -> u64 {
+        let ids: Vec<_> = self.map.lock().values().cloned().collect();
+        ids.iter().map(|s| s.lock().policy.objects() as u64).sum()
+    }
+
     /// Bytes of policy state held by all sequences.
     pub fn state_bytes(&self) -> u64 {
         let ids: Vec<_> = self.map.lock().values().cloned().collect();

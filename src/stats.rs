@@ -26,6 +26,12 @@ pub struct Counters {
     pub spec_hit_blocks: u64,
     pub spec_true_blocks: u64,
     pub spec_repaired_blocks: u64,
+    /// Speculate/repair baseline: blocks of the true set that the previous step's true set held (what
+    /// reusing the previous selection would have hit; compare with `spec_hit_blocks`).
+    pub spec_reuse_hit_blocks: u64,
+    /// PRR calibrations run at prefill (per sequence × KV head) and their total time in microseconds.
+    pub spec_calibrations: u64,
+    pub spec_calib_us: u64,
     /// Refresh scheduling: full-attention steps and partial (token-set) steps.
     pub refresh_full_steps: u64,
     pub refresh_partial_steps: u64,
@@ -48,6 +54,9 @@ impl Counters {
         self.spec_hit_blocks += o.spec_hit_blocks;
         self.spec_true_blocks += o.spec_true_blocks;
         self.spec_repaired_blocks += o.spec_repaired_blocks;
+        self.spec_reuse_hit_blocks += o.spec_reuse_hit_blocks;
+        self.spec_calibrations += o.spec_calibrations;
+        self.spec_calib_us += o.spec_calib_us;
         self.refresh_full_steps += o.refresh_full_steps;
         self.refresh_partial_steps += o.refresh_partial_steps;
         self.kv_bytes_read += o.kv_bytes_read;

@@ -218,6 +218,26 @@ pub unsafe extern "C" fn kvs_sequence_release(engine: *mut kvs_engine, seq_id: u
     guard(|| engine_ref(engine)?.release_sequence(seq_id))
 }
 
+/// Loads PRR's speculation budget table: `n` points `(context_lens[i], budgets[i])` (tokens), used as a
+/// step function of the sequence length (a context below the first point takes the first budget). `n = 0`
+/// (pointers may then be NULL) goes back to the policy spec's constant `budget`. The arrays are read
+/// during the call only. Applies from the next forward call; thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_engine_set_speculation_budgets(engine: *mut kvs_engine, context_lens: *const u64, budgets: *const u64, n: usize) -> kvs_status {
+    guard(|| {
+        let e = engine_ref(engine)?;
+        if n == 0 {
+            e.set_speculation_budgets(None);
+            return Ok(());
+        }
+        ensure!(!context_lens.is_null() && !budgets.is_null(), InvalidArgument, "context_lens and budgets must not be NULL when n > 0");
+        let (c, b) = (std::slice::from_raw_parts(context_lens, n), std::slice::from_raw_parts(budgets, n));
+        let points = c.iter().zip(b).map(|(&c, &b)| (c as usize, b as usize)).collect();
+        e.set_speculation_budgets(Some(crate::policy::speculate::SpecBudgetTable::new(points)?));
+        Ok(())
+    })
+}
+
 /// Accumulated counters: `layer = -1` for all layers, else one layer. `out->struct_size` must be set;
 /// kvsparse writes at most that many bytes. Thread-safe.
 #[no_mangle]

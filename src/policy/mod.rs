@@ -8,8 +8,11 @@
 //! Stateful stages keep per-(sequence, layer, KV head) state in [`SequencePolicyState`], owned by the
 //! engine's sequence registry: created on first use, freed by `kvs_sequence_release`.
 
+pub mod predictor;
+pub mod refresh;
 pub mod select;
 pub mod spec;
+pub mod speculate;
 pub mod termination;
 pub mod top_p;
 
@@ -18,7 +21,7 @@ use std::sync::Arc;
 
 use crate::cpu::metadata::MetaNeeds;
 use crate::error::Result;
-pub use spec::{Art, Order, Pipeline, Probe, Selector, Spec, TopP};
+pub use spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
 
 /// A parsed policy spec. The empty spec and `dense` mean dense attention everywhere.
 #[derive(Clone, Debug, PartialEq)]
@@ -52,7 +55,7 @@ impl Policy {
 
     /// True when the pipeline keeps per-sequence state (so forward calls must pass seq_ids).
     pub fn is_stateful(&self) -> bool {
-        matches!(self.pipeline(), Some(Pipeline { selector: Selector::SnapKv { .. }, .. }))
+        matches!(self.pipeline(), Some(Pipeline { selector: Selector::SnapKv { .. } | Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_), .. }))
     }
 
     /// Key metadata the cache writes must maintain.
@@ -62,6 +65,7 @@ impl Policy {
             Some(p) => MetaNeeds {
                 quest_page: match p.selector {
                     Selector::Quest { page, .. } => Some(page),
+                    Selector::Speculate(s) => Some(s.page),
                     _ => None,
                 },
                 int4: p.top_p.is_some(),
@@ -83,23 +87,45 @@ pub struct SnapSelection {
 #[derive(Clone, Debug, Default)]
 pub struct HeadState {
     pub snapkv: Option<Arc<SnapSelection>>,
+    /// PRR: Holt predictor per page and the previous true set.
+    pub prr: Option<Box<speculate::PrrHead>>,
+    /// RefreshKV: the partial token set.
+    pub refresh: Option<Box<refresh::RefreshHead>>,
+    /// AttentionPredictor: the block-attention history.
+    pub predictor: Option<Box<predictor::PredictorHead>>,
 }
 
 impl HeadState {
     pub fn bytes(&self) -> usize {
         self.snapkv.as_ref().map_or(0, |s| std::mem::size_of::<SnapSelection>() + s.keep.capacity() * 4)
+            + self.prr.as_ref().map_or(0, |s| s.bytes())
+            + self.refresh.as_ref().map_or(0, |s| s.bytes())
+            + self.predictor.as_ref().map_or(0, |s| s.bytes())
+    }
+
+    /// Number of policy state objects held (for lifecycle accounting).
+    pub fn objects(&self) -> usize {
+        self.snapkv.is_some() as usize + self.prr.is_some() as usize + self.refresh.is_some() as usize + self.predictor.is_some() as usize
     }
 }
 
-/// Per-sequence policy state: per layer, one [`HeadState`] per KV head.
+/// Per-sequence policy state: per layer, one [`HeadState`] per KV head, plus RefreshKV's layer-level
+/// schedule.
 #[derive(Default)]
 pub struct SequencePolicyState {
     pub layers: HashMap<usize, Vec<HeadState>>,
+    pub refresh_layers: HashMap<usize, refresh::RefreshLayer>,
 }
 
 impl SequencePolicyState {
     pub fn bytes(&self) -> usize {
-        self.layers.values().flat_map(|v| v.iter()).map(|h| h.bytes() + std::mem::size_of::<HeadState>()).sum()
+        self.layers.values().flat_map(|v| v.iter()).map(|h| h.bytes() + std::mem::size_of::<HeadState>()).sum::<usize>()
+            + self.refresh_layers.values().map(|l| l.bytes()).sum::<usize>()
+    }
+
+    /// Number of policy state objects (per-head states and layer schedules) held.
+    pub fn objects(&self) -> usize {
+        self.layers.values().flat_map(|v| v.iter()).map(|h| h.objects()).sum::<usize>() + self.refresh_layers.len()
     }
 
     /// The state of (layer, head), created empty for `num_kv_heads` heads on first use.

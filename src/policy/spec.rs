@@ -24,6 +24,66 @@ pub enum Selector {
     Quest { budget: usize, page: usize },
     /// Tokens chosen at prefill from the attention of the last `window` prompt queries, max-pooled over `pool`.
     SnapKv { budget: usize, window: usize, pool: usize },
+    /// PRR: Quest's true selection `over`, attended as a speculative (predicted) set plus repaired misses.
+    Speculate(Speculate),
+    /// RefreshKV: a per-(sequence, layer) partial token set rebuilt at full-attention steps.
+    Refresh(Refresh),
+    /// AttentionPredictor: a small CNN predicts the next step's block attention from its history.
+    Predictor(PredictorSpec),
+}
+
+/// How PRR predicts the speculative block set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Predict {
+    /// Holt double exponential smoothing of each block's score (the method).
+    Holt,
+    /// The previous step's true set (the baseline the method is compared with).
+    Previous,
+    /// The lowest-predicted blocks: a deliberately bad predictor, for testing the repair path.
+    Inverse,
+}
+
+/// `speculate(over=quest(budget, page), alpha, beta, gamma, budget, predict, extra)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Speculate {
+    /// The true selector: Quest with this token budget and page size.
+    pub quest_budget: usize,
+    pub page: usize,
+    /// Holt parameters; `None` = calibrated at the sequence's prefill (see `policy::speculate`).
+    pub alpha: Option<f32>,
+    pub beta: Option<f32>,
+    pub gamma: Option<f32>,
+    /// Speculation budget in tokens (the constant of the default latency table); `None` = the Quest budget.
+    pub budget: Option<usize>,
+    pub predict: Predict,
+    /// Keep predicted blocks outside the true set as extra context (`extra=keep`); default drop.
+    pub keep_extra: bool,
+}
+
+/// `refresh(k, stride, s, pool, every)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Refresh {
+    /// Tokens kept per KV head at partial steps.
+    pub k: usize,
+    /// Steps between similarity checks.
+    pub stride: usize,
+    /// Cosine threshold: a check keeps the partial set only while the similarity stays above `s`.
+    pub s: f32,
+    /// Max-pooling width (odd) of the full step's attention scores.
+    pub pool: usize,
+    /// Fixed schedule: a full step every `every` steps (no similarity check).
+    pub every: Option<usize>,
+}
+
+/// `predictor(budget, block, history, calib, sink, local)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PredictorSpec {
+    pub budget: usize,
+    pub block: usize,
+    pub history: usize,
+    pub calib: usize,
+    pub sink: usize,
+    pub local: usize,
 }
 
 /// Twilight's select-then-prune: keep the smallest set whose estimated attention mass reaches `p`.
@@ -154,6 +214,8 @@ struct Arg {
     key_pos: usize,
     val: Tok,
     val_pos: usize,
+    /// `key=name(args)`: the nested stage's arguments (only `speculate.over` takes one).
+    nested: Option<Vec<Arg>>,
 }
 
 impl<'a> Parser<'a> {
@@ -190,13 +252,20 @@ impl<'a> Parser<'a> {
             return self.fail("`=`");
         }
         let (val_pos, val) = self.peek().clone();
+        let mut nested = None;
         match val {
-            Tok::Num(..) | Tok::Name(_) => {
+            Tok::Num(..) => {
                 self.next();
+            }
+            Tok::Name(_) => {
+                self.next();
+                if self.peek().1 == Tok::Sym('(') {
+                    nested = Some(self.args()?);
+                }
             }
             _ => return self.fail("a value (number, `inf` or a name)"),
         }
-        Ok(Arg { key, key_pos, val, val_pos })
+        Ok(Arg { key, key_pos, val, val_pos, nested })
     }
 
     fn args(&mut self) -> Result<Vec<Arg>> {
@@ -236,6 +305,9 @@ impl<'a> Args<'a> {
             if args[..i].iter().any(|b| b.key == a.key) {
                 return Err(err(src, a.key_pos, &format!("each key of `{stage}` at most once"), &format!("`{}` again", a.key)));
             }
+            if a.nested.is_some() && !(stage == "speculate" && a.key == "over") {
+                return Err(err(src, a.val_pos, &format!("a plain value for `{stage}.{}` (only `speculate.over` takes a stage)", a.key), &format!("stage `{}`", a.val.describe())));
+            }
         }
         Ok(Args { src, stage, args })
     }
@@ -273,6 +345,15 @@ impl<'a> Args<'a> {
         Ok(v as usize)
     }
 
+    /// An optional number where `auto` (or no value) means `None`.
+    fn auto_num(&mut self, key: &str, expected: &str, ok: impl Fn(f64) -> bool) -> Result<Option<f32>> {
+        match self.find(key) {
+            None => Ok(None),
+            Some(i) if self.args[i].val == Tok::Name("auto".into()) => Ok(None),
+            Some(_) => Ok(Some(self.num(key, None, false, expected, ok)? as f32)),
+        }
+    }
+
     fn word(&mut self, key: &str, default: &'static str, choices: &[&'static str]) -> Result<&'static str> {
         let Some(i) = self.find(key) else { return Ok(default) };
         let a = &self.args[i];
@@ -300,7 +381,7 @@ pub fn parse(src: &str) -> Result<Spec> {
     loop {
         let (pos, name) = match p.peek().clone() {
             (pos, Tok::Name(n)) => (pos, n),
-            _ => return p.fail("a stage name (dense, all, streaming, quest, snapkv, top_p, art)"),
+            _ => return p.fail("a stage name (dense, all, streaming, quest, snapkv, speculate, refresh, predictor, top_p, art)"),
         };
         p.next();
         let raw = p.args()?;
@@ -308,7 +389,11 @@ pub fn parse(src: &str) -> Result<Spec> {
         if dense || (name == "dense" && n_stages > 0) {
             return Err(late("`dense` alone (it is the empty pipeline)"));
         }
-        let is_selector = matches!(name.as_str(), "all" | "streaming" | "quest" | "snapkv");
+        let is_selector = matches!(name.as_str(), "all" | "streaming" | "quest" | "snapkv" | "speculate" | "refresh" | "predictor");
+        let stateful_sel = matches!(selector, Some(Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_)));
+        if stateful_sel && (name == "top_p" || name == "art") {
+            return Err(late("nothing after `speculate`, `refresh` or `predictor` (they are whole pipelines)"));
+        }
         if is_selector && (selector.is_some() || top_p.is_some() || art.is_some()) {
             return Err(late("at most one selector, as the first stage"));
         }
@@ -367,7 +452,61 @@ pub fn parse(src: &str) -> Result<Spec> {
                 let patience = if pat.is_infinite() { None } else { Some(pat as u32) };
                 art = Some(Art { tau: tau as f32, phi: phi as f32, patience, order, probe });
             }
-            _ => return Err(err(src, pos, "a stage name (dense, all, streaming, quest, snapkv, top_p, art)", &format!("unknown stage `{name}`"))),
+            "speculate" => {
+                let mut raw = raw;
+                let over = raw.iter().position(|a| a.key == "over");
+                let over_arg = over.map(|i| raw.remove(i));
+                let mut a = Args::new(src, "speculate", raw, &["alpha", "beta", "gamma", "budget", "predict", "extra"])?;
+                let (quest_budget, page) = match over_arg {
+                    None => return Err(Error::new(ErrorKind::InvalidArgument, format!("policy spec {src:?}: stage `speculate` needs `over=quest(budget=...)`"))),
+                    Some(o) => {
+                        if o.val != Tok::Name("quest".into()) {
+                            return Err(err(src, o.val_pos, "`quest(...)` for `speculate.over`", &o.val.describe()));
+                        }
+                        let mut q = Args::new(src, "quest", o.nested.unwrap_or_default(), &["budget", "page"])?;
+                        let budget = q.int("budget", None, 1, "", |_| true)?;
+                        let page = q.int("page", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
+                        (budget, page)
+                    }
+                };
+                let alpha = a.auto_num("alpha", "a number in [0, 1] or `auto`", |v| (0.0..=1.0).contains(&v))?;
+                let beta = a.auto_num("beta", "a number in [0, 1] or `auto`", |v| (0.0..=1.0).contains(&v))?;
+                let gamma = a.auto_num("gamma", "a number in [0, 4] or `auto`", |v| (0.0..=4.0).contains(&v))?;
+                let budget = match a.find("budget") {
+                    Some(_) => Some(a.int("budget", None, 1, "", |_| true)?),
+                    None => None,
+                };
+                let predict = match a.word("predict", "holt", &["holt", "previous", "inverse"])? {
+                    "previous" => Predict::Previous,
+                    "inverse" => Predict::Inverse,
+                    _ => Predict::Holt,
+                };
+                let keep_extra = a.word("extra", "drop", &["drop", "keep"])? == "keep";
+                selector = Some(Selector::Speculate(Speculate { quest_budget, page, alpha, beta, gamma, budget, predict, keep_extra }));
+            }
+            "refresh" => {
+                let mut a = Args::new(src, "refresh", raw, &["k", "stride", "s", "pool", "every"])?;
+                let k = a.int("k", Some(2048), 1, "", |_| true)?;
+                let stride = a.int("stride", Some(5), 1, "", |_| true)?;
+                let sim = a.num("s", Some(0.85), false, "a number in [-1, 1]", |v| (-1.0..=1.0).contains(&v))? as f32;
+                let pool = a.int("pool", Some(7), 1, ", odd", |v| v % 2 == 1)?;
+                let every = match a.find("every") {
+                    Some(_) => Some(a.int("every", None, 1, "", |_| true)?),
+                    None => None,
+                };
+                selector = Some(Selector::Refresh(Refresh { k, stride, s: sim, pool, every }));
+            }
+            "predictor" => {
+                let mut a = Args::new(src, "predictor", raw, &["budget", "block", "history", "calib", "sink", "local"])?;
+                let budget = a.int("budget", None, 1, "", |_| true)?;
+                let block = a.int("block", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
+                let history = a.int("history", Some(64), 2, "", |v| v <= 4096)?;
+                let calib = a.int("calib", Some(5), 1, "", |_| true)?;
+                let sink = a.int("sink", Some(64), 0, "", |_| true)?;
+                let local = a.int("local", Some(64), 1, "", |_| true)?;
+                selector = Some(Selector::Predictor(PredictorSpec { budget, block, history, calib, sink, local }));
+            }
+            _ => return Err(err(src, pos, "a stage name (dense, all, streaming, quest, snapkv, speculate, refresh, predictor, top_p, art)", &format!("unknown stage `{name}`"))),
         }
         n_stages += 1;
         if p.eat('>') {
@@ -426,6 +565,49 @@ mod tests {
         assert_eq!(parse("streaming(recent=64)").unwrap().pipeline.unwrap().selector, Selector::Streaming { sink: 4, recent: 64 });
         assert_eq!(parse("snapkv(budget=100)").unwrap().pipeline.unwrap().selector, Selector::SnapKv { budget: 100, window: 32, pool: 7 });
         assert_eq!(parse("top_p").unwrap().pipeline.unwrap().top_p, Some(TopP { p: 0.95 }));
+    }
+
+    #[test]
+    fn stateful_stages() {
+        let p = parse("speculate(over=quest(budget=1024, page=32), alpha=0.3, gamma=auto, budget=512)").unwrap().pipeline.unwrap();
+        assert_eq!(
+            p.selector,
+            Selector::Speculate(Speculate { quest_budget: 1024, page: 32, alpha: Some(0.3), beta: None, gamma: None, budget: Some(512), predict: Predict::Holt, keep_extra: false })
+        );
+        let p = parse("speculate(over=quest(budget=64), predict=inverse, extra=keep)").unwrap().pipeline.unwrap();
+        assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, page: 16, predict: Predict::Inverse, keep_extra: true, .. })));
+        let p = parse("refresh").unwrap().pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Refresh(Refresh { k: 2048, stride: 5, s: 0.85, pool: 7, every: None }));
+        let p = parse("refresh(k=64, stride=1, s=1.0, every=10)").unwrap().pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Refresh(Refresh { k: 64, stride: 1, s: 1.0, pool: 7, every: Some(10) }));
+        let p = parse("predictor(budget=1024)").unwrap().pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Predictor(PredictorSpec { budget: 1024, block: 16, history: 64, calib: 5, sink: 64, local: 64 }));
+    }
+
+    #[test]
+    fn bad_stateful_specs() {
+        assert!(msg("speculate(alpha=0.5)").contains("needs `over=quest"));
+        let m = msg("speculate(over=snapkv(budget=8))");
+        assert!(m.contains("position 15") && m.contains("`quest(...)`"), "{m}");
+        let m = msg("speculate(over=quest(budget=8, pag=16))");
+        assert!(m.contains("position 31") && m.contains("unknown key `pag`"), "{m}");
+        assert!(msg("speculate(over=quest())").contains("needs `budget="));
+        assert!(msg("speculate(over=quest(budget=8), alpha=1.5)").contains("speculate.alpha"));
+        assert!(msg("speculate(over=quest(budget=8), gamma=-1)").contains("speculate.gamma"));
+        assert!(msg("speculate(over=quest(budget=8), predict=oracle)").contains("holt, previous, inverse"));
+        assert!(msg("speculate(over=quest(budget=8), budget=0)").contains("speculate.budget"));
+        assert!(msg("speculate(over=quest(budget=8)) > art").contains("nothing after"));
+        assert!(msg("refresh(k=0)").contains("refresh.k"));
+        assert!(msg("refresh(s=1.5)").contains("refresh.s"));
+        assert!(msg("refresh(pool=4)").contains("odd"));
+        assert!(msg("refresh(stride=0)").contains("refresh.stride"));
+        assert!(msg("refresh(every=0)").contains("refresh.every"));
+        assert!(msg("refresh(k=quest(budget=1))").contains("only `speculate.over`"));
+        assert!(msg("refresh > top_p").contains("nothing after"));
+        assert!(msg("predictor()").contains("needs `budget="));
+        assert!(msg("predictor(budget=64, block=12)").contains("power of two"));
+        assert!(msg("predictor(budget=64, history=1)").contains("predictor.history"));
+        assert!(msg("quest(budget=8) > refresh").contains("at most one selector"));
     }
 
     fn msg(spec: &str) -> String {
