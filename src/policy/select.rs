@@ -105,17 +105,26 @@ pub fn streaming(c: &mut Candidates, lo: usize, hi: usize, sink: usize, recent: 
     c.from_spans(&spans, block_size, sink.max(1), |_| f32::NAN);
 }
 
-/// `quest(budget, page)`: keeps the `ceil(budget / page)` pages with the highest scores (ties: the more
-/// recent page). `page_scores[p]` is the bound of page `p` (positions `p*page .. (p+1)*page`); pages
-/// outside `lo..=hi` must not be offered. Returns the kept page indices in increasing order.
+/// `quest(budget, page)`: keeps the page holding the decode token (the last page offered) plus the
+/// `ceil(budget / page) - 1` other pages with the highest scores (ties: the more recent page). The last
+/// page is kept unconditionally, as Quest implementations do: it holds the row's own key and the tokens
+/// just generated, and on real traces its bound alone often ranks it out (measured in docs/quality.md).
+/// `page_scores[p]` is the bound of page `p` (positions `p*page .. (p+1)*page`); pages outside `lo..=hi`
+/// must not be offered. Returns the kept page indices in increasing order.
 pub fn quest_pages(page_scores: &[f32], first_page: usize, budget: usize, page: usize) -> Vec<usize> {
-    let k = budget.div_ceil(page);
+    let k = budget.div_ceil(page).max(1);
     let n = page_scores.len();
     let mut idx: Vec<usize> = (0..n).collect();
     if n > k {
-        // Highest score first; NaN never happens (bounds of filled pages are finite or -inf).
-        idx.select_nth_unstable_by(k - 1, |&a, &b| page_scores[b].total_cmp(&page_scores[a]).then(b.cmp(&a)));
-        idx.truncate(k);
+        let last = n - 1;
+        idx.truncate(last);
+        let m = k - 1;
+        if m > 0 {
+            // Highest score first; NaN never happens (bounds of filled pages are finite or -inf).
+            idx.select_nth_unstable_by(m - 1, |&a, &b| page_scores[b].total_cmp(&page_scores[a]).then(b.cmp(&a)));
+        }
+        idx.truncate(m);
+        idx.push(last);
         idx.sort_unstable();
     }
     idx.into_iter().map(|i| i + first_page).collect()
@@ -190,8 +199,12 @@ mod tests {
 
     #[test]
     fn quest_keeps_the_best_pages() {
-        let kept = quest_pages(&[1.0, 5.0, 3.0, 4.0], 0, 32, 16);
-        assert_eq!(kept, vec![1, 3]);
+        // Budget of two pages: the last page (the decode token's) plus the best other one.
+        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, 4.0], 0, 32, 16), vec![1, 3]);
+        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, -9.0], 0, 32, 16), vec![1, 3]);
+        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, -9.0, 2.0], 10, 48, 16), vec![11, 12, 14]);
+        // Budget of one page: only the last page.
+        assert_eq!(quest_pages(&[7.0, 5.0, 3.0], 0, 16, 16), vec![2]);
         assert_eq!(quest_pages(&[1.0, 2.0], 0, 1000, 16), vec![0, 1]);
     }
 
