@@ -13,6 +13,23 @@ bash scripts/setup-python.sh
 [[ -f .cache/smollm2/config.json ]] || "$PY" scripts/convert_model.py
 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation ./python_shim
 export KVSPARSE_MODEL="$REPO/.cache/smollm2"
+
+# SGLang's own attention classes for tests/test_sglang_backend.py. The full `pip install sglang` needs a
+# CUDA stack; its attention registry, pools, RadixAttention, ForwardBatch and torch_native backend import on
+# CPU with only these few modules, installed --no-deps into a separate directory (git-ignored) so they never
+# touch the venv that vLLM runs from. KVS_SGLANG=0 skips it (the SGLang-real test is then reported skipped).
+SGL_DIR="$REPO/.cache/sglang-py"
+SGL_PKGS=(sglang==0.5.23 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1 torchvision==0.29.2)
+if [[ "${KVS_SGLANG:-1}" != 0 && "$(cat "$SGL_DIR/.stamp" 2>/dev/null)" != "${SGL_PKGS[*]}" ]]; then
+  rm -rf "$SGL_DIR"
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$SGL_DIR" "${SGL_PKGS[@]}"
+  echo "${SGL_PKGS[*]}" >"$SGL_DIR/.stamp"
+fi
+
 cd python_shim/tests   # import the installed package, not the source tree
 "$PY" -m pytest -q -rs . "$@"
+if [[ "${KVS_SGLANG:-1}" != 0 ]]; then
+  echo "[python-tests] SGLang backend against SGLang's own classes (PYTHONPATH=$SGL_DIR)"
+  KVS_REQUIRE_SGLANG=1 PYTHONPATH="$SGL_DIR" "$PY" -m pytest -q -rs -p no:cacheprovider test_sglang_backend.py -k real_sglang
+fi
 echo "[python-tests] done in $(( $(date +%s) - start )) s"
