@@ -58,6 +58,19 @@ def test_dense_greedy_equals_vllm_cpu_backend(model_dir, tokenizer, tmp_path):
     for i, d, gap in diverged:
         assert gap < 1e-3, f"prompt {i} diverges at token {d} with a top-2 logprob gap of {gap}"
 
+    # The policy path (sequence ids, Quest key metadata maintained by kvs_cache_write, selection) with a
+    # budget above every sequence length keeps every page: the same tokens as vLLM's backend.
+    full, log_full, rc = run_generate(model_dir, reqs, tmp_path, "--kvsparse", "--policy", "quest(budget=4096)")
+    assert full is not None, log_full[-3000:]
+    st = full["stats_after"]
+    assert st["policy_rows"] > 0 and st["blocks_visited"] == st["blocks_eligible"] > 0
+    diverged_q = [(i, _first_divergence(a, b)) for i, (a, b) in enumerate(zip(ref["tokens"], full["tokens"]))
+                  if a != b]
+    print(f"quest(budget=4096): policy_rows {st['policy_rows']}, prompts diverging from CPU_ATTN: {diverged_q}")
+    for i, d in diverged_q:
+        lp = sorted(ref["logprobs"][i][d].values(), reverse=True)
+        assert lp[0] - lp[1] < 1e-3, f"full-budget quest: prompt {i} diverges at token {d}"
+
 
 def test_staggered_requests_create_and_release_state_once(model_dir, tokenizer, tmp_path):
     lens = [50, 3000, 400, 1200, 120, 2000]
@@ -94,8 +107,11 @@ def test_policy_runs_and_stats_are_logged(model_dir, tokenizer, tmp_path, monkey
     reqs = [{"prompt_token_ids": _chat_ids(tokenizer, f"Question {i}. {text} Summarise."), "max_tokens": 32}
             for i in range(3)]
     assert min(len(r["prompt_token_ids"]) for r in reqs) > 900
-    got, log, rc = run_generate(model_dir, reqs, tmp_path, "--kvsparse", "--policy", policy)
+    # Blocks of 16 (vLLM's CPU default is 128): the statistics count whole blocks, so a 256-token budget
+    # over ~1000 tokens shows as ~1/4 of the blocks instead of most of 8 big ones.
+    got, log, rc = run_generate(model_dir, reqs, tmp_path, "--kvsparse", "--policy", policy, "--block-size", "16")
     assert got is not None, log[-3000:]
+    assert "block 16" in log
     assert f"policy {policy!r}" in log, "engine creation logs the policy"
     assert all(len(t) == 32 for t in got["tokens"])
     lines = _STATS_RE.findall(log)

@@ -21,6 +21,7 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--logprobs", type=int, default=0)
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--block-size", type=int, default=None, help="default: vLLM's (128 on CPU)")
     a = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: stats readable here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -31,6 +32,8 @@ def main():
     from vllm import LLM, SamplingParams
 
     extra = {"additional_config": {"kvsparse": {"policy": a.policy}}} if a.policy is not None else {}
+    if a.block_size:
+        extra["block_size"] = a.block_size
     llm = LLM(model=a.model, dtype="float32", seed=0, enforce_eager=True, max_model_len=a.max_model_len,
               gpu_memory_utilization=0.3, max_num_batched_tokens=1024, kv_cache_dtype=a.kv_cache_dtype,
               **extra)
