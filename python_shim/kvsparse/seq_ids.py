@@ -32,20 +32,23 @@ class SeqIdTracker:
         # Lifecycle counters per request id: engine state registered / released (tests assert 1 and 1).
         self.created = collections.Counter()
         self.released = collections.Counter()
+        self.restarts = collections.Counter()  # preempted (or resumed) while holding an id
         self.runner = None
         self.release_fn = None  # set by the backend: seq_id -> None
 
     def on_step(self, scheduler_output, runner):
         """Called before the runner updates its batch for a step."""
         self.runner = runner
-        gone = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
-        gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        finished = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
+        restarted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        gone |= set(getattr(cached, "resumed_req_ids", None) or ())
+        restarted |= set(getattr(cached, "resumed_req_ids", None) or ())
         with self._lock:
-            for req_id in gone:
+            for req_id in finished | restarted:
                 sid = self._ids.pop(req_id, None)
                 if sid is not None:
+                    if req_id in restarted:
+                        self.restarts[req_id] += 1
                     self._release_locked(sid)
             self._release_ephemeral_locked()
 
@@ -96,10 +99,10 @@ class SeqIdTracker:
             return dict(self._ids)
 
     def lifecycle(self):
-        """{req_id: [times state was created, times released]} (dummy batches under "<dummy>")."""
+        """{req_id: [times state was created, times released, preemptions]} (dummy batches: "<dummy>")."""
         with self._lock:
             keys = set(self.created) | set(self.released)
-            return {k: [self.created[k], self.released[k]] for k in keys}
+            return {k: [self.created[k], self.released[k], self.restarts[k]] for k in keys}
 
 
 TRACKER = SeqIdTracker()

@@ -82,7 +82,7 @@ def test_staggered_requests_create_and_release_state_once(model_dir, tokenizer, 
     s0, s1 = got["stats_before"], got["stats_after"]
     created = s1["sequences_created"] - s0["sequences_created"]
     released = s1["sequences_released"] - s0["sequences_released"]
-    life = {k: v for k, v in got["lifecycle"].items() if k != "<dummy>"}
+    life = {k: v[:2] for k, v in got["lifecycle"].items() if k != "<dummy>"}
     print(f"engine: created {created} released {released} live {s1['live_sequences']}; "
           f"steps {got['steps']} + {got['flush_steps']} flush; per request [created, released]: {life}; "
           f"dummy batches: {got['lifecycle'].get('<dummy>')}")
@@ -94,6 +94,28 @@ def test_staggered_requests_create_and_release_state_once(model_dir, tokenizer, 
     assert s1["live_sequences"] == 0
     assert s1["sequences_created"] == s1["sequences_released"], "every created sequence released once"
     assert got["live_request_ids"] == 0
+
+
+def test_preempted_requests_restart_with_fresh_state_released_once(model_dir, tokenizer, tmp_path):
+    """A KV cache too small for the batch: vLLM preempts running requests (frees their blocks, recomputes
+    them later). Each residency gets its own sequence id: created == released == 1 + preemptions."""
+    lens = [150, 160]
+    base = _chat_ids(tokenizer, " ".join(PROMPTS * 60))
+    reqs = [{"prompt_token_ids": base[i * 7:i * 7 + n], "max_tokens": 64} for i, n in enumerate(lens)]
+    # 24 blocks of 16 (384 tokens, one is vLLM's null block): both prompts fit (20 blocks) but not their
+    # generations (+8 blocks), so vLLM must preempt one of them while both decode.
+    got, log, rc = run_generate(model_dir, reqs, tmp_path, "--kvsparse", "--staggered", "--block-size", "16",
+                                "--num-blocks", "24", "--max-model-len", "360")
+    assert got is not None, log[-3000:]
+    assert [len(t) for t in got["tokens"]] == [r["max_tokens"] for r in reqs]
+    life = {k: v for k, v in got["lifecycle"].items() if k != "<dummy>"}
+    s1 = got["stats_after"]
+    print(f"per request [created, released, preemptions]: {life}; engine created "
+          f"{s1['sequences_created'] - got['stats_before']['sequences_created']} live {s1['live_sequences']}")
+    assert len(life) == len(reqs)
+    assert sum(v[2] for v in life.values()) > 0, "the small cache did not force a preemption"
+    assert all(c == r == 1 + p for c, r, p in life.values()), life
+    assert s1["live_sequences"] == 0 and s1["sequences_created"] == s1["sequences_released"]
 
 
 _STATS_RE = re.compile(r"kvsparse stats: policy '([^']*)' calls (\d+) prefill_tokens (\d+) decode_rows (\d+) "

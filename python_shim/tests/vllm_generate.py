@@ -22,6 +22,7 @@ def main():
     ap.add_argument("--logprobs", type=int, default=0)
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--block-size", type=int, default=None, help="default: vLLM's (128 on CPU)")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (num_gpu_blocks_override)")
     a = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: stats readable here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -34,6 +35,8 @@ def main():
     extra = {"additional_config": {"kvsparse": {"policy": a.policy}}} if a.policy is not None else {}
     if a.block_size:
         extra["block_size"] = a.block_size
+    if a.num_blocks:
+        extra["num_gpu_blocks_override"] = a.num_blocks
     llm = LLM(model=a.model, dtype="float32", seed=0, enforce_eager=True, max_model_len=a.max_model_len,
               gpu_memory_utilization=0.3, max_num_batched_tokens=1024, kv_cache_dtype=a.kv_cache_dtype,
               **extra)
