@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Python shim tests for CI: venv, model conversion, `pip install ./python_shim`, pytest.
-# Measured on the 2-core dev machine with the venv and model already present: ~6 min
-# (binding tests 4 s; vLLM integration tests 5 min 10 s). A fresh venv adds ~3 min, conversion ~35 s.
+# Measured from a fresh clone (git clone; KVS_VENV pointing at an existing complete venv), 2-core dev machine
+# shared with other jobs (load average 5-8): 875 s in all = model conversion 60 s, pip install ./python_shim
+# (cargo build of the cdylib) + SGLang modules into .cache/sglang-py, pytest 693 s (vLLM integration tests
+# 669 s of it), SGLang-classes run 18 s. A fresh venv (scripts/setup-python.sh) adds 166 s with the cores
+# free, 388 s with both busy.
 #   KVS_VENV  venv path (default <repo>/.venv), passed to scripts/setup-python.sh
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
