@@ -23,6 +23,17 @@ class KvsError(RuntimeError):
         super().__init__(f"kvsparse {what}: {self.status}: {self.message}")
 
 
+class KvsUnsupported(ValueError):
+    """A configuration the C ABI cannot even express (e.g. a dtype outside kvs_dtype), refused before
+    kvs_engine_create; the message reads like the library's: `kvsparse engine_create: KVS_ERR_UNSUPPORTED: ...`."""
+
+    status = "KVS_ERR_UNSUPPORTED"
+
+    def __init__(self, message: str):
+        self.message = message
+        super().__init__(f"kvsparse engine_create: KVS_ERR_UNSUPPORTED: {message}")
+
+
 def _check(status: int, what: str):
     if status != 0:
         raise KvsError(status, what)
@@ -34,7 +45,7 @@ class Engine:
     def __init__(self, *, num_layers, num_q_heads, num_kv_heads, head_dim, block_size,
                  dtype=torch.float16, device="cpu", policy="", num_threads=0, max_state_bytes=0):
         if dtype not in _DTYPE:
-            raise ValueError(f"kvsparse: dtype {dtype} is not supported (float32, float16, bfloat16)")
+            raise KvsUnsupported(f"dtype {dtype} is not supported (float32, float16, bfloat16)")
         cfg = ffi.new("kvs_engine_config *")
         _check(lib.kvs_engine_config_init(cfg), "config_init")
         dev = torch.device(device)

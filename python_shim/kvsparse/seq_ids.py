@@ -10,6 +10,7 @@ resumed request (its KV recomputed after preemption) gets its old state released
 and a fresh id. Ids are released only if the engine saw them (registered by a
 forward call), so every created sequence is released exactly once.
 """
+import collections
 import itertools
 import logging
 import threading
@@ -27,28 +28,37 @@ class SeqIdTracker:
         self._ids = {}  # req_id -> seq id
         self._registered = set()  # seq ids the engine holds state for
         self._ephemeral = set()
+        self._req_of = {}  # seq id -> req id ("<dummy>" for ephemeral ids), for the lifecycle counters
+        # Lifecycle counters per request id: engine state registered / released (tests assert 1 and 1).
+        self.created = collections.Counter()
+        self.released = collections.Counter()
+        self.restarts = collections.Counter()  # preempted (or resumed) while holding an id
         self.runner = None
         self.release_fn = None  # set by the backend: seq_id -> None
 
     def on_step(self, scheduler_output, runner):
         """Called before the runner updates its batch for a step."""
         self.runner = runner
-        gone = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
-        gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        finished = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
+        restarted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        gone |= set(getattr(cached, "resumed_req_ids", None) or ())
+        restarted |= set(getattr(cached, "resumed_req_ids", None) or ())
         with self._lock:
-            for req_id in gone:
+            for req_id in finished | restarted:
                 sid = self._ids.pop(req_id, None)
                 if sid is not None:
+                    if req_id in restarted:
+                        self.restarts[req_id] += 1
                     self._release_locked(sid)
             self._release_ephemeral_locked()
 
     def _release_locked(self, sid):
         if sid in self._registered:
             self._registered.discard(sid)
+            self.released[self._req_of.get(sid, "?")] += 1
             if self.release_fn is not None:
                 self.release_fn(sid)
+        self._req_of.pop(sid, None)
 
     def _release_ephemeral_locked(self):
         for sid in list(self._ephemeral):
@@ -65,22 +75,34 @@ class SeqIdTracker:
                 self._release_ephemeral_locked()
                 ids = [_EPHEMERAL_BASE + i for i in range(num_reqs)]
                 self._ephemeral.update(ids)
+                self._req_of.update((i, "<dummy>") for i in ids)
                 return ids
             out = []
             for r in req_ids:
                 sid = self._ids.get(r)
                 if sid is None:
                     sid = self._ids[r] = next(self._next)
+                    self._req_of[sid] = r
                 out.append(sid)
             return out
 
     def mark_registered(self, ids):
+        """The engine now holds state for these ids (a forward call with them succeeded)."""
         with self._lock:
-            self._registered.update(ids)
+            for sid in ids:
+                if sid not in self._registered:
+                    self._registered.add(sid)
+                    self.created[self._req_of.get(sid, "?")] += 1
 
     def live(self):
         with self._lock:
             return dict(self._ids)
+
+    def lifecycle(self):
+        """{req_id: [times state was created, times released, preemptions]} (dummy batches: "<dummy>")."""
+        with self._lock:
+            keys = set(self.created) | set(self.released)
+            return {k: [self.created[k], self.released[k], self.restarts[k]] for k in keys}
 
 
 TRACKER = SeqIdTracker()

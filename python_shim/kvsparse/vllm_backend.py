@@ -23,7 +23,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from .engine import Engine, KvsError
+from .engine import Engine, KvsError, KvsUnsupported
 from .seq_ids import TRACKER
 
 from vllm.logger import init_logger
@@ -52,6 +52,11 @@ def get_engine(vllm_config=None, num_q_heads=None, num_kv_heads=None, head_dim=N
             if vllm_config is None:
                 return None
             mc, pc = vllm_config.model_config, vllm_config.parallel_config
+            cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+            if str(cache_dtype) not in ("auto", "None"):
+                # The C config has no quantized-cache dtype; refuse it here, at engine start.
+                raise KvsUnsupported(f"kv_cache_dtype {cache_dtype!r} is not supported (kvsparse keeps K/V in "
+                                     f"the model dtype: float32, float16 or bfloat16; use kv_cache_dtype='auto')")
             _ENGINE = Engine(
                 num_layers=mc.get_num_layers(pc),
                 num_q_heads=num_q_heads,
@@ -73,9 +78,10 @@ def get_engine(vllm_config=None, num_q_heads=None, num_kv_heads=None, head_dim=N
 def log_stats(engine):
     s = engine.stats()
     log.info("kvsparse stats: policy %r calls %d prefill_tokens %d decode_rows %d policy_rows %d "
-             "blocks visited/eligible %d/%d skipped_termination %d sequences live %d created %d released %d",
+             "blocks visited/eligible %d/%d skipped_termination %d kv_bytes_read %d sequences live %d created %d "
+             "released %d",
              engine.policy or "dense", s["calls"], s["prefill_tokens"], s["decode_rows"], s["policy_rows"],
-             s["blocks_visited"], s["blocks_eligible"], s["blocks_skipped_termination"],
+             s["blocks_visited"], s["blocks_eligible"], s["blocks_skipped_termination"], s["kv_bytes_read"],
              s["live_sequences"], s["sequences_created"], s["sequences_released"])
     return s
 
@@ -165,8 +171,6 @@ class KvSparseImpl(AttentionImpl):
             raise NotImplementedError("kvsparse: ALiBi and attention sinks are not supported")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"kvsparse: attention type {attn_type} is not supported")
-        if kv_cache_dtype not in ("auto", None):
-            raise NotImplementedError(f"kvsparse: kv_cache_dtype {kv_cache_dtype!r} is not supported (use auto)")
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = float(scale)
         self.sliding_window = int(sliding_window or 0)
