@@ -1,0 +1,440 @@
+//! Runs a policy pipeline for the decode rows of one forward call on the CPU: per (sequence, KV head), in
+//! parallel on the engine's pool, select → prune (top-p) → order/terminate (ART), and attend exactly over
+//! what is left with the same kernel dense attention uses ([`attend_spans`] / [`attend_tokens`]).
+//!
+//! The stateful policies' rows (PRR, RefreshKV, AttentionPredictor) are in [`stateful`]; the scoring
+//! kernels the decisions need (Quest's page bound, Twilight's INT4 estimate, exact weights for full steps)
+//! in [`scoring`].
+
+mod scoring;
+mod stateful;
+
+pub use scoring::{estimate_weights, quest_bound, quest_page_scores, token_weights, weights_at};
+pub use stateful::{predictor_seed, prr_calibrate, CALIB_ROWS};
+use stateful::{run_predictor, run_refresh, run_speculate};
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::attention::{attend_spans, attend_tokens, RowLimits, RowsState, SeqKv, CHUNK};
+use super::convert::{Isa, Portable};
+use super::isa::{self, IsaLevel};
+use super::forward::ForwardIo;
+use super::math::fast_exp;
+use super::metadata::LayerMeta;
+use super::quantize::code_bytes;
+use super::convert::load_row;
+use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
+use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
+use crate::policy::termination::{order_units, probe_dims, ArtState};
+use crate::policy::predictor::{self, PredictorHead, PredictorWeights};
+use crate::policy::{top_p, Pipeline, PredictorSpec, Refresh, Selector, SnapSelection, Speculate};
+use crate::sequences::SequenceState;
+use crate::stats::{Counters, VisitRecord};
+
+/// Per-sequence state handles of the decode sequences (same order as `seqs`).
+pub type SeqStates = Vec<Option<Arc<parking_lot::Mutex<SequenceState>>>>;
+
+/// Everything one call's policy rows need besides the caller's tensors.
+pub struct SparseCtx<'a> {
+    pub pipeline: &'a Pipeline,
+    /// Layer metadata (Quest min/max, INT4 K), present when the pipeline needs it.
+    pub meta: Option<&'a LayerMeta>,
+    /// SnapKV choices per decode sequence (same order as `seqs`), one entry per KV head.
+    pub snap: Vec<Vec<Option<Arc<SnapSelection>>>>,
+    /// When set, each policy row appends the spans it attended (evaluation only; off when serving).
+    pub visits: Option<&'a std::sync::Mutex<Vec<VisitRecord>>>,
+    /// The engine layer of this call (stateful policies key their state by it).
+    pub layer: usize,
+    /// Per-sequence state of each decode sequence (stateful policies; empty otherwise).
+    pub states: SeqStates,
+    /// PRR's speculation budget table, when the engine loaded one (else the spec's constant).
+    pub spec_budgets: Option<&'a SpecBudgetTable>,
+}
+
+/// One KV head's work inside an item: its query rows, candidates, accumulators and traversal state.
+#[derive(Default)]
+struct HeadWork {
+    head: usize,
+    q: Vec<f32>,
+    limits: Vec<RowLimits>,
+    cand: Candidates,
+    st: Option<RowsState>,
+    order: Vec<usize>,
+    merged: Vec<(usize, usize)>,
+    art: ArtState,
+    active: bool,
+    visited: usize,
+    attended: usize,
+    cursor: usize,
+}
+
+/// Reusable per-thread buffers, so a steady decode loop allocates little.
+#[derive(Default)]
+struct Scratch {
+    heads: Vec<HeadWork>,
+    row: Vec<f32>,
+    page_scores: Vec<f32>,
+    p_rows: Vec<f32>,
+    w: Vec<f32>,
+    keep: Vec<bool>,
+    tokens: Vec<u32>,
+    probe: Vec<f32>,
+    part: Vec<(usize, usize)>,
+    /// PRR: one partial state per speculated page.
+    pages: Vec<RowsState>,
+    repair: Option<RowsState>,
+}
+
+/// Below this many tokens per span on average, a selection is attended as a token list (full chunks).
+const MIN_RUN_FOR_SPANS: usize = 8;
+
+/// Selected keys per head per step when the KV heads of an item are interleaved: every head's selected
+/// keys in one position window are consumed before the next window, so the cache is read roughly in
+/// address order while chunks stay full (the window widens for sparse selections).
+const WINDOW: usize = 64;
+
+/// Policy attention for the decode sequences `seqs` (indices into the batch); returns the counters.
+///
+/// Work items are (sequence, group of KV heads): heads are grouped so there are about two items per
+/// thread, and inside an item the heads are interleaved (by position window, or step by step under
+/// ART), since one head's rows alone are scattered over the cache.
+pub fn sparse_forward(io: &ForwardIo, seqs: &[usize], ctx: &SparseCtx, pool: &rayon::ThreadPool) -> Counters {
+    let hk = io.num_kv_heads;
+    let threads = pool.current_num_threads();
+    let per_item = (seqs.len() * hk).div_ceil(2 * threads).clamp(1, hk);
+    let mut items: Vec<(usize, usize, usize)> = Vec::new();
+    for i in 0..seqs.len() {
+        let mut h0 = 0;
+        while h0 < hk {
+            items.push((i, h0, (h0 + per_item).min(hk)));
+            h0 += per_item;
+        }
+    }
+    // RefreshKV decides full or partial per (sequence, layer) before the heads run.
+    let mut pre = Counters::default();
+    let full: Vec<bool> = match ctx.pipeline.selector {
+        Selector::Refresh(r) => seqs.iter().enumerate().map(|(i, &s)| refresh_decide(io, s, ctx, i, &r, &mut pre)).collect(),
+        _ => Vec::new(),
+    };
+    let run = |sc: &mut Scratch, &(i, h0, h1): &(usize, usize, usize)| -> Counters {
+        match ctx.pipeline.selector {
+            Selector::Speculate(sp) => run_speculate(io, seqs[i], i, h0..h1, &sp, ctx, sc),
+            Selector::Refresh(r) => run_refresh(io, seqs[i], i, h0..h1, &r, full[i], ctx, sc),
+            Selector::Predictor(ps) => run_predictor(io, seqs[i], i, h0..h1, &ps, ctx, sc),
+            _ => run_item(io, seqs[i], h0..h1, ctx.snap.get(i), ctx, sc),
+        }
+    };
+    if items.len() <= 1 || threads <= 1 {
+        let mut sc = Scratch::default();
+        let mut total = pre;
+        for it in &items {
+            total.add(&run(&mut sc, it));
+        }
+        return total;
+    }
+    let mut total = pool.install(|| {
+        items
+            .par_iter()
+            .map_init(Scratch::default, run)
+            .reduce(Counters::default, |mut a, b| {
+                a.add(&b);
+                a
+            })
+    });
+    total.add(&pre);
+    total
+}
+
+fn state_of<'a>(ctx: &'a SparseCtx, i: usize) -> &'a Arc<parking_lot::Mutex<SequenceState>> {
+    ctx.states.get(i).and_then(|s| s.as_ref()).expect("the engine passes the state of every stateful policy sequence")
+}
+
+/// Mean query of the row over all query heads, compared by RefreshKV's schedule.
+fn refresh_decide(io: &ForwardIo, s: usize, ctx: &SparseCtx, i: usize, r: &Refresh, c: &mut Counters) -> bool {
+    let (d, g) = (io.cache.head_dim, io.group());
+    let sd = &io.batch.seqs[s];
+    let mut qm = vec![0f32; d];
+    let mut buf = vec![0f32; g * d];
+    for h in 0..io.num_kv_heads {
+        io.load_queries(sd.q_start..sd.q_start + 1, h, &mut buf);
+        for row in buf.chunks_exact(d) {
+            for (m, &x) in qm.iter_mut().zip(row) {
+                *m += x;
+            }
+        }
+    }
+    let full = state_of(ctx, i).lock().policy.refresh_layers.entry(ctx.layer).or_default().decide(r, &qm);
+    if full {
+        c.refresh_full_steps += 1;
+    } else {
+        c.refresh_partial_steps += 1;
+    }
+    full
+}
+
+/// Loads the decode row's scaled queries and limits of `head` into `hw`, and resets its accumulator.
+fn load_head(io: &ForwardIo, s: usize, head: usize, hw: &mut HeadWork) {
+    let (d, g) = (io.cache.head_dim, io.group());
+    let sd = &io.batch.seqs[s];
+    hw.head = head;
+    hw.q.resize(g * d, 0.0);
+    io.load_queries(sd.q_start..sd.q_start + 1, head, &mut hw.q);
+    io.limits(sd, sd.q_start..sd.q_start + 1, &mut hw.limits);
+    match &mut hw.st {
+        Some(st) if st.rows == g && st.dim == d => st.reset(),
+        slot => *slot = Some(RowsState::new(g, d)),
+    }
+}
+
+fn fresh_state(slot: &mut Option<RowsState>, rows: usize, dim: usize) -> &mut RowsState {
+    match slot {
+        Some(st) if st.rows == rows && st.dim == dim => st.reset(),
+        _ => *slot = Some(RowsState::new(rows, dim)),
+    }
+    slot.as_mut().expect("just set")
+}
+
+/// Spans of sorted pages clipped to `lo ..= hi`.
+fn page_spans(pages: &[usize], page: usize, lo: usize, hi: usize) -> Vec<(usize, usize)> {
+    let mut v: Vec<(usize, usize)> = pages.iter().map(|&p| ((p * page).max(lo), ((p + 1) * page).min(hi + 1))).collect();
+    normalize_spans(&mut v);
+    v
+}
+
+fn span_tokens(spans: &[(usize, usize)]) -> usize {
+    spans.iter().map(|(a, b)| b - a).sum()
+}
+
+fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Option<&Vec<Option<Arc<SnapSelection>>>>, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
+    let cache = io.cache;
+    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let sd = &io.batch.seqs[s];
+    let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
+    let blocks = io.batch.blocks(s, bs);
+    let p = ctx.pipeline;
+    let mut c = Counters::default();
+    let nh = heads.len();
+    let mut hws = std::mem::take(&mut sc.heads);
+    hws.resize_with(nh, HeadWork::default);
+    for (hw, head) in hws.iter_mut().zip(heads.clone()) {
+        hw.head = head;
+        let sel = snap.and_then(|v| v[head].clone());
+        c.add(&prepare_head(io, s, lim, blocks, sel, ctx, hw, sc));
+    }
+    let kv_of = |head: usize| SeqKv { cache, blocks, head };
+    let softcap = io.params.softcap;
+    match p.art {
+        None => {
+            // Interleave heads by position window.
+            for hw in hws.iter_mut() {
+                hw.cursor = 0;
+            }
+            // Window: about WINDOW selected keys per head per step, whatever the selection's density.
+            let positions = (lim.hi + 1 - lim.lo) * hws.len();
+            let selected: usize = hws.iter().map(|h| h.cand.tokens()).sum::<usize>().max(1);
+            let window = (WINDOW * positions / selected).clamp(WINDOW, 16 * WINDOW).next_power_of_two();
+            let mut w0 = lim.lo / window * window;
+            while w0 <= lim.hi {
+                let w1 = w0 + window;
+                for hw in hws.iter_mut() {
+                    sc.part.clear();
+                    while hw.cursor < hw.merged.len() {
+                        let (a, b) = hw.merged[hw.cursor];
+                        if a >= w1 {
+                            break;
+                        }
+                        sc.part.push((a.max(w0), b.min(w1)));
+                        if b <= w1 {
+                            hw.cursor += 1;
+                        } else {
+                            break;
+                        }
+                    }
+                    let n_tok: usize = sc.part.iter().map(|(a, b)| b - a).sum();
+                    let st = hw.st.as_mut().expect("prepared");
+                    attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), &sc.part, n_tok, &mut sc.tokens, softcap);
+                    hw.attended += n_tok;
+                }
+                w0 = w1;
+            }
+            for hw in hws.iter() {
+                c.blocks_visited += hw.cand.units.len() as u64;
+            }
+        }
+        Some(art) => {
+            let dims = probe_dims(d, art.probe);
+            let steps = hws.iter().map(|h| h.order.len()).max().unwrap_or(0);
+            for t in 0..steps {
+                for hw in hws.iter_mut() {
+                    if !hw.active || t >= hw.order.len() {
+                        continue;
+                    }
+                    let u = hw.cand.units[hw.order[t]];
+                    let spans = hw.cand.unit_spans(&u);
+                    let n_tok: usize = spans.iter().map(|(a, b)| b - a).sum();
+                    let st = hw.st.as_mut().expect("prepared");
+                    attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
+                    hw.attended += n_tok;
+                    hw.visited += 1;
+                    sc.probe.clear();
+                    for r in 0..g {
+                        let l = st.l[r];
+                        for &i in &dims {
+                            sc.probe.push(if l > 0.0 { st.acc[r * d + i] / l } else { f32::NAN });
+                        }
+                    }
+                    if hw.art.observe(&sc.probe, dims.len(), art.tau, art.phi, art.patience) {
+                        hw.active = false;
+                    }
+                }
+            }
+            for hw in hws.iter() {
+                c.blocks_visited += hw.visited as u64;
+                c.blocks_skipped_termination += (hw.cand.units.len() - hw.visited) as u64;
+            }
+        }
+    }
+    if let Some(log) = ctx.visits {
+        let recs = hws.iter().map(|hw| VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: hw.head, spans: visited_spans(hw, p.art.is_some()) });
+        log.lock().expect("visit log").extend(recs);
+    }
+    let row_bytes = (2 * d * cache.dtype.size_bytes()) as u64;
+    sc.row.resize(d, 0.0);
+    for hw in hws.iter() {
+        c.kv_bytes_read += hw.attended as u64 * row_bytes;
+        io.store_rows(hw.st.as_ref().expect("prepared"), sd.q_start..sd.q_start + 1, hw.head, &mut sc.row);
+    }
+    sc.heads = hws;
+    c
+}
+
+/// The sorted spans one head attended: all candidates, or under ART the units visited before it stopped.
+fn visited_spans(hw: &HeadWork, art: bool) -> Vec<(usize, usize)> {
+    let mut v: Vec<(usize, usize)> = if art {
+        hw.order[..hw.visited].iter().flat_map(|&u| hw.cand.unit_spans(&hw.cand.units[u]).iter().copied()).collect()
+    } else {
+        hw.cand.spans.clone()
+    };
+    v.sort_unstable();
+    v
+}
+
+/// Select and prune for one KV head; leaves the candidates (and, under ART, the visiting order) in `hw`.
+/// Returns the counters of these stages (metadata bytes read, top-p counts, eligible blocks).
+#[allow(clippy::too_many_arguments)]
+fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: Option<Arc<SnapSelection>>, ctx: &SparseCtx, hw: &mut HeadWork, sc: &mut Scratch) -> Counters {
+    let cache = io.cache;
+    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let sd = &io.batch.seqs[s];
+    let head = hw.head;
+    let p = ctx.pipeline;
+    let mut c = Counters { policy_rows: 1, ..Default::default() };
+    c.blocks_eligible = (lim.hi / bs - lim.lo / bs + 1) as u64;
+    let mut meta_bytes = 0u64;
+    hw.q.resize(g * d, 0.0);
+    io.load_queries(sd.q_start..sd.q_start + 1, head, &mut hw.q);
+    io.limits(sd, sd.q_start..sd.q_start + 1, &mut hw.limits);
+    hw.active = true;
+    hw.visited = 0;
+    hw.attended = 0;
+    hw.art.reset();
+    match &mut hw.st {
+        Some(st) if st.rows == g => st.reset(),
+        slot => {
+            *slot = Some(RowsState::new(g, d));
+        }
+    }
+
+    // 1. Select.
+    match p.selector {
+        Selector::All => select::all(&mut hw.cand, lim.lo, lim.hi, bs),
+        Selector::Streaming { sink, recent } => select::streaming(&mut hw.cand, lim.lo, lim.hi, sink, recent, bs),
+        Selector::Quest { budget, page } => {
+            let meta = ctx.meta.expect("engine checked quest metadata");
+            let first_page = lim.lo / page;
+            meta_bytes += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
+            let kept = select::quest_pages(&sc.page_scores, first_page, budget, page);
+            select::quest(&mut hw.cand, &kept, &sc.page_scores, first_page, lim.lo, lim.hi, page, bs);
+        }
+        Selector::SnapKv { .. } => match &snap {
+            Some(sel) => {
+                // Chosen prompt positions, then everything from the end of the prompt on (generated
+                // tokens); the row's own position is always attended, even if the sequence is now shorter
+                // than the prompt the choice was made for.
+                let cut = sel.prefill_len.min(lim.hi).max(lim.lo);
+                let fixed = sel.keep.iter().map(|&t| t as usize).filter(|&t| t >= lim.lo && t < cut);
+                let generated = cut..lim.hi + 1;
+                hw.cand.from_tokens(fixed.chain(generated), bs, 1, |_| f32::NAN);
+            }
+            // No prefill was seen for this sequence and layer: nothing to choose from, attend everything.
+            None => select::all(&mut hw.cand, lim.lo, lim.hi, bs),
+        },
+        Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_) => unreachable!("stateful selectors run in their own item functions"),
+    }
+
+    // 2. Prune: Twilight top-p on INT4 estimates.
+    if let Some(tp) = p.top_p {
+        let meta = ctx.meta.expect("engine checked int4 metadata");
+        sc.tokens.clear();
+        for &(a, b) in &hw.cand.spans {
+            sc.tokens.extend(a as u32..b as u32);
+        }
+        let n = sc.tokens.len();
+        c.top_p_candidates += n as u64;
+        meta_bytes += (n * (code_bytes(d) + 8)) as u64;
+        estimate_weights(&hw.q, g, d, &sc.tokens, blocks, bs, head, meta, io.params.softcap, &mut sc.p_rows);
+        let kept = top_p::select(&sc.p_rows, g, n, tp.p, &mut sc.w, &mut sc.keep);
+        c.top_p_kept += kept as u64;
+        // Rebuild the units from the kept tokens; a unit's priority becomes its estimated mass.
+        let mut mass: Vec<(usize, f32)> = Vec::new();
+        for (j, &t) in sc.tokens.iter().enumerate() {
+            if !sc.keep[j] {
+                continue;
+            }
+            let wj = (0..g).map(|r| sc.p_rows[r * n + j]).fold(0f32, f32::max);
+            let blk = t as usize / bs;
+            match mass.last_mut() {
+                Some(m) if m.0 == blk => m.1 += wj,
+                _ => mass.push((blk, wj)),
+            }
+        }
+        let kept_iter = sc.tokens.iter().zip(&sc.keep).filter(|(_, &k)| k).map(|(&t, _)| t as usize);
+        let score = |blk: usize| mass.binary_search_by_key(&blk, |m| m.0).map_or(f32::NAN, |i| mass[i].1);
+        hw.cand.from_tokens(kept_iter, bs, 1, score);
+    }
+
+    // 3. Order (ART) or coalesce (units split spans at block boundaries; merge them so chunks stay full).
+    match p.art {
+        Some(art) => order_units(&hw.cand, art.order, &mut hw.order),
+        None => {
+            hw.merged.clear();
+            for &(a, b) in &hw.cand.spans {
+                match hw.merged.last_mut() {
+                    Some(l) if l.1 == a => l.1 = b,
+                    _ => hw.merged.push((a, b)),
+                }
+            }
+        }
+    }
+    c.kv_bytes_read = meta_bytes;
+    c
+}
+
+/// Attends a set of spans: as spans when runs are long, as a token list (full chunks) when scattered.
+#[allow(clippy::too_many_arguments)]
+fn attend_set(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
+    if spans.is_empty() {
+        return;
+    }
+    if n_tok >= MIN_RUN_FOR_SPANS * spans.len() {
+        attend_spans(st, q, limits, kv, spans, softcap);
+    } else {
+        tokens.clear();
+        for &(a, b) in spans {
+            tokens.extend(a as u32..b as u32);
+        }
+        attend_tokens(st, q, limits, kv, tokens, softcap);
+    }
+}

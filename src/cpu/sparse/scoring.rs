@@ -1,0 +1,204 @@
+//! Scoring kernels the policy decisions need: Quest's page upper bound from the per-page key min/max,
+//! Twilight's weight estimate from the INT4 copy of K (both read metadata only, never K), and exact
+//! softmax weights over chosen positions for full steps (these read K).
+
+use super::*;
+
+/// Exact softmax weights of the group's rows over positions `lim.lo ..= lim.hi` (each row normalised over
+/// them), maximised over the group, into `out[pos - lo]`. Reads K (a full step's scoring pass).
+#[allow(clippy::too_many_arguments)]
+pub fn token_weights(io: &ForwardIo, q: &[f32], rows: usize, lim: RowLimits, blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
+    let pos: Vec<usize> = (lim.lo..=lim.hi).collect();
+    weights_at(io, q, rows, &pos, blocks, head, logits, out)
+}
+
+/// Like [`token_weights`] over an explicit list of positions (normalised over them). Keys are loaded
+/// [`CHUNK`] at a time and scored with the attention kernel's register-blocked dot products.
+#[allow(clippy::too_many_arguments)]
+pub fn weights_at(io: &ForwardIo, q: &[f32], rows: usize, positions: &[usize], blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
+    match isa::detected() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => unsafe { weights_at_avx2(io, q, rows, positions, blocks, head, logits, out) },
+        IsaLevel::Portable => weights_at_generic::<Portable>(io, q, rows, positions, blocks, head, logits, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weights_at_avx2(io: &ForwardIo, q: &[f32], rows: usize, positions: &[usize], blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
+    weights_at_generic::<crate::cpu::convert::Avx2>(io, q, rows, positions, blocks, head, logits, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn weights_at_generic<I: Isa>(io: &ForwardIo, q: &[f32], rows: usize, positions: &[usize], blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
+    let cache = io.cache;
+    let (d, bs) = (cache.head_dim, cache.block_size);
+    let n = positions.len();
+    logits.clear();
+    logits.resize(rows * n, 0.0);
+    let mut kbuf = vec![0f32; CHUNK * d];
+    let mut sc = vec![0f32; rows * CHUNK];
+    for (ci, part) in positions.chunks(CHUNK).enumerate() {
+        for (jj, &pos) in part.iter().enumerate() {
+            // SAFETY: pos <= hi < seq_len, whose blocks were validated.
+            unsafe { load_row::<I>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_dim_stride(), d, &mut kbuf[jj * d..(jj + 1) * d]) };
+        }
+        I::scores(&mut sc, q, &kbuf, rows, part.len(), d);
+        for r in 0..rows {
+            for jj in 0..part.len() {
+                let mut x = sc[r * CHUNK + jj];
+                if io.params.softcap > 0.0 {
+                    x = io.params.softcap * (x / io.params.softcap).tanh();
+                }
+                logits[r * n + ci * CHUNK + jj] = x;
+            }
+        }
+    }
+    out.clear();
+    out.resize(n, 0.0);
+    for r in 0..rows {
+        let row = &mut logits[r * n..(r + 1) * n];
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut z = 0f64;
+        for x in row.iter_mut() {
+            *x = (*x - m).exp();
+            z += *x as f64;
+        }
+        let inv = if z > 0.0 { (1.0 / z) as f32 } else { 0.0 };
+        for (o, &x) in out.iter_mut().zip(row.iter()) {
+            *o = o.max(x * inv);
+        }
+    }
+}
+
+/// Quest's upper bound of `q·k` over a page with channel-wise key bounds `[mn, mx]`:
+/// `Σ_i max(q_i·mn_i, q_i·mx_i)`, which is `>=` the score of every key in the page. Eight lanes, so the
+/// sum vectorises.
+#[inline(always)]
+pub fn quest_bound(q: &[f32], mn: &[f32], mx: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (qc, ac, bc) = (q.chunks_exact(8), mn.chunks_exact(8), mx.chunks_exact(8));
+    let tail: f32 = qc.remainder().iter().zip(ac.remainder()).zip(bc.remainder()).map(|((&x, &a), &b)| (x * a).max(x * b)).sum();
+    for ((x, a), b) in qc.zip(ac).zip(bc) {
+        for l in 0..8 {
+            acc[l] += (x[l] * a[l]).max(x[l] * b[l]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Bounds of the pages `lo/page ..= hi/page` (max over the group's rows and over the page's units) into
+/// `out`; returns the metadata bytes read.
+#[allow(clippy::too_many_arguments)]
+pub fn quest_page_scores(q: &[f32], rows: usize, d: usize, lim: RowLimits, page: usize, blocks: &[u32], head: usize, meta: &LayerMeta, out: &mut Vec<f32>) -> u64 {
+    match isa::detected() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => unsafe { quest_scores_avx2(q, rows, d, lim, page, blocks, head, meta, out) },
+        IsaLevel::Portable => quest_scores_generic::<Portable>(q, rows, d, lim, page, blocks, head, meta, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn quest_scores_avx2(q: &[f32], rows: usize, d: usize, lim: RowLimits, page: usize, blocks: &[u32], head: usize, meta: &LayerMeta, out: &mut Vec<f32>) -> u64 {
+    quest_scores_generic::<crate::cpu::convert::Avx2>(q, rows, d, lim, page, blocks, head, meta, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn quest_scores_generic<I: Isa>(q: &[f32], rows: usize, d: usize, lim: RowLimits, page: usize, blocks: &[u32], head: usize, meta: &LayerMeta, out: &mut Vec<f32>) -> u64 {
+    let (mut mn, mut mx) = (vec![0f32; d], vec![0f32; d]);
+    let mut bytes = 0u64;
+    out.clear();
+    for pg in lim.lo / page..=lim.hi / page {
+        let (a, b) = ((pg * page).max(lim.lo), ((pg + 1) * page).min(lim.hi + 1));
+        let mut best = f32::NEG_INFINITY;
+        let mut u0 = a / meta.unit;
+        while u0 * meta.unit < b {
+            let (blk, u) = (u0 / meta.units_per_block, u0 % meta.units_per_block);
+            let (mnb, mxb) = meta.unit_minmax(blocks[blk] as usize, u, head);
+            // SAFETY: both slices hold `d` fp16 values.
+            unsafe {
+                I::f16_to_f32(mnb.as_ptr(), &mut mn, d);
+                I::f16_to_f32(mxb.as_ptr(), &mut mx, d);
+            }
+            for r in 0..rows {
+                best = best.max(quest_bound(&q[r * d..(r + 1) * d], &mn, &mx));
+            }
+            bytes += (2 * d * 2) as u64;
+            u0 += 1;
+        }
+        out.push(best);
+    }
+    bytes
+}
+
+/// Estimated softmax weights (`rows × n`, each row normalised to sum 1) of the candidate `tokens` from the
+/// INT4 copy of K; `q` holds the scaled query rows. Codes are unpacked 32 tokens at a time and scored with
+/// the same register-blocked kernel as exact attention: `q·k̂ = min·Σq + scale·(q·codes)`.
+#[allow(clippy::too_many_arguments)]
+pub fn estimate_weights(q: &[f32], rows: usize, d: usize, tokens: &[u32], blocks: &[u32], bs: usize, head: usize, meta: &LayerMeta, softcap: f32, out: &mut Vec<f32>) {
+    match isa::detected() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 => unsafe { estimate_avx2(q, rows, d, tokens, blocks, bs, head, meta, softcap, out) },
+        IsaLevel::Portable => estimate_generic::<Portable>(q, rows, d, tokens, blocks, bs, head, meta, softcap, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn estimate_avx2(q: &[f32], rows: usize, d: usize, tokens: &[u32], blocks: &[u32], bs: usize, head: usize, meta: &LayerMeta, softcap: f32, out: &mut Vec<f32>) {
+    estimate_generic::<crate::cpu::convert::Avx2>(q, rows, d, tokens, blocks, bs, head, meta, softcap, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn estimate_generic<I: Isa>(q: &[f32], rows: usize, d: usize, tokens: &[u32], blocks: &[u32], bs: usize, head: usize, meta: &LayerMeta, softcap: f32, out: &mut Vec<f32>) {
+    let n = tokens.len();
+    out.clear();
+    out.resize(rows * n, 0.0);
+    let sums: Vec<f32> = (0..rows).map(|r| q[r * d..(r + 1) * d].iter().sum()).collect();
+    let mut kbuf = vec![0f32; CHUNK * d];
+    let mut sc = vec![0f32; rows * CHUNK];
+    let mut prm = [(0f32, 0f32); CHUNK];
+    for (ci, part) in tokens.chunks(CHUNK).enumerate() {
+        for (jj, &t) in part.iter().enumerate() {
+            let t = t as usize;
+            let (codes, mn, scl) = meta.row_q4(blocks[t / bs] as usize, t % bs, head);
+            prm[jj] = (mn, scl);
+            for (pair, &byte) in kbuf[jj * d..(jj + 1) * d].chunks_exact_mut(2).zip(codes) {
+                pair[0] = (byte & 15) as f32;
+                pair[1] = (byte >> 4) as f32;
+            }
+        }
+        I::scores(&mut sc, q, &kbuf, rows, part.len(), d);
+        for r in 0..rows {
+            for (jj, &(mn, scl)) in prm[..part.len()].iter().enumerate() {
+                let mut x = mn * sums[r] + scl * sc[r * CHUNK + jj];
+                if softcap > 0.0 {
+                    x = softcap * (x / softcap).tanh();
+                }
+                out[r * n + ci * CHUNK + jj] = x;
+            }
+        }
+    }
+    for r in 0..rows {
+        let row = &mut out[r * n..(r + 1) * n];
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut z = 0f32;
+        for x in row.iter_mut() {
+            *x = fast_exp(*x - m);
+            z += *x;
+        }
+        if z > 0.0 {
+            let inv = 1.0 / z;
+            for x in row.iter_mut() {
+                *x *= inv;
+            }
+        }
+    }
+}

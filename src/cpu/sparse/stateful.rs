@@ -1,0 +1,274 @@
+//! Decode rows of the stateful policies: PRR speculate/repair, AttentionPredictor and RefreshKV, plus
+//! the prefill-time setup (PRR calibration, predictor history) the engine runs on prefill chunks.
+
+use super::*;
+
+/// PRR for the heads of one item: speculate (attend the predicted pages, one partial state each), compute
+/// the true Quest selection, repair (attend the missed pages), merge exactly through the LSE. Predicted
+/// pages outside the true set are dropped from the merge unless `extra=keep`, so by default the output is
+/// attention over the true set whatever the prediction.
+pub(super) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops::Range<usize>, sp: &Speculate, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
+    let cache = io.cache;
+    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let sd = &io.batch.seqs[s];
+    let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
+    let blocks = io.batch.blocks(s, bs);
+    let meta = ctx.meta.expect("engine checked quest metadata");
+    let state = state_of(ctx, i);
+    let page = sp.page;
+    let first = lim.lo / page;
+    let n_pages = lim.hi / page - first + 1;
+    let spec_tokens = ctx.spec_budgets.map_or(sp.budget.unwrap_or(sp.quest_budget), |t| t.budget_for(sd.seq_len));
+    let k_spec = spec_tokens.div_ceil(page);
+    let softcap = io.params.softcap;
+    let mut c = Counters::default();
+    let mut hws = std::mem::take(&mut sc.heads);
+    hws.resize_with(1, HeadWork::default);
+    let hw = &mut hws[0];
+    for head in heads {
+        c.policy_rows += 1;
+        c.blocks_eligible += (lim.hi / bs - lim.lo / bs + 1) as u64;
+        load_head(io, s, head, hw);
+        let kv = SeqKv { cache, blocks, head };
+        let fixed = HoltParams { alpha: sp.alpha.unwrap_or(DEFAULT_PARAMS.alpha), beta: sp.beta.unwrap_or(DEFAULT_PARAMS.beta), gamma: sp.gamma.unwrap_or(DEFAULT_PARAMS.gamma) };
+        let mut prr = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr.take().unwrap_or_else(|| Box::new(PrrHead::new(fixed)));
+        // 1. Speculate: one partial (out, LSE) state per predicted page.
+        let pred = prr.speculate(sp.predict, first, n_pages, k_spec, &mut sc.w);
+        while sc.pages.len() < pred.len() {
+            sc.pages.push(RowsState::new(g, d));
+        }
+        let mut attended = 0;
+        for (j, &pg) in pred.iter().enumerate() {
+            let span = [((pg * page).max(lim.lo), ((pg + 1) * page).min(lim.hi + 1))];
+            if sc.pages[j].rows == g && sc.pages[j].dim == d {
+                sc.pages[j].reset();
+            } else {
+                sc.pages[j] = RowsState::new(g, d);
+            }
+            let n = span[0].1 - span[0].0;
+            attend_set(&mut sc.pages[j], &hw.q, &hw.limits, &kv, &span, n, &mut sc.tokens, softcap);
+            attended += n;
+        }
+        // 2. The true selection (Quest), from metadata only.
+        c.kv_bytes_read += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
+        let truth = select::quest_pages(&sc.page_scores, first, sp.quest_budget, page);
+        // 3. Merge the speculated pages that count, repair the missed ones.
+        let st = hw.st.as_mut().expect("loaded");
+        for (j, &pg) in pred.iter().enumerate() {
+            if sp.keep_extra || truth.binary_search(&pg).is_ok() {
+                st.merge_from(&sc.pages[j]);
+            }
+        }
+        let missed: Vec<usize> = truth.iter().copied().filter(|p| pred.binary_search(p).is_err()).collect();
+        let miss_spans = page_spans(&missed, page, lim.lo, lim.hi);
+        if !miss_spans.is_empty() {
+            let n = span_tokens(&miss_spans);
+            let rep = fresh_state(&mut sc.repair, g, d);
+            attend_set(rep, &hw.q, &hw.limits, &kv, &miss_spans, n, &mut sc.tokens, softcap);
+            st.merge_from(rep);
+            attended += n;
+        }
+        let hits = speculate::intersection(&pred, &truth);
+        c.spec_predicted_blocks += pred.len() as u64;
+        c.spec_true_blocks += truth.len() as u64;
+        c.spec_hit_blocks += hits as u64;
+        c.spec_repaired_blocks += missed.len() as u64;
+        c.spec_reuse_hit_blocks += speculate::intersection(&prr.prev_true, &truth) as u64;
+        let mut read = pred.clone();
+        read.extend_from_slice(&missed);
+        read.sort_unstable();
+        let read_spans = page_spans(&read, page, lim.lo, lim.hi);
+        hw.cand.from_spans(&read_spans, bs, 1, |_| f32::NAN);
+        c.blocks_visited += hw.cand.units.len() as u64;
+        c.kv_bytes_read += (attended * 2 * d * cache.dtype.size_bytes()) as u64;
+        if let Some(log) = ctx.visits {
+            let mut used = truth.clone();
+            if sp.keep_extra {
+                used = read.clone();
+            }
+            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans: page_spans(&used, page, lim.lo, lim.hi) });
+        }
+        prr.update(first, &sc.page_scores, &truth);
+        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr = Some(prr);
+        sc.row.resize(d, 0.0);
+        io.store_rows(hw.st.as_ref().expect("loaded"), sd.q_start..sd.q_start + 1, head, &mut sc.row);
+    }
+    sc.heads = hws;
+    c
+}
+
+/// PRR calibration for prefill sequence `s` and `head`: the Quest page scores of the chunk's last
+/// [`CALIB_ROWS`] query rows form the trajectory; returns the warm predictor and the calibration's hit rate.
+pub fn prr_calibrate(io: &ForwardIo, s: usize, head: usize, sp: &Speculate, meta: &LayerMeta, spec_budgets: Option<&SpecBudgetTable>) -> (PrrHead, f64) {
+    let cache = io.cache;
+    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let sd = &io.batch.seqs[s];
+    let blocks = io.batch.blocks(s, bs);
+    let t_end = sd.q_start + sd.q_len;
+    let t0 = t_end - sd.q_len.min(CALIB_ROWS);
+    let mut q = vec![0f32; g * d];
+    let mut lims = Vec::new();
+    let mut traj: Vec<TrajStep> = Vec::with_capacity(t_end - t0);
+    for t in t0..t_end {
+        io.load_queries(t..t + 1, head, &mut q);
+        io.limits(sd, t..t + 1, &mut lims);
+        let lim = lims[0];
+        let mut scores = Vec::new();
+        quest_page_scores(&q, g, d, lim, sp.page, blocks, head, meta, &mut scores);
+        traj.push((lim.lo / sp.page, scores));
+    }
+    let spec_tokens = spec_budgets.map_or(sp.budget.unwrap_or(sp.quest_budget), |t| t.budget_for(sd.seq_len));
+    let cands = speculate::grid(sp.alpha, sp.beta, sp.gamma);
+    let cal = speculate::calibrate(&traj, &cands, spec_tokens.div_ceil(sp.page), sp.quest_budget.div_ceil(sp.page));
+    (cal.warm, cal.hit)
+}
+
+/// AttentionPredictor's history seeded from a prefill chunk: the true block rows of the chunk's last
+/// `history` query rows.
+pub fn predictor_seed(io: &ForwardIo, s: usize, head: usize, ps: &PredictorSpec) -> PredictorHead {
+    let (d, g) = (io.cache.head_dim, io.group());
+    let sd = &io.batch.seqs[s];
+    let blocks = io.batch.blocks(s, io.cache.block_size);
+    let t_end = sd.q_start + sd.q_len;
+    let t0 = t_end - sd.q_len.min(ps.history);
+    let mut q = vec![0f32; g * d];
+    let mut lims = Vec::new();
+    let (mut logits, mut w) = (Vec::new(), Vec::new());
+    let mut ph = PredictorHead::default();
+    for t in t0..t_end {
+        io.load_queries(t..t + 1, head, &mut q);
+        io.limits(sd, t..t + 1, &mut lims);
+        let lim = lims[0];
+        token_weights(io, &q, g, lim, blocks, head, &mut logits, &mut w);
+        let mut full = vec![0f32; lim.lo];
+        full.extend_from_slice(&w);
+        ph.push(predictor::block_max(&full, ps.block), ps.history);
+    }
+    ph
+}
+
+/// AttentionPredictor for the heads of one item: every `calib` steps (and while there is no history) a
+/// full step attends everything and appends the true block row; other steps attend the sink, the local
+/// window and the blocks the CNN predicts, and append the block row of the attended tokens' weights.
+pub(super) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops::Range<usize>, ps: &PredictorSpec, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
+    let cache = io.cache;
+    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let sd = &io.batch.seqs[s];
+    let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
+    let blocks = io.batch.blocks(s, bs);
+    let state = state_of(ctx, i);
+    let weights = PredictorWeights::builtin().expect("checked at engine creation");
+    let softcap = io.params.softcap;
+    let n = lim.hi + 1;
+    let mut c = Counters::default();
+    let mut hws = std::mem::take(&mut sc.heads);
+    hws.resize_with(1, HeadWork::default);
+    let hw = &mut hws[0];
+    for head in heads {
+        c.policy_rows += 1;
+        c.blocks_eligible += (lim.hi / bs - lim.lo / bs + 1) as u64;
+        load_head(io, s, head, hw);
+        let kv = SeqKv { cache, blocks, head };
+        let mut ph = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).predictor.take().unwrap_or_default();
+        ph.since_calib += 1;
+        let full = ph.rows.is_empty() || ph.since_calib >= ps.calib;
+        let spans: Vec<(usize, usize)> = if full {
+            ph.since_calib = 0;
+            c.refresh_full_steps += 1;
+            vec![(lim.lo, n)]
+        } else {
+            c.refresh_partial_steps += 1;
+            let scores = weights.predict_cached(&mut ph, n.div_ceil(ps.block));
+            let mut v: Vec<(usize, usize)> = predictor::select(&scores, n, ps.budget, ps.block, ps.sink, ps.local).into_iter().map(|(a, b)| (a.max(lim.lo), b)).collect();
+            normalize_spans(&mut v);
+            v
+        };
+        let n_tok = span_tokens(&spans);
+        let st = hw.st.as_mut().expect("loaded");
+        attend_set(st, &hw.q, &hw.limits, &kv, &spans, n_tok, &mut sc.tokens, softcap);
+        // The row appended to the history: weights of what was attended (all positions on a full step).
+        let pos: Vec<usize> = spans.iter().flat_map(|&(a, b)| a..b).collect();
+        weights_at(io, &hw.q, g, &pos, blocks, head, &mut sc.p_rows, &mut sc.w);
+        let mut row = vec![0f32; n];
+        for (&p, &x) in pos.iter().zip(&sc.w) {
+            row[p] = x;
+        }
+        ph.push(predictor::block_max(&row, ps.block), ps.history);
+        c.kv_bytes_read += (n_tok * 3 * d * cache.dtype.size_bytes()) as u64; // K twice (attend, score), V once
+        hw.cand.from_spans(&spans, bs, 1, |_| f32::NAN);
+        c.blocks_visited += hw.cand.units.len() as u64;
+        if let Some(log) = ctx.visits {
+            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans });
+        }
+        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).predictor = Some(ph);
+        sc.row.resize(d, 0.0);
+        io.store_rows(hw.st.as_ref().expect("loaded"), sd.q_start..sd.q_start + 1, head, &mut sc.row);
+    }
+    sc.heads = hws;
+    c
+}
+
+/// Query rows of a prefill chunk PRR calibrates on (the chunk's last rows; the observation window).
+pub const CALIB_ROWS: usize = 64;
+
+/// RefreshKV for the heads of one item: a full step attends everything, scores every position and
+/// rebuilds the set; a partial step attends the set only.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::Range<usize>, r: &Refresh, full: bool, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
+    let cache = io.cache;
+    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let sd = &io.batch.seqs[s];
+    let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
+    let blocks = io.batch.blocks(s, bs);
+    let state = state_of(ctx, i);
+    let softcap = io.params.softcap;
+    let mut c = Counters::default();
+    let mut hws = std::mem::take(&mut sc.heads);
+    hws.resize_with(1, HeadWork::default);
+    let hw = &mut hws[0];
+    for head in heads {
+        c.policy_rows += 1;
+        c.blocks_eligible += (lim.hi / bs - lim.lo / bs + 1) as u64;
+        load_head(io, s, head, hw);
+        let kv = SeqKv { cache, blocks, head };
+        let taken = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).refresh.take();
+        let (mut rh, do_full) = match taken {
+            Some(rh) if !full => (rh, false),
+            other => (other.unwrap_or_default(), true),
+        };
+        let st = hw.st.as_mut().expect("loaded");
+        let spans: Vec<(usize, usize)> = if do_full {
+            let spans = vec![(lim.lo, lim.hi + 1)];
+            attend_set(st, &hw.q, &hw.limits, &kv, &spans, lim.hi + 1 - lim.lo, &mut sc.tokens, softcap);
+            token_weights(io, &hw.q, g, lim, blocks, head, &mut sc.p_rows, &mut sc.w);
+            c.kv_bytes_read += ((lim.hi + 1 - lim.lo) * d * cache.dtype.size_bytes()) as u64; // K read again to score
+            let pooled = max_pool(&sc.w, r.pool);
+            rh.rebuild(&pooled, lim.lo, lim.hi, r.k);
+            spans
+        } else {
+            rh.advance(lim.lo, lim.hi, r.k);
+            let mut spans: Vec<(usize, usize)> = Vec::new();
+            for &t in &rh.tokens {
+                let t = t as usize;
+                match spans.last_mut() {
+                    Some(l) if l.1 == t => l.1 = t + 1,
+                    _ => spans.push((t, t + 1)),
+                }
+            }
+            let n = span_tokens(&spans);
+            attend_set(st, &hw.q, &hw.limits, &kv, &spans, n, &mut sc.tokens, softcap);
+            spans
+        };
+        hw.cand.from_spans(&spans, bs, 1, |_| f32::NAN);
+        c.blocks_visited += hw.cand.units.len() as u64;
+        c.kv_bytes_read += (span_tokens(&spans) * 2 * d * cache.dtype.size_bytes()) as u64;
+        if let Some(log) = ctx.visits {
+            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans });
+        }
+        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).refresh = Some(rh);
+        sc.row.resize(d, 0.0);
+        io.store_rows(hw.st.as_ref().expect("loaded"), sd.q_start..sd.q_start + 1, head, &mut sc.row);
+    }
+    sc.heads = hws;
+    c
+}
