@@ -9,7 +9,8 @@ use std::time::Instant;
 use kvsparse::conformance::reference::rel_err;
 use kvsparse::policy::speculate::{self, TrajStep};
 use kvsparse::stats::Counters;
-use kvsparse::traces::{mass_in_spans, replay, Manifest, Replay, ReplayOptions, Trace};
+use kvsparse::eval::{mean, recovered_mass};
+use kvsparse::traces::{replay, Manifest, Replay, ReplayOptions, Trace};
 use kvsparse::DType;
 
 fn opts(visits: bool) -> ReplayOptions {
@@ -18,23 +19,7 @@ fn opts(visits: bool) -> ReplayOptions {
 
 /// Mean over (layer, step, query head) of the true attention mass on the positions a policy attended.
 fn recovery(tr: &Trace, r: &Replay) -> f64 {
-    let (hq, hk) = (tr.hq, tr.hk);
-    let p = tr.info.prompt_len;
-    let (mut sum, mut n) = (0f64, 0usize);
-    for li in 0..tr.layers.len() {
-        for (si, &t) in r.steps.iter().enumerate() {
-            let w = tr.dense_weights(li, t);
-            let len = p + t + 1;
-            for h in 0..hk {
-                let Some(spans) = &r.visits[r.visit_index(hk, li, si, h)] else { continue };
-                for qh in h * hq / hk..(h + 1) * hq / hk {
-                    sum += mass_in_spans(&w[qh * len..(qh + 1) * len], spans);
-                    n += 1;
-                }
-            }
-        }
-    }
-    sum / n.max(1) as f64
+    mean(&recovered_mass(tr, &[r])[0])
 }
 
 fn layer_err(a: &Replay, b: &Replay) -> f64 {

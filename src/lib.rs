@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod engine;
 pub mod error;
+pub mod eval;
 pub mod ffi;
 pub mod layout;
 pub mod policy;

@@ -95,3 +95,95 @@ fn quest_visits_are_recorded_and_consistent() {
         assert!(rel_err(&r.out[li], &dense.out[li]) > 1e-6, "budget 256 of 2K changed nothing?");
     }
 }
+
+/// The evaluation measures on a real trace: dense rows recover all mass with zero error; full-budget
+/// Quest recovers all mass (its spans cover every position) with f32-summation-order error only;
+/// `streaming` recovers exactly the mass of its sink and recent window, recomputed here from the
+/// positions themselves (not from the visit records).
+#[test]
+fn eval_measures_are_exact_where_they_can_be() {
+    use kvsparse::eval::{recovered_mass, row_errors};
+    let Some(dir) = traces_dir() else { return };
+    let m = Manifest::load(&dir).expect("manifest");
+    let info = m.traces.iter().find(|t| t.name == "needle_2k").unwrap_or(&m.traces[0]);
+    let tr = m.load_trace(info).expect("trace");
+    let opts = ReplayOptions { dtype: DType::F32, record_visits: true, step_stride: 6, ..Default::default() };
+    let dense = replay(&tr, "dense", &opts).expect("replay");
+    let full = replay(&tr, "quest(budget=100000)", &opts).expect("replay");
+    let (sink, recent) = (64, 192);
+    let stream = replay(&tr, &format!("streaming(sink={sink}, recent={recent})"), &opts).expect("replay");
+    let masses = recovered_mass(&tr, &[&dense, &full, &stream]);
+    let rows = tr.layers.len() * dense.steps.len() * tr.hq;
+    assert!(masses.iter().all(|v| v.len() == rows));
+    assert!(masses[0].iter().all(|&x| x == 1.0), "dense rows recover all mass");
+    assert!(masses[1].iter().all(|&x| (x - 1.0).abs() < 1e-9), "full-budget quest covers every position");
+    assert!(row_errors(&dense, &dense, tr.d).iter().all(|&e| e == 0.0));
+    assert!(row_errors(&full, &dense, tr.d).iter().all(|&e| e < 1e-5));
+    let p = tr.info.prompt_len;
+    let mut i = 0;
+    for li in 0..tr.layers.len() {
+        for &t in &dense.steps {
+            let w = tr.dense_weights(li, t);
+            let n = p + t + 1;
+            for qh in 0..tr.hq {
+                let row = &w[qh * n..(qh + 1) * n];
+                let want: f64 = row.iter().enumerate().filter(|&(j, _)| j < sink || j >= n - recent).map(|(_, x)| x).sum();
+                assert!((masses[2][i] - want).abs() < 1e-12, "streaming mass {} vs {want}", masses[2][i]);
+                assert!(want < 1.0);
+                i += 1;
+            }
+        }
+    }
+    let errs = row_errors(&stream, &dense, tr.d);
+    assert!(errs.iter().any(|&e| e > 1e-3), "dropping most of a 2K context changed nothing?");
+}
+
+/// `kvsparse eval --out`: the table names every requested policy, the CSV has a pooled row per policy
+/// and setting with the same blocks-visited figure as the table, and the PNG is a PNG.
+#[test]
+fn eval_cli_writes_table_csv_and_png() {
+    let Some(dir) = traces_dir() else { return };
+    let out = std::env::temp_dir().join(format!("kvsparse-eval-{}", std::process::id()));
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kvsparse"))
+        .args(["eval", "--traces"])
+        .arg(&dir)
+        .args(["--only", "needle_2k", "--stride", "8", "--threads", "2", "--policy", "quest(budget=256)", "--policy", "snapkv(budget=256)", "--out"])
+        .arg(&out)
+        .output()
+        .expect("run kvsparse eval");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "eval failed: {stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    for p in ["`dense`", "`quest(budget=256)`", "`snapkv(budget=256)`"] {
+        assert!(stdout.lines().any(|l| l.starts_with(&format!("| {p} |"))), "table lacks {p}:\n{stdout}");
+    }
+    let csv = std::fs::read_to_string(out.join("eval.csv")).expect("eval.csv");
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no column {name}"));
+    // Fields split on commas outside double quotes (policy specs hold commas).
+    let split = |l: &str| -> Vec<String> {
+        let (mut fields, mut cur, mut quoted) = (Vec::new(), String::new(), false);
+        for ch in l.chars() {
+            match ch {
+                '"' => quoted = !quoted,
+                ',' if !quoted => fields.push(std::mem::take(&mut cur)),
+                c => cur.push(c),
+            }
+        }
+        fields.push(cur);
+        fields
+    };
+    let pooled: Vec<Vec<String>> = csv.lines().skip(1).map(split).filter(|f| f[col("trace")] == "all").collect();
+    assert!(pooled.iter().all(|f| f.len() == header.len()));
+    let table = pooled.iter().filter(|f| f[0] == "table").count();
+    let sweep = pooled.iter().filter(|f| f[0] == "sweep").count();
+    assert_eq!(table, 3, "dense + 2 policies");
+    assert!(sweep >= 30, "the sweep has {sweep} settings");
+    let quest = pooled.iter().find(|f| f[0] == "table" && f[1] == "quest(budget=256)").expect("quest row");
+    let visited: f64 = quest[col("visited_pct")].parse().unwrap();
+    assert!(visited > 0.0 && visited < 100.0);
+    assert!(stdout.contains(&format!("| {visited:.1}% |")), "CSV visited {visited} not in the table");
+    let png = std::fs::read(out.join("eval.png")).expect("eval.png");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(png.len() > 20_000, "a plot with curves and text is larger than {} bytes", png.len());
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -7,6 +7,8 @@ mod bench_cuda;
 mod conformance;
 mod conformance_cuda;
 mod demo;
+mod eval;
+mod plot;
 
 use std::process::ExitCode;
 
@@ -15,6 +17,8 @@ const USAGE: &str = "usage: kvsparse <command> [options]
 commands:
   demo          synthetic long-context decode batch on the CPU: tokens/s, GB/s of KV read vs the
                 machine's streaming-read bandwidth, max error vs a float64 reference
+  eval          replay the real attention traces (traces/) for dense and each policy: blocks visited,
+                error vs dense, attention mass recovered, time; --out DIR adds a sweep, CSV and PNG
   conformance   dense paged attention vs the float64 reference over the case matrix, per device
   bench         dense vs decode policies (--policy SPEC) on one synthetic batch: time, KV bytes,
                 blocks visited, relative error vs dense; with --device cuda: paged decode on the GPU
@@ -31,6 +35,7 @@ fn main() -> ExitCode {
     let rest = &argv[1..];
     let result = match cmd.as_str() {
         "demo" => demo::run(rest),
+        "eval" => eval::run(rest),
         "conformance" => conformance::run(rest),
         "bench" if rest.iter().any(|a| a == "cuda" || a == "--device=cuda") => bench_cuda::run(rest),
         "bench" => bench::run(rest),
