@@ -187,3 +187,41 @@ fn eval_cli_writes_table_csv_and_png() {
     assert!(png.len() > 20_000, "a plot with curves and text is larger than {} bytes", png.len());
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// `quest(sink=N)` keeps the pages of the first N tokens on every row (on document_4k the paper's rule
+/// drops that page on rows where it holds nearly all the attention), within the same budget, and so never
+/// recovers less than the sink tokens' own mass.
+#[test]
+fn quest_sink_pages_are_always_attended() {
+    use kvsparse::eval::recovered_mass;
+    let Some(dir) = traces_dir() else { return };
+    let m = Manifest::load(&dir).expect("manifest");
+    let info = m.traces.iter().find(|t| t.name == "document_4k").unwrap_or(&m.traces[0]);
+    let tr = m.load_trace(info).expect("trace");
+    let opts = ReplayOptions { dtype: DType::F32, record_visits: true, step_stride: 4, ..Default::default() };
+    let plain = replay(&tr, "quest(budget=512)", &opts).expect("replay");
+    let sunk = replay(&tr, "quest(budget=512, sink=16)", &opts).expect("replay");
+    assert_eq!(plain.counters.blocks_visited, sunk.counters.blocks_visited, "same budget, same number of pages");
+    for v in &sunk.visits {
+        let spans = v.as_ref().expect("policy row");
+        assert_eq!(spans[0].0, 0, "sink page not attended: {spans:?}");
+        assert!(spans[0].1 >= 16);
+    }
+    let masses = recovered_mass(&tr, &[&plain, &sunk]);
+    let p = tr.info.prompt_len;
+    let mut i = 0;
+    for li in 0..tr.layers.len() {
+        for &t in &sunk.steps {
+            let w = tr.dense_weights(li, t);
+            let n = p + t + 1;
+            for qh in 0..tr.hq {
+                let sink_mass: f64 = w[qh * n..qh * n + 16].iter().sum();
+                assert!(masses[1][i] + 1e-12 >= sink_mass);
+                i += 1;
+            }
+        }
+    }
+    let worst = |v: &[f64]| v.iter().cloned().fold(1.0, f64::min);
+    eprintln!("worst row mass: quest {:.4}, quest sink=16 {:.4}", worst(&masses[0]), worst(&masses[1]));
+    assert!(worst(&masses[1]) > worst(&masses[0]), "keeping the sink page did not help the worst row");
+}

@@ -105,33 +105,41 @@ pub fn streaming(c: &mut Candidates, lo: usize, hi: usize, sink: usize, recent: 
     c.from_spans(&spans, block_size, sink.max(1), |_| f32::NAN);
 }
 
-/// `quest(budget, page)`: keeps the page holding the decode token (the last page offered) plus the
-/// `ceil(budget / page) - 1` other pages with the highest scores (ties: the more recent page). The last
-/// page is kept unconditionally, as Quest implementations do: it holds the row's own key and the tokens
-/// just generated, and on real traces its bound alone often ranks it out (measured in docs/quality.md).
+/// `quest(budget, page, sink)`: keeps the page holding the decode token (the last page offered) and the
+/// pages holding the first `sink` positions, plus the best other pages up to `ceil(budget / page)` pages
+/// in all (ties: the more recent page; the forced pages are kept even when they alone exceed the budget).
+/// The last page is kept unconditionally, as Quest implementations do: it holds the row's own key and the
+/// tokens just generated, and on real traces its bound alone often ranks it out. The sink pages are
+/// optional (`sink=0`, the paper's rule, by default): a sink page's tight min/max bound ranks below the
+/// loose bounds of ordinary pages exactly when it holds most of the attention (docs/quality.md).
 /// `page_scores[p]` is the bound of page `p` (positions `p*page .. (p+1)*page`); pages outside `lo..=hi`
 /// must not be offered. Returns the kept page indices in increasing order.
-pub fn quest_pages(page_scores: &[f32], first_page: usize, budget: usize, page: usize) -> Vec<usize> {
+pub fn quest_pages(page_scores: &[f32], first_page: usize, budget: usize, page: usize, sink: usize) -> Vec<usize> {
     let k = budget.div_ceil(page).max(1);
     let n = page_scores.len();
-    let mut idx: Vec<usize> = (0..n).collect();
-    if n > k {
-        let last = n - 1;
-        idx.truncate(last);
-        let m = k - 1;
-        if m > 0 {
-            // Highest score first; NaN never happens (bounds of filled pages are finite or -inf).
-            idx.select_nth_unstable_by(m - 1, |&a, &b| page_scores[b].total_cmp(&page_scores[a]).then(b.cmp(&a)));
-        }
-        idx.truncate(m);
-        idx.push(last);
-        idx.sort_unstable();
+    if n <= k {
+        return (first_page..first_page + n).collect();
     }
+    let last = n - 1;
+    // Offered pages (relative indices) below the sink limit, other than the last page.
+    let forced = sink.div_ceil(page).saturating_sub(first_page).min(last);
+    let mut idx: Vec<usize> = (forced..last).collect();
+    let m = k.saturating_sub(1 + forced).min(idx.len());
+    if m > 0 {
+        // Highest score first; NaN never happens (bounds of filled pages are finite or -inf).
+        idx.select_nth_unstable_by(m - 1, |&a, &b| page_scores[b].total_cmp(&page_scores[a]).then(b.cmp(&a)));
+    }
+    idx.truncate(m);
+    idx.extend(0..forced);
+    idx.push(last);
+    idx.sort_unstable();
     idx.into_iter().map(|i| i + first_page).collect()
 }
 
-/// Quest's candidates from kept pages (clipped to `lo..=hi`), each unit scored by its page's bound.
-pub fn quest(c: &mut Candidates, kept_pages: &[usize], page_scores: &[f32], first_page: usize, lo: usize, hi: usize, page: usize, block_size: usize) {
+/// Quest's candidates from kept pages (clipped to `lo..=hi`), each unit scored by its page's bound; units
+/// below `sink` are sinks (visited first by ART).
+#[allow(clippy::too_many_arguments)]
+pub fn quest(c: &mut Candidates, kept_pages: &[usize], page_scores: &[f32], first_page: usize, lo: usize, hi: usize, page: usize, block_size: usize, sink: usize) {
     let mut spans: Vec<(usize, usize)> = kept_pages.iter().map(|&p| ((p * page).max(lo), ((p + 1) * page).min(hi + 1))).collect();
     normalize_spans(&mut spans);
     // A unit lies in one block; with page >= block_size that block lies in one page.
@@ -144,7 +152,7 @@ pub fn quest(c: &mut Candidates, kept_pages: &[usize], page_scores: &[f32], firs
             kept_pages.iter().filter(|&&q| q * page / block_size == blk).map(|&q| page_scores[q - first_page]).fold(f32::NEG_INFINITY, f32::max)
         }
     };
-    c.from_spans(&spans, block_size, 1, score);
+    c.from_spans(&spans, block_size, sink.max(1), score);
 }
 
 /// SnapKV: 1-D max pooling of `scores` with a centred window of `pool` (odd) positions.
@@ -200,12 +208,28 @@ mod tests {
     #[test]
     fn quest_keeps_the_best_pages() {
         // Budget of two pages: the last page (the decode token's) plus the best other one.
-        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, 4.0], 0, 32, 16), vec![1, 3]);
-        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, -9.0], 0, 32, 16), vec![1, 3]);
-        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, -9.0, 2.0], 10, 48, 16), vec![11, 12, 14]);
+        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, 4.0], 0, 32, 16, 0), vec![1, 3]);
+        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, -9.0], 0, 32, 16, 0), vec![1, 3]);
+        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, -9.0, 2.0], 10, 48, 16, 0), vec![11, 12, 14]);
         // Budget of one page: only the last page.
-        assert_eq!(quest_pages(&[7.0, 5.0, 3.0], 0, 16, 16), vec![2]);
-        assert_eq!(quest_pages(&[1.0, 2.0], 0, 1000, 16), vec![0, 1]);
+        assert_eq!(quest_pages(&[7.0, 5.0, 3.0], 0, 16, 16, 0), vec![2]);
+        assert_eq!(quest_pages(&[1.0, 2.0], 0, 1000, 16, 0), vec![0, 1]);
+    }
+
+    #[test]
+    fn quest_sink_pages_are_kept_within_the_budget() {
+        // sink=16 tokens = page 0, kept though its score is the lowest; it takes one of the 3 pages.
+        assert_eq!(quest_pages(&[-5.0, 5.0, 3.0, 4.0, 1.0], 0, 48, 16, 16), vec![0, 1, 4]);
+        // sink=17 reaches into page 1: pages 0 and 1 forced, plus the last; nothing else fits.
+        assert_eq!(quest_pages(&[-5.0, -4.0, 3.0, 4.0, 1.0], 0, 48, 16, 17), vec![0, 1, 4]);
+        // Forced pages past the budget are still kept (sink and last page are unconditional).
+        assert_eq!(quest_pages(&[-5.0, -4.0, 3.0, 4.0, 1.0], 0, 16, 16, 32), vec![0, 1, 4]);
+        // A sliding window that starts past the sink pages forces nothing (pages 10.. offered).
+        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, -9.0, 2.0], 10, 48, 16, 64), vec![11, 12, 14]);
+        // Window starting at page 2 with sink reaching page 3: page 2 and 3 forced (relative 0 and 1).
+        assert_eq!(quest_pages(&[1.0, 0.5, 9.0, 8.0, 2.0], 2, 64, 16, 64), vec![2, 3, 4, 6]);
+        // sink=0 is the paper's rule.
+        assert_eq!(quest_pages(&[-5.0, 5.0, 3.0, 4.0, 1.0], 0, 48, 16, 0), vec![1, 3, 4]);
     }
 
     #[test]

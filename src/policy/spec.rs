@@ -20,8 +20,9 @@ pub enum Selector {
     All,
     /// The first `sink` and the last `recent` tokens.
     Streaming { sink: usize, recent: usize },
-    /// The `ceil(budget / page)` pages with the highest upper-bound score `Σ_i max(q_i·max_i, q_i·min_i)`.
-    Quest { budget: usize, page: usize },
+    /// The `ceil(budget / page)` pages with the highest upper-bound score `Σ_i max(q_i·max_i, q_i·min_i)`;
+    /// the page of the decode token and the pages holding the first `sink` tokens are always kept.
+    Quest { budget: usize, page: usize, sink: usize },
     /// Tokens chosen at prefill from the attention of the last `window` prompt queries, max-pooled over `pool`.
     SnapKv { budget: usize, window: usize, pool: usize },
     /// PRR: Quest's true selection `over`, attended as a speculative (predicted) set plus repaired misses.
@@ -419,10 +420,11 @@ pub fn parse(src: &str) -> Result<Spec> {
                 selector = Some(Selector::Streaming { sink, recent });
             }
             "quest" => {
-                let mut a = Args::new(src, "quest", raw, &["budget", "page"])?;
+                let mut a = Args::new(src, "quest", raw, &["budget", "page", "sink"])?;
                 let budget = a.int("budget", None, 1, "", |_| true)?;
                 let page = a.int("page", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
-                selector = Some(Selector::Quest { budget, page });
+                let sink = a.int("sink", Some(0), 0, "", |_| true)?;
+                selector = Some(Selector::Quest { budget, page, sink });
             }
             "snapkv" => {
                 let mut a = Args::new(src, "snapkv", raw, &["budget", "window", "pool"])?;
@@ -545,7 +547,7 @@ mod tests {
     fn parses_the_example() {
         let s = parse("quest(budget=4096) > top_p(p=0.95) > art(tau=1e-5, phi=1e-3, patience=5)").unwrap();
         let p = s.pipeline.unwrap();
-        assert_eq!(p.selector, Selector::Quest { budget: 4096, page: 16 });
+        assert_eq!(p.selector, Selector::Quest { budget: 4096, page: 16, sink: 0 });
         assert_eq!(p.top_p, Some(TopP { p: 0.95 }));
         let a = p.art.unwrap();
         assert_eq!((a.tau, a.phi, a.patience, a.order, a.probe), (1e-5, 1e-3, Some(5), Order::Recent, Probe::Scattered));

@@ -131,7 +131,7 @@ pub fn top_pages(scores: &[f32], first: usize, k: usize) -> Vec<usize> {
     if k == 0 {
         return Vec::new();
     }
-    quest_pages(scores, first, k, 1)
+    quest_pages(scores, first, k, 1, 0)
 }
 
 /// Count of `a ∩ b` for sorted page lists.

@@ -46,6 +46,7 @@ fn families() -> Vec<Family> {
     vec![
         Family { name: "streaming", knob: "recent", values: &[128.0, 256.0, 512.0, 1024.0, 2048.0], spec: |v| format!("streaming(sink=64, recent={v})") },
         Family { name: "quest", knob: "budget", values: &[64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0], spec: |v| format!("quest(budget={v})") },
+        Family { name: "quest sink=16", knob: "budget", values: &[64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0], spec: |v| format!("quest(budget={v}, sink=16)") },
         Family { name: "quest > top_p", knob: "p", values: &[0.8, 0.9, 0.95, 0.99], spec: |v| format!("quest(budget=1024) > top_p(p={v})") },
         Family { name: "quest > art(priority)", knob: "tau", values: &[0.3, 0.1, 0.03, 0.01, 0.003], spec: |v| format!("quest(budget=2048) > art(tau={v}, phi=1e-2, patience=5, order=priority)") },
         Family { name: "snapkv", knob: "budget", values: &[128.0, 256.0, 512.0, 1024.0, 2048.0], spec: |v| format!("snapkv(budget={v})") },
@@ -60,6 +61,7 @@ fn default_policies(b: usize) -> Vec<String> {
     vec![
         format!("streaming(sink=64, recent={})", b.saturating_sub(64).max(1)),
         format!("quest(budget={b})"),
+        format!("quest(budget={b}, sink=16)"),
         "top_p(p=0.95)".to_string(),
         format!("quest(budget={b}) > top_p(p=0.95)"),
         "art(tau=1e-5, phi=1e-3, patience=5)".to_string(),

@@ -351,12 +351,12 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
     match p.selector {
         Selector::All => select::all(&mut hw.cand, lim.lo, lim.hi, bs),
         Selector::Streaming { sink, recent } => select::streaming(&mut hw.cand, lim.lo, lim.hi, sink, recent, bs),
-        Selector::Quest { budget, page } => {
+        Selector::Quest { budget, page, sink } => {
             let meta = ctx.meta.expect("engine checked quest metadata");
             let first_page = lim.lo / page;
             meta_bytes += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
-            let kept = select::quest_pages(&sc.page_scores, first_page, budget, page);
-            select::quest(&mut hw.cand, &kept, &sc.page_scores, first_page, lim.lo, lim.hi, page, bs);
+            let kept = select::quest_pages(&sc.page_scores, first_page, budget, page, sink);
+            select::quest(&mut hw.cand, &kept, &sc.page_scores, first_page, lim.lo, lim.hi, page, bs, sink);
         }
         Selector::SnapKv { .. } => match &snap {
             Some(sel) => {
