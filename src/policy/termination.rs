@@ -70,12 +70,16 @@ pub fn is_stable(prev: &[f32], cur: &[f32], probe_len: usize, tau: f32, phi: f32
     })
 }
 
-/// Visiting order: sink units first (in position order), then the most recent first (`recent`) or the
-/// highest score first (`priority`; units without a score fall back to recency, after scored ones).
+/// Visiting order: sink units first (in position order), then the newest unit (it holds the row's own key
+/// and the freshest tokens: every selector keeps it, and Quest's bound often ranks it last, so under
+/// `priority` ART used to stop before reaching it), then the most recent first (`recent`) or the highest
+/// score first (`priority`; units without a score fall back to recency, after scored ones).
 pub fn order_units(c: &Candidates, order: Order, out: &mut Vec<usize>) {
     out.clear();
     out.extend((0..c.units.len()).filter(|&i| c.units[i].sink));
-    let mut rest: Vec<usize> = (0..c.units.len()).filter(|&i| !c.units[i].sink).collect();
+    let newest = c.units.len().checked_sub(1).filter(|&i| !c.units[i].sink);
+    out.extend(newest);
+    let mut rest: Vec<usize> = (0..c.units.len()).filter(|&i| !c.units[i].sink && Some(i) != newest).collect();
     let start = |u: &Unit| c.spans[u.span_lo as usize].0;
     match order {
         Order::Recent => rest.sort_by(|&a, &b| start(&c.units[b]).cmp(&start(&c.units[a]))),
@@ -131,6 +135,10 @@ mod tests {
         order_units(&c, Order::Recent, &mut o);
         assert_eq!(o, vec![0, 3, 2, 1]);
         order_units(&c, Order::Priority, &mut o);
-        assert_eq!(o, vec![0, 1, 3, 2]);
+        assert_eq!(o, vec![0, 3, 1, 2], "sink, newest (the row's own block), then by score");
+        // A single unit that is a sink is not listed twice.
+        c.from_spans(&[(0, 8)], 16, 1, |_| 1.0);
+        order_units(&c, Order::Priority, &mut o);
+        assert_eq!(o, vec![0]);
     }
 }
