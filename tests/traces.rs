@@ -17,6 +17,27 @@ fn traces_dir() -> Option<PathBuf> {
     }
 }
 
+/// The named trace of the committed set (or the first one), or `None` when the traces are absent.
+fn trace_named(name: &str) -> Option<kvsparse::traces::Trace> {
+    let m = Manifest::load(&traces_dir()?).expect("manifest");
+    let info = m.traces.iter().find(|t| t.name == name).unwrap_or(&m.traces[0]);
+    Some(m.load_trace(info).expect("trace"))
+}
+
+/// Calls `f` with the exact softmax weights of every row (layer, step, query head), in the row order of
+/// `kvsparse::eval`.
+fn each_row(tr: &kvsparse::traces::Trace, steps: &[usize], mut f: impl FnMut(&[f64])) {
+    for li in 0..tr.layers.len() {
+        for &t in steps {
+            let w = tr.dense_weights(li, t);
+            let n = tr.info.prompt_len + t + 1;
+            for qh in 0..tr.hq {
+                f(&w[qh * n..(qh + 1) * n]);
+            }
+        }
+    }
+}
+
 /// Every trace and recorded layer: the engine's dense replay of the stored (fp16) inputs reproduces the
 /// model's own fp32 attention output within 1e-3 relative error over the layer's decode outputs. The
 /// residual is the fp16 rounding of the stored q/K/V (the capture script measured 6.6e-4..9.3e-4 for the
@@ -103,10 +124,7 @@ fn quest_visits_are_recorded_and_consistent() {
 #[test]
 fn eval_measures_are_exact_where_they_can_be() {
     use kvsparse::eval::{recovered_mass, row_errors};
-    let Some(dir) = traces_dir() else { return };
-    let m = Manifest::load(&dir).expect("manifest");
-    let info = m.traces.iter().find(|t| t.name == "needle_2k").unwrap_or(&m.traces[0]);
-    let tr = m.load_trace(info).expect("trace");
+    let Some(tr) = trace_named("needle_2k") else { return };
     let opts = ReplayOptions { dtype: DType::F32, record_visits: true, step_stride: 6, ..Default::default() };
     let dense = replay(&tr, "dense", &opts).expect("replay");
     let full = replay(&tr, "quest(budget=100000)", &opts).expect("replay");
@@ -119,21 +137,14 @@ fn eval_measures_are_exact_where_they_can_be() {
     assert!(masses[1].iter().all(|&x| (x - 1.0).abs() < 1e-9), "full-budget quest covers every position");
     assert!(row_errors(&dense, &dense, tr.d).iter().all(|&e| e == 0.0));
     assert!(row_errors(&full, &dense, tr.d).iter().all(|&e| e < 1e-5));
-    let p = tr.info.prompt_len;
     let mut i = 0;
-    for li in 0..tr.layers.len() {
-        for &t in &dense.steps {
-            let w = tr.dense_weights(li, t);
-            let n = p + t + 1;
-            for qh in 0..tr.hq {
-                let row = &w[qh * n..(qh + 1) * n];
-                let want: f64 = row.iter().enumerate().filter(|&(j, _)| j < sink || j >= n - recent).map(|(_, x)| x).sum();
-                assert!((masses[2][i] - want).abs() < 1e-12, "streaming mass {} vs {want}", masses[2][i]);
-                assert!(want < 1.0);
-                i += 1;
-            }
-        }
-    }
+    each_row(&tr, &dense.steps, |row| {
+        let n = row.len();
+        let want: f64 = row.iter().enumerate().filter(|&(j, _)| j < sink || j >= n - recent).map(|(_, x)| x).sum();
+        assert!((masses[2][i] - want).abs() < 1e-12, "streaming mass {} vs {want}", masses[2][i]);
+        assert!(want < 1.0);
+        i += 1;
+    });
     let errs = row_errors(&stream, &dense, tr.d);
     assert!(errs.iter().any(|&e| e > 1e-3), "dropping most of a 2K context changed nothing?");
 }
@@ -194,10 +205,7 @@ fn eval_cli_writes_table_csv_and_png() {
 #[test]
 fn quest_sink_pages_are_always_attended() {
     use kvsparse::eval::recovered_mass;
-    let Some(dir) = traces_dir() else { return };
-    let m = Manifest::load(&dir).expect("manifest");
-    let info = m.traces.iter().find(|t| t.name == "document_4k").unwrap_or(&m.traces[0]);
-    let tr = m.load_trace(info).expect("trace");
+    let Some(tr) = trace_named("document_4k") else { return };
     let opts = ReplayOptions { dtype: DType::F32, record_visits: true, step_stride: 4, ..Default::default() };
     let plain = replay(&tr, "quest(budget=512)", &opts).expect("replay");
     let sunk = replay(&tr, "quest(budget=512, sink=16)", &opts).expect("replay");
@@ -208,19 +216,11 @@ fn quest_sink_pages_are_always_attended() {
         assert!(spans[0].1 >= 16);
     }
     let masses = recovered_mass(&tr, &[&plain, &sunk]);
-    let p = tr.info.prompt_len;
     let mut i = 0;
-    for li in 0..tr.layers.len() {
-        for &t in &sunk.steps {
-            let w = tr.dense_weights(li, t);
-            let n = p + t + 1;
-            for qh in 0..tr.hq {
-                let sink_mass: f64 = w[qh * n..qh * n + 16].iter().sum();
-                assert!(masses[1][i] + 1e-12 >= sink_mass);
-                i += 1;
-            }
-        }
-    }
+    each_row(&tr, &sunk.steps, |row| {
+        assert!(masses[1][i] + 1e-12 >= row[..16].iter().sum::<f64>());
+        i += 1;
+    });
     let worst = |v: &[f64]| v.iter().cloned().fold(1.0, f64::min);
     eprintln!("worst row mass: quest {:.4}, quest sink=16 {:.4}", worst(&masses[0]), worst(&masses[1]));
     assert!(worst(&masses[1]) > worst(&masses[0]), "keeping the sink page did not help the worst row");
