@@ -130,6 +130,8 @@ impl Measure {
 
 /// One evaluated policy setting: per trace and pooled.
 pub struct Row {
+    /// Printed in the table (dense and the `--policy`/default settings) or only swept for the plot.
+    pub in_table: bool,
     pub spec: String,
     pub family: String,
     pub knob: String,
@@ -171,16 +173,17 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     // The table's settings, then (with --out) the sweep's; every spec is checked before any replay.
     let user = a.values_of("policy");
     let table_specs = if user.is_empty() { default_policies(budget) } else { user };
-    let mut settings: Vec<(String, String, String, f64, bool)> = table_specs.iter().map(|s| (s.clone(), s.clone(), String::new(), f64::NAN, true)).collect();
+    let row = |in_table: bool, spec: String, family: &str, knob: &str, value: f64| Row { in_table, spec, family: family.to_string(), knob: knob.to_string(), value, per_trace: Vec::new(), pooled: Measure::default() };
+    // rows[0] is dense, the reference of every other row.
+    let mut rows = vec![row(true, "dense".into(), "dense", "", f64::NAN)];
+    rows.extend(table_specs.iter().map(|s| row(true, s.clone(), s, "", f64::NAN)));
     if out_dir.is_some() {
         for f in families() {
-            for &v in f.values {
-                settings.push(((f.spec)(v), f.name.to_string(), f.knob.to_string(), v, false));
-            }
+            rows.extend(f.values.iter().map(|&v| row(false, (f.spec)(v), f.name, f.knob, v)));
         }
     }
-    for (spec, ..) in &settings {
-        Policy::parse(spec).map_err(|e| e.message)?;
+    for r in &rows {
+        Policy::parse(&r.spec).map_err(|e| e.message)?;
     }
 
     let traces: Vec<_> = manifest.traces.iter().filter(|t| only.is_empty() || only.contains(&t.name)).collect();
@@ -193,26 +196,20 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         traces.iter().map(|t| format!("{} ({}+{} tokens, layers {:?})", t.name, t.prompt_len, t.decode_steps, t.layers)).collect::<Vec<_>>().join(", "),
         dir.display()
     );
-    println!("engine dtype {:?}, blocks of {}, step stride {}, {} policy settings", opts.dtype, kvsparse::traces::BLOCK_SIZE, opts.step_stride, settings.len());
+    println!("engine dtype {:?}, blocks of {}, step stride {}, {} policy settings", opts.dtype, kvsparse::traces::BLOCK_SIZE, opts.step_stride, rows.len() - 1);
 
     let t_all = Instant::now();
-    let mut rows: Vec<Row> = settings
-        .iter()
-        .map(|(spec, fam, knob, v, _)| Row { spec: spec.clone(), family: fam.clone(), knob: knob.clone(), value: *v, per_trace: Vec::new(), pooled: Measure::default() })
-        .collect();
-    let mut dense_rows = Row { spec: "dense".into(), family: "dense".into(), knob: String::new(), value: f64::NAN, per_trace: Vec::new(), pooled: Measure::default() };
     let mut model_errs: Vec<f64> = Vec::new();
     for info in &traces {
         let t0 = Instant::now();
         let tr = manifest.load_trace(info)?;
         let dense = replay(&tr, "dense", &opts)?;
         model_errs.extend(errors_vs_model(&tr, &dense));
-        let runs: Vec<Replay> = settings.iter().map(|(spec, ..)| replay(&tr, spec, &opts).map_err(|e| format!("{}: {spec}: {e}", info.name))).collect::<Result<_, _>>()?;
+        let runs: Vec<Replay> = rows[1..].iter().map(|r| replay(&tr, &r.spec, &opts).map_err(|e| format!("{}: {}: {e}", info.name, r.spec))).collect::<Result<_, _>>()?;
         let refs: Vec<&Replay> = std::iter::once(&dense).chain(runs.iter()).collect();
         let masses = recovered_mass(&tr, &refs);
-        for (i, (r, mass)) in refs.iter().zip(masses).enumerate() {
+        for ((row, r), mass) in rows.iter_mut().zip(&refs).zip(masses) {
             let m = Measure { counters: r.counters, errs: row_errors(r, &dense, tr.d), mass, forward_s: r.forward_s };
-            let row = if i == 0 { &mut dense_rows } else { &mut rows[i - 1] };
             row.pooled.add(&m);
             row.per_trace.push((info.name.clone(), m));
         }
@@ -225,8 +222,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         quantile(&model_errs, 0.99)
     );
     println!();
-    let table: Vec<&Row> = std::iter::once(&dense_rows).chain(rows.iter().zip(&settings).filter(|(_, s)| s.4).map(|(r, _)| r)).collect();
-    print_table(&table);
+    print_table(rows.iter().filter(|r| r.in_table));
     println!();
     println!("rows pooled over traces (generation_2k weighs most: 256 steps); blocks visited counts policy rows only;");
     println!("time is the wall clock of the decode forward calls (one sequence, one layer per call), {} threads", if opts.threads == 0 { "all".to_string() } else { opts.threads.to_string() });
@@ -234,10 +230,9 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     if let Some(dir) = out_dir {
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let csv = dir.join("eval.csv");
-        let all: Vec<(&Row, &str)> = std::iter::once((&dense_rows, "table")).chain(rows.iter().zip(&settings).map(|(r, s)| (r, if s.4 { "table" } else { "sweep" }))).collect();
-        write_csv(&csv, &all)?;
+        write_csv(&csv, &rows)?;
         let png = dir.join("eval.png");
-        let sweep: Vec<&Row> = rows.iter().zip(&settings).filter(|(_, s)| !s.4).map(|(r, _)| r).collect();
+        let sweep: Vec<&Row> = rows.iter().filter(|r| !r.in_table).collect();
         plot::error_vs_visited(&png, &sweep, &format!("{} — {}", manifest.model, traces.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")))?;
         println!("wrote {} and {}", csv.display(), png.display());
     }
@@ -268,7 +263,7 @@ fn errors_vs_model(tr: &Trace, dense: &Replay) -> Vec<f64> {
     errs
 }
 
-fn print_table(rows: &[&Row]) {
+fn print_table<'a>(rows: impl Iterator<Item = &'a Row>) {
     println!("| policy | blocks visited | rel err median | rel err p99 | mass recovered mean | mass p1 | ms/call | policy figures |");
     println!("|---|---:|---:|---:|---:|---:|---:|---|");
     for r in rows {
@@ -287,9 +282,10 @@ fn print_table(rows: &[&Row]) {
     }
 }
 
-fn write_csv(path: &Path, rows: &[(&Row, &str)]) -> Result<(), String> {
+fn write_csv(path: &Path, rows: &[Row]) -> Result<(), String> {
     let mut s = String::from("set,policy,family,knob,value,trace,rows,policy_rows,blocks_eligible,blocks_visited,visited_pct,err_median,err_p99,err_max,mass_mean,mass_p1,ms_per_call,top_p_kept_pct,art_skipped_pct,prr_hit,prr_reuse_hit,full_steps,partial_steps\n");
-    for (r, set) in rows {
+    for r in rows {
+        let set = if r.in_table { "table" } else { "sweep" };
         let lines = r.per_trace.iter().map(|(n, m)| (n.as_str(), m)).chain(std::iter::once(("all", &r.pooled)));
         for (trace, m) in lines {
             let c = &m.counters;
