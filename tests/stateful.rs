@@ -58,6 +58,14 @@ fn speculate_output_equals_attention_over_the_true_set() {
     // Keeping the extra predicted pages changes the output (more context than the true set).
     let keep = replay(&tr, "speculate(over=quest(budget=256), budget=512, extra=keep)", &opts).expect("replay");
     assert!(rel_err(&keep.out[1], &quest.out[1]) > 1e-6, "extra=keep attended nothing beyond the true set");
+    // The true set follows `over`'s sink pages too: the output is `quest(..., sink=16)`'s, not plain Quest's.
+    let sunk = replay(&tr, "quest(budget=256, sink=16)", &opts).expect("replay");
+    let spec = replay(&tr, "speculate(over=quest(budget=256, sink=16), budget=256)", &opts).expect("replay");
+    for li in 0..tr.layers.len() {
+        let e = rel_err(&spec.out[li], &sunk.out[li]);
+        assert!(e <= 1e-6, "speculate over quest(sink=16) differs from quest(sink=16) by {e:.3e}");
+    }
+    assert!(rel_err(&sunk.out[0], &quest.out[0]) > 1e-6 || rel_err(&sunk.out[1], &quest.out[1]) > 1e-6, "sink=16 changed no selection on needle_2k");
 }
 
 /// The speculation budget comes from the engine's table when one is loaded.

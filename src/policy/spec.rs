@@ -47,9 +47,10 @@ pub enum Predict {
 /// `speculate(over=quest(budget, page), alpha, beta, gamma, budget, predict, extra)`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Speculate {
-    /// The true selector: Quest with this token budget and page size.
+    /// The true selector: Quest with this token budget, page size and sink (tokens).
     pub quest_budget: usize,
     pub page: usize,
+    pub quest_sink: usize,
     /// Holt parameters; `None` = calibrated at the sequence's prefill (see `policy::speculate`).
     pub alpha: Option<f32>,
     pub beta: Option<f32>,
@@ -459,16 +460,17 @@ pub fn parse(src: &str) -> Result<Spec> {
                 let over = raw.iter().position(|a| a.key == "over");
                 let over_arg = over.map(|i| raw.remove(i));
                 let mut a = Args::new(src, "speculate", raw, &["alpha", "beta", "gamma", "budget", "predict", "extra"])?;
-                let (quest_budget, page) = match over_arg {
+                let (quest_budget, page, quest_sink) = match over_arg {
                     None => return Err(Error::new(ErrorKind::InvalidArgument, format!("policy spec {src:?}: stage `speculate` needs `over=quest(budget=...)`"))),
                     Some(o) => {
                         if o.val != Tok::Name("quest".into()) {
                             return Err(err(src, o.val_pos, "`quest(...)` for `speculate.over`", &o.val.describe()));
                         }
-                        let mut q = Args::new(src, "quest", o.nested.unwrap_or_default(), &["budget", "page"])?;
+                        let mut q = Args::new(src, "quest", o.nested.unwrap_or_default(), &["budget", "page", "sink"])?;
                         let budget = q.int("budget", None, 1, "", |_| true)?;
                         let page = q.int("page", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
-                        (budget, page)
+                        let sink = q.int("sink", Some(0), 0, "", |_| true)?;
+                        (budget, page, sink)
                     }
                 };
                 let alpha = a.auto_num("alpha", "a number in [0, 1] or `auto`", |v| (0.0..=1.0).contains(&v))?;
@@ -484,7 +486,7 @@ pub fn parse(src: &str) -> Result<Spec> {
                     _ => Predict::Holt,
                 };
                 let keep_extra = a.word("extra", "drop", &["drop", "keep"])? == "keep";
-                selector = Some(Selector::Speculate(Speculate { quest_budget, page, alpha, beta, gamma, budget, predict, keep_extra }));
+                selector = Some(Selector::Speculate(Speculate { quest_budget, page, quest_sink, alpha, beta, gamma, budget, predict, keep_extra }));
             }
             "refresh" => {
                 let mut a = Args::new(src, "refresh", raw, &["k", "stride", "s", "pool", "every"])?;
@@ -574,10 +576,12 @@ mod tests {
         let p = parse("speculate(over=quest(budget=1024, page=32), alpha=0.3, gamma=auto, budget=512)").unwrap().pipeline.unwrap();
         assert_eq!(
             p.selector,
-            Selector::Speculate(Speculate { quest_budget: 1024, page: 32, alpha: Some(0.3), beta: None, gamma: None, budget: Some(512), predict: Predict::Holt, keep_extra: false })
+            Selector::Speculate(Speculate { quest_budget: 1024, page: 32, quest_sink: 0, alpha: Some(0.3), beta: None, gamma: None, budget: Some(512), predict: Predict::Holt, keep_extra: false })
         );
         let p = parse("speculate(over=quest(budget=64), predict=inverse, extra=keep)").unwrap().pipeline.unwrap();
-        assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, page: 16, predict: Predict::Inverse, keep_extra: true, .. })));
+        assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, page: 16, quest_sink: 0, predict: Predict::Inverse, keep_extra: true, .. })));
+        let p = parse("speculate(over=quest(budget=64, sink=16))").unwrap().pipeline.unwrap();
+        assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, quest_sink: 16, .. })));
         let p = parse("refresh").unwrap().pipeline.unwrap();
         assert_eq!(p.selector, Selector::Refresh(Refresh { k: 2048, stride: 5, s: 0.85, pool: 7, every: None }));
         let p = parse("refresh(k=64, stride=1, s=1.0, every=10)").unwrap().pipeline.unwrap();
