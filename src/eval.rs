@@ -31,12 +31,12 @@ pub fn recovered_mass(tr: &Trace, runs: &[&Replay]) -> Vec<Vec<f64>> {
     let p = tr.info.prompt_len;
     let mut out: Vec<Vec<f64>> = runs.iter().map(|_| Vec::new()).collect();
     let Some(first) = runs.first() else { return out };
+    assert!(runs.iter().all(|r| r.steps == first.steps), "replays of one trace must share their steps");
     for li in 0..tr.layers.len() {
         for (si, &t) in first.steps.iter().enumerate() {
             let w = tr.dense_weights(li, t);
             let len = p + t + 1;
             for (r, masses) in runs.iter().zip(out.iter_mut()) {
-                assert_eq!(r.steps, first.steps, "replays of one trace must share their steps");
                 for qh in 0..hq {
                     let row = &w[qh * len..(qh + 1) * len];
                     masses.push(match &r.visits[r.visit_index(hk, li, si, qh / g)] {
