@@ -6,6 +6,7 @@
 //! - attention mass recovered: the exact (f64) softmax weight of the positions the row's KV head attended
 //!   ([`crate::stats::VisitRecord`]); 1 for rows that ran dense.
 
+use crate::conformance::reference::rel_err;
 use crate::traces::{mass_in_spans, Replay, Trace};
 
 /// Per-row relative error of `r`'s outputs against `dense`'s (same trace, same steps), in row order
@@ -13,11 +14,7 @@ use crate::traces::{mass_in_spans, Replay, Trace};
 pub fn row_errors(r: &Replay, dense: &Replay, d: usize) -> Vec<f64> {
     let mut errs = Vec::new();
     for (a, b) in r.out.iter().zip(&dense.out) {
-        for (x, y) in a.chunks_exact(d).zip(b.chunks_exact(d)) {
-            let num: f64 = x.iter().zip(y).map(|(p, q)| (p - q) * (p - q)).sum();
-            let den: f64 = y.iter().map(|q| q * q).sum();
-            errs.push(if den > 0.0 { (num / den).sqrt() } else { num.sqrt() });
-        }
+        errs.extend(a.chunks_exact(d).zip(b.chunks_exact(d)).map(|(x, y)| rel_err(x, y)));
     }
     errs
 }

@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use kvsparse::conformance::reference::rel_err;
 use kvsparse::eval::{mean, quantile, recovered_mass, row_errors};
 use kvsparse::policy::Policy;
 use kvsparse::stats::Counters;
@@ -253,10 +254,8 @@ fn errors_vs_model(tr: &Trace, dense: &Replay) -> Vec<f64> {
         for (si, &t) in dense.steps.iter().enumerate() {
             for h in 0..hq {
                 let ours = &dense.out[li][(si * hq + h) * d..(si * hq + h + 1) * d];
-                let model = &lt.out[(t * hq + h) * d..(t * hq + h + 1) * d];
-                let num: f64 = ours.iter().zip(model).map(|(a, &b)| (a - b as f64).powi(2)).sum();
-                let den: f64 = model.iter().map(|&b| (b as f64).powi(2)).sum();
-                errs.push((num / den.max(f64::MIN_POSITIVE)).sqrt());
+                let model: Vec<f64> = lt.out[(t * hq + h) * d..(t * hq + h + 1) * d].iter().map(|&x| x as f64).collect();
+                errs.push(rel_err(ours, &model));
             }
         }
     }

@@ -41,7 +41,7 @@ pub fn error_vs_visited(path: &Path, rows: &[&Row], subtitle: &str) -> Result<()
     root.fill(&WHITE).map_err(err)?;
     let (title, body) = root.split_vertically(70);
     title.draw(&Text::new("Sparse decode policies on real attention traces: output error vs KV blocks visited", (20, 8), ("sans-serif", 26).into_font())).map_err(err)?;
-    title.draw(&Text::new(format!("{subtitle}; one point per setting of each policy's main knob; error per (layer, step, query head) row vs dense; hollow: below 1e-6, drawn at 1e-6"), (20, 42), ("sans-serif", 16).into_font())).map_err(err)?;
+    title.draw(&Text::new(format!("{subtitle}; one point per setting of each policy's main knob; error per (layer, step, query head) row vs dense; hollow: below {FLOOR:.0e}, drawn at {FLOOR:.0e}"), (20, 42), ("sans-serif", 16).into_font())).map_err(err)?;
     let panels = body.split_evenly((1, 2));
     let stats: [(&str, f64); 2] = [("median", 0.5), ("99th percentile", 0.99)];
     for (panel, (label, q)) in panels.iter().zip(stats) {
