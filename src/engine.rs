@@ -7,18 +7,16 @@ use parking_lot::Mutex;
 
 use crate::config::EngineConfig;
 use crate::cpu;
-use crate::cpu::attention::AttnParams;
-use crate::cpu::forward::ForwardIo;
+use crate::cpu::call::CallCtx;
 use crate::cpu::metadata::CacheMeta;
-use crate::cpu::sparse::{sparse_forward, SparseCtx};
 use crate::error::Result;
-use crate::layout::{validate_params, Batch, KvCache};
+use crate::layout::{validate_params, KvCache};
 use crate::policy::speculate::SpecBudgetTable;
-use crate::policy::{Policy, Selector, SnapSelection};
+use crate::policy::{Policy, Selector};
 use crate::sequences::Registry;
 use crate::stats::{Counters, EngineStats, VisitRecord};
 use crate::tensor::{DType, Device, TensorRef};
-use crate::{bail, ensure};
+use crate::ensure;
 
 /// Arguments of one attention forward call (see `kvs_forward_args` in the C header for the contract).
 #[derive(Clone, Copy, Debug)]
@@ -159,167 +157,23 @@ impl Engine {
             lse.expect_no_self_overlap("lse")?;
         }
         let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
-        if let Some(gpu) = &self.cuda {
-            // Device metadata cannot be read without a sync, so the GPU path counts calls only.
-            ensure!(self.policy.is_dense_for_layer(a.layer), Unsupported, "the CUDA backend runs dense attention only; policy {:?} is not available on it yet", cfg.policy);
-            gpu.forward(cfg, a, &cache)?;
-            let c = Counters { calls: 1, ..Default::default() };
-            self.record(a.layer, &c);
-            return Ok(c);
-        }
-        let batch = Batch::from_host_tensors(num_tokens, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref(), cfg.block_size, cache.num_blocks)?;
         let pipeline = if self.policy.is_dense_for_layer(a.layer) { None } else { self.policy.pipeline() };
-        ensure!(
-            batch.has_seq_ids || pipeline.is_none() || !self.policy.is_stateful(),
-            InvalidArgument,
-            "policy {:?} keeps per-sequence state, so seq_ids is required",
-            cfg.policy
-        );
-        let params = AttnParams { scale: a.scale, softcap: a.softcap, window: a.sliding_window as usize };
-        let io = ForwardIo { q: a.query, out: a.out, lse: a.lse, cache: &cache, batch: &batch, params, num_q_heads: cfg.num_q_heads, num_kv_heads: cfg.num_kv_heads };
-        let (policy_seqs, dense_seqs): (Vec<usize>, Vec<usize>) = (0..batch.seqs.len()).partition(|&s| pipeline.is_some() && batch.seqs[s].is_decode());
-
-        // PRR calibrates at prefill chunks (on Quest's page scores of the chunk's queries).
-        let speculate = match pipeline.map(|p| &p.selector) {
-            Some(Selector::Speculate(sp)) => Some(*sp),
-            _ => None,
-        };
-        let predictor = match pipeline.map(|p| &p.selector) {
-            Some(Selector::Predictor(ps)) => Some(*ps),
-            _ => None,
-        };
-        let calib_seqs: Vec<usize> = if speculate.is_some() || predictor.is_some() { (0..batch.seqs.len()).filter(|&s| !batch.seqs[s].is_decode() && batch.seqs[s].q_len > 0).collect() } else { Vec::new() };
-        if self.cfg.max_state_bytes > 0 && pipeline.is_some() && self.policy.is_stateful() && !matches!(pipeline.map(|p| &p.selector), Some(Selector::SnapKv { .. })) {
-            let held = self.sequences.state_bytes();
-            ensure!(held <= self.cfg.max_state_bytes, OutOfMemory, "policy state holds {held} bytes, over the engine's cap of {}; release finished sequences", self.cfg.max_state_bytes);
-        }
-
-        // Everything that can fail is checked before anything is written: metadata coverage, state cap.
-        let meta_guard = if self.meta.needs.any() && pipeline.is_some() && (!policy_seqs.is_empty() || !calib_seqs.is_empty()) { Some(self.meta.read(a.layer)) } else { None };
-        let meta = match &meta_guard {
-            Some(g) => {
-                let Some(m) = g.as_ref() else {
-                    bail!(InvalidArgument, "policy {:?} needs key metadata for layer {}, but no cache write for that layer went through kvs_cache_write", cfg.policy, a.layer);
-                };
-                ensure!(m.num_blocks == cache.num_blocks, InvalidShape, "layer {}'s key metadata was built for {} blocks, the caches have {}", a.layer, m.num_blocks, cache.num_blocks);
-                for &s in policy_seqs.iter().chain(&calib_seqs) {
-                    let sd = &batch.seqs[s];
-                    let lim = crate::cpu::attention::RowLimits::causal(sd.seq_len - 1, params.window);
-                    m.check_covers(batch.blocks(s, cfg.block_size), lim.lo, lim.hi, &format!("policy {:?} (layer {}, sequence {})", cfg.policy, a.layer, sd.seq_id))?;
+        let c = match &self.cuda {
+            Some(gpu) => {
+                let c = gpu.forward(cfg, a, &cache, pipeline)?;
+                if let (Some(_), Some(dst)) = (pipeline, self.visits.lock().as_mut()) {
+                    dst.extend(gpu.visit_records(cfg, a)?);
                 }
-                Some(m)
+                c
             }
-            None => None,
+            None => cpu::call::forward(&self.call_ctx(), a, &cache)?,
         };
-        let snap_choices = match pipeline.map(|p| &p.selector) {
-            Some(&Selector::SnapKv { budget, window, pool }) => self.snapkv_prefill(&io, budget, window, pool)?,
-            _ => Vec::new(),
-        };
-
-        if batch.has_seq_ids {
-            for s in &batch.seqs {
-                self.sequences.get_or_create(s.seq_id);
-            }
-        }
-        for (s, heads) in snap_choices {
-            let st = self.sequences.get_or_create(batch.seqs[s].seq_id);
-            let mut st = st.lock();
-            for (h, sel) in heads.into_iter().enumerate() {
-                st.policy.head_mut(a.layer, h, cfg.num_kv_heads).snapkv = Some(std::sync::Arc::new(sel));
-            }
-        }
-        let mut c = Counters { calls: 1, ..Default::default() };
-        if let (Some(sp), Some(m)) = (speculate, meta) {
-            use rayon::prelude::*;
-            let hk = cfg.num_kv_heads;
-            let t0 = std::time::Instant::now();
-            let table = self.spec_budgets.read();
-            let items: Vec<(usize, usize)> = calib_seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
-            let warm: Vec<_> = self.pool.install(|| items.par_iter().map(|&(s, h)| cpu::sparse::prr_calibrate(&io, s, h, &sp, m, table.as_ref()).0).collect());
-            for (&(s, h), w) in items.iter().zip(warm) {
-                let st = self.sequences.get_or_create(batch.seqs[s].seq_id);
-                st.lock().policy.head_mut(a.layer, h, hk).prr = Some(Box::new(w));
-            }
-            c.spec_calibrations += items.len() as u64;
-            c.spec_calib_us += t0.elapsed().as_micros() as u64;
-        }
-        if let Some(ps) = predictor {
-            use rayon::prelude::*;
-            let hk = cfg.num_kv_heads;
-            let items: Vec<(usize, usize)> = calib_seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
-            let seeded: Vec<_> = self.pool.install(|| items.par_iter().map(|&(s, h)| cpu::sparse::predictor_seed(&io, s, h, &ps)).collect());
-            for (&(s, h), ph) in items.iter().zip(seeded) {
-                let st = self.sequences.get_or_create(batch.seqs[s].seq_id);
-                st.lock().policy.head_mut(a.layer, h, hk).predictor = Some(Box::new(ph));
-            }
-        }
-        cpu::forward::dense_forward(&io, &dense_seqs, &self.pool);
-
-        if let Some(p) = pipeline {
-            if !policy_seqs.is_empty() {
-                let snap = policy_seqs
-                    .iter()
-                    .map(|&s| {
-                        let st = self.sequences.get(batch.seqs[s].seq_id);
-                        let st = st.as_ref().map(|st| st.lock());
-                        (0..cfg.num_kv_heads).map(|h| st.as_ref().and_then(|st| st.policy.head(a.layer, h)).and_then(|hs| hs.snapkv.clone())).collect()
-                    })
-                    .collect();
-                let log = self.visits.lock().is_some().then(|| std::sync::Mutex::new(Vec::new()));
-                let states = if self.policy.is_stateful() { policy_seqs.iter().map(|&s| self.sequences.get(batch.seqs[s].seq_id)).collect() } else { Vec::new() };
-                let table = self.spec_budgets.read();
-                let ctx = SparseCtx { pipeline: p, meta, snap, visits: log.as_ref(), layer: a.layer, states, spec_budgets: table.as_ref() };
-                c.add(&sparse_forward(&io, &policy_seqs, &ctx, &self.pool));
-                if let (Some(log), Some(dst)) = (log, self.visits.lock().as_mut()) {
-                    dst.extend(log.into_inner().expect("visit log").into_iter().map(|r| VisitRecord { layer: a.layer, ..r }));
-                }
-            }
-        }
-        drop(meta_guard);
-
-        let row_bytes = (cfg.head_dim * cfg.dtype.size_bytes() * 2 * cfg.num_kv_heads) as u64;
-        for (i, s) in batch.seqs.iter().enumerate() {
-            if s.q_len == 1 {
-                c.decode_rows += 1;
-            } else {
-                c.prefill_tokens += s.q_len as u64;
-            }
-            if dense_seqs.binary_search(&i).is_ok() {
-                let first_visible = if a.sliding_window > 0 { (s.first_pos() + 1).saturating_sub(a.sliding_window as usize) } else { 0 };
-                c.kv_bytes_read += (s.seq_len - first_visible) as u64 * row_bytes;
-            }
-        }
         self.record(a.layer, &c);
         Ok(c)
     }
 
-    /// SnapKV choices for the prefill sequences of this call, per (sequence, KV head), computed before
-    /// anything is written; fails if storing them would exceed the engine's state cap.
-    fn snapkv_prefill(&self, io: &ForwardIo, budget: usize, window: usize, pool: usize) -> Result<Vec<(usize, Vec<SnapSelection>)>> {
-        use rayon::prelude::*;
-        let hk = self.cfg.num_kv_heads;
-        let seqs: Vec<usize> = (0..io.batch.seqs.len()).filter(|&s| !io.batch.seqs[s].is_decode() && io.batch.seqs[s].q_len > 0).collect();
-        if seqs.is_empty() {
-            return Ok(Vec::new());
-        }
-        let items: Vec<(usize, usize)> = seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
-        let mut sels: Vec<SnapSelection> = self.pool.install(|| items.par_iter().map(|&(s, h)| cpu::snapkv::choose(io, s, h, budget, window, pool)).collect());
-        if self.cfg.max_state_bytes > 0 {
-            let new: u64 = sels.iter().map(|s| (s.keep.len() * 4 + std::mem::size_of::<SnapSelection>()) as u64).sum();
-            let held = self.sequences.state_bytes();
-            ensure!(
-                held + new <= self.cfg.max_state_bytes,
-                OutOfMemory,
-                "SnapKV state for this call needs {new} bytes, the engine holds {held} of its {} byte cap; release finished sequences",
-                self.cfg.max_state_bytes
-            );
-        }
-        let mut out = Vec::with_capacity(seqs.len());
-        for &s in seqs.iter().rev() {
-            let heads = sels.split_off(sels.len() - hk);
-            out.push((s, heads));
-        }
-        Ok(out)
+    fn call_ctx(&self) -> CallCtx<'_> {
+        CallCtx { cfg: &self.cfg, policy: &self.policy, pool: &self.pool, sequences: &self.sequences, meta: &self.meta, visits: &self.visits, spec_budgets: &self.spec_budgets }
     }
 
     fn record(&self, layer: usize, c: &Counters) {

@@ -30,6 +30,55 @@ pub fn fast_exp(x: f32) -> f32 {
     }
 }
 
+/// `tanh` for the policies' decisions (soft-capped scores in top-p estimates and SnapKV's choice):
+/// `sign(x) · (1 − e) / (1 + e)` with `e = fast_exp(−2|x|)`, every operation rounded on its own, so the
+/// CUDA selection kernels (`kernels/decide.cuh`) compute the same bits. Absolute error below 1e-7; the
+/// relative error grows near 0 (3e-4 at |x| = 1e-4), which only perturbs estimates, never attention.
+#[inline]
+pub fn decision_tanh(x: f32) -> f32 {
+    let e = fast_exp(-2.0 * x.abs());
+    ((1.0 - e) / (1.0 + e)).copysign(x)
+}
+
+/// Soft-cap of a logit for the decisions: `cap · tanh(x / cap)` with [`decision_tanh`] (0 = off).
+#[inline]
+pub fn decision_softcap(x: f32, cap: f32) -> f32 {
+    if cap > 0.0 {
+        cap * decision_tanh(x / cap)
+    } else {
+        x
+    }
+}
+
+/// Dot product in the decisions' fixed order: eight lane sums over `i ≡ l (mod 8)`, each product rounded
+/// before it is added (no fused multiply-add), then the lanes added in order 0..7. `a.len()` must be a
+/// multiple of 8 (every supported head size is). Vectorises on the CPU; the CUDA kernels repeat it.
+#[inline(always)]
+pub fn decision_dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert!(a.len() % 8 == 0 && a.len() == b.len());
+    let mut acc = [0f32; 8];
+    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = acc[0];
+    for &v in &acc[1..] {
+        s += v;
+    }
+    s
+}
+
+/// Sum in order (the decisions' fixed order for `Σ q`).
+#[inline]
+pub fn ordered_sum(a: &[f32]) -> f32 {
+    let mut s = 0f32;
+    for &v in a {
+        s += v;
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -48,5 +97,18 @@ mod tests {
         assert_eq!(fast_exp(f32::NEG_INFINITY), 0.0);
         assert_eq!(fast_exp(-1000.0), 0.0);
         assert_eq!(fast_exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn decision_tanh_is_close_to_tanh() {
+        let mut x = -20.0f32;
+        while x <= 20.0 {
+            let (got, want) = (decision_tanh(x) as f64, (x as f64).tanh());
+            assert!((got - want).abs() < 2e-7 + 1e-6 * want.abs(), "{x}: {got} vs {want}");
+            x += 0.0031;
+        }
+        assert!(decision_tanh(f32::NAN).is_nan());
+        assert_eq!(decision_tanh(f32::INFINITY), 1.0);
+        assert_eq!(decision_softcap(3.0, 0.0), 3.0);
     }
 }

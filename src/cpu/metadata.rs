@@ -52,7 +52,8 @@ pub struct LayerMeta {
     qmin: Vec<u16>,
     qmax: Vec<u16>,
     codes: Vec<u8>,
-    qparams: Vec<(f32, f32)>,
+    /// Per row: fp16 bits of (min, scale).
+    qparams: Vec<(u16, u16)>,
 }
 
 impl LayerMeta {
@@ -73,12 +74,12 @@ impl LayerMeta {
             qmin: vec![F16_POS_INF; qn],
             qmax: vec![F16_NEG_INF; qn],
             codes: vec![0; rows * code_bytes(d)],
-            qparams: vec![(0.0, 0.0); rows],
+            qparams: vec![(0, 0); rows],
         }
     }
 
     pub fn bytes(&self) -> usize {
-        self.filled.len() * 32 + (self.qmin.len() + self.qmax.len()) * 2 + self.codes.len() + self.qparams.len() * 8
+        self.filled.len() * 32 + (self.qmin.len() + self.qmax.len()) * 2 + self.codes.len() + self.qparams.len() * 4
     }
 
     #[inline]
@@ -124,7 +125,7 @@ impl LayerMeta {
     pub fn row_q4(&self, block: usize, off: usize, head: usize) -> (&[u8], f32, f32) {
         let r = (block * self.block_size + off) * self.kv_heads + head;
         let cb = code_bytes(self.dim);
-        let (mn, sc) = self.qparams[r];
+        let (mn, sc) = super::quantize::params_f32(self.qparams[r]);
         (&self.codes[r * cb..(r + 1) * cb], mn, sc)
     }
 

@@ -4,6 +4,7 @@ pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod cache_write;
+pub mod call;
 pub mod convert;
 pub mod forward;
 pub mod isa;

@@ -6,10 +6,14 @@
 //! `budget` counts prompt tokens kept, the window included: `budget - window` positions are chosen from
 //! the prefix (all of them when the prompt fits the budget). A later prefill chunk of the same sequence
 //! replaces the choice, so the last chunk before decoding decides.
+//!
+//! The scores use the decisions' fixed arithmetic (`math::decision_dot`, `fast_exp`, `decision_softcap`)
+//! so that the CUDA prefill kernel makes the same choice bit for bit.
 
 use super::attention::RowLimits;
 use super::convert::{load_row, Portable};
 use super::forward::ForwardIo;
+use super::math::{decision_dot, decision_softcap, fast_exp};
 use crate::policy::select::{max_pool, top_k_positions};
 use crate::policy::SnapSelection;
 
@@ -43,11 +47,7 @@ pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usiz
         for r in 0..rows {
             let RowLimits { lo, hi } = lim[r];
             if (lo..=hi).contains(&pos) {
-                let mut x = dot(&q[r * d..(r + 1) * d], &k);
-                if io.params.softcap > 0.0 {
-                    x = io.params.softcap * (x / io.params.softcap).tanh();
-                }
-                logits[r * width + pos] = x;
+                logits[r * width + pos] = decision_softcap(decision_dot(&q[r * d..(r + 1) * d], &k), io.params.softcap);
             }
         }
     }
@@ -62,7 +62,7 @@ pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usiz
         }
         let mut z = 0f64;
         for x in row.iter_mut() {
-            *x = (*x - m).exp();
+            *x = fast_exp(*x - m);
             z += *x as f64;
         }
         let h = r % g;
@@ -75,16 +75,4 @@ pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usiz
     let mut keep = top_k_positions(&pooled, k_prefix);
     keep.extend(obs_start as u32..len as u32);
     SnapSelection { prefill_len: len, keep }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }

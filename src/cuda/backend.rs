@@ -20,6 +20,8 @@ use crate::config::EngineConfig;
 use crate::engine::{CacheWriteArgs, ForwardArgs, MergeArgs};
 use crate::error::Result;
 use crate::layout::KvCache;
+use crate::policy::Pipeline;
+use crate::stats::{Counters, VisitRecord};
 use crate::tensor::{DType, TensorRef};
 use crate::{bail, ensure};
 
@@ -76,7 +78,18 @@ impl CudaBackend {
 
     /// Paged varlen attention on the device. `cache` and the query/output tensors were validated by the
     /// engine; the metadata tensors are validated here (shape, dtype, device; not their contents).
-    pub fn forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache) -> Result<()> {
+    pub fn forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, pipeline: Option<&Pipeline>) -> Result<Counters> {
+        ensure!(pipeline.is_none(), Unsupported, "the CUDA backend runs dense attention only; policy {:?} is not available on it yet", cfg.policy);
+        self.dense_forward(cfg, a, cache)?;
+        Ok(Counters { calls: 1, ..Default::default() })
+    }
+
+    /// The visit records of the last policy call (evaluation; synchronizes).
+    pub fn visit_records(&self, _cfg: &EngineConfig, _a: &ForwardArgs) -> Result<Vec<VisitRecord>> {
+        Ok(Vec::new())
+    }
+
+    fn dense_forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache) -> Result<()> {
         let dev = cfg.device;
         let num_tokens = a.query.dim(0);
         a.block_table.expect("block_table", 2, &[DType::I32], dev)?;

@@ -8,6 +8,7 @@
 //! Stateful stages keep per-(sequence, layer, KV head) state in [`SequencePolicyState`], owned by the
 //! engine's sequence registry: created on first use, freed by `kvs_sequence_release`.
 
+pub mod plan;
 pub mod predictor;
 pub mod refresh;
 pub mod select;
@@ -21,6 +22,7 @@ use std::sync::Arc;
 
 use crate::cpu::metadata::MetaNeeds;
 use crate::error::Result;
+pub use plan::HeadPlan;
 pub use spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
 
 /// A parsed policy spec. The empty spec and `dense` mean dense attention everywhere.

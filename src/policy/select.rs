@@ -4,6 +4,11 @@
 //! kernels actually load), stored as sorted, disjoint spans, with a priority score (Quest's bound, SnapKV's
 //! pooled attention, top-p's estimated mass; NaN when the selector has none) and a `sink` flag (units holding
 //! the first tokens, which ART visits first). Pure decisions: the scores come from `cpu::sparse`.
+//!
+//! Each selector writes a [`HeadPlan`] (the contract with the kernels); the CPU engine builds its
+//! [`Candidates`] from that plan, so both backends attend exactly what the plan says.
+
+use super::plan::HeadPlan;
 
 /// One candidate unit: spans `spans[span_lo..span_hi]` of [`Candidates`], all inside logical block `block`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -70,6 +75,13 @@ impl Candidates {
         }
     }
 
+    /// Builds units from a plan's positions inside `lo..=hi` (`spans` is scratch).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_plan(&mut self, plan: &HeadPlan, lo: usize, hi: usize, block_size: usize, sink_limit: usize, score: impl Fn(usize) -> f32, spans: &mut Vec<(usize, usize)>) {
+        plan.spans(lo, hi, spans);
+        self.from_spans(spans, block_size, sink_limit, score);
+    }
+
     pub fn unit_spans(&self, u: &Unit) -> &[(usize, usize)] {
         &self.spans[u.span_lo as usize..u.span_hi as usize]
     }
@@ -93,16 +105,18 @@ pub fn normalize_spans(spans: &mut Vec<(usize, usize)>) {
     *spans = out;
 }
 
-/// `all`: every position in `lo..=hi`.
-pub fn all(c: &mut Candidates, lo: usize, hi: usize, block_size: usize) {
-    c.from_spans(&[(lo, hi + 1)], block_size, 1, |_| f32::NAN);
+/// `all`: every position in `lo..=hi`, as the plan of the blocks that hold them.
+pub fn all(plan: &mut HeadPlan, lo: usize, hi: usize, block_size: usize) {
+    plan.clear(block_size.trailing_zeros());
+    plan.entries.extend((lo / block_size) as u32..=(hi / block_size) as u32);
 }
 
-/// `streaming(sink, recent)`: the first `sink` and the last `recent` visible positions.
-pub fn streaming(c: &mut Candidates, lo: usize, hi: usize, sink: usize, recent: usize, block_size: usize) {
+/// `streaming(sink, recent)`: the first `sink` and the last `recent` visible positions, as a token plan
+/// in increasing position order.
+pub fn streaming(plan: &mut HeadPlan, lo: usize, hi: usize, sink: usize, recent: usize) {
     let mut spans = vec![(lo, sink.min(hi + 1).max(lo)), ((hi + 1).saturating_sub(recent).max(lo), hi + 1)];
     normalize_spans(&mut spans);
-    c.from_spans(&spans, block_size, sink.max(1), |_| f32::NAN);
+    plan.set_tokens_from_spans(&spans);
 }
 
 /// `quest(budget, page, sink)`: keeps the page holding the decode token (the last page offered) and the
@@ -136,23 +150,20 @@ pub fn quest_pages(page_scores: &[f32], first_page: usize, budget: usize, page: 
     idx.into_iter().map(|i| i + first_page).collect()
 }
 
-/// Quest's candidates from kept pages (clipped to `lo..=hi`), each unit scored by its page's bound; units
-/// below `sink` are sinks (visited first by ART).
-#[allow(clippy::too_many_arguments)]
-pub fn quest(c: &mut Candidates, kept_pages: &[usize], page_scores: &[f32], first_page: usize, lo: usize, hi: usize, page: usize, block_size: usize, sink: usize) {
-    let mut spans: Vec<(usize, usize)> = kept_pages.iter().map(|&p| ((p * page).max(lo), ((p + 1) * page).min(hi + 1))).collect();
-    normalize_spans(&mut spans);
-    // A unit lies in one block; with page >= block_size that block lies in one page.
-    let score = |blk: usize| {
-        let p = (blk * block_size) / page;
-        if page >= block_size {
-            page_scores[p - first_page]
-        } else {
-            // Several pages per block: the block's priority is its best kept page.
-            kept_pages.iter().filter(|&&q| q * page / block_size == blk).map(|&q| page_scores[q - first_page]).fold(f32::NEG_INFINITY, f32::max)
-        }
-    };
-    c.from_spans(&spans, block_size, sink.max(1), score);
+/// Quest's plan: the kept pages (increasing), at page granularity.
+pub fn quest(plan: &mut HeadPlan, kept_pages: &[usize], page: usize) {
+    plan.clear(page.trailing_zeros());
+    plan.entries.extend(kept_pages.iter().map(|&p| p as u32));
+}
+
+/// The priority of logical block `blk` under Quest (ART's `order=priority`): its page's bound, or with
+/// several pages per block the best kept one.
+pub fn quest_block_score(blk: usize, kept_pages: &[usize], page_scores: &[f32], first_page: usize, page: usize, block_size: usize) -> f32 {
+    if page >= block_size {
+        page_scores[(blk * block_size) / page - first_page]
+    } else {
+        kept_pages.iter().filter(|&&q| q * page / block_size == blk).map(|&q| page_scores[q - first_page]).fold(f32::NEG_INFINITY, f32::max)
+    }
 }
 
 /// SnapKV: 1-D max pooling of `scores` with a centred window of `pool` (odd) positions.
@@ -198,11 +209,15 @@ mod tests {
 
     #[test]
     fn streaming_covers_everything_when_window_is_long() {
+        let mut p = HeadPlan::default();
+        streaming(&mut p, 0, 99, 4, 200);
+        assert_eq!(p.entries, (0..100).collect::<Vec<u32>>());
+        streaming(&mut p, 0, 99, 4, 10);
         let mut c = Candidates::default();
-        streaming(&mut c, 0, 99, 4, 200, 16);
-        assert_eq!(c.spans.iter().map(|s| s.1 - s.0).sum::<usize>(), 100);
-        streaming(&mut c, 0, 99, 4, 10, 16);
+        c.from_plan(&p, 0, 99, 16, 4, |_| f32::NAN, &mut Vec::new());
         assert_eq!(c.spans, vec![(0, 4), (90, 96), (96, 100)]);
+        all(&mut p, 5, 40, 16);
+        assert_eq!((p.unit_log2, p.entries.clone()), (4, vec![0, 1, 2]));
     }
 
     #[test]

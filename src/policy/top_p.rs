@@ -8,7 +8,9 @@
 //! As in the paper's Algorithm 1 the threshold is found by binary search on `t` with an epsilon stop
 //! (`EPS` × the largest weight); the few tokens whose weight falls inside the final bracket are then added
 //! in decreasing weight until the mass is reached, so the result is exactly minimal (checked against
-//! sort-and-accumulate in the tests), not just minimal up to epsilon.
+//! sort-and-accumulate in the tests), not just minimal up to epsilon. Equivalently: the shortest prefix of
+//! the candidates sorted by weight (descending; equal weights by position, ascending) that reaches the
+//! mass for every row, which is how the CUDA kernel finds the same set (a radix search on the weights).
 
 /// Relative width of the bracket at which the binary search stops.
 pub const EPS: f32 = 1e-3;
@@ -77,7 +79,8 @@ pub fn select(p_rows: &[f32], rows: usize, n: usize, p: f32, w: &mut Vec<f32>, k
             band.push(j);
         }
     }
-    band.sort_unstable_by(|&a, &b| w[b].total_cmp(&w[a]));
+    // Ties in weight: the earlier position first (the documented rule the CUDA kernel follows too).
+    band.sort_unstable_by(|&a, &b| w[b].total_cmp(&w[a]).then(a.cmp(&b)));
     for j in band {
         if mass.iter().zip(&target).all(|(m, t)| m >= t) {
             break;

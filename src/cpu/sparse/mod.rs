@@ -29,7 +29,7 @@ use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
 use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
 use crate::policy::termination::{order_units, probe_dims, ArtState};
 use crate::policy::predictor::{self, PredictorHead, PredictorWeights};
-use crate::policy::{top_p, Pipeline, PredictorSpec, Refresh, Selector, SnapSelection, Speculate};
+use crate::policy::{top_p, HeadPlan, Pipeline, PredictorSpec, Refresh, Selector, SnapSelection, Speculate};
 use crate::sequences::SequenceState;
 use crate::stats::{Counters, VisitRecord};
 
@@ -59,6 +59,8 @@ struct HeadWork {
     head: usize,
     q: Vec<f32>,
     limits: Vec<RowLimits>,
+    /// The row's plan (what the selector and top-p chose), and the candidate units built from it.
+    plan: HeadPlan,
     cand: Candidates,
     st: Option<RowsState>,
     order: Vec<usize>,
@@ -347,16 +349,22 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
         }
     }
 
-    // 1. Select.
+    // 1. Select: the selector writes the row's plan; the candidates are built from it.
+    let mut sink_limit = 1;
     match p.selector {
-        Selector::All => select::all(&mut hw.cand, lim.lo, lim.hi, bs),
-        Selector::Streaming { sink, recent } => select::streaming(&mut hw.cand, lim.lo, lim.hi, sink, recent, bs),
+        Selector::All => select::all(&mut hw.plan, lim.lo, lim.hi, bs),
+        Selector::Streaming { sink, recent } => {
+            select::streaming(&mut hw.plan, lim.lo, lim.hi, sink, recent);
+            sink_limit = sink.max(1);
+        }
         Selector::Quest { budget, page, sink } => {
             let meta = ctx.meta.expect("engine checked quest metadata");
             let first_page = lim.lo / page;
             meta_bytes += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
             let kept = select::quest_pages(&sc.page_scores, first_page, budget, page, sink);
-            select::quest(&mut hw.cand, &kept, &sc.page_scores, first_page, lim.lo, lim.hi, page, bs, sink);
+            select::quest(&mut hw.plan, &kept, page);
+            let scores = &sc.page_scores;
+            hw.cand.from_plan(&hw.plan, lim.lo, lim.hi, bs, sink.max(1), |blk| select::quest_block_score(blk, &kept, scores, first_page, page, bs), &mut sc.part);
         }
         Selector::SnapKv { .. } => match &snap {
             Some(sel) => {
@@ -364,17 +372,21 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
                 // tokens); the row's own position is always attended, even if the sequence is now shorter
                 // than the prompt the choice was made for.
                 let cut = sel.prefill_len.min(lim.hi).max(lim.lo);
-                let fixed = sel.keep.iter().map(|&t| t as usize).filter(|&t| t >= lim.lo && t < cut);
-                let generated = cut..lim.hi + 1;
-                hw.cand.from_tokens(fixed.chain(generated), bs, 1, |_| f32::NAN);
+                let fixed = sel.keep.iter().copied().filter(|&t| t as usize >= lim.lo && (t as usize) < cut);
+                hw.plan.clear(0);
+                hw.plan.entries.extend(fixed.chain(cut as u32..lim.hi as u32 + 1));
             }
             // No prefill was seen for this sequence and layer: nothing to choose from, attend everything.
-            None => select::all(&mut hw.cand, lim.lo, lim.hi, bs),
+            None => select::all(&mut hw.plan, lim.lo, lim.hi, bs),
         },
         Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_) => unreachable!("stateful selectors run in their own item functions"),
     }
+    if !matches!(p.selector, Selector::Quest { .. }) {
+        hw.cand.from_plan(&hw.plan, lim.lo, lim.hi, bs, sink_limit, |_| f32::NAN, &mut sc.part);
+    }
 
-    // 2. Prune: Twilight top-p on INT4 estimates.
+    // 2. Prune: Twilight top-p on INT4 estimates, over the selector's positions; the plan becomes the kept
+    // tokens.
     if let Some(tp) = p.top_p {
         let meta = ctx.meta.expect("engine checked int4 metadata");
         sc.tokens.clear();
@@ -383,16 +395,18 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
         }
         let n = sc.tokens.len();
         c.top_p_candidates += n as u64;
-        meta_bytes += (n * (code_bytes(d) + 8)) as u64;
+        meta_bytes += (n * (code_bytes(d) + 4)) as u64;
         estimate_weights(&hw.q, g, d, &sc.tokens, blocks, bs, head, meta, io.params.softcap, &mut sc.p_rows);
         let kept = top_p::select(&sc.p_rows, g, n, tp.p, &mut sc.w, &mut sc.keep);
         c.top_p_kept += kept as u64;
-        // Rebuild the units from the kept tokens; a unit's priority becomes its estimated mass.
+        // A unit's priority becomes its estimated mass.
         let mut mass: Vec<(usize, f32)> = Vec::new();
+        hw.plan.clear(0);
         for (j, &t) in sc.tokens.iter().enumerate() {
             if !sc.keep[j] {
                 continue;
             }
+            hw.plan.entries.push(t);
             let wj = (0..g).map(|r| sc.p_rows[r * n + j]).fold(0f32, f32::max);
             let blk = t as usize / bs;
             match mass.last_mut() {
@@ -400,9 +414,8 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
                 _ => mass.push((blk, wj)),
             }
         }
-        let kept_iter = sc.tokens.iter().zip(&sc.keep).filter(|(_, &k)| k).map(|(&t, _)| t as usize);
         let score = |blk: usize| mass.binary_search_by_key(&blk, |m| m.0).map_or(f32::NAN, |i| mass[i].1);
-        hw.cand.from_tokens(kept_iter, bs, 1, score);
+        hw.cand.from_plan(&hw.plan, lim.lo, lim.hi, bs, 1, score, &mut sc.part);
     }
 
     // 3. Order (ART) or coalesce (units split spans at block boundaries; merge them so chunks stay full).

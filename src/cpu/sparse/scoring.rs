@@ -137,68 +137,48 @@ fn quest_scores_generic<I: Isa>(q: &[f32], rows: usize, d: usize, lim: RowLimits
 }
 
 /// Estimated softmax weights (`rows × n`, each row normalised to sum 1) of the candidate `tokens` from the
-/// INT4 copy of K; `q` holds the scaled query rows. Codes are unpacked 32 tokens at a time and scored with
-/// the same register-blocked kernel as exact attention: `q·k̂ = min·Σq + scale·(q·codes)`.
+/// INT4 copy of K; `q` holds the scaled query rows. `q·k̂ = min·Σq + scale·(q·codes)`, soft-capped, then
+/// a softmax per row. The arithmetic is the decisions' fixed order (`math::decision_dot`, products rounded
+/// on their own, the normaliser summed in f64), which the CUDA top-p kernel repeats bit for bit.
 #[allow(clippy::too_many_arguments)]
 pub fn estimate_weights(q: &[f32], rows: usize, d: usize, tokens: &[u32], blocks: &[u32], bs: usize, head: usize, meta: &LayerMeta, softcap: f32, out: &mut Vec<f32>) {
-    match isa::detected() {
-        #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx2 => unsafe { estimate_avx2(q, rows, d, tokens, blocks, bs, head, meta, softcap, out) },
-        IsaLevel::Portable => estimate_generic::<Portable>(q, rows, d, tokens, blocks, bs, head, meta, softcap, out),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn estimate_avx2(q: &[f32], rows: usize, d: usize, tokens: &[u32], blocks: &[u32], bs: usize, head: usize, meta: &LayerMeta, softcap: f32, out: &mut Vec<f32>) {
-    estimate_generic::<crate::cpu::convert::Avx2>(q, rows, d, tokens, blocks, bs, head, meta, softcap, out)
-}
-
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn estimate_generic<I: Isa>(q: &[f32], rows: usize, d: usize, tokens: &[u32], blocks: &[u32], bs: usize, head: usize, meta: &LayerMeta, softcap: f32, out: &mut Vec<f32>) {
+    use crate::cpu::math::{decision_dot, decision_softcap, ordered_sum};
     let n = tokens.len();
     out.clear();
     out.resize(rows * n, 0.0);
-    let sums: Vec<f32> = (0..rows).map(|r| q[r * d..(r + 1) * d].iter().sum()).collect();
-    let mut kbuf = vec![0f32; CHUNK * d];
-    let mut sc = vec![0f32; rows * CHUNK];
-    let mut prm = [(0f32, 0f32); CHUNK];
-    for (ci, part) in tokens.chunks(CHUNK).enumerate() {
-        for (jj, &t) in part.iter().enumerate() {
-            let t = t as usize;
-            let (codes, mn, scl) = meta.row_q4(blocks[t / bs] as usize, t % bs, head);
-            prm[jj] = (mn, scl);
-            for (pair, &byte) in kbuf[jj * d..(jj + 1) * d].chunks_exact_mut(2).zip(codes) {
-                pair[0] = (byte & 15) as f32;
-                pair[1] = (byte >> 4) as f32;
-            }
+    let sums: Vec<f32> = (0..rows).map(|r| ordered_sum(&q[r * d..(r + 1) * d])).collect();
+    let mut codes = vec![0f32; d];
+    for (j, &t) in tokens.iter().enumerate() {
+        let t = t as usize;
+        let (packed, mn, scl) = meta.row_q4(blocks[t / bs] as usize, t % bs, head);
+        for (pair, &byte) in codes.chunks_exact_mut(2).zip(packed) {
+            pair[0] = (byte & 15) as f32;
+            pair[1] = (byte >> 4) as f32;
         }
-        I::scores(&mut sc, q, &kbuf, rows, part.len(), d);
         for r in 0..rows {
-            for (jj, &(mn, scl)) in prm[..part.len()].iter().enumerate() {
-                let mut x = mn * sums[r] + scl * sc[r * CHUNK + jj];
-                if softcap > 0.0 {
-                    x = softcap * (x / softcap).tanh();
-                }
-                out[r * n + ci * CHUNK + jj] = x;
-            }
+            let dot = decision_dot(&q[r * d..(r + 1) * d], &codes);
+            out[r * n + j] = decision_softcap(mn * sums[r] + scl * dot, softcap);
         }
     }
     for r in 0..rows {
-        let row = &mut out[r * n..(r + 1) * n];
-        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut z = 0f32;
+        softmax_decision(&mut out[r * n..(r + 1) * n]);
+    }
+}
+
+/// In-place softmax of one row of logits in the decisions' fixed arithmetic: `e = fast_exp(x − max)`,
+/// the normaliser summed in f64, `p = e · f32(1 / z)`. A row whose maximum is -inf or NaN is left as
+/// zeros or NaN respectively.
+pub fn softmax_decision(row: &mut [f32]) {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut z = 0f64;
+    for x in row.iter_mut() {
+        *x = fast_exp(*x - m);
+        z += *x as f64;
+    }
+    if z > 0.0 {
+        let inv = (1.0 / z) as f32;
         for x in row.iter_mut() {
-            *x = fast_exp(*x - m);
-            z += *x;
-        }
-        if z > 0.0 {
-            let inv = 1.0 / z;
-            for x in row.iter_mut() {
-                *x *= inv;
-            }
+            *x *= inv;
         }
     }
 }
