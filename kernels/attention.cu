@@ -17,7 +17,8 @@
 // nothing). No index derived from metadata is used unchecked.
 //
 // Compile-time parameters (NVRTC -D): KVS_DTYPE, HEAD_DIM, GQ (query heads per CTA), GROUP (query heads
-// per KV head), LOAD_BYTES (16, or the element size for unaligned caches), KB (keys per lane group batch).
+// per KV head), LOAD_BYTES (16, or the element size for unaligned caches), KB (keys per lane group batch),
+// PLAN (1: decode rows walk their visit plan's keys, as in attention_mma.cu).
 
 #define NWARPS 4
 #define NTHREADS (NWARPS * 32)
@@ -61,16 +62,27 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                float scale, float softcap, int window, int chunk,
                elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2,
                float* __restrict__ lse, i64 l0, i64 l1,
-               float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads) {
+               float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads,
+               PlanRef plan, int mode) {
     const int t = blockIdx.x, hg = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int li = lane % LPK, gid = warp * GPW + lane / LPK;
     const int h0 = hg * GQ, kvh = h0 / GROUP;
 
     const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
+    if (!kvs_row_served(mode, row.qlen)) return;  // another launch of this call serves the row
+#if PLAN
+    const int pl = min(max(plan.len[row.seq * plan.hk + kvh], 0), plan.cap);
+    const int nkeys = pl << plan.ulog2;
+    const unsigned* pe = plan.e + row.seq * plan.p_s + kvh * plan.p_h;
+    const int umask = (1 << plan.ulog2) - 1;
+    const int s_lo = split * chunk;
+    const int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * chunk, nkeys) - 1;
+#else
     int s_lo = split * chunk, s_hi = (split == nsplit - 1) ? 0x7fffffff : (split + 1) * chunk - 1;
     s_lo = max(s_lo, row.lo);
     s_hi = min(s_hi, row.hi);
+#endif
 
     // Query rows for this lane's vectors, pre-scaled (base-2 logits unless a soft-cap needs natural ones).
     const float qscale = softcap > 0.f ? scale : scale * KVS_LOG2E;
@@ -103,8 +115,18 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         bool valid[KB];
 #pragma unroll
         for (int j = 0; j < KB; ++j) {
+#if PLAN
+            const int g = base + gid * KB + j;
+            int p = 0;
+            valid[j] = g <= s_hi;
+            if (valid[j]) {
+                p = (int)((pe[g >> plan.ulog2] << plan.ulog2) | (unsigned)(g & umask));
+                valid[j] = p >= row.lo && p <= row.hi;
+            }
+#else
             int p = base + gid * KB + j;
             valid[j] = p <= s_hi;
+#endif
             i64 blk = 0;
             if (valid[j]) {
                 blk = bt_row[(i64)(p >> bs_log2) * bt1];

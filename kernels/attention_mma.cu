@@ -18,7 +18,9 @@
 // Bounds: identical contract to kvs_attn_split (positions clamped, out-of-range block ids masked; no index
 // derived from metadata is used unchecked). Needs: 16-byte aligned K/V rows and strides, HEAD_DIM % 16 == 0.
 //
-// Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT.
+// Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT, PLAN.
+// PLAN=1: decode rows read their visit plan (src/policy/plan.rs, kernels/select.cu) instead of the
+// sequence's positions; a split is a range of plan keys; the visible range still masks every key.
 // Dynamic shared memory: kvs_mma_smem_bytes() below (the host computes the same formula).
 
 #define NTHREADS (NWARPS * 32)
@@ -100,7 +102,8 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
              float scale, float softcap, int window, int chunk,
              elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2,
              float* __restrict__ lse, i64 l0, i64 l1,
-             float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads) {
+             float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads,
+             PlanRef plan, int mode) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ unsigned sm_mask[NWARPS][NSTAGE];
     const int t = blockIdx.x, hg = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
@@ -109,9 +112,20 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int h0 = hg * GQ, kvh = h0 / GROUP;
 
     const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
+    if (!kvs_row_served(mode, row.qlen)) return;  // another launch of this call serves the row
+#if PLAN
+    // Plan mode: this split walks plan keys [s_lo, s_hi] (key g = position (e[g >> ulog2] << ulog2) | low bits).
+    const int pl = min(max(plan.len[row.seq * plan.hk + kvh], 0), plan.cap);
+    const int nkeys = pl << plan.ulog2;
+    const unsigned* pe = plan.e + row.seq * plan.p_s + kvh * plan.p_h;
+    const int umask = (1 << plan.ulog2) - 1;
+    const int s_lo = split * chunk;
+    const int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * chunk, nkeys) - 1;
+#else
     int s_lo = split * chunk, s_hi = (split == nsplit - 1) ? 0x7fffffff : (split + 1) * chunk - 1;
     s_lo = max(s_lo, row.lo);
     s_hi = min(s_hi, row.hi);
+#endif
 
     // Q as the A operand (raw cache-type bits; the scale is applied to S in f32).
     unsigned qa[KSTEPS][4];
@@ -146,8 +160,19 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     auto load = [&](int k, int st) {
         if (k < my_n) {
             const int pb = tb0 + (warp + k * NWARPS) * 16;
-            const int key = lane & 15, p = pb + key;
+            const int key = lane & 15;
+#if PLAN
+            int p = -1;
+            bool ok = pb + key <= s_hi;
+            if (ok) {
+                const int g = pb + key;
+                p = (int)((pe[g >> plan.ulog2] << plan.ulog2) | (unsigned)(g & umask));
+                ok = p >= row.lo && p <= row.hi;
+            }
+#else
+            const int p = pb + key;
             bool ok = p >= s_lo && p <= s_hi;
+#endif
             int blk = 0;
             if (ok) {
                 blk = bt_row[(i64)(p >> bs_log2) * bt1];
@@ -161,7 +186,11 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                 const int c = i * 32 + lane, kr = c / CPR, cc = c % CPR;
                 const int b = __shfl_sync(0xffffffffu, blk, kr);
                 const bool v = (msk >> kr) & 1;
+#if PLAN
+                const i64 off = __shfl_sync(0xffffffffu, p, kr) & bmask;
+#else
                 const i64 off = (pb + kr) & bmask;
+#endif
                 const elem_t* ks = v ? kh + (i64)b * k0 + off * k1 + cc * 8 : kc;
                 const elem_t* vs = v ? vh + (i64)b * v0 + off * v1 + cc * 8 : vc;
                 cp_async16(kdst + kr * ROWB + cc * 16, ks, v ? 16 : 0);

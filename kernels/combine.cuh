@@ -3,6 +3,7 @@
 // block reductions over splits, and each element d of the head is accumulated by blockDim/HEAD_DIM
 // threads, each over its own subset of splits (independent loads in flight), then summed in shared
 // memory. Launch with a multiple of HEAD_DIM threads, at most 1024. Needs HEAD_DIM and elem_t/ET.
+// `mode` skips the rows another launch of the same call serves (common.cuh MODE_*).
 
 __device__ __forceinline__ float kvs_block_reduce(float v, bool is_max, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
@@ -21,10 +22,12 @@ __device__ __forceinline__ float kvs_block_reduce(float v, bool is_max, float* r
 
 extern "C" __global__ void __launch_bounds__(1024)
 kvs_attn_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse, int nsplit, int num_q_heads,
-                 elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2, float* __restrict__ lse, i64 l0, i64 l1) {
+                 elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2, float* __restrict__ lse, i64 l0, i64 l1,
+                 const int* __restrict__ qsl, i64 qsl0, int num_seqs, int mode) {
     __shared__ float red[32];
     __shared__ float part[1024];
     const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    if (mode != MODE_ALL && !kvs_row_served(mode, kvs_token_qlen(t, qsl, qsl0, num_seqs))) return;
     const i64 base = ((i64)t * num_q_heads + h) * nsplit;
     float mx = -INFINITY;
     for (int s = tid; s < nsplit; s += blockDim.x) mx = fmaxf(mx, ws_lse[base + s]);

@@ -49,6 +49,7 @@ typedef ET::S elem_t;
 struct RowInfo {
     int seq;
     int lo, hi;  // inclusive visible key positions; hi < lo means the row sees nothing
+    int qlen;    // query tokens of the sequence (1 = a decode row, which policies plan)
 };
 
 __device__ __forceinline__ RowInfo locate(int t, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs,
@@ -62,6 +63,7 @@ __device__ __forceinline__ RowInfo locate(int t, const int* qsl, i64 qsl0, const
     RowInfo r;
     r.seq = lo;
     int q0 = qsl[lo * qsl0], q1 = qsl[(lo + 1) * qsl0];
+    r.qlen = q1 - q0;
     int len = seq_lens[lo * sl0];
     len = len < 0 ? 0 : (len > max_pos ? max_pos : len);
     int pos = len - (q1 - q0) + (t - q0);
@@ -70,3 +72,30 @@ __device__ __forceinline__ RowInfo locate(int t, const int* qsl, i64 qsl0, const
     r.lo = (window > 0 && pos + 1 - window > 0) ? pos + 1 - window : 0;
     return r;
 }
+
+// Which rows a launch serves: every row (0), only decode rows of a policy layer, attended through their
+// plans (1), or only the other rows of a policy layer, attended densely (2).
+#define MODE_ALL 0
+#define MODE_PLAN 1
+#define MODE_DENSE_REST 2
+__device__ __forceinline__ bool kvs_row_served(int mode, int qlen) {
+    return mode == MODE_ALL || ((mode == MODE_PLAN) == (qlen == 1));
+}
+
+// Query length of the sequence that token t belongs to (as locate() finds it).
+__device__ __forceinline__ int kvs_token_qlen(int t, const int* qsl, i64 qsl0, int num_seqs) {
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (qsl[mid * qsl0] <= t) lo = mid; else hi = mid - 1;
+    }
+    return qsl[(lo + 1) * qsl0] - qsl[lo * qsl0];
+}
+
+// The plan a decode row reads (PLAN=1 variants): entries of (1 << ulog2) positions, plan_len[seq*hk+kvh].
+struct PlanRef {
+    const unsigned* e;
+    i64 p_s, p_h;
+    const int* len;
+    int ulog2, hk, cap;
+};

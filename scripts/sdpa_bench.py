@@ -9,7 +9,12 @@ from torch.nn.attention import sdpa_kernel, SDPBackend
 ap = argparse.ArgumentParser()
 ap.add_argument("--csv", required=True)
 ap.add_argument("--max-kv-gib", type=float, default=40.0)
+ap.add_argument("--batch", default="1,4,16,32,64,128", help="comma-separated batch sizes")
+ap.add_argument("--ctx", default="1024,4096,16384,32768,131072", help="comma-separated context lengths")
+ap.add_argument("--heads", default="32/8,64/8", help="comma-separated Q/KV head pairs")
 args = ap.parse_args()
+ints = lambda s: [int(x) for x in s.split(",") if x]
+HEADS = [tuple(int(y) for y in x.split("/")) for x in args.heads.split(",") if x]
 dev = torch.device("cuda")
 D = 128
 L2 = 50 << 20
@@ -38,9 +43,9 @@ copy = 2 * n / (copy_ms * 1e-3) / 1e9
 del a, b
 print(f"torch device-to-device copy: {copy:.0f} GB/s", flush=True)
 rows = []
-for hq, hk in [(32, 8), (64, 8)]:
-    for B in [1, 4, 16, 32, 64, 128]:
-        for L in [1024, 4096, 16384, 32768, 131072]:
+for hq, hk in HEADS:
+    for B in ints(args.batch):
+        for L in ints(args.ctx):
             kv = B * L * hk * D * 2 * 2
             if kv > args.max_kv_gib * (1 << 30) or kv + (4 << 30) > torch.cuda.mem_get_info()[0]:
                 print(f"{B:5d} {L:7d} {hq}/{hk} skipped", flush=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the release binaries here and copies what a GPU run needs into $1 (default /work/main/.device):
-# the CLI, the CUDA test binary (debug info stripped), gpu-check.sh and the SDPA script.
+# the CLI, the CUDA test binaries (debug info stripped), the GPU run scripts and the SDPA script.
 set -euo pipefail
 dest=${1:-/work/main/.device}
 cd "$(dirname "$0")/.."
@@ -8,8 +8,9 @@ cargo build --release --bins -q
 cargo test --release --no-run -q 2>/dev/null || true
 mkdir -p "$dest/bin"
 cp target/release/kvsparse "$dest/bin/kvsparse"
-t=$(ls -t target/release/deps/cuda-* | grep -v '\.d$' | head -1)
-cp "$t" "$dest/bin/cuda_tests"
-strip --strip-debug "$dest/bin/kvsparse" "$dest/bin/cuda_tests"
-cp scripts/gpu-check.sh scripts/mma-tune.sh scripts/clock-probe.sh scripts/sdpa_bench.py scripts/compare.py "$dest/"
+newest() { ls -t target/release/deps/$1-* | grep -v '\.d$' | head -1; }
+cp "$(newest cuda)" "$dest/bin/cuda_tests"
+cp "$(newest cuda_sparse)" "$dest/bin/cuda_sparse_tests"
+strip --strip-debug "$dest/bin/kvsparse" "$dest/bin/cuda_tests" "$dest/bin/cuda_sparse_tests"
+cp scripts/gpu-check.sh scripts/gpu-sparse.sh scripts/mma-tune.sh scripts/clock-probe.sh scripts/sdpa_bench.py scripts/compare.py scripts/compare_sparse.py "$dest/"
 du -sh "$dest"

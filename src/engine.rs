@@ -16,7 +16,7 @@ use crate::policy::{Policy, Selector};
 use crate::sequences::Registry;
 use crate::stats::{Counters, EngineStats, VisitRecord};
 use crate::tensor::{DType, Device, TensorRef};
-use crate::ensure;
+use crate::{bail, ensure};
 
 /// Arguments of one attention forward call (see `kvs_forward_args` in the C header for the contract).
 #[derive(Clone, Copy, Debug)]
@@ -94,13 +94,19 @@ pub struct Engine {
 impl Engine {
     pub fn new(cfg: EngineConfig) -> Result<Self> {
         cfg.validate()?;
+        let policy = Policy::parse(&cfg.policy)?;
         let cuda = match cfg.device {
-            Device::Cuda(i) => Some(crate::cuda::CudaBackend::new(&cfg, i)?),
+            Device::Cuda(i) => {
+                // Fail at engine start, not on the first forward call, when the policy has no GPU path yet.
+                if let Some(p) = policy.pipeline() {
+                    if let Err(why) = crate::cuda::sparse::supported(p, cfg.group_size()) {
+                        bail!(Unsupported, "policy {:?}: {why}", cfg.policy);
+                    }
+                }
+                Some(crate::cuda::CudaBackend::new(&cfg, i, policy.meta_needs())?)
+            }
             Device::Cpu => None,
         };
-        let policy = Policy::parse(&cfg.policy)?;
-        // Fail at engine start, not on the first forward call, when the policy has no GPU path yet.
-        ensure!(cuda.is_none() || policy.pipeline().is_none(), Unsupported, "the CUDA backend runs dense attention only; policy {:?} is not available on it yet", cfg.policy);
         if let Some(Selector::Predictor(ps)) = policy.pipeline().map(|p| &p.selector) {
             let w = crate::policy::predictor::PredictorWeights::builtin()?;
             ensure!(ps.history == w.history, InvalidArgument, "policy {:?}: the built-in predictor weights were trained for history={}, not {}", cfg.policy, w.history, ps.history);
@@ -131,7 +137,20 @@ impl Engine {
 
     /// Bytes of key metadata (all layers) kept for the policy.
     pub fn metadata_bytes(&self) -> usize {
-        self.meta.bytes()
+        self.meta.bytes() + self.cuda.as_ref().map_or(0, |g| g.meta.bytes())
+    }
+
+    /// A copy of layer `layer`'s key metadata (None before its first cache write or when the policy needs
+    /// none); on a CUDA engine downloaded from the device (synchronizes). For tests and debugging.
+    pub fn metadata_snapshot(&self, layer: usize) -> Result<Option<crate::cpu::metadata::MetaSnapshot>> {
+        self.check_layer(layer)?;
+        match &self.cuda {
+            Some(g) => {
+                g.gpu.synchronize()?;
+                g.meta.layer(layer).as_ref().map(|m| m.download()).transpose()
+            }
+            None => Ok(self.meta.read(layer).as_ref().map(|m| m.snapshot())),
+        }
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
@@ -256,13 +275,29 @@ impl Engine {
         self.sequences.state_objects()
     }
 
-    /// Frees all state kept for `seq_id`.
+    /// Frees all state kept for `seq_id`. A CUDA engine keeps no per-sequence state on the host (the ids
+    /// live on the device and the policies it runs are stateless), so there any id is accepted.
     pub fn release_sequence(&self, seq_id: u64) -> Result<()> {
-        self.sequences.release(seq_id)
+        match self.cuda {
+            Some(_) => {
+                let _ = self.sequences.release(seq_id);
+                Ok(())
+            }
+            None => self.sequences.release(seq_id),
+        }
     }
 
+    /// Engine-wide counters. On a CUDA engine this synchronizes the device to read the policy counters
+    /// kept there (the one call that may); if that fails the device part is left out.
     pub fn stats(&self) -> EngineStats {
-        let st = self.stats.lock();
+        let dev = self.cuda.as_ref().and_then(|g| g.device_counters().ok());
+        let mut st = self.stats.lock().clone();
+        if let Some(dev) = dev {
+            for (l, c) in dev.iter().enumerate() {
+                st.0.add(c);
+                st.1[l].add(c);
+            }
+        }
         let (created, released) = self.sequences.lifecycle();
         EngineStats {
             total: st.0,

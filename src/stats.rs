@@ -84,7 +84,8 @@ pub struct EngineStats {
 }
 
 /// What one policy row attended: for (sequence, KV head) of a decode row in a non-dense layer, the sorted
-/// half-open position spans whose keys exact attention read (after selection, top-p and ART's early stop).
+/// half-open position spans whose keys exact attention read (after selection, top-p and ART's early stop),
+/// adjacent spans merged (the same canonical form on both backends).
 /// Collected only when asked for ([`crate::Engine::record_visits`]); evaluation uses it to measure the
 /// attention mass a policy recovered. Dense rows are not recorded (they visit every visible position).
 #[derive(Clone, Debug, PartialEq, Eq)]

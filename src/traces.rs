@@ -24,7 +24,8 @@ use safetensors::SafeTensors;
 use crate::conformance::hostbuf::HostBuf;
 use crate::rng::Rng;
 use crate::stats::{Counters, VisitRecord};
-use crate::{CacheWriteArgs, DType, Engine, EngineConfig, ForwardArgs, TensorRef};
+use crate::cuda::context::DevBuf;
+use crate::{CacheWriteArgs, DType, Device, Engine, EngineConfig, ForwardArgs, TensorRef};
 
 /// Tokens per KV block of the replay caches.
 pub const BLOCK_SIZE: usize = 16;
@@ -197,11 +198,14 @@ pub struct ReplayOptions {
     pub threads: usize,
     /// Collect per-row visit records (needed for attention mass recovered).
     pub record_visits: bool,
+    /// The engine's device: the CPU, or a CUDA device (tensors are copied there for every call and the
+    /// outputs back; the caches live there).
+    pub device: Device,
 }
 
 impl Default for ReplayOptions {
     fn default() -> Self {
-        ReplayOptions { dtype: DType::F16, step_stride: 1, seed: 7, threads: 0, record_visits: false }
+        ReplayOptions { dtype: DType::F16, step_stride: 1, seed: 7, threads: 0, record_visits: false, device: Device::Cpu }
     }
 }
 
@@ -232,6 +236,23 @@ fn fill(buf: &mut HostBuf, src: &[f16]) {
     }
 }
 
+/// A device copy of the contiguous host tensor `t` (kept alive in `keep`).
+fn to_device(t: &TensorRef, keep: &mut Vec<DevBuf>) -> crate::Result<TensorRef> {
+    let n = t.numel() * t.dtype.size_bytes();
+    // SAFETY: `t` is a contiguous host tensor of exactly n bytes.
+    let b = DevBuf::from_host(unsafe { std::slice::from_raw_parts(t.data as *const u8, n) })?;
+    // SAFETY: the view addresses exactly the new allocation, which `keep` holds.
+    let r = unsafe { TensorRef::from_raw(b.as_ptr(), t.dtype, Device::Cuda(0), t.shape(), Some(t.strides())) }?;
+    keep.push(b);
+    Ok(r)
+}
+
+/// A view of a whole device buffer with the shape (and contiguous strides) of `like`.
+fn device_view(b: &DevBuf, like: &TensorRef) -> crate::Result<TensorRef> {
+    // SAFETY: the buffer holds exactly `like`'s bytes.
+    unsafe { TensorRef::from_raw(b.as_ptr(), like.dtype, Device::Cuda(0), like.shape(), Some(like.strides())) }
+}
+
 /// Replays every decode step of `trace` through a fresh engine configured with `policy` (see the module
 /// docs for the protocol). Errors are engine or spec errors, as text.
 pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Replay, String> {
@@ -240,7 +261,9 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
     let mut cfg = EngineConfig::new(num_layers, hq, hk, d, bs, opts.dtype);
     cfg.policy = policy.to_string();
     cfg.num_threads = opts.threads;
+    cfg.device = opts.device;
     let engine = Engine::new(cfg).map_err(|e| e.message)?;
+    let cuda = matches!(opts.device, Device::Cuda(_));
     engine.record_visits(opts.record_visits);
     let (p, tsteps, n) = (trace.info.prompt_len, trace.info.decode_steps, trace.positions());
     let stride = opts.step_stride.max(1);
@@ -259,6 +282,14 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
 
     let mut caches: Vec<(HostBuf, HostBuf)> = trace.layers.iter().map(|_| (HostBuf::zeros(opts.dtype, num_blocks * bs * row), HostBuf::zeros(opts.dtype, num_blocks * bs * row))).collect();
     let cache_shape = [num_blocks as i64, bs as i64, hk as i64, d as i64];
+    let dev_caches: Vec<(DevBuf, DevBuf)> = if cuda {
+        let zeros = vec![0u8; num_blocks * bs * row * opts.dtype.size_bytes()];
+        caches.iter().map(|_| Ok((DevBuf::from_host(&zeros)?, DevBuf::from_host(&zeros)?))).collect::<crate::Result<_>>().map_err(|e| e.message)?
+    } else {
+        Vec::new()
+    };
+    let dev_cache = |li: usize, host: &TensorRef, v: bool| -> Result<TensorRef, String> { device_view(if v { &dev_caches[li].1 } else { &dev_caches[li].0 }, host).map_err(|e| e.message) };
+    let li_of = |layer: usize| trace.layers.iter().position(|l| l.layer == layer).expect("a recorded layer");
     let write = |engine: &Engine, layer: usize, lt: &LayerTrace, kc: &mut HostBuf, vc: &mut HostBuf, range: std::ops::Range<usize>| -> Result<(), String> {
         let m = range.len();
         let mut kb = HostBuf::zeros(opts.dtype, m * row);
@@ -275,7 +306,20 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
             slot_mapping: TensorRef::from_slice(&slots, &[m as i64]),
             stream: std::ptr::null_mut(),
         };
-        engine.cache_write(&args).map_err(|e| e.message)
+        if !cuda {
+            return engine.cache_write(&args).map_err(|e| e.message);
+        }
+        let mut keep = Vec::new();
+        let li = li_of(layer);
+        let dargs = CacheWriteArgs {
+            key: to_device(&args.key, &mut keep).map_err(|e| e.message)?,
+            value: to_device(&args.value, &mut keep).map_err(|e| e.message)?,
+            key_cache: dev_cache(li, &args.key_cache, false)?,
+            value_cache: dev_cache(li, &args.value_cache, true)?,
+            slot_mapping: to_device(&args.slot_mapping, &mut keep).map_err(|e| e.message)?,
+            ..args
+        };
+        engine.cache_write(&dargs).map_err(|e| e.message)
     };
     let forward = |engine: &Engine, layer: usize, kc: &mut HostBuf, vc: &mut HostBuf, q: &[f16], m: usize, seq_len: usize, out: &mut HostBuf| -> Result<Counters, String> {
         let mut qb = HostBuf::zeros(opts.dtype, m * hq * d);
@@ -300,7 +344,33 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
             max_seq_len: 0,
             stream: std::ptr::null_mut(),
         };
-        engine.attention_forward(&args).map_err(|e| e.message)
+        if !cuda {
+            return engine.attention_forward(&args).map_err(|e| e.message);
+        }
+        let dev = |r: crate::Result<TensorRef>| r.map_err(|e| e.message);
+        let mut keep = Vec::new();
+        let li = li_of(layer);
+        let out_dev = DevBuf::alloc(m * hq * d * opts.dtype.size_bytes()).map_err(|e| e.message)?;
+        let dargs = ForwardArgs {
+            query: dev(to_device(&args.query, &mut keep))?,
+            key_cache: dev_cache(li, &args.key_cache, false)?,
+            value_cache: dev_cache(li, &args.value_cache, true)?,
+            block_table: dev(to_device(&args.block_table, &mut keep))?,
+            seq_lens: dev(to_device(&args.seq_lens, &mut keep))?,
+            query_start_loc: dev(to_device(&args.query_start_loc, &mut keep))?,
+            seq_ids: Some(dev(to_device(&args.seq_ids.expect("set above"), &mut keep))?),
+            out: dev(device_view(&out_dev, &args.out))?,
+            // The CUDA backend plans grids from these (0 = unknown would size for the whole table).
+            max_query_len: m as i32,
+            max_seq_len: seq_len as i32,
+            ..args
+        };
+        let c = engine.attention_forward(&dargs).map_err(|e| e.message)?;
+        let n = m * hq * d * opts.dtype.size_bytes();
+        // SAFETY: the host output buffer holds exactly n bytes (checked by its view above).
+        let host = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr(), n) };
+        out_dev.download(0, host).map_err(|e| e.message)?;
+        Ok(c)
     };
 
     // Prompt, then the prompt's last chunk as a prefill call (its output is not used).
@@ -313,6 +383,7 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
         }
     }
     engine.take_visits();
+    let stats_before = engine.stats().total;
 
     let mut out: Vec<Vec<f64>> = trace.layers.iter().map(|_| Vec::with_capacity(steps.len() * hq * d)).collect();
     let mut visits: Vec<Option<Vec<(usize, usize)>>> = vec![None; trace.layers.len() * steps.len() * hk];
@@ -342,7 +413,29 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
         }
     }
     engine.release_sequence(seq_id).map_err(|e| e.message)?;
+    if cuda {
+        // The device keeps the policy counters; the decode phase's share is the difference.
+        let after = engine.stats().total;
+        counters = counters_delta(&after, &stats_before);
+    }
     Ok(Replay { steps, out, counters, forward_s, visits })
+}
+
+/// `a - b` field by field (counters only grow).
+fn counters_delta(a: &Counters, b: &Counters) -> Counters {
+    let mut d = *a;
+    let f = |x: u64, y: u64| x.saturating_sub(y);
+    d.calls = f(a.calls, b.calls);
+    d.prefill_tokens = f(a.prefill_tokens, b.prefill_tokens);
+    d.decode_rows = f(a.decode_rows, b.decode_rows);
+    d.policy_rows = f(a.policy_rows, b.policy_rows);
+    d.blocks_eligible = f(a.blocks_eligible, b.blocks_eligible);
+    d.blocks_visited = f(a.blocks_visited, b.blocks_visited);
+    d.blocks_skipped_termination = f(a.blocks_skipped_termination, b.blocks_skipped_termination);
+    d.top_p_candidates = f(a.top_p_candidates, b.top_p_candidates);
+    d.top_p_kept = f(a.top_p_kept, b.top_p_kept);
+    d.kv_bytes_read = f(a.kv_bytes_read, b.kv_bytes_read);
+    d
 }
 
 /// Sum of `w` (one query head's weights over positions) over the sorted half-open `spans`.

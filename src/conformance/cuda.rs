@@ -74,6 +74,12 @@ impl DeviceCase {
         self.lse.upload(0, bytes(&outs.lse))
     }
 
+    /// Re-uploads only the block table and sequence lengths (tests that corrupt them after a write).
+    pub fn refill_metadata(&mut self, f: &Fixture) -> Result<()> {
+        self.block_table.upload(0, bytes(&f.block_table))?;
+        self.seq_lens.upload(0, bytes(&f.seq_lens))
+    }
+
     pub fn cache_write_args(&self, f: &Fixture, stream: CUstream) -> Result<CacheWriteArgs> {
         let (dt, es) = (f.spec.dtype, f.spec.dtype.size_bytes());
         let (hk, d) = (f.spec.num_kv_heads as i64, f.spec.head_dim as i64);

@@ -6,6 +6,7 @@ pub mod cuda;
 pub mod fixture;
 pub mod hostbuf;
 pub mod reference;
+pub mod sparse;
 
 use crate::config::SUPPORTED_HEAD_DIMS;
 use crate::engine::Engine;

@@ -140,7 +140,11 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
             let ctx = SparseCtx { pipeline: p, meta, snap, visits: log.as_ref(), layer: a.layer, states, spec_budgets: table.as_ref() };
             c.add(&sparse_forward(&io, &policy_seqs, &ctx, &e.pool));
             if let (Some(log), Some(dst)) = (log, e.visits.lock().as_mut()) {
-                dst.extend(log.into_inner().expect("visit log").into_iter().map(|r| VisitRecord { layer: a.layer, ..r }));
+                // Canonical form (sorted, adjacent spans merged), as the CUDA engine reports its plans.
+                dst.extend(log.into_inner().expect("visit log").into_iter().map(|mut r| {
+                    crate::policy::select::normalize_spans(&mut r.spans);
+                    VisitRecord { layer: a.layer, ..r }
+                }));
             }
         }
     }

@@ -129,6 +129,19 @@ impl LayerMeta {
         (&self.codes[r * cb..(r + 1) * cb], mn, sc)
     }
 
+    /// A copy in the layout the CUDA backend keeps (tests compare the two backends' metadata).
+    pub fn snapshot(&self) -> MetaSnapshot {
+        let q = self.unit > 0;
+        let int4 = self.has_int4();
+        MetaSnapshot {
+            fill: self.filled.iter().flat_map(|w| w.iter().copied()).collect(),
+            qmin: q.then(|| self.qmin.clone()),
+            qmax: q.then(|| self.qmax.clone()),
+            codes: int4.then(|| self.codes.clone()),
+            qparams: int4.then(|| self.qparams.iter().flat_map(|&(a, b)| [a, b]).collect()),
+        }
+    }
+
     pub fn has_int4(&self) -> bool {
         !self.qparams.is_empty()
     }
@@ -220,6 +233,18 @@ pub fn f16_down(x: f32) -> u16 {
 /// The smallest fp16 value `>= x` (as bits).
 pub fn f16_up(x: f32) -> u16 {
     f16_down(-x) ^ 0x8000
+}
+
+/// One layer's metadata as plain arrays: `fill[num_blocks * 4]` (bit `off` of word `off / 64` of block
+/// `b` at `b * 4 + off / 64`), Quest bounds `[num_blocks][units_per_block][kv_heads][dim]` fp16 bits,
+/// INT4 codes `[num_blocks * block_size * kv_heads][dim / 2]` and fp16 (min, scale) pairs per row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetaSnapshot {
+    pub fill: Vec<u64>,
+    pub qmin: Option<Vec<u16>>,
+    pub qmax: Option<Vec<u16>>,
+    pub codes: Option<Vec<u8>>,
+    pub qparams: Option<Vec<u16>>,
 }
 
 /// The engine's metadata for all layers.

@@ -16,29 +16,62 @@ use parking_lot::Mutex;
 use super::context::{DevBuf, Gpu};
 use super::launch::{self, KArgs, Modules};
 use super::plan::{self, SplitPolicy};
+use super::meta::DeviceMeta;
+use super::sparse::{PlanRef, SparseState};
+use crate::cpu::metadata::MetaNeeds;
 use crate::config::EngineConfig;
 use crate::engine::{CacheWriteArgs, ForwardArgs, MergeArgs};
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::Pipeline;
-use crate::stats::{Counters, VisitRecord};
+use crate::stats::Counters;
 use crate::tensor::{DType, TensorRef};
 use crate::{bail, ensure};
 
 const NTHREADS: u32 = 128;
 
+/// Fewest plan keys per split (dense rows keep `SplitPolicy::min_chunk`).
+const PLAN_MIN_CHUNK: usize = 256;
+
+/// What the host knows of a call's batch before launching anything.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Geometry {
+    pub num_tokens: usize,
+    pub num_seqs: usize,
+    /// Block-table columns, and the positions they can address.
+    pub cols: usize,
+    pub max_pos: usize,
+    /// Longest sequence (the caller's max_seq_len when given, else the table's capacity).
+    pub max_len: usize,
+}
+
+/// Which rows an attention launch serves.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Rows {
+    /// Every row, densely (dense layers).
+    All,
+    /// The rows that are not decode rows (query length != 1), densely: a policy layer's prefill rows.
+    DenseRest,
+    /// Decode rows through their plans; the second field bounds a row's plan keys.
+    Plan(PlanRef, usize),
+}
+
 pub struct CudaBackend {
     pub gpu: Gpu,
-    modules: Modules,
+    pub(super) modules: Modules,
     /// Split-KV workspace per stream handle.
     workspaces: Mutex<HashMap<usize, DevBuf>>,
     policy: SplitPolicy,
     mma: plan::MmaTunables,
     /// Functions whose dynamic shared-memory limit was raised already.
-    smem_ready: Mutex<HashSet<usize>>,
+    pub(super) smem_ready: Mutex<HashSet<usize>>,
+    /// Key metadata the policy needs, kept by cache writes.
+    pub meta: DeviceMeta,
+    /// Policy state on the device: plans, scores and counters (see `sparse`).
+    pub(super) sparse: SparseState,
 }
 
-fn dtype_code(d: DType) -> i32 {
+pub(super) fn dtype_code(d: DType) -> i32 {
     match d {
         DType::F32 => 0,
         DType::F16 => 1,
@@ -46,15 +79,15 @@ fn dtype_code(d: DType) -> i32 {
     }
 }
 
-fn p(t: &TensorRef) -> *const u8 {
+pub(super) fn p(t: &TensorRef) -> *const u8 {
     t.data
 }
 
 impl CudaBackend {
     /// Opens the engine's device. Fails with Unsupported when there is no driver or no such device.
-    pub fn new(cfg: &EngineConfig, ordinal: i32) -> Result<CudaBackend> {
+    pub fn new(cfg: &EngineConfig, ordinal: i32, needs: MetaNeeds) -> Result<CudaBackend> {
         let gpu = Gpu::open(ordinal)?;
-        let _ = cfg;
+        let sparse = SparseState::new(cfg.num_layers)?;
         Ok(CudaBackend {
             gpu,
             modules: Modules::default(),
@@ -62,6 +95,8 @@ impl CudaBackend {
             policy: SplitPolicy::from_env(),
             mma: plan::MmaTunables::from_env(),
             smem_ready: Mutex::new(HashSet::new()),
+            meta: DeviceMeta::new(needs, cfg.num_layers),
+            sparse,
         })
     }
 
@@ -79,17 +114,20 @@ impl CudaBackend {
     /// Paged varlen attention on the device. `cache` and the query/output tensors were validated by the
     /// engine; the metadata tensors are validated here (shape, dtype, device; not their contents).
     pub fn forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, pipeline: Option<&Pipeline>) -> Result<Counters> {
-        ensure!(pipeline.is_none(), Unsupported, "the CUDA backend runs dense attention only; policy {:?} is not available on it yet", cfg.policy);
-        self.dense_forward(cfg, a, cache)?;
+        let Some(geo) = self.check_call(cfg, a, cache)? else {
+            return Ok(Counters { calls: 1, ..Default::default() });
+        };
+        self.gpu.make_current()?;
+        match pipeline {
+            None => self.attend(cfg, a, cache, &geo, Rows::All)?,
+            Some(p) => self.sparse_forward(cfg, a, cache, &geo, p)?,
+        }
         Ok(Counters { calls: 1, ..Default::default() })
     }
 
-    /// The visit records of the last policy call (evaluation; synchronizes).
-    pub fn visit_records(&self, _cfg: &EngineConfig, _a: &ForwardArgs) -> Result<Vec<VisitRecord>> {
-        Ok(Vec::new())
-    }
-
-    fn dense_forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache) -> Result<()> {
+    /// Validates what the host can see of a call (shapes, dtypes, devices; not the device-side contents).
+    /// None = nothing to do (no query tokens).
+    fn check_call(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache) -> Result<Option<Geometry>> {
         let dev = cfg.device;
         let num_tokens = a.query.dim(0);
         a.block_table.expect("block_table", 2, &[DType::I32], dev)?;
@@ -107,16 +145,37 @@ impl CudaBackend {
         ensure!(cache.k_dim_stride() == 1 && cache.v_dim_stride() == 1, Unsupported, "the CUDA backend needs caches whose head_dim stride is 1 (got {} and {})", cache.k_dim_stride(), cache.v_dim_stride());
         ensure!(num_tokens < i32::MAX as usize && cols.saturating_mul(cfg.block_size) < i32::MAX as usize, Unsupported, "batch too large for 32-bit positions");
         if num_tokens == 0 {
-            return Ok(());
+            return Ok(None);
         }
         ensure!(num_seqs >= 1, InvalidShape, "query has {num_tokens} tokens but the batch has no sequences");
         ensure!(cache.num_blocks >= 1, InvalidShape, "the caches hold no blocks");
+        let max_pos = cols * cfg.block_size;
+        let max_len = if a.max_seq_len > 0 { (a.max_seq_len as usize).min(max_pos) } else { max_pos };
+        Ok(Some(Geometry { num_tokens, num_seqs, cols, max_pos, max_len }))
+    }
 
+    /// The split planner's tunables for a launch: plan rows are short (a budget of keys), so their splits
+    /// may be shorter than dense ones to fill the device at small batch.
+    fn split_policy(&self, mode: i32) -> SplitPolicy {
+        let mut p = self.policy;
+        if mode == 1 {
+            p.min_chunk = p.min_chunk.min(PLAN_MIN_CHUNK);
+        }
+        p
+    }
+
+    /// One attention launch (plus its split combine) over the rows `rows` selects.
+    pub(super) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
+        let num_tokens = geo.num_tokens;
         let es = cfg.dtype.size_bytes();
         let vec = 16 / es;
         let aligned = [&cache.k, &cache.v].iter().all(|t| (t.data as usize) % 16 == 0 && t.strides()[..3].iter().all(|&s| s as usize % vec == 0));
-        self.gpu.make_current()?;
-        let max_len = if a.max_seq_len > 0 { (a.max_seq_len as usize).min(cols * cfg.block_size) } else { cols * cfg.block_size };
+        let (mode, plan_ref, keys) = match rows {
+            Rows::All => (0, PlanRef::none(), geo.max_len),
+            Rows::DenseRest => (2, PlanRef::none(), geo.max_len),
+            Rows::Plan(pr, keys) => (1, pr, keys),
+        };
+        let plan_define = format!("PLAN={}", (mode == 1) as i32);
         // Kernel variant: tensor cores where they apply, else the lane-group kernel.
         let (f_split, defines, head_groups, threads, smem, nsplit, chunk);
         let mma = plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &self.mma, (self.gpu.smem_optin as usize).saturating_sub(1024));
@@ -129,6 +188,7 @@ impl CudaBackend {
                 format!("NWARPS={}", ms.warps),
                 format!("NSTAGE={}", ms.stages),
                 format!("L2_HINT={}", ms.l2_hint),
+                plan_define,
             ];
             f_split = self.modules.function(&self.gpu, "attention_mma", launch::ATTENTION_MMA, &defines, "kvs_attn_mma")?;
             smem = ms.smem_bytes(cfg.head_dim);
@@ -139,16 +199,18 @@ impl CudaBackend {
             }
             let per_sm = launch::occupancy_smem(f_split, threads, smem)? as usize;
             head_groups = cfg.num_q_heads / ms.gq;
-            (nsplit, chunk) = plan::splits_waves(num_tokens * head_groups, max_len, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.policy);
+            (nsplit, chunk) = plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.split_policy(mode));
         } else {
             let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
-            defines = Self::attn_defines(cfg, &shape);
+            let mut d = Self::attn_defines(cfg, &shape);
+            d.push(plan_define);
+            defines = d;
             f_split = self.modules.function(&self.gpu, "attention", launch::ATTENTION, &defines, "kvs_attn_split")?;
             smem = 0;
             threads = NTHREADS;
             let per_sm = launch::occupancy(f_split, NTHREADS)? as usize;
             head_groups = cfg.num_q_heads / shape.gq;
-            (nsplit, chunk) = plan::splits(num_tokens * head_groups, max_len, per_sm * self.gpu.num_sms as usize, &shape, &self.policy);
+            (nsplit, chunk) = plan::splits(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, &shape, &self.split_policy(mode));
         }
         let module = if mma.is_some() { ("attention_mma", launch::ATTENTION_MMA) } else { ("attention", launch::ATTENTION) };
         let stream = a.stream;
@@ -177,18 +239,20 @@ impl CudaBackend {
             Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
             None => (std::ptr::null(), 0, 0),
         };
+        let num_seqs = geo.num_seqs;
         let mut k = KArgs::new();
         k.ptr(p(&a.query)).i64(a.query.stride(0) as i64).i64(a.query.stride(1) as i64).i64(a.query.stride(2) as i64);
         k.ptr(p(&cache.k)).i64(cache.k.stride(0) as i64).i64(cache.k.stride(1) as i64).i64(cache.k.stride(2) as i64);
         k.ptr(p(&cache.v)).i64(cache.v.stride(0) as i64).i64(cache.v.stride(1) as i64).i64(cache.v.stride(2) as i64);
         k.i64(cache.num_blocks as i64).i32(cfg.block_size.trailing_zeros() as i32);
-        k.ptr(p(&a.block_table)).i64(a.block_table.stride(0) as i64).i64(a.block_table.stride(1) as i64).i32(cols as i32);
+        k.ptr(p(&a.block_table)).i64(a.block_table.stride(0) as i64).i64(a.block_table.stride(1) as i64).i32(geo.cols as i32);
         k.ptr(p(&a.seq_lens)).i64(a.seq_lens.stride(0) as i64);
         k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(num_seqs as i32);
         k.f32(a.scale).f32(a.softcap).i32(a.sliding_window).i32(chunk as i32);
         k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
         k.ptr(lse_ptr).i64(l0).i64(l1);
         k.i64(ws_o as i64).i64(ws_lse as i64).i32(cfg.num_q_heads as i32);
+        k.by_value(&plan_ref).i32(mode);
         launch::launch_smem(f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
         if nsplit > 1 {
             let f_comb = self.modules.function(&self.gpu, module.0, module.1, &defines, "kvs_attn_combine")?;
@@ -196,6 +260,7 @@ impl CudaBackend {
             k.i64(ws_o as i64).i64(ws_lse as i64).i32(nsplit as i32).i32(cfg.num_q_heads as i32);
             k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
             k.ptr(lse_ptr).i64(l0).i64(l1);
+            k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(num_seqs as i32).i32(mode);
             // Splits spread over the CTA: HEAD_DIM threads per group of splits, up to 512 threads.
             let parts = (512 / cfg.head_dim).clamp(1, nsplit);
             let threads = (cfg.head_dim * parts) as u32;
@@ -227,7 +292,8 @@ impl CudaBackend {
         k.ptr(p(&a.slot_mapping)).i64(a.slot_mapping.stride(0) as i64).i32((a.slot_mapping.dtype == DType::I64) as i32);
         k.i32(n as i32).i32(cfg.num_kv_heads as i32).i32(cfg.head_dim as i32).i64(cache.num_blocks as i64).i32(cfg.block_size as i32);
         let grid = total.div_ceil(256).min(65536 * 4) as u32;
-        launch::launch(f, (grid, 1, 1), 256, &mut k, a.stream, "kvs_cache_write launch")
+        launch::launch(f, (grid, 1, 1), 256, &mut k, a.stream, "kvs_cache_write launch")?;
+        self.meta.update(&self.gpu, &self.modules, a.layer, cache, &a.slot_mapping, n, a.stream)
     }
 
     /// Merge of two partial states on the device (shapes validated by the engine).

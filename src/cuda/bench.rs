@@ -217,3 +217,233 @@ pub fn free_memory() -> Result<usize> {
     Ok(f)
 }
 
+
+/// One grid point of the sparse decode benchmark.
+#[derive(Clone, Debug)]
+pub struct SparseRow {
+    pub p: Point,
+    pub policy: String,
+    /// The decode step's cache write of one new row per sequence: with the policy's metadata upkeep, and
+    /// on a dense engine (no metadata).
+    pub write_us: f64,
+    pub write_dense_us: f64,
+    pub select_us: f64,
+    pub attend_us: f64,
+    /// Selection + attention in one call (what a step pays besides the write).
+    pub forward_us: f64,
+    pub dense_us: f64,
+    /// Blocks visited / eligible over the policy rows, and top-p's kept / candidates.
+    pub visited: f64,
+    pub top_p_kept: f64,
+    /// Bytes of metadata Quest's selection reads (page bounds), and that time at `copy_gbps`.
+    pub bound_bytes: f64,
+    pub rotation: usize,
+}
+
+/// Keys that attention concentrates on, as in real decoding (heavy hitters): for every (rotation, sequence,
+/// KV head), `HOT_KEYS` random positions get a key along that head's mean query direction, scaled so that
+/// its logit is about `HOT_LOGIT` above the flat background of the uniform random keys (logit spread ~0.3).
+/// Without them a random cache gives flat attention, where top-p keeps almost every candidate.
+pub const HOT_KEYS: usize = 32;
+pub const HOT_LOGIT: f64 = 10.0;
+
+fn plant_heavy_hitters(kc: &DevBuf, qh: &[f32], table: &[i32], p: &Point, rotation: usize, bps: usize, rng: &mut Rng) -> Result<()> {
+    let d = HEAD_DIM;
+    let g = p.hq / p.hk;
+    for r in 0..rotation {
+        for b in 0..p.batch {
+            for h in 0..p.hk {
+                let qrow = |j: usize| &qh[((r * p.batch + b) * p.hq + h * g + j) * d..][..d];
+                let mut dir = vec![0f64; d];
+                for j in 0..g {
+                    for (x, &y) in dir.iter_mut().zip(qrow(j)) {
+                        *x += y as f64;
+                    }
+                }
+                let norm = dir.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-9);
+                dir.iter_mut().for_each(|x| *x /= norm);
+                let proj = (0..g).map(|j| qrow(j).iter().zip(&dir).map(|(&a, &b)| a as f64 * b).sum::<f64>()).sum::<f64>() / g as f64;
+                let alpha = HOT_LOGIT * (d as f64).sqrt() / proj.max(1e-3);
+                let row: Vec<u16> = dir.iter().map(|&x| half::bf16::from_f64(x * alpha).to_bits()).collect();
+                for _ in 0..HOT_KEYS {
+                    let pos = rng.below(p.ctx);
+                    let blk = table[(r * p.batch + b) * bps + pos / BLOCK] as usize;
+                    let off = ((blk * BLOCK + pos % BLOCK) * p.hk + h) * d * 2;
+                    kc.upload(off, bytes(&row))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Times one decode step of `policy` at `p` (32/8-style heads, head 128, bf16, block 16), phase by phase,
+/// next to our dense kernel on the same cache (uniform random keys and values plus planted heavy hitters,
+/// see [`plant_heavy_hitters`]). The cache is filled with random rows and its metadata built
+/// by one `cache_write` of every slot onto itself; the step's write rewrites each sequence's last row.
+/// Inputs rotate among copies so that the bytes a sparse step touches (bounds + selected rows) cover at
+/// least 4x the L2 cache (`max_kv_bytes` bounds the copies' memory).
+pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes: usize, seed: u64) -> Result<SparseRow> {
+    let d = HEAD_DIM;
+    let bps = p.ctx.div_ceil(BLOCK);
+    let kv = kv_bytes(p);
+    let touched = (kv / 8).max(1);
+    let rotation = (4 * l2_bytes).div_ceil(touched).clamp(1, 32).min((max_kv_bytes / kv.max(1)).max(1));
+    let nb = rotation * p.batch * bps;
+    let mk = |pol: &str| -> Result<Engine> {
+        let mut cfg = EngineConfig::new(1, p.hq, p.hk, d, BLOCK, DType::BF16);
+        cfg.device = Device::Cuda(0);
+        cfg.num_threads = 1;
+        cfg.policy = if pol.is_empty() { String::new() } else { format!("{pol}; dense_layers=0") };
+        Engine::new(cfg)
+    };
+    let engine = mk(policy)?;
+    let dense = mk("")?;
+    let backend = engine.cuda_backend().expect("CUDA engine");
+    let s: CUstream = std::ptr::null_mut();
+    let row = p.hk * d; // elements per token row
+    let cache_elems = nb * BLOCK * row;
+    let (kc, vc) = (DevBuf::alloc(cache_elems * 2)?, DevBuf::alloc(cache_elems * 2)?);
+    backend.fill_random(kc.ptr, cache_elems, DType::BF16, seed as u32, 4.0, s)?;
+    backend.fill_random(vc.ptr, cache_elems, DType::BF16, seed as u32 ^ 0x5555, 2.0, s)?;
+    let q_elems = rotation * p.batch * p.hq * d;
+    let mut rng = Rng::new(seed);
+    let qh: Vec<f32> = (0..q_elems).map(|_| (rng.uniform() * 2.0 - 1.0) as f32).collect();
+    let q = DevBuf::from_host(bytes(&qh.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>()))?;
+    let out = DevBuf::alloc(q_elems * 2)?;
+    let mut table = vec![0i32; rotation * p.batch * bps];
+    for r in 0..rotation {
+        let base = r * p.batch * bps;
+        let mut ids: Vec<usize> = (base..base + p.batch * bps).collect();
+        rng.shuffle(&mut ids);
+        for (i, id) in ids.into_iter().enumerate() {
+            table[base + i] = id as i32;
+        }
+    }
+    plant_heavy_hitters(&kc, &qh, &table, p, rotation, bps, &mut rng)?;
+    let bt = DevBuf::from_host(bytes(&table))?;
+    let seq_lens = DevBuf::from_host(bytes(&vec![p.ctx as i32; p.batch]))?;
+    let qsl = DevBuf::from_host(bytes(&(0..=p.batch as i32).collect::<Vec<i32>>()))?;
+    let dev = Device::Cuda(0);
+    let v = |ptr: *mut u8, dt, shape: &[i64]| -> Result<TensorRef> {
+        // SAFETY: each view addresses exactly its allocation (or a slice of it for a rotation index).
+        unsafe { TensorRef::from_raw(ptr, dt, dev, shape, None) }
+    };
+    let cshape = [nb as i64, BLOCK as i64, p.hk as i64, d as i64];
+    // Metadata for every slot: write the cache onto itself, in chunks of 1M rows.
+    let all_slots: Vec<i64> = (0..(nb * BLOCK) as i64).collect();
+    let slots_dev = DevBuf::from_host(bytes(&all_slots))?;
+    let chunk = 1usize << 20;
+    let mut at = 0usize;
+    while at < nb * BLOCK {
+        let n = chunk.min(nb * BLOCK - at);
+        let off = at * row * 2;
+        let view_rows = |b: &DevBuf| v(unsafe { b.as_ptr().add(off) }, DType::BF16, &[n as i64, p.hk as i64, d as i64]);
+        engine.cache_write(&crate::engine::CacheWriteArgs {
+            layer: 0,
+            key: view_rows(&kc)?,
+            value: view_rows(&vc)?,
+            key_cache: v(kc.as_ptr(), DType::BF16, &cshape)?,
+            value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
+            slot_mapping: v(unsafe { slots_dev.as_ptr().add(at * 8) }, DType::I64, &[n as i64])?,
+            stream: s,
+        })?;
+        at += n;
+    }
+    // The step's write: each sequence's last row (rotation 0), copied out and written back.
+    let last_slots: Vec<i64> = (0..p.batch).map(|b| table[b * bps + (p.ctx - 1) / BLOCK] as i64 * BLOCK as i64 + ((p.ctx - 1) % BLOCK) as i64).collect();
+    let step_slots = DevBuf::from_host(bytes(&last_slots))?;
+    let (nk, nv) = (DevBuf::alloc(p.batch * row * 2)?, DevBuf::alloc(p.batch * row * 2)?);
+    let api = cuda()?;
+    for (b, &sl) in last_slots.iter().enumerate() {
+        // SAFETY: both ranges lie inside their allocations.
+        unsafe {
+            check((api.cuMemcpyDtoDAsync)(nk.ptr + (b * row * 2) as u64, kc.ptr + (sl as usize * row * 2) as u64, row * 2, s), "copy")?;
+            check((api.cuMemcpyDtoDAsync)(nv.ptr + (b * row * 2) as u64, vc.ptr + (sl as usize * row * 2) as u64, row * 2, s), "copy")?;
+        }
+    }
+    let step_write = crate::engine::CacheWriteArgs {
+        layer: 0,
+        key: v(nk.as_ptr(), DType::BF16, &[p.batch as i64, p.hk as i64, d as i64])?,
+        value: v(nv.as_ptr(), DType::BF16, &[p.batch as i64, p.hk as i64, d as i64])?,
+        key_cache: v(kc.as_ptr(), DType::BF16, &cshape)?,
+        value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
+        slot_mapping: v(step_slots.as_ptr(), DType::I64, &[p.batch as i64])?,
+        stream: s,
+    };
+    let mut args = Vec::with_capacity(rotation);
+    for r in 0..rotation {
+        let qoff = r * p.batch * p.hq * d * 2;
+        args.push(ForwardArgs {
+            layer: 0,
+            query: v(unsafe { q.as_ptr().add(qoff) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
+            key_cache: v(kc.as_ptr(), DType::BF16, &cshape)?,
+            value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
+            block_table: v(unsafe { bt.as_ptr().add(r * p.batch * bps * 4) }, DType::I32, &[p.batch as i64, bps as i64])?,
+            seq_lens: v(seq_lens.as_ptr(), DType::I32, &[p.batch as i64])?,
+            query_start_loc: v(qsl.as_ptr(), DType::I32, &[p.batch as i64 + 1])?,
+            seq_ids: None,
+            out: v(unsafe { out.as_ptr().add(qoff) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
+            lse: None,
+            scale: 1.0 / (d as f32).sqrt(),
+            sliding_window: 0,
+            softcap: 0.0,
+            max_query_len: 1,
+            max_seq_len: p.ctx as i32,
+            stream: s,
+        });
+    }
+    let ev = Events::new()?;
+    let time_calls = |f: &dyn Fn(usize) -> Result<()>| -> Result<f64> {
+        for i in 0..rotation.max(2) {
+            f(i)?; // warm-up: modules, workspaces
+        }
+        let per_group = 10usize;
+        let mut times = Vec::new();
+        let mut i = 0usize;
+        for _ in 0..15 {
+            let ms = ev.time(s, || {
+                for _ in 0..per_group {
+                    f(i)?;
+                    i += 1;
+                }
+                Ok(())
+            })?;
+            times.push(ms / per_group as f64);
+        }
+        Ok(median(times) * 1e3)
+    };
+    let before = engine.stats().total;
+    engine.attention_forward(&args[0])?;
+    let after = engine.stats().total;
+    let (elig, vis) = ((after.blocks_eligible - before.blocks_eligible) as f64, (after.blocks_visited - before.blocks_visited) as f64);
+    let (cand, kept) = ((after.top_p_candidates - before.top_p_candidates) as f64, (after.top_p_kept - before.top_p_kept) as f64);
+    let forward_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()))?;
+    backend.set_bench_phases(true, false);
+    let select_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
+    backend.set_bench_phases(false, true);
+    let attend_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
+    backend.set_bench_phases(true, true);
+    let (select_us, attend_us) = (select_us?, attend_us?);
+    let dense_us = time_calls(&|i| dense.attention_forward(&args[i % rotation]).map(|_| ()))?;
+    let write_us = time_calls(&|_| engine.cache_write(&step_write))?;
+    let write_dense_us = time_calls(&|_| dense.cache_write(&step_write))?;
+    let bound_bytes = match crate::policy::Policy::parse(policy)?.pipeline().map(|pl| pl.selector.clone()) {
+        Some(crate::policy::Selector::Quest { page, .. }) => (p.batch * p.hk * p.ctx.div_ceil(page.min(BLOCK)) * d * 2 * 2) as f64,
+        _ => 0.0,
+    };
+    Ok(SparseRow {
+        p: *p,
+        policy: policy.to_string(),
+        write_us,
+        write_dense_us,
+        select_us,
+        attend_us,
+        forward_us,
+        dense_us,
+        visited: if elig > 0.0 { vis / elig } else { f64::NAN },
+        top_p_kept: if cand > 0.0 { kept / cand } else { f64::NAN },
+        bound_bytes,
+        rotation,
+    })
+}

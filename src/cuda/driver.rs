@@ -93,6 +93,8 @@ api_table!(CudaApi {
     cuMemcpyHtoD: fn(CUdeviceptr, *const c_void, usize) -> CUresult;
     cuMemcpyDtoH: fn(*mut c_void, CUdeviceptr, usize) -> CUresult;
     cuMemcpyDtoDAsync: fn(CUdeviceptr, CUdeviceptr, usize, CUstream) -> CUresult;
+    cuMemsetD8Async: fn(CUdeviceptr, u8, usize, CUstream) -> CUresult;
+    cuMemsetD16Async: fn(CUdeviceptr, u16, usize, CUstream) -> CUresult;
     cuStreamCreate: fn(*mut CUstream, c_uint) -> CUresult;
     cuStreamDestroy: fn(CUstream) -> CUresult;
     cuStreamSynchronize: fn(CUstream) -> CUresult;

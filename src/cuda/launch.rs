@@ -18,6 +18,8 @@ pub const ATTENTION_MMA: &str = concat!(include_str!("../../kernels/combine.cuh"
 pub const CACHE_WRITE: &str = include_str!("../../kernels/cache_write.cu");
 pub const MERGE: &str = include_str!("../../kernels/merge.cu");
 pub const FILL: &str = include_str!("../../kernels/fill.cu");
+pub const META: &str = concat!(include_str!("../../kernels/decide.cuh"), "\n", include_str!("../../kernels/meta.cu"));
+pub const SELECT: &str = concat!(include_str!("../../kernels/decide.cuh"), "\n", include_str!("../../kernels/select.cu"));
 
 /// Loaded modules by variant (source name + defines) and the functions looked up in them.
 #[derive(Default)]
@@ -27,7 +29,8 @@ pub struct Modules {
 }
 
 impl Modules {
-    /// The function `func` of the module built from `source` with `defines` (e.g. "HEAD_DIM=128").
+    /// The function `func` of the module built from `source` with `defines` (e.g. "HEAD_DIM=128"; an
+    /// entry starting with "--" is passed to NVRTC as an option).
     /// The first request compiles (or loads from the disk cache) and loads the module; later ones are a
     /// hash-map lookup. Must not be first called inside a graph capture.
     pub fn function(&self, gpu: &Gpu, name: &str, source: &str, defines: &[String], func: &'static str) -> Result<CUfunction> {
@@ -40,7 +43,8 @@ impl Modules {
             match mods.get(&variant) {
                 Some(&m) => m as CUmodule,
                 None => {
-                    let mut opts: Vec<String> = defines.iter().map(|d| format!("-D{d}")).collect();
+                    // Entries starting with "--" are NVRTC options (e.g. --fmad=false), the rest macros.
+                    let mut opts: Vec<String> = defines.iter().map(|d| if d.starts_with("--") { d.clone() } else { format!("-D{d}") }).collect();
                     opts.push("--std=c++17".to_string());
                     if std::env::var("KVS_PTXAS_VERBOSE").is_ok() {
                         opts.push("--ptxas-options=-v".to_string());
@@ -64,21 +68,39 @@ impl Modules {
     }
 }
 
-/// Up to 48 kernel arguments of at most 8 bytes each, stored inline.
+/// Up to 48 kernel arguments, stored inline: scalars of at most 8 bytes, or `#[repr(C)]` structs passed
+/// by value (up to 128 words in all).
 pub struct KArgs {
-    vals: [u64; 48],
+    vals: [u64; 128],
+    /// Word index where each argument starts.
+    starts: [usize; 48],
+    used: usize,
     n: usize,
 }
 
 impl KArgs {
     pub fn new() -> Self {
-        KArgs { vals: [0; 48], n: 0 }
+        KArgs { vals: [0; 128], starts: [0; 48], used: 0, n: 0 }
     }
     fn push(&mut self, v: u64) -> &mut Self {
-        assert!(self.n < self.vals.len(), "too many kernel arguments");
-        self.vals[self.n] = v;
+        self.push_words(&[v])
+    }
+    fn push_words(&mut self, w: &[u64]) -> &mut Self {
+        assert!(self.n < self.starts.len() && self.used + w.len() <= self.vals.len(), "too many kernel arguments");
+        self.starts[self.n] = self.used;
+        self.vals[self.used..self.used + w.len()].copy_from_slice(w);
+        self.used += w.len();
         self.n += 1;
         self
+    }
+    /// A `#[repr(C)]` struct by value (its layout must match the kernel's struct; 8-byte aligned).
+    pub fn by_value<T: Copy>(&mut self, v: &T) -> &mut Self {
+        let words = std::mem::size_of::<T>().div_ceil(8);
+        let mut w = [0u64; 16];
+        assert!(words <= w.len() && std::mem::align_of::<T>() <= 8, "struct argument too large");
+        // SAFETY: copies size_of::<T>() bytes of a Copy value into a buffer at least that large.
+        unsafe { std::ptr::copy_nonoverlapping(v as *const T as *const u8, w.as_mut_ptr() as *mut u8, std::mem::size_of::<T>()) };
+        self.push_words(&w[..words])
     }
     pub fn ptr<T>(&mut self, p: *const T) -> &mut Self {
         self.push(p as usize as u64)
@@ -110,7 +132,7 @@ pub fn launch(f: CUfunction, grid: (u32, u32, u32), block: u32, args: &mut KArgs
 pub fn launch_smem(f: CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: &mut KArgs, stream: CUstream, what: &str) -> Result<()> {
     let mut ptrs: [*mut c_void; 48] = [std::ptr::null_mut(); 48];
     for i in 0..args.n {
-        ptrs[i] = &mut args.vals[i] as *mut u64 as *mut c_void;
+        ptrs[i] = &mut args.vals[args.starts[i]] as *mut u64 as *mut c_void;
     }
     // SAFETY: every argument pointer points into `args`, alive for the call; the kernel signature matches
     // the packing order (each launcher below mirrors its kernel's parameter list).

@@ -8,8 +8,10 @@ pub mod bench;
 pub mod context;
 pub mod driver;
 pub mod launch;
+pub mod meta;
 pub mod module_cache;
 pub mod plan;
+pub mod sparse;
 
 pub use backend::CudaBackend;
 

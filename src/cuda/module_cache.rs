@@ -164,7 +164,7 @@ mod tests {
 /// GPU (NVRTC only; skipped when NVRTC is not installed). Catches source errors before a device run.
 #[cfg(test)]
 mod compile_tests {
-    use super::super::launch::{ATTENTION, CACHE_WRITE, COMMON, FILL, MERGE};
+    use super::super::launch::{ATTENTION, ATTENTION_MMA, CACHE_WRITE, COMMON, FILL, MERGE, META, SELECT};
     use super::*;
 
     #[test]
@@ -174,8 +174,14 @@ mod compile_tests {
             return;
         }
         std::env::set_var("KVS_KERNEL_CACHE", "off");
+        // KVS_COMPILE_ONLY=<module>[:<define>] limits the run (e.g. with KVS_PTXAS_VERBOSE=1 KVS_LOG=1).
+        let only = std::env::var("KVS_COMPILE_ONLY").unwrap_or_default();
         let build = |name: &str, src: &str, defs: &[String]| {
-            let mut opts: Vec<String> = defs.iter().map(|d| format!("-D{d}")).collect();
+            let (om, od) = only.split_once(':').unwrap_or((only.as_str(), ""));
+            if !om.is_empty() && (om != name || !defs.iter().any(|d| d.contains(od))) {
+                return;
+            }
+            let mut opts: Vec<String> = defs.iter().map(|d| if d.starts_with("--") { d.clone() } else { format!("-D{d}") }).collect();
             opts.push("--std=c++17".into());
             if std::env::var("KVS_PTXAS_VERBOSE").is_ok() {
                 opts.push("--ptxas-options=-v".into());
@@ -189,18 +195,31 @@ mod compile_tests {
                 let es = [4usize, 2, 2][dt];
                 for aligned in [true, false] {
                     let s = super::super::plan::kernel_shape(g, d, es, aligned);
-                    let defs = vec![
-                        format!("KVS_DTYPE={dt}"),
-                        format!("HEAD_DIM={d}"),
-                        format!("GQ={}", s.gq),
-                        format!("GROUP={g}"),
-                        format!("LOAD_BYTES={}", s.load_bytes),
-                        format!("KB={}", s.kb),
-                    ];
-                    build("attention", ATTENTION, &defs);
+                    for plan in [0, 1] {
+                        let defs = vec![
+                            format!("KVS_DTYPE={dt}"),
+                            format!("HEAD_DIM={d}"),
+                            format!("GQ={}", s.gq),
+                            format!("GROUP={g}"),
+                            format!("LOAD_BYTES={}", s.load_bytes),
+                            format!("KB={}", s.kb),
+                            format!("PLAN={plan}"),
+                        ];
+                        build("attention", ATTENTION, &defs);
+                    }
+                }
+                let fm = "--fmad=false".to_string();
+                build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), fm.clone()]);
+                if dt > 0 {
+                    for plan in [0, 1] {
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), format!("PLAN={plan}")].to_vec();
+                        build("attention_mma", ATTENTION_MMA, &defs);
+                    }
                 }
             }
+            build("meta", META, &[format!("KVS_DTYPE={dt}"), "--fmad=false".into()]);
         }
+        build("select", SELECT, &["KVS_DTYPE=2".into(), "HEAD_DIM=128".into(), "GROUP=16".into(), "--fmad=false".into()]);
         build("merge", MERGE, &[]);
     }
 }

@@ -4,25 +4,119 @@
 
 use std::io::Write;
 
-use kvsparse::cuda::bench::{bench_point, copy_bandwidth, default_grid, free_memory, kv_bytes, Point};
+use kvsparse::cuda::bench::{bench_point, bench_sparse_point, copy_bandwidth, default_grid, free_memory, kv_bytes, Point};
 
 use crate::args::Args;
 
 const HELP: &str = "kvsparse bench --device cuda [--batch 1,4,...] [--ctx 1024,...] [--heads 32/8,64/8]
-                    [--max-kv-gib N] [--csv PATH]
+                    [--max-kv-gib N] [--csv PATH] [--policy SPEC ...]
 
 Times one dense decode step (query length 1, head 128, bf16, block 16, shuffled block tables) per grid
 point with CUDA events (median of 15 groups of 10 steps, inputs rotated so that the set touched is at
 least 4x the L2 cache) and prints achieved GB/s and its fraction of the measured copy bandwidth.
-Points whose KV cache would exceed --max-kv-gib (default 40) or free memory are listed as skipped.";
+Points whose KV cache would exceed --max-kv-gib (default 40) or free memory are listed as skipped.
+
+With --policy (repeatable; `L/16` in a spec stands for the context length over 16 at each point), times
+one sparse decode step per policy and point instead (default grid: batch 1,8,32 x context 16K,32K,128K,
+heads 32/8): the step's cache write with the policy's metadata upkeep, the selection kernels, the
+attention over the plans, selection + attention in one call, blocks visited, our dense kernel on the
+same cache, and the speedups; Quest's selection is also shown against the time to read its page bounds
+at the measured copy bandwidth.";
+
+/// Replaces every `L/<n>` in a spec by `ctx / n`.
+fn expand(spec: &str, ctx: usize) -> Result<String, String> {
+    let mut out = String::new();
+    let mut rest = spec;
+    while let Some(i) = rest.find("L/") {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i + 2..];
+        let n_end = tail.find(|c: char| !c.is_ascii_digit()).unwrap_or(tail.len());
+        let n: usize = tail[..n_end].parse().map_err(|_| format!("{spec:?}: `L/` must be followed by a number"))?;
+        if n == 0 {
+            return Err(format!("{spec:?}: L/0"));
+        }
+        out.push_str(&(ctx / n).max(1).to_string());
+        rest = &tail[n_end..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
+    let batches: Vec<usize> = list(a, "batch", &[1, 8, 32])?;
+    let ctxs: Vec<usize> = list(a, "ctx", &[16384, 32768, 131072])?;
+    let heads: Vec<String> = list(a, "heads", &["32/8".to_string()])?;
+    let max_kv = (a.get("max-kv-gib", 40.0f64)? * (1u64 << 30) as f64) as usize;
+    let _gpu = kvsparse::cuda::context::Gpu::open(0).map_err(|e| e.to_string())?;
+    let copy = copy_bandwidth().map_err(|e| e.to_string())?;
+    println!("device-to-device copy: {:.0} GB/s (read + write, 1 GiB, median of 20)", copy);
+    let mut csv = match a.str("csv") {
+        Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{p}: {e}"))?),
+        None => None,
+    };
+    if let Some(f) = csv.as_mut() {
+        writeln!(f, "policy,batch,ctx,hq,hk,write_us,write_dense_us,select_us,attend_us,forward_us,dense_us,visited,top_p_kept,bound_bytes,bound_floor_us,copy_gbps,rotation").map_err(|e| e.to_string())?;
+    }
+    println!(
+        "{:<40} {:>5} {:>7} {:>6} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>7} {:>8} {:>8}",
+        "policy", "batch", "ctx", "heads", "write", "select", "attend", "sel+att", "dense", "visited", "x dense", "sel/flr", "step x"
+    );
+    for pol in policies {
+        for h in &heads {
+            let (hq, hk) = h.split_once('/').ok_or_else(|| format!("--heads wants Q/KV pairs like 32/8, got {h:?}"))?;
+            let (hq, hk): (usize, usize) = (hq.parse().map_err(|_| "bad --heads")?, hk.parse().map_err(|_| "bad --heads")?);
+            for &b in &batches {
+                for &c in &ctxs {
+                    let p = Point { batch: b, ctx: c, hq, hk };
+                    let spec = expand(pol, c)?;
+                    let kv = kv_bytes(&p);
+                    let free = free_memory().unwrap_or(0);
+                    if kv > max_kv || 2 * kv + (4 << 30) > free {
+                        println!("{spec:<40} {b:>5} {c:>7} {hq:>3}/{hk:<2} skipped: {:.1} GiB of KV (limit {:.1}, free {:.1})", kv as f64 / (1u64 << 30) as f64, max_kv as f64 / (1u64 << 30) as f64, free as f64 / (1u64 << 30) as f64);
+                        continue;
+                    }
+                    let r = bench_sparse_point(&p, &spec, 50 << 20, max_kv, 4321 + b as u64 * 7 + c as u64).map_err(|e| format!("{spec} at {p:?}: {e}"))?;
+                    let floor_us = r.bound_bytes / (copy / 2.0 * 1e9) * 1e6; // reading only: half the copy's bytes/s
+                    let sel_floor = if floor_us > 0.0 { format!("{:.2}", r.select_us / floor_us) } else { "-".into() };
+                    let step_x = (r.write_dense_us + r.dense_us) / (r.write_us + r.forward_us);
+                    println!(
+                        "{spec:<40} {b:>5} {c:>7} {hq:>3}/{hk:<2} {:>8.1} {:>8.1} {:>8.1} {:>9.1} {:>9.1} {:>7.1}% {:>7.2} {:>8} {:>8.2}",
+                        r.write_us,
+                        r.select_us,
+                        r.attend_us,
+                        r.forward_us,
+                        r.dense_us,
+                        100.0 * r.visited,
+                        r.dense_us / r.forward_us,
+                        sel_floor,
+                        step_x
+                    );
+                    if let Some(f) = csv.as_mut() {
+                        writeln!(
+                            f,
+                            "\"{spec}\",{b},{c},{hq},{hk},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.5},{:.5},{:.0},{:.3},{:.1},{}",
+                            r.write_us, r.write_dense_us, r.select_us, r.attend_us, r.forward_us, r.dense_us, r.visited, r.top_p_kept, r.bound_bytes, floor_us, copy, r.rotation
+                        )
+                        .map_err(|e| e.to_string())?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
 
 pub fn run(argv: &[String]) -> Result<(), String> {
-    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv"], &[], HELP)?;
+    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy"], &[], HELP)?;
     if a.str("device") != Some("cuda") {
         return Err(format!("this module serves --device cuda only\n\n{HELP}"));
     }
     if !kvsparse::cuda::device_available() {
         return Err("no CUDA driver/device available".into());
+    }
+    let policies = a.values_of("policy");
+    if !policies.is_empty() {
+        return run_sparse(&a, &policies);
     }
     let full = default_grid();
     let batches: Vec<usize> = list(&a, "batch", &[1, 4, 16, 32, 64, 128])?;

@@ -33,6 +33,8 @@ options:
   --stride N       attend every N-th decode step only (cache writes still every step; default 1)
   --dtype T        engine dtype: f32, f16 or bf16 (default f32; the traces are f16, so f32 is exact)
   --threads N      engine worker threads, 0 = all cores (default 0)
+  --device D       cpu (default) or cuda: replay through the CUDA engine (policies it does not run yet
+                   are listed and left out; ms/call then includes the copies to and from the device)
   --out DIR        also sweep each family's main knob, write DIR/eval.csv and DIR/eval.png";
 
 /// A policy family and its main knob, swept for the plot.
@@ -142,7 +144,17 @@ pub struct Row {
 }
 
 pub fn run(argv: &[String]) -> Result<(), String> {
-    let a = Args::parse(argv, &["traces", "policy", "budget", "only", "stride", "dtype", "threads", "out"], &[], HELP)?;
+    let a = Args::parse(argv, &["traces", "policy", "budget", "only", "stride", "dtype", "threads", "out", "device"], &[], HELP)?;
+    let device = match a.str("device").unwrap_or("cpu") {
+        "cpu" => kvsparse::Device::Cpu,
+        "cuda" => {
+            if !kvsparse::cuda::device_available() {
+                return Err("--device cuda: no CUDA driver/device available".into());
+            }
+            kvsparse::Device::Cuda(0)
+        }
+        other => return Err(format!("--device {other:?}: expected cpu or cuda")),
+    };
     let dir = match a.str("traces") {
         Some(d) => PathBuf::from(d),
         None if Path::new("traces/manifest.json").exists() => PathBuf::from("traces"),
@@ -164,6 +176,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         step_stride: a.get("stride", 1)?,
         threads: a.get("threads", 0)?,
         record_visits: true,
+        device,
         ..Default::default()
     };
     if opts.step_stride == 0 {
@@ -185,6 +198,16 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     }
     for r in &rows {
         Policy::parse(&r.spec).map_err(|e| e.message)?;
+    }
+    if matches!(device, kvsparse::Device::Cuda(_)) {
+        let group = manifest.num_q_heads / manifest.num_kv_heads.max(1);
+        let (keep, skip): (Vec<Row>, Vec<Row>) = rows.into_iter().partition(|r| {
+            Policy::parse(&r.spec).ok().and_then(|p| p.pipeline().cloned()).map_or(true, |pl| kvsparse::cuda::sparse::supported(&pl, group).is_ok())
+        });
+        if !skip.is_empty() {
+            println!("not on the CUDA backend yet, left out: {}", skip.iter().map(|r| r.spec.as_str()).collect::<Vec<_>>().join(", "));
+        }
+        rows = keep;
     }
 
     let traces: Vec<_> = manifest.traces.iter().filter(|t| only.is_empty() || only.contains(&t.name)).collect();

@@ -74,19 +74,35 @@ fn weights_at_generic<I: Isa>(io: &ForwardIo, q: &[f32], rows: usize, positions:
 }
 
 /// Quest's upper bound of `q·k` over a page with channel-wise key bounds `[mn, mx]`:
-/// `Σ_i max(q_i·mn_i, q_i·mx_i)`, which is `>=` the score of every key in the page. Eight lanes, so the
-/// sum vectorises.
+/// `Σ_i max(q_i·mn_i, q_i·mx_i)`, which is `>=` the score of every key in the page.
+///
+/// The sum has a fixed order that the CUDA selection kernel (kernels/select.cu) repeats bit for bit with
+/// one half-warp per page: sixteen lane sums, lane `l` over channels `l, l+16, l+32, ...` in order (each
+/// product rounded on its own), then a butterfly `v[j] += v[j ^ s]` for s = 8, 4, 2, 1, the result in
+/// lane 0. The sixteen lanes vectorise on the CPU too. `q.len()` must be a multiple of 16 (every
+/// supported head size is).
 #[inline(always)]
 pub fn quest_bound(q: &[f32], mn: &[f32], mx: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (qc, ac, bc) = (q.chunks_exact(8), mn.chunks_exact(8), mx.chunks_exact(8));
-    let tail: f32 = qc.remainder().iter().zip(ac.remainder()).zip(bc.remainder()).map(|((&x, &a), &b)| (x * a).max(x * b)).sum();
-    for ((x, a), b) in qc.zip(ac).zip(bc) {
-        for l in 0..8 {
+    debug_assert!(q.len() % 16 == 0);
+    let mut acc = [0f32; 16];
+    for ((x, a), b) in q.chunks_exact(16).zip(mn.chunks_exact(16)).zip(mx.chunks_exact(16)) {
+        for l in 0..16 {
             acc[l] += (x[l] * a[l]).max(x[l] * b[l]);
         }
     }
-    acc.iter().sum::<f32>() + tail
+    butterfly16(acc)
+}
+
+/// `v[j] += v[j ^ s]` for s = 8, 4, 2, 1 (a warp's xor-shuffle reduction over 16 lanes); lane 0's value.
+#[inline(always)]
+pub fn butterfly16(mut v: [f32; 16]) -> f32 {
+    for s in [8usize, 4, 2, 1] {
+        let prev = v;
+        for j in 0..16 {
+            v[j] = prev[j] + prev[j ^ s];
+        }
+    }
+    v[0]
 }
 
 /// Bounds of the pages `lo/page ..= hi/page` (max over the group's rows and over the page's units) into

@@ -1,0 +1,127 @@
+// Key metadata on the device, kept by kvs_cache_write right after the rows are stored, with the same
+// semantics as the CPU's LayerMeta (src/cpu/metadata.rs), which a test compares bit for bit:
+//
+//   fill[num_blocks][4]            one bit per slot: written through kvsparse since the block (re)started
+//   first[num_blocks]              scratch: (block_size - first offset written by this call), 0 between calls
+//   qmin/qmax[num_blocks][upb][hk][d]  Quest: fp16 min (rounded down) / max (rounded up) of K per unit,
+//                                  channels in lane order: c at (c % 16) * (d / 16) + c / 16
+//   codes[num_blocks * bs * hk][d/2], qparams[...][2]   INT4 copy of K, fp16 (min, scale) per row
+//
+// A write at offset j of a block starts that block over from j (serving engines reuse blocks for other
+// sequences, and sequences only grow or are rewritten from some position on): fill bits >= j not written
+// by the same call are cleared, and every Quest unit from j's on is recomputed from the filled rows.
+// Four launches in stream order (no host sync, capturable): mark -> clear -> set (+INT4) -> units (+reset).
+// Slots are validated here as in kvs_cache_write (negative or out of range: skipped).
+// Requires KVS_DTYPE; compiled with --fmad=false (decide.cuh).
+
+__device__ __forceinline__ bool kvs_slot(const void* slots, i64 stride, int is64, int t, i64 capacity, int bs, i64* blk, int* off) {
+    const i64 slot = is64 ? ((const i64*)slots)[t * stride] : (i64)((const int*)slots)[t * stride];
+    if (slot < 0 || slot >= capacity) return false;
+    *blk = slot / bs;
+    *off = (int)(slot % bs);
+    return true;
+}
+
+extern "C" __global__ void kvs_meta_mark(const void* slots, i64 slot_stride, int is64, int tokens, i64 num_blocks, int bs, int* first) {
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < tokens; t += gridDim.x * blockDim.x) {
+        i64 b;
+        int off;
+        if (kvs_slot(slots, slot_stride, is64, t, num_blocks * bs, bs, &b, &off)) atomicMax(&first[b], bs - off);
+    }
+}
+
+extern "C" __global__ void kvs_meta_clear(const void* slots, i64 slot_stride, int is64, int tokens, i64 num_blocks, int bs, const int* first,
+                                          unsigned long long* fill) {
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < tokens; t += gridDim.x * blockDim.x) {
+        i64 b;
+        int off;
+        if (!kvs_slot(slots, slot_stride, is64, t, num_blocks * bs, bs, &b, &off)) continue;
+        const int f = bs - first[b];  // first offset written to this block by this call
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const int lo = f - 64 * w;  // bits >= lo of word w are cleared
+            if (lo >= 64) continue;
+            const unsigned long long keep = lo <= 0 ? 0ull : ((1ull << lo) - 1ull);
+            atomicAnd(&fill[b * 4 + w], keep);
+        }
+    }
+}
+
+// One thread per (token, KV head): marks the slot filled (head 0) and quantizes the row to INT4.
+extern "C" __global__ void kvs_meta_set(const void* slots, i64 slot_stride, int is64, int tokens, i64 num_blocks, int bs,
+                                        unsigned long long* fill, const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int d,
+                                        unsigned char* codes, u16* qparams) {
+    const i64 n = (i64)tokens * hk;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const int t = (int)(i / hk), h = (int)(i % hk);
+        i64 b;
+        int off;
+        if (!kvs_slot(slots, slot_stride, is64, t, num_blocks * bs, bs, &b, &off)) continue;
+        if (h == 0) atomicOr(&fill[b * 4 + off / 64], 1ull << (off % 64));
+        if (codes == 0) continue;
+        const elem_t* row = kc + b * kc0 + (i64)off * kc1 + (i64)h * kc2;
+        float mn = INFINITY, mx = -INFINITY;
+        for (int c = 0; c < d; ++c) {
+            const float v = ET::ld(row[c]);
+            mn = fminf(mn, v);
+            mx = fmaxf(mx, v);
+        }
+        const i64 r = (b * bs + off) * hk + h;
+        unsigned char* cr = codes + r * (d / 2);
+        const u16 mn16 = kvs_f16_down(mn);
+        const float mnf = kvs_f16_to_f32(mn16);
+        const u16 sc16 = kvs_f16_up((mx - mnf) / 15.0f);
+        const float scf = kvs_f16_to_f32(sc16);
+        const bool ok = isfinite(mn) && isfinite(mx) && isfinite(mnf) && isfinite(scf);
+        const float inv = scf > 0.0f ? 1.0f / scf : 0.0f;
+        for (int c = 0; c < d; c += 2) {
+            unsigned char byte = 0;
+            if (ok) {
+                const float c0 = roundf((ET::ld(row[c]) - mnf) * inv);
+                const float c1 = roundf((ET::ld(row[c + 1]) - mnf) * inv);
+                // clamp(0, 15) with NaN -> 0, as Rust's `clamp(..) as u8`
+                const unsigned q0 = c0 >= 0.0f ? (unsigned)fminf(c0, 15.0f) : 0u;
+                const unsigned q1 = c1 >= 0.0f ? (unsigned)fminf(c1, 15.0f) : 0u;
+                byte = (unsigned char)(q0 | (q1 << 4));
+            }
+            cr[c / 2] = byte;
+        }
+        qparams[2 * r] = ok ? mn16 : (u16)0;
+        qparams[2 * r + 1] = ok ? sc16 : (u16)0;
+    }
+}
+
+// One CTA per token: the token written at its block's first offset claims the block (exactly one, also
+// with duplicate slots), resets its scratch and, when Quest is on (unit > 0), recomputes the block's units
+// from the first written one on: channel-wise min/max over the filled slots of each unit.
+extern "C" __global__ void kvs_meta_units(const void* slots, i64 slot_stride, int is64, int tokens, i64 num_blocks, int bs, int* first,
+                                          const unsigned long long* fill, const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int d,
+                                          int unit, int upb, u16* qmin, u16* qmax) {
+    __shared__ int won;
+    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+        i64 b;
+        int off;
+        const bool ok = kvs_slot(slots, slot_stride, is64, t, num_blocks * bs, bs, &b, &off);
+        __syncthreads();  // `won` of the previous token is read by everyone
+        if (threadIdx.x == 0) won = ok && first[b] == bs - off && atomicCAS(&first[b], bs - off, 0) == bs - off;
+        __syncthreads();
+        if (!won || unit == 0) continue;
+        const int u0 = off / unit;
+        const int per = hk * d;
+        const i64 n = (i64)(upb - u0) * per;
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+            const int u = u0 + (int)(i / per), h = (int)((i % per) / d), c = (int)(i % d);
+            float mn = INFINITY, mx = -INFINITY;
+            for (int o = u * unit; o < (u + 1) * unit; ++o) {
+                if (!((fill[b * 4 + o / 64] >> (o % 64)) & 1ull)) continue;
+                const float v = ET::ld(kc[b * kc0 + (i64)o * kc1 + (i64)h * kc2 + c]);
+                mn = fminf(mn, v);
+                mx = fmaxf(mx, v);
+            }
+            // Stored in lane order (channel c at lane c % 16, slot c / 16), as kvs_quest_scores reads it.
+            const i64 idx = ((b * upb + u) * hk + h) * (i64)d + (c % 16) * (d / 16) + c / 16;
+            qmin[idx] = kvs_f16_down(mn);
+            qmax[idx] = kvs_f16_up(mx);
+        }
+    }
+}

@@ -1,0 +1,734 @@
+// Selection kernels: each decode row's visit plan on the device, the same decisions as the CPU engine
+// (src/policy/select.rs, src/policy/top_p.rs, src/cpu/sparse/scoring.rs) in the same arithmetic
+// (decide.cuh, --fmad=false). A plan is, per (sequence, KV head), `plan_len` entries of `1 << ulog2`
+// positions each, in increasing order, at plan + s * p_s + h * p_h (p_h = 0: one plan for every head);
+// plan_len = -1 marks a sequence that is not a decode row (its attention runs dense). The attention
+// kernel (PLAN=1 variants of attention*.cu) reads the plan instead of the block table.
+//
+// Nothing here trusts device metadata: sequence lengths are clamped to the table, rows outside the query
+// tensor read nothing, block ids out of range contribute nothing, every write stays inside the plan's
+// capacity. Counters (decide.cuh CTR_*) are accumulated with atomics into the layer's device counters.
+//
+// Compile-time parameters: KVS_DTYPE, HEAD_DIM, GROUP (query heads per KV head).
+
+#define SEL_THREADS 256
+
+struct Batch {
+    const int* bt;
+    i64 bt0, bt1;
+    int bt_cols, bs_log2;
+    i64 num_blocks;
+    const int* seq_lens;
+    i64 sl0;
+    const int* qsl;
+    i64 qsl0;
+    int num_seqs, num_tokens, window;
+};
+
+__device__ __forceinline__ SeqRow seq_row(const Batch& b, int s) {
+    return kvs_seq_row(s, b.qsl, b.qsl0, b.seq_lens, b.sl0, b.bt_cols << b.bs_log2, b.window, b.num_tokens);
+}
+
+// Physical block of logical block `lb` of sequence s, or -1.
+__device__ __forceinline__ i64 phys_block(const Batch& b, int s, int lb) {
+    if (lb < 0 || lb >= b.bt_cols) return -1;
+    const i64 id = b.bt[s * b.bt0 + (i64)lb * b.bt1];
+    return (id >= 0 && id < b.num_blocks) ? id : -1;
+}
+
+// Loads the GROUP query rows of KV head h at row t, times the scale (as the CPU's load_queries), into
+// shared memory, and (optionally) their ordered sums. All threads of the CTA call this.
+__device__ __forceinline__ void load_q(const elem_t* q, i64 q0, i64 q1, i64 q2, int t, int h, float scale, float* qs, float* qsum) {
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
+        const int r = i / HEAD_DIM, c = i % HEAD_DIM;
+        qs[i] = ET::ld(q[(i64)t * q0 + (i64)(h * GROUP + r) * q1 + (i64)c * q2]) * scale;
+    }
+    __syncthreads();
+    if (qsum != 0 && threadIdx.x < GROUP) {
+        float s = 0.0f;
+        for (int c = 0; c < HEAD_DIM; ++c) s += qs[threadIdx.x * HEAD_DIM + c];
+        qsum[threadIdx.x] = s;
+    }
+    __syncthreads();
+}
+
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    T r = 0;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) r += red[i];
+    __syncthreads();
+    return r;
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float r = -INFINITY;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) r = fmaxf(r, red[i]);
+    __syncthreads();
+    return r;
+}
+
+// Writes the entries i (0 <= i < n) for which keep(i) holds, in increasing i, as value(i); returns how
+// many were written. Block-wide (all threads call it); `cnt` is shared scratch of blockDim/32+1 ints.
+template <typename Keep, typename Val>
+__device__ __forceinline__ int compact(int n, Keep keep, Val value, unsigned* out, int cap, int* cnt) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int base = 0;
+    for (int i0 = 0; i0 < n; i0 += blockDim.x) {
+        const int i = i0 + threadIdx.x;
+        const bool k = i < n && keep(i);
+        const unsigned bal = __ballot_sync(0xffffffffu, k);
+        if (lane == 0) cnt[warp] = __popc(bal);
+        __syncthreads();
+        int before = base;
+        for (int w = 0; w < warp; ++w) before += cnt[w];
+        const int at = before + __popc(bal & ((1u << lane) - 1u));
+        if (k && at < cap) out[at] = value(i);
+        int total = 0;
+        for (int w = 0; w < nw; ++w) total += cnt[w];
+        base += total;
+        __syncthreads();
+    }
+    return base < cap ? base : cap;
+}
+
+// Counts the blocks and tokens a plan (entries increasing) visits inside lo..=hi, as the CPU counts its
+// candidate units, and adds them (times `heads`) to the counters. Block-wide.
+__device__ __forceinline__ void account(const unsigned* e, int n, int ulog2, int lo, int hi, int bs_log2, int heads, i64 row_bytes,
+                                        unsigned long long* ctr, unsigned long long* red) {
+    unsigned long long blocks = 0, tokens = 0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const i64 a = max((i64)e[j] << ulog2, (i64)lo), z = min((((i64)e[j] + 1) << ulog2) - 1, (i64)hi);
+        if (a > z) continue;
+        i64 nb = (z >> bs_log2) - (a >> bs_log2) + 1;
+        if (j > 0) {
+            const i64 pa = max((i64)e[j - 1] << ulog2, (i64)lo), pz = min((((i64)e[j - 1] + 1) << ulog2) - 1, (i64)hi);
+            if (pa <= pz && (pz >> bs_log2) == (a >> bs_log2)) nb -= 1;
+        }
+        blocks += nb;
+        tokens += z - a + 1;
+    }
+    blocks = block_sum(blocks, red);
+    tokens = block_sum(tokens, red);
+    if (threadIdx.x == 0) {
+        atomicAdd(&ctr[CTR_BLOCKS_VISITED], blocks * heads);
+        atomicAdd(&ctr[CTR_KV_BYTES], tokens * (unsigned long long)row_bytes * heads);
+    }
+}
+
+// Per call: decode rows, prefill tokens and the dense rows' KV bytes, as the CPU counts them. Block-wide
+// (one CTA of the first selection kernel runs it).
+__device__ __forceinline__ void rows_count(const Batch& b, int hk, i64 row_bytes, unsigned long long* ctr, unsigned long long* red) {
+    unsigned long long dec = 0, pre = 0, bytes = 0;
+    for (int s = threadIdx.x; s < b.num_seqs; s += blockDim.x) {
+        const SeqRow r = seq_row(b, s);
+        if (r.decode) {
+            dec += 1;
+        } else {
+            pre += r.q_len > 0 ? r.q_len : 0;
+            const int first = r.hi + 1 - (r.q_len > 0 ? r.q_len : 0);  // first query position
+            const int vis = (b.window > 0 && first + 1 - b.window > 0) ? first + 1 - b.window : 0;
+            if (r.hi + 1 > vis) bytes += (unsigned long long)(r.hi + 1 - vis) * row_bytes * hk;
+        }
+    }
+    dec = block_sum(dec, red);
+    pre = block_sum(pre, red);
+    bytes = block_sum(bytes, red);
+    if (threadIdx.x == 0) {
+        atomicAdd(&ctr[CTR_DECODE_ROWS], dec);
+        atomicAdd(&ctr[CTR_PREFILL_TOKENS], pre);
+        atomicAdd(&ctr[CTR_KV_BYTES], bytes);
+    }
+}
+
+// `all` (kind 0: every block of the row, unit = block) and `streaming` (kind 1: the first `sink` and last
+// `recent` positions, unit = token): one plan shared by every KV head (p_h = 0). One CTA per sequence;
+// CTA 0 also counts the call's rows.
+extern "C" __global__ void kvs_plan_simple(Batch b, int hk, int kind, int sink, int recent, unsigned* plan, i64 p_s, int* plan_len, int cap,
+                                           i64 row_bytes, int count, unsigned long long* ctr) {
+    __shared__ unsigned long long red[32];
+    if (blockIdx.x == 0) rows_count(b, hk, row_bytes, ctr, red);  // the call's rows, once
+    const int s = blockIdx.x;
+    const SeqRow r = seq_row(b, s);
+    unsigned* e = plan + s * p_s;
+    int n = 0, ulog2 = 0;
+    if (r.decode && r.hi >= r.lo) {
+        if (kind == 0) {
+            ulog2 = b.bs_log2;
+            const int f = r.lo >> b.bs_log2;
+            n = min((r.hi >> b.bs_log2) - f + 1, cap);
+            for (int i = threadIdx.x; i < n; i += blockDim.x) e[i] = f + i;
+        } else {
+            // spans [lo, a1) and [b0, hi + 1), merged when they touch (as normalize_spans)
+            const int a1 = max(r.lo, min(sink, r.hi + 1));
+            int b0 = max(r.lo, r.hi + 1 - recent);
+            if (b0 < a1) b0 = a1;
+            const int na = a1 - r.lo, nb = r.hi + 1 - b0;
+            n = min(na + nb, cap);
+            for (int i = threadIdx.x; i < n; i += blockDim.x) e[i] = i < na ? r.lo + i : b0 + (i - na);
+        }
+    }
+    for (int i = threadIdx.x; i < hk; i += blockDim.x) plan_len[s * hk + i] = r.decode ? n : -1;
+    __syncthreads();
+    if (r.decode && count) {
+        if (threadIdx.x == 0 && r.hi >= r.lo) {
+            atomicAdd(&ctr[CTR_POLICY_ROWS], (unsigned long long)hk);
+            atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((r.hi >> b.bs_log2) - (r.lo >> b.bs_log2) + 1) * hk);
+        }
+        account(e, n, ulog2, r.lo, r.hi, b.bs_log2, hk, row_bytes, ctr, red);
+    }
+}
+
+// Quest, step 1: the bound of every page of the row, max over the group's query rows and the page's
+// units (units of `unit` slots of one block), as quest_page_scores. One half-warp per page: lane l holds
+// the channels l, l+16, l+32, ... of the unit's min and max, which the cache write stores contiguously
+// per lane (kernels/meta.cu), so a half-warp reads a unit's bounds in coalesced vector loads; each lane
+// sums its channels in order and a butterfly over the 16 lanes adds the lane sums, the order the CPU's
+// quest_bound follows. Each half-warp scores 4 pages; grid (page tiles of 64, KV heads, seqs).
+// CTA (0,0,0) also counts the call's rows (folded in to save a launch) when `count_rows` is set.
+#define QC (HEAD_DIM / 16)  // channels per lane
+#define QS_THREADS 256
+#define QS_PAGES 64
+__device__ __forceinline__ void load_lane_bounds(const u16* p, float* v) {
+#if QC % 8 == 0
+#pragma unroll
+    for (int k8 = 0; k8 < QC / 8; ++k8) {
+        const uint4 w = reinterpret_cast<const uint4*>(p)[k8];
+        const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k8 * 8 + k] = kvs_f16_to_f32((u16)(ws[k / 2] >> (16 * (k % 2))));
+    }
+#elif QC % 4 == 0
+#pragma unroll
+    for (int k4 = 0; k4 < QC / 4; ++k4) {
+        const uint2 w = reinterpret_cast<const uint2*>(p)[k4];
+        const unsigned ws[2] = {w.x, w.y};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[k4 * 4 + k] = kvs_f16_to_f32((u16)(ws[k / 2] >> (16 * (k % 2))));
+    }
+#elif QC % 2 == 0
+#pragma unroll
+    for (int k2 = 0; k2 < QC / 2; ++k2) {
+        const unsigned w = reinterpret_cast<const unsigned*>(p)[k2];
+        v[2 * k2] = kvs_f16_to_f32((u16)w);
+        v[2 * k2 + 1] = kvs_f16_to_f32((u16)(w >> 16));
+    }
+#else
+#pragma unroll
+    for (int k = 0; k < QC; ++k) v[k] = kvs_f16_to_f32(p[k]);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk,
+                                                                          const u16* qmin, const u16* qmax, int unit, int upb, int page,
+                                                                          float* scores, int maxp, int count_rows, i64 row_bytes,
+                                                                          unsigned long long* ctr) {
+    __shared__ float qs[GROUP * 16 * (QC + 1)];  // q rows in lane order, padded against bank conflicts
+    __shared__ unsigned long long red[32];
+    if (count_rows && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) rows_count(b, hk, row_bytes, ctr, red);
+    const int s = blockIdx.z, h = blockIdx.y;
+    const SeqRow r = seq_row(b, s);
+    if (!r.decode || r.hi < r.lo) return;
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
+        const int g = i / HEAD_DIM, c = i % HEAD_DIM;
+        qs[g * 16 * (QC + 1) + (c % 16) * (QC + 1) + c / 16] = ET::ld(q[(i64)r.t * q0 + (i64)(h * GROUP + g) * q1 + (i64)c * q2]) * scale;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 15, hw = threadIdx.x >> 4;
+    const unsigned hmask = 0xffffu << (16 * (hw & 1));
+    const int fp = r.lo / page, np = r.hi / page - fp + 1;
+    unsigned long long units = 0;
+    for (int pi = 0; pi < QS_PAGES / 16; ++pi) {
+        const int i = blockIdx.x * QS_PAGES + pi * 16 + hw;
+        const bool active = i < np && i < maxp;
+        const int pg = fp + i;
+        const int a = max(pg * page, r.lo), z = active ? min((pg + 1) * page, r.hi + 1) : 0;
+        float best = -INFINITY;
+        for (int u0 = a / unit; u0 * unit < z; ++u0) {
+            units += lane == 0;
+            const i64 pb = phys_block(b, s, u0 / upb);
+            if (pb < 0) continue;
+            const i64 base = ((pb * upb + u0 % upb) * hk + h) * (i64)HEAD_DIM + lane * QC;
+            float lo_[QC], hi_[QC];
+            load_lane_bounds(qmin + base, lo_);
+            load_lane_bounds(qmax + base, hi_);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const float* qr = qs + g * 16 * (QC + 1) + lane * (QC + 1);
+                float acc = 0.f;
+#pragma unroll
+                for (int k = 0; k < QC; ++k) acc += fmaxf(qr[k] * lo_[k], qr[k] * hi_[k]);
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(hmask, acc, o);
+                best = fmaxf(best, acc);
+            }
+        }
+        if (active && lane == 0) scores[(i64)(s * hk + h) * maxp + i] = best;
+    }
+    // One counter update per CTA: same-address atomics from every thread would serialize in L2.
+    units = block_sum(units, red);
+    if (threadIdx.x == 0) atomicAdd(&ctr[CTR_KV_BYTES], units * (2 * HEAD_DIM * 2));
+}
+
+// Quest, step 2: keep the decode token's page, the pages holding the first `sink` positions, and the best
+// other pages (score descending, ties: the later page) up to ceil(budget / page) pages, as quest_pages.
+// Radix select of the m-th largest (score, page) key, 8 bits per pass, over order keys staged in dynamic
+// shared memory (`smem_keys` of them fit; longer rows read the scores from global memory instead).
+// One CTA per (KV head, sequence).
+#define TOPK_THREADS 512
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch b, int hk, int budget, int page, int sink, const float* scores, int maxp,
+                                                                          unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes,
+                                                                          int count, int smem_keys, unsigned long long* ctr) {
+    extern __shared__ unsigned skey[];
+    __shared__ unsigned hist[256];
+    __shared__ unsigned wtot[8];
+    __shared__ unsigned long long sel_prefix;
+    __shared__ int sel_left;
+    __shared__ int cnt[TOPK_THREADS / 32 + 1];
+    __shared__ unsigned long long red[32];
+    const int s = blockIdx.y, h = blockIdx.x;
+    const SeqRow r = seq_row(b, s);
+    if (!r.decode) {
+        if (threadIdx.x == 0) plan_len[s * hk + h] = -1;
+        return;
+    }
+    unsigned* e = plan + s * p_s + h * p_h;
+    if (r.hi < r.lo) {
+        if (threadIdx.x == 0) plan_len[s * hk + h] = 0;
+        return;
+    }
+    const int fp = r.lo / page;
+    const int np = min(r.hi / page - fp + 1, maxp);
+    const int k = max(budget / page + (budget % page != 0), 1);
+    const float* sc = scores + (i64)(s * hk + h) * maxp;
+    int n;
+    if (np <= k) {
+        n = min(np, cap);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) e[i] = fp + i;
+    } else {
+        const int last = np - 1;
+        const int sinkp = sink / page + (sink % page != 0);
+        const int forced = min(max(sinkp - fp, 0), last);
+        const int m = min(max(k - 1 - forced, 0), last - forced);
+        const bool staged = np <= smem_keys;
+        if (staged)
+            for (int i = threadIdx.x; i < np; i += blockDim.x) skey[i] = kvs_order_key(sc[i]);
+        // Key of candidate i (forced <= i < last): (order key of the score) << ibits | i; unique, and larger
+        // means kept first (higher score; equal scores: the later page).
+        int ibits = 1;
+        while ((1 << ibits) < np) ++ibits;
+        const int passes = (32 + ibits + 7) / 8;
+        auto key_of = [&](int i) { return ((unsigned long long)(staged ? skey[i] : kvs_order_key(sc[i])) << ibits) | (unsigned)i; };
+        if (threadIdx.x == 0) {
+            sel_prefix = 0;
+            sel_left = m;
+        }
+        __syncthreads();
+        for (int pass = 0; pass < passes && m > 0; ++pass) {
+            const int shift = 8 * (passes - 1 - pass);
+            const unsigned long long hi_mask = shift + 8 >= 64 ? 0ull : (~0ull << (shift + 8));
+            for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+            __syncthreads();
+            const unsigned long long prefix = sel_prefix;
+            const int left = sel_left;
+            // Uniform trip count, so the warp can aggregate equal bins before the shared-memory atomic
+            // (early passes put most pages in one or two bins).
+            for (int base_i = forced; base_i < last; base_i += blockDim.x) {
+                const int i = base_i + threadIdx.x;
+                unsigned bin = 256u;
+                if (i < last) {
+                    const unsigned long long key = key_of(i);
+                    if ((key & hi_mask) == (prefix & hi_mask)) bin = (unsigned)((key >> shift) & 255);
+                }
+                const unsigned peers = __match_any_sync(0xffffffffu, bin);
+                if (bin < 256u && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned)__popc(peers));
+            }
+            __syncthreads();
+            // The digit: counts from the top bin down (thread t holds bin 255 - t), scanned; the one bin
+            // where the running count crosses `left` is it.
+            unsigned c = 0, v = 0;
+            if (threadIdx.x < 256) {
+                c = hist[255 - threadIdx.x];
+                v = c;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const unsigned y = __shfl_up_sync(0xffffffffu, v, o);
+                    if ((int)(threadIdx.x & 31) >= o) v += y;
+                }
+                if ((threadIdx.x & 31) == 31) wtot[threadIdx.x >> 5] = v;
+            }
+            __syncthreads();
+            if (threadIdx.x < 256) {
+                unsigned pre = 0;
+                for (int w = 0; w < (int)(threadIdx.x >> 5); ++w) pre += wtot[w];
+                const unsigned incl = v + pre, excl = incl - c;
+                if ((int)excl < left && (int)incl >= left) {
+                    sel_left = left - (int)excl;
+                    sel_prefix = prefix | ((unsigned long long)(255 - threadIdx.x) << shift);
+                }
+            }
+            __syncthreads();
+        }
+        const unsigned long long thr = sel_prefix;
+        const int cand_lo = forced;
+        auto keep = [&](int i) {
+            if (i < cand_lo || i == last) return true;
+            if (m == 0) return false;
+            return key_of(i) >= thr;
+        };
+        n = compact(np, keep, [&](int i) { return (unsigned)(fp + i); }, e, cap, cnt);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) plan_len[s * hk + h] = n;
+    if (!count) return;  // a later stage (top-p) makes the final plan and counts it
+    if (threadIdx.x == 0) {
+        atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
+        atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((r.hi >> b.bs_log2) - (r.lo >> b.bs_log2) + 1));
+    }
+    int ulog2 = 0;
+    while ((1 << ulog2) < page) ++ulog2;
+    account(e, n, ulog2, r.lo, r.hi, b.bs_log2, 1, row_bytes, ctr, red);
+}
+
+// Top-p, step 1: INT4 estimates of every candidate's logits (the base plan's positions inside the row),
+// as estimate_weights: min * sum(q) + scale * dot(q, codes), soft-capped. Candidates outside the row get
+// NaN. Grid (candidate tiles, KV heads, seqs); logits [(s*hk+h)][GROUP][maxc].
+extern "C" __global__ void __launch_bounds__(128) kvs_topp_estimate(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk,
+                                                                    const unsigned* base, i64 b_s, i64 b_h, const int* base_len, int ulog2,
+                                                                    const unsigned char* codes, const u16* qparams, float softcap,
+                                                                    float* logits, int maxc) {
+    __shared__ float qs[GROUP * HEAD_DIM];
+    __shared__ float qsum[GROUP];
+    const int s = blockIdx.z, h = blockIdx.y;
+    const SeqRow r = seq_row(b, s);
+    if (!r.decode || r.hi < r.lo) return;
+    const int nb = base_len[s * hk + h];
+    const int nc = min(nb << ulog2, maxc);
+    if ((int)(blockIdx.x * blockDim.x) >= nc) return;
+    load_q(q, q0, q1, q2, r.t, h, scale, qs, qsum);
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= nc) return;
+    float* out = logits + (i64)(s * hk + h) * GROUP * maxc;
+    const int pos = (int)((base[s * b_s + h * b_h + (j >> ulog2)] << ulog2) | (j & ((1 << ulog2) - 1)));
+    const i64 pb = (pos >= r.lo && pos <= r.hi) ? phys_block(b, s, pos >> b.bs_log2) : -1;
+    if (pb < 0) {
+        for (int g = 0; g < GROUP; ++g) out[(i64)g * maxc + j] = __int_as_float(0x7fffffff);
+        return;
+    }
+    const int bs = 1 << b.bs_log2;
+    const i64 row = (pb * bs + (pos & (bs - 1))) * hk + h;
+    const unsigned char* cr = codes + row * (HEAD_DIM / 2);
+    const float mn = kvs_f16_to_f32(qparams[2 * row]), scl = kvs_f16_to_f32(qparams[2 * row + 1]);
+    float acc[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+        for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
+    const unsigned* cw = reinterpret_cast<const unsigned*>(cr);
+    for (int c8 = 0; c8 < HEAD_DIM / 8; ++c8) {
+        const unsigned word = cw[c8];  // codes of channels c8*8 .. c8*8+7, low nibble first
+        float cf[8];
+#pragma unroll
+        for (int l = 0; l < 8; ++l) cf[l] = (float)((word >> (4 * l)) & 15u);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+            for (int l = 0; l < 8; ++l) acc[g][l] += qs[g * HEAD_DIM + c8 * 8 + l] * cf[l];
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        float dot = acc[g][0];
+#pragma unroll
+        for (int l = 1; l < 8; ++l) dot += acc[g][l];
+        out[(i64)g * maxc + j] = kvs_decision_softcap(mn * qsum[g] + scl * dot, softcap);
+    }
+}
+
+// Top-p, step 2 (one CTA per KV head and sequence): softmax of each row's estimates, the aggregated weight
+// w = max over the group, and the shortest prefix of the candidates sorted by w (descending; ties by
+// position, ascending) whose mass reaches p of every row's total (f64 masses), found by a radix search
+// on w, 8 bits per pass; the kept positions become the plan (tokens, increasing). As top_p::select.
+// `logits` [(s*hk+h)][GROUP][maxc] (maxc a multiple of 4) is overwritten with the weights; `wbuf`
+// [(s*hk+h)][maxc] holds w. The base plan's entries increase, so the candidates inside the row are one
+// contiguous range [ja, jb] of candidate indices; every pass reads 4 consecutive candidates per thread.
+#define TOPP_THREADS 512
+#define TOPP_WARPS (TOPP_THREADS / 32)
+
+// Adds each lane's `v` into mass[bin * GROUP + g] for its bin (256 = none), one atomic per bin and warp.
+__device__ __forceinline__ void bin_add(double* mass, unsigned bin, const float* v) {
+    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+    const bool leader = bin < 256u && (int)(threadIdx.x & 31) == __ffs(peers) - 1;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const double x = bin < 256u ? (double)v[g] : 0.0;
+        double sum = 0.0;
+        if (peers == 0xffffffffu) {  // the same for every lane: a butterfly
+            sum = x;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        } else {
+            for (int src = 0; src < 32; ++src) {
+                const double y = __shfl_sync(0xffffffffu, x, src);
+                if ((peers >> src) & 1u) sum += y;
+            }
+        }
+        if (leader) atomicAdd(&mass[bin * GROUP + g], sum);
+    }
+}
+
+// The digit of this pass: the largest d such that above + (mass of bins >= d) reaches every row's target
+// (scanned in parallel from the top bin down); `above` then gains the bins above d. Block-wide.
+__device__ __forceinline__ unsigned choose_digit(const double* mass, double* above, const double* target, double (*wsum)[GROUP], int* pick) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    double incl[GROUP];
+    if (t == 0) *pick = 255;
+    if (t < 256) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            double v = mass[(255 - t) * GROUP + g];
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const double y = __shfl_up_sync(0xffffffffu, v, o);
+                if (lane >= o) v += y;
+            }
+            incl[g] = v;
+            if (lane == 31) wsum[warp][g] = v;
+        }
+    }
+    __syncthreads();
+    bool reach = false;
+    if (t < 256) {
+        reach = true;
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            double pre = 0.0;
+            for (int w = 0; w < warp; ++w) pre += wsum[w][g];
+            incl[g] += pre;
+            reach = reach && above[g] + incl[g] >= target[g];
+        }
+    }
+    const unsigned bal = __ballot_sync(0xffffffffu, reach);
+    if (t < 256 && lane == 0 && bal) atomicMin(pick, warp * 32 + __ffs(bal) - 1);
+    __syncthreads();
+    const int ts = *pick;
+    const unsigned d = 255u - (unsigned)ts;
+    __syncthreads();
+    if (t == ts) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) above[g] += incl[g] - mass[d * GROUP + g];
+    }
+    __syncthreads();
+    return d;
+}
+
+extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch b, int hk, const unsigned* base, i64 b_s, i64 b_h, const int* base_len,
+                                                                           int ulog2, float* logits, float* wbuf, int maxc, float p,
+                                                                           unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes,
+                                                                           i64 meta_row_bytes, unsigned long long* ctr) {
+    __shared__ double mass[256 * GROUP];
+    __shared__ double above[GROUP], target[GROUP];
+    __shared__ double wsum[8][GROUP];
+    __shared__ float red_f[32];
+    __shared__ double red_d[32];
+    __shared__ unsigned long long red_u[32];
+    __shared__ int tie_cut, pick;
+    __shared__ int cnt[TOPP_WARPS + 1];
+    const int s = blockIdx.y, h = blockIdx.x;
+    const SeqRow r = seq_row(b, s);
+    if (!r.decode) {
+        if (threadIdx.x == 0) plan_len[s * hk + h] = -1;
+        return;
+    }
+    unsigned* e = plan + s * p_s + h * p_h;
+    const int nb = r.hi >= r.lo ? base_len[s * hk + h] : 0;
+    const int nc = nb > 0 ? min(nb << ulog2, maxc) : 0;
+    float* x = logits + (i64)(s * hk + h) * GROUP * maxc;
+    float* w = wbuf + (i64)(s * hk + h) * maxc;
+    const unsigned* be = base + s * b_s + h * b_h;
+    const int umask = (1 << ulog2) - 1;
+    auto pos_of = [&](int j) { return (int)((be[j >> ulog2] << ulog2) | (unsigned)(j & umask)); };
+    // Positions increase with j: the candidates inside lo..=hi are [ja, jb].
+    int ja = 0, jb = -1;
+    if (nc > 0) {
+        const int p0 = pos_of(0), pl = pos_of(nc - 1);
+        ja = p0 < r.lo ? min(r.lo - p0, nc) : 0;
+        jb = pl > r.hi ? nc - 1 - (pl - r.hi) : nc - 1;
+    }
+    const unsigned long long nvalid = jb >= ja ? (unsigned long long)(jb - ja + 1) : 0ull;
+    // Passes over 4 consecutive candidates per thread: a float4 of each row (maxc % 4 == 0).
+    const int j4_end = ((jb + 1) + 3) & ~3;
+    const int j4_start = ja & ~3;
+    float mloc[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) mloc[g] = -INFINITY;
+    for (int j4 = j4_start + 4 * threadIdx.x; j4 < j4_end; j4 += 4 * blockDim.x) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            const float4 v = *reinterpret_cast<const float4*>(x + (i64)g * maxc + j4);
+            const float vs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                if (j4 + k >= ja && j4 + k <= jb) mloc[g] = fmaxf(mloc[g], vs[k]);
+        }
+    }
+    float m[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) m[g] = block_max(mloc[g], red_f);
+    double zloc[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) zloc[g] = 0.0;
+    for (int j4 = j4_start + 4 * threadIdx.x; j4 < j4_end; j4 += 4 * blockDim.x) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            const float4 v = *reinterpret_cast<const float4*>(x + (i64)g * maxc + j4);
+            const float vs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                if (j4 + k >= ja && j4 + k <= jb) zloc[g] += (double)kvs_fast_exp(vs[k] - m[g]);
+        }
+    }
+    float inv[GROUP];
+    bool zpos[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const double z = block_sum(zloc[g], red_d);
+        zpos[g] = z > 0.0;
+        inv[g] = zpos[g] ? (float)(1.0 / z) : 1.0f;
+    }
+    for (int i2 = threadIdx.x; i2 < 256 * GROUP; i2 += blockDim.x) mass[i2] = 0.0;
+    __syncthreads();
+    // Weights, w, row totals, and the first radix pass (top byte of w) in one sweep.
+    double tloc[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) tloc[g] = 0.0;
+    for (int j4b = j4_start; j4b < j4_end; j4b += 4 * blockDim.x) {  // uniform trip count (warp collectives)
+        const int j4 = j4b + 4 * threadIdx.x;
+        float pv[4][GROUP];
+        float wv[4] = {-1.f, -1.f, -1.f, -1.f};  // invalid candidates sort below every weight (w >= 0)
+        if (j4 < j4_end) {
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const float4 v = *reinterpret_cast<const float4*>(x + (i64)g * maxc + j4);
+                const float vs[4] = {v.x, v.y, v.z, v.w};
+                float o[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const bool ok = j4 + k >= ja && j4 + k <= jb;
+                    float y = 0.0f;
+                    if (ok) {
+                        y = kvs_fast_exp(vs[k] - m[g]);
+                        if (zpos[g]) y *= inv[g];
+                        tloc[g] += (double)y;
+                        wv[k] = g == 0 ? y : fmaxf(wv[k], y);
+                    }
+                    o[k] = y;
+                    pv[k][g] = y;
+                }
+                *reinterpret_cast<float4*>(x + (i64)g * maxc + j4) = make_float4(o[0], o[1], o[2], o[3]);
+            }
+            *reinterpret_cast<float4*>(w + j4) = make_float4(wv[0], wv[1], wv[2], wv[3]);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) bin_add(mass, wv[k] >= 0.0f ? (__float_as_uint(wv[k]) >> 24) : 256u, pv[k]);
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const double tot = block_sum(tloc[g], red_d);
+        if (threadIdx.x == 0) {
+            target[g] = (double)p * tot;
+            above[g] = 0.0;
+        }
+    }
+    if (threadIdx.x == 0) tie_cut = nc;
+    __syncthreads();
+    const bool keep_all = p >= 1.0f;
+    unsigned T = 0;
+    if (!keep_all && nvalid > 0) {
+        T = choose_digit(mass, above, target, wsum, &pick) << 24;
+        for (int pass = 1; pass < 4; ++pass) {
+            const int shift = 24 - 8 * pass;
+            const unsigned hmask = ~0u << (shift + 8);
+            for (int i2 = threadIdx.x; i2 < 256 * GROUP; i2 += blockDim.x) mass[i2] = 0.0;
+            __syncthreads();
+            for (int j4b = j4_start; j4b < j4_end; j4b += 4 * blockDim.x) {
+                const int j4 = j4b + 4 * threadIdx.x;
+                float wv[4] = {-1.f, -1.f, -1.f, -1.f};
+                float pv[4][GROUP];
+                if (j4 < j4_end) {
+                    const float4 v = *reinterpret_cast<const float4*>(w + j4);
+                    wv[0] = v.x; wv[1] = v.y; wv[2] = v.z; wv[3] = v.w;
+                    bool any = false;
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) any = any || (wv[k] >= 0.0f && (__float_as_uint(wv[k]) & hmask) == (T & hmask));
+                    if (any) {
+#pragma unroll
+                        for (int g = 0; g < GROUP; ++g) {
+                            const float4 y = *reinterpret_cast<const float4*>(x + (i64)g * maxc + j4);
+                            pv[0][g] = y.x; pv[1][g] = y.y; pv[2][g] = y.z; pv[3][g] = y.w;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const unsigned key = __float_as_uint(wv[k]);
+                    const bool in = wv[k] >= 0.0f && (key & hmask) == (T & hmask);
+                    bin_add(mass, in ? ((key >> shift) & 255u) : 256u, pv[k]);
+                }
+            }
+            __syncthreads();
+            T |= choose_digit(mass, above, target, wsum, &pick) << shift;
+        }
+        // Ties at T: add them in increasing position until every row reaches (one thread; rare).
+        unsigned long long ties = 0;
+        for (int j = ja + threadIdx.x; j <= jb; j += blockDim.x) ties += (w[j] >= 0.0f && __float_as_uint(w[j]) == T);
+        ties = block_sum(ties, red_u);
+        if (threadIdx.x == 0 && ties > 1) {
+            double acc[GROUP];
+            for (int g = 0; g < GROUP; ++g) acc[g] = above[g];
+            int cut = nc;
+            for (int j = ja; j <= jb; ++j) {
+                if (!(w[j] >= 0.0f) || __float_as_uint(w[j]) != T) continue;
+                bool ok = true;
+                for (int g = 0; g < GROUP; ++g) {
+                    acc[g] += (double)x[(i64)g * maxc + j];
+                    ok = ok && acc[g] >= target[g];
+                }
+                if (ok) {
+                    cut = j;
+                    break;
+                }
+            }
+            tie_cut = cut;
+        }
+        __syncthreads();
+    }
+    const int cut = tie_cut;
+    auto keep = [&](int j) {
+        if (j < ja || j > jb) return false;
+        if (keep_all) return true;
+        const unsigned k = __float_as_uint(w[j]);
+        return k > T || (k == T && j <= cut);
+    };
+    const int n = compact(nc, keep, [&](int j) { return (unsigned)pos_of(j); }, e, cap, cnt);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        plan_len[s * hk + h] = n;
+        if (r.hi >= r.lo) {
+            atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
+            atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((r.hi >> b.bs_log2) - (r.lo >> b.bs_log2) + 1));
+        }
+        atomicAdd(&ctr[CTR_TOP_P_CANDIDATES], nvalid);
+        atomicAdd(&ctr[CTR_TOP_P_KEPT], (unsigned long long)n);
+        atomicAdd(&ctr[CTR_KV_BYTES], nvalid * (unsigned long long)meta_row_bytes);
+    }
+    account(e, n, 0, r.lo, r.hi, b.bs_log2, 1, row_bytes, ctr, red_u);
+}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One GPU run for the sparse decode path (issue 17): the sparse tests against the CPU engine, the dense
+# CUDA tests again (the kernels gained a plan variant), compute-sanitizer on both, the sparse benchmark
+# next to our dense kernel and PyTorch SDPA, and the trace eval through the CUDA engine.
+# Expects the binaries staged by scripts/stage-device.sh in $DIR/bin. Logs and CSVs go to $OUT.
+# Usage: gpu-sparse.sh [tests|quicktests|probe|sanitize|bench|eval|all]...   (default all)
+set -uo pipefail
+DIR=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export KVS_REQUIRE_CUDA=1
+export KVS_KERNEL_CACHE=/tmp/kvs-kernel-cache
+summary=()
+step() { # name, timeout seconds, command...
+  local name=$1 lim=$2; shift 2
+  local t0=$(date +%s%N)
+  timeout "$lim" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local dt=$(( ($(date +%s%N) - t0) / 1000000 ))
+  summary+=("$(printf '%-16s rc=%-3s %7sms  %s' "$name" "$rc" "$dt" "$(grep -aE "$GREP" "$OUT/$name.log" | tail -1 | cut -c1-110)")")
+  grep -aE "FAIL|DIFF|panicked|error" "$OUT/$name.log" | head -12
+  tail -3 "$OUT/$name.log"
+}
+whats=${*:-all}
+has() { [[ " $whats " == *" $1 "* || " $whats " == *" all "* ]]; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
+if has tests; then
+  GREP='test result' step sparse-tests 300 "$DIR/bin/cuda_sparse_tests" --test-threads=1 --nocapture
+  GREP='test result' step dense-tests 200 "$DIR/bin/cuda_tests" --test-threads=1
+fi
+if has quicktests; then
+  GREP='test result' step sparse-tests 240 env KVS_QUICK=1 "$DIR/bin/cuda_sparse_tests" --test-threads=1 --nocapture
+  GREP='test result' step dense-tests 120 env KVS_QUICK=1 "$DIR/bin/cuda_tests" --test-threads=1
+fi
+if has profile; then
+  # Per-kernel device time of a sparse step (ncu replays each profiled launch; launches of the metadata
+  # build and warm-up are skipped).
+  for b in 1 32; do
+    GREP='kvs_' step profile-b$b 150 ncu --kernel-name regex:'kvs_(quest|topp|count|plan|attn|meta)' --launch-skip 120 --launch-count 12 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --batch $b --ctx 131072
+    grep -aE "kvs_|duration|throughput" "$OUT/profile-b$b.log" | head -40
+  done
+fi
+if has probe; then
+  GREP='quest' step bench-probe 120 "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --batch 1,32 --ctx 131072
+fi
+if has sanitize; then
+  GREP='ERROR SUMMARY' step memcheck 400 env KVS_QUICK=1 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1
+  GREP='RACECHECK SUMMARY|ERROR SUMMARY' step racecheck 400 env KVS_QUICK=1 compute-sanitizer --tool racecheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 decisions
+fi
+if has bench; then
+  GREP='x dense|L/|quest' step bench-sparse 480 "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --policy 'quest(budget=L/4) > top_p(p=0.95)' --csv "$OUT/sparse.csv"
+  GREP='done' step sdpa 300 env PYTHONUNBUFFERED=1 python3 "$DIR/sdpa_bench.py" --csv "$OUT/sdpa.csv" --batch 1,8,32 --ctx 16384,32768,131072 --heads 32/8
+  python3 "$DIR/compare_sparse.py" "$OUT/sparse.csv" "$OUT/sdpa.csv" | tee "$OUT/compare_sparse.txt"
+fi
+if has eval; then
+  GREP='quest|dense' step eval-cuda 400 "$DIR/bin/kvsparse" eval --device cuda --traces "$DIR/../traces" --policy 'quest(budget=512)' --policy 'quest(budget=512, sink=16)' --policy 'streaming(sink=4, recent=508)' --policy 'quest(budget=2048) > top_p(p=0.95)' --policy 'all > top_p(p=0.95)'
+fi
+(cd "$OUT" && tar czf logs.tgz --remove-files *.log 2>/dev/null)
+echo "==== summary ===="
+printf '%s\n' "${summary[@]}"

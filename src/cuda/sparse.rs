@@ -1,0 +1,415 @@
+//! Sparse decode on the CUDA backend: a policy layer's call runs the selection kernels
+//! (kernels/select.cu), which write each decode row's visit plan (src/policy/plan.rs) into a per-stream
+//! device workspace, then the attention kernel's PLAN variant over those plans, and the dense kernel over
+//! the call's other rows (prefill). Everything is enqueued on the caller's stream with grids fixed by
+//! host-known bounds (block-table shape, budgets), so a decode step is capturable in a CUDA graph: no
+//! host sync, no allocation once the workspace has grown to the step's size, no host-side decision.
+//!
+//! Counters are accumulated on the device per layer and read (with a sync) by `kvs_engine_stats`; visit
+//! records (evaluation only) download the last call's plans.
+//!
+//! On the GPU today: `all`, `streaming`, `quest` (any of them alone or followed by `top_p`). The plans and
+//! their decisions equal the CPU engine's for the same inputs (tests/cuda_sparse.rs).
+
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+
+use super::backend::{dtype_code, CudaBackend, Geometry, Rows};
+use super::context::DevBuf;
+use super::driver::{check, cuda};
+use super::launch::{self, KArgs};
+use crate::config::EngineConfig;
+use crate::engine::ForwardArgs;
+use crate::error::Result;
+use crate::layout::KvCache;
+use crate::policy::plan::{plan_capacity, plan_unit_log2, selector_capacity, selector_unit_log2, HeadPlan};
+use crate::policy::{Pipeline, Selector};
+use crate::stats::{Counters, VisitRecord};
+use crate::tensor::{DType, TensorRef};
+use crate::{bail, ensure};
+
+/// A plan as the attention kernel reads it (kernels/common.cuh `PlanRef`, same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PlanRef {
+    pub e: u64,
+    pub p_s: i64,
+    pub p_h: i64,
+    pub len: u64,
+    pub ulog2: i32,
+    pub hk: i32,
+    pub cap: i32,
+    pub pad: i32,
+}
+
+impl PlanRef {
+    pub fn none() -> Self {
+        PlanRef::default()
+    }
+}
+
+/// The batch as the selection kernels read it (kernels/select.cu `Batch`, same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BatchArg {
+    bt: u64,
+    bt0: i64,
+    bt1: i64,
+    bt_cols: i32,
+    bs_log2: i32,
+    num_blocks: i64,
+    seq_lens: u64,
+    sl0: i64,
+    qsl: u64,
+    qsl0: i64,
+    num_seqs: i32,
+    num_tokens: i32,
+    window: i32,
+    pad: i32,
+}
+
+/// Counter slots on the device (kernels/decide.cuh CTR_*).
+const CTR_COUNT: usize = 8;
+
+/// Largest GQA group the selection kernels stage in shared memory.
+pub const MAX_POLICY_GROUP: usize = 16;
+
+/// Whether the CUDA backend runs pipeline `p` (the engine refuses the others at creation).
+pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> {
+    if p.art.is_some() {
+        return Err("`art` is not available on the CUDA backend yet".into());
+    }
+    if group > MAX_POLICY_GROUP {
+        return Err(format!("policies on the CUDA backend support GQA groups of at most {MAX_POLICY_GROUP} query heads per KV head (this model has {group})"));
+    }
+    match p.selector {
+        Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } => Ok(()),
+        Selector::SnapKv { .. } => Err("`snapkv` is not available on the CUDA backend yet".into()),
+        Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_) => Err("the stateful policies (speculate, refresh, predictor) are not available on the CUDA backend yet".into()),
+    }
+}
+
+/// Policy state of a CUDA engine: per-layer counters, per-stream workspaces, the last call's plans.
+pub struct SparseState {
+    counters: DevBuf,
+    num_layers: usize,
+    ws: Mutex<HashMap<usize, DevBuf>>,
+    last: Mutex<Option<LastPlan>>,
+    /// Benchmarks only: which phases a policy call runs (bit 0 selection, bit 1 attention).
+    phases: std::sync::atomic::AtomicU8,
+}
+
+/// Where the last policy call left its plans (read back only for visit records).
+#[derive(Clone, Copy, Debug)]
+struct LastPlan {
+    plan: PlanRef,
+    num_seqs: usize,
+}
+
+impl SparseState {
+    pub fn new(num_layers: usize) -> Result<Self> {
+        let bytes = num_layers.checked_mul(CTR_COUNT * 8).ok_or_else(|| crate::error::Error::new(crate::error::ErrorKind::OutOfMemory, "counter size overflows"))?;
+        let counters = DevBuf::alloc(bytes)?;
+        counters.upload(0, &vec![0u8; bytes])?;
+        Ok(SparseState { counters, num_layers, ws: Mutex::new(HashMap::new()), last: Mutex::new(None), phases: std::sync::atomic::AtomicU8::new(3) })
+    }
+
+    fn layer_counters(&self, layer: usize) -> u64 {
+        self.counters.ptr + (layer * CTR_COUNT * 8) as u64
+    }
+}
+
+/// Byte offsets of one call's regions in its stream's workspace.
+#[derive(Clone, Copy, Debug, Default)]
+struct WsLayout {
+    plan: usize,
+    plan_len: usize,
+    base: usize,
+    base_len: usize,
+    scores: usize,
+    logits: usize,
+    w: usize,
+    total: usize,
+}
+
+/// Sizes of a call's plans (entries per row, granularity, whether one plan serves every KV head).
+#[derive(Clone, Copy, Debug)]
+struct PlanShape {
+    cap: usize,
+    ulog2: u32,
+    shared: bool,
+}
+
+fn shape_of_selector(sel: &Selector, bs: usize, max_pos: usize) -> PlanShape {
+    PlanShape { cap: selector_capacity(sel, bs, max_pos).max(1), ulog2: selector_unit_log2(sel, bs), shared: matches!(sel, Selector::All | Selector::Streaming { .. }) }
+}
+
+fn checked(parts: &[usize]) -> Result<usize> {
+    parts.iter().try_fold(1usize, |a, &b| a.checked_mul(b)).ok_or_else(|| crate::error::Error::new(crate::error::ErrorKind::OutOfMemory, "policy workspace size overflows"))
+}
+
+impl CudaBackend {
+    /// A policy layer's call: selection, then attention over the plans (and dense over the other rows).
+    pub(super) fn sparse_forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, p: &Pipeline) -> Result<()> {
+        let (hk, bs, d, g) = (cfg.num_kv_heads, cfg.block_size, cfg.head_dim, cfg.group_size());
+        ensure!(geo.num_seqs < 65536, Unsupported, "policies on the CUDA backend take at most 65535 sequences per call (got {})", geo.num_seqs);
+        let stream = a.stream;
+        let base = shape_of_selector(&p.selector, bs, geo.max_pos);
+        let fin = PlanShape { cap: plan_capacity(p, bs, geo.max_pos).max(1), ulog2: plan_unit_log2(p, bs), shared: base.shared && p.top_p.is_none() };
+        let ns = geo.num_seqs;
+        let rows_of = |sh: &PlanShape| if sh.shared { ns } else { ns * hk };
+        // Workspace layout (4-byte elements, each region 256-byte aligned).
+        let mut lay = WsLayout::default();
+        let mut off = 0usize;
+        let mut take = |bytes: usize| -> usize {
+            let at = off;
+            off = (off + bytes).next_multiple_of(256);
+            at
+        };
+        lay.plan = take(checked(&[rows_of(&fin), fin.cap, 4])?);
+        lay.plan_len = take(checked(&[ns, hk, 4])?);
+        let quest_pages = match p.selector {
+            Selector::Quest { page, .. } => Some((page, geo.max_pos.div_ceil(page) + 1)),
+            _ => None,
+        };
+        // Candidates per row; a multiple of 4 (the top-p kernel reads float4s of each row).
+        let maxc = (base.cap << base.ulog2).min(geo.max_pos + (1usize << base.ulog2)).next_multiple_of(4);
+        if p.top_p.is_some() {
+            lay.base = take(checked(&[rows_of(&base), base.cap, 4])?);
+            lay.base_len = take(checked(&[ns, hk, 4])?);
+            lay.logits = take(checked(&[ns, hk, g, maxc, 4])?);
+            lay.w = take(checked(&[ns, hk, maxc, 4])?);
+        }
+        if let Some((_, maxp)) = quest_pages {
+            lay.scores = take(checked(&[ns, hk, maxp, 4])?);
+        }
+        lay.total = off.max(256);
+        ensure!(fin.cap < i32::MAX as usize && maxc < i32::MAX as usize, Unsupported, "policy plan too large for 32-bit indices");
+
+        let meta_guard = self.meta.layer(a.layer);
+        let needs = self.meta.needs;
+        let meta = match meta_guard.as_ref() {
+            Some(m) => {
+                ensure!(m.num_blocks == cache.num_blocks, InvalidShape, "layer {}'s key metadata was built for {} blocks, the caches have {}", a.layer, m.num_blocks, cache.num_blocks);
+                Some(m)
+            }
+            None if needs.any() => bail!(InvalidArgument, "policy {:?} needs key metadata for layer {}, but no cache write for that layer went through kvs_cache_write", cfg.policy, a.layer),
+            None => None,
+        };
+
+        let mut ws_map = self.sparse.ws.lock();
+        let key = stream as usize;
+        if ws_map.get(&key).map_or(true, |b| b.bytes < lay.total) {
+            if self.gpu.is_capturing(stream)? {
+                bail!(InvalidArgument, "this call needs {} bytes of policy workspace on a stream that is being captured; run one call of the largest shape on this stream before capturing", lay.total);
+            }
+            ws_map.insert(key, DevBuf::alloc(lay.total.next_power_of_two())?);
+        }
+        let ws = ws_map.get(&key).expect("inserted above").ptr;
+
+        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={d}"), format!("GROUP={g}"), "--fmad=false".to_string()];
+        let f = |name: &'static str| self.modules.function(&self.gpu, "select", launch::SELECT, &defines, name);
+        let batch = BatchArg {
+            bt: a.block_table.data as u64,
+            bt0: a.block_table.stride(0) as i64,
+            bt1: a.block_table.stride(1) as i64,
+            bt_cols: geo.cols as i32,
+            bs_log2: bs.trailing_zeros() as i32,
+            num_blocks: cache.num_blocks as i64,
+            seq_lens: a.seq_lens.data as u64,
+            sl0: a.seq_lens.stride(0) as i64,
+            qsl: a.query_start_loc.data as u64,
+            qsl0: a.query_start_loc.stride(0) as i64,
+            num_seqs: ns as i32,
+            num_tokens: geo.num_tokens as i32,
+            window: a.sliding_window,
+            pad: 0,
+        };
+        let ctr = self.sparse.layer_counters(a.layer) as i64;
+        let row_bytes = (2 * d * cfg.dtype.size_bytes()) as i64;
+        let q = &a.query;
+        let plan_at = |region: usize, sh: &PlanShape, len_region: usize| PlanRef {
+            e: ws + region as u64,
+            p_s: if sh.shared { sh.cap as i64 } else { (hk * sh.cap) as i64 },
+            p_h: if sh.shared { 0 } else { sh.cap as i64 },
+            len: ws + len_region as u64,
+            ulog2: sh.ulog2 as i32,
+            hk: hk as i32,
+            cap: sh.cap as i32,
+            pad: 0,
+        };
+        let fin_ref = plan_at(lay.plan, &fin, lay.plan_len);
+        let base_ref = if p.top_p.is_some() { plan_at(lay.base, &base, lay.base_len) } else { fin_ref };
+        let count_base = p.top_p.is_none() as i32;
+
+        let phases = self.sparse.phases.load(std::sync::atomic::Ordering::Relaxed);
+        let (do_select, do_attend) = (phases & 1 != 0, phases & 2 != 0);
+        match p.selector {
+            _ if !do_select => {}
+            Selector::All | Selector::Streaming { .. } => {
+                let (kind, sink, recent) = match p.selector {
+                    Selector::Streaming { sink, recent } => (1, sink.min(i32::MAX as usize) as i32, recent.min(i32::MAX as usize) as i32),
+                    _ => (0, 0, 0),
+                };
+                let mut k = KArgs::new();
+                k.by_value(&batch).i32(hk as i32).i32(kind).i32(sink).i32(recent);
+                k.i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base).i64(ctr);
+                launch::launch(f("kvs_plan_simple")?, (ns as u32, 1, 1), 256, &mut k, stream, "kvs_plan_simple launch")?;
+            }
+            Selector::Quest { budget, page, sink } => {
+                let m = meta.expect("quest metadata checked above");
+                let (_, maxp) = quest_pages.expect("quest");
+                let scores = ws + lay.scores as u64;
+                let mut k = KArgs::new();
+                k.by_value(&batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
+                k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
+                k.i64(scores as i64).i32(maxp as i32).i32(1).i64(row_bytes).i64(ctr);
+                launch::launch(f("kvs_quest_scores")?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores launch")?;
+                // The page keys in dynamic shared memory when they fit (the device's opt-in limit less the
+                // kernel's own static shared memory).
+                let smem_keys = maxp.min((self.gpu.smem_optin as usize).saturating_sub(4096) / 4);
+                let f_topk = f("kvs_quest_topk")?;
+                if !self.smem_ready.lock().contains(&(f_topk as usize)) {
+                    launch::allow_dynamic_smem(f_topk, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
+                    self.smem_ready.lock().insert(f_topk as usize);
+                }
+                let mut k = KArgs::new();
+                k.by_value(&batch).i32(hk as i32).i32(budget.min(i32::MAX as usize) as i32).i32(page as i32).i32(sink.min(i32::MAX as usize) as i32);
+                k.i64(scores as i64).i32(maxp as i32).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base);
+                k.i32(smem_keys as i32).i64(ctr);
+                launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), 512, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")?;
+            }
+            _ => bail!(Unsupported, "policy {:?} is not available on the CUDA backend yet", cfg.policy),
+        }
+
+        if let (Some(tp), true) = (p.top_p, do_select) {
+            let m = meta.expect("int4 metadata checked above");
+            let (codes, qparams) = (m.codes.as_ref().map_or(0, |b| b.ptr), m.qparams.as_ref().map_or(0, |b| b.ptr));
+            let (logits, w) = (ws + lay.logits as u64, ws + lay.w as u64);
+            let mut k = KArgs::new();
+            k.by_value(&batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
+            k.i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.ulog2);
+            k.i64(codes as i64).i64(qparams as i64).f32(a.softcap).i64(logits as i64).i32(maxc as i32);
+            launch::launch(f("kvs_topp_estimate")?, (maxc.div_ceil(128) as u32, hk as u32, ns as u32), 128, &mut k, stream, "kvs_topp_estimate launch")?;
+            let mut k = KArgs::new();
+            k.by_value(&batch).i32(hk as i32).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.ulog2);
+            k.i64(logits as i64).i64(w as i64).i32(maxc as i32).f32(tp.p);
+            k.i64(fin_ref.e as i64).i64(fin_ref.p_s).i64(fin_ref.p_h).i64(fin_ref.len as i64).i32(fin_ref.cap).i64(row_bytes).i64((d / 2 + 4) as i64).i64(ctr);
+            launch::launch(f("kvs_topp_select")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_topp_select launch")?;
+        }
+        drop(meta_guard);
+
+        if do_attend {
+            if a.max_query_len != 1 {
+                self.attend(cfg, a, cache, geo, Rows::DenseRest)?;
+            }
+            let keys = (fin.cap << fin.ulog2).min(geo.max_len + (1usize << fin.ulog2));
+            self.attend(cfg, a, cache, geo, Rows::Plan(fin_ref, keys))?;
+        }
+        // The workspace stays locked until the launches that read it are enqueued.
+        drop(ws_map);
+        *self.sparse.last.lock() = Some(LastPlan { plan: fin_ref, num_seqs: ns });
+        Ok(())
+    }
+
+    /// Benchmarks only: run just the selection (`attend = false`) or just the attention over the plans the
+    /// previous call left (`select = false`) of later policy calls, to time the phases apart.
+    pub fn set_bench_phases(&self, select: bool, attend: bool) {
+        self.sparse.phases.store(select as u8 | (attend as u8) << 1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The device counters of every layer since the engine started (synchronizes the device).
+    pub fn device_counters(&self) -> Result<Vec<Counters>> {
+        self.gpu.synchronize()?;
+        let n = self.sparse.num_layers * CTR_COUNT;
+        let mut raw = vec![0u8; n * 8];
+        self.sparse.counters.download(0, &mut raw)?;
+        let v: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        Ok(v.chunks_exact(CTR_COUNT)
+            .map(|c| Counters {
+                decode_rows: c[0],
+                prefill_tokens: c[1],
+                policy_rows: c[2],
+                blocks_eligible: c[3],
+                blocks_visited: c[4],
+                top_p_candidates: c[5],
+                top_p_kept: c[6],
+                kv_bytes_read: c[7],
+                ..Default::default()
+            })
+            .collect())
+    }
+
+    /// What the last policy call's decode rows visited, from its plans (synchronizes; evaluation only).
+    /// `a` must be that call's arguments.
+    pub fn visit_records(&self, cfg: &EngineConfig, a: &ForwardArgs) -> Result<Vec<VisitRecord>> {
+        let Some(last) = *self.sparse.last.lock() else { return Ok(Vec::new()) };
+        self.gpu.synchronize()?;
+        let ns = last.num_seqs;
+        let hk = cfg.num_kv_heads;
+        let qsl = download_ints(&a.query_start_loc, ns + 1)?;
+        let lens = download_ints(&a.seq_lens, ns)?;
+        let ids = match &a.seq_ids {
+            Some(t) => download_ints(t, ns)?,
+            None => vec![0; ns],
+        };
+        let pr = last.plan;
+        let mut plan_len = vec![0u8; ns * hk * 4];
+        download_raw(pr.len, &mut plan_len)?;
+        let plan_len: Vec<i32> = plan_len.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4"))).collect();
+        let max_pos = a.block_table.dim(1) * cfg.block_size;
+        let mut out = Vec::new();
+        let mut entries = vec![0u8; pr.cap as usize * 4];
+        let mut spans = Vec::new();
+        for s in 0..ns {
+            if qsl[s + 1] - qsl[s] != 1 {
+                continue;
+            }
+            let len = (lens[s].max(0) as usize).min(max_pos);
+            if len == 0 {
+                continue;
+            }
+            let hi = len - 1;
+            let lo = if a.sliding_window > 0 { len.saturating_sub(a.sliding_window as usize) } else { 0 };
+            for h in 0..hk {
+                let n = plan_len[s * hk + h].clamp(0, pr.cap) as usize;
+                download_raw(pr.e + ((s as i64 * pr.p_s + h as i64 * pr.p_h) * 4) as u64, &mut entries[..n * 4])?;
+                let plan = HeadPlan { unit_log2: pr.ulog2 as u32, entries: entries[..n * 4].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect() };
+                plan.spans(lo, hi, &mut spans);
+                out.push(VisitRecord { layer: a.layer, seq_id: ids[s] as u64, kv_head: h, spans: spans.clone() });
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn download_raw(ptr: u64, dst: &mut [u8]) -> Result<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: the caller names a device range inside one of our allocations or the caller's tensors.
+    check(unsafe { (cuda()?.cuMemcpyDtoH)(dst.as_mut_ptr() as *mut std::ffi::c_void, ptr, dst.len()) }, "cuMemcpyDtoH")
+}
+
+/// The first `n` elements of a 1-D int32/int64 device tensor (any stride).
+fn download_ints(t: &TensorRef, n: usize) -> Result<Vec<i64>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let es = t.dtype.size_bytes();
+    let stride = t.stride(0);
+    ensure!(stride >= 0, InvalidShape, "negative stride");
+    let span = ((n - 1) * stride as usize + 1) * es;
+    let mut raw = vec![0u8; span];
+    download_raw(t.data as u64, &mut raw)?;
+    Ok((0..n)
+        .map(|i| {
+            let at = i * stride as usize * es;
+            match t.dtype {
+                DType::I64 | DType::U64 => i64::from_le_bytes(raw[at..at + 8].try_into().expect("8")),
+                _ => i32::from_le_bytes(raw[at..at + 4].try_into().expect("4")) as i64,
+            }
+        })
+        .collect())
+}
