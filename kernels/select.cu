@@ -463,41 +463,53 @@ extern "C" __global__ void __launch_bounds__(128) kvs_topp_estimate(Batch b, con
 #define TOPP_THREADS 512
 #define TOPP_WARPS (TOPP_THREADS / 32)
 
-// Adds each lane's `v` into mass[bin * GROUP + g] for its bin (256 = none), one atomic per bin and warp.
-__device__ __forceinline__ void bin_add(double* mass, unsigned bin, const float* v) {
+// Masses are fixed point (P * 2^62 as u64; every weight is <= 1 and a row's weights sum to 1), so the
+// sums are exact whatever order atomics land in; they differ from the CPU's f64 sums by at most ~1e-14,
+// far below any mass gap a decision could hinge on.
+#define MASS_ONE 4611686018427387904.0  // 2^62
+__device__ __forceinline__ unsigned long long to_fixed(float v) { return (unsigned long long)((double)v * MASS_ONE); }
+
+// Adds each lane's `v` into mass[bin * GROUP + g] for its bin (256 = none). A warp with few distinct bins
+// (the usual case: most weights share an exponent) sums each bin with a butterfly and adds it once;
+// otherwise every lane adds its own (distinct addresses rarely conflict).
+__device__ __forceinline__ void bin_add(unsigned long long* mass, unsigned bin, const float* v) {
     const unsigned peers = __match_any_sync(0xffffffffu, bin);
-    const bool leader = bin < 256u && (int)(threadIdx.x & 31) == __ffs(peers) - 1;
+    const int lane = threadIdx.x & 31;
+    const unsigned leaders = __ballot_sync(0xffffffffu, lane == __ffs(peers) - 1);
+    if (__popc(leaders) > 4) {
+        if (bin < 256u)
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-        const double x = bin < 256u ? (double)v[g] : 0.0;
-        double sum = 0.0;
-        if (peers == 0xffffffffu) {  // the same for every lane: a butterfly
-            sum = x;
+            for (int g = 0; g < GROUP; ++g) atomicAdd(&mass[bin * GROUP + g], to_fixed(v[g]));
+        return;
+    }
+    for (unsigned rest = leaders; rest; rest &= rest - 1) {
+        const int src = __ffs(rest) - 1;
+        const unsigned b = __shfl_sync(0xffffffffu, bin, src);
+        if (b >= 256u) continue;
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        } else {
-            for (int src = 0; src < 32; ++src) {
-                const double y = __shfl_sync(0xffffffffu, x, src);
-                if ((peers >> src) & 1u) sum += y;
-            }
+        for (int g = 0; g < GROUP; ++g) {
+            unsigned long long x = bin == b ? to_fixed(v[g]) : 0ull;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+            if (lane == src) atomicAdd(&mass[b * GROUP + g], x);
         }
-        if (leader) atomicAdd(&mass[bin * GROUP + g], sum);
     }
 }
 
 // The digit of this pass: the largest d such that above + (mass of bins >= d) reaches every row's target
 // (scanned in parallel from the top bin down); `above` then gains the bins above d. Block-wide.
-__device__ __forceinline__ unsigned choose_digit(const double* mass, double* above, const double* target, double (*wsum)[GROUP], int* pick) {
+__device__ __forceinline__ unsigned choose_digit(const unsigned long long* mass, unsigned long long* above, const double* target,
+                                                 unsigned long long (*wsum)[GROUP], int* pick) {
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    double incl[GROUP];
+    unsigned long long incl[GROUP];
     if (t == 0) *pick = 255;
     if (t < 256) {
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
-            double v = mass[(255 - t) * GROUP + g];
+            unsigned long long v = mass[(255 - t) * GROUP + g];
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
-                const double y = __shfl_up_sync(0xffffffffu, v, o);
+                const unsigned long long y = __shfl_up_sync(0xffffffffu, v, o);
                 if (lane >= o) v += y;
             }
             incl[g] = v;
@@ -510,10 +522,10 @@ __device__ __forceinline__ unsigned choose_digit(const double* mass, double* abo
         reach = true;
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
-            double pre = 0.0;
+            unsigned long long pre = 0;
             for (int w = 0; w < warp; ++w) pre += wsum[w][g];
             incl[g] += pre;
-            reach = reach && above[g] + incl[g] >= target[g];
+            reach = reach && (double)(above[g] + incl[g]) >= target[g];
         }
     }
     const unsigned bal = __ballot_sync(0xffffffffu, reach);
@@ -534,9 +546,10 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
                                                                            int ulog2, float* logits, float* wbuf, int maxc, float p,
                                                                            unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes,
                                                                            i64 meta_row_bytes, unsigned long long* ctr) {
-    __shared__ double mass[256 * GROUP];
-    __shared__ double above[GROUP], target[GROUP];
-    __shared__ double wsum[8][GROUP];
+    __shared__ unsigned long long mass[256 * GROUP];
+    __shared__ unsigned long long above[GROUP];
+    __shared__ double target[GROUP];
+    __shared__ unsigned long long wsum[8][GROUP];
     __shared__ float red_f[32];
     __shared__ double red_d[32];
     __shared__ unsigned long long red_u[32];
@@ -604,12 +617,12 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
         zpos[g] = z > 0.0;
         inv[g] = zpos[g] ? (float)(1.0 / z) : 1.0f;
     }
-    for (int i2 = threadIdx.x; i2 < 256 * GROUP; i2 += blockDim.x) mass[i2] = 0.0;
+    for (int i2 = threadIdx.x; i2 < 256 * GROUP; i2 += blockDim.x) mass[i2] = 0ull;
     __syncthreads();
     // Weights, w, row totals, and the first radix pass (top byte of w) in one sweep.
-    double tloc[GROUP];
+    unsigned long long tloc[GROUP];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) tloc[g] = 0.0;
+    for (int g = 0; g < GROUP; ++g) tloc[g] = 0ull;
     for (int j4b = j4_start; j4b < j4_end; j4b += 4 * blockDim.x) {  // uniform trip count (warp collectives)
         const int j4 = j4b + 4 * threadIdx.x;
         float pv[4][GROUP];
@@ -627,7 +640,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
                     if (ok) {
                         y = kvs_fast_exp(vs[k] - m[g]);
                         if (zpos[g]) y *= inv[g];
-                        tloc[g] += (double)y;
+                        tloc[g] += to_fixed(y);
                         wv[k] = g == 0 ? y : fmaxf(wv[k], y);
                     }
                     o[k] = y;
@@ -642,10 +655,10 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
     }
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-        const double tot = block_sum(tloc[g], red_d);
+        const unsigned long long tot = block_sum(tloc[g], red_u);
         if (threadIdx.x == 0) {
-            target[g] = (double)p * tot;
-            above[g] = 0.0;
+            target[g] = (double)p * (double)tot;
+            above[g] = 0ull;
         }
     }
     if (threadIdx.x == 0) tie_cut = nc;
@@ -657,7 +670,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
         for (int pass = 1; pass < 4; ++pass) {
             const int shift = 24 - 8 * pass;
             const unsigned hmask = ~0u << (shift + 8);
-            for (int i2 = threadIdx.x; i2 < 256 * GROUP; i2 += blockDim.x) mass[i2] = 0.0;
+            for (int i2 = threadIdx.x; i2 < 256 * GROUP; i2 += blockDim.x) mass[i2] = 0ull;
             __syncthreads();
             for (int j4b = j4_start; j4b < j4_end; j4b += 4 * blockDim.x) {
                 const int j4 = j4b + 4 * threadIdx.x;
@@ -692,15 +705,15 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
         for (int j = ja + threadIdx.x; j <= jb; j += blockDim.x) ties += (w[j] >= 0.0f && __float_as_uint(w[j]) == T);
         ties = block_sum(ties, red_u);
         if (threadIdx.x == 0 && ties > 1) {
-            double acc[GROUP];
+            unsigned long long acc[GROUP];
             for (int g = 0; g < GROUP; ++g) acc[g] = above[g];
             int cut = nc;
             for (int j = ja; j <= jb; ++j) {
                 if (!(w[j] >= 0.0f) || __float_as_uint(w[j]) != T) continue;
                 bool ok = true;
                 for (int g = 0; g < GROUP; ++g) {
-                    acc[g] += (double)x[(i64)g * maxc + j];
-                    ok = ok && acc[g] >= target[g];
+                    acc[g] += to_fixed(x[(i64)g * maxc + j]);
+                    ok = ok && (double)acc[g] >= target[g];
                 }
                 if (ok) {
                     cut = j;

@@ -245,7 +245,7 @@ pub struct SparseRow {
 /// its logit is about `HOT_LOGIT` above the flat background of the uniform random keys (logit spread ~0.3).
 /// Without them a random cache gives flat attention, where top-p keeps almost every candidate.
 pub const HOT_KEYS: usize = 32;
-pub const HOT_LOGIT: f64 = 10.0;
+pub const HOT_LOGIT: f64 = 12.0;
 
 fn plant_heavy_hitters(kc: &DevBuf, qh: &[f32], table: &[i32], p: &Point, rotation: usize, bps: usize, rng: &mut Rng) -> Result<()> {
     let d = HEAD_DIM;
