@@ -54,8 +54,8 @@ pub struct CaseSpec {
     /// Every sequence whose cached part (`seq_len - q_len`) covers this many blocks shares them with the
     /// first such sequence (prefix caching: same physical blocks in several table rows, written once).
     pub shared_prefix_blocks: usize,
-    /// The blocks a sequence fills only partly, and the spare blocks, were filled by an earlier sequence
-    /// first (written through `cache_write`): their tails hold that sequence's rows, not poison.
+    /// The blocks a sequence fills only partly, and all spare blocks but one, were filled by an earlier
+    /// sequence first (written through `cache_write`): their tails hold that sequence's rows, not poison.
     pub reused: bool,
 }
 
@@ -328,11 +328,11 @@ impl Fixture {
     }
 
     /// Rows of an earlier sequence that filled every block a sequence now fills only partly, and the spare
-    /// blocks: loud keys with a direction of their own, so a kernel or a page bound that still sees them
+    /// blocks but one: loud keys with a direction of their own, so a kernel or a page bound that still sees them
     /// after the reuse goes visibly wrong.
     fn prior_life(spec: &CaseSpec, table: &[i32], max_blocks: usize, spare: &[usize], rng: &mut Rng) -> Rows {
         let (hk, d, bs) = (spec.num_kv_heads, spec.head_dim, spec.block_size);
-        let mut blocks: Vec<usize> = spare.to_vec();
+        let mut blocks: Vec<usize> = spare[1..].to_vec(); // one spare block stays never written
         for (s, &(_, l)) in spec.seqs.iter().enumerate() {
             if l % bs != 0 {
                 blocks.push(table[s * max_blocks + l / bs] as usize);
