@@ -12,7 +12,7 @@ use kvsparse::rng::Rng;
 
 use crate::args::Args;
 
-const HELP: &str = "kvsparse conformance [--quick] [--seed N] [--filter SUBSTRING] [--lib PATH | --export DIR]
+const HELP: &str = "kvsparse conformance [--quick] [--seed N] [--filter A,B,..] [--lib PATH | --export DIR] [--dense-only]
 
 Runs dense paged attention over the conformance suite (head sizes, dtypes, GQA ratios, block sizes,
 query/sequence lengths, sliding window, soft-cap, and what serving feeds a kernel: shuffled and shared
@@ -29,6 +29,7 @@ failed. Exits non-zero on any failure. Runs on CUDA device 0 too when a driver a
   --export DIR   write the suite to DIR (safetensors per case + manifest.json, float64 reference, tolerances
                  by dtype), kvsparse's CPU outputs to DIR/results/kvsparse-cpu, and DIR/check.py, a numpy-only
                  checker: python3 DIR/check.py DIR  (docs/conformance.md)
+  --filter A,B   only cases and checks whose name contains any of the comma-separated substrings
   --dense-only   skip the sparse contract";
 
 pub fn run(argv: &[String]) -> Result<(), String> {
@@ -36,7 +37,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     let seed = a.get("seed", Rng::fresh_seed())?;
     let filter = a.str("filter").unwrap_or("").to_string();
     let quick = a.flag("quick");
-    let cases: Vec<_> = suite(quick).into_iter().filter(|c| c.name.contains(&filter)).collect();
+    let cases: Vec<_> = suite(quick).into_iter().filter(|c| selected(&c.name, &filter)).collect();
     println!("seed {seed} (replay with --seed {seed})");
     if let Some(dir) = a.str("export") {
         return run_export(Path::new(dir), &cases, seed);
@@ -66,7 +67,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     let mut contract = Vec::new();
     if !a.flag("dense-only") {
         println!("sparse contract (policies on decode rows; dense_layers=0)");
-        let checks = sparse::checks(seed).into_iter().filter(|c| c.name.contains(&filter));
+        let checks = sparse::checks(seed).into_iter().filter(|c| selected(&c.name, &filter));
         for check in checks {
             let r = match &lib {
                 Some(l) => check.run(&mut |g, p| sparse::lib_session(l, g, p)),
@@ -100,6 +101,11 @@ fn run_export(dir: &Path, cases: &[kvsparse::conformance::CaseSpec], seed: u64) 
     println!("wrote {:.1} MB; check with: python3 {}/check.py {}", bytes as f64 / 1e6, dir.display(), dir.display());
     let rs: Vec<(String, CaseResult)> = results.into_iter().map(|r| ("cpu".to_string(), r)).collect();
     summarize(&rs, &[])
+}
+
+/// Does `name` match the `--filter` (comma-separated substrings, any of them; empty matches all)?
+pub fn selected(name: &str, filter: &str) -> bool {
+    filter.is_empty() || filter.split(',').any(|f| !f.is_empty() && name.contains(f))
 }
 
 pub fn print_row(device: &str, r: &CaseResult) {

@@ -10,7 +10,7 @@ use kvsparse::conformance::{suite, CaseResult, CaseSpec};
 use kvsparse::cuda::module_cache;
 use kvsparse::DType;
 
-use crate::conformance::{print_contract, print_row};
+use crate::conformance::{print_contract, print_row, selected};
 
 pub fn run_matrix(quick: bool, seed: u64, filter: &str) -> Result<Vec<(String, CaseResult)>, String> {
     if !kvsparse::cuda::device_available() {
@@ -22,7 +22,7 @@ pub fn run_matrix(quick: bool, seed: u64, filter: &str) -> Result<Vec<(String, C
     }
     let t0 = Instant::now();
     let mut results = Vec::new();
-    for (i, spec) in suite(quick).iter().filter(|c| c.name.contains(filter)).enumerate() {
+    for (i, spec) in suite(quick).iter().filter(|c| selected(&c.name, filter)).enumerate() {
         let r = run_case_cuda(spec, seed.wrapping_add(i as u64));
         if i == 0 {
             let (c, d) = module_cache::counts();
@@ -31,7 +31,7 @@ pub fn run_matrix(quick: bool, seed: u64, filter: &str) -> Result<Vec<(String, C
         print_row("cuda", &r);
         results.push(("cuda".to_string(), r));
     }
-    if "graph-decode".contains(filter) || filter.is_empty() {
+    if selected("graph-decode", filter) {
         let spec = CaseSpec::new("graph-decode-bf16-gqa4", DType::BF16, 128, 32, 8, 16, vec![(1, 4000), (1, 1), (1, 17), (1, 1500)]);
         for r in graph_replay(&spec, seed, seed.wrapping_add(7919)) {
             print_row("cuda", &r);
@@ -53,7 +53,7 @@ pub fn run_sparse(seed: u64, filter: &str) -> Result<Vec<ContractResult>, String
         return Ok(Vec::new());
     }
     let mut out = Vec::new();
-    for check in sparse::checks(seed).into_iter().filter(|c| c.name.contains(filter)) {
+    for check in sparse::checks(seed).into_iter().filter(|c| selected(&c.name, filter)) {
         let r = check.run(&mut cuda_session);
         print_contract("cuda", &r);
         out.push(r);

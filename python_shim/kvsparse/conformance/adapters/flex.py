@@ -1,6 +1,7 @@
 """PyTorch's flex_attention over the batch packed as one sequence: each sequence's pages gathered into one
 contiguous K/V, a document mask keeping every query row to its own sequence, bottom-right causal and window
-in the mask, soft-cap as a score_mod. Returns flex's LSE (natural log). `torch-flex` compiles flex_attention
+in the mask, soft-cap as a score_mod. Returns flex's LSE (natural log; none from compiled flex on the CPU,
+which does not support it). `torch-flex` compiles flex_attention
 (the fused Triton kernel on CUDA; one compilation per case shape); `torch-flex-eager` runs it uncompiled
 (an unfused implementation)."""
 import torch
@@ -44,6 +45,9 @@ def _make(compiled):
             fn = cache.setdefault("fn", torch.compile(fa.flex_attention))
         kw = dict(score_mod=score_mod if softcap > 0 else None, block_mask=bm, scale=scale, enable_gqa=True)
         Q, K, V = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
+        if compiled and dev.type == "cpu":
+            # Compiled flex on the CPU returns no LSE ("return_lse is not supported yet"): output only.
+            return fn(Q, K, V, **kw)[0].transpose(0, 1), None
         if hasattr(fa, "AuxRequest"):
             out, aux = fn(Q, K, V, return_aux=fa.AuxRequest(lse=True), **kw)
             lse = aux.lse
