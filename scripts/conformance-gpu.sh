@@ -10,7 +10,8 @@
 #   bash scripts/conformance-gpu.sh [TARGET ...]      default targets: reference torch-sdpa torch-sdpa-efficient torch-flex
 #   KVS_BIN      kvsparse binary (default .device/kvsparse)   KVS_CASES  suite dir (default /tmp/kvs-cases)
 #   KVS_SEED     suite seed (default 20251123)                KVS_FILTER comma-separated case-name filters
-#   KVS_BUDGET   seconds per target (default 240)             wheels in .whl/ are installed to /tmp/site first
+#   KVS_BUDGET   seconds per target (default 200)             KVS_DEVICE torch device (default cuda)
+#   wheels in .whl/ are installed to /tmp/site first (KVS_WHEELS=0 skips that)
 # Exit status: non-zero only if the harness itself is wrong (export or numpy check failed, the float64 control
 # did not pass every case, a target could not be loaded); a target failing cases is a finding, not an error.
 set -uo pipefail
@@ -20,7 +21,8 @@ CASES=${KVS_CASES:-/tmp/kvs-cases}
 RES=${OUT:-/tmp/kvs-conformance-out}
 mkdir -p "$RES"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
+command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH   # FlashInfer's JIT compiles with nvcc
+if [[ "${KVS_WHEELS:-1}" != 0 ]] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -34,10 +36,11 @@ targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(reference torch-sdpa torch-sdpa-efficient torch-flex)
 args=()
 for t in "${targets[@]}"; do args+=(--target "$t"); done
-python3 scripts/conformance_targets.py "$CASES" --device cuda "${args[@]}" --filter "${KVS_FILTER:-}" \
-  --time-budget "${KVS_BUDGET:-240}" --json "$RES/targets.json" 2>&1 | grep -v -i "warn" | tee "$RES/targets.log"
+DEV=${KVS_DEVICE:-cuda}
+python3 scripts/conformance_targets.py "$CASES" --device "$DEV" "${args[@]}" --filter "${KVS_FILTER:-}" \
+  --time-budget "${KVS_BUDGET:-200}" --json "$RES/targets.json" 2>&1 | grep -v -i "warn" | tee "$RES/targets.log"
 rc=${PIPESTATUS[0]}
-if [[ " ${targets[*]} " == *" reference "* ]] && ! grep -Eq "^reference on cuda: [0-9]+ passed, 0 failed, 0 unsupported$" "$RES/targets.log"; then
+if [[ " ${targets[*]} " == *" reference "* ]] && ! grep -Eq "^reference on $DEV: [0-9]+ passed, 0 failed, 0 unsupported$" "$RES/targets.log"; then
   echo "HARNESS: the float64 control did not pass every case"; rc=1
 fi
 if [[ "${KVS_CUDA_ENGINE:-0}" == 1 ]]; then

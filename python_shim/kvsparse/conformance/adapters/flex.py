@@ -42,7 +42,14 @@ def _make(compiled):
         bm = fa.create_block_mask(mask_mod, 1, None, t, k.shape[0], device=dev)
         fn = fa.flex_attention
         if compiled:
-            fn = cache.setdefault("fn", torch.compile(fa.flex_attention))
+            if "fn" not in cache:
+                # Every case has other shapes and closures: without a higher limit dynamo would fall back to
+                # the unfused eager path after 8 recompilations, and later cases would not test the kernel.
+                for knob in ("recompile_limit", "cache_size_limit"):
+                    if hasattr(torch._dynamo.config, knob):
+                        setattr(torch._dynamo.config, knob, 10_000)
+                cache["fn"] = torch.compile(fa.flex_attention)
+            fn = cache["fn"]
         kw = dict(score_mod=score_mod if softcap > 0 else None, block_mask=bm, scale=scale, enable_gqa=True)
         Q, K, V = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
         if compiled and dev.type == "cpu":
