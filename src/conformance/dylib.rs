@@ -11,10 +11,10 @@ use super::{judge, Api, CaseResult, CaseSpec};
 use crate::config::EngineConfig;
 use crate::engine::{CacheWriteArgs, ForwardArgs};
 use crate::error::{Error, ErrorKind, Result};
-use crate::ffi::dlpack::{DLDataType, DLDevice, DLTensor, KDL_CPU, KDL_CUDA};
+use crate::ffi::dlpack::{device_to_dl, dtype_to_dl, DLTensor};
 use crate::ffi::types::{kvs_cache_write_args, kvs_dtype, kvs_engine_config, kvs_forward_args, kvs_stats};
 use crate::stats::Counters;
-use crate::tensor::{DType, Device, TensorRef};
+use crate::tensor::{DType, TensorRef};
 
 type Handle = *mut c_void;
 
@@ -113,10 +113,7 @@ pub struct LibEngine<'a> {
 impl<'a> LibEngine<'a> {
     pub fn create(lib: &'a Lib, cfg: &EngineConfig) -> Result<Self> {
         let policy = CString::new(cfg.policy.as_str()).map_err(|_| Error { kind: ErrorKind::InvalidArgument, message: "policy contains a NUL byte".into() })?;
-        let (device_type, device_id) = match cfg.device {
-            Device::Cpu => (KDL_CPU, 0),
-            Device::Cuda(i) => (KDL_CUDA, i),
-        };
+        let dev = device_to_dl(cfg.device);
         let dtype = match cfg.dtype {
             DType::F32 => kvs_dtype::KVS_DTYPE_FLOAT32,
             DType::BF16 => kvs_dtype::KVS_DTYPE_BFLOAT16,
@@ -126,8 +123,8 @@ impl<'a> LibEngine<'a> {
         // newer header (larger struct) cannot write past this one; struct_size says which version we speak.
         let c = kvs_engine_config {
             struct_size: std::mem::size_of::<kvs_engine_config>() as u32,
-            device_type,
-            device_id,
+            device_type: dev.device_type,
+            device_id: dev.device_id,
             num_layers: cfg.num_layers as u32,
             num_q_heads: cfg.num_q_heads as u32,
             num_kv_heads: cfg.num_kv_heads as u32,
@@ -161,26 +158,14 @@ struct Dl {
 }
 
 fn dl(t: &TensorRef) -> Box<Dl> {
-    let (code, bits) = match t.dtype {
-        DType::F32 => (2, 32),
-        DType::F16 => (2, 16),
-        DType::BF16 => (4, 16),
-        DType::I32 => (0, 32),
-        DType::I64 => (0, 64),
-        DType::U64 => (1, 64),
-    };
-    let device = match t.device {
-        Device::Cpu => DLDevice { device_type: KDL_CPU, device_id: 0 },
-        Device::Cuda(i) => DLDevice { device_type: KDL_CUDA, device_id: i },
-    };
     let mut b = Box::new(Dl {
         shape: t.shape().to_vec(),
         strides: t.strides().to_vec(),
         t: DLTensor {
             data: t.data as *mut c_void,
-            device,
+            device: device_to_dl(t.device),
             ndim: t.ndim() as i32,
-            dtype: DLDataType { code, bits, lanes: 1 },
+            dtype: dtype_to_dl(t.dtype),
             shape: std::ptr::null_mut(),
             strides: std::ptr::null_mut(),
             byte_offset: 0,
