@@ -8,7 +8,7 @@
 # Reports go to $OUT (or /tmp/kvs-conformance-out): targets.json (every case, with diagnosis) and the logs.
 #
 #   bash scripts/conformance-gpu.sh [TARGET ...]      default targets: reference torch-sdpa torch-sdpa-efficient torch-flex
-#   KVS_BIN      kvsparse binary (default .device/kvsparse)   KVS_CASES  suite dir (default /tmp/kvs-cases)
+#   KVS_BIN      kvsparse binary (default .device/bin/kvsparse, as scripts/stage-device.sh puts it)   KVS_CASES  suite dir (default /tmp/kvs-cases)
 #   KVS_SEED     suite seed (default 20251123)                KVS_FILTER comma-separated case-name filters
 #   KVS_BUDGET   seconds per target (default 200)             KVS_DEVICE torch device (default cuda)
 #   wheels in .whl/ are installed to /tmp/site first (KVS_WHEELS=0 skips that)
@@ -16,7 +16,7 @@
 # did not pass every case, a target could not be loaded); a target failing cases is a finding, not an error.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BIN=${KVS_BIN:-.device/kvsparse}
+BIN=${KVS_BIN:-.device/bin/kvsparse}
 CASES=${KVS_CASES:-/tmp/kvs-cases}
 RES=${OUT:-/tmp/kvs-conformance-out}
 mkdir -p "$RES"
