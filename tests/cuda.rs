@@ -39,19 +39,7 @@ fn cuda_matches_float64_reference_on_the_matrix() {
 }
 
 fn decode_spec(dtype: DType) -> CaseSpec {
-    CaseSpec {
-        name: "graph-decode".into(),
-        dtype,
-        head_dim: 128,
-        num_q_heads: 32,
-        num_kv_heads: 8,
-        block_size: 16,
-        seqs: vec![(1, 4000), (1, 1), (1, 17), (1, 1500), (1, 777)],
-        window: 0,
-        softcap: 0.0,
-        strided: false,
-        shuffled: true,
-    }
+    CaseSpec::new("graph-decode", dtype, 128, 32, 8, 16, vec![(1, 4000), (1, 1), (1, 17), (1, 1500), (1, 777)])
 }
 
 #[test]

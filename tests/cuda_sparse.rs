@@ -6,7 +6,7 @@
 //! (for compute-sanitizer).
 
 use kvsparse::conformance::cuda::{cuda_required, DeviceCase};
-use kvsparse::conformance::sparse::{run_sparse_case, sparse_graph_replay, sparse_policies, sparse_specs};
+use kvsparse::conformance::sparse_cuda::{run_sparse_case, sparse_graph_replay, sparse_policies, sparse_specs};
 use kvsparse::conformance::{judge, CaseSpec, Fixture, Outputs};
 use kvsparse::rng::Rng;
 use kvsparse::{DType, Device, Engine};
@@ -87,19 +87,7 @@ fn cuda_lossless_policies_equal_dense() {
 }
 
 fn decode_only() -> CaseSpec {
-    CaseSpec {
-        name: "graph-sparse-decode".into(),
-        dtype: DType::BF16,
-        head_dim: 128,
-        num_q_heads: 32,
-        num_kv_heads: 8,
-        block_size: 16,
-        seqs: vec![(1, 4000), (1, 1), (1, 17), (1, 1500), (1, 2777)],
-        window: 0,
-        softcap: 0.0,
-        strided: false,
-        shuffled: true,
-    }
+    CaseSpec::new("graph-sparse-decode", DType::BF16, 128, 32, 8, 16, vec![(1, 4000), (1, 1), (1, 17), (1, 1500), (1, 2777)])
 }
 
 #[test]

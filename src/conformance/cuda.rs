@@ -1,13 +1,17 @@
 //! The conformance fixtures on a CUDA engine: host buffers are copied to the device as they are (same
 //! strides, offsets, padding and garbage), the engine runs cache write + forward on the device, and the
 //! (NaN-poisoned) outputs come back to be judged by the same `judge` as the CPU.
-//! Also the CUDA-graph check: one decode step captured once and replayed on new data.
+//! Also the CUDA-graph check: one decode step captured once and replayed on new data, and the sparse
+//! contract's session on the device.
 
-use super::fixture::{Fixture, Outputs};
+use super::fixture::{Fixture, Outputs, Rows};
+use super::hostbuf::HostBuf;
+use super::sparse::{Batch, Geometry, Session};
 use super::{judge, CaseResult, CaseSpec};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{self, check, cuda, CUstream};
 use crate::engine::{CacheWriteArgs, Engine, ForwardArgs};
+use crate::stats::Counters;
 use crate::error::Result;
 use crate::tensor::{DType, Device, TensorRef};
 
@@ -29,6 +33,8 @@ fn view(buf: &DevBuf, byte_off: usize, dtype: DType, shape: &[i64], strides: &[i
 
 /// A fixture's inputs on the device, plus NaN-poisoned outputs.
 pub struct DeviceCase {
+    /// The earlier sequence's rows in reused blocks (k, v, slots), when the case has any.
+    pub prior: Option<(DevBuf, DevBuf, DevBuf)>,
     pub cache: DevBuf,
     pub q: DevBuf,
     pub new_k: DevBuf,
@@ -45,6 +51,7 @@ pub struct DeviceCase {
 impl DeviceCase {
     pub fn upload(f: &Fixture, outs: &Outputs) -> Result<DeviceCase> {
         Ok(DeviceCase {
+            prior: Self::upload_prior(f)?,
             cache: DevBuf::from_host(f.cache.as_bytes())?,
             q: DevBuf::from_host(f.q.as_bytes())?,
             new_k: DevBuf::from_host(f.new_k.as_bytes())?,
@@ -59,9 +66,17 @@ impl DeviceCase {
         })
     }
 
+    fn upload_prior(f: &Fixture) -> Result<Option<(DevBuf, DevBuf, DevBuf)>> {
+        if f.prior.slots.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some((DevBuf::from_host(f.prior.k.as_bytes())?, DevBuf::from_host(f.prior.v.as_bytes())?, DevBuf::from_host(bytes(&f.prior.slots))?)))
+    }
+
     /// Overwrites the device inputs with another fixture of identical geometry, and re-poisons outputs.
     /// The rows to write (whose count varies with the random padding) get fresh buffers.
     pub fn refill(&mut self, f: &Fixture, outs: &Outputs) -> Result<()> {
+        self.prior = Self::upload_prior(f)?;
         self.new_k = DevBuf::from_host(f.new_k.as_bytes())?;
         self.new_v = DevBuf::from_host(f.new_v.as_bytes())?;
         self.slots = DevBuf::from_host(bytes(&f.slots))?;
@@ -78,6 +93,25 @@ impl DeviceCase {
     pub fn refill_metadata(&mut self, f: &Fixture) -> Result<()> {
         self.block_table.upload(0, bytes(&f.block_table))?;
         self.seq_lens.upload(0, bytes(&f.seq_lens))
+    }
+
+    /// Writes the earlier sequence's rows (if any), then this batch's, as two calls.
+    pub fn write_cache(&self, engine: &Engine, f: &Fixture, stream: CUstream) -> Result<()> {
+        if let Some((k, v, slots)) = &self.prior {
+            let (dt, es) = (f.spec.dtype, f.spec.dtype.size_bytes());
+            let (hk, d) = (f.spec.num_kv_heads as i64, f.spec.head_dim as i64);
+            let n = f.prior.slots.len() as i64;
+            engine.cache_write(&CacheWriteArgs {
+                layer: 0,
+                key: view(k, 0, dt, &[n, hk, d], &[hk * d, d, 1])?,
+                value: view(v, 0, dt, &[n, hk, d], &[hk * d, d, 1])?,
+                key_cache: view(&self.cache, 0, dt, &f.cache_shape, &f.cache_strides)?,
+                value_cache: view(&self.cache, f.v_offset * es, dt, &f.cache_shape, &f.cache_strides)?,
+                slot_mapping: view(slots, 0, DType::I64, &[n], &[1])?,
+                stream,
+            })?;
+        }
+        engine.cache_write(&self.cache_write_args(f, stream)?)
     }
 
     pub fn cache_write_args(&self, f: &Fixture, stream: CUstream) -> Result<CacheWriteArgs> {
@@ -140,7 +174,7 @@ fn cuda_engine(f: &Fixture) -> Result<Engine> {
 }
 
 fn failed(spec: &CaseSpec, seed: u64, e: crate::Error) -> CaseResult {
-    CaseResult { name: spec.name.clone(), seed, rel_err: f64::NAN, lse_err: f64::NAN, pass: false, error: Some(e.to_string()) }
+    CaseResult::refused(&spec.name, seed, e.kind == crate::ErrorKind::Unsupported, e.to_string())
 }
 
 /// One conformance case on CUDA device 0 (default stream).
@@ -150,7 +184,7 @@ pub fn run_case_cuda(spec: &CaseSpec, seed: u64) -> CaseResult {
         let engine = cuda_engine(&f)?;
         let mut outs = Outputs::new(&f);
         let dc = DeviceCase::upload(&f, &outs)?;
-        engine.cache_write(&dc.cache_write_args(&f, std::ptr::null_mut())?)?;
+        dc.write_cache(&engine, &f, std::ptr::null_mut())?;
         engine.attention_forward(&dc.forward_args(&f, &outs, std::ptr::null_mut())?)?;
         engine_sync(&engine)?;
         dc.download(&mut outs)?;
@@ -182,7 +216,7 @@ pub fn graph_replay(spec: &CaseSpec, seed_a: u64, seed_b: u64) -> Vec<CaseResult
         // SAFETY: out-parameter; destroyed below.
         check(unsafe { (api.cuStreamCreate)(&mut stream, driver::CU_STREAM_NON_BLOCKING) }, "cuStreamCreate")?;
         let fwd = dc.forward_args(&fa, &outs, stream)?;
-        engine.cache_write(&dc.cache_write_args(&fa, stream)?)?;
+        dc.write_cache(&engine, &fa, stream)?;
         engine.attention_forward(&fwd)?; // warm-up: loads modules, sizes the workspace
         // SAFETY: capture / instantiate / launch on our own stream; handles destroyed below.
         let mut results = Vec::new();
@@ -200,7 +234,7 @@ pub fn graph_replay(spec: &CaseSpec, seed_a: u64, seed_b: u64) -> Vec<CaseResult
             for (f, tag) in [(&fa, "graph-replay-same-data"), (&fb, "graph-replay-new-data")] {
                 let mut o = Outputs::new(f);
                 dc.refill(f, &o)?;
-                engine.cache_write(&dc.cache_write_args(f, stream)?)?;
+                dc.write_cache(&engine, f, stream)?;
                 check((api.cuGraphLaunch)(exec, stream), "cuGraphLaunch")?;
                 check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
                 dc.download(&mut o)?;
@@ -215,4 +249,87 @@ pub fn graph_replay(spec: &CaseSpec, seed_a: u64, seed_b: u64) -> Vec<CaseResult
         Ok(results)
     };
     run().unwrap_or_else(|e| vec![failed(spec, seed_b, e)])
+}
+
+/// A sparse-contract session on CUDA device 0 (`sparse::Session`): the cache lives in device memory (raw
+/// accesses copy it whole to or from the host), each call copies its batch over and its output back.
+pub struct CudaSession {
+    engine: Engine,
+    geo: Geometry,
+    cache: DevBuf,
+}
+
+/// Opens a [`CudaSession`] for (geometry, policy); fails like engine creation does (e.g. unsupported).
+pub fn cuda_session(g: &Geometry, policy: &str) -> Result<Box<dyn Session>> {
+    let mut cfg = g.config(policy);
+    cfg.device = Device::Cuda(0);
+    cfg.num_threads = 1;
+    let engine = Engine::new(cfg)?;
+    let cache = DevBuf::from_host(HostBuf::nans(g.dtype, 2 * g.cache_len()).as_bytes())?;
+    Ok(Box::new(CudaSession { engine, geo: *g, cache }))
+}
+
+impl CudaSession {
+    fn caches(&self) -> Result<(TensorRef, TensorRef)> {
+        let (g, shape) = (&self.geo, self.geo.cache_shape());
+        let st = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1];
+        Ok((view(&self.cache, 0, g.dtype, &shape, &st)?, view(&self.cache, g.cache_len() * g.dtype.size_bytes(), g.dtype, &shape, &st)?))
+    }
+}
+
+impl Session for CudaSession {
+    fn geometry(&self) -> Geometry {
+        self.geo
+    }
+    fn write(&mut self, rows: &mut Rows) -> Result<()> {
+        let (g, n) = (self.geo, rows.slots.len() as i64);
+        let (hk, d) = (g.num_kv_heads as i64, g.head_dim as i64);
+        let (k, v, s) = (DevBuf::from_host(rows.k.as_bytes())?, DevBuf::from_host(rows.v.as_bytes())?, DevBuf::from_host(bytes(&rows.slots))?);
+        let (kc, vc) = self.caches()?;
+        let args = CacheWriteArgs {
+            layer: 0,
+            key: view(&k, 0, g.dtype, &[n, hk, d], &[hk * d, d, 1])?,
+            value: view(&v, 0, g.dtype, &[n, hk, d], &[hk * d, d, 1])?,
+            key_cache: kc,
+            value_cache: vc,
+            slot_mapping: view(&s, 0, DType::I64, &[n], &[1])?,
+            stream: std::ptr::null_mut(),
+        };
+        self.engine.cache_write(&args)?;
+        engine_sync(&self.engine)
+    }
+    fn cache(&mut self) -> Result<HostBuf> {
+        let mut h = HostBuf::zeros(self.geo.dtype, 2 * self.geo.cache_len());
+        let n = h.len() * self.geo.dtype.size_bytes();
+        // SAFETY: the host buffer holds exactly n bytes.
+        self.cache.download(0, unsafe { std::slice::from_raw_parts_mut(h.as_mut_ptr(), n) })?;
+        Ok(h)
+    }
+    fn set_cache(&mut self, c: &HostBuf) -> Result<()> {
+        self.cache.upload(0, c.as_bytes())
+    }
+    fn forward(&mut self, b: &mut Batch) -> Result<(Vec<f64>, Counters)> {
+        let g = self.geo;
+        let (t, hq, d, n) = (b.num_tokens() as i64, g.num_q_heads as i64, g.head_dim as i64, b.seq_lens.len() as i64);
+        let mut host_out = HostBuf::nans(g.dtype, (t * hq * d) as usize);
+        let q = DevBuf::from_host(b.query.as_bytes())?;
+        let out = DevBuf::from_host(host_out.as_bytes())?;
+        let (table, lens, qsl, ids) = (DevBuf::from_host(bytes(&b.table))?, DevBuf::from_host(bytes(&b.seq_lens))?, DevBuf::from_host(bytes(&b.qsl))?, DevBuf::from_host(bytes(&b.seq_ids))?);
+        let (kc, vc) = self.caches()?;
+        let mut args = b.args(&g, (kc, vc), view(&out, 0, g.dtype, &[t, hq, d], &[hq * d, d, 1])?);
+        args.query = view(&q, 0, g.dtype, &[t, hq, d], &[hq * d, d, 1])?;
+        args.block_table = view(&table, 0, DType::I32, &[n, b.max_blocks as i64], &[b.max_blocks as i64, 1])?;
+        args.seq_lens = view(&lens, 0, DType::I32, &[n], &[1])?;
+        args.query_start_loc = view(&qsl, 0, DType::I32, &[n + 1], &[1])?;
+        args.seq_ids = Some(view(&ids, 0, DType::I64, &[n], &[1])?);
+        let c = self.engine.attention_forward(&args)?;
+        engine_sync(&self.engine)?;
+        let nb = host_out.len() * g.dtype.size_bytes();
+        // SAFETY: the host buffer holds exactly nb bytes.
+        out.download(0, unsafe { std::slice::from_raw_parts_mut(host_out.as_mut_ptr(), nb) })?;
+        Ok(((0..host_out.len()).map(|i| host_out.get(i)).collect(), c))
+    }
+    fn release(&mut self, seq_id: u64) -> Result<()> {
+        self.engine.release_sequence(seq_id)
+    }
 }

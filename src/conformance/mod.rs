@@ -1,17 +1,47 @@
 //! The conformance suite: a matrix of cases (head sizes, dtypes, GQA ratios, block sizes, query and
-//! sequence lengths, windows, soft-caps, shuffled tables, strided tensors) checked against a float64
-//! reference on fresh random data. Used by `cargo test`, by `kvsparse conformance`, and by the CUDA backend.
+//! sequence lengths, windows, soft-caps, and what serving feeds a kernel: shuffled and shared block tables,
+//! stale or -1 unused columns, unwritten slots holding garbage or NaN, reused blocks, strided views of one
+//! combined cache) checked against a float64 reference on fresh random data. Used by `cargo test`, by
+//! `kvsparse conformance` (in process, through any library's C ABI with `--lib`, exported to files with
+//! `--export`) and by the CUDA backend; `sparse` checks the contract a serving engine needs from a policy.
 
 pub mod cuda;
+pub mod dylib;
+pub mod export;
 pub mod fixture;
 pub mod hostbuf;
+pub mod matrix;
 pub mod reference;
 pub mod sparse;
+pub mod sparse_cuda;
 
-use crate::config::SUPPORTED_HEAD_DIMS;
-use crate::engine::Engine;
+use crate::engine::{CacheWriteArgs, Engine, ForwardArgs};
+use crate::error::{ErrorKind, Result};
+use crate::stats::Counters;
 use crate::tensor::DType;
 pub use fixture::{CaseSpec, Fixture, Outputs};
+pub use matrix::{extended, matrix, suite};
+
+/// The calls the suite makes of an implementation: kvsparse's in-process engine, or a library loaded
+/// through its C ABI (`dylib::LibEngine`).
+pub trait Api {
+    fn cache_write(&self, a: &CacheWriteArgs) -> Result<()>;
+    /// Runs the call; returns its counters.
+    fn attention_forward(&self, a: &ForwardArgs) -> Result<Counters>;
+    fn release_sequence(&self, seq_id: u64) -> Result<()>;
+}
+
+impl Api for Engine {
+    fn cache_write(&self, a: &CacheWriteArgs) -> Result<()> {
+        Engine::cache_write(self, a)
+    }
+    fn attention_forward(&self, a: &ForwardArgs) -> Result<Counters> {
+        Engine::attention_forward(self, a)
+    }
+    fn release_sequence(&self, seq_id: u64) -> Result<()> {
+        Engine::release_sequence(self, seq_id)
+    }
+}
 
 /// Tolerances from the acceptance criteria: relative output error and absolute LSE error.
 pub fn tolerance(dtype: DType) -> (f64, f64) {
@@ -28,7 +58,26 @@ pub struct CaseResult {
     pub rel_err: f64,
     pub lse_err: f64,
     pub pass: bool,
+    /// The target refused the case as unsupported (status UNSUPPORTED): not a failure.
+    pub unsupported: bool,
     pub error: Option<String>,
+}
+
+impl CaseResult {
+    /// A case that produced no output: unsupported when the target said so, else failed.
+    pub fn refused(name: &str, seed: u64, unsupported: bool, error: String) -> Self {
+        CaseResult { name: name.to_string(), seed, rel_err: f64::NAN, lse_err: f64::NAN, pass: false, unsupported, error: Some(error) }
+    }
+
+    /// `pass`, `FAIL ...` or `unsupported: ...` for a report line.
+    pub fn verdict(&self) -> String {
+        let msg = self.error.clone().unwrap_or_default();
+        match (self.pass, self.unsupported) {
+            (true, _) => "pass".to_string(),
+            (false, true) => format!("unsupported: {msg}"),
+            (false, false) => format!("FAIL {msg}").trim_end().to_string(),
+        }
+    }
 }
 
 /// Compares a run's outputs with the fixture's reference.
@@ -37,7 +86,7 @@ pub fn judge(f: &Fixture, outs: &Outputs, seed: u64) -> CaseResult {
     let rel = reference::rel_err(&o, &f.ref_out);
     let lse = reference::max_abs_err(&l, &f.ref_lse);
     let (tol_o, tol_l) = tolerance(f.spec.dtype);
-    CaseResult { name: f.spec.name.clone(), seed, rel_err: rel, lse_err: lse, pass: rel <= tol_o && lse <= tol_l, error: None }
+    CaseResult { name: f.spec.name.clone(), seed, rel_err: rel, lse_err: lse, pass: rel <= tol_o && lse <= tol_l, unsupported: false, error: None }
 }
 
 /// Runs one case on a fresh CPU engine.
@@ -46,84 +95,7 @@ pub fn run_case_cpu(spec: &CaseSpec, seed: u64) -> CaseResult {
     let res = Engine::new(f.engine_config()).and_then(|e| fixture::run_on_engine(&e, &mut f));
     match res {
         Ok(outs) => judge(&f, &outs, seed),
-        Err(e) => CaseResult { name: spec.name.clone(), seed, rel_err: f64::NAN, lse_err: f64::NAN, pass: false, error: Some(e.to_string()) },
+        Err(e) => CaseResult::refused(&spec.name, seed, e.kind == ErrorKind::Unsupported, e.to_string()),
     }
 }
 
-fn dtype_tag(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => "?",
-    }
-}
-
-/// The case matrix. `quick` keeps one representative per axis (for sanitizers and smoke runs).
-pub fn matrix(quick: bool) -> Vec<CaseSpec> {
-    let mut cases = Vec::new();
-    let base = |name: String, dtype, head_dim, hq, hk, bs, seqs: Vec<(usize, usize)>| CaseSpec {
-        name,
-        dtype,
-        head_dim,
-        num_q_heads: hq,
-        num_kv_heads: hk,
-        block_size: bs,
-        seqs,
-        window: 0,
-        softcap: 0.0,
-        strided: false,
-        shuffled: true,
-    };
-    // 1. Every head size × dtype, a mixed batch: decode at 1000+, q=2, q=7, whole prefill, chunked q=64.
-    let dtypes = [DType::F32, DType::F16, DType::BF16];
-    for (i, &hd) in SUPPORTED_HEAD_DIMS.iter().enumerate() {
-        for (j, &dt) in dtypes.iter().enumerate() {
-            if quick && (i + j) % 4 != 0 {
-                continue;
-            }
-            let mut c = base(format!("mixed-h{hd}-{}-gqa4", dtype_tag(dt)), dt, hd, 8, 2, 16, vec![(1, 1037), (2, 40), (7, 300), (96, 96), (64, 1100)]);
-            c.strided = (i + j) % 2 == 1;
-            if c.strided {
-                c.name.push_str("-strided");
-            }
-            cases.push(c);
-        }
-    }
-    // 2. Every block size: sequence lengths 1, bs-1, bs+1 and 1000+, decode and short prefill rows.
-    for bs in [1usize, 2, 4, 8, 16, 32, 64, 128, 256] {
-        if quick && ![1, 16, 256].contains(&bs) {
-            continue;
-        }
-        let mut seqs = vec![(1, 1), (1, bs + 1), (2, bs + 1), (1, 1029)];
-        if bs > 1 {
-            seqs.push((1, bs - 1));
-        }
-        let mut c = base(format!("blocks-bs{bs}-f16-gqa8"), DType::F16, 128, 8, 1, bs, seqs);
-        c.strided = bs % 32 == 0;
-        cases.push(c);
-    }
-    // 3. GQA ratios 1, 4, 8 with sliding window and soft-cap, in fp32 (tightest tolerance).
-    for (hq, hk) in [(4usize, 4usize), (8, 2), (16, 2)] {
-        let g = hq / hk;
-        let seqs = vec![(1, 777), (7, 200), (64, 64), (1, 17)];
-        let mut c = base(format!("window-gqa{g}-f32"), DType::F32, 64, hq, hk, 16, seqs.clone());
-        c.window = 100;
-        cases.push(c);
-        let mut c = base(format!("softcap-gqa{g}-f32-strided"), DType::F32, 128, hq, hk, 16, seqs.clone());
-        c.softcap = 30.0;
-        c.strided = true;
-        cases.push(c);
-        if !quick {
-            let mut c = base(format!("window-softcap-gqa{g}-bf16"), DType::BF16, 96, hq, hk, 32, seqs);
-            c.window = 33;
-            c.softcap = 5.0;
-            cases.push(c);
-        }
-    }
-    // 4. In-order (unshuffled) table, MQA, single decode row of length 1.
-    let mut c = base("mqa-inorder-f32".to_string(), DType::F32, 256, 8, 1, 8, vec![(1, 1), (3, 3), (1, 2048)]);
-    c.shuffled = false;
-    cases.push(c);
-    cases
-}

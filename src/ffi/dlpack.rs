@@ -50,6 +50,27 @@ pub fn device_from_dl(device_type: i32, device_id: i32) -> Result<Device> {
     }
 }
 
+/// The DLPack device of a [`Device`] (the inverse of [`device_from_dl`] for CPU and CUDA).
+pub fn device_to_dl(d: Device) -> DLDevice {
+    match d {
+        Device::Cpu => DLDevice { device_type: KDL_CPU, device_id: 0 },
+        Device::Cuda(i) => DLDevice { device_type: KDL_CUDA, device_id: i },
+    }
+}
+
+/// The DLPack dtype of a [`DType`] (the inverse of `dtype_from_dl`).
+pub fn dtype_to_dl(d: DType) -> DLDataType {
+    let (code, bits) = match d {
+        DType::F32 => (2, 32),
+        DType::F16 => (2, 16),
+        DType::BF16 => (4, 16),
+        DType::I32 => (0, 32),
+        DType::I64 => (0, 64),
+        DType::U64 => (1, 64),
+    };
+    DLDataType { code, bits, lanes: 1 }
+}
+
 fn dtype_from_dl(name: &str, t: DLDataType) -> Result<DType> {
     ensure!(t.lanes == 1, InvalidDtype, "{name} has {} lanes; only scalar dtypes are supported", t.lanes);
     Ok(match (t.code, t.bits) {

@@ -19,7 +19,9 @@ commands:
                 machine's streaming-read bandwidth, max error vs a float64 reference
   eval          replay the real attention traces (traces/) for dense and each policy: blocks visited,
                 error vs dense, attention mass recovered, time; --out DIR adds a sweep, CSV and PNG
-  conformance   dense paged attention vs the float64 reference over the case matrix, per device
+  conformance   paged attention vs the float64 reference over the case suite (per device, or through
+                another library's C ABI with --lib), the sparse contract of the policies; --export DIR
+                writes the suite as files for other implementations (docs/conformance.md)
   bench         dense vs decode policies (--policy SPEC) on one synthetic batch: time, KV bytes,
                 blocks visited, relative error vs dense; with --device cuda: paged decode on the GPU
                 over a grid vs the device copy bandwidth
