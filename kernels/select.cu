@@ -247,7 +247,43 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores(Batch 
     const unsigned hmask = 0xffffu << (16 * (hw & 1));
     const int fp = r.lo / page, np = r.hi / page - fp + 1;
     unsigned long long units = 0;
-    for (int pi = 0; pi < QS_PAGES / 16; ++pi) {
+    if (page == unit) {
+        // One unit per page (page <= block size, the usual case): issue all four pages' loads first.
+        float lo_[QS_PAGES / 16][QC], hi_[QS_PAGES / 16][QC];
+        bool have[QS_PAGES / 16];
+#pragma unroll
+        for (int pi = 0; pi < QS_PAGES / 16; ++pi) {
+            const int i = blockIdx.x * QS_PAGES + pi * 16 + hw;
+            const int pg = fp + i;
+            const i64 pb = (i < np && i < maxp) ? phys_block(b, s, pg / upb) : -1;
+            have[pi] = pb >= 0;
+            units += (lane == 0 && i < np && i < maxp);
+            if (have[pi]) {
+                const i64 base = ((pb * upb + pg % upb) * hk + h) * (i64)HEAD_DIM + lane * QC;
+                load_lane_bounds(qmin + base, lo_[pi]);
+                load_lane_bounds(qmax + base, hi_[pi]);
+            }
+        }
+#pragma unroll
+        for (int pi = 0; pi < QS_PAGES / 16; ++pi) {
+            const int i = blockIdx.x * QS_PAGES + pi * 16 + hw;
+            float best = -INFINITY;
+            if (have[pi]) {
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) {
+                    const float* qr = qs + g * 16 * (QC + 1) + lane * (QC + 1);
+                    float acc = 0.f;
+#pragma unroll
+                    for (int k = 0; k < QC; ++k) acc += fmaxf(qr[k] * lo_[pi][k], qr[k] * hi_[pi][k]);
+#pragma unroll
+                    for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(hmask, acc, o);
+                    best = fmaxf(best, acc);
+                }
+            }
+            if (i < np && i < maxp && lane == 0) scores[(i64)(s * hk + h) * maxp + i] = best;
+        }
+    }
+    for (int pi = 0; pi < QS_PAGES / 16 && page != unit; ++pi) {
         const int i = blockIdx.x * QS_PAGES + pi * 16 + hw;
         const bool active = i < np && i < maxp;
         const int pg = fp + i;
@@ -496,6 +532,27 @@ __device__ __forceinline__ void bin_add(unsigned long long* mass, unsigned bin, 
     }
 }
 
+// Inclusive scan of `v` over the block's threads in order; `*total` gets the block's sum. Block-wide;
+// `tmp` holds one value per warp.
+__device__ __forceinline__ unsigned long long block_incl_scan(unsigned long long v, unsigned long long* tmp, unsigned long long* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long y = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += y;
+    }
+    __syncthreads();
+    if (lane == 31) tmp[warp] = v;
+    __syncthreads();
+    unsigned long long pre = 0, all = 0;
+    for (int i = 0; i < nw; ++i) {
+        if (i < warp) pre += tmp[i];
+        all += tmp[i];
+    }
+    *total = all;
+    return v + pre;
+}
+
 // The digit of this pass: the largest d such that above + (mass of bins >= d) reaches every row's target
 // (scanned in parallel from the top bin down); `above` then gains the bins above d. Block-wide.
 __device__ __forceinline__ unsigned choose_digit(const unsigned long long* mass, unsigned long long* above, const double* target,
@@ -553,6 +610,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
     __shared__ float red_f[32];
     __shared__ double red_d[32];
     __shared__ unsigned long long red_u[32];
+    __shared__ unsigned long long scan_tmp[TOPP_WARPS];
     __shared__ int tie_cut, pick;
     __shared__ int cnt[TOPP_WARPS + 1];
     const int s = blockIdx.y, h = blockIdx.x;
@@ -700,27 +758,33 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
             __syncthreads();
             T |= choose_digit(mass, above, target, wsum, &pick) << shift;
         }
-        // Ties at T: add them in increasing position until every row reaches (one thread; rare).
+        // Ties at T: add them in increasing position until every row reaches, a chunk of blockDim
+        // candidates at a time (a block scan of each row's tied masses per chunk).
         unsigned long long ties = 0;
         for (int j = ja + threadIdx.x; j <= jb; j += blockDim.x) ties += (w[j] >= 0.0f && __float_as_uint(w[j]) == T);
         ties = block_sum(ties, red_u);
-        if (threadIdx.x == 0 && ties > 1) {
+        if (ties > 1) {
+            if (threadIdx.x == 0) pick = 0x7fffffff;
             unsigned long long acc[GROUP];
+#pragma unroll
             for (int g = 0; g < GROUP; ++g) acc[g] = above[g];
-            int cut = nc;
-            for (int j = ja; j <= jb; ++j) {
-                if (!(w[j] >= 0.0f) || __float_as_uint(w[j]) != T) continue;
-                bool ok = true;
+            __syncthreads();
+            for (int j0 = ja; j0 <= jb; j0 += blockDim.x) {
+                const int j = j0 + threadIdx.x;
+                const bool tied = j <= jb && w[j] >= 0.0f && __float_as_uint(w[j]) == T;
+                bool reach = tied;
+#pragma unroll
                 for (int g = 0; g < GROUP; ++g) {
-                    acc[g] += to_fixed(x[(i64)g * maxc + j]);
-                    ok = ok && (double)acc[g] >= target[g];
+                    unsigned long long total;
+                    const unsigned long long incl = block_incl_scan(tied ? to_fixed(x[(i64)g * maxc + j]) : 0ull, scan_tmp, &total);
+                    reach = reach && (double)(acc[g] + incl) >= target[g];
+                    acc[g] += total;
                 }
-                if (ok) {
-                    cut = j;
-                    break;
-                }
+                if (reach) atomicMin(&pick, j);
+                __syncthreads();
+                if (pick != 0x7fffffff) break;  // uniform: everyone reads the same value
             }
-            tie_cut = cut;
+            if (threadIdx.x == 0) tie_cut = pick == 0x7fffffff ? nc : pick;
         }
         __syncthreads();
     }

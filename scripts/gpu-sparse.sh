@@ -3,7 +3,8 @@
 # CUDA tests again (the kernels gained a plan variant), compute-sanitizer on both, the sparse benchmark
 # next to our dense kernel and PyTorch SDPA, and the trace eval through the CUDA engine.
 # Expects the binaries staged by scripts/stage-device.sh in $DIR/bin. Logs and CSVs go to $OUT.
-# Usage: gpu-sparse.sh [tests|quicktests|probe|sanitize|bench|eval|all]...   (default all)
+# Usage: gpu-sparse.sh [tests|quicktests|probe|profile|profile-topp|sanitize|bench|benchonly|eval|conformance|all]...
+#   (default all)
 set -uo pipefail
 DIR=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-$PWD/gpu-out}
@@ -39,6 +40,19 @@ if has profile; then
     GREP='kvs_' step profile-b$b 150 ncu --kernel-name regex:'kvs_(quest|topp|count|plan|attn|meta)' --launch-skip 120 --launch-count 12 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --batch $b --ctx 131072
     grep -aE "kvs_|duration|throughput" "$OUT/profile-b$b.log" | head -40
   done
+fi
+if has profile-topp; then
+  GREP='kvs_' step profile-topp 150 ncu --kernel-name regex:'kvs_(quest|topp|attn)' --launch-skip 150 --launch-count 12 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/4) > top_p(p=0.95)' --batch 1 --ctx 131072
+  grep -aE "kvs_|duration" "$OUT/profile-topp.log" | head -30
+fi
+if has benchonly; then
+  GREP='x dense|L/|quest' step bench-sparse 300 "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --policy 'quest(budget=L/4) > top_p(p=0.95)' --csv "$OUT/sparse.csv"
+fi
+if has conformance; then
+  # The conformance suite against third-party GPU kernels (docs/conformance.md), reports tarred into $OUT.
+  GREP='CONFORMANCE-GPU DONE|passed' step conformance-gpu 330 env OUT=/tmp/conf KVS_BIN="$DIR/bin/kvsparse" KVS_CUDA_ENGINE=1 bash "$DIR/../scripts/conformance-gpu.sh" reference torch-sdpa torch-sdpa-efficient torch-flex
+  grep -aE "passed|failed|HARNESS|DONE|engine" "$OUT/conformance-gpu.log" | tail -12
+  (cd /tmp/conf && tar czf "$OUT/conformance.tgz" . 2>/dev/null)
 fi
 if has probe; then
   GREP='quest' step bench-probe 120 "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --batch 1,32 --ctx 131072

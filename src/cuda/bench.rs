@@ -264,8 +264,9 @@ fn plant_heavy_hitters(kc: &DevBuf, qh: &[f32], table: &[i32], p: &Point, rotati
                 dir.iter_mut().for_each(|x| *x /= norm);
                 let proj = (0..g).map(|j| qrow(j).iter().zip(&dir).map(|(&a, &b)| a as f64 * b).sum::<f64>()).sum::<f64>() / g as f64;
                 let alpha = HOT_LOGIT * (d as f64).sqrt() / proj.max(1e-3);
-                let row: Vec<u16> = dir.iter().map(|&x| half::bf16::from_f64(x * alpha).to_bits()).collect();
                 for _ in 0..HOT_KEYS {
+                    // Each heavy hitter its own key (a little noise): real ones are not copies of each other.
+                    let row: Vec<u16> = dir.iter().map(|&x| half::bf16::from_f64((x + 0.05 * (rng.uniform() - 0.5)) * alpha).to_bits()).collect();
                     let pos = rng.below(p.ctx);
                     let blk = table[(r * p.batch + b) * bps + pos / BLOCK] as usize;
                     let off = ((blk * BLOCK + pos % BLOCK) * p.hk + h) * d * 2;
