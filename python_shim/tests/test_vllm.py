@@ -3,6 +3,7 @@
 Each generation runs in its own process (tests/vllm_generate.py). Needs the
 converted model (KVSPARSE_MODEL or <repo>/.cache/smollm2).
 """
+import json
 import os
 import re
 
@@ -118,6 +119,48 @@ def test_preempted_requests_restart_with_fresh_state_released_once(model_dir, to
     assert s1["live_sequences"] == 0 and s1["sequences_created"] == s1["sequences_released"]
 
 
+def test_stateful_policy_keeps_state_across_steps(model_dir, tokenizer, tmp_path):
+    """refresh(every=4) runs a full step every 4th decode step of a (sequence, layer) and partial steps in
+    between, from state kept under the request's sequence id. With ids that changed from step to step every
+    step would be a first (full) step. vLLM's V1 model runner (the only one vLLM starts here: V2 needs
+    Triton, see test_vllm_units.py for the V2 path)."""
+    base = _chat_ids(tokenizer, " ".join(PROMPTS * 8))
+    reqs = [{"prompt_token_ids": base[i * 5:i * 5 + 300], "max_tokens": 24} for i in range(3)]
+    got, log, rc = run_generate(model_dir, reqs, tmp_path, "--kvsparse", "--policy", "refresh(k=64, every=4)",
+                                "--staggered", "--block-size", "16")
+    assert got is not None, log[-3000:]
+    s0, s1 = got["stats_before"], got["stats_after"]
+    full = s1["refresh_full_steps"] - s0["refresh_full_steps"]
+    partial = s1["refresh_partial_steps"] - s0["refresh_partial_steps"]
+    created = s1["sequences_created"] - s0["sequences_created"]
+    life = {k: v for k, v in got["lifecycle"].items() if k != "<dummy>"}
+    print(f"refresh(k=64, every=4): full {full} partial {partial} steps; engine sequences created {created}, "
+          f"live {s1['live_sequences']}; per request [assigned, released, restarts] {life}")
+    assert partial > 0 and 3 * full <= full + partial, (full, partial)
+    assert created == len(reqs) and s1["live_sequences"] == 0
+    assert all(v == [1, 1, 0] for v in life.values()) and len(life) == len(reqs), life
+
+
+def test_plain_vllm_with_the_package_installed_runs_no_kvsparse_code_per_step(model_dir, tokenizer, tmp_path):
+    """The plugin is loaded (it registered CUSTOM) but not selected: while vLLM generates, no Python function
+    of the kvsparse package runs and the model runner is not wrapped. The same counter run with kvsparse as
+    the backend sees its calls, so the counter does count."""
+    reqs = [{"prompt_token_ids": _chat_ids(tokenizer, p), "max_tokens": 8} for p in PROMPTS[:2]]
+    plain, log, rc = run_generate(model_dir, reqs, tmp_path, "--count-kvsparse-calls")
+    assert plain is not None, log[-3000:]
+    print(f"plain vLLM: registry {plain['registry']}, kvsparse calls {plain['kvsparse_calls']}, "
+          f"runner hooked {plain['runner_hooked']}")
+    assert plain["registry"]["CUSTOM"] == "kvsparse.vllm_backend.KvSparseBackend"
+    assert plain["registry"]["CPU_ATTN"].endswith("cpu_attn.CPUAttentionBackend")
+    assert plain["kvsparse_calls"] == {} and plain["runner_hooked"] is False
+    ours, log, rc = run_generate(model_dir, reqs, tmp_path, "--kvsparse", "--count-kvsparse-calls")
+    assert ours is not None, log[-3000:]
+    calls = ours["kvsparse_calls"]
+    print(f"kvsparse backend: {sum(calls.values())} calls, e.g. {sorted(calls.items())[:6]}")
+    assert ours["runner_hooked"] is True and calls.get("vllm_runner.py:execute_model", 0) > 0
+    assert calls.get("step.py:attend", 0) > 0
+
+
 _STATS_RE = re.compile(r"kvsparse stats: policy '([^']*)' calls (\d+) prefill_tokens (\d+) decode_rows (\d+) "
                        r"policy_rows (\d+) blocks visited/eligible (\d+)/(\d+) skipped_termination (\d+)")
 
@@ -166,23 +209,37 @@ def odd_head_model(tmp_path_factory, model_dir):
     return str(d)
 
 
-@pytest.mark.parametrize("case", ["unknown_policy", "head_size", "kv_cache_dtype"])
-def test_bad_configuration_fails_at_engine_start(model_dir, tmp_path, case, request):
+_RAISED_RE = re.compile(r"^KVS_RAISED (.*)$", re.M)
+
+# (vllm_generate arguments, exception type, the exception's text starts with, then contains)
+BAD_CONFIGS = {
+    "misspelled_key": (["--kvsparse", "--kvsparse-config", '{"polciy": "quest(budget=256)"}'], "KvsConfigError",
+                       "kvsparse: unknown key(s) 'polciy' in additional_config['kvsparse']; known keys: 'policy'",
+                       ""),
+    "policy_without_override": (["--policy", "quest(budget=256)"], "KvsConfigError",
+                                "kvsparse: policy 'quest(budget=256)' is configured but vLLM will not run the "
+                                "kvsparse attention backend: set KVSPARSE_OVERRIDE_CPU_ATTN=1", ""),
+    "unknown_policy": (["--kvsparse", "--policy", "nosuchpolicy(k=3)"], "KvsError",
+                       "kvsparse engine_create: KVS_ERR_INVALID_ARGUMENT: ", "nosuchpolicy"),
+    "head_size": (["--kvsparse"], "KvsError", "kvsparse engine_create: KVS_ERR_UNSUPPORTED: ",
+                  "head_dim 72 is not supported"),
+    "kv_cache_dtype": (["--kvsparse", "--kv-cache-dtype", "fp8"], "KvsUnsupported",
+                       "kvsparse engine_create: KVS_ERR_UNSUPPORTED: kv_cache_dtype 'fp8' is not supported", ""),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_configuration_fails_at_startup_with_kvsparse_message(model_dir, tmp_path, case, request):
+    """The exception LLM(...) raises is kvsparse's, with kvsparse's message as its whole text, raised while
+    vLLM creates its config in the calling process: before any worker starts or any model is loaded."""
     reqs = [{"prompt_token_ids": [1, 2, 3], "max_tokens": 2}]
-    model, args, expect = model_dir, [], []
-    if case == "unknown_policy":
-        args = ["--policy", "nosuchpolicy(k=3)"]
-        expect = ["kvsparse engine_create: KVS_ERR_INVALID_ARGUMENT", "nosuchpolicy"]
-    elif case == "head_size":
-        model = request.getfixturevalue("odd_head_model")
-        expect = ["kvsparse engine_create: KVS_ERR_UNSUPPORTED", "head_dim 72 is not supported"]
-    else:
-        args = ["--kv-cache-dtype", "fp8"]
-        expect = ["kvsparse engine_create: KVS_ERR_UNSUPPORTED", "kv_cache_dtype 'fp8' is not supported"]
-    got, log, rc = run_generate(model, reqs, tmp_path, "--kvsparse", *args)
-    assert got is None and rc != 0, log[-3000:]
-    for e in expect:
-        assert e in log, log[-3000:]
-    # At engine start: raised while the model's attention layers are built (get_engine in the impl's
-    # constructor), before any forward pass.
-    assert "in get_engine" in log and "attention_forward" not in log and "KVS_RESULT" not in log
+    args, etype, start, contains = BAD_CONFIGS[case]
+    model = request.getfixturevalue("odd_head_model") if case == "head_size" else model_dir
+    got, log, rc = run_generate(model, reqs, tmp_path, *args)
+    raised = _RAISED_RE.findall(log)
+    assert got is None and rc == 3 and raised, log[-3000:]
+    exc = json.loads(raised[-1])
+    print(f"{case}: {exc['type']}: {exc['text']}")
+    assert exc["type"] == etype and exc["text"].startswith(start) and contains in exc["text"], exc
+    assert "in create_engine_config" in log, "raised by the plugin's config check"
+    assert "Starting to load model" not in log and "in get_engine" not in log
