@@ -162,8 +162,9 @@ class IdBuffer:
             if self._cuda:
                 i = self._slot
                 self._slot = (i + 1) % self.RING
-                if self._events[i] is not None:
-                    self._events[i].synchronize()
+                ev = self._events[i]
+                if ev is not None and not ev.query():  # only when the GPU is RING steps behind
+                    ev.synchronize()
                 host = self._host[i, :n]
                 host.copy_(src)
                 self.tensor[:n].copy_(host, non_blocking=True)

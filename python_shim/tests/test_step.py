@@ -2,6 +2,7 @@
 re-pointed, metadata as persistent buffers, ids, and that it imports neither vLLM nor SGLang."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +151,14 @@ def test_seq_ids_stable_ephemeral_and_released_once():
     assert t.ids(["r2"]) == [3]  # a restarted request starts over with a fresh id
     life = t.lifecycle()
     assert life["r1"] == [1, 1, 0] and life["r2"] == [2, 1, 1] and life["<dummy>"][0] == 1
+
+
+def test_gpu_check_script_runs_on_cpu():
+    """scripts/gpu_shim_check.py (run on the GPU machine by hand) stays runnable: on the CPU it drives the same
+    steps against the float64 reference (dense) and checks the policy ran sparse."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_shim_check.py"
+    p = subprocess.run([sys.executable, str(script), "--device", "cpu", "--layers", "3", "--seqs", "3",
+                        "--heads", "8", "--kv-heads", "2", "--min-len", "300", "--max-len", "500"],
+                       capture_output=True, text=True, timeout=600)
+    print(p.stdout[-1500:])
+    assert p.returncode == 0 and "ALL PASSED (2 rows)" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
