@@ -17,7 +17,7 @@ import torch
 
 from ._ffi import ffi, lib
 from .dlpack import Desc
-from .engine import check
+from .engine import KvsError
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -73,15 +73,19 @@ class StepMeta:
 class LayerCall:
     """Cache writes and attention of one layer through one engine, with descriptors built once.
 
-    Not thread-safe per layer (the argument structs are reused); one engine serves several layers and
-    threads through separate LayerCalls."""
+    The descriptors of what changes per call (query, output, key, value, slot mapping) are shared by all of
+    an engine's LayerCalls, so a step's slot mapping is described once for all layers: an engine's layer
+    calls must come from one thread at a time (as vLLM and SGLang make them)."""
 
     def __init__(self, engine, layer, *, scale, sliding_window=0, softcap=0.0):
         self._h = engine._h
         self.layer = layer
         self._q_tail = (engine.num_q_heads, engine.head_dim)
         self._kv_tail = (engine.num_kv_heads, engine.head_dim)
-        self._q, self._o, self._k, self._v, self._slots = Desc(), Desc(), Desc(), Desc(), Desc()
+        shared = getattr(engine, "_call_descs", None)
+        if shared is None:
+            shared = engine._call_descs = (Desc(), Desc(), Desc(), Desc(), Desc())
+        self._q, self._o, self._k, self._v, self._slots = shared
         self._kc, self._vc = Desc(), Desc()
         self.cache_src = None  # what the caller built the cache views from (compared by identity)
 
@@ -107,12 +111,14 @@ class LayerCall:
         """New K/V rows (`[rows, kv_heads, head_dim]` or `[rows, kv_heads*head_dim]`) into the caches at
         `slot_mapping[:rows]` (default: all of it; int64 or int32, negative = skip)."""
         wa = self._wa
-        wa.slot_mapping = self._slots.set(slot_mapping, rows)
-        n = self._slots._shape[0]
-        wa.key = self._k.set(key, n, self._kv_tail)
-        wa.value = self._v.set(value, n, self._kv_tail)
+        slots = self._slots
+        wa.slot_mapping = slots.set(slot_mapping, rows)
+        wa.key = self._k.set(key, slots.rows, self._kv_tail)
+        wa.value = self._v.set(value, slots.rows, self._kv_tail)
         self._wa_words[_CW_STREAM] = stream
-        check(lib.kvs_cache_write(self._h, wa), "cache_write")
+        st = lib.kvs_cache_write(self._h, wa)
+        if st:
+            raise KvsError(st, "cache_write")
 
     def attend(self, query, out, meta, stream=0):
         """Attention of the step's `meta.num_tokens` query rows (`[rows, heads, dim]` or
@@ -128,7 +134,9 @@ class LayerCall:
         fa.max_query_len = meta.max_query_len
         fa.max_seq_len = meta.max_seq_len
         self._fa_words[_FWD_STREAM] = stream
-        check(lib.kvs_attention_forward(self._h, fa), "attention_forward")
+        st = lib.kvs_attention_forward(self._h, fa)
+        if st:
+            raise KvsError(st, "attention_forward")
 
 
 class IdBuffer:

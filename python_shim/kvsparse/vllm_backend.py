@@ -105,7 +105,8 @@ def log_stats(engine):
 
 
 class KvSparseBackend(AttentionBackend):
-    forward_includes_kv_cache_update: bool = False
+    # The cache write happens in forward: one Python entry per layer instead of two.
+    forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
 
@@ -243,28 +244,36 @@ class KvSparseImpl(AttentionImpl):
         if (num_heads, num_kv_heads, head_size) != (e.num_q_heads, e.num_kv_heads, e.head_dim):
             raise NotImplementedError("kvsparse: all layers must share one head geometry")
         self.device = e.device
+        self._cuda = e.device.type == "cuda"
         self._call = None  # LayerCall of this impl's layer, made on first use
 
-    def _layer_call(self, layer, kv_cache):
+    def _bind(self, layer, kv_cache):
+        """The layer's LayerCall with its caches set from `kv_cache` (None while the cache is empty)."""
+        if kv_cache.numel() == 0:
+            return None
         c = self._call
         if c is None:
             c = self._call = LayerCall(self.engine, _layer_index(layer), scale=self.scale,
                                        sliding_window=self.sliding_window, softcap=self.softcap)
-        if c.cache_src is not kv_cache:
-            kc, vc = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-            c.set_caches(kv_cache, kc, vc)
+        kc, vc = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        c.set_caches(kv_cache, kc, vc)
         return c
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        if kv_cache.numel() == 0:
-            return
-        self._layer_call(layer, kv_cache).write(key, value, slot_mapping, raw_stream(self.device))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        """The step's new K/V into the cache (unless this layer shares another layer's cache), then attention:
+        one Python entry per layer (forward_includes_kv_cache_update)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("kvsparse: fused output quantization is not supported")
         if attn_metadata is None:  # warm-up
             return output
-        self._layer_call(layer, kv_cache).attend(query, output, attn_metadata.step, raw_stream(self.device))
+        c = self._call
+        if c is None or c.cache_src is not kv_cache:
+            c = self._bind(layer, kv_cache)
+            if c is None:
+                return output
+        stream = raw_stream(self.device) if self._cuda else 0
+        if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
+            c.write(key, value, attn_metadata.slot_mapping, stream)
+        c.attend(query, output, attn_metadata.step, stream)
         return output

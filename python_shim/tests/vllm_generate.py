@@ -40,9 +40,13 @@ class _TimedLib:
         return f
 
 
-def _install_profile():
-    """Per-layer cost of the backend in decode steps: wall time of KvSparseImpl.forward / do_kv_cache_update
-    and of the C call inside; Python = wall - C. Returns a function giving the summary."""
+def _install_profile(llm):
+    """Per-layer cost of the backend in decode steps: wall time of each KvSparseImpl.forward /
+    do_kv_cache_update call and of the C call inside; Python = wall - C. Medians (and means), per call: on a
+    shared machine the means carry the scheduler's preemptions, the medians do not. Returns a function that
+    gives the summary."""
+    import statistics
+
     import kvsparse.engine
     from kvsparse import vllm_backend
 
@@ -51,24 +55,23 @@ def _install_profile():
         m = sys.modules.get(mod)
         if m is not None:
             m.lib = timed
-    wall, calls, c_ns = Counter(), Counter(), Counter()
+    samples = {}  # name -> [(wall ns, C ns)]
     decode = {"on": False}
     impl = vllm_backend.KvSparseImpl
     builder = vllm_backend.KvSparseMetadataBuilder
 
-    def wrap(cls, name, cname, gate):
+    def wrap(cls, name, cnames, gate):
         orig = getattr(cls, name)
+        rows = samples.setdefault(name, [])
 
         def w(self, *a, **kw):
             if not gate(a):
                 return orig(self, *a, **kw)
-            c0 = timed.ns[cname] if cname else 0
+            c0 = sum(timed.ns[c] for c in cnames)
             t0 = time.perf_counter_ns()
             r = orig(self, *a, **kw)
-            wall[name] += time.perf_counter_ns() - t0
-            calls[name] += 1
-            if cname:
-                c_ns[name] += timed.ns[cname] - c0
+            t1 = time.perf_counter_ns()
+            rows.append((t1 - t0, sum(timed.ns[c] for c in cnames) - c0))
             return r
 
         setattr(cls, name, w)
@@ -77,25 +80,46 @@ def _install_profile():
         decode["on"] = a[1].max_query_len == 1  # build(common_prefix_len, common_attn_metadata)
         return decode["on"]
 
-    wrap(builder, "build", None, is_decode_build)
-    wrap(impl, "forward", "kvs_attention_forward", lambda a: decode["on"] and a[5] is not None)
-    wrap(impl, "do_kv_cache_update", "kvs_cache_write", lambda a: decode["on"])
+    wrap(builder, "build", (), is_decode_build)
+    # forward(layer, query, key, value, kv_cache, attn_metadata, output): the cache write and attention.
+    wrap(impl, "forward", _TimedLib.TIMED, lambda a: decode["on"] and a[5] is not None)
+    if hasattr(impl, "do_kv_cache_update"):  # backends that write the cache in a separate call
+        wrap(impl, "do_kv_cache_update", ("kvs_cache_write",), lambda a: decode["on"])
+
+    # Whole decode steps: the runner's execute_model (the model's forward, all layers, sampling excluded).
+    runner_cls = type(_runner(llm))
+    step_ns = samples.setdefault("execute_model", [])
+    orig_exec = runner_cls.execute_model
+
+    def timed_exec(self, *a, **kw):
+        decode["on"] = False
+        t0 = time.perf_counter_ns()
+        r = orig_exec(self, *a, **kw)
+        if decode["on"]:
+            step_ns.append((time.perf_counter_ns() - t0, 0))
+        return r
+
+    runner_cls.execute_model = timed_exec
 
     def summary():
         out = {}
-        for name in ("forward", "do_kv_cache_update", "build"):
-            n = calls[name]
-            if n:
-                out[name] = {"calls": n, "wall_us": wall[name] / n / 1e3, "c_us": c_ns[name] / n / 1e3,
-                             "python_us": (wall[name] - c_ns[name]) / n / 1e3}
+        for name, rows in samples.items():
+            if rows:
+                py = [w - c for w, c in rows]
+                out[name] = {"calls": len(rows), "python_us_median": statistics.median(py) / 1e3,
+                             "python_us_mean": statistics.fmean(py) / 1e3,
+                             "c_us_median": statistics.median(c for _, c in rows) / 1e3,
+                             "wall_us_median": statistics.median(w for w, _ in rows) / 1e3}
         return out
 
     return summary
 
 
 def _count_kvsparse_calls():
-    """Counts Python function calls whose code lives in the kvsparse package, from now on, in every thread
-    (sys.setprofile / threading.setprofile); returns a function that stops counting and gives the counts."""
+    """Counts Python function calls whose code lives in the kvsparse package, from now on, in this thread and
+    threads started later (sys.setprofile / threading.setprofile); also the model runner's execute_model
+    calls, which shows the counter saw the steps' code path. Returns a function that stops counting and gives
+    the counts."""
     import threading
 
     import kvsparse
@@ -104,8 +128,12 @@ def _count_kvsparse_calls():
     seen = Counter()
 
     def prof(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(root):
-            seen[f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"] += 1
+        if event == "call":
+            f = frame.f_code.co_filename
+            if f.startswith(root):
+                seen[f"{os.path.basename(f)}:{frame.f_code.co_name}"] += 1
+            elif frame.f_code.co_name == "execute_model" and f.endswith("model_runner.py"):
+                seen["<vllm model runner>:execute_model"] += 1
 
     sys.setprofile(prof)
     threading.setprofile(prof)
@@ -130,14 +158,43 @@ def _registry():
     return out
 
 
-def _runner_hooked(llm):
-    """Whether kvsparse wrapped the in-process model runner's execute_model (None: runner not found)."""
+def _runner(llm):
+    """The in-process model runner (None if vLLM's object layout differs)."""
     obj = llm.llm_engine.engine_core
     for attr in ("engine_core", "model_executor", "driver_worker", "worker", "model_runner"):
         obj = getattr(obj, attr, None)
         if obj is None:
             return None
-    return bool(getattr(type(obj).execute_model, "_kvsparse_hooked", False))
+    return obj
+
+
+def _runner_hooked(llm):
+    """Whether kvsparse wrapped the in-process model runner's execute_model (None: runner not found)."""
+    runner = _runner(llm)
+    return None if runner is None else bool(getattr(type(runner).execute_model, "_kvsparse_hooked", False))
+
+
+def _expect_failures(a):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    out = {}
+    for case, c in json.loads(a.expect_failures).items():
+        for k, v in c.get("env", {}).items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        extra = {"additional_config": {"kvsparse": c["kvsparse_config"]}} if c.get("kvsparse_config") else {}
+        try:
+            LLM(model=c.get("model", a.model), dtype="float32", seed=0, enforce_eager=True, max_model_len=512,
+                kv_cache_dtype=c.get("kv_cache_dtype", "auto"), **extra)
+            out[case] = None
+        except Exception as e:  # noqa: BLE001 - what the user would catch
+            out[case] = {"type": type(e).__name__, "text": str(e), "traceback": traceback.format_exc()}
+    print("KVS_RAISED_CASES " + json.dumps(out))
+    sys.stdout.flush()
+    return 0
 
 
 def main():
@@ -156,7 +213,13 @@ def main():
     ap.add_argument("--profile", action="store_true", help="time the backend's per-layer calls in decode steps")
     ap.add_argument("--count-kvsparse-calls", action="store_true",
                     help="count Python calls into the kvsparse package while generating")
+    ap.add_argument("--expect-failures", default=None,
+                    help="JSON {case: {env, kvsparse_config, kv_cache_dtype, model}}: create each LLM in turn, "
+                         "print what it raised (KVS_RAISED_CASES) and exit; for configurations that fail at "
+                         "startup, before any worker or model")
     a = ap.parse_args()
+    if a.expect_failures:
+        return _expect_failures(a)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: stats readable here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if a.kvsparse:
@@ -182,7 +245,7 @@ def main():
         print("KVS_RAISED " + json.dumps({"type": type(e).__name__, "text": str(e)}))
         sys.stdout.flush()
         sys.exit(3)
-    profile = _install_profile() if a.profile else None
+    profile = _install_profile(llm) if a.profile else None
     reqs = json.load(open(a.requests))
     result = {"backend": None, "stats_before": None}
     if a.kvsparse:
@@ -237,7 +300,10 @@ def main():
                               for o in ordered]
     if a.kvsparse and result["backend"] == "kvsparse":
         from kvsparse import vllm_backend
-        from kvsparse.vllm_runner import TRACKER
+        try:
+            from kvsparse.vllm_runner import TRACKER
+        except ImportError:  # an older kvsparse (profiling its backend for comparison)
+            from kvsparse.seq_ids import TRACKER
         result["stats_after"] = vllm_backend.get_engine().stats()
         result["live_request_ids"] = len(TRACKER.live())
         result["lifecycle"] = TRACKER.lifecycle()
