@@ -19,6 +19,7 @@ import torch
 
 from kvsparse._ffi import ffi
 from kvsparse.sglang_backend import KvSparseSGLangBackend
+from conftest import NoHostRead
 from test_binding import _reference
 
 H, KH, D, P = 9, 3, 64, 16
@@ -190,20 +191,6 @@ def test_pool_without_free_rows_is_refused():
     r.req_to_token_pool = SimpleNamespace(req_to_token=pool.req_to_token, req_generation=pool.req_generation)
     with pytest.raises(NotImplementedError, match="no free_rows"):
         KvSparseSGLangBackend(r, policy="", num_threads=1)
-
-
-class NoHostRead(torch.Tensor):
-    """Values must not be read on the host (a device sync for CUDA tensors): item/tolist/bool/int/cpu raise."""
-
-    FORBIDDEN = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
-                 torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
-                 torch.Tensor.__iter__, torch.Tensor.__array__}
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in cls.FORBIDDEN:
-            raise AssertionError(f"host read of a device tensor: {getattr(func, '__name__', func)}")
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def _no_host_reads(fb):

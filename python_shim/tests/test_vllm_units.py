@@ -14,24 +14,10 @@ from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadat
 from kvsparse import Engine  # noqa: E402
 from kvsparse import vllm_backend, vllm_runner  # noqa: E402
 from kvsparse.step import LayerCall  # noqa: E402
+from conftest import NoHostRead  # noqa: E402
 from test_binding import _reference  # noqa: E402
 
 H, KH, D, BS, NB = 9, 3, 64, 16, 24
-
-
-class NoHostRead(torch.Tensor):
-    """A tensor whose values must not be read on the host: what would be a device-to-host sync for a CUDA
-    tensor (item, tolist, bool, int, cpu, numpy, iteration) raises. Pointers, shapes and strides are fine."""
-
-    FORBIDDEN = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
-                 torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
-                 torch.Tensor.__iter__, torch.Tensor.__array__}
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in cls.FORBIDDEN:
-            raise AssertionError(f"host read of a metadata tensor: {getattr(func, '__name__', func)}")
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def _vllm_config(policy=None, device="cpu", graphs="NONE"):
