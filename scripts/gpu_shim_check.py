@@ -38,7 +38,9 @@ sys.path.insert(0, str(REPO / "python_shim"))
 from kvsparse import Engine  # noqa: E402
 from kvsparse.step import IdBuffer, LayerCall, StepMeta, raw_stream  # noqa: E402
 
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}  # rel. error ||a-b|| / ||b||
+# Relative error ||a-b|| / ||b|| allowed vs float64: the conformance suite's (src/conformance/mod.rs); an
+# engine vs the other engine, each within that of float64: twice it.
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-3}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -219,7 +221,8 @@ def check_policy(a, policy, rep):
         traceback.print_exc()
         rep.add(f"{label}: engine", False, f"{type(e).__name__}: {str(e)[:300]}")
         return
-    tol = TOL[a.dtype]
+    tol_ref = TOL[a.dtype]
+    tol = 2 * tol_ref
     models = [m for m in (gpu, cpu, dense_gpu) if m is not None]
 
     def run_step(qlens, sync_check=False, max_seq_len=None):
@@ -265,10 +268,10 @@ def check_policy(a, policy, rep):
         compare(*run_step(prompt))
         for _ in range(a.decode_steps):
             compare(*run_step([1] * a.seqs, sync_check=cuda))
-        ok = worst["cpu"] <= tol and (policy or worst["ref"] <= tol)
+        ok = worst["cpu"] <= tol and (policy or worst["ref"] <= tol_ref)
         detail = f"max rel err vs CPU engine {worst['cpu']:.2e}" if cuda else "no GPU: CPU engine only"
         if not policy:
-            detail += f", vs float64 {worst['ref']:.2e}"
+            detail += f", vs float64 {worst['ref']:.2e} (tol {tol_ref:g})"
         else:
             st = (cpu or gpu).engine.stats()
             sparse = 0 < st["blocks_visited"] < st["blocks_eligible"]

@@ -57,10 +57,11 @@ class StepMeta:
                  "max_seq_len", "_descs")
 
     def __init__(self, block_table, seq_lens, query_start_loc, seq_ids=None, *, num_tokens, num_seqs=None,
-                 max_query_len=0, max_seq_len=0):
+                 max_query_len=0, max_seq_len=0, reuse=None):
         # The Desc objects own the DLTensors' shape arrays and keep the tensors alive while this step is used.
+        # `reuse`: a StepMeta no longer in use whose descriptors are re-pointed (persistent buffers: cheap).
         n = num_seqs
-        d = self._descs = (Desc(), Desc(), Desc(), Desc())
+        d = self._descs = reuse._descs if reuse is not None else (Desc(), Desc(), Desc(), Desc())
         self.block_table = d[0].set(block_table, n)
         self.seq_lens = d[1].set(seq_lens, n)
         self.query_start_loc = d[2].set(query_start_loc, None if n is None else n + 1)

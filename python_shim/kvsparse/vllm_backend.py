@@ -192,6 +192,7 @@ class KvSparseMetadataBuilder(AttentionMetadataBuilder[KvSparseMetadata]):
         mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
         self.graphs = graphs_supported(vllm_config) and mode is not None and getattr(mode, "name", "NONE") != "NONE"
         self._builds = 0
+        self._steps, self._turn = [None, None], 0
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvSparseMetadata:
@@ -212,8 +213,11 @@ class KvSparseMetadataBuilder(AttentionMetadataBuilder[KvSparseMetadata]):
         qsl = _int32(m.query_start_loc, "query_start_loc")
         seq_lens = _int32(m.seq_lens, "seq_lens")
         table = _int32(m.block_table_tensor, "block_table")
-        step = StepMeta(table, seq_lens, qsl, ids, num_seqs=n, num_tokens=m.num_actual_tokens,
-                        max_query_len=m.max_query_len, max_seq_len=max_seq_len)
+        # Two StepMetas in turn: vLLM uses a step's metadata until the next build, never after the one after.
+        self._turn ^= 1
+        step = self._steps[self._turn] = StepMeta(
+            table, seq_lens, qsl, ids, num_seqs=n, num_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
+            max_seq_len=max_seq_len, reuse=self._steps[self._turn])
         return KvSparseMetadata(
             num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len, max_seq_len=max_seq_len,
             query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=m.slot_mapping,
