@@ -98,6 +98,9 @@ class LayerCall:
         wa = self._wa = ffi.new("kvs_cache_write_args *")
         wa.struct_size = ffi.sizeof("kvs_cache_write_args")
         wa.layer = layer
+        # The descriptors stay where they are (their contents change), so the structs point at them once.
+        fa.query, fa.out = self._q.ptr, self._o.ptr
+        wa.key, wa.value, wa.slot_mapping = self._k.ptr, self._v.ptr, self._slots.ptr
         # Streams are written as 64-bit words: ffi.cast to void* per call costs more than the rest.
         self._fa_words = ffi.cast("uint64_t *", fa)
         self._wa_words = ffi.cast("uint64_t *", wa)
@@ -111,13 +114,12 @@ class LayerCall:
     def write(self, key, value, slot_mapping, stream=0, rows=None):
         """New K/V rows (`[rows, kv_heads, head_dim]` or `[rows, kv_heads*head_dim]`) into the caches at
         `slot_mapping[:rows]` (default: all of it; int64 or int32, negative = skip)."""
-        wa = self._wa
         slots = self._slots
-        wa.slot_mapping = slots.set(slot_mapping, rows)
-        wa.key = self._k.set(key, slots.rows, self._kv_tail)
-        wa.value = self._v.set(value, slots.rows, self._kv_tail)
+        slots.set(slot_mapping, rows)
+        self._k.set(key, slots.rows, self._kv_tail)
+        self._v.set(value, slots.rows, self._kv_tail)
         self._wa_words[_CW_STREAM] = stream
-        st = lib.kvs_cache_write(self._h, wa)
+        st = lib.kvs_cache_write(self._h, self._wa)
         if st:
             raise KvsError(st, "cache_write")
 
@@ -126,8 +128,8 @@ class LayerCall:
         `[rows, heads*dim]`, a prefix of `query`/`out` when they hold padding rows) into `out`."""
         fa = self._fa
         n = meta.num_tokens
-        fa.query = self._q.set(query, n, self._q_tail)
-        fa.out = self._o.set(out, n, self._q_tail)
+        self._q.set(query, n, self._q_tail)
+        self._o.set(out, n, self._q_tail)
         fa.block_table = meta.block_table
         fa.seq_lens = meta.seq_lens
         fa.query_start_loc = meta.query_start_loc
