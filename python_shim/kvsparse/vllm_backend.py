@@ -11,13 +11,15 @@ layer, `KvSparseImpl` makes one C call for the cache write and one for attention
 built on the layer's first use, on vLLM's current stream. Nothing reads a device tensor on the host.
 
 CUDA graphs: the builder declares `UNIFORM_SINGLE_TOKEN_DECODE` (FULL graphs of decode-only batches) for
-dense engines on CUDA, the case scripts/gpu_shim_check.py captures and replays; `NEVER` otherwise (vLLM then
+dense engines on CUDA (and policies made of GRAPH_POLICY_STAGES), the case scripts/gpu_shim_check.py
+captures and replays; `NEVER` otherwise (vLLM then
 runs attention eagerly between piecewise graphs). Decode metadata built where graphs are on asks the engine
 to plan for the block table's whole width (max_seq_len = 0), so a captured step stays valid as sequences
 grow and its split-KV workspace is the largest a decode step of that batch size needs.
 """
 
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import ClassVar
@@ -47,9 +49,10 @@ LOG_EVERY = int(os.environ.get("KVSPARSE_LOG_EVERY", "64"))
 # What kvs_engine_create accepts (include/kvsparse.h), declared to vLLM so it can choose or refuse up front.
 HEAD_SIZES = [64, 80, 96, 112, 128, 192, 256]
 BLOCK_SIZES = [1 << i for i in range(9)]
-# Policies whose decode steps the CUDA engine runs inside a CUDA graph, as checked by
-# scripts/gpu_shim_check.py ("" = dense). Add a policy here only after that check passed for it.
-GRAPH_POLICIES = frozenset({""})
+# Policy stages (spec names, docs/policies.md) whose decode steps the CUDA engine runs inside a CUDA graph,
+# as checked by scripts/gpu_shim_check.py --policy SPEC. Dense needs none; add a name only after that check
+# passed for it on the GPU.
+GRAPH_POLICY_STAGES = frozenset()
 
 
 
@@ -162,8 +165,14 @@ def _int32(t, what):
     return t
 
 
+def graph_capturable(spec: str) -> bool:
+    """Whether every stage of the policy spec is in GRAPH_POLICY_STAGES (dense: always)."""
+    stages = re.findall(r"([A-Za-z_]\w*)\s*\(", spec.split(";")[0])
+    return all(name in GRAPH_POLICY_STAGES for name in stages)
+
+
 def graphs_supported(vllm_config) -> bool:
-    return vllm_config.device_config.device.type == "cuda" and kcfg.policy(vllm_config) in GRAPH_POLICIES
+    return vllm_config.device_config.device.type == "cuda" and graph_capturable(kcfg.policy(vllm_config))
 
 
 class KvSparseMetadataBuilder(AttentionMetadataBuilder[KvSparseMetadata]):

@@ -85,6 +85,14 @@ def test_backend_declarations():
     assert cg(_vllm_config(device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     assert cg(_vllm_config("quest(budget=256)", device="cuda"), None) == AttentionCGSupport.NEVER
     assert cg(_vllm_config(device="cpu"), None) == AttentionCGSupport.NEVER
+    assert vllm_backend.graph_capturable("") and vllm_backend.graph_capturable("   ")
+    stages = vllm_backend.GRAPH_POLICY_STAGES
+    try:  # the gate follows the stage names, not the whole spec
+        vllm_backend.GRAPH_POLICY_STAGES = frozenset({"quest"})
+        assert vllm_backend.graph_capturable("quest(budget=1024); dense_layers=0")
+        assert not vllm_backend.graph_capturable("quest(budget=1024) > top_p(p=0.9)")
+    finally:
+        vllm_backend.GRAPH_POLICY_STAGES = stages
 
 
 def test_v2_runner_request_ids_follow_req_idx_slots(monkeypatch):
