@@ -31,11 +31,6 @@ def raw_stream(device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def capturing(device) -> bool:
-    """Whether the current stream of `device` is being captured into a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _word(struct_type: str, field: str) -> int:
     off = ffi.offsetof(struct_type, field)
     assert off % 8 == 0
