@@ -40,7 +40,7 @@ class _TimedLib:
         return f
 
 
-def _install_profile(llm):
+def _install_profile():
     """Per-layer cost of the backend in decode steps: wall time of each KvSparseImpl.forward /
     do_kv_cache_update call and of the C call inside; Python = wall - C. Medians (and means), per call: on a
     shared machine the means carry the scheduler's preemptions, the medians do not. Returns a function that
@@ -85,21 +85,6 @@ def _install_profile(llm):
     wrap(impl, "forward", _TimedLib.TIMED, lambda a: decode["on"] and a[5] is not None)
     if hasattr(impl, "do_kv_cache_update"):  # backends that write the cache in a separate call
         wrap(impl, "do_kv_cache_update", ("kvs_cache_write",), lambda a: decode["on"])
-
-    # Whole decode steps: the runner's execute_model (the model's forward, all layers, sampling excluded).
-    runner_cls = type(_runner(llm))
-    step_ns = samples.setdefault("execute_model", [])
-    orig_exec = runner_cls.execute_model
-
-    def timed_exec(self, *a, **kw):
-        decode["on"] = False
-        t0 = time.perf_counter_ns()
-        r = orig_exec(self, *a, **kw)
-        if decode["on"]:
-            step_ns.append((time.perf_counter_ns() - t0, 0))
-        return r
-
-    runner_cls.execute_model = timed_exec
 
     def summary():
         out = {}
@@ -245,7 +230,7 @@ def main():
         print("KVS_RAISED " + json.dumps({"type": type(e).__name__, "text": str(e)}))
         sys.stdout.flush()
         sys.exit(3)
-    profile = _install_profile(llm) if a.profile else None
+    profile = _install_profile() if a.profile else None
     reqs = json.load(open(a.requests))
     result = {"backend": None, "stats_before": None}
     if a.kvsparse:
