@@ -4,7 +4,8 @@
 # shared with other jobs (load average 5-8): 875 s in all = model conversion 60 s, pip install ./python_shim
 # (cargo build of the cdylib) + SGLang modules into .cache/sglang-py, pytest 693 s (vLLM integration tests
 # 669 s of it), SGLang-classes run 18 s. A fresh venv (scripts/setup-python.sh) adds 166 s with the cores
-# free, 388 s with both busy.
+# free, 388 s with both busy. Since the vLLM backend's rework (issue 19) its pytest step alone measured 824 s
+# (load average 3-13; the vLLM tests 784 s of it: 3 new ones, and the five bad configurations in one process).
 #   KVS_VENV  venv path (default <repo>/.venv), passed to scripts/setup-python.sh
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

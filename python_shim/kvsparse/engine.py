@@ -3,12 +3,10 @@
 Every failing call raises KvsError carrying the status name and kvsparse's own
 message (kvs_last_error), so configuration errors surface verbatim at startup.
 """
-import threading
-
 import torch
 
 from ._ffi import ffi, lib
-from .dlpack import ptr, view
+from .dlpack import described, ptr
 
 _DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATS_FIELDS = [f[0] for f in ffi.typeof("kvs_stats").fields if f[0] not in ("struct_size", "reserved")]
@@ -34,9 +32,16 @@ class KvsUnsupported(ValueError):
         super().__init__(f"kvsparse engine_create: KVS_ERR_UNSUPPORTED: {message}")
 
 
-def _check(status: int, what: str):
+KVS_ERR_UNKNOWN_SEQUENCE = lib.KVS_ERR_UNKNOWN_SEQUENCE
+
+
+def check(status: int, what: str):
+    """Raises KvsError (with kvsparse's message) for a failed call."""
     if status != 0:
         raise KvsError(status, what)
+
+
+_check = check
 
 
 class Engine:
@@ -61,13 +66,14 @@ class Engine:
         _check(lib.kvs_engine_create(cfg, out), "engine_create")
         self._h = ffi.gc(out[0], lib.kvs_engine_destroy)
         self.policy = policy or ""
+        self.device = torch.device("cpu") if dev.type == "cpu" else torch.device("cuda", cfg.device_id)
         self.dtype = dtype
         self.num_layers = num_layers
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
-        self._lock = threading.Lock()
+        self.block_size = block_size
 
     def cache_write(self, layer, key, value, key_cache, value_cache, slot_mapping, stream=None):
-        vs = [view(t) for t in (key, value, key_cache, value_cache, slot_mapping)]
+        vs = [described(t) for t in (key, value, key_cache, value_cache, slot_mapping)]
         a = ffi.new("kvs_cache_write_args *")
         a.struct_size = ffi.sizeof("kvs_cache_write_args")
         a.layer = layer
@@ -80,7 +86,7 @@ class Engine:
                 max_query_len=0, max_seq_len=0, stream=None, call_stats=False):
         """Causal paged attention of one layer; returns this call's counters when call_stats."""
         tensors = [query, key_cache, value_cache, block_table, seq_lens, query_start_loc, seq_ids, out, lse]
-        vs = [view(t) for t in tensors]
+        vs = [described(t) for t in tensors]
         a = ffi.new("kvs_forward_args *")
         a.struct_size = ffi.sizeof("kvs_forward_args")
         a.layer = layer
@@ -97,8 +103,14 @@ class Engine:
         _check(lib.kvs_attention_forward(self._h, a), "attention_forward")
         return None if st is None else {f: getattr(st, f) for f in _STATS_FIELDS}
 
-    def release(self, seq_id: int):
-        _check(lib.kvs_sequence_release(self._h, seq_id), "sequence_release")
+    def release(self, seq_id: int, missing_ok: bool = False) -> bool:
+        """Frees a sequence's state; with missing_ok an id the engine never saw (dense CUDA calls and
+        captured graphs register none) is not an error. Returns whether the engine held it."""
+        st = lib.kvs_sequence_release(self._h, seq_id)
+        if missing_ok and st == KVS_ERR_UNKNOWN_SEQUENCE:
+            return False
+        _check(st, "sequence_release")
+        return True
 
     def stats(self, layer: int = -1) -> dict:
         st = ffi.new("kvs_stats *")

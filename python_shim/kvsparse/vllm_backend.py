@@ -1,21 +1,35 @@
 """vLLM attention backend running prefill, chunked prefill and decode through kvsparse.
 
-KV cache: vLLM 0.32 allocates each layer's cache as a logical [blocks, kv_heads,
-block_size, 2*head_size] view in a layout the backend accepts; we accept the
-token-major LBNHC (flash's layout) and LBHNC, and pass K and V to kvsparse as the
-two strided halves of `kv_cache.transpose(1, 2)` ([blocks, block_size, kv_heads,
+KV cache: vLLM 0.32 allocates each layer's cache as a logical [blocks, kv_heads, block_size, 2*head_size]
+view in a layout the backend accepts; we accept the token-major LBNHC (flash's layout) and LBHNC, and pass K
+and V to kvsparse as the two strided halves of `kv_cache.transpose(1, 2)` ([blocks, block_size, kv_heads,
 head_size] each), with no copy. One kvsparse engine per process serves all layers.
+
+Per step, `KvSparseMetadataBuilder.build` turns vLLM's metadata into one `step.StepMeta` (descriptors of
+vLLM's own persistent int32 buffers, and of the sequence ids in the builder's persistent `IdBuffer`); per
+layer, `KvSparseImpl` makes one C call for the cache write and one for attention through a `LayerCall`
+built on the layer's first use, on vLLM's current stream. Nothing reads a device tensor on the host.
+
+CUDA graphs: the builder declares `UNIFORM_SINGLE_TOKEN_DECODE` (FULL graphs of decode-only batches) for
+dense engines on CUDA (and policies made of GRAPH_POLICY_STAGES), the case scripts/gpu_shim_check.py
+captures and replays; `NEVER` otherwise (vLLM then
+runs attention eagerly between piecewise graphs). Decode metadata built where graphs are on asks the engine
+to plan for the block table's whole width (max_seq_len = 0), so a captured step stays valid as sequences
+grow and its split-KV workspace is the largest a decode step of that batch size needs.
 """
 
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -23,25 +37,36 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from .engine import Engine, KvsError, KvsUnsupported
-from .seq_ids import TRACKER
-
-from vllm.logger import init_logger
+from . import vllm_config as kcfg
+from . import vllm_runner
+from .engine import Engine
+from .step import IdBuffer, LayerCall, StepMeta, raw_stream
+from .vllm_runner import TRACKER
 
 log = init_logger("vllm.kvsparse")  # under vLLM's logger config, so INFO lines show
 LOG_EVERY = int(os.environ.get("KVSPARSE_LOG_EVERY", "64"))
 
+# What kvs_engine_create accepts (include/kvsparse.h), declared to vLLM so it can choose or refuse up front.
+HEAD_SIZES = [64, 80, 96, 112, 128, 192, 256]
+BLOCK_SIZES = [1 << i for i in range(9)]
+# Policy stages (spec names, docs/policies.md) whose decode steps the CUDA engine runs inside a CUDA graph,
+# as checked by scripts/gpu_shim_check.py --policy SPEC. Dense needs none; add a name only after that check
+# passed for it on the GPU.
+GRAPH_POLICY_STAGES = frozenset()
+
+
+
+def kernel_block_size(block_size: int) -> int:
+    """The block size vLLM gives kvsparse for its cache blocks of `block_size` tokens: the size itself when
+    supported, else (vLLM's select_common_block_size) the largest supported size dividing it, vLLM then
+    addressing the cache in kernel blocks of that size."""
+    if block_size in BLOCK_SIZES:
+        return block_size
+    return max(b for b in BLOCK_SIZES if block_size % b == 0)
+
+
 _engine_lock = threading.Lock()
 _ENGINE = None
-
-
-def policy_from_config(vllm_config) -> str:
-    """additional_config {"kvsparse": {"policy": ...}} first, then $KVSPARSE_POLICY, else dense."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    spec = (extra.get("kvsparse") or {}).get("policy") if isinstance(extra, dict) else None
-    if spec is None:
-        spec = os.environ.get("KVSPARSE_POLICY", "")
-    return spec
 
 
 def get_engine(vllm_config=None, num_q_heads=None, num_kv_heads=None, head_dim=None):
@@ -52,26 +77,22 @@ def get_engine(vllm_config=None, num_q_heads=None, num_kv_heads=None, head_dim=N
             if vllm_config is None:
                 return None
             mc, pc = vllm_config.model_config, vllm_config.parallel_config
-            cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-            if str(cache_dtype) not in ("auto", "None"):
-                # The C config has no quantized-cache dtype; refuse it here, at engine start.
-                raise KvsUnsupported(f"kv_cache_dtype {cache_dtype!r} is not supported (kvsparse keeps K/V in "
-                                     f"the model dtype: float32, float16 or bfloat16; use kv_cache_dtype='auto')")
+            kcfg.check_cache_dtype(vllm_config)
             _ENGINE = Engine(
                 num_layers=mc.get_num_layers(pc),
                 num_q_heads=num_q_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
-                block_size=vllm_config.cache_config.block_size,
+                block_size=kernel_block_size(vllm_config.cache_config.block_size),
                 dtype=mc.dtype,
                 device="cpu" if vllm_config.device_config.device.type == "cpu" else "cuda",
-                policy=policy_from_config(vllm_config),
+                policy=kcfg.policy(vllm_config),
                 num_threads=int(os.environ.get("KVSPARSE_NUM_THREADS", "0")),
             )
             TRACKER.release_fn = _ENGINE.release
             log.info("kvsparse engine: %d layers, %d/%d heads, head_dim %d, block %d, %s, policy %r",
                      mc.get_num_layers(pc), num_q_heads, num_kv_heads, head_dim,
-                     vllm_config.cache_config.block_size, mc.dtype, _ENGINE.policy or "dense")
+                     _ENGINE.block_size, mc.dtype, _ENGINE.policy or "dense")
         return _ENGINE
 
 
@@ -87,13 +108,22 @@ def log_stats(engine):
 
 
 class KvSparseBackend(AttentionBackend):
-    forward_includes_kv_cache_update: bool = False
+    # The cache write happens in forward: one Python entry per layer instead of two.
+    forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
 
     @staticmethod
     def get_name() -> str:
         return "CUSTOM"
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return HEAD_SIZES
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        return BLOCK_SIZES
 
     @classmethod
     def supported_kv_cache_layouts(cls):
@@ -120,41 +150,87 @@ class KvSparseBackend(AttentionBackend):
 class KvSparseMetadata:
     num_actual_tokens: int
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int  # as passed to the engine: 0 = plan for the block table's width
     query_start_loc: torch.Tensor  # [num_reqs+1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    seq_ids: torch.Tensor  # [num_reqs] int64, stable per request (seq_ids.py)
-    registered: bool = False
+    seq_ids: torch.Tensor  # [num_reqs] int64, stable per request (vllm_runner.py), in the builder's IdBuffer
+    step: StepMeta  # the above as descriptors, shared by every layer's call
+
+
+def _int32(t, what):
+    if t.dtype is not torch.int32:  # a conversion would be a new tensor per step, invisible to a captured graph
+        raise NotImplementedError(f"kvsparse: vLLM passed {what} as {t.dtype}; int32 expected")
+    return t
+
+
+def graph_capturable(spec: str) -> bool:
+    """Whether every stage of the policy spec is in GRAPH_POLICY_STAGES (dense: always)."""
+    stages = re.findall(r"([A-Za-z_]\w*)\s*\(", spec.split(";")[0])
+    return all(name in GRAPH_POLICY_STAGES for name in stages)
+
+
+def graphs_supported(vllm_config) -> bool:
+    return vllm_config.device_config.device.type == "cuda" and graph_capturable(kcfg.policy(vllm_config))
 
 
 class KvSparseMetadataBuilder(AttentionMetadataBuilder[KvSparseMetadata]):
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        if graphs_supported(vllm_config):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.engine = get_engine()
+        if self.engine is None:
+            raise RuntimeError("kvsparse: metadata builder created before any kvsparse attention layer")
+        if kv_cache_spec.block_size != self.engine.block_size:
+            raise NotImplementedError(f"kvsparse: vLLM chose kernel blocks of {kv_cache_spec.block_size} tokens for "
+                                      f"an engine made for {self.engine.block_size}")
+        runner = vllm_runner.find_runner()
+        if runner is not None:
+            vllm_runner.install(runner)
+        elif self.engine.policy:
+            raise NotImplementedError(f"kvsparse: cannot find vLLM's model runner, so request ids are unknown and "
+                                      f"policy {self.engine.policy!r} cannot keep state per request")
+        sc = vllm_config.scheduler_config
+        self.ids = IdBuffer(self.engine.device, sc.max_num_seqs + sc.max_num_batched_tokens)
+        mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+        self.graphs = graphs_supported(vllm_config) and mode is not None and getattr(mode, "name", "NONE") != "NONE"
         self._builds = 0
+        self._steps, self._turn = [None, None], 0
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvSparseMetadata:
-        m = common_attn_metadata
+        return self._build(common_attn_metadata, capture=False)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> KvSparseMetadata:
+        return self._build(common_attn_metadata, capture=True)
+
+    def _build(self, m, capture):
         if m.causal is not True:
             raise NotImplementedError("kvsparse serves causal decoder attention only")
         n = m.num_reqs
-        ids = TRACKER.ids_for_batch(n)
+        ids = self.ids.put(TRACKER.batch_ids(m))
         self._builds += 1
-        eng = get_engine()
-        if eng is not None and LOG_EVERY > 0 and self._builds % LOG_EVERY == 0:
-            log_stats(eng)
+        if LOG_EVERY > 0 and self._builds % LOG_EVERY == 0:
+            log_stats(self.engine)
+        max_seq_len = 0 if capture or (self.graphs and m.max_query_len == 1) else m.max_seq_len
+        qsl = _int32(m.query_start_loc, "query_start_loc")
+        seq_lens = _int32(m.seq_lens, "seq_lens")
+        table = _int32(m.block_table_tensor, "block_table")
+        # Two StepMetas in turn: vLLM uses a step's metadata until the next build, never after the one after.
+        self._turn ^= 1
+        step = self._steps[self._turn] = StepMeta(
+            table, seq_lens, qsl, ids, num_seqs=n, num_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
+            max_seq_len=max_seq_len, reuse=self._steps[self._turn])
         return KvSparseMetadata(
-            num_actual_tokens=m.num_actual_tokens,
-            max_query_len=m.max_query_len,
-            max_seq_len=m.max_seq_len,
-            query_start_loc=m.query_start_loc[: n + 1].to(torch.int32),
-            seq_lens=m.seq_lens[:n].to(torch.int32),
-            block_table=m.block_table_tensor[:n].to(torch.int32),
-            slot_mapping=m.slot_mapping,
-            seq_ids=torch.tensor(ids, dtype=torch.int64),
-        )
+            num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len, max_seq_len=max_seq_len,
+            query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=m.slot_mapping,
+            seq_ids=ids, step=step)
 
 
 def _layer_index(layer) -> int:
@@ -177,46 +253,40 @@ class KvSparseImpl(AttentionImpl):
         self.softcap = float(logits_soft_cap or 0.0)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.engine = get_engine(get_current_vllm_config(), num_heads, num_kv_heads, head_size)
-        if (num_heads, num_kv_heads, head_size) != (self._cfg_heads()):
-            raise NotImplementedError("kvsparse: all layers must share one head geometry")
-        self._layer = {}
-
-    def _cfg_heads(self):
         e = self.engine
-        return e.num_q_heads, e.num_kv_heads, e.head_dim
+        if (num_heads, num_kv_heads, head_size) != (e.num_q_heads, e.num_kv_heads, e.head_dim):
+            raise NotImplementedError("kvsparse: all layers must share one head geometry")
+        self.device = e.device
+        self._cuda = e.device.type == "cuda"
+        self._call = None  # LayerCall of this impl's layer, made on first use
 
-    def _idx(self, layer):
-        i = self._layer.get(id(layer))
-        if i is None:
-            i = self._layer[id(layer)] = _layer_index(layer)
-        return i
-
-    def _split(self, kv_cache):
-        kc, vc = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        return kc, vc
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+    def _bind(self, layer, kv_cache):
+        """The layer's LayerCall with its caches set from `kv_cache` (None while the cache is empty)."""
         if kv_cache.numel() == 0:
-            return
-        n = slot_mapping.shape[0]
-        kc, vc = self._split(kv_cache)
-        self.engine.cache_write(self._idx(layer), key[:n], value[:n], kc, vc, slot_mapping)
+            return None
+        c = self._call
+        if c is None:
+            c = self._call = LayerCall(self.engine, _layer_index(layer), scale=self.scale,
+                                       sliding_window=self.sliding_window, softcap=self.softcap)
+        kc, vc = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        c.set_caches(kv_cache, kc, vc)
+        return c
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        """The step's new K/V into the cache (unless this layer shares another layer's cache), then attention:
+        one Python entry per layer (forward_includes_kv_cache_update)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("kvsparse: fused output quantization is not supported")
         if attn_metadata is None:  # warm-up
             return output
-        n = attn_metadata.num_actual_tokens
-        out = output[:n].view(n, self.num_heads, self.head_size)
-        kc, vc = self._split(kv_cache)
-        self.engine.forward(
-            self._idx(layer), query[:n], kc, vc, attn_metadata.block_table, attn_metadata.seq_lens,
-            attn_metadata.query_start_loc, out, seq_ids=attn_metadata.seq_ids, scale=self.scale,
-            sliding_window=self.sliding_window, softcap=self.softcap,
-            max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len)
-        if not attn_metadata.registered:
-            attn_metadata.registered = True
-            TRACKER.mark_registered(attn_metadata.seq_ids.tolist())
+        c = self._call
+        if c is None or c.cache_src is not kv_cache:
+            c = self._bind(layer, kv_cache)
+            if c is None:
+                return output
+        stream = raw_stream(self.device) if self._cuda else 0
+        if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
+            c.write(key, value, attn_metadata.slot_mapping, stream)
+        c.attend(query, output, attn_metadata.step, stream)
         return output

@@ -1,21 +1,44 @@
-"""vLLM `general_plugins` entry point: registers the kvsparse attention backend.
+"""vLLM `general_plugins` entry point: registers the kvsparse attention backend and its config check.
 
-On GPU platforms the backend is registered as `CUSTOM` (select it with
-attention_backend="CUSTOM"). The CPU platform always resolves `CPU_ATTN`, so
-there the plugin replaces that entry, but only when KVSPARSE_OVERRIDE_CPU_ATTN=1:
-installing the package must not change vLLM's behaviour by itself.
+On GPU platforms the backend is registered as `CUSTOM` (select it with attention_backend="CUSTOM"). The CPU
+platform always resolves `CPU_ATTN`, so there the plugin replaces that entry, but only when
+KVSPARSE_OVERRIDE_CPU_ATTN=1: installing the package must not change vLLM's behaviour by itself.
+
+`EngineArgs.create_engine_config` (run once, where `LLM(...)` or the server starts) gets a wrapper that runs
+`vllm_config.check` on the finished config: a kvsparse configuration that cannot run as asked fails there,
+before any worker starts. Nothing else is wrapped here; per-step hooks are installed only by the kvsparse
+backend itself (vllm_runner.py), so a plain vLLM run executes no kvsparse code per step.
 """
+import functools
 import os
 
 BACKEND_PATH = "kvsparse.vllm_backend.KvSparseBackend"
+_MARK = "_kvsparse_checked"
 
 
 def register():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from .seq_ids import install_runner_hook
-
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     if os.environ.get("KVSPARSE_OVERRIDE_CPU_ATTN", "0") == "1":
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
-    install_runner_hook()
+    _check_configs()
+
+
+def _check_configs():
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+    if getattr(orig, _MARK, False):
+        return
+
+    @functools.wraps(orig)
+    def create_engine_config(self, *args, **kwargs):
+        config = orig(self, *args, **kwargs)
+        from .vllm_config import check
+
+        check(config)
+        return config
+
+    setattr(create_engine_config, _MARK, True)
+    EngineArgs.create_engine_config = create_engine_config

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -35,3 +36,18 @@ def run_generate(model_dir, requests, tmp_path, *args, timeout=900):
     log = p.stdout + p.stderr
     lines = [l for l in p.stdout.splitlines() if l.startswith("KVS_RESULT ")]
     return (json.loads(lines[-1][len("KVS_RESULT "):]) if lines else None), log, p.returncode
+
+
+class NoHostRead(torch.Tensor):
+    """A tensor whose values must not be read on the host: what would be a device-to-host sync for a CUDA
+    tensor (item, tolist, bool, int, cpu, numpy, iteration) raises. Pointers, shapes and strides are fine."""
+
+    FORBIDDEN = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+                 torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
+                 torch.Tensor.__iter__, torch.Tensor.__array__}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls.FORBIDDEN:
+            raise AssertionError(f"host read of a device tensor: {getattr(func, '__name__', func)}")
+        return super().__torch_function__(func, types, args, kwargs or {})

@@ -17,7 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvsparse._ffi import ffi
 from kvsparse.sglang_backend import KvSparseSGLangBackend
+from conftest import NoHostRead
 from test_binding import _reference
 
 H, KH, D, P = 9, 3, 64, 16
@@ -114,9 +116,11 @@ class _Sim:
             loc += self._slots(req, n)
             req["len"] += n
             rows.append(req["row"]); seq_lens.append(req["len"]); ext.append(n)
+        # SGLang's ForwardBatch: device tensors and their host mirrors (seq_lens_cpu, extend_seq_lens_cpu).
         fb = SimpleNamespace(forward_mode=_Mode(mode), req_pool_indices=torch.tensor(rows),
                              seq_lens=torch.tensor(seq_lens), extend_seq_lens=torch.tensor(ext),
-                             out_cache_loc=torch.tensor(loc), rids=list(new_tokens))
+                             out_cache_loc=torch.tensor(loc), rids=list(new_tokens),
+                             seq_lens_cpu=torch.tensor(seq_lens), extend_seq_lens_cpu=list(ext))
         return fb
 
     def finish(self, rid):
@@ -148,7 +152,6 @@ def test_extend_chunked_decode_and_row_reuse_match_reference():
     torch.manual_seed(3)
     r = _runner()
     be = KvSparseSGLangBackend(r, policy="", num_threads=1)
-    assert be.frees_hooked
     sim = _Sim(r)
     layers = [_layer(i) for i in range(3)]
     steps = [({"a": 37, "b": 5}, "EXTEND"),  # two prefills
@@ -178,27 +181,56 @@ def test_extend_chunked_decode_and_row_reuse_match_reference():
     print(f"sglang stand-in lifecycle: created {st['sequences_created']} released {st['sequences_released']} "
           f"live {st['live_sequences']}")
     assert (st["sequences_created"], st["sequences_released"], st["live_sequences"]) == (4, 4, 0)
-    assert be.seq_ids.created == be.seq_ids.released == 4
+    assert be.released_rows == 4
 
 
-def test_row_reuse_without_free_hook_releases_by_generation():
+def test_pool_without_free_rows_is_refused():
+    """Without free_rows the backend could not see requests end (their state would outlive them)."""
     r = _runner()
     pool = r.req_to_token_pool
-    # A pool without free_rows (reuse is then detected by the row's generation); the simulator's own
-    # freeing is attached after the backend looked for the hook.
-    r.req_to_token_pool = SimpleNamespace(req_to_token=pool.req_to_token, req_generation=pool.req_generation,
-                                          alloc_row=pool.alloc_row)
+    r.req_to_token_pool = SimpleNamespace(req_to_token=pool.req_to_token, req_generation=pool.req_generation)
+    with pytest.raises(NotImplementedError, match="no free_rows"):
+        KvSparseSGLangBackend(r, policy="", num_threads=1)
+
+
+def _no_host_reads(fb):
+    """The batch as on a GPU: device tensors whose values the backend may not read (host mirrors stay)."""
+    for f in ("req_pool_indices", "seq_lens", "extend_seq_lens", "out_cache_loc"):
+        setattr(fb, f, getattr(fb, f).as_subclass(NoHostRead))
+    return fb
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_metadata_reads_no_device_tensor_and_graph_buffers_stay_put(graphs):
+    """The metadata and forward path never read a batch tensor's values on the host (on a GPU that would be a
+    sync per step), with SGLang's host mirrors giving lengths. With CUDA-graph state, decode batches reuse
+    the persistent buffers in place (a captured graph reads their addresses) and write each layer's output
+    into the layer's persistent buffer; the capture-time metadata plans for the table's whole width."""
+    torch.manual_seed(6)
+    r = _runner(layers=2)
     be = KvSparseSGLangBackend(r, policy="", num_threads=1)
-    assert not be.frees_hooked
+    be.host_checks = False  # as on a GPU: no value checks of device tensors
+    if graphs:
+        be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
     sim = _Sim(r)
-    r.req_to_token_pool.free_rows = pool.free_rows
-    L = _layer(0)
-    fb = sim.batch({"a": 5}, "EXTEND"); be.init_forward_metadata(fb); _run_layer(be, sim, fb, L, {"a": 5}, torch.float32)
-    sim.finish("a")
-    assert be.engine.stats()["live_sequences"] == 1  # not released yet: nothing told us
-    fb = sim.batch({"b": 3}, "EXTEND"); be.init_forward_metadata(fb); _run_layer(be, sim, fb, L, {"b": 3}, torch.float32)
-    st = be.engine.stats()
-    assert (st["sequences_created"], st["sequences_released"], st["live_sequences"]) == (2, 1, 1)
+    layers = [_layer(0), _layer(1)]
+    ptrs = set()
+    for new, mode in [({"a": 33, "b": 17}, "EXTEND"), ({"a": 1, "b": 1}, "DECODE"),
+                      ({"c": 9, "a": 1}, "MIXED"), ({"a": 1, "b": 1, "c": 1}, "DECODE"),
+                      ({"a": 1, "b": 1, "c": 1}, "DECODE")]:
+        fb = _no_host_reads(sim.batch(new, mode))
+        be.init_forward_metadata(fb)
+        if mode == "DECODE":
+            ptrs.add(int(ffi.cast("uintptr_t", be.forward_metadata.block_table.data)))
+        for L in layers:
+            o = _run_layer(be, sim, fb, L, new, torch.float32)
+            if graphs and mode == "DECODE":
+                assert o.data_ptr() == be._graph["out"][L.layer_id].data_ptr()
+    if graphs:
+        assert ptrs == {be._graph["table"].data_ptr()}
+        fb = _no_host_reads(sim.batch({"a": 1, "b": 1}, "DECODE"))
+        be.init_forward_metadata_out_graph(fb, in_capture=True)
+        assert be.forward_metadata.max_seq_len == 0 and be.forward_metadata.num_tokens == 2
 
 
 def test_sparse_policy_visits_fewer_blocks_than_dense():
@@ -272,7 +304,7 @@ def test_real_sglang_registry_pools_and_torch_native_reference():
                              page_size=P, tp_size=1, model_config=mc)
     ref_runner = SimpleNamespace(device="cpu", req_to_token_pool=req_pool, token_to_kv_pool=kv_pool())
     be = reg.ATTENTION_BACKENDS["kvsparse"](runner)
-    assert isinstance(be, AttentionBackend) and be.frees_hooked
+    assert isinstance(be, AttentionBackend)
     ref = TorchNativeAttnBackend(ref_runner)
     layers = [RadixAttention(H, D, D ** -0.5, KH, layer_id=i) for i in range(layers_n)]
 

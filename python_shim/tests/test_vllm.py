@@ -3,12 +3,15 @@
 Each generation runs in its own process (tests/vllm_generate.py). Needs the
 converted model (KVSPARSE_MODEL or <repo>/.cache/smollm2).
 """
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from conftest import run_generate
+from conftest import HERE, run_generate
 
 pytest.importorskip("vllm")
 
@@ -118,6 +121,44 @@ def test_preempted_requests_restart_with_fresh_state_released_once(model_dir, to
     assert s1["live_sequences"] == 0 and s1["sequences_created"] == s1["sequences_released"]
 
 
+def test_stateful_policy_keeps_state_across_steps(model_dir, tokenizer, tmp_path):
+    """refresh(every=4) runs a full step every 4th decode step of a (sequence, layer) and partial steps in
+    between, from state kept under the request's sequence id. With ids that changed from step to step every
+    step would be a first (full) step. vLLM's V1 model runner (the only one vLLM starts here: V2 needs
+    Triton, see test_vllm_units.py for the V2 path)."""
+    base = _chat_ids(tokenizer, " ".join(PROMPTS * 8))
+    reqs = [{"prompt_token_ids": base[i * 5:i * 5 + 300], "max_tokens": 24} for i in range(3)]
+    got, log, rc = run_generate(model_dir, reqs, tmp_path, "--kvsparse", "--policy", "refresh(k=64, every=4)",
+                                "--staggered", "--block-size", "16")
+    assert got is not None, log[-3000:]
+    s0, s1 = got["stats_before"], got["stats_after"]
+    full = s1["refresh_full_steps"] - s0["refresh_full_steps"]
+    partial = s1["refresh_partial_steps"] - s0["refresh_partial_steps"]
+    created = s1["sequences_created"] - s0["sequences_created"]
+    life = {k: v for k, v in got["lifecycle"].items() if k != "<dummy>"}
+    print(f"refresh(k=64, every=4): full {full} partial {partial} steps; engine sequences created {created}, "
+          f"live {s1['live_sequences']}; per request [assigned, released, restarts] {life}")
+    assert partial > 0 and 3 * full <= full + partial, (full, partial)
+    assert created == len(reqs) and s1["live_sequences"] == 0
+    assert all(v == [1, 1, 0] for v in life.values()) and len(life) == len(reqs), life
+
+
+def test_plain_vllm_with_the_package_installed_runs_no_kvsparse_code_per_step(model_dir, tokenizer, tmp_path):
+    """The plugin is loaded (it registered CUSTOM) but not selected: while vLLM generates, no Python function
+    of the kvsparse package runs and the model runner is not wrapped. The same counter sees the model
+    runner's execute_model calls, so it watched the threads the steps run in."""
+    reqs = [{"prompt_token_ids": _chat_ids(tokenizer, p), "max_tokens": 8} for p in PROMPTS[:2]]
+    plain, log, rc = run_generate(model_dir, reqs, tmp_path, "--count-kvsparse-calls")
+    assert plain is not None, log[-3000:]
+    calls = dict(plain["kvsparse_calls"])
+    steps = calls.pop("<vllm model runner>:execute_model", 0)
+    print(f"plain vLLM: registry {plain['registry']}, kvsparse calls {calls}, model runner steps {steps}, "
+          f"runner hooked {plain['runner_hooked']}")
+    assert plain["registry"]["CUSTOM"] == "kvsparse.vllm_backend.KvSparseBackend"
+    assert plain["registry"]["CPU_ATTN"].endswith("cpu_attn.CPUAttentionBackend")
+    assert steps >= 8 and calls == {} and plain["runner_hooked"] is False
+
+
 _STATS_RE = re.compile(r"kvsparse stats: policy '([^']*)' calls (\d+) prefill_tokens (\d+) decode_rows (\d+) "
                        r"policy_rows (\d+) blocks visited/eligible (\d+)/(\d+) skipped_termination (\d+)")
 
@@ -166,23 +207,41 @@ def odd_head_model(tmp_path_factory, model_dir):
     return str(d)
 
 
-@pytest.mark.parametrize("case", ["unknown_policy", "head_size", "kv_cache_dtype"])
-def test_bad_configuration_fails_at_engine_start(model_dir, tmp_path, case, request):
-    reqs = [{"prompt_token_ids": [1, 2, 3], "max_tokens": 2}]
-    model, args, expect = model_dir, [], []
-    if case == "unknown_policy":
-        args = ["--policy", "nosuchpolicy(k=3)"]
-        expect = ["kvsparse engine_create: KVS_ERR_INVALID_ARGUMENT", "nosuchpolicy"]
-    elif case == "head_size":
-        model = request.getfixturevalue("odd_head_model")
-        expect = ["kvsparse engine_create: KVS_ERR_UNSUPPORTED", "head_dim 72 is not supported"]
-    else:
-        args = ["--kv-cache-dtype", "fp8"]
-        expect = ["kvsparse engine_create: KVS_ERR_UNSUPPORTED", "kv_cache_dtype 'fp8' is not supported"]
-    got, log, rc = run_generate(model, reqs, tmp_path, "--kvsparse", *args)
-    assert got is None and rc != 0, log[-3000:]
-    for e in expect:
-        assert e in log, log[-3000:]
-    # At engine start: raised while the model's attention layers are built (get_engine in the impl's
-    # constructor), before any forward pass.
-    assert "in get_engine" in log and "attention_forward" not in log and "KVS_RESULT" not in log
+_OVERRIDE = {"KVSPARSE_OVERRIDE_CPU_ATTN": "1"}
+# case: (how vLLM is configured, exception type, the exception's text starts with, then contains)
+BAD_CONFIGS = {
+    "misspelled_key": (dict(env=_OVERRIDE, kvsparse_config={"polciy": "quest(budget=256)"}), "KvsConfigError",
+                       "kvsparse: unknown key(s) 'polciy' in additional_config['kvsparse']; known keys: 'policy'",
+                       ""),
+    "policy_without_override": (dict(env={"KVSPARSE_OVERRIDE_CPU_ATTN": None},
+                                     kvsparse_config={"policy": "quest(budget=256)"}), "KvsConfigError",
+                                "kvsparse: policy 'quest(budget=256)' is configured but vLLM will not run the "
+                                "kvsparse attention backend: set KVSPARSE_OVERRIDE_CPU_ATTN=1", ""),
+    "unknown_policy": (dict(env=_OVERRIDE, kvsparse_config={"policy": "nosuchpolicy(k=3)"}), "KvsError",
+                       "kvsparse engine_create: KVS_ERR_INVALID_ARGUMENT: ", "nosuchpolicy"),
+    "head_size": (dict(env=_OVERRIDE), "KvsError", "kvsparse engine_create: KVS_ERR_UNSUPPORTED: ",
+                  "head_dim 72 is not supported"),
+    "kv_cache_dtype": (dict(env=_OVERRIDE, kv_cache_dtype="fp8"), "KvsUnsupported",
+                       "kvsparse engine_create: KVS_ERR_UNSUPPORTED: kv_cache_dtype 'fp8' is not supported", ""),
+}
+
+
+def test_bad_configuration_fails_at_startup_with_kvsparse_message(model_dir, odd_head_model, tmp_path):
+    """Each configuration's LLM(...) raises kvsparse's exception with kvsparse's message as its whole text,
+    from vLLM's config creation in the calling process: before any worker starts or any model is loaded.
+    (One process tries them all: nothing of vLLM is started by a failing one.)"""
+    cases = {k: dict(v[0]) for k, v in BAD_CONFIGS.items()}
+    cases["head_size"]["model"] = odd_head_model
+    p = subprocess.run([sys.executable, str(HERE / "vllm_generate.py"), model_dir, "-", "--expect-failures",
+                        json.dumps(cases)], capture_output=True, text=True, timeout=900)
+    log = p.stdout + p.stderr
+    lines = [l for l in p.stdout.splitlines() if l.startswith("KVS_RAISED_CASES ")]
+    assert p.returncode == 0 and lines, log[-3000:]
+    raised = json.loads(lines[-1][len("KVS_RAISED_CASES "):])
+    assert "Starting to load model" not in log
+    for case, (_, etype, start, contains) in BAD_CONFIGS.items():
+        exc = raised[case]
+        assert exc is not None, f"{case}: LLM(...) did not raise"
+        print(f"{case}: {exc['type']}: {exc['text']}")
+        assert exc["type"] == etype and exc["text"].startswith(start) and contains in exc["text"], exc
+        assert "in create_engine_config" in exc["traceback"] and "in get_engine" not in exc["traceback"]
