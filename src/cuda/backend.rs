@@ -61,6 +61,9 @@ pub struct CudaBackend {
     pub(super) modules: Modules,
     /// Split-KV workspace per stream handle.
     workspaces: Mutex<HashMap<usize, DevBuf>>,
+    /// Workspaces replaced by larger ones: kept until the engine is destroyed, because CUDA graphs
+    /// captured before the growth still read and write them (at most as much again as the live ones).
+    pub(super) retired: Mutex<Vec<DevBuf>>,
     policy: SplitPolicy,
     mma: plan::MmaTunables,
     /// Functions whose dynamic shared-memory limit was raised already.
@@ -92,6 +95,7 @@ impl CudaBackend {
             gpu,
             modules: Modules::default(),
             workspaces: Mutex::new(HashMap::new()),
+            retired: Mutex::new(Vec::new()),
             policy: SplitPolicy::from_env(),
             mma: plan::MmaTunables::from_env(),
             smem_ready: Mutex::new(HashSet::new()),
@@ -227,7 +231,10 @@ impl CudaBackend {
                 if self.gpu.is_capturing(stream)? {
                     bail!(InvalidArgument, "this call needs {need} bytes of split-KV workspace on a stream that is being captured; run one call of the largest shape on this stream before capturing");
                 }
-                map.insert(key, DevBuf::alloc(need.next_power_of_two())?);
+                // A graph captured earlier may still point at the old buffer: retire it, never free it here.
+                if let Some(old) = map.insert(key, DevBuf::alloc(need.next_power_of_two())?) {
+                    self.retired.lock().push(old);
+                }
             }
             let b = map.get(&key).expect("inserted above");
             ws_o = b.ptr;

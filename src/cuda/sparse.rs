@@ -204,7 +204,10 @@ impl CudaBackend {
             if self.gpu.is_capturing(stream)? {
                 bail!(InvalidArgument, "this call needs {} bytes of policy workspace on a stream that is being captured; run one call of the largest shape on this stream before capturing", lay.total);
             }
-            ws_map.insert(key, DevBuf::alloc(lay.total.next_power_of_two())?);
+            // Graphs captured before this growth still use the old buffer: retire it, never free it here.
+            if let Some(old) = ws_map.insert(key, DevBuf::alloc(lay.total.next_power_of_two())?) {
+                self.retired.lock().push(old);
+            }
         }
         let ws = ws_map.get(&key).expect("inserted above").ptr;
 
