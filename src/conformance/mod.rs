@@ -5,12 +5,13 @@
 pub mod cuda;
 pub mod fixture;
 pub mod hostbuf;
+pub mod nonfinite;
 pub mod reference;
 
 use crate::config::SUPPORTED_HEAD_DIMS;
 use crate::engine::Engine;
 use crate::tensor::DType;
-pub use fixture::{CaseSpec, Fixture, Outputs};
+pub use fixture::{CaseSpec, Fixture, Outputs, Poison};
 
 /// Tolerances from the acceptance criteria: relative output error and absolute LSE error.
 pub fn tolerance(dtype: DType) -> (f64, f64) {
@@ -37,6 +38,12 @@ pub fn judge(f: &Fixture, outs: &Outputs, seed: u64) -> CaseResult {
     let lse = reference::max_abs_err(&l, &f.ref_lse);
     let (tol_o, tol_l) = tolerance(f.spec.dtype);
     CaseResult { name: f.spec.name.clone(), seed, rel_err: rel, lse_err: lse, pass: rel <= tol_o && lse <= tol_l, error: None }
+}
+
+/// Cache write + forward of a fixture on a fresh CPU engine (a backend for `nonfinite::check_attention`).
+pub fn run_fixture_cpu(f: &mut Fixture) -> crate::Result<Outputs> {
+    let e = Engine::new(f.engine_config())?;
+    fixture::run_on_engine(&e, f)
 }
 
 /// Runs one case on a fresh CPU engine.

@@ -238,7 +238,8 @@ pub unsafe extern "C" fn kvs_engine_set_speculation_budgets(engine: *mut kvs_eng
     })
 }
 
-/// Accumulated counters: `layer = -1` for all layers, else one layer. `out->struct_size` must be set;
+/// Accumulated counters: `layer = -1` for all layers, else one layer `0 .. num_layers-1` (any other
+/// value, other negative ones included, is `KVS_ERR_OUT_OF_RANGE`). `out->struct_size` must be set;
 /// kvsparse writes at most that many bytes. Thread-safe.
 #[no_mangle]
 pub unsafe extern "C" fn kvs_engine_stats(engine: *const kvs_engine, layer: i32, out: *mut kvs_stats) -> kvs_status {
@@ -247,13 +248,10 @@ pub unsafe extern "C" fn kvs_engine_stats(engine: *const kvs_engine, layer: i32,
         ensure!(!out.is_null(), InvalidArgument, "out is NULL");
         ensure!((*out).struct_size >= 8, InvalidArgument, "out.struct_size must be set (to sizeof(kvs_stats))");
         let s = e.stats();
-        let c = if layer < 0 {
-            s.total
-        } else {
-            match s.per_layer.get(layer as usize) {
-                Some(c) => *c,
-                None => bail!(OutOfRange, "layer {layer} is outside the engine's {} layers", s.per_layer.len()),
-            }
+        let c = match usize::try_from(layer) {
+            _ if layer == -1 => s.total,
+            Ok(l) if l < s.per_layer.len() => s.per_layer[l],
+            _ => bail!(OutOfRange, "layer {layer} is outside the engine's {} layers (-1 = totals)", s.per_layer.len()),
         };
         write_stats(out, &c, Some(&s));
         Ok(())
