@@ -65,28 +65,22 @@ fn cache_strides(block: i64) -> [i64; 4] {
     [block, (HK * D) as i64, D as i64, 1]
 }
 
-/// Forward and cache write over caches with the given block stride; returns both results.
-fn both_with_block_stride(s: &mut Setup, block: i64) -> (kvsparse::Result<()>, kvsparse::Result<()>) {
-    let shape = [NB as i64, BS as i64, HK as i64, D as i64];
-    let half = NB * BS * HK * D;
-    let (kbuf, vbuf) = s.cache.split_at_mut(half);
-    let kc = view(kbuf, &shape, &cache_strides(block)).unwrap();
-    let vc = view(vbuf, &shape, &cache_strides((BS * HK * D) as i64)).unwrap();
+/// One decode row of 20 keys over blocks 0 and 1 of the given caches.
+fn forward(engine: &Engine, q: &[f32], out: &mut [f32], kc: TensorRef, vc: TensorRef, lse: TensorRef) -> kvsparse::Result<()> {
     let table = [0i32, 1];
     let (lens, qsl) = ([20i32], [0i32, 1]);
-    let fwd = s
-        .engine
+    engine
         .attention_forward(&ForwardArgs {
             layer: 0,
-            query: TensorRef::from_slice(&s.q, &[1, HQ as i64, D as i64]),
+            query: TensorRef::from_slice(q, &[1, HQ as i64, D as i64]),
             key_cache: kc,
             value_cache: vc,
             block_table: TensorRef::from_slice(&table, &[1, 2]),
             seq_lens: TensorRef::from_slice(&lens, &[1]),
             query_start_loc: TensorRef::from_slice(&qsl, &[2]),
             seq_ids: None,
-            out: TensorRef::from_slice_mut(&mut s.out, &[1, HQ as i64, D as i64]),
-            lse: Some(TensorRef::from_slice_mut(&mut s.lse, &[1, HQ as i64])),
+            out: TensorRef::from_slice_mut(out, &[1, HQ as i64, D as i64]),
+            lse: Some(lse),
             scale: 0.125,
             sliding_window: 0,
             softcap: 0.0,
@@ -94,7 +88,18 @@ fn both_with_block_stride(s: &mut Setup, block: i64) -> (kvsparse::Result<()>, k
             max_seq_len: 20,
             stream: std::ptr::null_mut(),
         })
-        .map(|_| ());
+        .map(|_| ())
+}
+
+/// Forward and cache write over caches with the given block stride; returns both results.
+fn both_with_block_stride(s: &mut Setup, block: i64) -> (kvsparse::Result<()>, kvsparse::Result<()>) {
+    let shape = [NB as i64, BS as i64, HK as i64, D as i64];
+    let half = NB * BS * HK * D;
+    let (kbuf, vbuf) = s.cache.split_at_mut(half);
+    let kc = view(kbuf, &shape, &cache_strides(block)).unwrap();
+    let vc = view(vbuf, &shape, &cache_strides((BS * HK * D) as i64)).unwrap();
+    let lse = TensorRef::from_slice_mut(&mut s.lse, &[1, HQ as i64]);
+    let fwd = forward(&s.engine, &s.q, &mut s.out, kc, vc, lse);
     let rows = vec![1.0f32; HK * D];
     let slots = [3i64];
     let cw = s.engine.cache_write(&CacheWriteArgs {
@@ -147,30 +152,12 @@ fn forward_and_merge_agree_on_lse_layouts() {
             lse_out: Some(lse),
             stream: std::ptr::null_mut(),
         });
-        let table = [0i32, 1];
-        let (lens, qsl) = ([20i32], [0i32, 1]);
         let shape = [NB as i64, BS as i64, HK as i64, D as i64];
         let half = NB * BS * HK * D;
         let (kbuf, vbuf) = s.cache.split_at_mut(half);
         let block = (BS * HK * D) as i64;
-        let fwd = s.engine.attention_forward(&ForwardArgs {
-            layer: 0,
-            query: TensorRef::from_slice(&s.q, &[1, HQ as i64, D as i64]),
-            key_cache: view(kbuf, &shape, &cache_strides(block)).unwrap(),
-            value_cache: view(vbuf, &shape, &cache_strides(block)).unwrap(),
-            block_table: TensorRef::from_slice(&table, &[1, 2]),
-            seq_lens: TensorRef::from_slice(&lens, &[1]),
-            query_start_loc: TensorRef::from_slice(&qsl, &[2]),
-            seq_ids: None,
-            out: TensorRef::from_slice_mut(&mut s.out, &[1, HQ as i64, D as i64]),
-            lse: Some(lse),
-            scale: 0.125,
-            sliding_window: 0,
-            softcap: 0.0,
-            max_query_len: 1,
-            max_seq_len: 20,
-            stream: std::ptr::null_mut(),
-        });
+        let (kc, vc) = (view(kbuf, &shape, &cache_strides(block)).unwrap(), view(vbuf, &shape, &cache_strides(block)).unwrap());
+        let fwd = forward(&s.engine, &s.q, &mut s.out, kc, vc, lse);
         assert_eq!(merged.is_ok(), ok, "merge with lse strides {strides:?}: {merged:?}");
         assert_eq!(fwd.is_ok(), ok, "forward with lse strides {strides:?}: {fwd:?}");
         if !ok {

@@ -2,46 +2,14 @@
  * deep policy specs, layouts that alias, broadcast inputs with huge extents, NaN and infinity. Every bad call
  * must return its documented status quickly (< 1 s) and write nothing; NaN must come out as NaN.
  * Prints "N passed, M failed"; runs under valgrind in CI. */
-#include "kvsparse.h"
+#include "check.h"
 
 #include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
-
-static int passed, failed;
-#define CHECK(cond, ...)                                    \
-  do {                                                      \
-    if (cond) {                                             \
-      passed++;                                             \
-    } else {                                                \
-      failed++;                                             \
-      printf("FAIL line %d: ", __LINE__);                   \
-      printf(__VA_ARGS__);                                  \
-      printf(" (last error: %s)\n", kvs_last_error());      \
-    }                                                       \
-  } while (0)
 
 enum { HQ = 4, HK = 2, D = 64, BS = 16, NB = 4 };
 #define BIG (INT64_C(1) << 62)
-
-static DLTensor tensor(void *data, int ndim, int64_t *shape, int64_t *strides, uint8_t code, uint8_t bits) {
-  DLTensor t;
-  memset(&t, 0, sizeof t);
-  t.data = data;
-  t.device.device_type = 1;
-  t.ndim = ndim;
-  t.dtype.code = code;
-  t.dtype.bits = bits;
-  t.dtype.lanes = 1;
-  t.shape = shape;
-  t.strides = strides;
-  return t;
-}
-#define F32 2, 32
-#define I32 0, 32
-#define I64 0, 64
 
 static double now(void) {
   struct timespec ts;
@@ -124,14 +92,14 @@ int main(void) {
   for (int i = 0; i < NB * BS * HK * D; i++) nk[i] = (float)rand() / RAND_MAX - 0.5f, nv[i] = (float)rand() / RAND_MAX - 0.5f;
   for (int i = 0; i < NB * BS; i++) slots[i] = i;
   int64_t cshape[4] = {NB, BS, HK, D}, nshape[3] = {NB * BS, HK, D}, sshape[1] = {NB * BS};
-  DLTensor kct = tensor(kc, 4, cshape, NULL, F32), vct = tensor(vc, 4, cshape, NULL, F32);
-  DLTensor nkt = tensor(nk, 3, nshape, NULL, F32), nvt = tensor(nv, 3, nshape, NULL, F32), slt = tensor(slots, 1, sshape, NULL, I64);
+  DLTensor kct = dl_tensor(kc, 4, cshape, NULL, F32), vct = dl_tensor(vc, 4, cshape, NULL, F32);
+  DLTensor nkt = dl_tensor(nk, 3, nshape, NULL, F32), nvt = dl_tensor(nv, 3, nshape, NULL, F32), slt = dl_tensor(slots, 1, sshape, NULL, I64);
   kvs_cache_write_args cw = {sizeof cw, 0, &nkt, &nvt, &kct, &vct, &slt, NULL};
   EXPECT(kvs_cache_write(e, &cw), KVS_OK, "cache write");
 
   /* Cache write: a key cache with block stride 0 aliases itself (forward rejects the same layout). */
   int64_t zero_block[4] = {0, HK * D, D, 1};
-  DLTensor kc0 = tensor(kc, 4, cshape, zero_block, F32);
+  DLTensor kc0 = dl_tensor(kc, 4, cshape, zero_block, F32);
   kvs_cache_write_args cw0 = cw;
   cw0.key_cache = &kc0;
   float before = kc[0];
@@ -143,8 +111,8 @@ int main(void) {
   for (int i = 0; i < HQ * D; i++) q[i] = (float)rand() / RAND_MAX - 0.5f;
   int32_t table[3] = {2, 0, 3}, lens[1] = {40}, qsl[2] = {0, 1};
   int64_t qshape[3] = {1, HQ, D}, tshape[2] = {1, 3}, one[1] = {1}, two[1] = {2}, lshape[2] = {1, HQ};
-  DLTensor qt = tensor(q, 3, qshape, NULL, F32), ot = tensor(out, 3, qshape, NULL, F32), lt = tensor(lse, 2, lshape, NULL, F32);
-  DLTensor tt = tensor(table, 2, tshape, NULL, I32), lent = tensor(lens, 1, one, NULL, I32), qslt = tensor(qsl, 1, two, NULL, I32);
+  DLTensor qt = dl_tensor(q, 3, qshape, NULL, F32), ot = dl_tensor(out, 3, qshape, NULL, F32), lt = dl_tensor(lse, 2, lshape, NULL, F32);
+  DLTensor tt = dl_tensor(table, 2, tshape, NULL, I32), lent = dl_tensor(lens, 1, one, NULL, I32), qslt = dl_tensor(qsl, 1, two, NULL, I32);
   kvs_forward_args fa = {sizeof fa, 0, &qt, &kct, &vct, &tt, &lent, &qslt, NULL, &ot, &lt, 0.125f, 0, 0.0f, 1, 40, NULL, NULL};
   EXPECT(kvs_attention_forward(e, &fa), KVS_OK, "forward");
   int finite = 1;
@@ -155,17 +123,17 @@ int main(void) {
 
   /* Sizes whose arithmetic overflows: a NULL cache of 2^62 blocks; out strides 2^62 (every row the same bytes). */
   int64_t huge_cache[4] = {BIG, BS, HK, D};
-  DLTensor kbig = tensor(NULL, 4, huge_cache, NULL, F32);
+  DLTensor kbig = dl_tensor(NULL, 4, huge_cache, NULL, F32);
   b = fa;
   b.key_cache = &kbig;
   EXPECT(kvs_attention_forward(e, &b), KVS_ERR_INVALID_SHAPE, "NULL key cache with 2^62 blocks");
   int64_t huge_cache_strided[4] = {INT64_C(1) << 40, BS, HK, D}, zeros4[4] = {0, 0, 0, 0};
-  kbig = tensor(NULL, 4, huge_cache_strided, zeros4, F32);
+  kbig = dl_tensor(NULL, 4, huge_cache_strided, zeros4, F32);
   b.key_cache = &kbig;
   EXPECT(kvs_attention_forward(e, &b), KVS_ERR_INVALID_ARGUMENT, "NULL key cache with 2^40 blocks, zero strides");
   CHECK(strstr(kvs_last_error(), "NULL") != NULL, "names the NULL data: %s", kvs_last_error());
   int64_t ostr[3] = {BIG, BIG, 1};
-  DLTensor obig = tensor(out, 3, qshape, ostr, F32);
+  DLTensor obig = dl_tensor(out, 3, qshape, ostr, F32);
   int64_t q2shape[3] = {2, HQ, D};
   obig.shape = q2shape;
   b = fa;
@@ -173,7 +141,7 @@ int main(void) {
   EXPECT(kvs_attention_forward(e, &b), KVS_ERR_INVALID_SHAPE, "out strides 2^62");
   CHECK(strstr(kvs_last_error(), "out") && strstr(kvs_last_error(), "address"), "names the overflowing extent: %s", kvs_last_error());
   int64_t ostr0[3] = {0, 0, 1};
-  DLTensor oalias = tensor(out, 3, qshape, ostr0, F32);
+  DLTensor oalias = dl_tensor(out, 3, qshape, ostr0, F32);
   b = fa;
   b.out = &oalias;
   EXPECT(kvs_attention_forward(e, &b), KVS_ERR_INVALID_SHAPE, "out rows aliasing each other");
@@ -189,7 +157,7 @@ int main(void) {
   /* Broadcast inputs with huge extents are valid and cheap: the table row [1, 2^62] with stride 0. */
   int64_t bt_shape[2] = {1, BIG}, bt_str[2] = {0, 0};
   int32_t block0 = 1;
-  DLTensor btab = tensor(&block0, 2, bt_shape, bt_str, I32);
+  DLTensor btab = dl_tensor(&block0, 2, bt_shape, bt_str, I32);
   b = fa;
   b.block_table = &btab;
   EXPECT(kvs_attention_forward(e, &b), KVS_OK, "broadcast block table with 2^62 columns");
@@ -197,8 +165,8 @@ int main(void) {
   int64_t ns_shape[1] = {65536}, nq_shape[1] = {65537}, z1[1] = {0}, tbl_shape[2] = {65536, 1}, z2[2] = {0, 0};
   int32_t zero32 = 0;
   int64_t q0shape[3] = {0, HQ, D};
-  DLTensor q0 = tensor(q, 3, q0shape, NULL, F32), o0 = tensor(out, 3, q0shape, NULL, F32);
-  DLTensor lens_b = tensor(&zero32, 1, ns_shape, z1, I32), qsl_b = tensor(&zero32, 1, nq_shape, z1, I32), tbl_b = tensor(&zero32, 2, tbl_shape, z2, I32);
+  DLTensor q0 = dl_tensor(q, 3, q0shape, NULL, F32), o0 = dl_tensor(out, 3, q0shape, NULL, F32);
+  DLTensor lens_b = dl_tensor(&zero32, 1, ns_shape, z1, I32), qsl_b = dl_tensor(&zero32, 1, nq_shape, z1, I32), tbl_b = dl_tensor(&zero32, 2, tbl_shape, z2, I32);
   b = fa;
   b.query = &q0;
   b.out = &o0;
@@ -214,9 +182,9 @@ int main(void) {
   EXPECT(kvs_attention_forward(e, &b), KVS_ERR_UNSUPPORTED, "65537 sequences");
   /* A zero-token output with all-zero strides (numpy's empty arrays) is valid. */
   int64_t z3[3] = {0, 0, 0};
-  DLTensor o0z = tensor(NULL, 3, q0shape, z3, F32);
+  DLTensor o0z = dl_tensor(NULL, 3, q0shape, z3, F32);
   int32_t qsl00[2] = {0, 0};
-  DLTensor qslz = tensor(qsl00, 1, two, NULL, I32);
+  DLTensor qslz = dl_tensor(qsl00, 1, two, NULL, I32);
   b = fa;
   b.query = &q0;
   b.out = &o0z;
@@ -247,13 +215,13 @@ int main(void) {
   for (int i = 0; i < 2 * D; i++) oa[i] = 1.0f, ob[i] = 2.0f;
   oa[D] = NAN; /* row 1 of a is empty: its output must not be read */
   int64_t mshape[3] = {2, 1, D}, mlshape[2] = {2, 1}, lzero[2] = {0, 0};
-  DLTensor oat = tensor(oa, 3, mshape, NULL, F32), obt = tensor(ob, 3, mshape, NULL, F32), omt = tensor(om, 3, mshape, NULL, F32);
-  DLTensor lat = tensor(la, 2, mlshape, NULL, F32), lbt = tensor(lb, 2, mlshape, NULL, F32), lmt = tensor(lm, 2, mlshape, NULL, F32);
+  DLTensor oat = dl_tensor(oa, 3, mshape, NULL, F32), obt = dl_tensor(ob, 3, mshape, NULL, F32), omt = dl_tensor(om, 3, mshape, NULL, F32);
+  DLTensor lat = dl_tensor(la, 2, mlshape, NULL, F32), lbt = dl_tensor(lb, 2, mlshape, NULL, F32), lmt = dl_tensor(lm, 2, mlshape, NULL, F32);
   kvs_merge_args ma = {sizeof ma, &oat, &lat, &obt, &lbt, &omt, &lmt, NULL};
   EXPECT(kvs_merge_states(e, &ma), KVS_OK, "merge");
   CHECK(isnan(om[0]) && isnan(om[D - 1]) && isnan(lm[0]), "NaN lse: NaN row");
   CHECK(om[D] == 2.0f && om[2 * D - 1] == 2.0f && lm[1] == 1.0f, "empty side ignored: %g %g", om[D], lm[1]);
-  DLTensor lm0 = tensor(lm, 2, mlshape, lzero, F32);
+  DLTensor lm0 = dl_tensor(lm, 2, mlshape, lzero, F32);
   ma.lse_out = &lm0;
   lm[1] = 42.0f;
   EXPECT(kvs_merge_states(e, &ma), KVS_ERR_INVALID_SHAPE, "merge: lse_out with stride 0");
