@@ -277,7 +277,8 @@ kvs_status kvs_sequence_release(kvs_engine *engine, uint64_t seq_id);
 // Loads PRR's speculation budget table: `n` points `(context_lens[i], budgets[i])` (tokens), used as a
 // step function of the sequence length (a context below the first point takes the first budget). `n = 0`
 // (pointers may then be NULL) goes back to the policy spec's constant `budget`. The arrays are read
-// during the call only. Applies from the next forward call; thread-safe.
+// during the call only; at most 65536 points (more is `KVS_ERR_UNSUPPORTED`). Applies from the next
+// forward call; thread-safe.
 kvs_status kvs_engine_set_speculation_budgets(kvs_engine *engine,
                                               const uint64_t *context_lens,
                                               const uint64_t *budgets,
