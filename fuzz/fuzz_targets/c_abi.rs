@@ -105,18 +105,20 @@ impl T {
         }
     }
     /// Writes integer `v` at logical index `idx` (if the tensor has memory and the index exists).
-    fn set_int(&mut self, idx: &[i64], v: i64, es_is: DType) {
+    fn set_int(&mut self, idx: &[i64], v: i64, _role: DType) {
         let (Some((p, _)), Some((shape, strides, es, base))) = (self.mem, &self.layout) else { return };
         if idx.len() != shape.len() || idx.iter().zip(shape.iter()).any(|(&i, &s)| i < 0 || i >= s) {
             return;
         }
         let off: i64 = idx.iter().zip(strides.iter()).map(|(&i, &s)| i * s).sum::<i64>() - base;
         let at = (off as usize) * es;
-        // SAFETY: the index is inside the shape, so the element lies inside the allocation.
+        // SAFETY: the index is inside the shape, so the element (of the descriptor's size, which the
+        // fuzzer may have changed from the role's) lies inside the allocation.
         unsafe {
-            match es_is {
-                DType::I32 => (p.add(at) as *mut i32).write_unaligned(v as i32),
-                _ => (p.add(at) as *mut i64).write_unaligned(v),
+            match es {
+                8 => (p.add(at) as *mut i64).write_unaligned(v),
+                4 => (p.add(at) as *mut i32).write_unaligned(v as i32),
+                _ => (p.add(at) as *mut i16).write_unaligned(v as i16),
             }
         }
     }
@@ -194,34 +196,39 @@ fn build(r: &mut R, shape: &[i64], elem: DType) -> T {
             st
         }
     };
-    let numel: i128 = shape.iter().map(|&s| s as i128).product();
+    let numel: i128 = shape.iter().try_fold(1i128, |a, &s| a.checked_mul(s as i128)).unwrap_or(i128::MAX);
     let (mut lo, mut hi) = (0i128, 0i128);
     for (&s, &st) in shape.iter().zip(&eff) {
         let reach = (s as i128 - 1).max(0) * st as i128;
         if reach < 0 {
-            lo += reach
+            lo = lo.saturating_add(reach)
         } else {
-            hi += reach
+            hi = hi.saturating_add(reach)
         }
     }
     let mut t = T { desc: DLTensor { data: std::ptr::null_mut(), device, ndim, dtype: elem_dl, shape: std::ptr::null_mut(), strides: std::ptr::null_mut(), byte_offset }, _shape: Vec::new(), _strides: None, mem: None, layout: None };
-    let span = (hi - lo + 1) * es as i128;
+    let span = hi.saturating_sub(lo).saturating_add(1).saturating_mul(es as i128);
     if valid && numel > 0 && span <= CAP as i128 && byte_offset < 1 << 20 {
         let layout = Layout::from_size_align(span as usize, 16).unwrap();
         // SAFETY: non-zero size.
         let p = unsafe { alloc_zeroed(layout) };
         assert!(!p.is_null());
         // Fill: floats with fuzz-chosen values, ints with a fuzz byte pattern (overwritten where coherent).
+        // A 64-byte pattern repeated (cheap even for 256 KiB).
         let fill = r.pick(&[0u8, 1, 2, 3]);
-        for b in 0..span as usize {
-            let v = match fill {
+        let mut pat = [0u8; 64];
+        for (b, x) in pat.iter_mut().enumerate() {
+            *x = match fill {
                 0 => 0u8,
                 1 => (b as u8).wrapping_mul(37) & 0x3f,
                 2 => 0xff, // NaN patterns / -1
                 _ => r.u8(),
             };
-            // SAFETY: b < span.
-            unsafe { *p.add(b) = v };
+        }
+        // SAFETY: the allocation holds `span` bytes.
+        let mem = unsafe { std::slice::from_raw_parts_mut(p, span as usize) };
+        for chunk in mem.chunks_mut(64) {
+            chunk.copy_from_slice(&pat[..chunk.len()]);
         }
         t.mem = Some((p, layout));
         t.layout = Some((shape.clone(), eff.clone(), es, lo as i64));
@@ -380,7 +387,8 @@ unsafe fn cache_write(r: &mut R, e: &Eng, kc: &Option<Box<T>>, vc: &Option<Box<T
     let key = arg(r, &[n, hk, d], el);
     let value = arg(r, &[n, hk, d], el);
     let slot_el = if r.chance(8) { DType::I64 } else { DType::I32 };
-    let mut slots = arg(r, &[n + r.below(2) as i64], slot_el);
+    let extra = r.below(2) as i64;
+    let mut slots = arg(r, &[n + extra], slot_el);
     // Coherent slots: distinct, in order within a block (as serving engines write), some padding.
     let start = r.below((nb * bs).max(1) as usize) as i64;
     for i in 0..n {
