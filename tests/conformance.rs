@@ -44,7 +44,7 @@ fn cpu_propagates_nan_and_inf_as_documented() {
             failures.push(format!("{} (seed {}): {:?}", r.name, r.seed, r.error));
         }
     }
-    assert_eq!(results.len(), 7);
+    assert_eq!(results.len(), 8);
     assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
 }
 

@@ -71,6 +71,11 @@ pub fn attention_cases() -> Vec<AttentionCase> {
             spec: spec("nonfinite-softcap-f32", DType::F32, mixed.clone(), 0, 30.0),
             poison: vec![Poison::Key { seq: 0, pos: 39, kv_head: 1, value: inf }, Poison::Query { token: 2, head: 0, value: inf }],
         },
+        AttentionCase {
+            // One long decode row: backends split its keys (split-KV) and merge partials, poisoned or not.
+            spec: spec("nonfinite-split-kv-f32", DType::F32, vec![(1, 3000), (1, 2000)], 0, 0.0),
+            poison: vec![Poison::Key { seq: 0, pos: 100, kv_head: 0, value: nan }, Poison::Value { seq: 1, pos: 1900, kv_head: 1, dim: 3, value: inf }],
+        },
         AttentionCase { spec: spec("nonfinite-garbage-nan-bf16", DType::BF16, mixed.clone(), 0, 0.0), poison: vec![Poison::Garbage { value: nan }] },
         AttentionCase { spec: spec("nonfinite-garbage-inf-f32", DType::F32, mixed, 0, 0.0), poison: vec![Poison::Garbage { value: f64::INFINITY }] },
     ]
