@@ -62,21 +62,21 @@ typedef enum {
   KVS_DTYPE_BFLOAT16 = 2,
 } kvs_dtype;
 
-// Holt parameters.
-typedef struct HoltParams HoltParams;
-
 // Opaque engine handle.
 typedef struct kvs_engine kvs_engine;
 
 // Engine configuration. Fill it with `kvs_engine_config_init` and then set the model's fields.
+// A size above its documented limit fails `kvs_engine_create` with `KVS_ERR_UNSUPPORTED`; an allocation
+// the machine cannot make fails it with `KVS_ERR_OUT_OF_MEMORY`.
 typedef struct {
   // `sizeof(kvs_engine_config)` as the caller was compiled.
   uint32_t struct_size;
   // DLPack device type of the tensors this engine serves (1 = CPU, 2 = CUDA).
   int32_t device_type;
   int32_t device_id;
-  // Attention layers served; layer ids in calls are `0 .. num_layers-1`.
+  // Attention layers served (1 to 4096); layer ids in calls are `0 .. num_layers-1`.
   uint32_t num_layers;
+  // Query heads, 1 to 1024.
   uint32_t num_q_heads;
   // Must divide `num_q_heads` (GQA/MQA).
   uint32_t num_kv_heads;
@@ -88,15 +88,24 @@ typedef struct {
   uint32_t num_blocks;
   // dtype of queries, caches and outputs.
   kvs_dtype dtype;
-  // CPU worker threads; 0 = one per available core.
+  // CPU worker threads, at most 1024; 0 = one per available core (at most 1024).
   uint32_t num_threads;
   // Cap on per-sequence policy state in bytes; 0 = none.
   uint64_t max_state_bytes;
-  // NUL-terminated policy spec (docs/policies.md); NULL or "" = dense. Copied during the call.
+  // NUL-terminated policy spec (docs/policies.md), at most 4096 bytes; NULL or "" = dense. Copied
+  // during the call.
   const char *policy;
 } kvs_engine_config;
 
 // Writes new K/V rows into a layer's cache by slot mapping (`slot = block * block_size + offset`).
+// Tensors follow the rules of `kvs_forward_args` (the caches here are the same role as there); at most
+// 1048576 tokens per call.
+//
+// With a policy that keeps key metadata (`quest`, `speculate`, `top_p`), write each block's slots in
+// increasing order, as serving engines append tokens: a write at offset `j` of a block starts that
+// block's metadata over from `j`, so slots after `j` written by earlier calls count as unwritten until
+// written again (a forward call that needs them fails with `KVS_ERR_INVALID_ARGUMENT` naming the
+// position; it never uses stale bounds). Slots written in one call may come in any order.
 typedef struct {
   uint32_t struct_size;
   uint32_t layer;
@@ -146,6 +155,23 @@ typedef struct {
 
 // One attention call over a varlen batch (prefill, chunked prefill and decode rows mixed).
 // Tensor pointers are borrowed for the duration of the call only.
+//
+// Tensors: strides are in elements and must not be negative; inputs may broadcast (stride 0), outputs
+// (`out`, `lse`) and the caches must not alias themselves (a tensor with no element is always valid,
+// whatever its strides). Element counts and byte extents must fit in 63 bits and not wrap the address
+// space; `data` may be NULL only for a tensor with no element. At most 1048576 tokens and 65536
+// sequences per call (more is `KVS_ERR_UNSUPPORTED`).
+//
+// NaN and infinity propagate, as in other attention kernels, and never turn into zeros: for each output
+// row (token, query head), if the query row or the key of any position the row attends (causal limit,
+// sliding window and, for decode rows, the policy's selection) holds a NaN or an infinity, so that a
+// logit `scale * q.k` is not finite (an overflowing product counts too, and a soft-cap does not hide
+// it), the row's `out` is NaN in every element and its `lse` is NaN. A NaN or infinity in the value of
+// an attended position makes the output elements it reaches non-finite (NaN or +-inf) and leaves `lse`
+// finite; it may also make those elements non-finite in other rows of the same sequence that do not
+// attend that position (a zero weight times infinity is NaN in tiled kernels). Memory no row of the
+// call attends (cache slots past a sequence's length, other blocks, keys outside every row's window)
+// never affects the result. Status stays `KVS_OK`: the values are the caller's.
 typedef struct {
   uint32_t struct_size;
   uint32_t layer;
@@ -165,6 +191,7 @@ typedef struct {
   // `[num_tokens, num_q_heads, head_dim]` output, the engine's dtype. Written only on success.
   const DLTensor *out;
   // `[num_tokens, num_q_heads]` float32 log-sum-exp (natural log of scaled logits); may be NULL.
+  // NaN for a row with a non-finite logit (see above); -inf only for a row that attends no key.
   const DLTensor *lse;
   // Softmax scale, usually `1/sqrt(head_dim)`.
   float scale;
@@ -182,6 +209,12 @@ typedef struct {
 } kvs_forward_args;
 
 // Merges two partial attention results over disjoint key sets: `out, lse_out = merge(a, b)`.
+// Tensors follow the rules of `kvs_forward_args` (`out` and `lse_out` are outputs).
+//
+// Per row (token, head): a side whose lse is -inf attended no key and is ignored (its `out` is not
+// read); both -inf gives zeros and -inf. A NaN or +inf lse on either side gives a NaN row and a NaN
+// `lse_out`. A NaN or infinity in the `out` of a side with a finite lse reaches the merged elements,
+// even when that side's weight underflows to zero.
 typedef struct {
   uint32_t struct_size;
   // `[num_tokens, num_heads, head_dim]`, one float dtype for all three outputs.
@@ -244,17 +277,17 @@ kvs_status kvs_sequence_release(kvs_engine *engine, uint64_t seq_id);
 // Loads PRR's speculation budget table: `n` points `(context_lens[i], budgets[i])` (tokens), used as a
 // step function of the sequence length (a context below the first point takes the first budget). `n = 0`
 // (pointers may then be NULL) goes back to the policy spec's constant `budget`. The arrays are read
-// during the call only. Applies from the next forward call; thread-safe.
+// during the call only; at most 65536 points (more is `KVS_ERR_UNSUPPORTED`). Applies from the next
+// forward call; thread-safe.
 kvs_status kvs_engine_set_speculation_budgets(kvs_engine *engine,
                                               const uint64_t *context_lens,
                                               const uint64_t *budgets,
                                               size_t n);
 
-// Accumulated counters: `layer = -1` for all layers, else one layer. `out->struct_size` must be set;
+// Accumulated counters: `layer = -1` for all layers, else one layer `0 .. num_layers-1` (any other
+// value, other negative ones included, is `KVS_ERR_OUT_OF_RANGE`). `out->struct_size` must be set;
 // kvsparse writes at most that many bytes. Thread-safe.
-kvs_status kvs_engine_stats(const kvs_engine *engine,
-                            int32_t layer,
-                            kvs_stats *out);
+kvs_status kvs_engine_stats(const kvs_engine *engine, int32_t layer, kvs_stats *out);
 
 // Short constant name of a status code ("KVS_OK", ...). Never NULL.
 const char *kvs_status_name(int32_t status);

@@ -9,6 +9,15 @@ use crate::{bail, ensure};
 /// Head sizes the kernels are built and tested for (the set vLLM's paged kernels support).
 pub const SUPPORTED_HEAD_DIMS: [usize; 7] = [64, 80, 96, 112, 128, 192, 256];
 
+/// Most layers one engine serves (the deepest models have ~130); the per-layer state is allocated at start.
+pub const MAX_LAYERS: usize = 4096;
+/// Most query heads (the widest models have 128).
+pub const MAX_Q_HEADS: usize = 1024;
+/// Most CPU worker threads an engine starts.
+pub const MAX_THREADS: usize = 1024;
+/// Longest policy spec accepted, in bytes.
+pub const MAX_POLICY_LEN: usize = 4096;
+
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     pub device: Device,
@@ -25,7 +34,7 @@ pub struct EngineConfig {
     pub dtype: DType,
     /// Policy spec (see docs/policies.md); empty = dense.
     pub policy: String,
-    /// CPU worker threads; 0 = one per available core.
+    /// CPU worker threads; 0 = one per available core (at most [`MAX_THREADS`]).
     pub num_threads: usize,
     /// Upper bound on per-sequence policy state in bytes; 0 = unbounded.
     pub max_state_bytes: u64,
@@ -53,9 +62,15 @@ impl EngineConfig {
         self.num_q_heads / self.num_kv_heads
     }
 
+    /// Checks every field, limits included (a size over its limit is `Unsupported`), before the engine
+    /// allocates or starts anything.
     pub fn validate(&self) -> Result<()> {
         ensure!(self.num_layers >= 1, InvalidArgument, "num_layers must be at least 1");
+        ensure!(self.num_layers <= MAX_LAYERS, Unsupported, "num_layers {} is more than the {MAX_LAYERS} one engine serves", self.num_layers);
         ensure!(self.num_q_heads >= 1 && self.num_kv_heads >= 1, InvalidArgument, "head counts must be positive (num_q_heads={}, num_kv_heads={})", self.num_q_heads, self.num_kv_heads);
+        ensure!(self.num_q_heads <= MAX_Q_HEADS, Unsupported, "num_q_heads {} is more than the {MAX_Q_HEADS} supported", self.num_q_heads);
+        ensure!(self.num_threads <= MAX_THREADS, Unsupported, "num_threads {} is more than the {MAX_THREADS} an engine starts (0 = one per core)", self.num_threads);
+        ensure!(self.policy.len() <= MAX_POLICY_LEN, InvalidArgument, "the policy spec is {} bytes long, more than the {MAX_POLICY_LEN} accepted", self.policy.len());
         ensure!(
             self.num_q_heads % self.num_kv_heads == 0,
             InvalidArgument,

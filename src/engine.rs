@@ -15,8 +15,8 @@ use crate::policy::speculate::SpecBudgetTable;
 use crate::policy::{Policy, Selector};
 use crate::sequences::Registry;
 use crate::stats::{Counters, EngineStats, VisitRecord};
-use crate::tensor::{DType, Device, TensorRef};
-use crate::{bail, ensure};
+use crate::tensor::{Device, TensorRef};
+use crate::{alloc, bail, ensure, validate};
 
 /// Arguments of one attention forward call (see `kvs_forward_args` in the C header for the contract).
 #[derive(Clone, Copy, Debug)]
@@ -111,14 +111,14 @@ impl Engine {
             let w = crate::policy::predictor::PredictorWeights::builtin()?;
             ensure!(ps.history == w.history, InvalidArgument, "policy {:?}: the built-in predictor weights were trained for history={}, not {}", cfg.policy, w.history, ps.history);
         }
-        let threads = if cfg.num_threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { cfg.num_threads };
+        let threads = if cfg.num_threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()).min(crate::config::MAX_THREADS) } else { cfg.num_threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kvsparse-{i}"))
             .build()
             .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?;
-        let per_layer = vec![Counters::default(); cfg.num_layers];
-        let meta = CacheMeta::new(policy.meta_needs(), cfg.num_layers);
+        let per_layer = alloc::try_vec(cfg.num_layers, Counters::default(), "per-layer statistics")?;
+        let meta = CacheMeta::new(policy.meta_needs(), cfg.num_layers)?;
         Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), cuda, spec_budgets: parking_lot::RwLock::new(None) })
     }
 
@@ -164,18 +164,13 @@ impl Engine {
         let dev = cfg.device;
         self.check_layer(a.layer)?;
         validate_params(a.scale, a.sliding_window, a.softcap)?;
-        a.query.expect("query", 3, &[cfg.dtype], dev)?;
-        a.query.expect_shape("query", &[None, Some(cfg.num_q_heads), Some(cfg.head_dim)])?;
-        let num_tokens = a.query.dim(0);
-        a.out.expect("out", 3, &[cfg.dtype], dev)?;
-        a.out.expect_shape("out", &[Some(num_tokens), Some(cfg.num_q_heads), Some(cfg.head_dim)])?;
-        a.out.expect_no_self_overlap("out")?;
+        let num_tokens = validate::query(cfg, &a.query)?;
+        validate::attention_out(cfg, &a.out, num_tokens)?;
         if let Some(lse) = &a.lse {
-            lse.expect("lse", 2, &[DType::F32], dev)?;
-            lse.expect_shape("lse", &[Some(num_tokens), Some(cfg.num_q_heads)])?;
-            lse.expect_no_self_overlap("lse")?;
+            validate::lse_out("lse", lse, dev, num_tokens, cfg.num_q_heads)?;
         }
         let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
+        validate::batch(dev, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref())?;
         let pipeline = if self.policy.is_dense_for_layer(a.layer) { None } else { self.policy.pipeline() };
         let c = match &self.cuda {
             Some(gpu) => {
@@ -207,14 +202,10 @@ impl Engine {
         let dev = cfg.device;
         self.check_layer(a.layer)?;
         let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
-        for (name, t) in [("key", &a.key), ("value", &a.value)] {
-            t.expect(name, 3, &[cfg.dtype], dev)?;
-            t.expect_shape(name, &[None, Some(cfg.num_kv_heads), Some(cfg.head_dim)])?;
-        }
-        let n = a.key.dim(0);
-        ensure!(a.value.dim(0) == n, InvalidShape, "key has {n} tokens but value has {}", a.value.dim(0));
-        a.slot_mapping.expect("slot_mapping", 1, &[DType::I64, DType::I32], dev)?;
-        ensure!(a.slot_mapping.dim(0) >= n, InvalidShape, "slot_mapping has {} entries for {n} tokens", a.slot_mapping.dim(0));
+        let n = validate::new_rows(cfg, "key", &a.key)?;
+        let nv = validate::new_rows(cfg, "value", &a.value)?;
+        ensure!(nv == n, InvalidShape, "key has {n} tokens but value has {nv}");
+        validate::slot_mapping(&a.slot_mapping, dev, n)?;
         if let Some(gpu) = &self.cuda {
             return gpu.cache_write(cfg, a, &cache, n);
         }
@@ -230,19 +221,13 @@ impl Engine {
     /// Merges two partial attention states exactly through their LSEs.
     pub fn merge_states(&self, a: &MergeArgs) -> Result<()> {
         let dev = self.cfg.device;
-        a.out.expect("out", 3, &[DType::F32, DType::F16, DType::BF16], dev)?;
-        let shape = [Some(a.out.dim(0)), Some(a.out.dim(1)), Some(a.out.dim(2))];
-        a.out.expect_no_self_overlap("out")?;
-        for (name, t) in [("out_a", &a.out_a), ("out_b", &a.out_b)] {
-            t.expect(name, 3, &[a.out.dtype], dev)?;
-            t.expect_shape(name, &shape)?;
-        }
-        let lse_list = [("lse_a", Some(&a.lse_a)), ("lse_b", Some(&a.lse_b)), ("lse_out", a.lse_out.as_ref())];
-        for (name, t) in lse_list {
-            if let Some(t) = t {
-                t.expect(name, 2, &[DType::F32], dev)?;
-                t.expect_shape(name, &shape[..2])?;
-            }
+        let (tokens, heads, _) = validate::merge_out(&a.out, dev)?;
+        validate::merge_in("out_a", &a.out_a, &a.out, dev)?;
+        validate::merge_in("out_b", &a.out_b, &a.out, dev)?;
+        validate::lse_in("lse_a", &a.lse_a, dev, tokens, heads)?;
+        validate::lse_in("lse_b", &a.lse_b, dev, tokens, heads)?;
+        if let Some(l) = &a.lse_out {
+            validate::lse_out("lse_out", l, dev, tokens, heads)?;
         }
         if let Some(gpu) = &self.cuda {
             return gpu.merge(a);

@@ -1,13 +1,14 @@
-//! KV-cache geometry, varlen batches and the validation of both.
+//! KV-cache geometry and varlen batches, built from validated tensors.
 //!
-//! Everything the kernels index is checked here first: ranks, extents, dtypes, strides, block ids, sequence
-//! lengths and query lengths. A validated [`Batch`] is a host-side copy of the per-sequence metadata, so the
-//! CPU kernels (and the policies) never read caller memory they have not already checked.
+//! The tensors' layouts are checked by [`crate::validate`] (one routine per role); this file checks what
+//! the kernels index inside them: block ids, sequence lengths and query lengths. A validated [`Batch`] is
+//! a host-side copy of the per-sequence metadata, so the CPU kernels (and the policies) never read caller
+//! memory they have not already checked.
 
 use crate::config::EngineConfig;
 use crate::error::Result;
 use crate::tensor::{DType, Device, TensorRef};
-use crate::{bail, ensure};
+use crate::{alloc, bail, ensure, validate};
 
 /// One layer's K and V caches in vLLM's flash layout `[num_blocks, block_size, num_kv_heads, head_dim]`,
 /// with arbitrary non-negative strides (in elements).
@@ -24,10 +25,9 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(cfg: &EngineConfig, k: TensorRef, v: TensorRef, device: Device) -> Result<Self> {
-        for (name, t) in [("key_cache", &k), ("value_cache", &v)] {
-            t.expect(name, 4, &[cfg.dtype], device)?;
-            t.expect_shape(name, &[None, Some(cfg.block_size), Some(cfg.num_kv_heads), Some(cfg.head_dim)])?;
-        }
+        debug_assert_eq!(device, cfg.device);
+        validate::cache(cfg, "key_cache", &k)?;
+        validate::cache(cfg, "value_cache", &v)?;
         ensure!(k.shape() == v.shape(), InvalidShape, "key_cache shape {:?} differs from value_cache shape {:?}", k.shape(), v.shape());
         let num_blocks = k.dim(0);
         if cfg.num_blocks != 0 {
@@ -84,15 +84,18 @@ impl SeqDesc {
 pub struct Batch {
     pub seqs: Vec<SeqDesc>,
     pub num_tokens: usize,
-    /// Flattened `[num_seqs, blocks_per_seq]` table; only the first `ceil(seq_len / block_size)` entries of
-    /// each row are meaningful (and validated).
-    block_table: Vec<u32>,
-    blocks_per_seq: usize,
+    /// The validated block ids of every sequence, back to back: sequence `s` owns
+    /// `table[table_start[s]..table_start[s + 1]]`, its first `ceil(seq_len / block_size)` table entries
+    /// (none for a sequence without query tokens, which attends nothing).
+    table: Vec<u32>,
+    table_start: Vec<usize>,
     pub has_seq_ids: bool,
 }
 
 impl Batch {
     /// Reads and validates `query_start_loc`, `seq_lens`, `block_table` and `seq_ids` (host tensors).
+    /// Reads only the table entries a sequence with query tokens needs, so the work and memory follow
+    /// the batch's real size, not the extents of a broadcast (zero-stride) table.
     pub fn from_host_tensors(
         num_tokens: usize,
         query_start_loc: &TensorRef,
@@ -102,20 +105,12 @@ impl Batch {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self> {
-        let dev = Device::Cpu;
-        seq_lens.expect("seq_lens", 1, &[DType::I32], dev)?;
-        let num_seqs = seq_lens.dim(0);
-        query_start_loc.expect("query_start_loc", 1, &[DType::I32], dev)?;
-        query_start_loc.expect_shape("query_start_loc", &[Some(num_seqs + 1)])?;
-        block_table.expect("block_table", 2, &[DType::I32], dev)?;
-        block_table.expect_shape("block_table", &[Some(num_seqs), None])?;
-        if let Some(ids) = seq_ids {
-            ids.expect("seq_ids", 1, &[DType::I64, DType::U64], dev)?;
-            ids.expect_shape("seq_ids", &[Some(num_seqs)])?;
-        }
+        let num_seqs = validate::batch(Device::Cpu, query_start_loc, seq_lens, block_table, seq_ids)?;
         let blocks_per_seq = block_table.dim(1);
-        let mut seqs = Vec::with_capacity(num_seqs);
-        let mut table = Vec::with_capacity(num_seqs * blocks_per_seq);
+        let mut seqs = alloc::try_with_capacity(num_seqs, "the batch's sequence list")?;
+        let mut table_start = alloc::try_with_capacity(num_seqs + 1, "the batch's block table index")?;
+        let mut table = Vec::new();
+        table_start.push(0);
         // SAFETY (all reads below): indices are within the shapes checked above.
         let qsl0 = unsafe { query_start_loc.read_int(&[0]) };
         ensure!(qsl0 == 0, InvalidArgument, "query_start_loc[0] must be 0, got {qsl0}");
@@ -135,15 +130,15 @@ impl Batch {
                 OutOfRange,
                 "sequence {s} has seq_len {seq_len}, which needs {needed} blocks of {block_size}, but the block table has {blocks_per_seq} columns"
             );
-            for j in 0..blocks_per_seq {
-                let id = unsafe { block_table.read_int(&[s, j]) };
-                if j < needed {
+            if q_len > 0 {
+                table.try_reserve(needed).map_err(|_| crate::error::Error::new(crate::error::ErrorKind::OutOfMemory, format!("cannot copy {needed} block table entries of sequence {s}")))?;
+                for j in 0..needed {
+                    let id = unsafe { block_table.read_int(&[s, j]) };
                     ensure!(id >= 0 && (id as usize) < num_blocks, OutOfRange, "block_table[{s}][{j}] = {id} is outside the cache's {num_blocks} blocks");
                     table.push(id as u32);
-                } else {
-                    table.push(u32::MAX);
                 }
             }
+            table_start.push(table.len());
             let seq_id = match seq_ids {
                 Some(ids) => unsafe { ids.read_int(&[s]) as u64 },
                 None => 0,
@@ -152,14 +147,15 @@ impl Batch {
         }
         let last = unsafe { query_start_loc.read_int(&[num_seqs]) } as usize;
         ensure!(last == num_tokens, InvalidShape, "query_start_loc ends at {last} but the query has {num_tokens} tokens");
-        Ok(Batch { seqs, num_tokens, block_table: table, blocks_per_seq, has_seq_ids: seq_ids.is_some() })
+        Ok(Batch { seqs, num_tokens, table, table_start, has_seq_ids: seq_ids.is_some() })
     }
 
-    /// The physical block ids of sequence `s` (only the validated prefix).
+    /// The physical block ids of sequence `s` (the validated prefix; empty without query tokens).
     #[inline]
     pub fn blocks(&self, s: usize, block_size: usize) -> &[u32] {
-        let row = &self.block_table[s * self.blocks_per_seq..(s + 1) * self.blocks_per_seq];
-        &row[..self.seqs[s].seq_len.div_ceil(block_size)]
+        let row = &self.table[self.table_start[s]..self.table_start[s + 1]];
+        debug_assert!(row.is_empty() || row.len() == self.seqs[s].seq_len.div_ceil(block_size));
+        row
     }
 }
 

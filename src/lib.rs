@@ -4,11 +4,13 @@
 //! decode policies layered on top. The product is the C ABI in [`ffi`] (header: `include/kvsparse.h`);
 //! the Rust API below is what the ABI, the CLI and the tests are built on.
 //!
-//! Layout: [`tensor`] (strided views of DLPack tensors), [`layout`] (cache geometry, batches, validation),
+//! Layout: [`tensor`] (strided views of DLPack tensors, checked extents), [`validate`] (one check per tensor
+//! role), [`layout`] (cache geometry, batches), [`alloc`] (fallible allocation),
 //! [`engine`] (configuration, sequences, statistics, dispatch), [`cpu`] (reference kernels),
 //! [`policy`] (which blocks a decode row visits), [`conformance`] (the float64 reference and test matrix),
 //! [`synthetic`] (LLM-like decode batches for benchmarks and policy tests).
 
+pub mod alloc;
 pub mod config;
 pub mod conformance;
 pub mod cpu;
@@ -25,6 +27,7 @@ pub mod stats;
 pub mod synthetic;
 pub mod tensor;
 pub mod traces;
+pub mod validate;
 
 pub use config::EngineConfig;
 pub use engine::{CacheWriteArgs, Engine, ForwardArgs, MergeArgs};

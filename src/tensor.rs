@@ -102,6 +102,10 @@ unsafe impl Sync for TensorRef {}
 impl TensorRef {
     /// Builds a view from raw parts. `strides == None` means compact row-major, as in DLPack.
     ///
+    /// Checks what can be checked without knowing the memory (see [`check_extent`](Self::check_extent)):
+    /// the element count and the byte extent fit in 63 bits, the addressed bytes do not wrap around the
+    /// address space, and a view that addresses any element has a non-NULL `data`.
+    ///
     /// # Safety
     /// `data` must point to memory that holds every element the shape and strides address, and stay
     /// valid (and, for outputs, writable and unaliased) for as long as the view is used.
@@ -124,6 +128,7 @@ impl TensorRef {
                 t.strides[..st.len()].copy_from_slice(st);
             }
             None => {
+                // Compact strides of an empty tensor are never used to address anything: saturate.
                 let mut acc = 1i64;
                 for i in (0..shape.len()).rev() {
                     t.strides[i] = acc;
@@ -131,7 +136,42 @@ impl TensorRef {
                 }
             }
         }
+        t.check_extent()?;
         Ok(t)
+    }
+
+    /// Checked size arithmetic of a view: the element count fits in an i64, and, when the view addresses
+    /// any element, the lowest and highest addressed bytes fit in an isize, `data` is not NULL and the
+    /// addressed byte range does not wrap around the address space. A view with no element (some extent
+    /// 0) addresses nothing, whatever its strides and pointer.
+    fn check_extent(&self) -> Result<()> {
+        let numel = self.shape().iter().try_fold(1i64, |acc, &s| acc.checked_mul(s));
+        let Some(numel) = numel else {
+            bail!(InvalidShape, "shape {:?} has more elements than fit in 64 bits", self.shape());
+        };
+        if numel == 0 {
+            return Ok(());
+        }
+        let too_big = || crate::error::Error::new(crate::error::ErrorKind::InvalidShape, format!("shape {:?} with strides {:?} addresses more bytes than fit in the address space", self.shape(), self.strides()));
+        let (mut lo, mut hi) = (0i64, 0i64);
+        for i in 0..self.ndim {
+            let reach = (self.shape[i] - 1).checked_mul(self.strides[i]).ok_or_else(too_big)?;
+            if reach < 0 {
+                lo = lo.checked_add(reach).ok_or_else(too_big)?;
+            } else {
+                hi = hi.checked_add(reach).ok_or_else(too_big)?;
+            }
+        }
+        let es = self.dtype.size_bytes() as i64;
+        let lo_bytes = lo.checked_mul(es).ok_or_else(too_big)?;
+        let hi_bytes = hi.checked_mul(es).and_then(|h| h.checked_add(es - 1)).ok_or_else(too_big)?;
+        hi_bytes.checked_sub(lo_bytes).filter(|&span| span < isize::MAX as i64).ok_or_else(too_big)?;
+        ensure!(!self.data.is_null(), InvalidArgument, "data is NULL but the shape {:?} holds {numel} elements", self.shape());
+        let addr = self.data as usize;
+        let fits = addr.checked_sub(lo_bytes.unsigned_abs() as usize).is_some() && addr.checked_add(hi_bytes as usize).is_some();
+        ensure!(fits, InvalidArgument, "data {:p} plus the byte extent [{lo_bytes}, {hi_bytes}] wraps around the address space", self.data);
+        ensure!(addr % es as usize == 0, InvalidArgument, "data {:p} (with byte_offset) is not aligned to its {es}-byte elements", self.data);
+        Ok(())
     }
 
     /// A compact row-major CPU view of a slice; panics (Rust callers only) if the shape does not match.
@@ -149,7 +189,9 @@ impl TensorRef {
 
     /// A strided CPU view into a slice; checks that every addressed element lies inside the slice.
     pub fn strided<T: Element>(data: &[T], offset: usize, shape: &[i64], strides: &[i64]) -> Result<Self> {
-        let base = unsafe { data.as_ptr().add(offset) } as *mut u8;
+        ensure!(offset <= data.len(), OutOfRange, "strided view starts at {offset}, past its slice of {}", data.len());
+        let base = data.as_ptr().wrapping_add(offset) as *mut u8;
+        // SAFETY: checked below before the view is handed out.
         let t = unsafe { Self::from_raw(base, T::DTYPE, Device::Cpu, shape, Some(strides))? };
         if t.numel() > 0 {
             let (lo, hi) = t.element_span();
@@ -264,16 +306,21 @@ impl TensorRef {
     }
 
     /// Outputs must not write one element twice: rejects zero strides on dimensions longer than one and
-    /// overlapping row-major-ish layouts (checked by sorting dimensions by stride).
+    /// overlapping row-major-ish layouts (checked by sorting dimensions by stride). A view with no element
+    /// writes nothing and never overlaps (numpy gives empty arrays all-zero strides).
     pub fn expect_no_self_overlap(&self, name: &str) -> Result<()> {
+        if self.numel() == 0 {
+            return Ok(());
+        }
         let mut dims: Vec<(i64, i64)> = (0..self.ndim).filter(|&i| self.shape[i] > 1).map(|i| (self.strides[i], self.shape[i])).collect();
         dims.sort();
         let mut reach = 0i64; // elements covered by the smaller dimensions, minus one
         for (stride, extent) in dims {
-            if stride <= reach {
-                bail!(InvalidShape, "{name} has overlapping strides {:?} for shape {:?}; outputs must not alias themselves", self.strides(), self.shape());
+            let next = stride.checked_mul(extent - 1).and_then(|r| r.checked_add(reach));
+            match next {
+                Some(next) if stride > reach => reach = next,
+                _ => bail!(InvalidShape, "{name} has overlapping strides {:?} for shape {:?}; outputs must not alias themselves", self.strides(), self.shape()),
             }
-            reach += stride * (extent - 1);
         }
         Ok(())
     }

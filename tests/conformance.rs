@@ -9,6 +9,8 @@ use kvsparse::conformance::dylib::{run_case_lib, Lib};
 use kvsparse::conformance::export::{export, KVSPARSE_RESULTS};
 use kvsparse::conformance::reference::{attention_f64, rel_err, RefParams, SeqRef};
 use kvsparse::conformance::{extended, matrix, run_case_cpu, sparse, tolerance};
+use kvsparse::conformance::nonfinite::{check_all_attention, check_merge, merge_on_cpu};
+use kvsparse::conformance::run_fixture_cpu;
 use kvsparse::rng::Rng;
 use kvsparse::DType;
 use safetensors::SafeTensors;
@@ -199,4 +201,31 @@ fn sparse_contract_on_the_cpu_engine() {
         }
     }
     assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// NaN and infinity in queries, keys and values propagate as the header documents (NaN row and LSE for a
+/// non-finite logit, non-finite elements for a non-finite value), and nothing a row does not attend
+/// changes it. The same check runs on CUDA (`tests/cuda.rs`).
+#[test]
+fn cpu_propagates_nan_and_inf_as_documented() {
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let results = check_all_attention(seed, &mut |f| run_fixture_cpu(f));
+    let mut failures = Vec::new();
+    for r in &results {
+        println!("{:<40} rel_err {:.2e} lse_err {:.2e} {}", r.name, r.rel_err, r.lse_err, if r.pass { "ok" } else { "FAIL" });
+        if !r.pass {
+            failures.push(format!("{} (seed {}): {:?}", r.name, r.seed, r.error));
+        }
+    }
+    assert_eq!(results.len(), 8);
+    assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn cpu_merge_propagates_nan_and_inf_as_documented() {
+    for dtype in [kvsparse::DType::F32, kvsparse::DType::BF16] {
+        let r = check_merge(dtype, Rng::fresh_seed(), &mut merge_on_cpu);
+        assert!(r.pass, "{r:?}");
+    }
 }

@@ -1,8 +1,11 @@
-//! The CUDA backend against the float64 reference. Every test skips (with a message) when no CUDA device
-//! is present, and fails instead when KVS_REQUIRE_CUDA=1. KVS_QUICK=1 runs the reduced matrix (for
-//! compute-sanitizer). Fresh random data each run; the seed is printed.
+//! The CUDA backend against the float64 reference. Without a CUDA device the GPU tests are reported as
+//! `ignored` (a skip that shows: libtest has no run-time skip, so this file has its own `main` on
+//! libtest-mimic, with the same command line: filters, `--include-ignored`, `--test-threads`), and fail
+//! instead when KVS_REQUIRE_CUDA=1. KVS_QUICK=1 runs the reduced matrix (for compute-sanitizer). Fresh
+//! random data each run; the seed is printed.
 
-use kvsparse::conformance::cuda::{cuda_required, graph_replay, run_case_cuda, DeviceCase};
+use kvsparse::conformance::cuda::{cuda_required, graph_replay, merge_on_cuda, run_case_cuda, run_fixture_cuda, DeviceCase};
+use kvsparse::conformance::nonfinite::{check_all_attention, check_merge};
 use kvsparse::conformance::{matrix, CaseSpec, Fixture, Outputs};
 use kvsparse::rng::Rng;
 use kvsparse::{DType, Device, Engine};
@@ -20,7 +23,6 @@ fn quick() -> bool {
     std::env::var("KVS_QUICK").map(|v| v == "1").unwrap_or(false)
 }
 
-#[test]
 fn cuda_matches_float64_reference_on_the_matrix() {
     if !have_cuda("cuda_matrix") {
         return;
@@ -42,7 +44,6 @@ fn decode_spec(dtype: DType) -> CaseSpec {
     CaseSpec::new("graph-decode", dtype, 128, 32, 8, 16, vec![(1, 4000), (1, 1), (1, 17), (1, 1500), (1, 777)])
 }
 
-#[test]
 fn cuda_graph_capture_of_a_decode_step_replays_on_new_data() {
     if !have_cuda("cuda_graph") {
         return;
@@ -59,7 +60,6 @@ fn cuda_graph_capture_of_a_decode_step_replays_on_new_data() {
 /// Garbage metadata on the device (block ids out of range, negative, seq_lens beyond the table) cannot be
 /// validated without a sync; the kernels must stay inside the tensors and still write every output.
 /// Run under compute-sanitizer memcheck to prove the "no read out of bounds" half.
-#[test]
 fn cuda_bad_device_metadata_stays_in_bounds() {
     if !have_cuda("cuda_bad_metadata") {
         return;
@@ -91,7 +91,6 @@ fn cuda_bad_device_metadata_stays_in_bounds() {
     assert!(l.iter().all(|x| !x.is_nan()), "every LSE written");
 }
 
-#[test]
 fn cuda_merge_states_matches_cpu() {
     if !have_cuda("cuda_merge") {
         return;
@@ -160,11 +159,61 @@ fn cuda_merge_states_matches_cpu() {
     }
 }
 
-#[test]
 fn cuda_engine_fails_cleanly_without_a_device() {
     // With a device this checks the other branch: an ordinal that does not exist.
     let mut cfg = kvsparse::EngineConfig::new(1, 8, 2, 128, 16, DType::BF16);
     cfg.device = Device::Cuda(if kvsparse::cuda::device_available() { 4096 } else { 0 });
     let e = Engine::new(cfg).err().expect("no engine on a missing device");
     assert_eq!(e.kind, kvsparse::ErrorKind::Unsupported, "{e}");
+}
+
+/// NaN and infinity propagate on the GPU exactly as on the CPU (the contract on `kvs_forward_args` and
+/// `kvs_merge_args`; `tests/conformance.rs` runs the same check on the CPU).
+fn cuda_propagates_nan_and_inf_as_documented() {
+    if !have_cuda("cuda_nonfinite") {
+        return;
+    }
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let mut results = check_all_attention(seed, &mut |f| run_fixture_cuda(f));
+    for dtype in [DType::F32, DType::BF16] {
+        results.push(check_merge(dtype, seed, &mut merge_on_cuda));
+    }
+    let mut failures = Vec::new();
+    for r in &results {
+        println!("cuda {:<40} {}", r.name, if r.pass { "ok" } else { "FAIL" });
+        if !r.pass {
+            failures.push(format!("{} (seed {}): {:?}", r.name, r.seed, r.error));
+        }
+    }
+    assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
+}
+
+/// The kernels propagate NaN only once they are ported (issue 12): until then this test is listed as
+/// ignored on a GPU too, and `--include-ignored` runs it. Set to false with the port.
+const NAN_PORT_PENDING: bool = true;
+
+fn main() {
+    use libtest_mimic::{Arguments, Trial};
+    let args = Arguments::from_args();
+    let skip = !kvsparse::cuda::device_available() && !cuda_required();
+    if skip {
+        println!("no CUDA device: the GPU tests below are skipped, listed as ignored (KVS_REQUIRE_CUDA=1 makes a missing device a failure)");
+    }
+    let test = |name: &'static str, f: fn()| {
+        Trial::test(name, move || {
+            f();
+            Ok(())
+        })
+    };
+    let tests = vec![
+        test("cuda_matches_float64_reference_on_the_matrix", cuda_matches_float64_reference_on_the_matrix).with_ignored_flag(skip),
+        test("cuda_graph_capture_of_a_decode_step_replays_on_new_data", cuda_graph_capture_of_a_decode_step_replays_on_new_data).with_ignored_flag(skip),
+        test("cuda_bad_device_metadata_stays_in_bounds", cuda_bad_device_metadata_stays_in_bounds).with_ignored_flag(skip),
+        test("cuda_merge_states_matches_cpu", cuda_merge_states_matches_cpu).with_ignored_flag(skip),
+        test("cuda_propagates_nan_and_inf_as_documented", cuda_propagates_nan_and_inf_as_documented).with_ignored_flag(skip || NAN_PORT_PENDING),
+        // Runs everywhere: without a device it checks the clean failure.
+        test("cuda_engine_fails_cleanly_without_a_device", cuda_engine_fails_cleanly_without_a_device),
+    ];
+    libtest_mimic::run(&args, tests).exit();
 }

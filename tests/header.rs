@@ -22,3 +22,32 @@ fn committed_header_matches_cbindgen_output() {
         "include/kvsparse.h is stale: regenerate it with `KVS_UPDATE_HEADER=1 cargo test --test header` and commit it"
     );
 }
+
+/// Every name the header declares is part of the ABI (`kvs_*`, `KVS_*`, or DLPack's own types): internal
+/// Rust types that cbindgen picks up (an opaque `HoltParams` once) must be excluded in cbindgen.toml.
+#[test]
+fn header_declares_only_abi_names() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let header = std::fs::read_to_string(root.join("include/kvsparse.h")).unwrap();
+    let mut bad = Vec::new();
+    for line in header.lines() {
+        let t = line.trim_start();
+        if t.starts_with("//") || t.starts_with('*') || t.starts_with("/*") {
+            continue;
+        }
+        // `typedef struct X X;`, `} X;`, function names `kvs_...(`, enumerators `KVS_... =`.
+        let name = if let Some(rest) = t.strip_prefix("typedef struct ") {
+            rest.split_whitespace().next().filter(|n| *n != "{")
+        } else if let Some(rest) = t.strip_prefix("} ") {
+            rest.strip_suffix(';')
+        } else {
+            None
+        };
+        if let Some(n) = name {
+            if !(n.starts_with("kvs_") || n.starts_with("DL")) {
+                bad.push(n.to_string());
+            }
+        }
+    }
+    assert!(bad.is_empty(), "the header declares non-ABI names: {bad:?} (add them to cbindgen.toml's [export] exclude)");
+}

@@ -177,23 +177,59 @@ fn failed(spec: &CaseSpec, seed: u64, e: crate::Error) -> CaseResult {
     CaseResult::refused(&spec.name, seed, e.kind == crate::ErrorKind::Unsupported, e.to_string())
 }
 
+/// Cache write + forward of a fixture on CUDA device 0 (default stream); the outputs come back to the
+/// host. Also the CUDA backend for `nonfinite::check_attention`.
+pub fn run_fixture_cuda(f: &Fixture) -> Result<Outputs> {
+    let engine = cuda_engine(f)?;
+    let mut outs = Outputs::new(f);
+    let dc = DeviceCase::upload(f, &outs)?;
+    dc.write_cache(&engine, f, std::ptr::null_mut())?;
+    engine.attention_forward(&dc.forward_args(f, &outs, std::ptr::null_mut())?)?;
+    engine_sync(&engine)?;
+    dc.download(&mut outs)?;
+    Ok(outs)
+}
+
 /// One conformance case on CUDA device 0 (default stream).
 pub fn run_case_cuda(spec: &CaseSpec, seed: u64) -> CaseResult {
     let f = Fixture::new(spec, seed);
-    let run = || -> Result<Outputs> {
-        let engine = cuda_engine(&f)?;
-        let mut outs = Outputs::new(&f);
-        let dc = DeviceCase::upload(&f, &outs)?;
-        dc.write_cache(&engine, &f, std::ptr::null_mut())?;
-        engine.attention_forward(&dc.forward_args(&f, &outs, std::ptr::null_mut())?)?;
-        engine_sync(&engine)?;
-        dc.download(&mut outs)?;
-        Ok(outs)
-    };
-    match run() {
+    match run_fixture_cuda(&f) {
         Ok(outs) => judge(&f, &outs, seed),
         Err(e) => failed(spec, seed, e),
     }
+}
+
+/// `kvs_merge_states` on CUDA device 0: the CUDA backend for `nonfinite::check_merge`.
+pub fn merge_on_cuda(m: &super::nonfinite::MergeInputs) -> Result<(Vec<f64>, Vec<f32>)> {
+    use super::hostbuf::HostBuf;
+    use crate::engine::MergeArgs;
+    let dtype = m.out_a.dtype();
+    let mut cfg = crate::config::EngineConfig::new(1, m.heads, m.heads, m.dim, 16, dtype);
+    cfg.device = Device::Cuda(0);
+    let engine = Engine::new(cfg)?;
+    let (shape3, shape2) = ([m.tokens as i64, m.heads as i64, m.dim as i64], [m.tokens as i64, m.heads as i64]);
+    let (s3, s2) = ([shape3[1] * shape3[2], shape3[2], 1], [shape2[1], 1]);
+    let (da, db) = (DevBuf::from_host(m.out_a.as_bytes())?, DevBuf::from_host(m.out_b.as_bytes())?);
+    let (dla, dlb) = (DevBuf::from_host(bytes(&m.lse_a))?, DevBuf::from_host(bytes(&m.lse_b))?);
+    let dout = DevBuf::from_host(HostBuf::nans(dtype, m.out_a.len()).as_bytes())?;
+    let dlse = DevBuf::from_host(bytes(&vec![f32::NAN; m.lse_a.len()]))?;
+    engine.merge_states(&MergeArgs {
+        out_a: view(&da, 0, dtype, &shape3, &s3)?,
+        lse_a: view(&dla, 0, DType::F32, &shape2, &s2)?,
+        out_b: view(&db, 0, dtype, &shape3, &s3)?,
+        lse_b: view(&dlb, 0, DType::F32, &shape2, &s2)?,
+        out: view(&dout, 0, dtype, &shape3, &s3)?,
+        lse_out: Some(view(&dlse, 0, DType::F32, &shape2, &s2)?),
+        stream: std::ptr::null_mut(),
+    })?;
+    engine_sync(&engine)?;
+    let mut out = HostBuf::zeros(dtype, m.out_a.len());
+    let n = out.len() * dtype.size_bytes();
+    // SAFETY: the host buffer holds exactly n bytes; the f32 vector is viewed as its bytes.
+    dout.download(0, unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr(), n) })?;
+    let mut lse = vec![0f32; m.lse_a.len()];
+    dlse.download(0, unsafe { std::slice::from_raw_parts_mut(lse.as_mut_ptr() as *mut u8, lse.len() * 4) })?;
+    Ok(((0..out.len()).map(|i| out.get(i)).collect(), lse))
 }
 
 fn engine_sync(_e: &Engine) -> Result<()> {

@@ -181,8 +181,32 @@ pub struct Fixture {
 
 const PAD: usize = 8;
 
+/// A non-finite value planted in a fixture's logical inputs (see `conformance::nonfinite`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Plant {
+    /// Element 0 of the query row (`token` of the batch, query head `head`).
+    Query { token: usize, head: usize, value: f64 },
+    /// Element 0 of the key row at position `pos` of sequence `seq`, KV head `kv_head`.
+    Key { seq: usize, pos: usize, kv_head: usize, value: f64 },
+    /// Element `dim` of the value row at position `pos` of sequence `seq`, KV head `kv_head`.
+    Value { seq: usize, pos: usize, kv_head: usize, dim: usize, value: f64 },
+    /// Every cache slot no sequence uses (spare blocks, the tail of each last block) and every padding
+    /// row of the cache write (slot -1): memory no query may read.
+    Garbage { value: f64 },
+}
+
 impl Fixture {
     pub fn new(spec: &CaseSpec, seed: u64) -> Fixture {
+        Self::poisoned(spec, seed, &[])
+    }
+
+    /// Like [`new`](Self::new) with non-finite values planted; the reference is computed on the
+    /// poisoned inputs (what the rows that do not see a poisoned value must still match).
+    pub fn poisoned(spec: &CaseSpec, seed: u64, poison: &[Plant]) -> Fixture {
+        let garbage = poison.iter().find_map(|p| match p {
+            Plant::Garbage { value } => Some(*value),
+            _ => None,
+        });
         let mut rng = Rng::new(seed);
         let (hq, hk, d, bs, dt) = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.block_size, spec.dtype);
         let nseq = spec.seqs.len();
@@ -222,7 +246,8 @@ impl Fixture {
         let mut cache = HostBuf::zeros(dt, 2 * one);
         for i in 0..cache.len() {
             // Unwritten slots and the padding between rows: reading them would show.
-            cache.set(i, if spec.poison == Poison::NaN { f64::NAN } else { rng.normal() * 7.0 });
+            let noise = rng.normal() * 7.0;
+            cache.set(i, garbage.unwrap_or(if spec.poison == Poison::NaN { f64::NAN } else { noise }));
         }
         let cache_shape = [num_blocks as i64, bs as i64, hk as i64, d as i64];
 
@@ -265,12 +290,19 @@ impl Fixture {
                     k[j * hk * d + i] = round((rng.normal() + bias[i % d]) * loud);
                     v[j * hk * d + i] = round(rng.normal());
                 }
+                for p in poison {
+                    match *p {
+                        Plant::Key { seq, pos, kv_head, value } if seq == s && pos == j => k[(j * hk + kv_head) * d] = value,
+                        Plant::Value { seq, pos, kv_head, dim, value } if seq == s && pos == j => v[(j * hk + kv_head) * d + dim] = value,
+                        _ => {}
+                    }
+                }
                 // Write row j through the slot mapping, with a padding row now and then.
                 if rng.below(7) == 0 {
                     slots.push(-1);
                     for i in 0..hk * d {
-                        new_k.set(w * hk * d + i, 1e4);
-                        new_v.set(w * hk * d + i, 1e4);
+                        new_k.set(w * hk * d + i, garbage.unwrap_or(1e4));
+                        new_v.set(w * hk * d + i, garbage.unwrap_or(1e4));
                     }
                     w += 1;
                 }
@@ -286,7 +318,14 @@ impl Fixture {
             for t in 0..q_len {
                 for h in 0..hq {
                     for i in 0..d {
-                        let x = round(rng.normal() * 1.5 + bias[i]);
+                        let mut x = round(rng.normal() * 1.5 + bias[i]);
+                        for p in poison {
+                            if let Plant::Query { token, head, value } = *p {
+                                if token == t0 + t && head == h && i == 0 {
+                                    x = value;
+                                }
+                            }
+                        }
                         qv[(t * hq + h) * d + i] = x;
                         q.set((t0 + t) * q_row + h * d + i, x);
                     }

@@ -11,6 +11,7 @@ pub mod export;
 pub mod fixture;
 pub mod hostbuf;
 pub mod matrix;
+pub mod nonfinite;
 pub mod reference;
 pub mod sparse;
 pub mod sparse_cuda;
@@ -19,7 +20,7 @@ use crate::engine::{CacheWriteArgs, Engine, ForwardArgs};
 use crate::error::{ErrorKind, Result};
 use crate::stats::Counters;
 use crate::tensor::DType;
-pub use fixture::{CaseSpec, Fixture, Outputs};
+pub use fixture::{CaseSpec, Fixture, Outputs, Plant};
 pub use matrix::{extended, matrix, suite};
 
 /// The calls the suite makes of an implementation: kvsparse's in-process engine, or a library loaded
@@ -87,6 +88,12 @@ pub fn judge(f: &Fixture, outs: &Outputs, seed: u64) -> CaseResult {
     let lse = reference::max_abs_err(&l, &f.ref_lse);
     let (tol_o, tol_l) = tolerance(f.spec.dtype);
     CaseResult { name: f.spec.name.clone(), seed, rel_err: rel, lse_err: lse, pass: rel <= tol_o && lse <= tol_l, unsupported: false, error: None }
+}
+
+/// Cache write + forward of a fixture on a fresh CPU engine (a backend for `nonfinite::check_attention`).
+pub fn run_fixture_cpu(f: &mut Fixture) -> crate::Result<Outputs> {
+    let e = Engine::new(f.engine_config())?;
+    fixture::run_on_engine(&e, f)
 }
 
 /// Runs one case on a fresh CPU engine.

@@ -98,10 +98,17 @@ impl RowsState {
     }
 
     /// Folds another partial state over a disjoint key set into this one (exact, through the running
-    /// maxima): used to combine split-KV partials.
+    /// maxima): used to combine split-KV partials. A poisoned row (see [`poison`](Self::poison)) on either
+    /// side poisons the result.
     pub fn merge_from(&mut self, o: &RowsState) {
         let d = self.dim;
         for r in 0..self.rows {
+            if o.l[r].is_nan() {
+                self.l[r] = f32::NAN;
+            }
+            if self.l[r].is_nan() {
+                continue;
+            }
             let m = self.m[r].max(o.m[r]);
             if m == f32::NEG_INFINITY {
                 continue;
@@ -116,10 +123,23 @@ impl RowsState {
         }
     }
 
+    /// Marks row `r` as having met a logit that is not finite (NaN or infinity in its query or in a key it
+    /// attends, or an overflowing product): the row finishes as NaN, whatever else it attends. The mark
+    /// is `l = NaN`, which every later update keeps (`NaN + x`, and rescaling is skipped unless `l > 0`).
+    #[inline]
+    pub fn poison(&mut self, r: usize) {
+        self.l[r] = f32::NAN;
+    }
+
     /// Normalised output of row `r` written into `out`; returns its log-sum-exp (natural log, scaled
-    /// logits). A row that saw no key gets zeros and `-inf`.
+    /// logits). A row that saw no key gets zeros and `-inf`; a poisoned row gets NaN everywhere and a NaN
+    /// LSE (non-finite values in V are not poisoning: they reach the output elements they touch).
     pub fn finish_row(&self, r: usize, out: &mut [f32]) -> f32 {
         let acc = &self.acc[r * self.dim..(r + 1) * self.dim];
+        if self.l[r].is_nan() {
+            out[..self.dim].fill(f32::NAN);
+            return f32::NAN;
+        }
         if self.l[r] > 0.0 {
             let inv = 1.0 / self.l[r];
             for (o, &a) in out.iter_mut().zip(acc) {
@@ -312,6 +332,7 @@ fn chunk<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv
 
 /// With the chunk's raw scores in `st.scores`: masking, soft-cap and the online-softmax update, leaving
 /// the chunk's unnormalised weights in `st.scores` (0 for masked keys). Returns whether any row got weight.
+/// A visible raw score that is not finite poisons its row (NaN out, NaN LSE; see [`RowsState::poison`]).
 #[inline(always)]
 fn softmax_chunk(st: &mut RowsState, limits: &[RowLimits], keys: Keys, softcap: f32) -> bool {
     let n = keys.len();
@@ -321,14 +342,23 @@ fn softmax_chunk(st: &mut RowsState, limits: &[RowLimits], keys: Keys, softcap: 
         let lim = limits[r];
         let sc = &mut st.scores[r * CHUNK..r * CHUNK + n];
         let mut cmax = f32::NEG_INFINITY;
+        let mut finite = true;
         for (jj, s) in sc.iter_mut().enumerate() {
             let pos = keys.pos(jj);
             if pos < lim.lo || pos > lim.hi {
                 *s = f32::NEG_INFINITY;
-            } else if softcap > 0.0 {
-                *s = softcap * (*s / softcap).tanh();
+            } else {
+                finite &= s.is_finite();
+                if softcap > 0.0 {
+                    *s = softcap * (*s / softcap).tanh();
+                }
             }
             cmax = cmax.max(*s);
+        }
+        if !finite {
+            st.l[r] = f32::NAN;
+            sc.fill(0.0);
+            continue;
         }
         if cmax == f32::NEG_INFINITY {
             sc.fill(0.0);

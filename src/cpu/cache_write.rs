@@ -8,8 +8,9 @@ use crate::ensure;
 
 /// Validated slot list: `Some((block, offset))` per token, `None` for skipped (negative) slots.
 pub fn decode_slots(slot_mapping: &TensorRef, num_tokens: usize, cache: &KvCache) -> Result<Vec<Option<(usize, usize)>>> {
-    let capacity = (cache.num_blocks * cache.block_size) as i64;
-    let mut out = Vec::with_capacity(num_tokens);
+    // The cache's memory holds num_blocks * block_size slots, so the product fits (checked anyway).
+    let capacity = cache.num_blocks.checked_mul(cache.block_size).and_then(|c| i64::try_from(c).ok()).unwrap_or(i64::MAX);
+    let mut out = crate::alloc::try_with_capacity(num_tokens, "the slot list")?;
     for t in 0..num_tokens {
         // SAFETY: t < num_tokens == slot_mapping.shape[0], validated by the caller.
         let slot = unsafe { slot_mapping.read_int(&[t]) };

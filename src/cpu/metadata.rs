@@ -22,7 +22,7 @@ use super::convert::{load_row, Portable};
 use super::quantize::{code_bytes, quantize_row};
 use crate::error::Result;
 use crate::layout::KvCache;
-use crate::{bail, ensure};
+use crate::{alloc, bail, ensure};
 
 /// What the configured policy needs maintained.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -57,25 +57,27 @@ pub struct LayerMeta {
 }
 
 impl LayerMeta {
-    fn new(needs: MetaNeeds, cache: &KvCache) -> Self {
+    /// Sized by the cache (fallibly: the cache's block count comes from the caller).
+    fn new(needs: MetaNeeds, cache: &KvCache) -> Result<Self> {
         let (nb, bs, hk, d) = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim);
         let unit = needs.quest_page.map_or(0, |p| p.min(bs));
         let upb = if unit > 0 { bs / unit } else { 0 };
-        let qn = nb * upb * hk * d;
-        let rows = if needs.int4 { nb * bs * hk } else { 0 };
-        LayerMeta {
+        let qn = alloc::checked_product(&[nb, upb, hk, d], "Quest metadata entries")?;
+        let rows = if needs.int4 { alloc::checked_product(&[nb, bs, hk], "INT4 key rows")? } else { 0 };
+        let code_len = alloc::checked_product(&[rows, code_bytes(d)], "INT4 code bytes")?;
+        Ok(LayerMeta {
             num_blocks: nb,
             block_size: bs,
             kv_heads: hk,
             dim: d,
-            filled: vec![[0; 4]; nb],
+            filled: alloc::try_vec(nb, [0; 4], "the metadata fill mask")?,
             unit,
             units_per_block: upb,
-            qmin: vec![F16_POS_INF; qn],
-            qmax: vec![F16_NEG_INF; qn],
-            codes: vec![0; rows * code_bytes(d)],
-            qparams: vec![(0, 0); rows],
-        }
+            qmin: alloc::try_vec(qn, F16_POS_INF, "Quest key minima")?,
+            qmax: alloc::try_vec(qn, F16_NEG_INF, "Quest key maxima")?,
+            codes: alloc::try_vec(code_len, 0, "INT4 key codes")?,
+            qparams: alloc::try_vec(rows, (0, 0), "INT4 key scales")?,
+        })
     }
 
     pub fn bytes(&self) -> usize {
@@ -254,8 +256,10 @@ pub struct CacheMeta {
 }
 
 impl CacheMeta {
-    pub fn new(needs: MetaNeeds, num_layers: usize) -> Self {
-        CacheMeta { needs, layers: (0..num_layers).map(|_| RwLock::new(None)).collect() }
+    pub fn new(needs: MetaNeeds, num_layers: usize) -> Result<Self> {
+        let mut layers = alloc::try_with_capacity(num_layers, "per-layer key metadata")?;
+        layers.extend((0..num_layers).map(|_| RwLock::new(None)));
+        Ok(CacheMeta { needs, layers })
     }
 
     /// Locks `layer` for a cache write and makes sure its metadata exists and fits `cache`. Call before
@@ -273,7 +277,7 @@ impl CacheMeta {
                 m.num_blocks,
                 cache.num_blocks
             ),
-            None => *g = Some(LayerMeta::new(self.needs, cache)),
+            None => *g = Some(LayerMeta::new(self.needs, cache)?),
         }
         Ok(Some(g))
     }

@@ -101,9 +101,13 @@ pub unsafe fn tensor_opt(name: &str, p: *const DLTensor) -> Result<Option<Tensor
     let strides = if t.strides.is_null() || ndim == 0 { None } else { Some(std::slice::from_raw_parts(t.strides, ndim)) };
     let dtype = dtype_from_dl(name, t.dtype)?;
     let device = device_from_dl(t.device.device_type, t.device.device_id)?;
-    let numel: i64 = shape.iter().product();
-    ensure!(numel == 0 || !t.data.is_null(), InvalidArgument, "{name}.data is NULL");
-    let data = (t.data as *mut u8).wrapping_add(t.byte_offset as usize);
+    // NULL data, element counts and byte extents are checked (overflow is an error) by `from_raw`.
+    let offset = usize::try_from(t.byte_offset).ok().filter(|&o| (t.data as usize).checked_add(o).is_some());
+    let Some(offset) = offset else {
+        bail!(InvalidArgument, "{name}.byte_offset {} added to data {:p} wraps around the address space", t.byte_offset, t.data);
+    };
+    // A NULL data pointer stays NULL whatever the offset, so `from_raw` rejects it when elements exist.
+    let data = if t.data.is_null() { std::ptr::null_mut() } else { (t.data as *mut u8).wrapping_add(offset) };
     TensorRef::from_raw(data, dtype, device, shape, strides).map(Some).map_err(|mut e| {
         e.message = format!("{name}: {}", e.message);
         e

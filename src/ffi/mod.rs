@@ -221,7 +221,8 @@ pub unsafe extern "C" fn kvs_sequence_release(engine: *mut kvs_engine, seq_id: u
 /// Loads PRR's speculation budget table: `n` points `(context_lens[i], budgets[i])` (tokens), used as a
 /// step function of the sequence length (a context below the first point takes the first budget). `n = 0`
 /// (pointers may then be NULL) goes back to the policy spec's constant `budget`. The arrays are read
-/// during the call only. Applies from the next forward call; thread-safe.
+/// during the call only; at most 65536 points (more is `KVS_ERR_UNSUPPORTED`). Applies from the next
+/// forward call; thread-safe.
 #[no_mangle]
 pub unsafe extern "C" fn kvs_engine_set_speculation_budgets(engine: *mut kvs_engine, context_lens: *const u64, budgets: *const u64, n: usize) -> kvs_status {
     guard(|| {
@@ -231,14 +232,20 @@ pub unsafe extern "C" fn kvs_engine_set_speculation_budgets(engine: *mut kvs_eng
             return Ok(());
         }
         ensure!(!context_lens.is_null() && !budgets.is_null(), InvalidArgument, "context_lens and budgets must not be NULL when n > 0");
+        ensure!(n <= MAX_BUDGET_POINTS, Unsupported, "{n} speculation budget points, more than the {MAX_BUDGET_POINTS} accepted");
         let (c, b) = (std::slice::from_raw_parts(context_lens, n), std::slice::from_raw_parts(budgets, n));
-        let points = c.iter().zip(b).map(|(&c, &b)| (c as usize, b as usize)).collect();
+        let mut points = crate::alloc::try_with_capacity(n, "the speculation budget table")?;
+        points.extend(c.iter().zip(b).map(|(&c, &b)| (c as usize, b as usize)));
         e.set_speculation_budgets(Some(crate::policy::speculate::SpecBudgetTable::new(points)?));
         Ok(())
     })
 }
 
-/// Accumulated counters: `layer = -1` for all layers, else one layer. `out->struct_size` must be set;
+/// Most points `kvs_engine_set_speculation_budgets` takes.
+const MAX_BUDGET_POINTS: usize = 1 << 16;
+
+/// Accumulated counters: `layer = -1` for all layers, else one layer `0 .. num_layers-1` (any other
+/// value, other negative ones included, is `KVS_ERR_OUT_OF_RANGE`). `out->struct_size` must be set;
 /// kvsparse writes at most that many bytes. Thread-safe.
 #[no_mangle]
 pub unsafe extern "C" fn kvs_engine_stats(engine: *const kvs_engine, layer: i32, out: *mut kvs_stats) -> kvs_status {
@@ -247,13 +254,10 @@ pub unsafe extern "C" fn kvs_engine_stats(engine: *const kvs_engine, layer: i32,
         ensure!(!out.is_null(), InvalidArgument, "out is NULL");
         ensure!((*out).struct_size >= 8, InvalidArgument, "out.struct_size must be set (to sizeof(kvs_stats))");
         let s = e.stats();
-        let c = if layer < 0 {
-            s.total
-        } else {
-            match s.per_layer.get(layer as usize) {
-                Some(c) => *c,
-                None => bail!(OutOfRange, "layer {layer} is outside the engine's {} layers", s.per_layer.len()),
-            }
+        let c = match usize::try_from(layer) {
+            _ if layer == -1 => s.total,
+            Ok(l) if l < s.per_layer.len() => s.per_layer[l],
+            _ => bail!(OutOfRange, "layer {layer} is outside the engine's {} layers (-1 = totals)", s.per_layer.len()),
         };
         write_stats(out, &c, Some(&s));
         Ok(())

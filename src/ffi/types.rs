@@ -41,6 +41,8 @@ pub enum kvs_dtype {
 }
 
 /// Engine configuration. Fill it with `kvs_engine_config_init` and then set the model's fields.
+/// A size above its documented limit fails `kvs_engine_create` with `KVS_ERR_UNSUPPORTED`; an allocation
+/// the machine cannot make fails it with `KVS_ERR_OUT_OF_MEMORY`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvs_engine_config {
@@ -49,8 +51,9 @@ pub struct kvs_engine_config {
     /// DLPack device type of the tensors this engine serves (1 = CPU, 2 = CUDA).
     pub device_type: i32,
     pub device_id: i32,
-    /// Attention layers served; layer ids in calls are `0 .. num_layers-1`.
+    /// Attention layers served (1 to 4096); layer ids in calls are `0 .. num_layers-1`.
     pub num_layers: u32,
+    /// Query heads, 1 to 1024.
     pub num_q_heads: u32,
     /// Must divide `num_q_heads` (GQA/MQA).
     pub num_kv_heads: u32,
@@ -62,16 +65,34 @@ pub struct kvs_engine_config {
     pub num_blocks: u32,
     /// dtype of queries, caches and outputs.
     pub dtype: kvs_dtype,
-    /// CPU worker threads; 0 = one per available core.
+    /// CPU worker threads, at most 1024; 0 = one per available core (at most 1024).
     pub num_threads: u32,
     /// Cap on per-sequence policy state in bytes; 0 = none.
     pub max_state_bytes: u64,
-    /// NUL-terminated policy spec (docs/policies.md); NULL or "" = dense. Copied during the call.
+    /// NUL-terminated policy spec (docs/policies.md), at most 4096 bytes; NULL or "" = dense. Copied
+    /// during the call.
     pub policy: *const c_char,
 }
 
 /// One attention call over a varlen batch (prefill, chunked prefill and decode rows mixed).
 /// Tensor pointers are borrowed for the duration of the call only.
+///
+/// Tensors: strides are in elements and must not be negative; inputs may broadcast (stride 0), outputs
+/// (`out`, `lse`) and the caches must not alias themselves (a tensor with no element is always valid,
+/// whatever its strides). Element counts and byte extents must fit in 63 bits and not wrap the address
+/// space; `data` may be NULL only for a tensor with no element. At most 1048576 tokens and 65536
+/// sequences per call (more is `KVS_ERR_UNSUPPORTED`).
+///
+/// NaN and infinity propagate, as in other attention kernels, and never turn into zeros: for each output
+/// row (token, query head), if the query row or the key of any position the row attends (causal limit,
+/// sliding window and, for decode rows, the policy's selection) holds a NaN or an infinity, so that a
+/// logit `scale * q.k` is not finite (an overflowing product counts too, and a soft-cap does not hide
+/// it), the row's `out` is NaN in every element and its `lse` is NaN. A NaN or infinity in the value of
+/// an attended position makes the output elements it reaches non-finite (NaN or +-inf) and leaves `lse`
+/// finite; it may also make those elements non-finite in other rows of the same sequence that do not
+/// attend that position (a zero weight times infinity is NaN in tiled kernels). Memory no row of the
+/// call attends (cache slots past a sequence's length, other blocks, keys outside every row's window)
+/// never affects the result. Status stays `KVS_OK`: the values are the caller's.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvs_forward_args {
@@ -93,6 +114,7 @@ pub struct kvs_forward_args {
     /// `[num_tokens, num_q_heads, head_dim]` output, the engine's dtype. Written only on success.
     pub out: *const DLTensor,
     /// `[num_tokens, num_q_heads]` float32 log-sum-exp (natural log of scaled logits); may be NULL.
+    /// NaN for a row with a non-finite logit (see above); -inf only for a row that attends no key.
     pub lse: *const DLTensor,
     /// Softmax scale, usually `1/sqrt(head_dim)`.
     pub scale: f32,
@@ -110,6 +132,14 @@ pub struct kvs_forward_args {
 }
 
 /// Writes new K/V rows into a layer's cache by slot mapping (`slot = block * block_size + offset`).
+/// Tensors follow the rules of `kvs_forward_args` (the caches here are the same role as there); at most
+/// 1048576 tokens per call.
+///
+/// With a policy that keeps key metadata (`quest`, `speculate`, `top_p`), write each block's slots in
+/// increasing order, as serving engines append tokens: a write at offset `j` of a block starts that
+/// block's metadata over from `j`, so slots after `j` written by earlier calls count as unwritten until
+/// written again (a forward call that needs them fails with `KVS_ERR_INVALID_ARGUMENT` naming the
+/// position; it never uses stale bounds). Slots written in one call may come in any order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvs_cache_write_args {
@@ -127,6 +157,12 @@ pub struct kvs_cache_write_args {
 }
 
 /// Merges two partial attention results over disjoint key sets: `out, lse_out = merge(a, b)`.
+/// Tensors follow the rules of `kvs_forward_args` (`out` and `lse_out` are outputs).
+///
+/// Per row (token, head): a side whose lse is -inf attended no key and is ignored (its `out` is not
+/// read); both -inf gives zeros and -inf. A NaN or +inf lse on either side gives a NaN row and a NaN
+/// `lse_out`. A NaN or infinity in the `out` of a side with a finite lse reaches the merged elements,
+/// even when that side's weight underflows to zero.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvs_merge_args {

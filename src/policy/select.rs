@@ -140,8 +140,10 @@ pub fn quest_pages(page_scores: &[f32], first_page: usize, budget: usize, page: 
     let mut idx: Vec<usize> = (forced..last).collect();
     let m = k.saturating_sub(1 + forced).min(idx.len());
     if m > 0 {
-        // Highest score first; NaN never happens (bounds of filled pages are finite or -inf).
-        idx.select_nth_unstable_by(m - 1, |&a, &b| page_scores[b].total_cmp(&page_scores[a]).then(b.cmp(&a)));
+        // Highest score first. A NaN bound (a NaN or infinity in the query or among the page's keys) ranks
+        // first, so a poisoned key is attended (and its row comes out NaN) instead of skipped by chance.
+        let key = |p: usize| if page_scores[p].is_nan() { f32::INFINITY } else { page_scores[p] };
+        idx.select_nth_unstable_by(m - 1, |&a, &b| key(b).total_cmp(&key(a)).then(b.cmp(&a)));
     }
     idx.truncate(m);
     idx.extend(0..forced);

@@ -161,7 +161,13 @@ struct Parser<'a> {
     src: &'a str,
     toks: Vec<(usize, Tok)>,
     i: usize,
+    /// Argument lists open around the current position (parsing recurses once per level).
+    depth: usize,
 }
+
+/// Deepest nesting of argument lists (`speculate(over=quest(...))` needs 2): the parser recurses per
+/// level, so the bound keeps any spec from exhausting the stack.
+pub const MAX_NESTING: usize = 4;
 
 fn lex(src: &str) -> Result<Vec<(usize, Tok)>> {
     let b = src.as_bytes();
@@ -207,7 +213,17 @@ fn lex(src: &str) -> Result<Vec<(usize, Tok)>> {
 }
 
 fn err(src: &str, pos: usize, expected: &str, found: &str) -> Error {
-    Error::new(ErrorKind::InvalidArgument, format!("policy spec {src:?}: at position {pos} expected {expected}, found {found}"))
+    Error::new(ErrorKind::InvalidArgument, format!("policy spec {}: at position {pos} expected {expected}, found {found}", quoted(src)))
+}
+
+/// The spec as quoted in messages, cut after 120 bytes (a spec may be long; the position says where).
+fn quoted(src: &str) -> String {
+    const KEEP: usize = 120;
+    if src.len() <= KEEP {
+        return format!("{src:?}");
+    }
+    let cut = (0..=KEEP).rev().find(|&i| src.is_char_boundary(i)).unwrap_or(0);
+    format!("{:?}... ({} bytes)", &src[..cut], src.len())
 }
 
 /// One `key=value` argument with the position of its value.
@@ -271,10 +287,21 @@ impl<'a> Parser<'a> {
     }
 
     fn args(&mut self) -> Result<Vec<Arg>> {
-        let mut v = Vec::new();
-        if !self.eat('(') {
-            return Ok(v);
+        if self.peek().1 != Tok::Sym('(') {
+            return Ok(Vec::new());
         }
+        if self.depth >= MAX_NESTING {
+            return self.fail(&format!("at most {MAX_NESTING} nested argument lists, not another `(`"));
+        }
+        self.depth += 1;
+        let r = self.args_inner();
+        self.depth -= 1;
+        r
+    }
+
+    fn args_inner(&mut self) -> Result<Vec<Arg>> {
+        let mut v = Vec::new();
+        self.eat('(');
         if self.eat(')') {
             return Ok(v);
         }
@@ -326,7 +353,7 @@ impl<'a> Args<'a> {
     fn num(&mut self, key: &str, default: Option<f64>, allow_inf: bool, expected: &str, ok: impl Fn(f64) -> bool) -> Result<f64> {
         let Some(i) = self.find(key) else {
             return default.ok_or_else(|| {
-                Error::new(ErrorKind::InvalidArgument, format!("policy spec {:?}: stage `{}` needs `{key}=...` ({expected})", self.src, self.stage))
+                Error::new(ErrorKind::InvalidArgument, format!("policy spec {}: stage `{}` needs `{key}=...` ({expected})", quoted(self.src), self.stage))
             });
         };
         let a = &self.args[i];
@@ -370,7 +397,7 @@ impl<'a> Args<'a> {
 
 /// Parses a whole spec.
 pub fn parse(src: &str) -> Result<Spec> {
-    let mut p = Parser { src, toks: lex(src)?, i: 0 };
+    let mut p = Parser { src, toks: lex(src)?, i: 0, depth: 0 };
     let mut dense_layers = DEFAULT_DENSE_LAYERS;
     if p.peek().1 == Tok::End {
         return Ok(Spec { pipeline: None, dense_layers });
@@ -461,7 +488,7 @@ pub fn parse(src: &str) -> Result<Spec> {
                 let over_arg = over.map(|i| raw.remove(i));
                 let mut a = Args::new(src, "speculate", raw, &["alpha", "beta", "gamma", "budget", "predict", "extra"])?;
                 let (quest_budget, page, quest_sink) = match over_arg {
-                    None => return Err(Error::new(ErrorKind::InvalidArgument, format!("policy spec {src:?}: stage `speculate` needs `over=quest(budget=...)`"))),
+                    None => return Err(Error::new(ErrorKind::InvalidArgument, format!("policy spec {}: stage `speculate` needs `over=quest(budget=...)`", quoted(src)))),
                     Some(o) => {
                         if o.val != Tok::Name("quest".into()) {
                             return Err(err(src, o.val_pos, "`quest(...)` for `speculate.over`", &o.val.describe()));
@@ -614,6 +641,18 @@ mod tests {
         assert!(msg("predictor(budget=64, block=12)").contains("power of two"));
         assert!(msg("predictor(budget=64, history=1)").contains("predictor.history"));
         assert!(msg("quest(budget=8) > refresh").contains("at most one selector"));
+    }
+
+    #[test]
+    fn deep_nesting_is_an_error_not_a_stack_overflow() {
+        // Each level is `quest(a=`; 100,000 levels would overflow any thread's stack if parsing recursed.
+        for levels in [MAX_NESTING + 1, 15_000, 100_000] {
+            let spec = "quest(a=".repeat(levels) + &")".repeat(levels);
+            let m = msg(&spec);
+            assert!(m.contains("nested argument lists"), "{}", &m[m.len().saturating_sub(200)..]);
+        }
+        // The deepest legal spec still parses.
+        assert!(parse("speculate(over=quest(budget=8))").is_ok());
     }
 
     fn msg(spec: &str) -> String {

@@ -39,14 +39,16 @@ pub fn select(p_rows: &[f32], rows: usize, n: usize, p: f32, w: &mut Vec<f32>, k
     if n == 0 {
         return 0;
     }
-    if p >= 1.0 {
-        // p = 1 keeps every candidate (also those whose weight underflowed to zero).
+    let target: Vec<f64> = (0..rows).map(|r| p as f64 * p_rows[r * n..(r + 1) * n].iter().map(|&x| x as f64).sum::<f64>()).collect();
+    if p >= 1.0 || target.iter().any(|t| !t.is_finite()) {
+        // p = 1 keeps every candidate (also those whose weight underflowed to zero). So does a NaN or
+        // infinite estimate (a non-finite query or key): nothing can be ranked, and a poisoned key must
+        // reach the attention (whose row then comes out NaN) rather than be pruned by chance.
         keep.fill(true);
         return n;
     }
     w.clear();
     w.extend((0..n).map(|j| (0..rows).map(|r| p_rows[r * n + j]).fold(0f32, f32::max)));
-    let target: Vec<f64> = (0..rows).map(|r| p as f64 * p_rows[r * n..(r + 1) * n].iter().map(|&x| x as f64).sum::<f64>()).collect();
     let wmax = w.iter().copied().fold(0f32, f32::max);
     // Invariant: S(lo) reaches the target, S(hi) does not (or hi is above every weight).
     let (mut lo, mut hi) = (0f32, f32::INFINITY);
@@ -54,7 +56,11 @@ pub fn select(p_rows: &[f32], rows: usize, n: usize, p: f32, w: &mut Vec<f32>, k
         lo = wmax;
     } else {
         hi = wmax;
-        while hi - lo > EPS * wmax {
+        // The bracket halves each step; the step bound only matters where floats stop halving (a
+        // subnormal wmax), which must not loop forever.
+        let mut steps = 0;
+        while hi - lo > EPS * wmax && steps < 64 {
+            steps += 1;
             let mid = 0.5 * (lo + hi);
             if reaches(p_rows, n, w, mid, &target) {
                 lo = mid;
@@ -151,6 +157,19 @@ mod tests {
             let want = sort_and_accumulate(&pr, rows, n, p);
             assert_eq!(k, want, "seed {seed} trial {trial}: kept vs minimal (n {n}, rows {rows}, p {p})");
         }
+    }
+
+    #[test]
+    fn non_finite_estimates_keep_everything_and_tiny_weights_terminate() {
+        let (mut w, mut keep) = (Vec::new(), Vec::new());
+        let pr = vec![0.5, f32::NAN, 0.25, 0.25];
+        assert_eq!(select(&pr, 1, 4, 0.5, &mut w, &mut keep), 4);
+        let pr = vec![0.5, f32::INFINITY, 0.25, 0.25];
+        assert_eq!(select(&pr, 1, 4, 0.5, &mut w, &mut keep), 4);
+        // Subnormal weights: the bisection cannot halve below the float grid, and must still stop.
+        let pr = vec![1e-44, 1e-45, 2e-45, 3e-45];
+        let k = select(&pr, 1, 4, 0.9, &mut w, &mut keep);
+        assert!((1..=4).contains(&k));
     }
 
     #[test]

@@ -1,43 +1,16 @@
 /* Uses only include/kvsparse.h: engine lifecycle, a cache write and a decode step checked against a
  * double-precision reference, merge of two halves, statistics, and every bad-input class the ABI promises
  * to reject without writing anything. Prints "N passed, M failed" and exits non-zero on any failure. */
-#include "kvsparse.h"
+#include "check.h"
 
 #include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
-
-static int passed, failed;
-#define CHECK(cond, ...)                                          \
-  do {                                                            \
-    if (cond) {                                                   \
-      passed++;                                                   \
-    } else {                                                      \
-      failed++;                                                   \
-      printf("FAIL line %d: ", __LINE__);                         \
-      printf(__VA_ARGS__);                                        \
-      printf(" (last error: %s)\n", kvs_last_error());            \
-    }                                                             \
-  } while (0)
 
 enum { HQ = 4, HK = 2, D = 64, BS = 16, NB = 8, NSEQ = 2, MAXB = 4 };
 
 static DLTensor tensor(void *data, int ndim, int64_t *shape, uint8_t code, uint8_t bits) {
-  DLTensor t;
-  memset(&t, 0, sizeof t);
-  t.data = data;
-  t.device.device_type = 1; /* kDLCPU */
-  t.ndim = ndim;
-  t.dtype.code = code;
-  t.dtype.bits = bits;
-  t.dtype.lanes = 1;
-  t.shape = shape;
-  return t;
+  return dl_tensor(data, ndim, shape, NULL, code, bits);
 }
-#define F32 2, 32
-#define I32 0, 32
-#define I64 0, 64
 
 static double frand(void) { return (double)rand() / RAND_MAX * 2.0 - 1.0; }
 
