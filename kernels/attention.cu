@@ -98,8 +98,10 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
 
     float m[GQ], l[GQ], acc[GQ][NV][VEC];
+    bool bad[GQ];  // the row met a non-finite visible logit: it finishes as NaN
 #pragma unroll
     for (int g = 0; g < GQ; ++g) {
+        bad[g] = false;
         m[g] = -INFINITY;
         l[g] = 0.f;
 #pragma unroll
@@ -159,6 +161,7 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                     for (int e = 0; e < VEC; ++e) x = fmaf(qr[g][k][e], ET::ld(kraw[j][k].e[e]), x);
 #pragma unroll
                 for (int o = LPK / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+                if (valid[j] && !isfinite(x)) bad[g] = true;  // poisons the row (issue 12)
                 if (softcap > 0.f) x = softcap * tanhf(x / softcap) * KVS_LOG2E;
                 s[j][g] = valid[j] ? x : -INFINITY;
             }
@@ -192,6 +195,12 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     // Combine the lane groups of this CTA.
     __shared__ float sm_m[NG][GQ], sm_l[NG][GQ];
     __shared__ float sm_acc[NG][GQ][HEAD_DIM];
+    __shared__ int sm_bad[GQ];
+    if (threadIdx.x < GQ) sm_bad[threadIdx.x] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < GQ; ++g)
+        if (bad[g]) sm_bad[g] = 1;
 #pragma unroll
     for (int g = 0; g < GQ; ++g) {
         if (li == 0) { sm_m[gid][g] = m[g]; sm_l[gid][g] = l[g]; }
@@ -219,8 +228,10 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             }
         }
         const bool any = L > 0.f;
-        const float o = any ? O / L : 0.f;
-        const float lse_nat = any ? (M + log2f(L)) * KVS_LN2 : -INFINITY;
+        const float nan = __int_as_float(0x7fffffff);
+        const bool poisoned = sm_bad[g] != 0;
+        const float o = poisoned ? nan : (any ? O / L : 0.f);
+        const float lse_nat = poisoned ? nan : (any ? (M + log2f(L)) * KVS_LN2 : -INFINITY);
         const int h = h0 + g;
         if (nsplit == 1) {
             out[t * o0 + h * o1 + d * o2] = ET::st(o);

@@ -146,6 +146,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0s = 0.f, l1s = 0.f;
+    bool bad0 = false, bad1 = false;  // this lane's rows r and r + 8 met a non-finite visible logit
 
     const int* bt_row = bt + row.seq * bt0;
     const int bmask = (1 << bs_log2) - 1;
@@ -224,14 +225,19 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             mma16816(s[0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b[0], b[1]);
             mma16816(s[1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b[2], b[3]);
         }
-        // Logits (base 2), masked keys at -inf.
+        // Logits (base 2), masked keys at -inf. A visible key whose raw score is not finite (NaN or
+        // infinity in q or k, or an overflow) poisons its row: the row finishes as NaN (issue 12).
 #pragma unroll
         for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float x = s[n][e];
+                const bool vis = (msk >> (n * 8 + qd * 2 + (e & 1))) & 1;
+                if (vis && !isfinite(x)) {
+                    if (e < 2) bad0 = true; else bad1 = true;
+                }
                 x = softcap > 0.f ? softcap * tanhf(x * scale / softcap) * KVS_LOG2E : x * sl2;
-                s[n][e] = (msk >> (n * 8 + qd * 2 + (e & 1))) & 1 ? x : -INFINITY;
+                s[n][e] = vis ? x : -INFINITY;
             }
         unsigned pa[4];
         {
@@ -282,8 +288,20 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     l1s += __shfl_xor_sync(0xffffffffu, l1s, 1);
     l1s += __shfl_xor_sync(0xffffffffu, l1s, 2);
 
+    // Poisoned rows: OR over the quad (each lane saw its own columns).
+    bad0 = __shfl_xor_sync(0xffffffffu, (int)bad0, 1) | bad0;
+    bad0 = __shfl_xor_sync(0xffffffffu, (int)bad0, 2) | bad0;
+    bad1 = __shfl_xor_sync(0xffffffffu, (int)bad1, 1) | bad1;
+    bad1 = __shfl_xor_sync(0xffffffffu, (int)bad1, 2) | bad1;
+    __shared__ int sm_bad[GQ];
+    if (threadIdx.x < GQ) sm_bad[threadIdx.x] = 0;
+
     // Merge the warps of this CTA in shared memory (the stage buffers are free once every warp is here).
     __syncthreads();
+    if (qd == 0) {
+        if (bad0 && r < GQ) sm_bad[r] = 1;
+        if (bad1 && r + 8 < GQ) sm_bad[r + 8] = 1;
+    }
     float* sm_o = reinterpret_cast<float*>(smem);        // [NWARPS][GQ][HEAD_DIM]
     float* sm_m = sm_o + NWARPS * GQ * HEAD_DIM;           // [NWARPS][GQ]
     float* sm_l = sm_m + NWARPS * GQ;                      // [NWARPS][GQ]
@@ -319,8 +337,10 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             }
         }
         const bool any = L > 0.f;
-        const float ov = any ? O / L : 0.f;
-        const float lse_nat = any ? (M + log2f(L)) * KVS_LN2 : -INFINITY;
+        const float nan = __int_as_float(0x7fffffff);
+        const bool bad = sm_bad[g] != 0;
+        const float ov = bad ? nan : (any ? O / L : 0.f);
+        const float lse_nat = bad ? nan : (any ? (M + log2f(L)) * KVS_LN2 : -INFINITY);
         const int h = h0 + g;
         if (nsplit == 1) {
             out[t * o0 + h * o1 + d * o2] = ET::st(ov);

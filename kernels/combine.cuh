@@ -32,6 +32,10 @@ kvs_attn_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ls
     float mx = -INFINITY;
     for (int s = tid; s < nsplit; s += blockDim.x) mx = fmaxf(mx, ws_lse[base + s]);
     const float M = kvs_block_reduce(mx, true, red);
+    // A split whose row met a non-finite logit carries lse NaN: the whole row is NaN (max() skips NaN).
+    float nan_any = 0.f;
+    for (int s = tid; s < nsplit; s += blockDim.x) nan_any = isnan(ws_lse[base + s]) ? 1.f : nan_any;
+    const bool poisoned = kvs_block_reduce(nan_any, true, red) > 0.f;
     float sw = 0.f;
     if (M != -INFINITY)
         for (int s = tid; s < nsplit; s += blockDim.x) sw += __expf(ws_lse[base + s] - M);
@@ -47,7 +51,8 @@ kvs_attn_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ls
     if (tid < HEAD_DIM) {
         for (int i = 1; i < parts; ++i) O += part[i * HEAD_DIM + tid];
         const bool any = L > 0.f;
-        out[t * o0 + h * o1 + tid * o2] = ET::st(any ? O / L : 0.f);
-        if (lse != 0 && tid == 0) lse[t * l0 + h * l1] = any ? M + __logf(L) : -INFINITY;
+        const float nan = __int_as_float(0x7fffffff);
+        out[t * o0 + h * o1 + tid * o2] = ET::st(poisoned ? nan : (any ? O / L : 0.f));
+        if (lse != 0 && tid == 0) lse[t * l0 + h * l1] = poisoned ? nan : (any ? M + __logf(L) : -INFINITY);
     }
 }

@@ -1,6 +1,8 @@
-// Exact merge of two partial attention states through their LSEs (same formula as src/cpu/merge.rs):
+// Exact merge of two partial attention states through their LSEs (same rules as src/cpu/merge.rs):
 // m = max(la, lb); w = exp(l - m); out = (wa*a + wb*b) / (wa + wb); lse = m + ln(wa + wb).
-// One thread per output element; a (token, head) whose both sides saw no key gets zeros and -inf.
+// One thread per output element. A side with lse = -inf saw no key and is not read (both: zeros, -inf);
+// an lse that is NaN or +inf on either side makes the row NaN, lse NaN; NaN or infinity in a side's
+// output reaches the merged elements.
 
 template <typename T>
 __device__ void merge_impl(const typename T::S* a, i64 a0, i64 a1, i64 a2, const float* la, i64 la0, i64 la1,
@@ -15,12 +17,22 @@ __device__ void merge_impl(const typename T::S* a, i64 a0, i64 a1, i64 a2, const
         float xa = la[t * la0 + h * la1], xb = lb[t * lb0 + h * lb1];
         float m = fmaxf(xa, xb);
         float r, l;
-        if (m == -INFINITY) {
+        const float va = T::ld(a[t * a0 + h * a1 + d * a2]), vb = T::ld(b[t * b0 + h * b1 + d * b2]);
+        if (isnan(xa) || isnan(xb) || xa == INFINITY || xb == INFINITY) {
+            r = __int_as_float(0x7fffffff);
+            l = r;
+        } else if (m == -INFINITY) {
             r = 0.f;
             l = -INFINITY;
+        } else if (xb == -INFINITY) {
+            r = va;
+            l = xa;
+        } else if (xa == -INFINITY) {
+            r = vb;
+            l = xb;
         } else {
             float wa = __expf(xa - m), wb = __expf(xb - m);
-            r = (wa * T::ld(a[t * a0 + h * a1 + d * a2]) + wb * T::ld(b[t * b0 + h * b1 + d * b2])) / (wa + wb);
+            r = (wa * va + wb * vb) / (wa + wb);
             l = m + __logf(wa + wb);
         }
         o[t * o0 + h * o1 + d * o2] = T::st(r);

@@ -681,6 +681,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
     unsigned long long tloc[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) tloc[g] = 0ull;
+    bool nonfinite = false;  // a NaN or infinite weight (non-finite query or key): keep everything
     for (int j4b = j4_start; j4b < j4_end; j4b += 4 * blockDim.x) {  // uniform trip count (warp collectives)
         const int j4 = j4b + 4 * threadIdx.x;
         float pv[4][GROUP];
@@ -698,7 +699,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
                     if (ok) {
                         y = kvs_fast_exp(vs[k] - m[g]);
                         if (zpos[g]) y *= inv[g];
-                        tloc[g] += to_fixed(y);
+                        nonfinite = nonfinite || !isfinite(y);
+                        tloc[g] += isfinite(y) ? to_fixed(y) : 0ull;
                         wv[k] = g == 0 ? y : fmaxf(wv[k], y);
                     }
                     o[k] = y;
@@ -721,7 +723,9 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
     }
     if (threadIdx.x == 0) tie_cut = nc;
     __syncthreads();
-    const bool keep_all = p >= 1.0f;
+    // As top_p::select: p = 1, or a non-finite weight (nothing can be ranked, and a poisoned key must
+    // reach the attention rather than be pruned by chance), keeps every candidate.
+    const bool keep_all = p >= 1.0f || block_max(nonfinite ? 1.0f : 0.0f, red_f) > 0.0f;
     unsigned T = 0;
     if (!keep_all && nvalid > 0) {
         T = choose_digit(mass, above, target, wsum, &pick) << 24;

@@ -54,6 +54,20 @@ if has conformance; then
   grep -aE "passed|failed|HARNESS|DONE|engine" "$OUT/conformance-gpu.log" | tail -12
   (cd /tmp/conf && tar czf "$OUT/conformance.tgz" . 2>/dev/null)
 fi
+if has final; then
+  # The last checks of a session: every CUDA test (the NaN/Inf contract included), the Python package
+  # driven with CUDA tensors and graphs (scripts/gpu_shim_check.py), kvsparse's own CUDA engine through the
+  # conformance suite and sparse contract, then compute-sanitizer on the sparse tests.
+  GREP='test result' step dense-tests 150 "$DIR/bin/cuda_tests" --test-threads=1
+  GREP='test result' step sparse-tests 150 env KVS_QUICK=1 "$DIR/bin/cuda_sparse_tests" --test-threads=1 --nocapture
+  if [[ -d "$DIR/shim" ]]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$DIR"/shim/whl/*.whl
+    GREP='PASSED|FAIL' step shim 150 env PYTHONPATH=/tmp/site KVSPARSE_LIB="$DIR/shim/libkvsparse.so" PYTHONUNBUFFERED=1 python3 "$DIR/../scripts/gpu_shim_check.py"
+  fi
+  GREP='passed|failed' step engine-conformance 120 "$DIR/bin/kvsparse" conformance --quick --seed 20251123
+  GREP='ERROR SUMMARY' step memcheck 220 env KVS_QUICK=1 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 --skip lossless --skip refuses
+  GREP='RACECHECK SUMMARY|ERROR SUMMARY' step racecheck 150 env KVS_QUICK=1 compute-sanitizer --tool racecheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 decisions
+fi
 if has probe; then
   GREP='quest' step bench-probe 120 "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --batch 1,32 --ctx 131072
 fi

@@ -189,9 +189,8 @@ fn cuda_propagates_nan_and_inf_as_documented() {
     assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
 }
 
-/// The kernels propagate NaN only once they are ported (issue 12): until then this test is listed as
-/// ignored on a GPU too, and `--include-ignored` runs it. Set to false with the port.
-const NAN_PORT_PENDING: bool = true;
+/// The CUDA kernels propagate NaN and infinity as the CPU does (attention, split combine, merge).
+const NAN_PORT_PENDING: bool = false;
 
 fn main() {
     use libtest_mimic::{Arguments, Trial};
