@@ -62,6 +62,32 @@ impl Counters {
         self.kv_bytes_read += o.kv_bytes_read;
     }
 
+    /// What was counted since `before` (an earlier reading of the same, only growing, counters).
+    pub fn since(&self, before: &Counters) -> Counters {
+        let f = |a: u64, b: u64| a.saturating_sub(b);
+        Counters {
+            calls: f(self.calls, before.calls),
+            prefill_tokens: f(self.prefill_tokens, before.prefill_tokens),
+            decode_rows: f(self.decode_rows, before.decode_rows),
+            policy_rows: f(self.policy_rows, before.policy_rows),
+            blocks_eligible: f(self.blocks_eligible, before.blocks_eligible),
+            blocks_visited: f(self.blocks_visited, before.blocks_visited),
+            blocks_skipped_termination: f(self.blocks_skipped_termination, before.blocks_skipped_termination),
+            top_p_candidates: f(self.top_p_candidates, before.top_p_candidates),
+            top_p_kept: f(self.top_p_kept, before.top_p_kept),
+            spec_predicted_blocks: f(self.spec_predicted_blocks, before.spec_predicted_blocks),
+            spec_hit_blocks: f(self.spec_hit_blocks, before.spec_hit_blocks),
+            spec_true_blocks: f(self.spec_true_blocks, before.spec_true_blocks),
+            spec_repaired_blocks: f(self.spec_repaired_blocks, before.spec_repaired_blocks),
+            spec_reuse_hit_blocks: f(self.spec_reuse_hit_blocks, before.spec_reuse_hit_blocks),
+            spec_calibrations: f(self.spec_calibrations, before.spec_calibrations),
+            spec_calib_us: f(self.spec_calib_us, before.spec_calib_us),
+            refresh_full_steps: f(self.refresh_full_steps, before.refresh_full_steps),
+            refresh_partial_steps: f(self.refresh_partial_steps, before.refresh_partial_steps),
+            kv_bytes_read: f(self.kv_bytes_read, before.kv_bytes_read),
+        }
+    }
+
     /// Fraction of eligible blocks visited by policy rows (1.0 when nothing was eligible).
     pub fn visited_fraction(&self) -> f64 {
         if self.blocks_eligible == 0 {

@@ -416,26 +416,9 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
     if cuda {
         // The device keeps the policy counters; the decode phase's share is the difference.
         let after = engine.stats().total;
-        counters = counters_delta(&after, &stats_before);
+        counters = after.since(&stats_before);
     }
     Ok(Replay { steps, out, counters, forward_s, visits })
-}
-
-/// `a - b` field by field (counters only grow).
-fn counters_delta(a: &Counters, b: &Counters) -> Counters {
-    let mut d = *a;
-    let f = |x: u64, y: u64| x.saturating_sub(y);
-    d.calls = f(a.calls, b.calls);
-    d.prefill_tokens = f(a.prefill_tokens, b.prefill_tokens);
-    d.decode_rows = f(a.decode_rows, b.decode_rows);
-    d.policy_rows = f(a.policy_rows, b.policy_rows);
-    d.blocks_eligible = f(a.blocks_eligible, b.blocks_eligible);
-    d.blocks_visited = f(a.blocks_visited, b.blocks_visited);
-    d.blocks_skipped_termination = f(a.blocks_skipped_termination, b.blocks_skipped_termination);
-    d.top_p_candidates = f(a.top_p_candidates, b.top_p_candidates);
-    d.top_p_kept = f(a.top_p_kept, b.top_p_kept);
-    d.kv_bytes_read = f(a.kv_bytes_read, b.kv_bytes_read);
-    d
 }
 
 /// Sum of `w` (one query head's weights over positions) over the sorted half-open `spans`.

@@ -358,8 +358,12 @@ impl Session for CudaSession {
         args.seq_lens = view(&lens, 0, DType::I32, &[n], &[1])?;
         args.query_start_loc = view(&qsl, 0, DType::I32, &[n + 1], &[1])?;
         args.seq_ids = Some(view(&ids, 0, DType::I64, &[n], &[1])?);
-        let c = self.engine.attention_forward(&args)?;
+        // A CUDA call returns only its call count; the policy counters live on the device and are read
+        // (with a sync) through the engine's statistics, before and after.
+        let before = self.engine.stats().total;
+        self.engine.attention_forward(&args)?;
         engine_sync(&self.engine)?;
+        let c = self.engine.stats().total.since(&before);
         let nb = host_out.len() * g.dtype.size_bytes();
         // SAFETY: the host buffer holds exactly nb bytes.
         out.download(0, unsafe { std::slice::from_raw_parts_mut(host_out.as_mut_ptr(), nb) })?;

@@ -38,6 +38,10 @@ impl Geometry {
     pub fn config(&self, policy: &str) -> EngineConfig {
         let mut c = EngineConfig::new(1, self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size, self.dtype);
         c.policy = if policy.is_empty() { String::new() } else { format!("{policy}; dense_layers=0") };
+        // One worker: with several, the CPU's dense path splits a short batch's keys among threads (split-KV)
+        // while a policy row is attended whole, and "full budget equals dense bit for bit" compares sums in
+        // two orders (seen on a 16-core machine).
+        c.num_threads = 1;
         c
     }
     /// Elements of one cache (K or V).
