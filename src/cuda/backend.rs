@@ -30,9 +30,6 @@ use crate::{bail, ensure};
 
 const NTHREADS: u32 = 128;
 
-/// Fewest plan keys per split (dense rows keep `SplitPolicy::min_chunk`).
-const PLAN_MIN_CHUNK: usize = 256;
-
 /// What the host knows of a call's batch before launching anything.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Geometry {
@@ -158,15 +155,6 @@ impl CudaBackend {
         Ok(Some(Geometry { num_tokens, num_seqs, cols, max_pos, max_len }))
     }
 
-    /// The split planner's tunables for a launch: plan rows are short (a budget of keys), so their splits
-    /// may be shorter than dense ones to fill the device at small batch.
-    fn split_policy(&self, mode: i32) -> SplitPolicy {
-        let mut p = self.policy;
-        if mode == 1 {
-            p.min_chunk = p.min_chunk.min(PLAN_MIN_CHUNK);
-        }
-        p
-    }
 
     /// One attention launch (plus its split combine) over the rows `rows` selects.
     pub(super) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
@@ -203,7 +191,7 @@ impl CudaBackend {
             }
             let per_sm = launch::occupancy_smem(f_split, threads, smem)? as usize;
             head_groups = cfg.num_q_heads / ms.gq;
-            (nsplit, chunk) = plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.split_policy(mode));
+            (nsplit, chunk) = plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.policy);
         } else {
             let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
             let mut d = Self::attn_defines(cfg, &shape);
@@ -214,7 +202,7 @@ impl CudaBackend {
             threads = NTHREADS;
             let per_sm = launch::occupancy(f_split, NTHREADS)? as usize;
             head_groups = cfg.num_q_heads / shape.gq;
-            (nsplit, chunk) = plan::splits(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, &shape, &self.split_policy(mode));
+            (nsplit, chunk) = plan::splits(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, &shape, &self.policy);
         }
         let module = if mma.is_some() { ("attention_mma", launch::ATTENTION_MMA) } else { ("attention", launch::ATTENTION) };
         let stream = a.stream;
