@@ -30,6 +30,10 @@ use crate::{bail, ensure};
 
 const NTHREADS: u32 = 128;
 
+/// Fewest plan keys per split when a plan is shorter than its sequences (dense rows keep
+/// `SplitPolicy::min_chunk`): short plans are split finer to fill the device at small batch.
+const PLAN_MIN_CHUNK: usize = 256;
+
 /// What the host knows of a call's batch before launching anything.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Geometry {
@@ -156,6 +160,17 @@ impl CudaBackend {
     }
 
 
+    /// The split planner's tunables for a launch over `keys` keys per row: a plan shorter than the longest
+    /// sequence may use shorter splits; one that covers it splits exactly as dense rows do, so a lossless
+    /// plan is attended in dense's order (bit for bit in f32).
+    fn split_policy(&self, mode: i32, keys: usize, max_len: usize) -> SplitPolicy {
+        let mut p = self.policy;
+        if mode == 1 && keys < max_len {
+            p.min_chunk = p.min_chunk.min(PLAN_MIN_CHUNK);
+        }
+        p
+    }
+
     /// One attention launch (plus its split combine) over the rows `rows` selects.
     pub(super) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
         let num_tokens = geo.num_tokens;
@@ -191,7 +206,7 @@ impl CudaBackend {
             }
             let per_sm = launch::occupancy_smem(f_split, threads, smem)? as usize;
             head_groups = cfg.num_q_heads / ms.gq;
-            (nsplit, chunk) = plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.policy);
+            (nsplit, chunk) = plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.split_policy(mode, keys, geo.max_len));
         } else {
             let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
             let mut d = Self::attn_defines(cfg, &shape);
@@ -202,7 +217,7 @@ impl CudaBackend {
             threads = NTHREADS;
             let per_sm = launch::occupancy(f_split, NTHREADS)? as usize;
             head_groups = cfg.num_q_heads / shape.gq;
-            (nsplit, chunk) = plan::splits(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, &shape, &self.policy);
+            (nsplit, chunk) = plan::splits(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, &shape, &self.split_policy(mode, keys, geo.max_len));
         }
         let module = if mma.is_some() { ("attention_mma", launch::ATTENTION_MMA) } else { ("attention", launch::ATTENTION) };
         let stream = a.stream;

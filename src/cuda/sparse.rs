@@ -307,9 +307,9 @@ impl CudaBackend {
             if a.max_query_len != 1 {
                 self.attend(cfg, a, cache, geo, Rows::DenseRest)?;
             }
-            // Split like dense attention (same planner, same key bound): a plan that covers every position
-            // is then attended in the same order as dense, bit for bit; a plan reaching past max_len
-            // (a partial last page) is still covered, by the last split, which runs to the plan's end.
+            // Key bound of the split planner: a plan that covers every position gets dense's bound and
+            // splits (attended in dense's order, bit for bit); a plan reaching past max_len (a partial last
+            // page) is still covered, by the last split, which runs to the plan's end.
             let keys = (fin.cap << fin.ulog2).min(geo.max_len);
             self.attend(cfg, a, cache, geo, Rows::Plan(fin_ref, keys))?;
         }
