@@ -2,11 +2,18 @@
 
 Every failing call raises KvsError carrying the status name and kvsparse's own
 message (kvs_last_error), so configuration errors surface verbatim at startup.
+
+A CUDA engine (`device="cuda"`) takes torch CUDA tensors (DLPack device 2, no copy) and enqueues its work on
+the caller's current torch stream (`torch.cuda.current_stream()`, so inside `torch.cuda.graph` the capture
+stream) unless `stream=` names another; `cache_write` and `forward` never synchronize. Only `stats()` does
+(it reads the device counters). These one-off calls build their descriptors per call; a serving loop uses
+`step.LayerCall`, which keeps them (docs/vllm.md).
 """
 import torch
 
 from ._ffi import ffi, lib
 from .dlpack import described, ptr
+from .streams import raw_stream
 
 _DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATS_FIELDS = [f[0] for f in ffi.typeof("kvs_stats").fields if f[0] not in ("struct_size", "reserved")]
@@ -72,19 +79,24 @@ class Engine:
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.block_size = block_size
 
+    def _stream(self, stream):
+        """The stream handle passed to C: `stream` when given, else torch's current stream (CPU: none)."""
+        return raw_stream(self.device) if stream is None else int(stream)
+
     def cache_write(self, layer, key, value, key_cache, value_cache, slot_mapping, stream=None):
         vs = [described(t) for t in (key, value, key_cache, value_cache, slot_mapping)]
         a = ffi.new("kvs_cache_write_args *")
         a.struct_size = ffi.sizeof("kvs_cache_write_args")
         a.layer = layer
         a.key, a.value, a.key_cache, a.value_cache, a.slot_mapping = [v.ptr for v in vs]
-        a.stream = ffi.NULL if stream is None else ffi.cast("void *", stream)
+        a.stream = ffi.cast("void *", self._stream(stream))
         _check(lib.kvs_cache_write(self._h, a), "cache_write")
 
     def forward(self, layer, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                 out, *, seq_ids=None, lse=None, scale, sliding_window=0, softcap=0.0,
                 max_query_len=0, max_seq_len=0, stream=None, call_stats=False):
-        """Causal paged attention of one layer; returns this call's counters when call_stats."""
+        """Causal paged attention of one layer; returns this call's counters when call_stats (host-known
+        counts on a CUDA engine: its policy counters stay on the device until `stats()`)."""
         tensors = [query, key_cache, value_cache, block_table, seq_lens, query_start_loc, seq_ids, out, lse]
         vs = [described(t) for t in tensors]
         a = ffi.new("kvs_forward_args *")
@@ -94,7 +106,7 @@ class Engine:
          a.seq_ids, a.out, a.lse) = [ptr(v) for v in vs]
         a.scale, a.sliding_window, a.softcap = scale, sliding_window, softcap
         a.max_query_len, a.max_seq_len = max_query_len, max_seq_len
-        a.stream = ffi.NULL if stream is None else ffi.cast("void *", stream)
+        a.stream = ffi.cast("void *", self._stream(stream))
         st = None
         if call_stats:
             st = ffi.new("kvs_stats *")

@@ -18,17 +18,8 @@ import torch
 from ._ffi import ffi, lib
 from .dlpack import Desc
 from .engine import KvsError
+from .streams import raw_stream  # noqa: F401  (re-exported: the backends import it from here)
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def raw_stream(device) -> int:
-    """The current CUDA stream of `device` as an integer handle; 0 (no stream) on the CPU."""
-    if device.type != "cuda":
-        return 0
-    if _raw_stream is not None:
-        return _raw_stream(device.index or 0)
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _word(struct_type: str, field: str) -> int:

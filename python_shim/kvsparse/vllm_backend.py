@@ -13,7 +13,9 @@ built on the layer's first use, on vLLM's current stream. Nothing reads a device
 CUDA graphs: the builder declares `UNIFORM_SINGLE_TOKEN_DECODE` (FULL graphs of decode-only batches) for
 dense engines on CUDA (and policies made of GRAPH_POLICY_STAGES), the case scripts/gpu_shim_check.py
 captures and replays; `NEVER` otherwise (vLLM then
-runs attention eagerly between piecewise graphs). Decode metadata built where graphs are on asks the engine
+runs attention eagerly between piecewise graphs). The builder never waits for the device: it reads no
+metadata tensor on the host, and the periodic stats line (which reads device counters) is off on CUDA unless
+KVSPARSE_LOG_EVERY asks for it, and never in a capture build. Decode metadata built where graphs are on asks the engine
 to plan for the block table's whole width (max_seq_len = 0), so a captured step stays valid as sequences
 grow and its split-KV workspace is the largest a decode step of that batch size needs.
 """
@@ -44,15 +46,26 @@ from .step import IdBuffer, LayerCall, StepMeta, raw_stream
 from .vllm_runner import TRACKER
 
 log = init_logger("vllm.kvsparse")  # under vLLM's logger config, so INFO lines show
-LOG_EVERY = int(os.environ.get("KVSPARSE_LOG_EVERY", "64"))
+
+
+def log_every(device) -> int:
+    """Builds between two `kvsparse stats:` lines: $KVSPARSE_LOG_EVERY, else 64 on the CPU and 0 (never) on
+    CUDA, where reading the engine's counters synchronizes the device: opt in there, knowing that every
+    N-th build waits for the GPU."""
+    env = os.environ.get("KVSPARSE_LOG_EVERY")
+    if env is not None:
+        return int(env)
+    return 0 if torch.device(device).type == "cuda" else 64
 
 # What kvs_engine_create accepts (include/kvsparse.h), declared to vLLM so it can choose or refuse up front.
 HEAD_SIZES = [64, 80, 96, 112, 128, 192, 256]
 BLOCK_SIZES = [1 << i for i in range(9)]
 # Policy stages (spec names, docs/policies.md) whose decode steps the CUDA engine runs inside a CUDA graph,
-# as checked by scripts/gpu_shim_check.py --policy SPEC. Dense needs none; add a name only after that check
-# passed for it on the GPU.
-GRAPH_POLICY_STAGES = frozenset()
+# as checked on the GPU by scripts/gpu_shim_check.py --policy SPEC (the shared step module, every layer's cache
+# write + attention captured and replayed == eager) or scripts/gpu_e2e.py's graph == eager check of a whole
+# model step. Dense needs none; add a name only after such a check passed for it on the GPU.
+# quest: gpu_shim_check.py's default policy, quest(budget=256), passed on an H100 (issue 19).
+GRAPH_POLICY_STAGES = frozenset({"quest"})
 
 
 
@@ -201,6 +214,7 @@ class KvSparseMetadataBuilder(AttentionMetadataBuilder[KvSparseMetadata]):
         mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
         self.graphs = graphs_supported(vllm_config) and mode is not None and getattr(mode, "name", "NONE") != "NONE"
         self._builds = 0
+        self._log_every = log_every(self.engine.device)
         self._steps, self._turn = [None, None], 0
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -216,7 +230,7 @@ class KvSparseMetadataBuilder(AttentionMetadataBuilder[KvSparseMetadata]):
         n = m.num_reqs
         ids = self.ids.put(TRACKER.batch_ids(m))
         self._builds += 1
-        if LOG_EVERY > 0 and self._builds % LOG_EVERY == 0:
+        if not capture and self._log_every > 0 and self._builds % self._log_every == 0:
             log_stats(self.engine)
         max_seq_len = 0 if capture or (self.graphs and m.max_query_len == 1) else m.max_seq_len
         qsl = _int32(m.query_start_loc, "query_start_loc")

@@ -86,3 +86,53 @@ def test_cache_write_and_forward_match_reference_on_strided_vllm_cache(dtype, to
 def test_unsupported_dtype_is_a_clear_error():
     with pytest.raises(ValueError, match="float64"):
         Engine(num_layers=1, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float64)
+
+
+class _RecordingLib:
+    """Stands in for the C library in `kvsparse.engine`: records the stream each call was given."""
+
+    def __init__(self, real):
+        self._real, self.streams = real, []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _record(self, engine, args):
+        self.streams.append(int(ffi.cast("uintptr_t", args.stream)))
+        return 0
+
+    kvs_cache_write = kvs_attention_forward = _record
+
+
+def test_engine_calls_go_to_torchs_current_stream_unless_given_one(monkeypatch):
+    """Engine.cache_write/forward on a CUDA engine enqueue on torch's current stream (inside torch.cuda.graph:
+    the capture stream) when no stream is passed, and on the given one otherwise; a CPU engine passes none.
+    The C calls are replaced by a recorder: this machine has no GPU, the plumbing is what is checked."""
+    import kvsparse.engine as keng
+
+    e = Engine(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32,
+               num_threads=1)
+    rec = _RecordingLib(keng.lib)
+    monkeypatch.setattr(keng, "lib", rec)
+    kc = torch.zeros(2, 16, 1, 64)
+    kv, slots = torch.zeros(1, 1, 64), torch.zeros(1, dtype=torch.int64)
+    q, out = torch.zeros(1, 2, 64), torch.zeros(1, 2, 64)
+    meta = (torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32))
+
+    def calls(**kw):
+        e.cache_write(0, kv, kv, kc, kc, slots, **kw)
+        e.forward(0, q, kc, kc, *meta, out, scale=0.125, **kw)
+
+    calls()
+    calls(stream=0x1234)
+    asked = []
+    monkeypatch.setattr(keng, "raw_stream", lambda dev: asked.append(dev) or 0xC0FFEE)
+    monkeypatch.setattr(e, "device", torch.device("cuda", 0))
+    calls()
+    calls(stream=0x1234)
+    assert rec.streams == [0, 0, 0x1234, 0x1234, 0xC0FFEE, 0xC0FFEE, 0x1234, 0x1234]
+    assert asked == [torch.device("cuda", 0)] * 2
+    # Without the stand-in the real raw_stream gives 0 (no stream) for the CPU.
+    from kvsparse.streams import raw_stream
+    assert raw_stream(torch.device("cpu")) == 0

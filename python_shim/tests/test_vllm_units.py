@@ -83,8 +83,18 @@ def test_backend_declarations():
     assert [vllm_backend.kernel_block_size(b) for b in (16, 128, 12, 512, 528)] == [16, 128, 4, 256, 16]
     cg = vllm_backend.KvSparseMetadataBuilder.get_cudagraph_support
     assert cg(_vllm_config(device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    assert cg(_vllm_config("quest(budget=256)", device="cuda"), None) == AttentionCGSupport.NEVER
+    # quest passed the GPU graph check (GRAPH_POLICY_STAGES); stages not checked on the GPU keep attention
+    # out of vLLM's graphs.
+    assert vllm_backend.GRAPH_POLICY_STAGES == frozenset({"quest"})
+    assert cg(_vllm_config("quest(budget=256)", device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    for spec in ("quest(budget=256) > top_p(p=0.9)", "streaming(sink=4, recent=256)", "refresh(k=64, every=4)"):
+        assert cg(_vllm_config(spec, device="cuda"), None) == AttentionCGSupport.NEVER, spec
     assert cg(_vllm_config(device="cpu"), None) == AttentionCGSupport.NEVER
+    assert cg(_vllm_config("quest(budget=256)", device="cpu"), None) == AttentionCGSupport.NEVER
+    # Never a level that would let vLLM capture prefill rows (their launch grids follow host-known query
+    # lengths) or multi-token decodes (not checked on the GPU).
+    levels = {cg(_vllm_config(p, device=d), None) for p in (None, "quest(budget=8)", "top_p(p=0.9)") for d in ("cpu", "cuda")}
+    assert levels <= {AttentionCGSupport.NEVER, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE}
     assert vllm_backend.graph_capturable("") and vllm_backend.graph_capturable("   ")
     stages = vllm_backend.GRAPH_POLICY_STAGES
     try:  # the gate follows the stage names, not the whole spec
@@ -145,3 +155,30 @@ def test_v2_runner_request_ids_follow_req_idx_slots(monkeypatch):
     e = runner.execute_model(out(preempted=["b"], new=[(1, "b")]))  # V2 re-adds a resumed request as new
     assert a[1] in released and e[1] != a[1] and e[0] == c[0]
     assert vllm_runner.TRACKER.lifecycle()["b"] == [2, 1, 1]  # assigned, released, restarts
+
+
+def test_builder_never_waits_for_the_device(engine, monkeypatch):
+    """The periodic stats line reads the engine's counters, which synchronizes a CUDA device: off by default on
+    CUDA, on request only, and never in a CUDA-graph capture build. (Builds read no metadata on the host:
+    test_builder_reads_no_metadata_on_the_host_and_its_step_attends_correctly.)"""
+    monkeypatch.delenv("KVSPARSE_LOG_EVERY", raising=False)
+    assert vllm_backend.log_every(torch.device("cuda", 0)) == 0
+    assert vllm_backend.log_every(torch.device("cpu")) == 64
+    monkeypatch.setenv("KVSPARSE_LOG_EVERY", "8")
+    assert vllm_backend.log_every(torch.device("cuda", 0)) == 8
+    monkeypatch.setenv("KVSPARSE_LOG_EVERY", "1")
+    logged = []
+    monkeypatch.setattr(vllm_backend, "log_stats", lambda e: logged.append(e))
+    b = vllm_backend.KvSparseMetadataBuilder(SimpleNamespace(block_size=BS), ["model.layers.0.self_attn.attn"],
+                                            _vllm_config(), torch.device("cpu"))
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    m = CommonAttentionMetadata(
+        query_start_loc=qsl.as_subclass(NoHostRead), query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor([5], dtype=torch.int32).as_subclass(NoHostRead), num_reqs=1, num_actual_tokens=1,
+        max_query_len=1, max_seq_len=5, block_table_tensor=torch.zeros(1, 2, dtype=torch.int32).as_subclass(NoHostRead),
+        slot_mapping=torch.zeros(1, dtype=torch.int64).as_subclass(NoHostRead))
+    for _ in range(3):
+        b.build_for_cudagraph_capture(m)
+    assert logged == []
+    b.build(0, m)
+    assert logged == [engine]
