@@ -177,7 +177,7 @@ class Decoder:
     def step(self):
         w, sh = self.w, self.sh
         B = self.tok.shape[0]
-        x = w.embed[self.tok]
+        x = F.embedding(self.tok, w.embed)
         for layer, lw in enumerate(w.layers):
             h = rms_norm(x, lw["ln1"], sh.eps)
             q, k, v = split_qkv(h @ lw["wqkv"], sh)
@@ -742,7 +742,7 @@ def run_grid(a, sh, dev, runner, points, out, t_start, name):
                 traceback.print_exc()
             rows = [dict(device=name, batch=B, ctx=L, backend="*", spec="", note=f"skipped: {type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200]}")]
-            free()
+        free()  # here, not in the except block: its traceback holds the point's tensors until the block ends
         out.add(rows)
         all_rows += rows
     return all_rows
