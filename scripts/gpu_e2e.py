@@ -27,7 +27,8 @@ Eager: the step's Python issuing kernels (as a framework without graphs would); 
 captured once with torch.cuda.graph and replayed. Times from CUDA events on one stream: the median over
 groups of back-to-back steps.
 
-Checks printed with the table (exit status 1 if one fails):
+Checks printed with the table (exit status 1 if one fails for a kvsparse backend; `none` and `sdpa` are
+torch's own and only reported):
   graph==eager  from the same first token, N eager steps and N graph replays give the same greedy tokens,
                 and the logits are compared (max |diff|); for every backend (acceptance 2: dense and quest).
   no-sync       one eager step under torch.cuda.set_sync_debug_mode("error") (the capture itself fails on
@@ -37,6 +38,10 @@ Checks printed with the table (exit status 1 if one fails):
 
 On the CPU (`--device cpu --tiny`: 2 layers, 4/2 heads, head 64, fp32, small contexts) the same code runs
 with kvsparse's CPU engine and torch SDPA, without graphs, and SDPA vs dense must agree within 1e-4.
+
+A backend that fails (out of memory, a spec the engine refuses, cuDNN refusing a shape: then flash) is skipped
+with its reason in the table's notes, a grid point that fails (e.g. out of memory for its cache) likewise,
+and with --budget-s nothing new starts after that many seconds; the CSV is written point by point.
 
 Usage (GPU): python3 scripts/gpu_e2e.py [--grid 1x32768,1x131072,8x32768,32x8192] [--csv FILE]
 ($OUT/gpu_e2e.csv by default when $OUT is set). Needs KVSPARSE_LIB (a CUDA build) and cffi.
