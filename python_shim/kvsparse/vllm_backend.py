@@ -64,8 +64,10 @@ BLOCK_SIZES = [1 << i for i in range(9)]
 # as checked on the GPU by scripts/gpu_shim_check.py --policy SPEC (the shared step module, every layer's cache
 # write + attention captured and replayed == eager) or scripts/gpu_e2e.py's graph == eager check of a whole
 # model step. Dense needs none; add a name only after such a check passed for it on the GPU.
-# quest: gpu_shim_check.py's default policy, quest(budget=256), passed on an H100 (issue 19).
-GRAPH_POLICY_STAGES = frozenset({"quest"})
+# quest: gpu_shim_check.py's default policy, quest(budget=256), passed on an H100 (issue 19); all, streaming,
+# quest, top_p: gpu_e2e.py's graph == eager for streaming, quest, quest > top_p and top_p at four batch x
+# context points, H100, 2026-11-23 (docs/perf.md).
+GRAPH_POLICY_STAGES = frozenset({"all", "streaming", "quest", "top_p"})
 
 
 
@@ -180,7 +182,8 @@ def _int32(t, what):
 
 def graph_capturable(spec: str) -> bool:
     """Whether every stage of the policy spec is in GRAPH_POLICY_STAGES (dense: always)."""
-    stages = re.findall(r"([A-Za-z_]\w*)\s*\(", spec.split(";")[0])
+    # A stage is `name(args)` or a bare `name`; nested specs (`speculate(over=quest(...))`) name their outer stage.
+    stages = re.findall(r"(?:^|>)\s*([A-Za-z_]\w*)", spec.split(";")[0])
     return all(name in GRAPH_POLICY_STAGES for name in stages)
 
 

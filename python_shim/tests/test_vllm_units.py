@@ -83,11 +83,12 @@ def test_backend_declarations():
     assert [vllm_backend.kernel_block_size(b) for b in (16, 128, 12, 512, 528)] == [16, 128, 4, 256, 16]
     cg = vllm_backend.KvSparseMetadataBuilder.get_cudagraph_support
     assert cg(_vllm_config(device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    # quest passed the GPU graph check (GRAPH_POLICY_STAGES); stages not checked on the GPU keep attention
-    # out of vLLM's graphs.
-    assert vllm_backend.GRAPH_POLICY_STAGES == frozenset({"quest"})
-    assert cg(_vllm_config("quest(budget=256)", device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    for spec in ("quest(budget=256) > top_p(p=0.9)", "streaming(sink=4, recent=256)", "refresh(k=64, every=4)"):
+    # The stages that passed a GPU graph check (GRAPH_POLICY_STAGES) join vLLM's decode graphs; stages not
+    # checked on the GPU keep attention out of them.
+    assert vllm_backend.GRAPH_POLICY_STAGES == frozenset({"all", "streaming", "quest", "top_p"})
+    for spec in ("quest(budget=256)", "quest(budget=256) > top_p(p=0.9)", "streaming(sink=4, recent=256)"):
+        assert cg(_vllm_config(spec, device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, spec
+    for spec in ("refresh(k=64, every=4)", "quest(budget=256) > art(tau=1e-5)", "snapkv(budget=256)"):
         assert cg(_vllm_config(spec, device="cuda"), None) == AttentionCGSupport.NEVER, spec
     assert cg(_vllm_config(device="cpu"), None) == AttentionCGSupport.NEVER
     assert cg(_vllm_config("quest(budget=256)", device="cpu"), None) == AttentionCGSupport.NEVER
@@ -101,6 +102,7 @@ def test_backend_declarations():
         vllm_backend.GRAPH_POLICY_STAGES = frozenset({"quest"})
         assert vllm_backend.graph_capturable("quest(budget=1024); dense_layers=0")
         assert not vllm_backend.graph_capturable("quest(budget=1024) > top_p(p=0.9)")
+        assert not vllm_backend.graph_capturable("quest(budget=1024) > art")  # a bare stage name counts too
     finally:
         vllm_backend.GRAPH_POLICY_STAGES = stages
 
