@@ -198,6 +198,11 @@ extern "C" __global__ void kvs_plan_simple(Batch b, int hk, int kind, int sink, 
 #define QC (HEAD_DIM / 16)  // channels per lane
 #define QS_THREADS 256
 #define QS_PAGES 64
+// 1: when a page is one metadata unit, each half-warp issues its four pages' bound loads before scoring
+// them (more loads in flight, more registers); 0: one page at a time. Benchmarks pick it (KVS_QS_PREFETCH).
+#ifndef QS_PREFETCH
+#define QS_PREFETCH 1
+#endif
 __device__ __forceinline__ void load_lane_bounds(const u16* p, float* v) {
 #if QC % 8 == 0
 #pragma unroll
@@ -247,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores(Batch 
     const unsigned hmask = 0xffffu << (16 * (hw & 1));
     const int fp = r.lo / page, np = r.hi / page - fp + 1;
     unsigned long long units = 0;
-    if (page == unit) {
+    if (QS_PREFETCH && page == unit) {
         // One unit per page (page <= block size, the usual case): issue all four pages' loads first.
         float lo_[QS_PAGES / 16][QC], hi_[QS_PAGES / 16][QC];
         bool have[QS_PAGES / 16];
@@ -283,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores(Batch 
             if (i < np && i < maxp && lane == 0) scores[(i64)(s * hk + h) * maxp + i] = best;
         }
     }
-    for (int pi = 0; pi < QS_PAGES / 16 && page != unit; ++pi) {
+    for (int pi = 0; pi < QS_PAGES / 16 && !(QS_PREFETCH && page == unit); ++pi) {
         const int i = blockIdx.x * QS_PAGES + pi * 16 + hw;
         const bool active = i < np && i < maxp;
         const int pg = fp + i;
