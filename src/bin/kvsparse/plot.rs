@@ -10,7 +10,7 @@ use crate::eval::Row;
 
 static FONT: &[u8] = include_bytes!("../../../assets/fonts/DejaVuSans.ttf");
 
-const COLORS: [RGBColor; 9] = [
+const COLORS: [RGBColor; 11] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -20,6 +20,8 @@ const COLORS: [RGBColor; 9] = [
     RGBColor(227, 119, 194),
     RGBColor(23, 190, 207),
     RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(0, 0, 128),
 ];
 
 /// Smallest error drawn: exact settings (error 0) sit on the bottom edge instead of vanishing.
