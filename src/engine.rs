@@ -89,6 +89,8 @@ pub struct Engine {
     cuda: Option<crate::cuda::CudaBackend>,
     /// PRR's speculation budget by context length, when loaded (else the spec's constant budget).
     spec_budgets: parking_lot::RwLock<Option<SpecBudgetTable>>,
+    /// AttentionPredictor's CNN: the spec's `weights` file, else the built-in weights.
+    predictor: Option<std::sync::Arc<crate::policy::predictor::PredictorWeights>>,
 }
 
 impl Engine {
@@ -107,10 +109,13 @@ impl Engine {
             }
             Device::Cpu => None,
         };
-        if let Some(Selector::Predictor(ps)) = policy.pipeline().map(|p| &p.selector) {
-            let w = crate::policy::predictor::PredictorWeights::builtin()?;
-            ensure!(ps.history == w.history, InvalidArgument, "policy {:?}: the built-in predictor weights were trained for history={}, not {}", cfg.policy, w.history, ps.history);
-        }
+        let predictor = match policy.pipeline().map(|p| &p.selector) {
+            Some(Selector::Predictor(_)) => Some(std::sync::Arc::new(match &policy.spec.predictor_weights {
+                Some(path) => crate::policy::predictor::PredictorWeights::from_file(path)?,
+                None => crate::policy::predictor::PredictorWeights::builtin()?.clone(),
+            })),
+            _ => None,
+        };
         let threads = if cfg.num_threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()).min(crate::config::MAX_THREADS) } else { cfg.num_threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -119,7 +124,7 @@ impl Engine {
             .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?;
         let per_layer = alloc::try_vec(cfg.num_layers, Counters::default(), "per-layer statistics")?;
         let meta = CacheMeta::new(policy.meta_needs(), cfg.num_layers)?;
-        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), cuda, spec_budgets: parking_lot::RwLock::new(None) })
+        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), cuda, spec_budgets: parking_lot::RwLock::new(None), predictor })
     }
 
     /// The CUDA backend, when the engine runs on a GPU (benchmarks and tests use its helpers).
@@ -187,7 +192,7 @@ impl Engine {
     }
 
     fn call_ctx(&self) -> CallCtx<'_> {
-        CallCtx { cfg: &self.cfg, policy: &self.policy, pool: &self.pool, sequences: &self.sequences, meta: &self.meta, visits: &self.visits, spec_budgets: &self.spec_budgets }
+        CallCtx { cfg: &self.cfg, policy: &self.policy, pool: &self.pool, sequences: &self.sequences, meta: &self.meta, visits: &self.visits, spec_budgets: &self.spec_budgets, predictor: self.predictor.as_deref() }
     }
 
     fn record(&self, layer: usize, c: &Counters) {

@@ -29,6 +29,7 @@ pub struct CallCtx<'a> {
     pub meta: &'a CacheMeta,
     pub visits: &'a Mutex<Option<Vec<VisitRecord>>>,
     pub spec_budgets: &'a RwLock<Option<SpecBudgetTable>>,
+    pub predictor: Option<&'a crate::policy::predictor::PredictorWeights>,
 }
 
 /// Causal varlen attention of one validated call on the CPU; returns its counters.
@@ -57,7 +58,11 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
         Some(Selector::Predictor(ps)) => Some(*ps),
         _ => None,
     };
-    let calib_seqs: Vec<usize> = if speculate.is_some() || predictor.is_some() { (0..batch.seqs.len()).filter(|&s| !batch.seqs[s].is_decode() && batch.seqs[s].q_len > 0).collect() } else { Vec::new() };
+    let refresh = match pipeline.map(|p| &p.selector) {
+        Some(Selector::Refresh(r)) => Some(*r),
+        _ => None,
+    };
+    let calib_seqs: Vec<usize> = if speculate.is_some() || predictor.is_some() || refresh.is_some() { (0..batch.seqs.len()).filter(|&s| !batch.seqs[s].is_decode() && batch.seqs[s].q_len > 0).collect() } else { Vec::new() };
     if e.cfg.max_state_bytes > 0 && pipeline.is_some() && e.policy.is_stateful() && !matches!(pipeline.map(|p| &p.selector), Some(Selector::SnapKv { .. })) {
         let held = e.sequences.state_bytes();
         ensure!(held <= e.cfg.max_state_bytes, OutOfMemory, "policy state holds {held} bytes, over the engine's cap of {}; release finished sequences", e.cfg.max_state_bytes);
@@ -122,6 +127,24 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
             st.lock().policy.head_mut(a.layer, h, hk).predictor = Some(Box::new(ph));
         }
     }
+    if let Some(r) = refresh {
+        // RefreshKV's prefilling stage: the partial set from the last prompt token's attention, and that
+        // token's mean query as the schedule's reference (the prefill is the first full step).
+        use rayon::prelude::*;
+        let hk = cfg.num_kv_heads;
+        let items: Vec<(usize, usize)> = calib_seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
+        let seeded: Vec<_> = e.pool.install(|| items.par_iter().map(|&(s, h)| cpu::sparse::refresh_seed(&io, s, h, &r)).collect());
+        for (&(s, h), rh) in items.iter().zip(seeded) {
+            let st = e.sequences.get_or_create(batch.seqs[s].seq_id);
+            st.lock().policy.head_mut(a.layer, h, hk).refresh = Some(Box::new(rh));
+        }
+        for &s in &calib_seqs {
+            let sd = &batch.seqs[s];
+            let qm = cpu::sparse::mean_query(&io, sd.q_start + sd.q_len - 1);
+            let st = e.sequences.get_or_create(sd.seq_id);
+            st.lock().policy.refresh_layers.insert(a.layer, crate::policy::refresh::RefreshLayer { q_ref: qm, since_full: 0 });
+        }
+    }
     cpu::forward::dense_forward(&io, &dense_seqs, &e.pool);
 
     if let Some(p) = pipeline {
@@ -137,7 +160,7 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
             let log = e.visits.lock().is_some().then(|| std::sync::Mutex::new(Vec::new()));
             let states = if e.policy.is_stateful() { policy_seqs.iter().map(|&s| e.sequences.get(batch.seqs[s].seq_id)).collect() } else { Vec::new() };
             let table = e.spec_budgets.read();
-            let ctx = SparseCtx { pipeline: p, meta, snap, visits: log.as_ref(), layer: a.layer, states, spec_budgets: table.as_ref() };
+            let ctx = SparseCtx { pipeline: p, meta, snap, visits: log.as_ref(), layer: a.layer, states, spec_budgets: table.as_ref(), predictor: e.predictor };
             c.add(&sparse_forward(&io, &policy_seqs, &ctx, &e.pool));
             if let (Some(log), Some(dst)) = (log, e.visits.lock().as_mut()) {
                 // Canonical form (sorted, adjacent spans merged), as the CUDA engine reports its plans.

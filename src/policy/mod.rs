@@ -33,7 +33,7 @@ pub struct Policy {
 
 impl Default for Policy {
     fn default() -> Self {
-        Policy { spec: Spec { pipeline: None, dense_layers: spec::DEFAULT_DENSE_LAYERS } }
+        Policy { spec: Spec { pipeline: None, dense_layers: spec::DEFAULT_DENSE_LAYERS, predictor_weights: None } }
     }
 }
 

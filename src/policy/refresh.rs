@@ -8,7 +8,11 @@
 //! the last step are appended with score `+inf` (kept like a recent window) and the lowest-scored
 //! positions are dropped to keep `k`.
 //!
-//! Schedule: the first step of a (sequence, layer) is full. Then every `stride`-th step is a check: the
+//! Initialisation (the paper's prefilling stage, §3 and Figure 2): at a prefill chunk the set is the top
+//! `k` positions by the pooled attention of the chunk's last query row, and that row's mean query is the
+//! reference (`cpu::sparse::refresh_seed`); the prefill counts as the first full step.
+//!
+//! Schedule: a decode row of a (sequence, layer) with no prefill seen is full. Then every `stride`-th step is a check: the
 //! cosine similarity between the current mean query and the saved one is computed, and the step runs full
 //! unless the similarity is strictly above `s` (so `s = 1` with `stride = 1` is dense attention at every
 //! step). With `every = N` the check is replaced by a fixed full step every `N` steps.

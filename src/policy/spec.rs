@@ -58,7 +58,8 @@ pub struct Speculate {
     /// Speculation budget in tokens (the constant of the default latency table); `None` = the Quest budget.
     pub budget: Option<usize>,
     pub predict: Predict,
-    /// Keep predicted blocks outside the true set as extra context (`extra=keep`); default drop.
+    /// Keep predicted blocks outside the true set as extra context (`extra=keep`, the paper's behaviour and
+    /// the default); `extra=drop` makes the output attention over the true set only.
     pub keep_extra: bool,
 }
 
@@ -133,6 +134,8 @@ pub struct Pipeline {
 pub struct Spec {
     pub pipeline: Option<Pipeline>,
     pub dense_layers: usize,
+    /// `predictor(weights="...")`: the weights file the engine loads (None = the built-in weights).
+    pub predictor_weights: Option<String>,
 }
 
 /// Default number of leading layers kept dense.
@@ -142,6 +145,8 @@ pub const DEFAULT_DENSE_LAYERS: usize = 2;
 enum Tok {
     Name(String),
     Num(f64, String),
+    /// A double-quoted string (no escapes; only `predictor.weights` takes one: a file path).
+    Str(String),
     Sym(char),
     End,
 }
@@ -151,6 +156,7 @@ impl Tok {
         match self {
             Tok::Name(n) => format!("`{n}`"),
             Tok::Num(_, s) => format!("number {s}"),
+            Tok::Str(s) => format!("string {s:?}"),
             Tok::Sym(c) => format!("`{c}`"),
             Tok::End => "end of spec".to_string(),
         }
@@ -164,6 +170,9 @@ struct Parser<'a> {
     /// Argument lists open around the current position (parsing recurses once per level).
     depth: usize,
 }
+
+/// Longest string value (a weights file path).
+pub const MAX_STRING: usize = 4096;
 
 /// Deepest nesting of argument lists (`speculate(over=quest(...))` needs 2): the parser recurses per
 /// level, so the bound keeps any spec from exhausting the stack.
@@ -200,6 +209,20 @@ fn lex(src: &str) -> Result<Vec<(usize, Tok)>> {
                 Ok(v) => out.push((s, Tok::Num(v, text.to_string()))),
                 Err(_) => return Err(err(src, s, "a number", &format!("`{text}`"))),
             }
+        } else if c == '"' {
+            let s = i + 1;
+            let Some(len) = src[s..].find('"') else {
+                return Err(err(src, i, "a closing `\"` of the string", "end of spec"));
+            };
+            if len > MAX_STRING {
+                return Err(err(src, i, &format!("a string of at most {MAX_STRING} bytes"), &format!("{len} bytes")));
+            }
+            let text = &src[s..s + len];
+            if let Some(bad) = text.chars().find(|c| c.is_control()) {
+                return Err(err(src, i, "a string without control characters", &format!("{bad:?}")));
+            }
+            out.push((i, Tok::Str(text.to_string())));
+            i = s + len + 1;
         } else if "()=,>;".contains(c) {
             out.push((i, Tok::Sym(c)));
             i += 1;
@@ -272,7 +295,7 @@ impl<'a> Parser<'a> {
         let (val_pos, val) = self.peek().clone();
         let mut nested = None;
         match val {
-            Tok::Num(..) => {
+            Tok::Num(..) | Tok::Str(_) => {
                 self.next();
             }
             Tok::Name(_) => {
@@ -281,7 +304,7 @@ impl<'a> Parser<'a> {
                     nested = Some(self.args()?);
                 }
             }
-            _ => return self.fail("a value (number, `inf` or a name)"),
+            _ => return self.fail("a value (number, `inf`, a name or a \"string\")"),
         }
         Ok(Arg { key, key_pos, val, val_pos, nested })
     }
@@ -383,6 +406,15 @@ impl<'a> Args<'a> {
         }
     }
 
+    /// An optional string value.
+    fn string(&mut self, key: &str, expected: &str) -> Result<Option<String>> {
+        let Some(i) = self.find(key) else { return Ok(None) };
+        match &self.args[i].val {
+            Tok::Str(v) if !v.is_empty() => Ok(Some(v.clone())),
+            _ => Err(self.bad(&self.args[i], expected)),
+        }
+    }
+
     fn word(&mut self, key: &str, default: &'static str, choices: &[&'static str]) -> Result<&'static str> {
         let Some(i) = self.find(key) else { return Ok(default) };
         let a = &self.args[i];
@@ -400,13 +432,14 @@ pub fn parse(src: &str) -> Result<Spec> {
     let mut p = Parser { src, toks: lex(src)?, i: 0, depth: 0 };
     let mut dense_layers = DEFAULT_DENSE_LAYERS;
     if p.peek().1 == Tok::End {
-        return Ok(Spec { pipeline: None, dense_layers });
+        return Ok(Spec { pipeline: None, dense_layers, predictor_weights: None });
     }
     let mut selector: Option<Selector> = None;
     let mut top_p: Option<TopP> = None;
     let mut art: Option<Art> = None;
     let mut dense = false;
     let mut n_stages = 0;
+    let mut predictor_weights = None;
     loop {
         let (pos, name) = match p.peek().clone() {
             (pos, Tok::Name(n)) => (pos, n),
@@ -512,7 +545,7 @@ pub fn parse(src: &str) -> Result<Spec> {
                     "inverse" => Predict::Inverse,
                     _ => Predict::Holt,
                 };
-                let keep_extra = a.word("extra", "drop", &["drop", "keep"])? == "keep";
+                let keep_extra = a.word("extra", "keep", &["drop", "keep"])? == "keep";
                 selector = Some(Selector::Speculate(Speculate { quest_budget, page, quest_sink, alpha, beta, gamma, budget, predict, keep_extra }));
             }
             "refresh" => {
@@ -528,13 +561,14 @@ pub fn parse(src: &str) -> Result<Spec> {
                 selector = Some(Selector::Refresh(Refresh { k, stride, s: sim, pool, every }));
             }
             "predictor" => {
-                let mut a = Args::new(src, "predictor", raw, &["budget", "block", "history", "calib", "sink", "local"])?;
+                let mut a = Args::new(src, "predictor", raw, &["budget", "block", "history", "calib", "sink", "local", "weights"])?;
                 let budget = a.int("budget", None, 1, "", |_| true)?;
                 let block = a.int("block", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
                 let history = a.int("history", Some(64), 2, "", |v| v <= 4096)?;
                 let calib = a.int("calib", Some(5), 1, "", |_| true)?;
                 let sink = a.int("sink", Some(64), 0, "", |_| true)?;
                 let local = a.int("local", Some(64), 1, "", |_| true)?;
+                predictor_weights = a.string("weights", "a non-empty \"path\" of a safetensors file")?;
                 selector = Some(Selector::Predictor(PredictorSpec { budget, block, history, calib, sink, local }));
             }
             _ => return Err(err(src, pos, "a stage name (dense, all, streaming, quest, snapkv, speculate, refresh, predictor, top_p, art)", &format!("unknown stage `{name}`"))),
@@ -565,7 +599,7 @@ pub fn parse(src: &str) -> Result<Spec> {
         return p.fail(if n_stages > 0 { "`>`, `;` or end of spec" } else { "end of spec" });
     }
     let pipeline = if dense { None } else { Some(Pipeline { selector: selector.unwrap_or(Selector::All), top_p, art }) };
-    Ok(Spec { pipeline, dense_layers })
+    Ok(Spec { pipeline, dense_layers, predictor_weights })
 }
 
 #[cfg(test)]
@@ -603,10 +637,10 @@ mod tests {
         let p = parse("speculate(over=quest(budget=1024, page=32), alpha=0.3, gamma=auto, budget=512)").unwrap().pipeline.unwrap();
         assert_eq!(
             p.selector,
-            Selector::Speculate(Speculate { quest_budget: 1024, page: 32, quest_sink: 0, alpha: Some(0.3), beta: None, gamma: None, budget: Some(512), predict: Predict::Holt, keep_extra: false })
+            Selector::Speculate(Speculate { quest_budget: 1024, page: 32, quest_sink: 0, alpha: Some(0.3), beta: None, gamma: None, budget: Some(512), predict: Predict::Holt, keep_extra: true })
         );
-        let p = parse("speculate(over=quest(budget=64), predict=inverse, extra=keep)").unwrap().pipeline.unwrap();
-        assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, page: 16, quest_sink: 0, predict: Predict::Inverse, keep_extra: true, .. })));
+        let p = parse("speculate(over=quest(budget=64), predict=inverse, extra=drop)").unwrap().pipeline.unwrap();
+        assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, page: 16, quest_sink: 0, predict: Predict::Inverse, keep_extra: false, .. })));
         let p = parse("speculate(over=quest(budget=64, sink=16))").unwrap().pipeline.unwrap();
         assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, quest_sink: 16, .. })));
         let p = parse("refresh").unwrap().pipeline.unwrap();
@@ -640,6 +674,14 @@ mod tests {
         assert!(msg("predictor()").contains("needs `budget="));
         assert!(msg("predictor(budget=64, block=12)").contains("power of two"));
         assert!(msg("predictor(budget=64, history=1)").contains("predictor.history"));
+        assert!(msg("predictor(budget=64, weights=model)").contains("predictor.weights"));
+        assert!(msg("predictor(budget=64, weights=\"\")").contains("predictor.weights"));
+        assert!(msg("predictor(budget=64, weights=\"a.safetensors)").contains("closing"));
+        assert!(msg("quest(budget=\"64\")").contains("quest.budget"));
+        assert!(msg(&format!("predictor(budget=64, weights=\"{}\")", "x".repeat(MAX_STRING + 1))).contains("at most"));
+        let s = parse("predictor(budget=64, weights=\"/tmp/my model.safetensors\")").unwrap();
+        assert_eq!(s.predictor_weights.as_deref(), Some("/tmp/my model.safetensors"));
+        assert_eq!(parse("predictor(budget=64)").unwrap().predictor_weights, None);
         assert!(msg("quest(budget=8) > refresh").contains("at most one selector"));
     }
 

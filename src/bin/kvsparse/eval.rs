@@ -27,7 +27,8 @@ figures (top-p kept, ART skipped, PRR hit rate vs reusing the previous selection
 options:
   --traces DIR     trace directory with manifest.json (default: ./traces, else the crate's traces/)
   --policy SPEC    policy spec (docs/policies.md); repeat for several (default: one setting of every
-                   policy family at --budget)
+                   policy family at --budget). `{N/k}` in a spec stands for ceil(prompt tokens / k) of
+                   each trace, e.g. Twilight's recipe `quest(budget={N/4}) > top_p(p=0.95)`
   --budget N       token budget of the default settings (default 512)
   --only NAME      replay only this trace (repeatable), e.g. --only needle_8k
   --stride N       attend every N-th decode step only (cache writes still every step; default 1)
@@ -51,6 +52,7 @@ fn families() -> Vec<Family> {
         Family { name: "quest", knob: "budget", values: &[64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0], spec: |v| format!("quest(budget={v})") },
         Family { name: "quest sink=16", knob: "budget", values: &[64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0], spec: |v| format!("quest(budget={v}, sink=16)") },
         Family { name: "quest > top_p", knob: "p", values: &[0.8, 0.9, 0.95, 0.99], spec: |v| format!("quest(budget=1024) > top_p(p={v})") },
+        Family { name: "quest(N/4) > top_p", knob: "p", values: &[0.8, 0.9, 0.95, 0.99], spec: |v| format!("quest(budget={{N/4}}) > top_p(p={v})") },
         Family { name: "quest > art(priority)", knob: "tau", values: &[0.3, 0.1, 0.03, 0.01, 0.003], spec: |v| format!("quest(budget=2048) > art(tau={v}, phi=1e-2, patience=5, order=priority)") },
         Family { name: "snapkv", knob: "budget", values: &[128.0, 256.0, 512.0, 1024.0, 2048.0], spec: |v| format!("snapkv(budget={v})") },
         Family { name: "speculate (PRR)", knob: "budget", values: &[128.0, 256.0, 512.0, 1024.0], spec: |v| format!("speculate(over=quest(budget={v}), budget={})", 2.0 * v) },
@@ -67,6 +69,8 @@ fn default_policies(b: usize) -> Vec<String> {
         format!("quest(budget={b}, sink=16)"),
         "top_p(p=0.95)".to_string(),
         format!("quest(budget={b}) > top_p(p=0.95)"),
+        "quest(budget={N/4})".to_string(),
+        "quest(budget={N/4}) > top_p(p=0.95)".to_string(),
         "art(tau=1e-5, phi=1e-3, patience=5)".to_string(),
         "art(tau=0.05, phi=1e-2, patience=5)".to_string(),
         format!("quest(budget={}) > art(tau=0.05, phi=1e-2, patience=5, order=priority)", 4 * b),
@@ -197,12 +201,12 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         }
     }
     for r in &rows {
-        Policy::parse(&r.spec).map_err(|e| e.message)?;
+        Policy::parse(&expand(&r.spec, 1024)?).map_err(|e| e.message)?;
     }
     if matches!(device, kvsparse::Device::Cuda(_)) {
         let group = manifest.num_q_heads / manifest.num_kv_heads.max(1);
         let (keep, skip): (Vec<Row>, Vec<Row>) = rows.into_iter().partition(|r| {
-            Policy::parse(&r.spec).ok().and_then(|p| p.pipeline().cloned()).map_or(true, |pl| kvsparse::cuda::sparse::supported(&pl, group).is_ok())
+            expand(&r.spec, 1024).ok().and_then(|s| Policy::parse(&s).ok()).and_then(|p| p.pipeline().cloned()).map_or(true, |pl| kvsparse::cuda::sparse::supported(&pl, group).is_ok())
         });
         if !skip.is_empty() {
             println!("not on the CUDA backend yet, left out: {}", skip.iter().map(|r| r.spec.as_str()).collect::<Vec<_>>().join(", "));
@@ -229,7 +233,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         let tr = manifest.load_trace(info)?;
         let dense = replay(&tr, "dense", &opts)?;
         model_errs.extend(errors_vs_model(&tr, &dense));
-        let runs: Vec<Replay> = rows[1..].iter().map(|r| replay(&tr, &r.spec, &opts).map_err(|e| format!("{}: {}: {e}", info.name, r.spec))).collect::<Result<_, _>>()?;
+        let runs: Vec<Replay> = rows[1..].iter().map(|r| replay(&tr, &expand(&r.spec, info.prompt_len)?, &opts).map_err(|e| format!("{}: {}: {e}", info.name, r.spec))).collect::<Result<_, _>>()?;
         let refs: Vec<&Replay> = std::iter::once(&dense).chain(runs.iter()).collect();
         let masses = recovered_mass(&tr, &refs);
         for ((row, r), mass) in rows.iter_mut().zip(&refs).zip(masses) {
@@ -257,11 +261,28 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         write_csv(&csv, &rows)?;
         let png = dir.join("eval.png");
         let sweep: Vec<&Row> = rows.iter().filter(|r| !r.in_table).collect();
-        plot::error_vs_visited(&png, &sweep, &format!("{} — {}", manifest.model, traces.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")))?;
+        plot::error_vs_visited(&png, &sweep, rows[0].pooled.counters.kv_bytes_read as f64, &format!("{} — {}", manifest.model, traces.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")))?;
         println!("wrote {} and {}", csv.display(), png.display());
     }
     println!("eval took {:.1}s", t_all.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// Replaces every `{N/k}` in `spec` by `ceil(n / k)` (a budget relative to the context, for the trace at
+/// hand: the spec language has only absolute budgets).
+fn expand(spec: &str, n: usize) -> Result<String, String> {
+    let mut out = String::new();
+    let mut rest = spec;
+    while let Some(i) = rest.find("{N/") {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i + 3..];
+        let j = tail.find('}').ok_or_else(|| format!("{spec:?}: `{{N/` without a closing `}}`"))?;
+        let k: usize = tail[..j].trim().parse().ok().filter(|&k| k >= 1).ok_or_else(|| format!("{spec:?}: `{{N/{}}}` needs an integer >= 1", &tail[..j]))?;
+        out.push_str(&n.div_ceil(k).to_string());
+        rest = &tail[j + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
 }
 
 fn names(m: &Manifest) -> String {

@@ -10,7 +10,7 @@ mod scoring;
 mod stateful;
 
 pub use scoring::{estimate_weights, quest_bound, quest_page_scores, token_weights, weights_at};
-pub use stateful::{predictor_seed, prr_calibrate, CALIB_ROWS};
+pub use stateful::{calib_rows, mean_query, predictor_seed, prr_calibrate, refresh_seed, CALIB_ROWS};
 use stateful::{run_predictor, run_refresh, run_speculate};
 
 use std::sync::Arc;
@@ -29,6 +29,7 @@ use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
 use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
 use crate::policy::termination::{order_units, probe_dims, ArtState};
 use crate::policy::predictor::{self, PredictorHead, PredictorWeights};
+use crate::policy::refresh::RefreshHead;
 use crate::policy::{top_p, HeadPlan, Pipeline, PredictorSpec, Refresh, Selector, SnapSelection, Speculate};
 use crate::sequences::SequenceState;
 use crate::stats::{Counters, VisitRecord};
@@ -51,6 +52,8 @@ pub struct SparseCtx<'a> {
     pub states: SeqStates,
     /// PRR's speculation budget table, when the engine loaded one (else the spec's constant).
     pub spec_budgets: Option<&'a SpecBudgetTable>,
+    /// AttentionPredictor's weights (present for a `predictor` pipeline).
+    pub predictor: Option<&'a PredictorWeights>,
 }
 
 /// One KV head's work inside an item: its query rows, candidates, accumulators and traversal state.
@@ -155,18 +158,7 @@ fn state_of<'a>(ctx: &'a SparseCtx, i: usize) -> &'a Arc<parking_lot::Mutex<Sequ
 
 /// Mean query of the row over all query heads, compared by RefreshKV's schedule.
 fn refresh_decide(io: &ForwardIo, s: usize, ctx: &SparseCtx, i: usize, r: &Refresh, c: &mut Counters) -> bool {
-    let (d, g) = (io.cache.head_dim, io.group());
-    let sd = &io.batch.seqs[s];
-    let mut qm = vec![0f32; d];
-    let mut buf = vec![0f32; g * d];
-    for h in 0..io.num_kv_heads {
-        io.load_queries(sd.q_start..sd.q_start + 1, h, &mut buf);
-        for row in buf.chunks_exact(d) {
-            for (m, &x) in qm.iter_mut().zip(row) {
-                *m += x;
-            }
-        }
-    }
+    let qm = mean_query(io, io.batch.seqs[s].q_start);
     let full = state_of(ctx, i).lock().policy.refresh_layers.entry(ctx.layer).or_default().decide(r, &qm);
     if full {
         c.refresh_full_steps += 1;

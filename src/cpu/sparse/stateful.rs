@@ -97,19 +97,19 @@ pub(super) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
     c
 }
 
-/// PRR calibration for prefill sequence `s` and `head`: the Quest page scores of the chunk's last
-/// [`CALIB_ROWS`] query rows form the trajectory; returns the warm predictor and the calibration's hit rate.
+/// PRR calibration for prefill sequence `s` and `head`: the Quest page scores of [`CALIB_ROWS`] query rows
+/// sampled with an even stride over the whole chunk (ending at its last row; every row when the chunk is
+/// shorter) form the trajectory; returns the warm predictor and the calibration's hit rate.
 pub fn prr_calibrate(io: &ForwardIo, s: usize, head: usize, sp: &Speculate, meta: &LayerMeta, spec_budgets: Option<&SpecBudgetTable>) -> (PrrHead, f64) {
     let cache = io.cache;
     let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
     let sd = &io.batch.seqs[s];
     let blocks = io.batch.blocks(s, bs);
-    let t_end = sd.q_start + sd.q_len;
-    let t0 = t_end - sd.q_len.min(CALIB_ROWS);
+    let rows = calib_rows(sd.q_start, sd.q_len, CALIB_ROWS);
     let mut q = vec![0f32; g * d];
     let mut lims = Vec::new();
-    let mut traj: Vec<TrajStep> = Vec::with_capacity(t_end - t0);
-    for t in t0..t_end {
+    let mut traj: Vec<TrajStep> = Vec::with_capacity(rows.len());
+    for t in rows {
         io.load_queries(t..t + 1, head, &mut q);
         io.limits(sd, t..t + 1, &mut lims);
         let lim = lims[0];
@@ -121,6 +121,42 @@ pub fn prr_calibrate(io: &ForwardIo, s: usize, head: usize, sp: &Speculate, meta
     let cands = speculate::grid(sp.alpha, sp.beta, sp.gamma);
     let cal = speculate::calibrate(&traj, &cands, spec_tokens.div_ceil(sp.page), sp.quest_budget.div_ceil(sp.page));
     (cal.warm, cal.hit)
+}
+
+/// RefreshKV's partial set initialised at a prefill chunk, as the paper's prefilling stage does: the
+/// attention of the chunk's last query row (softmax weights per query head, max over the GQA group,
+/// max-pooled over `pool` neighbours) picks the top `k` positions it can see.
+pub fn refresh_seed(io: &ForwardIo, s: usize, head: usize, r: &Refresh) -> RefreshHead {
+    let (d, g) = (io.cache.head_dim, io.group());
+    let sd = &io.batch.seqs[s];
+    let blocks = io.batch.blocks(s, io.cache.block_size);
+    let t = sd.q_start + sd.q_len - 1;
+    let mut q = vec![0f32; g * d];
+    let mut lims = Vec::new();
+    io.load_queries(t..t + 1, head, &mut q);
+    io.limits(sd, t..t + 1, &mut lims);
+    let lim = lims[0];
+    let (mut logits, mut w) = (Vec::new(), Vec::new());
+    token_weights(io, &q, g, lim, blocks, head, &mut logits, &mut w);
+    let mut rh = RefreshHead::default();
+    rh.rebuild(&max_pool(&w, r.pool), lim.lo, lim.hi, r.k);
+    rh
+}
+
+/// Mean query over all query heads of row `t` (RefreshKV's schedule compares it between steps).
+pub fn mean_query(io: &ForwardIo, t: usize) -> Vec<f32> {
+    let (d, g) = (io.cache.head_dim, io.group());
+    let mut qm = vec![0f32; d];
+    let mut buf = vec![0f32; g * d];
+    for h in 0..io.num_kv_heads {
+        io.load_queries(t..t + 1, h, &mut buf);
+        for row in buf.chunks_exact(d) {
+            for (m, &x) in qm.iter_mut().zip(row) {
+                *m += x;
+            }
+        }
+    }
+    qm
 }
 
 /// AttentionPredictor's history seeded from a prefill chunk: the true block rows of the chunk's last
@@ -147,9 +183,10 @@ pub fn predictor_seed(io: &ForwardIo, s: usize, head: usize, ps: &PredictorSpec)
     ph
 }
 
-/// AttentionPredictor for the heads of one item: every `calib` steps (and while there is no history) a
-/// full step attends everything and appends the true block row; other steps attend the sink, the local
-/// window and the blocks the CNN predicts, and append the block row of the attended tokens' weights.
+/// AttentionPredictor for the heads of one item: attends the sink, the local window and the blocks the
+/// CNN predicts. The row appended to the history is, on a calibration step (every `calib`-th), the full
+/// attention row (a scoring pass over every key; the output stays the sparse one), else the block row of
+/// the attended tokens' weights. A row with no history yet (no prefill seen) attends everything.
 pub(super) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops::Range<usize>, ps: &PredictorSpec, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
     let cache = io.cache;
     let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
@@ -157,7 +194,7 @@ pub(super) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
     let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
     let blocks = io.batch.blocks(s, bs);
     let state = state_of(ctx, i);
-    let weights = PredictorWeights::builtin().expect("checked at engine creation");
+    let weights = ctx.predictor.expect("the engine loads the predictor's weights with the policy");
     let softcap = io.params.softcap;
     let n = lim.hi + 1;
     let mut c = Counters::default();
@@ -171,30 +208,39 @@ pub(super) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         let kv = SeqKv { cache, blocks, head };
         let mut ph = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).predictor.take().unwrap_or_default();
         ph.since_calib += 1;
-        let full = ph.rows.is_empty() || ph.since_calib >= ps.calib;
-        let spans: Vec<(usize, usize)> = if full {
+        let no_history = ph.rows.is_empty();
+        let calibrate = no_history || ph.since_calib >= ps.calib;
+        if calibrate {
             ph.since_calib = 0;
             c.refresh_full_steps += 1;
-            vec![(lim.lo, n)]
         } else {
             c.refresh_partial_steps += 1;
-            let scores = weights.predict_cached(&mut ph, n.div_ceil(ps.block));
-            let mut v: Vec<(usize, usize)> = predictor::select(&scores, n, ps.budget, ps.block, ps.sink, ps.local).into_iter().map(|(a, b)| (a.max(lim.lo), b)).collect();
+        }
+        let spans: Vec<(usize, usize)> = if no_history {
+            vec![(lim.lo, n)]
+        } else {
+            let nb = n.div_ceil(ps.block);
+            let (start, width) = predictor::crop(nb, ps.block, ps.sink, ps.local);
+            let pred = weights.predict_cached(&mut ph, ps.history, start, width);
+            let mut scores = vec![f32::NEG_INFINITY; nb];
+            scores[start..start + width].copy_from_slice(&pred);
+            let mut v: Vec<(usize, usize)> = predictor::select(&scores, n, ps.budget, ps.block, ps.sink, ps.local).into_iter().map(|(a, b)| (a.max(lim.lo), b)).filter(|(a, b)| a < b).collect();
             normalize_spans(&mut v);
             v
         };
         let n_tok = span_tokens(&spans);
         let st = hw.st.as_mut().expect("loaded");
         attend_set(st, &hw.q, &hw.limits, &kv, &spans, n_tok, &mut sc.tokens, softcap);
-        // The row appended to the history: weights of what was attended (all positions on a full step).
-        let pos: Vec<usize> = spans.iter().flat_map(|&(a, b)| a..b).collect();
+        // The history row: every visible position's weight on a calibration step, else the attended ones'.
+        let pos: Vec<usize> = if calibrate { (lim.lo..n).collect() } else { spans.iter().flat_map(|&(a, b)| a..b).collect() };
         weights_at(io, &hw.q, g, &pos, blocks, head, &mut sc.p_rows, &mut sc.w);
         let mut row = vec![0f32; n];
         for (&p, &x) in pos.iter().zip(&sc.w) {
             row[p] = x;
         }
         ph.push(predictor::block_max(&row, ps.block), ps.history);
-        c.kv_bytes_read += (n_tok * 3 * d * cache.dtype.size_bytes()) as u64; // K twice (attend, score), V once
+        // K and V of the attended tokens, K again for the history row's weights.
+        c.kv_bytes_read += ((n_tok * 2 + pos.len()) * d * cache.dtype.size_bytes()) as u64;
         hw.cand.from_spans(&spans, bs, 1, |_| f32::NAN);
         c.blocks_visited += hw.cand.units.len() as u64;
         if let Some(log) = ctx.visits {
@@ -208,8 +254,18 @@ pub(super) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
     c
 }
 
-/// Query rows of a prefill chunk PRR calibrates on (the chunk's last rows; the observation window).
+/// Query rows of a prefill chunk PRR calibrates on (a strided sample of the chunk).
 pub const CALIB_ROWS: usize = 64;
+
+/// At most `max` row indices of the chunk `start .. start + len`, evenly strided, ascending, the last row
+/// always included (the decode steps continue from it).
+pub fn calib_rows(start: usize, len: usize, max: usize) -> Vec<usize> {
+    if len <= max {
+        return (start..start + len).collect();
+    }
+    // Row j of max: start + len - 1 - (max - 1 - j) * len / max (exact integer stride, distinct rows).
+    (0..max).map(|j| start + len - 1 - (max - 1 - j) * len / max).collect()
+}
 
 /// RefreshKV for the heads of one item: a full step attends everything, scores every position and
 /// rebuilds the set; a partial step attends the set only.
@@ -271,4 +327,19 @@ pub(super) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
     }
     sc.heads = hws;
     c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::calib_rows;
+
+    #[test]
+    fn calibration_rows_are_strided_over_the_whole_chunk() {
+        assert_eq!(calib_rows(10, 5, 64), vec![10, 11, 12, 13, 14]);
+        let r = calib_rows(100, 1000, 64);
+        assert_eq!(r.len(), 64);
+        assert_eq!(*r.last().unwrap(), 1099, "ends at the chunk's last row");
+        assert!(r[0] >= 100 && r[0] < 100 + 1000 / 64 + 1, "starts near the chunk's first row: {}", r[0]);
+        assert!(r.windows(2).all(|w| w[1] - w[0] >= 15 && w[1] - w[0] <= 16), "{r:?}");
+    }
 }
