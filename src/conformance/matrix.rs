@@ -88,12 +88,25 @@ pub fn matrix(quick: bool) -> Vec<CaseSpec> {
             cases.push(c);
         }
     }
-    // 4. In-order (unshuffled) table, MQA, single decode row of length 1.
+    // 4. GQA 3 (SmolLM2's 9/3 heads, head 64) in vLLM's CPU block size 128 over a strided cache: query
+    //    rows per KV head 3 (decode), 6, 9, 21 and 30 (prefill tiles), so every row-block remainder of the
+    //    CPU kernels (4 + 3, 2 or 1) meets keys in full and partial chunks.
+    for (dt, win) in [(DType::F32, 0usize), (DType::BF16, 0), (DType::F32, 300)] {
+        if quick && (dt != DType::F32 || win > 0) {
+            continue;
+        }
+        let seqs = vec![(1, 2100), (2, 130), (3, 77), (7, 300), (1, 1), (40, 200)];
+        let mut c = CaseSpec::new(format!("gqa3-bs128-{}{}-strided", dtype_tag(dt), if win > 0 { "-window" } else { "" }), dt, 64, 9, 3, 128, seqs);
+        c.window = win;
+        c.strided = true;
+        cases.push(c);
+    }
+    // 5. In-order (unshuffled) table, MQA, single decode row of length 1.
     let mut c = CaseSpec::new("mqa-inorder-f32", DType::F32, 256, 8, 1, 8, vec![(1, 1), (3, 3), (1, 2048)]);
     c.shuffled = false;
     c.columns = Columns::Pad;
     cases.push(c);
-    // 5. Serving batches: everything at once.
+    // 6. Serving batches: everything at once.
     cases.extend(serving(quick));
     cases
 }

@@ -48,8 +48,23 @@ pub unsafe fn scores(scores: &mut [f32], q: &[f32], kbuf: &[f32], rows: usize, n
     scores_rows::<FMT_F32>(scores, q, &ptrs[..n], rows, d)
 }
 
+/// Horizontal sums of eight accumulators at once: lane `i` of the result is the sum of `a[i]`'s lanes.
+#[inline(always)]
+unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
+    let s01 = _mm256_hadd_ps(a[0], a[1]);
+    let s23 = _mm256_hadd_ps(a[2], a[3]);
+    let s45 = _mm256_hadd_ps(a[4], a[5]);
+    let s67 = _mm256_hadd_ps(a[6], a[7]);
+    // [a0 a1 a2 a3 | a0 a1 a2 a3] as sums of the low and of the high 128-bit halves
+    let lo = _mm256_hadd_ps(s01, s23);
+    let hi = _mm256_hadd_ps(s45, s67);
+    _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31))
+}
+
 /// `scores[r * CHUNK + j] = q_r · k_j` with key `j` read from `krows[j]` (a contiguous row of format
-/// `FMT`, converted in registers), 4 query rows × 2 keys at a time.
+/// `FMT`, converted in registers). Rows go in blocks of 4, the rest in one block of 3, 2 or 1, each block
+/// against as many keys at once as keep eight accumulators busy (4×2, 3×2, 2×4, 1×8): every K load feeds
+/// every row of the block, and one horizontal-sum tree finishes eight scores.
 ///
 /// # Safety
 /// Requires AVX2, FMA and F16C; every `krows[j]` must address `d` elements; `q` holds `rows × d`,
@@ -58,70 +73,64 @@ pub unsafe fn scores(scores: &mut [f32], q: &[f32], kbuf: &[f32], rows: usize, n
 pub unsafe fn scores_rows<const FMT: u8>(scores: &mut [f32], q: &[f32], krows: &[*const u8], rows: usize, d: usize) {
     let n = krows.len();
     assert!(q.len() >= rows * d && scores.len() >= rows * CHUNK && d % 8 == 0 && n <= CHUNK);
-    let qp = q.as_ptr();
+    let (sp, qp) = (scores.as_mut_ptr(), q.as_ptr());
     let mut r0 = 0;
     while r0 + 4 <= rows {
-        let (q0, q1, q2, q3) = (qp.add(r0 * d), qp.add((r0 + 1) * d), qp.add((r0 + 2) * d), qp.add((r0 + 3) * d));
-        let mut j = 0;
-        while j < n {
-            let two = j + 1 < n;
-            let ka = krows[j];
-            let kb = if two { krows[j + 1] } else { ka };
-            let mut acc = [_mm256_setzero_ps(); 8];
-            let mut c = 0;
-            while c < d {
-                let va = load8!(FMT, ka, c);
-                let vb = load8!(FMT, kb, c);
-                let x0 = _mm256_loadu_ps(q0.add(c));
-                acc[0] = _mm256_fmadd_ps(x0, va, acc[0]);
-                acc[1] = _mm256_fmadd_ps(x0, vb, acc[1]);
-                let x1 = _mm256_loadu_ps(q1.add(c));
-                acc[2] = _mm256_fmadd_ps(x1, va, acc[2]);
-                acc[3] = _mm256_fmadd_ps(x1, vb, acc[3]);
-                let x2 = _mm256_loadu_ps(q2.add(c));
-                acc[4] = _mm256_fmadd_ps(x2, va, acc[4]);
-                acc[5] = _mm256_fmadd_ps(x2, vb, acc[5]);
-                let x3 = _mm256_loadu_ps(q3.add(c));
-                acc[6] = _mm256_fmadd_ps(x3, va, acc[6]);
-                acc[7] = _mm256_fmadd_ps(x3, vb, acc[7]);
-                c += 8;
-            }
-            // Horizontal sums of all eight accumulators at once: [r0a r0b r1a r1b] and [r2a r2b r3a r3b].
-            let s01 = _mm256_hadd_ps(acc[0], acc[1]);
-            let s23 = _mm256_hadd_ps(acc[2], acc[3]);
-            let s45 = _mm256_hadd_ps(acc[4], acc[5]);
-            let s67 = _mm256_hadd_ps(acc[6], acc[7]);
-            let lo = _mm256_hadd_ps(s01, s23);
-            let hi = _mm256_hadd_ps(s45, s67);
-            let mut t = [0f32; 8];
-            _mm_storeu_ps(t.as_mut_ptr(), _mm_add_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1)));
-            _mm_storeu_ps(t.as_mut_ptr().add(4), _mm_add_ps(_mm256_castps256_ps128(hi), _mm256_extractf128_ps(hi, 1)));
-            for a in 0..4 {
-                *scores.get_unchecked_mut((r0 + a) * CHUNK + j) = t[2 * a];
-                if two {
-                    *scores.get_unchecked_mut((r0 + a) * CHUNK + j + 1) = t[2 * a + 1];
-                }
-            }
-            j += 2;
-        }
+        score_rows_block::<FMT, 4, 2>(sp, qp, krows, r0, d);
         r0 += 4;
     }
-    while r0 < rows {
-        let qr = qp.add(r0 * d);
-        for (j, &k) in krows.iter().enumerate() {
-            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut c = 0;
-            while c + 16 <= d {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr.add(c)), load8!(FMT, k, c), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr.add(c + 8)), load8!(FMT, k, c + 8), a1);
-                c += 16;
-            }
-            if c < d {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr.add(c)), load8!(FMT, k, c), a0);
-            }
-            *scores.get_unchecked_mut(r0 * CHUNK + j) = hsum(_mm256_add_ps(a0, a1));
+    match rows - r0 {
+        3 => score_rows_block::<FMT, 3, 2>(sp, qp, krows, r0, d),
+        2 => score_rows_block::<FMT, 2, 4>(sp, qp, krows, r0, d),
+        1 => score_rows_block::<FMT, 1, 8>(sp, qp, krows, r0, d),
+        _ => {}
+    }
+}
+
+/// Scores of rows `r0..r0 + R` against all keys, `KB` keys at a time (`R * KB <= 8`).
+#[inline(always)]
+unsafe fn score_rows_block<const FMT: u8, const R: usize, const KB: usize>(sp: *mut f32, qp: *const f32, krows: &[*const u8], r0: usize, d: usize) {
+    let n = krows.len();
+    let mut j = 0;
+    while j < n {
+        let valid = (n - j).min(KB);
+        // A short last group repeats its last key (computed, not stored).
+        let mut kp = [std::ptr::null::<u8>(); KB];
+        for (b, p) in kp.iter_mut().enumerate() {
+            *p = *krows.get_unchecked(j + b.min(valid - 1));
         }
-        r0 += 1;
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut c = 0;
+        while c < d {
+            let mut kv = [_mm256_setzero_ps(); KB];
+            for b in 0..KB {
+                kv[b] = load8!(FMT, kp[b], c);
+            }
+            for r in 0..R {
+                let x = _mm256_loadu_ps(qp.add((r0 + r) * d + c));
+                for b in 0..KB {
+                    acc[r * KB + b] = _mm256_fmadd_ps(x, kv[b], acc[r * KB + b]);
+                }
+            }
+            c += 8;
+        }
+        let mut t = [0f32; 8];
+        _mm256_storeu_ps(t.as_mut_ptr(), hsum8(&acc));
+        // (the two loops differ in the trip count being a constant: a variable one becomes a memcpy call)
+        if valid == KB {
+            for r in 0..R {
+                for b in 0..KB {
+                    *sp.add((r0 + r) * CHUNK + j + b) = t[r * KB + b];
+                }
+            }
+        } else {
+            for r in 0..R {
+                for b in 0..valid {
+                    *sp.add((r0 + r) * CHUNK + j + b) = t[r * KB + b];
+                }
+            }
+        }
+        j += KB;
     }
 }
 
@@ -139,8 +148,9 @@ pub unsafe fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, 
     accumulate_rows::<FMT_F32>(acc, p, &ptrs[..n], rows, d)
 }
 
-/// `acc[r] += Σ_j p[r * CHUNK + j] · v_j` with value `j` read from `vrows[j]` (format `FMT`), 4 rows × 16
-/// columns of accumulators held in registers across the chunk.
+/// `acc[r] += Σ_j p[r * CHUNK + j] · v_j` with value `j` read from `vrows[j]` (format `FMT`), rows in
+/// blocks of 4 (the rest in one block of 3, 2 or 1) × 16 columns of accumulators held in registers across
+/// the chunk, so every V load feeds every row of the block.
 ///
 /// # Safety
 /// Requires AVX2, FMA and F16C; every `vrows[j]` must address `d` elements; `acc` holds `rows × d`, `p`
@@ -149,48 +159,227 @@ pub unsafe fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, 
 pub unsafe fn accumulate_rows<const FMT: u8>(acc: &mut [f32], p: &[f32], vrows: &[*const u8], rows: usize, d: usize) {
     let n = vrows.len();
     assert!(acc.len() >= rows * d && p.len() >= rows * CHUNK && d % 16 == 0 && n <= CHUNK);
-    let ap = acc.as_mut_ptr();
-    let pp = p.as_ptr();
+    let (ap, pp) = (acc.as_mut_ptr(), p.as_ptr());
     let mut r0 = 0;
     while r0 + 4 <= rows {
-        let mut c = 0;
-        while c < d {
-            let mut a = [_mm256_setzero_ps(); 8];
-            for r in 0..4 {
-                a[2 * r] = _mm256_loadu_ps(ap.add((r0 + r) * d + c));
-                a[2 * r + 1] = _mm256_loadu_ps(ap.add((r0 + r) * d + c + 8));
-            }
-            for (j, &v) in vrows.iter().enumerate() {
-                let v0 = load8!(FMT, v, c);
-                let v1 = load8!(FMT, v, c + 8);
-                for r in 0..4 {
-                    let w = _mm256_broadcast_ss(&*pp.add((r0 + r) * CHUNK + j));
-                    a[2 * r] = _mm256_fmadd_ps(w, v0, a[2 * r]);
-                    a[2 * r + 1] = _mm256_fmadd_ps(w, v1, a[2 * r + 1]);
-                }
-            }
-            for r in 0..4 {
-                _mm256_storeu_ps(ap.add((r0 + r) * d + c), a[2 * r]);
-                _mm256_storeu_ps(ap.add((r0 + r) * d + c + 8), a[2 * r + 1]);
-            }
-            c += 16;
-        }
+        accumulate_rows_block::<FMT, 4>(ap, pp, vrows, r0, d);
         r0 += 4;
     }
-    while r0 < rows {
-        let mut c = 0;
-        while c < d {
-            let mut a0 = _mm256_loadu_ps(ap.add(r0 * d + c));
-            let mut a1 = _mm256_loadu_ps(ap.add(r0 * d + c + 8));
-            for (j, &v) in vrows.iter().enumerate() {
-                let w = _mm256_broadcast_ss(&*pp.add(r0 * CHUNK + j));
-                a0 = _mm256_fmadd_ps(w, load8!(FMT, v, c), a0);
-                a1 = _mm256_fmadd_ps(w, load8!(FMT, v, c + 8), a1);
-            }
-            _mm256_storeu_ps(ap.add(r0 * d + c), a0);
-            _mm256_storeu_ps(ap.add(r0 * d + c + 8), a1);
-            c += 16;
+    match rows - r0 {
+        3 => accumulate_rows_block::<FMT, 3>(ap, pp, vrows, r0, d),
+        2 => accumulate_rows_block::<FMT, 2>(ap, pp, vrows, r0, d),
+        1 => accumulate_rows_block::<FMT, 1>(ap, pp, vrows, r0, d),
+        _ => {}
+    }
+}
+
+#[inline(always)]
+unsafe fn accumulate_rows_block<const FMT: u8, const R: usize>(ap: *mut f32, pp: *const f32, vrows: &[*const u8], r0: usize, d: usize) {
+    let mut c = 0;
+    while c < d {
+        let mut a = [[_mm256_setzero_ps(); 2]; R];
+        for r in 0..R {
+            a[r][0] = _mm256_loadu_ps(ap.add((r0 + r) * d + c));
+            a[r][1] = _mm256_loadu_ps(ap.add((r0 + r) * d + c + 8));
         }
-        r0 += 1;
+        for (j, &v) in vrows.iter().enumerate() {
+            let v0 = load8!(FMT, v, c);
+            let v1 = load8!(FMT, v, c + 8);
+            for r in 0..R {
+                let w = _mm256_broadcast_ss(&*pp.add((r0 + r) * CHUNK + j));
+                a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(w, v1, a[r][1]);
+            }
+        }
+        for r in 0..R {
+            _mm256_storeu_ps(ap.add((r0 + r) * d + c), a[r][0]);
+            _mm256_storeu_ps(ap.add((r0 + r) * d + c + 8), a[r][1]);
+        }
+        c += 16;
+    }
+}
+
+/// [`super::math::fast_exp`] on eight lanes, the same operations in the same order (so both paths give
+/// bit-identical weights). NaN stays NaN (the clamps are ordered so that `max`/`min` return the NaN).
+#[inline(always)]
+unsafe fn exp8(x: __m256) -> __m256 {
+    use super::math::{EXP_C, LN2_HI, LN2_LO, LOG2E, ROUND_MAGIC};
+    let xc = _mm256_min_ps(_mm256_set1_ps(88.0), _mm256_max_ps(_mm256_set1_ps(-87.0), x));
+    let magic = _mm256_set1_ps(ROUND_MAGIC);
+    let n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)), magic), magic);
+    let r = _mm256_sub_ps(_mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))), _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+    let mut y = _mm256_set1_ps(EXP_C[0]);
+    for &c in &EXP_C[1..] {
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+    }
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+    let scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+    let under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_LT_OQ);
+    _mm256_andnot_ps(under, _mm256_mul_ps(y, scale))
+}
+
+/// Largest element of `x` (NaN handling as `f32::max`: a NaN is skipped unless all are NaN; the NaN
+/// itself still reaches the output through [`exp_sub_sum`]).
+///
+/// # Safety
+/// Requires AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn max(x: &[f32]) -> f32 {
+    let n = x.len();
+    let p = x.as_ptr();
+    let mut i = 0;
+    let mut m = f32::NEG_INFINITY;
+    if n >= 8 {
+        let mut v = _mm256_loadu_ps(p);
+        i = 8;
+        while i + 8 <= n {
+            v = _mm256_max_ps(v, _mm256_loadu_ps(p.add(i)));
+            i += 8;
+        }
+        let h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        m = _mm_cvtss_f32(h);
+    }
+    for &y in &x[i..] {
+        m = m.max(y);
+    }
+    m
+}
+
+/// `x[i] = exp(x[i] - m)` for every element; returns their sum.
+///
+/// # Safety
+/// Requires AVX2 and FMA.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let mv = _mm256_set1_ps(m);
+    let mut s = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mv));
+        _mm256_storeu_ps(p.add(i), e);
+        s = _mm256_add_ps(s, e);
+        i += 8;
+    }
+    let mut tail = 0f32;
+    for y in &mut x[i..] {
+        *y = super::math::fast_exp(*y - m);
+        tail += *y;
+    }
+    hsum(s) + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::math::fast_exp;
+    use crate::rng::Rng;
+
+    fn have_avx2() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    }
+
+    /// Rows stored in format `fmt` (as the cache holds them) and their exact values as f64.
+    fn rows(fmt: u8, n: usize, d: usize, rng: &mut Rng) -> (Vec<u8>, Vec<f64>) {
+        let mut bytes = Vec::new();
+        let mut exact = Vec::new();
+        for _ in 0..n * d {
+            let x = rng.normal() as f32;
+            let (b, v): (Vec<u8>, f64) = match fmt {
+                FMT_F16 => {
+                    let h = half::f16::from_f32(x);
+                    (h.to_bits().to_le_bytes().to_vec(), h.to_f64())
+                }
+                FMT_BF16 => {
+                    let h = half::bf16::from_f32(x);
+                    (h.to_bits().to_le_bytes().to_vec(), h.to_f64())
+                }
+                _ => (x.to_le_bytes().to_vec(), x as f64),
+            };
+            bytes.extend(b);
+            exact.push(v);
+        }
+        (bytes, exact)
+    }
+
+    fn check<const FMT: u8>(rng: &mut Rng) {
+        let esize = if FMT == FMT_F32 { 4 } else { 2 };
+        for d in [64usize, 80, 128] {
+            for nrows in 1..=9 {
+                for n in [1usize, 2, 3, 7, 8, 9, 31, 32] {
+                    let q: Vec<f32> = (0..nrows * d).map(|_| rng.normal() as f32).collect();
+                    let (kb, k) = rows(FMT, n, d, rng);
+                    let (vb, v) = rows(FMT, n, d, rng);
+                    // Rows in reverse order in memory, so a row's address is not its index.
+                    let krows: Vec<*const u8> = (0..n).map(|j| kb[(n - 1 - j) * d * esize..].as_ptr()).collect();
+                    let vrows: Vec<*const u8> = (0..n).map(|j| vb[(n - 1 - j) * d * esize..].as_ptr()).collect();
+                    let mut sc = vec![f32::NAN; nrows * CHUNK];
+                    unsafe { scores_rows::<FMT>(&mut sc, &q, &krows, nrows, d) };
+                    let p: Vec<f32> = (0..nrows * CHUNK).map(|_| rng.normal() as f32).collect();
+                    let acc0: Vec<f32> = (0..nrows * d).map(|_| rng.normal() as f32).collect();
+                    let mut acc = acc0.clone();
+                    unsafe { accumulate_rows::<FMT>(&mut acc, &p, &vrows, nrows, d) };
+                    for r in 0..nrows {
+                        for j in 0..n {
+                            let want: f64 = (0..d).map(|c| q[r * d + c] as f64 * k[(n - 1 - j) * d + c]).sum();
+                            let got = sc[r * CHUNK + j] as f64;
+                            assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "score fmt {FMT} d {d} rows {nrows} n {n} ({r},{j}): {got} vs {want}");
+                        }
+                        for j in n..CHUNK {
+                            assert!(sc[r * CHUNK + j].is_nan(), "score past n written: fmt {FMT} rows {nrows} n {n}");
+                        }
+                        for c in 0..d {
+                            let want = acc0[r * d + c] as f64 + (0..n).map(|j| p[r * CHUNK + j] as f64 * v[(n - 1 - j) * d + c]).sum::<f64>();
+                            let got = acc[r * d + c] as f64;
+                            assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "acc fmt {FMT} d {d} rows {nrows} n {n} ({r},{c}): {got} vs {want}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scores_and_accumulate_match_f64_for_every_row_block_and_format() {
+        if !have_avx2() {
+            return;
+        }
+        let mut rng = Rng::new(Rng::fresh_seed());
+        check::<FMT_F32>(&mut rng);
+        check::<FMT_F16>(&mut rng);
+        check::<FMT_BF16>(&mut rng);
+    }
+
+    #[test]
+    fn vector_exp_equals_fast_exp_bit_for_bit_and_keeps_nan() {
+        if !have_avx2() {
+            return;
+        }
+        let mut xs: Vec<f32> = (0..20000).map(|i| -100.0 + i as f32 * 0.0097).collect();
+        xs.extend([f32::NEG_INFINITY, f32::NAN, -87.0, -86.99, 0.0, -0.0, 88.0, 1e-30, -1e-30]);
+        let m = 0.25f32;
+        let mut got = xs.clone();
+        let sum = unsafe { exp_sub_sum(&mut got, m) };
+        let mut total = 0f64;
+        for (&x, &g) in xs.iter().zip(&got) {
+            let want = fast_exp(x - m);
+            assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "exp({x} - {m}): {g} vs {want}");
+            total += want as f64;
+        }
+        assert!(sum.is_nan() && total.is_nan(), "a NaN input makes the sum NaN");
+        // (sums of values above ~80 overflow f32, as they would in the scalar path)
+        let finite: Vec<f32> = xs.iter().copied().filter(|x| !x.is_nan() && *x < 80.0).collect();
+        let mut e = finite.clone();
+        let s = unsafe { exp_sub_sum(&mut e, m) } as f64;
+        let want: f64 = finite.iter().map(|&x| fast_exp(x - m) as f64).sum();
+        assert!((s - want).abs() <= 1e-5 * want, "sum {s} vs {want}");
+        assert_eq!(unsafe { max(&xs[..20000]) }, xs[19999], "largest of the grid");
+        for n in 0..20 {
+            let v: Vec<f32> = (0..n).map(|i| (i as f32 * 7.3) % 5.0 - 2.0).collect();
+            assert_eq!(unsafe { max(&v) }, v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)), "max of {v:?}");
+        }
     }
 }

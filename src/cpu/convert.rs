@@ -25,16 +25,27 @@ pub trait Isa: Copy {
     fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
         super::attention::accumulate_generic::<Self>(acc, p, vbuf, rows, n, d)
     }
+    /// Largest element (`f32::max` semantics).
+    #[inline(always)]
+    fn max(x: &[f32]) -> f32 {
+        x.iter().fold(f32::NEG_INFINITY, |m, &y| m.max(y))
+    }
+    /// `x[i] = exp(x[i] - m)` (see [`super::math::fast_exp`]); returns the sum of the new values.
+    #[inline(always)]
+    fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
+        for y in x.iter_mut() {
+            *y = super::math::fast_exp(*y - m);
+        }
+        super::attention::sum8(x)
+    }
     /// Scores of the keys at `krows` (cache rows of `dtype`, element stride `stride`): by default
     /// converted into `kbuf` first, then [`Isa::scores`].
     ///
     /// # Safety
     /// Every pointer must address `d` elements at that stride.
     #[inline(always)]
-    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, stride: isize, kbuf: &mut [f32], rows: usize, d: usize) {
-        for (j, &p) in krows.iter().enumerate() {
-            load_row::<Self>(p, dtype, stride, d, &mut kbuf[j * d..(j + 1) * d]);
-        }
+    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, stride: isize, kbuf: &mut Vec<f32>, rows: usize, d: usize) {
+        stage_rows::<Self>(krows, dtype, stride, d, kbuf);
         Self::scores(scores, q, kbuf, rows, krows.len(), d)
     }
     /// Value accumulation from cache rows (see [`Isa::scores_rows`]).
@@ -42,10 +53,8 @@ pub trait Isa: Copy {
     /// # Safety
     /// Every pointer must address `d` elements at that stride.
     #[inline(always)]
-    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, stride: isize, vbuf: &mut [f32], rows: usize, d: usize) {
-        for (j, &ptr) in vrows.iter().enumerate() {
-            load_row::<Self>(ptr, dtype, stride, d, &mut vbuf[j * d..(j + 1) * d]);
-        }
+    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, stride: isize, vbuf: &mut Vec<f32>, rows: usize, d: usize) {
+        stage_rows::<Self>(vrows, dtype, stride, d, vbuf);
         Self::accumulate(acc, p, vbuf, rows, vrows.len(), d)
     }
 }
@@ -93,31 +102,37 @@ impl Isa for Avx2 {
         unsafe { super::avx2::accumulate(acc, p, vbuf, rows, n, d) }
     }
     #[inline(always)]
-    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, stride: isize, kbuf: &mut [f32], rows: usize, d: usize) {
+    fn max(x: &[f32]) -> f32 {
+        // SAFETY: as above.
+        unsafe { super::avx2::max(x) }
+    }
+    #[inline(always)]
+    fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
+        // SAFETY: as above.
+        unsafe { super::avx2::exp_sub_sum(x, m) }
+    }
+    #[inline(always)]
+    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, stride: isize, kbuf: &mut Vec<f32>, rows: usize, d: usize) {
         use super::avx2 as k;
         match (dtype, stride) {
             (DType::F16, 1) => k::scores_rows::<{k::FMT_F16}>(scores, q, krows, rows, d),
             (DType::BF16, 1) => k::scores_rows::<{k::FMT_BF16}>(scores, q, krows, rows, d),
             (DType::F32, 1) => k::scores_rows::<{k::FMT_F32}>(scores, q, krows, rows, d),
             _ => {
-                for (j, &p) in krows.iter().enumerate() {
-                    load_row::<Self>(p, dtype, stride, d, &mut kbuf[j * d..(j + 1) * d]);
-                }
+                stage_rows::<Self>(krows, dtype, stride, d, kbuf);
                 Self::scores(scores, q, kbuf, rows, krows.len(), d)
             }
         }
     }
     #[inline(always)]
-    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, stride: isize, vbuf: &mut [f32], rows: usize, d: usize) {
+    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, stride: isize, vbuf: &mut Vec<f32>, rows: usize, d: usize) {
         use super::avx2 as k;
         match (dtype, stride) {
             (DType::F16, 1) => k::accumulate_rows::<{k::FMT_F16}>(acc, p, vrows, rows, d),
             (DType::BF16, 1) => k::accumulate_rows::<{k::FMT_BF16}>(acc, p, vrows, rows, d),
             (DType::F32, 1) => k::accumulate_rows::<{k::FMT_F32}>(acc, p, vrows, rows, d),
             _ => {
-                for (j, &ptr) in vrows.iter().enumerate() {
-                    load_row::<Self>(ptr, dtype, stride, d, &mut vbuf[j * d..(j + 1) * d]);
-                }
+                stage_rows::<Self>(vrows, dtype, stride, d, vbuf);
                 Self::accumulate(acc, p, vbuf, rows, vrows.len(), d)
             }
         }
@@ -137,6 +152,21 @@ unsafe fn f16_to_f32_f16c(src: *const u16, dst: &mut [f32], n: usize) {
     while i < n {
         dst[i] = half::f16::from_bits(src.add(i).read_unaligned()).to_f32();
         i += 1;
+    }
+}
+
+/// Converts the rows at `rows` (each `d` elements of `dtype` at element stride `stride`) into `buf`, one
+/// after the other, growing `buf` on first use (only the paths that cannot read the cache in place use it).
+///
+/// # Safety
+/// Every pointer must address `d` elements at that stride.
+#[inline(always)]
+unsafe fn stage_rows<I: Isa>(rows: &[*const u8], dtype: DType, stride: isize, d: usize, buf: &mut Vec<f32>) {
+    if buf.len() < rows.len() * d {
+        buf.resize(super::attention::CHUNK * d, 0.0);
+    }
+    for (j, &p) in rows.iter().enumerate() {
+        load_row::<I>(p, dtype, stride, d, &mut buf[j * d..(j + 1) * d]);
     }
 }
 

@@ -4,10 +4,12 @@
 //! polynomial on [-ln2/2, ln2/2], and the exponent built from bits. Relative error about 2e-7 (tested below
 //! against f64), far below the tolerances of any dtype kvsparse serves.
 
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
-const ROUND_MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
+pub(crate) const LN2_HI: f32 = 0.693_359_4;
+pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
+pub(crate) const ROUND_MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+/// Polynomial coefficients, highest degree first (the vector version in `avx2.rs` uses the same).
+pub(crate) const EXP_C: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
 
 /// exp(x) for x ≤ 88; returns exactly 0 for -inf and for x < -87 (where exp underflows anyway).
 #[inline(always)]
@@ -15,12 +17,10 @@ pub fn fast_exp(x: f32) -> f32 {
     let xc = x.clamp(-87.0, 88.0);
     let n = (xc * LOG2E + ROUND_MAGIC) - ROUND_MAGIC;
     let r = xc - n * LN2_HI - n * LN2_LO;
-    let mut y = 1.987_569_1e-4f32;
-    y = y.mul_add(r, 1.398_199_9e-3);
-    y = y.mul_add(r, 8.333_452e-3);
-    y = y.mul_add(r, 4.166_579_6e-2);
-    y = y.mul_add(r, 1.666_666_5e-1);
-    y = y.mul_add(r, 5.000_000_1e-1);
+    let mut y = EXP_C[0];
+    for &c in &EXP_C[1..] {
+        y = y.mul_add(r, c);
+    }
     y = y.mul_add(r * r, r + 1.0);
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     if x < -87.0 {
