@@ -45,7 +45,7 @@ class Kvs:
     def __init__(self, name, policy, layout, hq, hk, d, bs, dt, threads, layers):
         from kvsparse import Engine
         from kvsparse._ffi import ffi, lib
-        from kvsparse.dlpack import view
+        from kvsparse.dlpack import described as view
 
         self.ffi, self.lib, self.view = ffi, lib, view
         self.name, self.policy, self.layout = name, policy, layout
