@@ -199,9 +199,11 @@ extern "C" __global__ void kvs_plan_simple(Batch b, int hk, int kind, int sink, 
 #define QS_THREADS 256
 #define QS_PAGES 64
 // 1: when a page is one metadata unit, each half-warp issues its four pages' bound loads before scoring
-// them (more loads in flight, more registers); 0: one page at a time. Benchmarks pick it (KVS_QS_PREFETCH).
+// them (more loads in flight, more registers); 0: one page at a time, the default: measured on the H100 at
+// 128K (docs/perf.md), 0 selects in 633 us against 961 us at batch 32 and 65 against 75 at batch 1.
+// Benchmarks can switch it (KVS_QS_PREFETCH); decisions are the same either way.
 #ifndef QS_PREFETCH
-#define QS_PREFETCH 1
+#define QS_PREFETCH 0
 #endif
 __device__ __forceinline__ void load_lane_bounds(const u16* p, float* v) {
 #if QC % 8 == 0
