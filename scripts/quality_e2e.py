@@ -71,7 +71,10 @@ POLICIES = {
     "streaming": "streaming(sink=64, recent={B64})",
     "quest": "quest(budget={B})",
     "quest_top_p": "quest(budget={B}) > top_p(p=0.95)",
-    "quest_art": "quest(budget={B}) > art(tau={TAU}, phi=1e-3, patience=5, order=priority)",
+    "quest_art": "quest(budget={B}) > art(tau={TAU}, phi=1e-3, patience=5)",
+    "art": "art(tau={TAU}, phi=1e-3, patience=5)",
+    "streaming_art": "streaming(sink=64, recent={B64}) > art(tau={TAU}, phi=1e-3, patience=5)",
+    "snapkv_art": "snapkv(budget={B}) > art(tau={TAU}, phi=1e-3, patience=5)",
     "snapkv": "snapkv(budget={B})",
     "speculate": "speculate(over=quest(budget={B}), budget={B})",
     "refresh": "refresh(k={B}, stride=5, s=0.85)",
@@ -80,8 +83,8 @@ POLICIES = {
 STAT_KEYS = ("policy_rows", "blocks_eligible", "blocks_visited", "blocks_skipped_termination",
              "top_p_candidates", "top_p_kept", "spec_true_blocks", "spec_hit_blocks",
              "refresh_full_steps", "refresh_partial_steps", "kv_bytes_read")
-# ART's default probe: output dims (7 + 37 k) mod head_dim, k = 0..15 (docs/policies.md)
-PROBE_DIMS = [(7 + 37 * k) % HEAD_DIM for k in range(16)]
+# ART's default probe (the paper's 32-lane probe): dims 0, 2, 4, 6 of each query head (docs/policies.md)
+PROBE_DIMS = [0, 2, 4, 6]
 
 
 # --------------------------------------------------------------------------
@@ -405,7 +408,7 @@ def main(argv=None) -> int:
                     help="teacher-forced decode steps (predicted tokens); 0 = skip")
     ap.add_argument("--tail", type=int, default=64, help="prompt queries of the last prefill chunk")
     ap.add_argument("--chunk", type=int, default=8192, help="dense prefill chunk (tokens)")
-    ap.add_argument("--art-tau", default="1e-2", help="ART tau (absolute, output units)")
+    ap.add_argument("--art-tau", default="1e-5", help="ART tau (absolute, output units; the paper's default)")
     ap.add_argument("--threads", type=int, default=2, help="torch and kvsparse threads")
     ap.add_argument("--seed", type=int, default=7000, help="first needle seed")
     ap.add_argument("--csv", type=Path, default=REPO_ROOT / "docs/quality-data/e2e.csv")

@@ -120,4 +120,6 @@ pub struct VisitRecord {
     pub seq_id: u64,
     pub kv_head: usize,
     pub spans: Vec<(usize, usize)>,
+    /// ART: (tiles visited, tiles of the whole traversal); `None` without ART.
+    pub art_tiles: Option<(u32, u32)>,
 }

@@ -221,6 +221,8 @@ pub struct Replay {
     pub forward_s: f64,
     /// Attended spans per (layer index, step index, kv head); `None` where the row ran dense.
     pub visits: Vec<Option<Vec<(usize, usize)>>>,
+    /// ART's (tiles visited, tiles in the traversal) per (layer index, step index, kv head), same index.
+    pub art_tiles: Vec<Option<(u32, u32)>>,
 }
 
 impl Replay {
@@ -387,6 +389,7 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
 
     let mut out: Vec<Vec<f64>> = trace.layers.iter().map(|_| Vec::with_capacity(steps.len() * hq * d)).collect();
     let mut visits: Vec<Option<Vec<(usize, usize)>>> = vec![None; trace.layers.len() * steps.len() * hk];
+    let mut art_tiles: Vec<Option<(u32, u32)>> = vec![None; visits.len()];
     let mut counters = Counters::default();
     let mut forward_s = 0.0;
     let mut ob = HostBuf::zeros(opts.dtype, hq * d);
@@ -404,8 +407,9 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
             counters.add(&c);
             out[li].extend((0..hq * d).map(|i| ob.get(i)));
             for r in engine.take_visits() {
-                let VisitRecord { kv_head, spans, .. } = r;
+                let VisitRecord { kv_head, spans, art_tiles: tiles, .. } = r;
                 visits[(li * steps.len() + si) * hk + kv_head] = Some(spans);
+                art_tiles[(li * steps.len() + si) * hk + kv_head] = tiles;
             }
         }
         if sampled {
@@ -418,7 +422,7 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
         let after = engine.stats().total;
         counters = after.since(&stats_before);
     }
-    Ok(Replay { steps, out, counters, forward_s, visits })
+    Ok(Replay { steps, out, counters, forward_s, visits, art_tiles })
 }
 
 /// Sum of `w` (one query head's weights over positions) over the sorted half-open `spans`.

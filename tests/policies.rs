@@ -386,3 +386,90 @@ fn policy_specs_through_the_c_abi() {
         }
     }
 }
+
+/// ART's decision (docs/policies.md, "art"): tiles of 64 slots of the visit order, the paper's lane
+/// probe, Eq. 2-3 with patience. The engine's stop tile (its visit records) must equal an independent
+/// float64 simulation of the same definition on the same inputs, except where a tile's d_scale or d_dir
+/// lies within rounding of its threshold (counted and bounded).
+#[test]
+fn art_stop_tile_matches_a_float64_simulation() {
+    let s = seed();
+    let mut syn = small_synth(s, 901); // 57 blocks, the last one partial
+    let sp = syn.spec.clone();
+    let (hq, hk, d, n) = (sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.context);
+    let g = hq / hk;
+    // Visit orders (positions in slot order; None = a masked slot).
+    let nb = n.div_ceil(16);
+    let all_order: Vec<Option<usize>> = std::iter::once(0).chain((1..nb).rev()).flat_map(|b| (b * 16..b * 16 + 16).map(move |p| (p < n).then_some(p))).collect();
+    let recent = 300;
+    let stream_order: Vec<Option<usize>> = (0..4).chain((n - recent..n).rev()).map(Some).collect();
+    let (mut cases, mut borderline, mut early, mut matched) = (0, 0, 0, 0);
+    for (tau, phi, pat) in [(1e-2f64, 1e-1f64, 2u32), (3e-2, 1e-1, 3), (1e-1, 1e-2, 2), (3e-2, 3e-1, 1)] {
+        for (sel, order) in [("all", &all_order), (&format!("streaming(sink=4, recent={recent})") as &str, &stream_order)] {
+            let spec = format!("{sel} > art(tau={tau}, phi={phi}, patience={pat})");
+            let e = engine(&syn, &spec);
+            syn.write_cache(&e, 0).unwrap();
+            e.record_visits(true);
+            let tabs = syn.tables(n, 1);
+            let mut out = HostBuf::nans(sp.dtype, sp.num_seqs * hq * d);
+            e.attention_forward(&syn.decode_args(0, &tabs, &mut out)).unwrap();
+            let recs = e.take_visits();
+            assert_eq!(recs.len(), sp.num_seqs * hk);
+            for r in &recs {
+                let sq = syn.seq_ids.iter().position(|&id| id as u64 == r.seq_id).expect("a sequence of the batch");
+                let (eng_tiles, total) = r.art_tiles.expect("ART record");
+                assert_eq!(total as usize, order.len().div_ceil(64), "{spec}");
+                // f64 simulation: running (m, l, acc) per row, probe after each tile.
+                let q = |row: usize, i: usize| syn.query.get((sq * hq + r.kv_head * g + row) * d + i) * syn.scale as f64;
+                let kv = |p: usize, i: usize, v: bool| {
+                    let at = ((sq * n + p) * hk + r.kv_head) * d + i;
+                    if v { syn.new_v.get(at) } else { syn.new_k.get(at) }
+                };
+                let mut acc = vec![vec![0f64; d]; g];
+                let mut lsum = vec![0f64; g];
+                let mut m = vec![f64::NEG_INFINITY; g];
+                let mut prev = vec![0f64; 32];
+                let (mut run, mut stop, mut near) = (0u32, order.len().div_ceil(64) as u32, false);
+                for (t, tile) in order.chunks(64).enumerate() {
+                    for &p in tile.iter().flatten() {
+                        for row in 0..g {
+                            let x: f64 = (0..d).map(|i| q(row, i) * kv(p, i, false)).sum();
+                            let mn = m[row].max(x);
+                            let a = (m[row] - mn).exp();
+                            let w = (x - mn).exp();
+                            lsum[row] = lsum[row] * a + w;
+                            for i in 0..d {
+                                acc[row][i] = acc[row][i] * a + w * kv(p, i, true);
+                            }
+                            m[row] = mn;
+                        }
+                    }
+                    let cur: Vec<f64> = (0..32).map(|j| if j / 4 < g.min(8) { acc[j / 4][2 * (j % 4)] / lsum[j / 4] } else { 0.0 }).collect();
+                    let dd: f64 = cur.iter().zip(&prev).map(|(a, b)| (a - b) * (a - b)).sum::<f64>().sqrt();
+                    let (aa, bb, ab) = (prev.iter().map(|x| x * x).sum::<f64>(), cur.iter().map(|x| x * x).sum::<f64>(), prev.iter().zip(&cur).map(|(a, b)| a * b).sum::<f64>());
+                    let dir = if aa == 0.0 && bb == 0.0 { 0.0 } else if aa == 0.0 || bb == 0.0 { 1.0 } else { 1.0 - ab / (aa.sqrt() * bb.sqrt()) };
+                    near |= (dd - tau).abs() < 1e-6 + 1e-4 * tau || (dir - phi).abs() < 2e-6;
+                    run = if dd < tau && dir < phi { run + 1 } else { 0 };
+                    prev = cur;
+                    if run >= pat {
+                        stop = t as u32 + 1;
+                        break;
+                    }
+                }
+                cases += 1;
+                if eng_tiles < total {
+                    early += 1;
+                }
+                if eng_tiles == stop {
+                    matched += 1;
+                } else {
+                    assert!(near, "seed {s}: {spec}, seq {sq} head {}: engine stopped after {eng_tiles} tiles, the f64 simulation after {stop}", r.kv_head);
+                    borderline += 1;
+                }
+            }
+        }
+    }
+    println!("{cases} traversals: {matched} same stop tile, {borderline} borderline differences, {early} stopped early");
+    assert!(borderline * 10 <= cases, "seed {s}: too many borderline differences ({borderline} of {cases})");
+    assert!(early >= cases / 4 && early < cases, "seed {s}: the settings must stop some traversals early and not all ({early} of {cases})");
+}

@@ -22,7 +22,7 @@ pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usiz
     let sd = &io.batch.seqs[s];
     let len = sd.seq_len;
     if len <= budget {
-        return SnapSelection { prefill_len: len, keep: (0..len as u32).collect() };
+        return SnapSelection { prefill_len: len, keep: (0..len as u32).collect(), score: vec![f32::INFINITY; len] };
     }
     let obs_start = len.saturating_sub(window);
     let k_prefix = budget.saturating_sub(len - obs_start);
@@ -73,6 +73,8 @@ pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usiz
     let agg: Vec<f32> = (0..obs_start).map(|j| (0..g).map(|h| per_head[h * obs_start + j]).fold(0f32, f32::max)).collect();
     let pooled = max_pool(&agg, pool);
     let mut keep = top_k_positions(&pooled, k_prefix);
+    let mut score: Vec<f32> = keep.iter().map(|&t| pooled[t as usize]).collect();
     keep.extend(obs_start as u32..len as u32);
-    SnapSelection { prefill_len: len, keep }
+    score.resize(keep.len(), f32::INFINITY);
+    SnapSelection { prefill_len: len, keep, score }
 }

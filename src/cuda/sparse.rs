@@ -387,7 +387,7 @@ impl CudaBackend {
                 download_raw(pr.e + ((s as i64 * pr.p_s + h as i64 * pr.p_h) * 4) as u64, &mut entries[..n * 4])?;
                 let plan = HeadPlan { unit_log2: pr.ulog2 as u32, entries: entries[..n * 4].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect() };
                 plan.spans(lo, hi, &mut spans);
-                out.push(VisitRecord { layer: a.layer, seq_id: ids[s] as u64, kv_head: h, spans: spans.clone() });
+                out.push(VisitRecord { layer: a.layer, seq_id: ids[s] as u64, kv_head: h, spans: spans.clone(), art_tiles: None });
             }
         }
         Ok(out)

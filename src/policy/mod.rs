@@ -83,6 +83,8 @@ pub struct SnapSelection {
     pub prefill_len: usize,
     /// Sorted kept positions `< prefill_len` (the chosen prefix positions and the observation window).
     pub keep: Vec<u32>,
+    /// The pooled score of each kept position (ART's priority); +inf for the observation window.
+    pub score: Vec<f32>,
 }
 
 /// State of one (sequence, layer, KV head).

@@ -95,18 +95,22 @@ pub struct TopP {
     pub p: f32,
 }
 
-/// Traversal order of ART (sink units always come first).
+/// Traversal order of ART (sink units always come first). The spec's `order=auto` (default) is resolved
+/// at parse time from the selector (ART paper §3.3): recency for `all`/`streaming`, priority for the
+/// scored selectors (`quest`, `snapkv`, and any pipeline with `top_p`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Order {
     Recent,
     Priority,
 }
 
-/// Which output dimensions ART compares between blocks.
+/// What ART compares between tiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Probe {
-    /// A fixed scattered subset (see `termination::probe_dims`).
-    Scattered,
+    /// The paper's probe (§3.2): the leading accumulator element of each of the 32 lanes of warp 0 in the
+    /// tensor-core layout (see `termination::probe_lanes`).
+    Lanes,
+    /// The whole normalised output of every query row of the group (the paper's oracle, Appendix B).
     Full,
 }
 
@@ -437,6 +441,7 @@ pub fn parse(src: &str) -> Result<Spec> {
     let mut selector: Option<Selector> = None;
     let mut top_p: Option<TopP> = None;
     let mut art: Option<Art> = None;
+    let mut art_order: Option<Order> = None;
     let mut dense = false;
     let mut n_stages = 0;
     let mut predictor_weights = None;
@@ -504,16 +509,18 @@ pub fn parse(src: &str) -> Result<Spec> {
                 let tau = a.num("tau", Some(1e-5), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
                 let phi = a.num("phi", Some(1e-3), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
                 let pat = a.num("patience", Some(5.0), true, "an integer >= 1 or `inf`", |v| v == f64::INFINITY || (v.fract() == 0.0 && v >= 1.0 && v <= u32::MAX as f64))?;
-                let order = match a.word("order", "recent", &["recent", "priority"])? {
-                    "priority" => Order::Priority,
-                    _ => Order::Recent,
+                let order = match a.word("order", "auto", &["auto", "recent", "priority"])? {
+                    "priority" => Some(Order::Priority),
+                    "recent" => Some(Order::Recent),
+                    _ => None,
                 };
-                let probe = match a.word("probe", "scattered", &["scattered", "full"])? {
+                art_order = order;
+                let probe = match a.word("probe", "lanes", &["lanes", "full"])? {
                     "full" => Probe::Full,
-                    _ => Probe::Scattered,
+                    _ => Probe::Lanes,
                 };
                 let patience = if pat.is_infinite() { None } else { Some(pat as u32) };
-                art = Some(Art { tau: tau as f32, phi: phi as f32, patience, order, probe });
+                art = Some(Art { tau: tau as f32, phi: phi as f32, patience, order: Order::Recent, probe });
             }
             "speculate" => {
                 let mut raw = raw;
@@ -598,8 +605,22 @@ pub fn parse(src: &str) -> Result<Spec> {
     if p.peek().1 != Tok::End {
         return p.fail(if n_stages > 0 { "`>`, `;` or end of spec" } else { "end of spec" });
     }
-    let pipeline = if dense { None } else { Some(Pipeline { selector: selector.unwrap_or(Selector::All), top_p, art }) };
+    let selector = selector.unwrap_or(Selector::All);
+    if let Some(a) = art.as_mut() {
+        a.order = art_order.unwrap_or_else(|| default_order(&selector, top_p.is_some()));
+    }
+    let pipeline = if dense { None } else { Some(Pipeline { selector, top_p, art }) };
     Ok(Spec { pipeline, dense_layers, predictor_weights })
+}
+
+/// ART's default traversal (paper §3.3): recency-first for full and pattern-based selections, the
+/// selector's priority for the scored ones.
+pub fn default_order(selector: &Selector, top_p: bool) -> Order {
+    match selector {
+        _ if top_p => Order::Priority,
+        Selector::All | Selector::Streaming { .. } => Order::Recent,
+        _ => Order::Priority,
+    }
 }
 
 #[cfg(test)]
@@ -613,7 +634,15 @@ mod tests {
         assert_eq!(p.selector, Selector::Quest { budget: 4096, page: 16, sink: 0 });
         assert_eq!(p.top_p, Some(TopP { p: 0.95 }));
         let a = p.art.unwrap();
-        assert_eq!((a.tau, a.phi, a.patience, a.order, a.probe), (1e-5, 1e-3, Some(5), Order::Recent, Probe::Scattered));
+        assert_eq!((a.tau, a.phi, a.patience, a.order, a.probe), (1e-5, 1e-3, Some(5), Order::Priority, Probe::Lanes));
+        let order = |spec: &str| parse(spec).unwrap().pipeline.unwrap().art.unwrap().order;
+        assert_eq!(order("art"), Order::Recent);
+        assert_eq!(order("streaming(recent=64) > art"), Order::Recent);
+        assert_eq!(order("quest(budget=64) > art"), Order::Priority);
+        assert_eq!(order("snapkv(budget=64) > art"), Order::Priority);
+        assert_eq!(order("top_p > art"), Order::Priority);
+        assert_eq!(order("quest(budget=64) > art(order=recent)"), Order::Recent);
+        assert_eq!(order("art(order=priority)"), Order::Priority);
         assert_eq!(s.dense_layers, 2);
     }
 

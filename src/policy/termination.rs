@@ -1,95 +1,227 @@
-//! ART: adaptive termination of the block traversal.
+//! ART: attention run-time termination (the ART paper, §3.2–3.3, Algorithm 1), defined so that the CUDA
+//! decode kernel makes the same decisions from the same f32 values.
 //!
-//! After each visited unit the running output of every query row of the GQA group is probed: a fixed
-//! subset of output dimensions of `acc / l`. Between two consecutive probes `x_{t-1}, x_t`, a row is
-//! *stable* when its scale change `‖x_t − x_{t−1}‖₂ < tau` and its direction change
-//! `1 − cos(x_t, x_{t−1}) < phi`. The unit is stable when every row is; after `patience` consecutive
-//! stable units the traversal stops. The first unit has nothing to compare with and is never stable.
-//!
-//! Probe (`probe=scattered`, the default): `PROBE_DIMS` dimensions `(7 + 37·k) mod head_dim`, k = 0..16.
-//! 37 is prime and does not divide any supported head size, so the 16 dimensions are distinct and spread
-//! over the whole vector (and over every 16-wide vector lane group a GPU warp would hold). `probe=full`
-//! compares the whole vector. The CUDA kernel must use the same dimensions.
+//! * **Step**: a *tile* of [`ART_TILE`] = 64 consecutive slots of the row's visit order (the plan's entries
+//!   in ART's order, each entry `1 << unit_log2` slots, positions outside the row's visible range masked):
+//!   one round of the tensor-core kernel's 4 warps × 16 keys. Patience counts tiles.
+//! * **Probe** (`probe=lanes`, the paper's): the leading accumulator element of each of the 32 lanes of
+//!   warp 0 in the `mma.m16n8k16` C-fragment layout, where the query heads of the GQA group are the rows:
+//!   lane `j = 4r + c` holds output row `r` (query head `r` of the group, `r < 8`), dimension `2c`. The
+//!   element is normalised by the row's running sum (the paper's O(t), Appendix A), so `tau` is absolute in
+//!   output units. Rows past the group are the kernel's zero padding (they add 0 to every sum).
+//! * **Decision** (Eq. 2–3): `d_scale = ‖x(t) − x(t−1)‖₂`, `d_dir = 1 − cos(x(t), x(t−1))`; the tile is
+//!   stable when `d_scale < tau` and `d_dir < phi`; `patience` consecutive stable tiles stop the traversal.
+//!   `x(0) = 0` (Algorithm 1's `O(0) = 0`). The four lane sums are formed in a warp's xor-butterfly order
+//!   (16, 8, 4, 2, 1) with every product and sum rounded on its own ([`lane_sum`]), so the GPU reproduces
+//!   the decision from the same probe values bit for bit.
+//! * `probe=full` (the paper's oracle, Appendix B) compares the whole normalised output of every row of
+//!   the group, in f64 (a CPU-side measure of the probe's quality, not a GPU mode).
 
+use super::plan::HeadPlan;
 use super::spec::{Order, Probe};
-use super::select::{Candidates, Unit};
 
-pub const PROBE_DIMS: usize = 16;
+/// Slots (keys) per ART step.
+pub const ART_TILE: usize = 64;
+/// Lanes of the probe (one warp).
+pub const PROBE_LANES: usize = 32;
 
-/// The output dimensions ART compares.
-pub fn probe_dims(dim: usize, probe: Probe) -> Vec<usize> {
-    match probe {
-        Probe::Full => (0..dim).collect(),
-        Probe::Scattered => {
-            let n = PROBE_DIMS.min(dim);
-            (0..n).map(|k| (7 + 37 * k) % dim).collect()
-        }
+/// The paper's probe of the running output: lane `4r + c` = `acc[r][2c] / l[r]` for `r < min(rows, 8)`,
+/// 0 for the padding lanes. A row without weight (`l = 0`) or poisoned (`l = NaN`) gives NaN (unstable).
+pub fn probe_lanes(acc: &[f32], l: &[f32], rows: usize, dim: usize, out: &mut [f32; PROBE_LANES]) {
+    for (j, x) in out.iter_mut().enumerate() {
+        let (r, c) = (j / 4, j % 4);
+        *x = if r < rows { acc[r * dim + 2 * c] / l[r] } else { 0.0 };
     }
 }
 
-/// Running state of one traversal.
+/// Sum of 32 lane values in the order of a warp's xor-shuffle reduction: `v[j] += v[j ^ o]` for
+/// o = 16, 8, 4, 2, 1 (every lane ends with the same bits, since f32 addition is commutative).
+pub fn lane_sum(mut v: [f32; PROBE_LANES]) -> f32 {
+    let mut o = 16;
+    while o > 0 {
+        let w = v;
+        for (j, x) in v.iter_mut().enumerate() {
+            *x = w[j] + w[j ^ o];
+        }
+        o /= 2;
+    }
+    v[0]
+}
+
+/// `1 − cos` from the three lane sums: both probes zero count as aligned, one zero as orthogonal.
+fn one_minus_cos(aa: f32, bb: f32, ab: f32) -> f32 {
+    let cos = if aa == 0.0 && bb == 0.0 {
+        1.0
+    } else if aa == 0.0 || bb == 0.0 {
+        0.0
+    } else {
+        ab / (aa.sqrt() * bb.sqrt())
+    };
+    1.0 - cos
+}
+
+/// `(d_scale, d_dir)` between two lane probes in the decision order (see the module doc).
+pub fn lanes_stability(prev: &[f32; PROBE_LANES], cur: &[f32; PROBE_LANES]) -> (f32, f32) {
+    let (mut dd, mut aa, mut bb, mut ab) = ([0f32; PROBE_LANES], [0f32; PROBE_LANES], [0f32; PROBE_LANES], [0f32; PROBE_LANES]);
+    for j in 0..PROBE_LANES {
+        let diff = cur[j] - prev[j];
+        dd[j] = diff * diff;
+        aa[j] = prev[j] * prev[j];
+        bb[j] = cur[j] * cur[j];
+        ab[j] = prev[j] * cur[j];
+    }
+    (lane_sum(dd).sqrt(), one_minus_cos(lane_sum(aa), lane_sum(bb), lane_sum(ab)))
+}
+
+/// `(d_scale, d_dir)` of the oracle (whole outputs), in f64.
+pub fn full_stability(prev: &[f32], cur: &[f32]) -> (f64, f64) {
+    let (mut dd, mut aa, mut bb, mut ab) = (0f64, 0f64, 0f64, 0f64);
+    for (&x, &y) in prev.iter().zip(cur) {
+        let (x, y) = (x as f64, y as f64);
+        dd += (y - x) * (y - x);
+        aa += x * x;
+        bb += y * y;
+        ab += x * y;
+    }
+    let cos = if aa == 0.0 && bb == 0.0 {
+        1.0
+    } else if aa == 0.0 || bb == 0.0 {
+        0.0
+    } else {
+        ab / (aa.sqrt() * bb.sqrt())
+    };
+    (dd.sqrt(), 1.0 - cos)
+}
+
+/// Running state of one traversal (Algorithm 1): the previous probe and the stable-tile counter.
 #[derive(Clone, Debug, Default)]
 pub struct ArtState {
     prev: Vec<f32>,
-    have_prev: bool,
+    cur: Vec<f32>,
     stable_run: u32,
+    /// Tiles observed so far.
+    pub tiles: u32,
 }
 
 impl ArtState {
-    pub fn reset(&mut self) {
-        self.have_prev = false;
+    /// Starts a traversal whose probe has `len` elements (`x(0) = 0`).
+    pub fn reset(&mut self, len: usize) {
+        self.prev.clear();
+        self.prev.resize(len, 0.0);
         self.stable_run = 0;
+        self.tiles = 0;
     }
 
-    /// Feeds the probe of the current running outputs (`rows × probe_len`, rows with no weight yet as
-    /// NaN); returns true when the traversal should stop.
-    pub fn observe(&mut self, cur: &[f32], probe_len: usize, tau: f32, phi: f32, patience: Option<u32>) -> bool {
-        let stable = self.have_prev && is_stable(&self.prev, cur, probe_len, tau, phi);
-        self.prev.clear();
-        self.prev.extend_from_slice(cur);
-        self.have_prev = true;
+    /// The probe buffer of the current tile, to be filled before [`observe`](Self::observe).
+    pub fn cur_mut(&mut self, len: usize) -> &mut Vec<f32> {
+        self.cur.resize(len, 0.0);
+        &mut self.cur
+    }
+
+    /// Compares the current probe with the previous one; returns true when the traversal stops here.
+    pub fn observe(&mut self, probe: Probe, tau: f32, phi: f32, patience: Option<u32>) -> bool {
+        let stable = match probe {
+            Probe::Lanes => {
+                let (p, c): (&[f32; PROBE_LANES], &[f32; PROBE_LANES]) = (self.prev[..].try_into().expect("32 lanes"), self.cur[..].try_into().expect("32 lanes"));
+                let (ds, dd) = lanes_stability(p, c);
+                ds < tau && dd < phi
+            }
+            Probe::Full => {
+                let (ds, dd) = full_stability(&self.prev, &self.cur);
+                ds < tau as f64 && dd < phi as f64
+            }
+        };
+        std::mem::swap(&mut self.prev, &mut self.cur);
+        self.tiles += 1;
         self.stable_run = if stable { self.stable_run + 1 } else { 0 };
         matches!(patience, Some(p) if self.stable_run >= p)
     }
 }
 
-/// Both criteria for every row (NaN anywhere, i.e. a row without weight, is not stable).
-pub fn is_stable(prev: &[f32], cur: &[f32], probe_len: usize, tau: f32, phi: f32) -> bool {
-    prev.chunks(probe_len).zip(cur.chunks(probe_len)).all(|(a, b)| {
-        let (mut diff, mut aa, mut bb, mut ab) = (0f64, 0f64, 0f64, 0f64);
-        for (&x, &y) in a.iter().zip(b) {
-            let (x, y) = (x as f64, y as f64);
-            diff += (y - x) * (y - x);
-            aa += x * x;
-            bb += y * y;
-            ab += x * y;
-        }
-        let scale_ok = diff.sqrt() < tau as f64;
-        let cos = if aa > 0.0 && bb > 0.0 { ab / (aa.sqrt() * bb.sqrt()) } else if aa == 0.0 && bb == 0.0 { 1.0 } else { 0.0 };
-        scale_ok && (1.0 - cos) < phi as f64
-    })
+/// ART's visiting order of a plan's entries (the plan in increasing position order; paper §3.3): entries
+/// holding a position below `sink_limit` first (in position order; the base method's sinks are kept),
+/// then the newest entry (the row's own key and the freshest tokens), then the rest most recent first
+/// (`Recent`) or by `score(entry index)` highest first (`Priority`; ties and unscored (NaN) entries by
+/// recency, unscored after scored). Writes the ordered entry values to `out`.
+pub fn order_entries(plan: &HeadPlan, sink_limit: usize, order: Order, score: impl Fn(usize) -> f32, out: &mut Vec<u32>) {
+    out.clear();
+    let n = plan.entries.len();
+    let start = |i: usize| (plan.entries[i] as usize) << plan.unit_log2;
+    let sinks = (0..n).take_while(|&i| start(i) < sink_limit).count();
+    out.extend_from_slice(&plan.entries[..sinks]);
+    if sinks == n {
+        return;
+    }
+    let mut rest: Vec<usize> = (sinks..n - 1).rev().collect();
+    out.push(plan.entries[n - 1]);
+    if order == Order::Priority {
+        let key = |i: usize| {
+            let s = score(i);
+            if s.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                s
+            }
+        };
+        // Stable sort of the recency order: ties keep the more recent entry first.
+        rest.sort_by(|&a, &b| key(b).total_cmp(&key(a)));
+    }
+    out.extend(rest.into_iter().map(|i| plan.entries[i]));
 }
 
-/// Visiting order: sink units first (in position order), then the newest unit (it holds the row's own key
-/// and the freshest tokens: every selector keeps it, and Quest's bound often ranks it last, so under
-/// `priority` ART used to stop before reaching it), then the most recent first (`recent`) or the highest
-/// score first (`priority`; units without a score fall back to recency, after scored ones).
-pub fn order_units(c: &Candidates, order: Order, out: &mut Vec<usize>) {
-    out.clear();
-    out.extend((0..c.units.len()).filter(|&i| c.units[i].sink));
-    let newest = c.units.len().checked_sub(1).filter(|&i| !c.units[i].sink);
-    out.extend(newest);
-    let mut rest: Vec<usize> = (0..c.units.len()).filter(|&i| !c.units[i].sink && Some(i) != newest).collect();
-    let start = |u: &Unit| c.spans[u.span_lo as usize].0;
-    match order {
-        Order::Recent => rest.sort_by(|&a, &b| start(&c.units[b]).cmp(&start(&c.units[a]))),
-        Order::Priority => rest.sort_by(|&a, &b| {
-            let (ua, ub) = (&c.units[a], &c.units[b]);
-            let key = |u: &Unit| if u.score.is_nan() { f32::NEG_INFINITY } else { u.score };
-            key(ub).total_cmp(&key(ua)).then(start(ub).cmp(&start(ua)))
-        }),
+/// A traversal cut into tiles: tile `t` is `spans[bounds[t]..bounds[t + 1]]` (visible positions only).
+#[derive(Clone, Debug, Default)]
+pub struct Tiles {
+    pub spans: Vec<(usize, usize)>,
+    pub bounds: Vec<usize>,
+}
+
+impl Tiles {
+    pub fn len(&self) -> usize {
+        self.bounds.len().saturating_sub(1)
     }
-    out.extend(rest);
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn tile(&self, t: usize) -> &[(usize, usize)] {
+        &self.spans[self.bounds[t]..self.bounds[t + 1]]
+    }
+
+    /// Cuts the ordered entries (each `1 << unit_log2` slots) into tiles of [`ART_TILE`] slots, keeping
+    /// the positions inside `lo..=hi`.
+    pub fn build(&mut self, ordered: &[u32], unit_log2: u32, lo: usize, hi: usize) {
+        self.spans.clear();
+        self.bounds.clear();
+        self.bounds.push(0);
+        let u = 1usize << unit_log2;
+        let mut slot = 0usize;
+        for &e in ordered {
+            let mut a = e as usize * u;
+            let end = a + u;
+            while a < end {
+                let room = ART_TILE - slot % ART_TILE;
+                let b = end.min(a + room);
+                let (ca, cb) = (a.max(lo), b.min(hi + 1));
+                if ca < cb {
+                    let in_tile = self.spans.len() > *self.bounds.last().expect("bounds");
+                    match self.spans.last_mut() {
+                        Some(l) if in_tile && l.1 == ca => l.1 = cb,
+                        _ => self.spans.push((ca, cb)),
+                    }
+                }
+                slot += b - a;
+                a = b;
+                if slot % ART_TILE == 0 {
+                    self.bounds.push(self.spans.len());
+                }
+            }
+        }
+        if slot % ART_TILE != 0 {
+            self.bounds.push(self.spans.len());
+        }
+    }
 }
 
 #[cfg(test)]
@@ -97,48 +229,146 @@ mod tests {
     use super::*;
 
     #[test]
-    fn probe_dims_are_distinct() {
-        for d in crate::config::SUPPORTED_HEAD_DIMS {
-            let mut p = probe_dims(d, Probe::Scattered);
-            assert_eq!(p.len(), 16);
-            p.sort();
-            p.dedup();
-            assert_eq!(p.len(), 16, "head_dim {d}");
-        }
-        assert_eq!(probe_dims(64, Probe::Full).len(), 64);
+    fn lane_sum_is_the_butterfly_order() {
+        // Values whose sum depends on the order: the butterfly pairs lane j with j^16 first.
+        let mut v = [0f32; 32];
+        v[0] = 1e8;
+        v[16] = -1e8;
+        v[1] = 1.0;
+        assert_eq!(lane_sum(v), 1.0);
+        // Sequentially (1e8 + 1) - 1e8 = 0 in f32; the butterfly adds lanes 0 and 2 first: 1.
+        let mut w = [0f32; 32];
+        w[0] = 1e8;
+        w[1] = 1.0;
+        w[2] = -1e8;
+        assert_eq!(w.iter().sum::<f32>(), 0.0);
+        assert_eq!(lane_sum(w), 1.0);
+        let ones = [1f32; 32];
+        assert_eq!(lane_sum(ones), 32.0);
     }
 
     #[test]
-    fn stops_after_patience_stable_probes() {
-        let mut s = ArtState::default();
-        let x = [1.0f32, 2.0, 3.0];
-        assert!(!s.observe(&x, 3, 1e-3, 1e-3, Some(2))); // nothing to compare with
-        assert!(!s.observe(&x, 3, 1e-3, 1e-3, Some(2))); // stable 1
-        assert!(s.observe(&x, 3, 1e-3, 1e-3, Some(2))); // stable 2 -> stop
-        s.reset();
-        for _ in 0..100 {
-            assert!(!s.observe(&x, 3, 1e-3, 1e-3, None));
-        }
-        // A scale change resets the run.
-        let mut s = ArtState::default();
-        s.observe(&x, 3, 1e-3, 1e-3, Some(1));
-        assert!(!s.observe(&[1.1, 2.0, 3.0], 3, 1e-3, 1e-3, Some(1)));
-        assert!(!is_stable(&[1.0, 0.0], &[0.0, 1.0], 2, 10.0, 0.5)); // direction change
-        assert!(!is_stable(&[f32::NAN, 0.0], &[f32::NAN, 0.0], 2, 10.0, 0.5));
+    fn probe_takes_the_leading_fragment_elements() {
+        let (rows, dim) = (3, 64);
+        let acc: Vec<f32> = (0..rows * dim).map(|i| i as f32).collect();
+        let l = [1.0, 2.0, 4.0];
+        let mut x = [0f32; 32];
+        probe_lanes(&acc, &l, rows, dim, &mut x);
+        assert_eq!(&x[..4], &[0.0, 2.0, 4.0, 6.0]);
+        assert_eq!(&x[4..8], &[64.0 / 2.0, 66.0 / 2.0, 68.0 / 2.0, 70.0 / 2.0]);
+        assert_eq!(x[8], 128.0 / 4.0);
+        assert!(x[12..].iter().all(|&v| v == 0.0), "padding rows");
+        // Rows beyond 8 are not probed (the leading element covers the fragment's rows 0..7).
+        let acc = vec![1f32; 12 * 16];
+        probe_lanes(&acc, &[1.0; 12], 12, 16, &mut x);
+        assert!(x.iter().all(|&v| v == 1.0));
     }
 
     #[test]
-    fn order_puts_sinks_first() {
-        let mut c = Candidates::default();
-        c.from_spans(&[(0, 64)], 16, 1, |b| [0.0, 3.0, 1.0, 2.0][b]);
+    fn decision_follows_algorithm_1() {
+        let mut s = ArtState::default();
+        let x = [0.5f32; 32];
+        s.reset(32);
+        // x(0) = 0: the first tile moves by ‖x‖ and is not stable.
+        s.cur_mut(32).copy_from_slice(&x);
+        assert!(!s.observe(Probe::Lanes, 1e-3, 1e-3, Some(2)));
+        s.cur_mut(32).copy_from_slice(&x);
+        assert!(!s.observe(Probe::Lanes, 1e-3, 1e-3, Some(2))); // stable 1
+        s.cur_mut(32).copy_from_slice(&x);
+        assert!(s.observe(Probe::Lanes, 1e-3, 1e-3, Some(2))); // stable 2 -> stop
+        assert_eq!(s.tiles, 3);
+        // patience = inf never stops.
+        s.reset(32);
+        for _ in 0..50 {
+            s.cur_mut(32).copy_from_slice(&x);
+            assert!(!s.observe(Probe::Lanes, 1.0, 1.0, None));
+        }
+        // A scale change of exactly tau is not below tau; the run restarts.
+        s.reset(32);
+        s.cur_mut(32).copy_from_slice(&x);
+        s.observe(Probe::Lanes, 0.25, 1.0, Some(1));
+        let mut y = x;
+        y[0] += 0.25;
+        s.cur_mut(32).copy_from_slice(&y);
+        assert!(!s.observe(Probe::Lanes, 0.25, 1.0, Some(1)));
+        s.cur_mut(32).copy_from_slice(&y);
+        assert!(s.observe(Probe::Lanes, 0.25, 1.0, Some(1)));
+        // Direction: a rotation with a small scale change is caught by phi only.
+        let (mut a, mut b) = ([0f32; 32], [0f32; 32]);
+        a[0] = 1e-4;
+        b[1] = 1e-4;
+        let (ds, dd) = lanes_stability(&a, &b);
+        assert!(ds < 2e-4 && dd == 1.0);
+        // NaN (a row without weight or poisoned) is never stable.
+        let mut n = [0f32; 32];
+        n[3] = f32::NAN;
+        let (ds, dd) = lanes_stability(&n, &n);
+        assert!(!(ds < 1.0) && !(dd < 1.0));
+    }
+
+    #[test]
+    fn lanes_and_full_agree_on_the_full_lane_vector() {
+        // With the probe being the whole vector (32 values), lanes (f32) and full (f64) agree closely.
+        let a: Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = a.iter().enumerate().map(|(i, &v)| v + 1e-4 * (i as f32).cos()).collect();
+        let (ds, dd) = lanes_stability(a[..].try_into().unwrap(), b[..].try_into().unwrap());
+        let (fs, fd) = full_stability(&a, &b);
+        assert!((ds as f64 - fs).abs() < 1e-6 * fs.max(1e-9) + 1e-9);
+        assert!((dd as f64 - fd).abs() < 1e-6, "{dd} {fd}");
+    }
+
+    fn plan(ulog2: u32, e: &[u32]) -> HeadPlan {
+        HeadPlan { unit_log2: ulog2, entries: e.to_vec() }
+    }
+
+    #[test]
+    fn order_sinks_newest_then_recency_or_priority() {
+        let p = plan(4, &[0, 1, 2, 3]);
         let mut o = Vec::new();
-        order_units(&c, Order::Recent, &mut o);
+        order_entries(&p, 1, Order::Recent, |_| f32::NAN, &mut o);
         assert_eq!(o, vec![0, 3, 2, 1]);
-        order_units(&c, Order::Priority, &mut o);
+        let sc = [0.0, 3.0, 1.0, 2.0];
+        order_entries(&p, 1, Order::Priority, |i| sc[i], &mut o);
         assert_eq!(o, vec![0, 3, 1, 2], "sink, newest (the row's own block), then by score");
-        // A single unit that is a sink is not listed twice.
-        c.from_spans(&[(0, 8)], 16, 1, |_| 1.0);
-        order_units(&c, Order::Priority, &mut o);
+        // Ties and unscored entries by recency; unscored after scored.
+        let sc = [0.0, 5.0, f32::NAN, 5.0, 1.0, 9.0];
+        order_entries(&plan(4, &[0, 1, 2, 3, 4, 5]), 1, Order::Priority, |i| sc[i], &mut o);
+        assert_eq!(o, vec![0, 5, 3, 1, 4, 2]);
+        // Token plans: streaming's sinks (first 4 tokens) first, then newest to oldest.
+        let p = plan(0, &[0, 1, 2, 3, 90, 91, 92]);
+        order_entries(&p, 4, Order::Recent, |_| f32::NAN, &mut o);
+        assert_eq!(o, vec![0, 1, 2, 3, 92, 91, 90]);
+        // A single sink entry is not listed twice.
+        order_entries(&plan(4, &[0]), 1, Order::Priority, |_| 1.0, &mut o);
         assert_eq!(o, vec![0]);
+        order_entries(&plan(4, &[]), 1, Order::Recent, |_| 1.0, &mut o);
+        assert!(o.is_empty());
+    }
+
+    #[test]
+    fn tiles_are_64_slots_of_the_visit_order() {
+        let mut t = Tiles::default();
+        // Blocks of 16, newest block partial (hi = 4*16 + 4): masked slots still take room in their tile.
+        t.build(&[0, 4, 3, 2, 1], 4, 0, 68);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.tile(0), &[(0, 16), (64, 69), (48, 64), (32, 48)]);
+        assert_eq!(t.tile(1), &[(16, 32)]);
+        // Pages of 128 span two tiles; a sliding window masks the front.
+        t.build(&[1, 0], 7, 100, 255);
+        assert_eq!(t.len(), 4);
+        assert_eq!(t.tile(0), &[(128, 192)]);
+        assert_eq!(t.tile(1), &[(192, 256)]);
+        assert_eq!(t.tile(2), &[] as &[(usize, usize)]);
+        assert_eq!(t.tile(3), &[(100, 128)]);
+        // Tokens: descending single positions, 64 per tile.
+        let toks: Vec<u32> = (0..130).rev().collect();
+        t.build(&toks, 0, 0, 1000);
+        assert_eq!(t.len(), 3);
+        assert_eq!(t.tile(0).len(), 64);
+        assert_eq!(t.tile(0)[0], (129, 130));
+        assert_eq!(t.tile(2), &[(1, 2), (0, 1)]);
+        // Adjacent ascending pieces inside one tile merge.
+        t.build(&[0, 1, 2, 3, 4], 0, 0, 10);
+        assert_eq!(t.tile(0), &[(0, 5)]);
     }
 }

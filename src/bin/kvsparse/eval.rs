@@ -54,6 +54,9 @@ fn families() -> Vec<Family> {
         Family { name: "quest > top_p", knob: "p", values: &[0.8, 0.9, 0.95, 0.99], spec: |v| format!("quest(budget=1024) > top_p(p={v})") },
         Family { name: "quest(N/4) > top_p", knob: "p", values: &[0.8, 0.9, 0.95, 0.99], spec: |v| format!("quest(budget={{N/4}}) > top_p(p={v})") },
         Family { name: "quest > art(priority)", knob: "tau", values: &[0.3, 0.1, 0.03, 0.01, 0.003], spec: |v| format!("quest(budget=2048) > art(tau={v}, phi=1e-2, patience=5, order=priority)") },
+        Family { name: "art", knob: "tau", values: &[1e-6, 1e-5, 1e-4, 1e-3, 1e-2], spec: |v| format!("art(tau={v:e}, phi=1e-3, patience=5)") },
+        Family { name: "streaming > art", knob: "tau", values: &[1e-6, 1e-5, 1e-4, 1e-3, 1e-2], spec: |v| format!("streaming(sink=64, recent=448) > art(tau={v:e}, phi=1e-3, patience=5)") },
+        Family { name: "snapkv > art", knob: "tau", values: &[1e-6, 1e-5, 1e-4, 1e-3, 1e-2], spec: |v| format!("snapkv(budget=512) > art(tau={v:e}, phi=1e-3, patience=5)") },
         Family { name: "snapkv", knob: "budget", values: &[128.0, 256.0, 512.0, 1024.0, 2048.0], spec: |v| format!("snapkv(budget={v})") },
         Family { name: "speculate (PRR)", knob: "budget", values: &[128.0, 256.0, 512.0, 1024.0], spec: |v| format!("speculate(over=quest(budget={v}), budget={})", 2.0 * v) },
         Family { name: "refresh", knob: "k", values: &[128.0, 256.0, 512.0, 1024.0, 2048.0], spec: |v| format!("refresh(k={v}, stride=5, s=0.85)") },
@@ -71,10 +74,17 @@ fn default_policies(b: usize) -> Vec<String> {
         format!("quest(budget={b}) > top_p(p=0.95)"),
         "quest(budget={N/4})".to_string(),
         "quest(budget={N/4}) > top_p(p=0.95)".to_string(),
+        // ART at the paper's defaults and its tau sweep (Appendix F), alone and behind streaming/snapkv.
+        "art(tau=1e-6, phi=1e-3, patience=5)".to_string(),
         "art(tau=1e-5, phi=1e-3, patience=5)".to_string(),
+        "art(tau=1e-4, phi=1e-3, patience=5)".to_string(),
+        format!("streaming(sink=64, recent={}) > art(tau=1e-5, phi=1e-3, patience=5)", b.saturating_sub(64).max(1)),
+        format!("streaming(sink=64, recent={}) > art(tau=1e-4, phi=1e-3, patience=5)", b.saturating_sub(64).max(1)),
+        format!("snapkv(budget={b}) > art(tau=1e-5, phi=1e-3, patience=5)"),
+        format!("snapkv(budget={b}) > art(tau=1e-4, phi=1e-3, patience=5)"),
+        format!("quest(budget={}) > art(tau=1e-5, phi=1e-3, patience=5)", 4 * b),
+        // The old loosened setting, for comparison with the earlier table.
         "art(tau=0.05, phi=1e-2, patience=5)".to_string(),
-        format!("quest(budget={}) > art(tau=0.05, phi=1e-2, patience=5, order=priority)", 4 * b),
-        format!("quest(budget={}) > top_p(p=0.95) > art(tau=0.05, phi=1e-2, patience=5, order=priority)", 4 * b),
         format!("snapkv(budget={b})"),
         format!("speculate(over=quest(budget={b}), budget={b})"),
         format!("speculate(over=quest(budget={b}), budget={})", 2 * b),
@@ -90,6 +100,66 @@ pub struct Measure {
     pub errs: Vec<f64>,
     pub mass: Vec<f64>,
     pub forward_s: f64,
+    /// ART: tiles visited and tiles of the whole traversals, summed over rows.
+    pub art_tiles: (u64, u64),
+    /// ART: the probe's stop decisions against the oracle's (`probe=full`), when measured.
+    pub oracle: Option<OracleCheck>,
+}
+
+/// The ART paper's probe–oracle consistency (Appendix B): per (layer, step, KV head), the tile the probe
+/// stopped at against the tile the oracle (the same rule on the whole output) stopped at, on the same
+/// traversal. Agree: same tile, or neither stopped. False stop (FP): the probe stopped earlier, or
+/// stopped where the oracle never did. Missed stop (FN): the other way round. Offsets in tiles, among
+/// disagreements where both stopped.
+#[derive(Default, Clone)]
+pub struct OracleCheck {
+    pub n: u64,
+    pub agree: u64,
+    pub false_stops: u64,
+    pub missed_stops: u64,
+    pub offsets: Vec<f64>,
+}
+
+impl OracleCheck {
+    fn compare(probe: &Replay, oracle: &Replay) -> OracleCheck {
+        let mut c = OracleCheck::default();
+        for (p, o) in probe.art_tiles.iter().zip(&oracle.art_tiles) {
+            let (Some((pv, total)), Some((ov, ot))) = (*p, *o) else { continue };
+            debug_assert_eq!(total, ot, "same traversal");
+            c.n += 1;
+            let (ps, os) = (pv < total, ov < ot);
+            if pv == ov || (!ps && !os) {
+                c.agree += 1;
+            } else if pv < ov {
+                c.false_stops += 1;
+            } else {
+                c.missed_stops += 1;
+            }
+            if ps && os && pv != ov {
+                c.offsets.push((pv as f64 - ov as f64).abs());
+            }
+        }
+        c
+    }
+
+    fn add(&mut self, o: &OracleCheck) {
+        self.n += o.n;
+        self.agree += o.agree;
+        self.false_stops += o.false_stops;
+        self.missed_stops += o.missed_stops;
+        self.offsets.extend_from_slice(&o.offsets);
+    }
+
+    fn describe(&self) -> String {
+        let pct = |a: u64| 100.0 * a as f64 / self.n.max(1) as f64;
+        let mut s = format!("probe vs oracle: agree {:.2}%, false stops {:.2}%, missed stops {:.2}% (n={})", pct(self.agree), pct(self.false_stops), pct(self.missed_stops), self.n);
+        if !self.offsets.is_empty() {
+            let m = mean(&self.offsets);
+            let sd = (self.offsets.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / self.offsets.len() as f64).sqrt();
+            s += &format!(", Δtiles {m:.2}±{sd:.2}");
+        }
+        s
+    }
 }
 
 impl Measure {
@@ -98,6 +168,11 @@ impl Measure {
         self.errs.extend_from_slice(&o.errs);
         self.mass.extend_from_slice(&o.mass);
         self.forward_s += o.forward_s;
+        self.art_tiles.0 += o.art_tiles.0;
+        self.art_tiles.1 += o.art_tiles.1;
+        if let Some(oc) = &o.oracle {
+            self.oracle.get_or_insert_with(OracleCheck::default).add(oc);
+        }
     }
 
     pub fn visited_pct(&self) -> f64 {
@@ -116,8 +191,17 @@ impl Measure {
         if c.top_p_candidates > 0 {
             n.push(format!("top-p kept {:.1}%", pct(c.top_p_kept, c.top_p_candidates)));
         }
-        if c.blocks_skipped_termination > 0 {
+        if self.art_tiles.1 > 0 {
+            n.push(format!(
+                "ART skipped {:.1}% of blocks, {:.1}% of tiles",
+                pct(c.blocks_skipped_termination, c.blocks_eligible),
+                pct(self.art_tiles.1 - self.art_tiles.0, self.art_tiles.1)
+            ));
+        } else if c.blocks_skipped_termination > 0 {
             n.push(format!("ART skipped {:.1}%", pct(c.blocks_skipped_termination, c.blocks_eligible)));
+        }
+        if let Some(oc) = &self.oracle {
+            n.push(oc.describe());
         }
         if c.spec_true_blocks > 0 {
             n.push(format!(
@@ -137,6 +221,8 @@ impl Measure {
 
 /// One evaluated policy setting: per trace and pooled.
 pub struct Row {
+    /// ART rows with the paper's probe: the same spec with `probe=full`, replayed for the oracle check.
+    pub oracle_spec: Option<String>,
     /// Printed in the table (dense and the `--policy`/default settings) or only swept for the plot.
     pub in_table: bool,
     pub spec: String,
@@ -191,7 +277,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     // The table's settings, then (with --out) the sweep's; every spec is checked before any replay.
     let user = a.values_of("policy");
     let table_specs = if user.is_empty() { default_policies(budget) } else { user };
-    let row = |in_table: bool, spec: String, family: &str, knob: &str, value: f64| Row { in_table, spec, family: family.to_string(), knob: knob.to_string(), value, per_trace: Vec::new(), pooled: Measure::default() };
+    let row = |in_table: bool, spec: String, family: &str, knob: &str, value: f64| Row { oracle_spec: oracle_spec(&spec), in_table, spec, family: family.to_string(), knob: knob.to_string(), value, per_trace: Vec::new(), pooled: Measure::default() };
     // rows[0] is dense, the reference of every other row.
     let mut rows = vec![row(true, "dense".into(), "dense", "", f64::NAN)];
     rows.extend(table_specs.iter().map(|s| row(true, s.clone(), s, "", f64::NAN)));
@@ -237,7 +323,13 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         let refs: Vec<&Replay> = std::iter::once(&dense).chain(runs.iter()).collect();
         let masses = recovered_mass(&tr, &refs);
         for ((row, r), mass) in rows.iter_mut().zip(&refs).zip(masses) {
-            let m = Measure { counters: r.counters, errs: row_errors(r, &dense, tr.d), mass, forward_s: r.forward_s };
+            // Only the table's rows get the oracle replay (it costs one more replay each).
+            let oracle = match (&row.oracle_spec, row.in_table) {
+                (Some(os), true) => Some(OracleCheck::compare(r, &replay(&tr, os, &opts).map_err(|e| format!("{}: {os}: {e}", info.name))?)),
+                _ => None,
+            };
+            let art_tiles = r.art_tiles.iter().flatten().fold((0u64, 0u64), |a, &(v, t)| (a.0 + v as u64, a.1 + t as u64));
+            let m = Measure { counters: r.counters, errs: row_errors(r, &dense, tr.d), mass, forward_s: r.forward_s, art_tiles, oracle };
             row.pooled.add(&m);
             row.per_trace.push((info.name.clone(), m));
         }
@@ -283,6 +375,27 @@ fn expand(spec: &str, n: usize) -> Result<String, String> {
     }
     out.push_str(rest);
     Ok(out)
+}
+
+/// The oracle of an ART spec with the paper's probe: the same spec with `probe=full` (None otherwise).
+fn oracle_spec(spec: &str) -> Option<String> {
+    let art = Policy::parse(spec).ok()?.pipeline()?.art?;
+    if art.probe != kvsparse::policy::Probe::Lanes {
+        return None;
+    }
+    let (head, tail) = spec.split_at(spec.find("art")?);
+    let rest = tail["art".len()..].trim_start();
+    let out = if rest.contains("probe=lanes") {
+        format!("{head}art{}", rest.replacen("probe=lanes", "probe=full", 1))
+    } else if let Some(r) = rest.strip_prefix("()") {
+        format!("{head}art(probe=full){r}")
+    } else if let Some(r) = rest.strip_prefix('(') {
+        format!("{head}art(probe=full, {r}")
+    } else {
+        format!("{head}art(probe=full){rest}")
+    };
+    let ok = Policy::parse(&out).ok().and_then(|p| p.pipeline().and_then(|pl| pl.art)).is_some_and(|a| a.probe == kvsparse::policy::Probe::Full);
+    ok.then_some(out)
 }
 
 fn names(m: &Manifest) -> String {

@@ -27,7 +27,8 @@ use super::quantize::code_bytes;
 use super::convert::load_row;
 use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
 use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
-use crate::policy::termination::{order_units, probe_dims, ArtState};
+use crate::policy::termination::{order_entries, probe_lanes, ArtState, Tiles, PROBE_LANES};
+use crate::policy::Probe;
 use crate::policy::predictor::{self, PredictorHead, PredictorWeights};
 use crate::policy::refresh::RefreshHead;
 use crate::policy::{top_p, HeadPlan, Pipeline, PredictorSpec, Refresh, Selector, SnapSelection, Speculate};
@@ -66,7 +67,10 @@ struct HeadWork {
     plan: HeadPlan,
     cand: Candidates,
     st: Option<RowsState>,
-    order: Vec<usize>,
+    /// ART: a priority per plan entry (NaN: none), the entries in visiting order, and their tiles.
+    entry_score: Vec<f32>,
+    order: Vec<u32>,
+    tiles: Tiles,
     merged: Vec<(usize, usize)>,
     art: ArtState,
     active: bool,
@@ -85,7 +89,6 @@ struct Scratch {
     w: Vec<f32>,
     keep: Vec<bool>,
     tokens: Vec<u32>,
-    probe: Vec<f32>,
     part: Vec<(usize, usize)>,
     /// PRR: one partial state per speculated page.
     pages: Vec<RowsState>,
@@ -258,40 +261,64 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
             }
         }
         Some(art) => {
-            let dims = probe_dims(d, art.probe);
-            let steps = hws.iter().map(|h| h.order.len()).max().unwrap_or(0);
+            let plen = match art.probe {
+                Probe::Lanes => PROBE_LANES,
+                Probe::Full => g * d,
+            };
+            for hw in hws.iter_mut() {
+                hw.art.reset(plen);
+            }
+            let steps = hws.iter().map(|h| h.tiles.len()).max().unwrap_or(0);
+            let mut lanes = [0f32; PROBE_LANES];
             for t in 0..steps {
                 for hw in hws.iter_mut() {
-                    if !hw.active || t >= hw.order.len() {
+                    if !hw.active || t >= hw.tiles.len() {
                         continue;
                     }
-                    let u = hw.cand.units[hw.order[t]];
-                    let spans = hw.cand.unit_spans(&u);
+                    let spans = hw.tiles.tile(t);
                     let n_tok: usize = spans.iter().map(|(a, b)| b - a).sum();
                     let st = hw.st.as_mut().expect("prepared");
                     attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
                     hw.attended += n_tok;
-                    hw.visited += 1;
-                    sc.probe.clear();
-                    for r in 0..g {
-                        let l = st.l[r];
-                        for &i in &dims {
-                            sc.probe.push(if l > 0.0 { st.acc[r * d + i] / l } else { f32::NAN });
+                    match art.probe {
+                        Probe::Lanes => {
+                            probe_lanes(&st.acc, &st.l, g, d, &mut lanes);
+                            hw.art.cur_mut(PROBE_LANES).copy_from_slice(&lanes);
+                        }
+                        Probe::Full => {
+                            let cur = hw.art.cur_mut(g * d);
+                            for (r, row) in cur.chunks_exact_mut(d).enumerate() {
+                                for (x, &a) in row.iter_mut().zip(&st.acc[r * d..(r + 1) * d]) {
+                                    *x = a / st.l[r];
+                                }
+                            }
                         }
                     }
-                    if hw.art.observe(&sc.probe, dims.len(), art.tau, art.phi, art.patience) {
+                    if hw.art.observe(art.probe, art.tau, art.phi, art.patience) {
                         hw.active = false;
                     }
                 }
             }
-            for hw in hws.iter() {
+            for hw in hws.iter_mut() {
+                // Blocks whose keys a visited tile read (a tile may end inside a block).
+                let done = hw.tiles.bounds.get(hw.art.tiles as usize).copied().unwrap_or(0);
+                let mut blocks: Vec<usize> = hw.tiles.spans[..done].iter().flat_map(|&(a, b)| a / bs..=(b - 1) / bs).collect();
+                blocks.sort_unstable();
+                blocks.dedup();
+                hw.visited = blocks.len();
                 c.blocks_visited += hw.visited as u64;
-                c.blocks_skipped_termination += (hw.cand.units.len() - hw.visited) as u64;
+                c.blocks_skipped_termination += hw.cand.units.len().saturating_sub(hw.visited) as u64;
             }
         }
     }
     if let Some(log) = ctx.visits {
-        let recs = hws.iter().map(|hw| VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: hw.head, spans: visited_spans(hw, p.art.is_some()) });
+        let recs = hws.iter().map(|hw| VisitRecord {
+            layer: 0,
+            seq_id: sd.seq_id,
+            kv_head: hw.head,
+            spans: visited_spans(hw, p.art.is_some()),
+            art_tiles: p.art.map(|_| (hw.art.tiles, hw.tiles.len() as u32)),
+        });
         log.lock().expect("visit log").extend(recs);
     }
     let row_bytes = (2 * d * cache.dtype.size_bytes()) as u64;
@@ -307,7 +334,8 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
 /// The sorted spans one head attended: all candidates, or under ART the units visited before it stopped.
 fn visited_spans(hw: &HeadWork, art: bool) -> Vec<(usize, usize)> {
     let mut v: Vec<(usize, usize)> = if art {
-        hw.order[..hw.visited].iter().flat_map(|&u| hw.cand.unit_spans(&hw.cand.units[u]).iter().copied()).collect()
+        let done = hw.tiles.bounds.get(hw.art.tiles as usize).copied().unwrap_or(0);
+        hw.tiles.spans[..done].to_vec()
     } else {
         hw.cand.spans.clone()
     };
@@ -333,7 +361,6 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
     hw.active = true;
     hw.visited = 0;
     hw.attended = 0;
-    hw.art.reset();
     match &mut hw.st {
         Some(st) if st.rows == g => st.reset(),
         slot => {
@@ -341,8 +368,10 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
         }
     }
 
-    // 1. Select: the selector writes the row's plan; the candidates are built from it.
+    // 1. Select: the selector writes the row's plan; the candidates are built from it. ART's priority of
+    // each plan entry goes to `entry_score` (left empty when the selector has none).
     let mut sink_limit = 1;
+    hw.entry_score.clear();
     match p.selector {
         Selector::All => select::all(&mut hw.plan, lim.lo, lim.hi, bs),
         Selector::Streaming { sink, recent } => {
@@ -356,6 +385,8 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
             let kept = select::quest_pages(&sc.page_scores, first_page, budget, page, sink);
             select::quest(&mut hw.plan, &kept, page);
             let scores = &sc.page_scores;
+            hw.entry_score.extend(kept.iter().map(|&pg| scores[pg - first_page]));
+            sink_limit = sink.max(1);
             hw.cand.from_plan(&hw.plan, lim.lo, lim.hi, bs, sink.max(1), |blk| select::quest_block_score(blk, &kept, scores, first_page, page, bs), &mut sc.part);
         }
         Selector::SnapKv { .. } => match &snap {
@@ -367,6 +398,12 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
                 let fixed = sel.keep.iter().copied().filter(|&t| t as usize >= lim.lo && (t as usize) < cut);
                 hw.plan.clear(0);
                 hw.plan.entries.extend(fixed.chain(cut as u32..lim.hi as u32 + 1));
+                // Priority: the pooled score SnapKV chose a prefix position by; the observation window and
+                // the generated tokens (kept unconditionally) rank first.
+                hw.entry_score.extend(hw.plan.entries.iter().map(|&t| match sel.keep.binary_search(&t) {
+                    Ok(i) if (t as usize) < cut => sel.score.get(i).copied().unwrap_or(f32::INFINITY),
+                    _ => f32::INFINITY,
+                }));
             }
             // No prefill was seen for this sequence and layer: nothing to choose from, attend everything.
             None => select::all(&mut hw.plan, lim.lo, lim.hi, bs),
@@ -407,12 +444,18 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
             }
         }
         let score = |blk: usize| mass.binary_search_by_key(&blk, |m| m.0).map_or(f32::NAN, |i| mass[i].1);
+        hw.entry_score.clear();
+        hw.entry_score.extend(hw.plan.entries.iter().map(|&t| score(t as usize / bs)));
         hw.cand.from_plan(&hw.plan, lim.lo, lim.hi, bs, 1, score, &mut sc.part);
     }
 
     // 3. Order (ART) or coalesce (units split spans at block boundaries; merge them so chunks stay full).
     match p.art {
-        Some(art) => order_units(&hw.cand, art.order, &mut hw.order),
+        Some(art) => {
+            let sc_of = |i: usize| hw.entry_score.get(i).copied().unwrap_or(f32::NAN);
+            order_entries(&hw.plan, sink_limit, art.order, sc_of, &mut hw.order);
+            hw.tiles.build(&hw.order, hw.plan.unit_log2, lim.lo, lim.hi);
+        }
         None => {
             hw.merged.clear();
             for &(a, b) in &hw.cand.spans {

@@ -86,7 +86,7 @@ pub(super) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
             if sp.keep_extra {
                 used = read.clone();
             }
-            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans: page_spans(&used, page, lim.lo, lim.hi) });
+            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans: page_spans(&used, page, lim.lo, lim.hi), art_tiles: None });
         }
         prr.update(first, &sc.page_scores, &truth);
         state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr = Some(prr);
@@ -244,7 +244,7 @@ pub(super) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         hw.cand.from_spans(&spans, bs, 1, |_| f32::NAN);
         c.blocks_visited += hw.cand.units.len() as u64;
         if let Some(log) = ctx.visits {
-            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans });
+            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans, art_tiles: None });
         }
         state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).predictor = Some(ph);
         sc.row.resize(d, 0.0);
@@ -319,7 +319,7 @@ pub(super) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
         c.blocks_visited += hw.cand.units.len() as u64;
         c.kv_bytes_read += (span_tokens(&spans) * 2 * d * cache.dtype.size_bytes()) as u64;
         if let Some(log) = ctx.visits {
-            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans });
+            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans, art_tiles: None });
         }
         state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).refresh = Some(rh);
         sc.row.resize(d, 0.0);
