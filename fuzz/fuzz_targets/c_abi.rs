@@ -17,7 +17,7 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ffi::CStr;
 use std::sync::OnceLock;
 
-use kvsparse::ffi::dlpack::{DLDataType, DLDevice, DLTensor};
+use kvsparse::ffi::dlpack::{dtype_to_dl as dl, DLDevice, DLTensor};
 use kvsparse::ffi::*;
 use kvsparse::DType;
 use libfuzzer_sys::fuzz_target;
@@ -55,19 +55,6 @@ impl R<'_> {
 
 const BIG: [i64; 9] = [i32::MAX as i64, 1 << 32, (1 << 32) + 1, 1 << 40, 1 << 62, i64::MAX, -1, i64::MIN, 65537];
 const CAP: usize = 256 << 10;
-
-/// DLPack's (code, bits) of an element type.
-fn dl(dt: DType) -> DLDataType {
-    let (code, bits) = match dt {
-        DType::F32 => (2, 32),
-        DType::F16 => (2, 16),
-        DType::BF16 => (4, 16),
-        DType::I32 => (0, 32),
-        DType::I64 => (0, 64),
-        DType::U64 => (1, 64),
-    };
-    DLDataType { code, bits, lanes: 1 }
-}
 
 fn of(dt: kvs_dtype) -> DType {
     match dt {
