@@ -198,13 +198,8 @@ extern "C" __global__ void kvs_plan_simple(Batch b, int hk, int kind, int sink, 
 #define QC (HEAD_DIM / 16)  // channels per lane
 #define QS_THREADS 256
 #define QS_PAGES 64
-// 1: when a page is one metadata unit, each half-warp issues its four pages' bound loads before scoring
-// them (more loads in flight, more registers); 0: one page at a time, the default: measured on the H100 at
-// 128K (docs/perf.md), 0 selects in 633 us against 961 us at batch 32 and 65 against 75 at batch 1.
-// Benchmarks can switch it (KVS_QS_PREFETCH); decisions are the same either way.
-#ifndef QS_PREFETCH
-#define QS_PREFETCH 0
-#endif
+// Pages are scored one at a time per half-warp: issuing four pages' bound loads first was measured slower
+// on the H100 (selection 961 against 633 us at batch 32, 128K; docs/perf.md) and was removed.
 __device__ __forceinline__ void load_lane_bounds(const u16* p, float* v) {
 #if QC % 8 == 0
 #pragma unroll
@@ -254,43 +249,7 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores(Batch 
     const unsigned hmask = 0xffffu << (16 * (hw & 1));
     const int fp = r.lo / page, np = r.hi / page - fp + 1;
     unsigned long long units = 0;
-    if (QS_PREFETCH && page == unit) {
-        // One unit per page (page <= block size, the usual case): issue all four pages' loads first.
-        float lo_[QS_PAGES / 16][QC], hi_[QS_PAGES / 16][QC];
-        bool have[QS_PAGES / 16];
-#pragma unroll
-        for (int pi = 0; pi < QS_PAGES / 16; ++pi) {
-            const int i = blockIdx.x * QS_PAGES + pi * 16 + hw;
-            const int pg = fp + i;
-            const i64 pb = (i < np && i < maxp) ? phys_block(b, s, pg / upb) : -1;
-            have[pi] = pb >= 0;
-            units += (lane == 0 && i < np && i < maxp);
-            if (have[pi]) {
-                const i64 base = ((pb * upb + pg % upb) * hk + h) * (i64)HEAD_DIM + lane * QC;
-                load_lane_bounds(qmin + base, lo_[pi]);
-                load_lane_bounds(qmax + base, hi_[pi]);
-            }
-        }
-#pragma unroll
-        for (int pi = 0; pi < QS_PAGES / 16; ++pi) {
-            const int i = blockIdx.x * QS_PAGES + pi * 16 + hw;
-            float best = -INFINITY;
-            if (have[pi]) {
-#pragma unroll
-                for (int g = 0; g < GROUP; ++g) {
-                    const float* qr = qs + g * 16 * (QC + 1) + lane * (QC + 1);
-                    float acc = 0.f;
-#pragma unroll
-                    for (int k = 0; k < QC; ++k) acc += fmaxf(qr[k] * lo_[pi][k], qr[k] * hi_[pi][k]);
-#pragma unroll
-                    for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(hmask, acc, o);
-                    best = fmaxf(best, acc);
-                }
-            }
-            if (i < np && i < maxp && lane == 0) scores[(i64)(s * hk + h) * maxp + i] = best;
-        }
-    }
-    for (int pi = 0; pi < QS_PAGES / 16 && !(QS_PREFETCH && page == unit); ++pi) {
+    for (int pi = 0; pi < QS_PAGES / 16; ++pi) {
         const int i = blockIdx.x * QS_PAGES + pi * 16 + hw;
         const bool active = i < np && i < maxp;
         const int pg = fp + i;

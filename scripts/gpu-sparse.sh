@@ -3,7 +3,7 @@
 # CUDA tests again (the kernels gained a plan variant), compute-sanitizer on both, the sparse benchmark
 # next to our dense kernel and PyTorch SDPA, and the trace eval through the CUDA engine.
 # Expects the binaries staged by scripts/stage-device.sh in $DIR/bin. Logs and CSVs go to $OUT.
-# Usage: gpu-sparse.sh [tests|quicktests|probe|probe-qs|profile|profile-topp|sanitize|bench|benchonly|eval|conformance|flashinfer|all]...
+# Usage: gpu-sparse.sh [tests|quicktests|probe|profile|profile-topp|sanitize|bench|benchonly|eval|conformance|flashinfer|all]...
 #   (default all)
 set -uo pipefail
 DIR=$(cd "$(dirname "$0")" && pwd)
@@ -70,13 +70,6 @@ if has final; then
 fi
 if has probe; then
   GREP='quest' step bench-probe 120 "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --batch 1,32 --ctx 131072
-fi
-if has probe-qs; then
-  # Quest scoring's load order (KVS_QS_PREFETCH, kernels/select.cu): four pages' loads first vs one page at a time.
-  for v in 1 0; do
-    GREP='quest' step bench-qs$v 120 env KVS_QS_PREFETCH=$v "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --batch 1,8,32 --ctx 131072
-    grep -aE "^quest" "$OUT/bench-qs$v.log"
-  done
 fi
 if has flashinfer; then
   # FlashInfer's paged decode through the conformance adapter (wheels in .whl/, JIT per shape), reports tarred.

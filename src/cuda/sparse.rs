@@ -211,11 +211,7 @@ impl CudaBackend {
         }
         let ws = ws_map.get(&key).expect("inserted above").ptr;
 
-        let mut defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={d}"), format!("GROUP={g}"), "--fmad=false".to_string()];
-        if let Ok(v) = std::env::var("KVS_QS_PREFETCH") {
-            // Benchmark switch of Quest scoring's load order (kernels/select.cu); decisions are the same.
-            defines.push(format!("QS_PREFETCH={}", (v == "1") as i32));
-        }
+        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={d}"), format!("GROUP={g}"), "--fmad=false".to_string()];
         let f = |name: &'static str| self.modules.function(&self.gpu, "select", launch::SELECT, &defines, name);
         let batch = BatchArg {
             bt: a.block_table.data as u64,
