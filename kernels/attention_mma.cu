@@ -21,6 +21,12 @@
 // Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT, PLAN.
 // PLAN=1: decode rows read their visit plan (src/policy/plan.rs, kernels/select.cu) instead of the
 // sequence's positions; a split is a range of plan keys; the visible range still masks every key.
+// ART=1 (with PLAN=1, NWARPS=4, GQ=GROUP, one split): run-time termination (src/policy/termination.rs,
+// docs/policies.md "art"). The plan is walked in ART's recency order (its sink entries, then the others
+// newest first); after each round of the 4 warps (64 plan slots = one ART tile) every warp publishes its
+// lanes' leading accumulator element (row r = lane/4, dim 2*(lane%4)) with its running max and row sum,
+// one __syncthreads, and every warp computes the same CTA-normalised probe and the same decision (lane
+// sums in the xor-butterfly order, each operation rounded on its own), so the CTA stops as a whole.
 // Dynamic shared memory: kvs_mma_smem_bytes() below (the host computes the same formula).
 
 #define NTHREADS (NWARPS * 32)
@@ -32,6 +38,29 @@
 #define STAGE_BYTES (NWARPS * NSTAGE * 2 * TILEB)
 #define MERGE_BYTES (NWARPS * GQ * (HEAD_DIM + 2) * 4)
 #define SMEM_BYTES (STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES)
+
+#ifndef ART
+#define ART 0
+#endif
+#ifndef ART_NOPROBE
+#define ART_NOPROBE 0  // benchmarks only: ART's order and single split without the detector
+#endif
+#if ART
+// Termination parameters (passed by value after `mode`). patience < 0: never stop (patience = inf).
+struct ArtArgs {
+    float tau, phi;
+    int patience, sink_limit;
+    unsigned long long* ctr;  // the layer's device counters (kernels/decide.cuh CTR_*)
+    int* tiles_out;           // per (sequence, KV head): tiles visited (visit records)
+    int hk, pad;
+};
+#define ART_PR (GQ < 8 ? GQ : 8)  // probed rows
+__device__ __forceinline__ float art_lane_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+#endif
 
 #if KVS_DTYPE == 1
 #define MMA_T "f16"
@@ -103,7 +132,11 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
              elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2,
              float* __restrict__ lse, i64 l0, i64 l1,
              float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads,
-             PlanRef plan, int mode) {
+             PlanRef plan, int mode
+#if ART
+             , ArtArgs art
+#endif
+             ) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ unsigned sm_mask[NWARPS][NSTAGE];
     const int t = blockIdx.x, hg = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
@@ -121,6 +154,15 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int umask = (1 << plan.ulog2) - 1;
     const int s_lo = split * chunk;
     const int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * chunk, nkeys) - 1;
+#if ART
+    // ART's order: plan entries [0, nsink) hold sink positions (the plan is in position order), then the
+    // others newest first. Visit index i -> entry index.
+    int nsink = 0;
+    while (nsink < pl && (int)(pe[nsink] << plan.ulog2) < art.sink_limit) ++nsink;
+#define ART_ENTRY(i) ((i) < nsink ? (i) : pl - 1 - ((i) - nsink))
+#else
+#define ART_ENTRY(i) (i)
+#endif
 #else
     int s_lo = split * chunk, s_hi = (split == nsplit - 1) ? 0x7fffffff : (split + 1) * chunk - 1;
     s_lo = max(s_lo, row.lo);
@@ -167,7 +209,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             bool ok = pb + key <= s_hi;
             if (ok) {
                 const int g = pb + key;
-                p = (int)((pe[g >> plan.ulog2] << plan.ulog2) | (unsigned)(g & umask));
+                p = (int)((pe[ART_ENTRY(g >> plan.ulog2)] << plan.ulog2) | (unsigned)(g & umask));
                 ok = p >= row.lo && p <= row.hi;
             }
 #else
@@ -209,7 +251,17 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const unsigned koff = ((lane & 7) + ((lane >> 4) << 3)) * ROWB + ((lane >> 3) & 1) * 16;
     const unsigned voff = ((lane & 7) + (((lane >> 3) & 1) << 3)) * ROWB + (lane >> 4) * 16;
 
-    for (int k = 0; k < my_n; ++k) {
+#if ART
+    // Every warp runs every round (the decision needs all of them); x_prev = x(0) = 0.
+    const int nloop = (ntiles + NWARPS - 1) / NWARPS;
+    float art_prev = 0.f;
+    int art_run = 0, art_done = 0;
+    __shared__ float sm_art[2][NWARPS][32][3];
+#else
+    const int nloop = my_n;
+#endif
+    for (int k = 0; k < nloop; ++k) {
+      if (k < my_n) {
         cp_wait<NSTAGE - 2>();
         __syncwarp();
         const int st = k % NSTAGE;
@@ -279,8 +331,79 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             mma16816(o[2 * j], pa[0], pa[1], pa[2], pa[3], b[0], b[1]);
             mma16816(o[2 * j + 1], pa[0], pa[1], pa[2], pa[3], b[2], b[3]);
         }
+      }
+#if ART && !ART_NOPROBE
+        {
+            // This lane's probe element and its row's running max and sum (the quad's partial sums added).
+            float lq = l0s;
+            lq += __shfl_xor_sync(0xffffffffu, lq, 1);
+            lq += __shfl_xor_sync(0xffffffffu, lq, 2);
+            float* slot = sm_art[k & 1][warp][lane];  // double-buffered: one barrier per round
+            slot[0] = o[0][0];
+            slot[1] = lq;
+            slot[2] = m0;
+            __syncthreads();
+            float x = 0.f;
+            if (r < ART_PR) {
+                float M = -INFINITY;
+#pragma unroll
+                for (int w = 0; w < NWARPS; ++w) M = fmaxf(M, sm_art[k & 1][w][lane][2]);
+                float num = 0.f, den = 0.f;
+#pragma unroll
+                for (int w = 0; w < NWARPS; ++w) {
+                    const float mw = sm_art[k & 1][w][lane][2];
+                    const float wt = mw == -INFINITY ? 0.f : exp2f(mw - M);
+                    num = __fadd_rn(num, __fmul_rn(sm_art[k & 1][w][lane][0], wt));
+                    den = __fadd_rn(den, __fmul_rn(sm_art[k & 1][w][lane][1], wt));
+                }
+                x = __fdiv_rn(num, den);
+            }
+            const float dl = __fsub_rn(x, art_prev);
+            const float dd = art_lane_sum(__fmul_rn(dl, dl));
+            const float aa = art_lane_sum(__fmul_rn(art_prev, art_prev));
+            const float bb = art_lane_sum(__fmul_rn(x, x));
+            const float ab = art_lane_sum(__fmul_rn(art_prev, x));
+            const float cosv = (aa == 0.f && bb == 0.f) ? 1.f : ((aa == 0.f || bb == 0.f) ? 0.f : __fdiv_rn(ab, __fmul_rn(__fsqrt_rn(aa), __fsqrt_rn(bb))));
+            const bool stable = __fsqrt_rn(dd) < art.tau && __fsub_rn(1.f, cosv) < art.phi;
+            art_run = stable ? art_run + 1 : 0;
+            art_prev = x;
+            art_done = k + 1;
+            if (art.patience > 0 && art_run >= art.patience) break;  // uniform: every warp decided the same
+        }
+#endif
     }
     cp_wait<0>();
+#if ART
+#if ART_NOPROBE
+    art_done = nloop;
+#endif
+    if (threadIdx.x == 0) {
+        // Tiles visited and in the traversal (CTR 9, 10); blocks no visited tile reached (CTR 8), counted
+        // on the plan in position order (entries of at most one block each, as for all/streaming): an entry
+        // is visited when its visit index is below ceil(visited slots / entry size).
+        const int total = nloop;
+        art.tiles_out[row.seq * art.hk + kvh] = art_done;
+        atomicAdd(art.ctr + 9, (unsigned long long)art_done);
+        atomicAdd(art.ctr + 10, (unsigned long long)total);
+        if (art_done < total) {
+            const int per = 1 << plan.ulog2;
+            const int vis_entries = min(pl, (art_done * 64 + per - 1) / per);
+            int prev_all = -1, prev_vis = -1, all_blocks = 0, seen = 0;
+            for (int j = 0; j < pl; ++j) {
+                const int pos = (int)(pe[j] << plan.ulog2);
+                const int lo = max(pos, row.lo), hi = min(pos + per - 1, row.hi);
+                if (lo > hi) continue;
+                const int blk = lo >> bs_log2;
+                if (blk != prev_all) { ++all_blocks; prev_all = blk; }
+                const int vidx = j < nsink ? j : nsink + (pl - 1 - j);
+                if (vidx < vis_entries && blk != prev_vis) { ++seen; prev_vis = blk; }
+            }
+            // blocks_visited (CTR 4) was counted for the whole plan by the selection kernel: take the rest back.
+            atomicAdd(art.ctr + 4, (unsigned long long)(-(long long)(all_blocks - seen)));
+            atomicAdd(art.ctr + 8, (unsigned long long)(all_blocks - seen));
+        }
+    }
+#endif
 
     // Row sums across the quad (each lane summed its own columns).
     l0s += __shfl_xor_sync(0xffffffffu, l0s, 1);

@@ -83,4 +83,7 @@ __device__ __forceinline__ SeqRow kvs_seq_row(int s, const int* qsl, i64 qsl0, c
 #define CTR_TOP_P_CANDIDATES 5
 #define CTR_TOP_P_KEPT 6
 #define CTR_KV_BYTES 7
-#define CTR_COUNT 8
+#define CTR_BLOCKS_SKIPPED_TERMINATION 8  // ART (kernels/attention_mma.cu, ART=1)
+#define CTR_ART_TILES 9
+#define CTR_ART_TILES_TOTAL 10
+#define CTR_COUNT 11

@@ -3,7 +3,9 @@
 # CUDA tests again (the kernels gained a plan variant), compute-sanitizer on both, the sparse benchmark
 # next to our dense kernel and PyTorch SDPA, and the trace eval through the CUDA engine.
 # Expects the binaries staged by scripts/stage-device.sh in $DIR/bin. Logs and CSVs go to $OUT.
-# Usage: gpu-sparse.sh [tests|quicktests|probe|profile|profile-topp|sanitize|bench|benchonly|eval|conformance|flashinfer|all]...
+# Usage: gpu-sparse.sh [tests|quicktests|probe|profile|profile-topp|sanitize|bench|benchonly|eval|conformance|flashinfer|art|all]...
+#   art (only when named): ART in the decode kernel (issue 14): its tests (stop tile vs the CPU engine,
+#   graph replay), compute-sanitizer on them, the detector-cost bench and the trace eval (~7 min).
 #   (default all)
 set -uo pipefail
 DIR=$(cd "$(dirname "$0")" && pwd)
@@ -67,6 +69,20 @@ if has final; then
   GREP='passed|failed' step engine-conformance 120 "$DIR/bin/kvsparse" conformance --quick --seed 20251123
   GREP='ERROR SUMMARY' step memcheck 220 env KVS_QUICK=1 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 --skip lossless --skip refuses
   GREP='RACECHECK SUMMARY|ERROR SUMMARY' step racecheck 150 env KVS_QUICK=1 compute-sanitizer --tool racecheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 decisions
+fi
+if [[ " $whats " == *" art "* ]]; then
+  GREP='test result' step art-tests 150 "$DIR/bin/cuda_sparse_tests" --test-threads=1 --nocapture art
+  grep -aE "rows:|^art " "$OUT/art-tests.log" | tail -14
+  GREP='test result' step art-graph 90 "$DIR/bin/cuda_sparse_tests" --test-threads=1 --nocapture graph
+  grep -aE "^graph" "$OUT/art-graph.log"
+  GREP='ERROR SUMMARY' step art-memcheck 150 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 art
+  GREP='RACECHECK SUMMARY|ERROR SUMMARY' step art-racecheck 150 compute-sanitizer --tool racecheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 art
+  # Acceptance 2 of issue 14: the detector's cost (patience=inf, vs the same single-split ART launch
+  # without the detector, KVS_ART_NOPROBE=1, and vs dense), and the paper's defaults: visited and time.
+  GREP='art' step art-bench 150 "$DIR/bin/kvsparse" bench --device cuda --policy 'art(patience=inf)' --policy 'art(tau=1e-5, phi=1e-3, patience=5)' --batch 1,32 --ctx 32768,131072 --csv "$OUT/art.csv"
+  GREP='art' step art-bench-noprobe 90 env KVS_ART_NOPROBE=1 "$DIR/bin/kvsparse" bench --device cuda --policy 'art(patience=inf)' --batch 1,32 --ctx 32768,131072 --csv "$OUT/art-noprobe.csv"
+  GREP='eval took' step art-eval 120 "$DIR/bin/kvsparse" eval --device cuda --dtype f16 --traces "$DIR/../traces" --policy 'art(tau=1e-5, phi=1e-3, patience=5)' --policy 'art(tau=1e-4, phi=1e-3, patience=5)' --policy 'streaming(sink=64, recent=448) > art(tau=1e-5, phi=1e-3, patience=5)'
+  grep -aE "^\| " "$OUT/art-eval.log"
 fi
 if has probe; then
   GREP='quest' step bench-probe 120 "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --batch 1,32 --ctx 131072

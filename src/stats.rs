@@ -37,6 +37,9 @@ pub struct Counters {
     pub refresh_partial_steps: u64,
     /// Bytes of K and V read by attention (all rows, dense and sparse).
     pub kv_bytes_read: u64,
+    /// ART: tiles (64 slots of the visit order) visited, and tiles of the whole traversals (Rust only).
+    pub art_tiles_visited: u64,
+    pub art_tiles_total: u64,
 }
 
 impl Counters {
@@ -60,6 +63,8 @@ impl Counters {
         self.refresh_full_steps += o.refresh_full_steps;
         self.refresh_partial_steps += o.refresh_partial_steps;
         self.kv_bytes_read += o.kv_bytes_read;
+        self.art_tiles_visited += o.art_tiles_visited;
+        self.art_tiles_total += o.art_tiles_total;
     }
 
     /// What was counted since `before` (an earlier reading of the same, only growing, counters).
@@ -85,6 +90,8 @@ impl Counters {
             refresh_full_steps: f(self.refresh_full_steps, before.refresh_full_steps),
             refresh_partial_steps: f(self.refresh_partial_steps, before.refresh_partial_steps),
             kv_bytes_read: f(self.kv_bytes_read, before.kv_bytes_read),
+            art_tiles_visited: f(self.art_tiles_visited, before.art_tiles_visited),
+            art_tiles_total: f(self.art_tiles_total, before.art_tiles_total),
         }
     }
 

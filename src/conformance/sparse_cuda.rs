@@ -313,3 +313,30 @@ pub fn sparse_graph_replay(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b: u
     unsafe { (api.cuStreamDestroy)(stream) };
     result
 }
+
+/// ART's stop tile per decode row (sequence, KV head) on the GPU and on the CPU engine, same fixture.
+/// `spec_at(s)` is the policy with its thresholds scaled by `s` (tau·s, phi·s): the CPU runs at s = 1 and
+/// at 1 ± `eps`, which brackets the tiles a run whose decision values differ from the CPU's by less than
+/// a relative `eps` can stop at (looser thresholds can only stop earlier). Returns per row
+/// `(gpu, cpu, cpu_loose, cpu_tight, total)` in tiles.
+pub fn art_stop_tiles(spec: &CaseSpec, spec_at: &dyn Fn(f64) -> String, eps: f64, seed: u64) -> Result<Vec<(u32, u32, u32, u32, u32)>> {
+    let mut f = Fixture::new(spec, seed);
+    let mut cpu_tiles = |s: f64| -> Result<Vec<(u32, u32)>> {
+        let cpu = Engine::new(cfg_for(&f, &spec_at(s), Device::Cpu))?;
+        cpu.record_visits(true);
+        run_on_engine(&cpu, &mut f)?;
+        Ok(sorted(cpu.take_visits()).iter().map(|r| r.art_tiles.unwrap_or((0, 0))).collect())
+    };
+    let (cpu, loose, tight) = (cpu_tiles(1.0)?, cpu_tiles(1.0 + eps)?, cpu_tiles(1.0 - eps)?);
+    let gpu = Engine::new(cfg_for(&f, &spec_at(1.0), Device::Cuda(0)))?;
+    gpu.record_visits(true);
+    let mut outs = Outputs::new(&f);
+    let dc = DeviceCase::upload(&f, &outs)?;
+    gpu.cache_write(&dc.cache_write_args(&f, std::ptr::null_mut())?)?;
+    gpu.attention_forward(&dc.forward_args(&f, &outs, std::ptr::null_mut())?)?;
+    sync()?;
+    dc.download(&mut outs)?;
+    let g: Vec<(u32, u32)> = sorted(gpu.take_visits()).iter().map(|r| r.art_tiles.unwrap_or((0, 0))).collect();
+    crate::ensure!(g.len() == cpu.len(), InvalidArgument, "{} GPU rows vs {} CPU rows", g.len(), cpu.len());
+    Ok((0..g.len()).map(|i| (g[i].0, cpu[i].0, loose[i].0, tight[i].0, cpu[i].1.max(g[i].1))).collect())
+}

@@ -53,8 +53,9 @@ pub(super) enum Rows {
     All,
     /// The rows that are not decode rows (query length != 1), densely: a policy layer's prefill rows.
     DenseRest,
-    /// Decode rows through their plans; the second field bounds a row's plan keys.
-    Plan(PlanRef, usize),
+    /// Decode rows through their plans; the second field bounds a row's plan keys; the third runs ART
+    /// inside the kernel.
+    Plan(PlanRef, usize, Option<super::sparse::ArtLaunch>),
 }
 
 pub struct CudaBackend {
@@ -177,15 +178,21 @@ impl CudaBackend {
         let es = cfg.dtype.size_bytes();
         let vec = 16 / es;
         let aligned = [&cache.k, &cache.v].iter().all(|t| (t.data as usize) % 16 == 0 && t.strides()[..3].iter().all(|&s| s as usize % vec == 0));
-        let (mode, plan_ref, keys) = match rows {
-            Rows::All => (0, PlanRef::none(), geo.max_len),
-            Rows::DenseRest => (2, PlanRef::none(), geo.max_len),
-            Rows::Plan(pr, keys) => (1, pr, keys),
+        let (mode, plan_ref, keys, art) = match rows {
+            Rows::All => (0, PlanRef::none(), geo.max_len, None),
+            Rows::DenseRest => (2, PlanRef::none(), geo.max_len, None),
+            Rows::Plan(pr, keys, art) => (1, pr, keys, art),
         };
         let plan_define = format!("PLAN={}", (mode == 1) as i32);
         // Kernel variant: tensor cores where they apply, else the lane-group kernel.
         let (f_split, defines, head_groups, threads, smem, nsplit, chunk);
-        let mma = plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &self.mma, (self.gpu.smem_optin as usize).saturating_sub(1024));
+        // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile), one CTA per KV head
+        // (GQ = GROUP) and one split per row (the traversal is sequential; docs/policies.md).
+        let tun = if art.is_some() { plan::MmaTunables { warps: 4, ..self.mma } } else { self.mma };
+        let mma = plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(if art.is_some() { 4096 } else { 1024 }));
+        if art.is_some() {
+            ensure!(matches!(mma, Some(ms) if ms.warps == 4 && ms.gq == cfg.group_size()), Unsupported, "`art` on the CUDA backend needs the tensor-core kernel (f16/bf16 cache, 16-byte aligned rows, head size a multiple of 16, GQA group <= 16) with 4 warps");
+        }
         if let Some(ms) = mma {
             defines = vec![
                 format!("KVS_DTYPE={}", dtype_code(cfg.dtype)),
@@ -196,6 +203,10 @@ impl CudaBackend {
                 format!("NSTAGE={}", ms.stages),
                 format!("L2_HINT={}", ms.l2_hint),
                 plan_define,
+                format!("ART={}", art.is_some() as i32),
+                // Benchmarks only: KVS_ART_NOPROBE=1 compiles ART's launch without the detector (the same
+                // order and single split), the baseline of the detector's cost.
+                format!("ART_NOPROBE={}", (art.is_some() && std::env::var("KVS_ART_NOPROBE").is_ok_and(|v| v == "1")) as i32),
             ];
             f_split = self.modules.function(&self.gpu, "attention_mma", launch::ATTENTION_MMA, &defines, "kvs_attn_mma")?;
             smem = ms.smem_bytes(cfg.head_dim);
@@ -206,7 +217,7 @@ impl CudaBackend {
             }
             let per_sm = launch::occupancy_smem(f_split, threads, smem)? as usize;
             head_groups = cfg.num_q_heads / ms.gq;
-            (nsplit, chunk) = plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.split_policy(mode, keys, geo.max_len));
+            (nsplit, chunk) = if art.is_some() { (1, keys.max(1)) } else { plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.split_policy(mode, keys, geo.max_len)) };
         } else {
             let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
             let mut d = Self::attn_defines(cfg, &shape);
@@ -263,6 +274,9 @@ impl CudaBackend {
         k.ptr(lse_ptr).i64(l0).i64(l1);
         k.i64(ws_o as i64).i64(ws_lse as i64).i32(cfg.num_q_heads as i32);
         k.by_value(&plan_ref).i32(mode);
+        if let Some(art) = &art {
+            k.by_value(art);
+        }
         launch::launch_smem(f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
         if nsplit > 1 {
             let f_comb = self.modules.function(&self.gpu, module.0, module.1, &defines, "kvs_attn_combine")?;

@@ -211,10 +211,13 @@ mod compile_tests {
                 let fm = "--fmad=false".to_string();
                 build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), fm.clone()]);
                 if dt > 0 {
-                    for plan in [0, 1] {
-                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), format!("PLAN={plan}")].to_vec();
+                    for (plan, art) in [(0, 0), (1, 0), (1, 1)] {
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), format!("PLAN={plan}"), format!("ART={art}")].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
+                    let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();
+                    defs.push("ART_NOPROBE=1".into());
+                    build("attention_mma", ATTENTION_MMA, &defs);
                 }
             }
             build("meta", META, &[format!("KVS_DTYPE={dt}"), "--fmad=false".into()]);

@@ -70,15 +70,37 @@ struct BatchArg {
 }
 
 /// Counter slots on the device (kernels/decide.cuh CTR_*).
-const CTR_COUNT: usize = 8;
+const CTR_COUNT: usize = 11;
+
+/// ART's parameters as the tensor-core kernel reads them (kernels/attention_mma.cu `ArtArgs`, same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ArtLaunch {
+    pub tau: f32,
+    pub phi: f32,
+    /// -1 = never stop (`patience=inf`).
+    pub patience: i32,
+    pub sink_limit: i32,
+    pub ctr: u64,
+    pub tiles_out: u64,
+    pub hk: i32,
+    pub pad: i32,
+}
 
 /// Largest GQA group the selection kernels stage in shared memory.
 pub const MAX_POLICY_GROUP: usize = 16;
 
 /// Whether the CUDA backend runs pipeline `p` (the engine refuses the others at creation).
 pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> {
-    if p.art.is_some() {
-        return Err("`art` is not available on the CUDA backend yet".into());
+    if let Some(a) = p.art {
+        // In the kernel: recency order over `all` / `streaming` plans, the paper's probe. Priority order
+        // (quest, snapkv, top_p) needs the plan sorted by score on the device (not built).
+        if !matches!(p.selector, Selector::All | Selector::Streaming { .. }) || p.top_p.is_some() {
+            return Err("`art` on the CUDA backend runs behind `all` or `streaming` only (priority order is not built yet)".into());
+        }
+        if a.order != crate::policy::Order::Recent || a.probe != crate::policy::Probe::Lanes {
+            return Err("`art` on the CUDA backend supports order=recent (auto) and probe=lanes only".into());
+        }
     }
     if group > MAX_POLICY_GROUP {
         return Err(format!("policies on the CUDA backend support GQA groups of at most {MAX_POLICY_GROUP} query heads per KV head (this model has {group})"));
@@ -87,6 +109,15 @@ pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> 
         Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } => Ok(()),
         Selector::SnapKv { .. } => Err("`snapkv` is not available on the CUDA backend yet".into()),
         Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_) => Err("the stateful policies (speculate, refresh, predictor) are not available on the CUDA backend yet".into()),
+    }
+}
+
+/// The positions below which ART's order puts a plan's entries first (the selector's sinks, as the CPU's
+/// `prepare_head`): `streaming.sink`, else position 0.
+fn art_sink_limit(p: &Pipeline) -> i32 {
+    match p.selector {
+        Selector::Streaming { sink, .. } => sink.clamp(1, i32::MAX as usize) as i32,
+        _ => 1,
     }
 }
 
@@ -105,6 +136,8 @@ pub struct SparseState {
 struct LastPlan {
     plan: PlanRef,
     num_seqs: usize,
+    /// ART: the per-(sequence, KV head) tiles visited and the sink limit of the order.
+    art: Option<(u64, usize)>,
 }
 
 impl SparseState {
@@ -128,6 +161,7 @@ struct WsLayout {
     base: usize,
     base_len: usize,
     scores: usize,
+    art_tiles: usize,
     logits: usize,
     w: usize,
     total: usize,
@@ -169,6 +203,7 @@ impl CudaBackend {
         };
         lay.plan = take(checked(&[rows_of(&fin), fin.cap, 4])?);
         lay.plan_len = take(checked(&[ns, hk, 4])?);
+        lay.art_tiles = take(checked(&[ns, hk, 4])?);
         let quest_pages = match p.selector {
             Selector::Quest { page, .. } => Some((page, geo.max_pos.div_ceil(page) + 1)),
             _ => None,
@@ -311,11 +346,23 @@ impl CudaBackend {
             // splits (attended in dense's order, bit for bit); a plan reaching past max_len (a partial last
             // page) is still covered, by the last split, which runs to the plan's end.
             let keys = (fin.cap << fin.ulog2).min(geo.max_len);
-            self.attend(cfg, a, cache, geo, Rows::Plan(fin_ref, keys))?;
+            let art = p.art.map(|art| ArtLaunch {
+                tau: art.tau,
+                phi: art.phi,
+                patience: art.patience.map_or(-1, |v| v.min(i32::MAX as u32) as i32),
+                sink_limit: art_sink_limit(p),
+                ctr: ctr as u64,
+                tiles_out: ws + lay.art_tiles as u64,
+                hk: hk as i32,
+                pad: 0,
+            });
+            // ART walks the whole plan in one split: the key bound is the plan's capacity.
+            let keys = if art.is_some() { fin.cap << fin.ulog2 } else { keys };
+            self.attend(cfg, a, cache, geo, Rows::Plan(fin_ref, keys, art))?;
         }
         // The workspace stays locked until the launches that read it are enqueued.
         drop(ws_map);
-        *self.sparse.last.lock() = Some(LastPlan { plan: fin_ref, num_seqs: ns });
+        *self.sparse.last.lock() = Some(LastPlan { plan: fin_ref, num_seqs: ns, art: p.art.map(|_| (ws + lay.art_tiles as u64, art_sink_limit(p) as usize)) });
         Ok(())
     }
 
@@ -342,6 +389,9 @@ impl CudaBackend {
                 top_p_candidates: c[5],
                 top_p_kept: c[6],
                 kv_bytes_read: c[7],
+                blocks_skipped_termination: c[8],
+                art_tiles_visited: c[9],
+                art_tiles_total: c[10],
                 ..Default::default()
             })
             .collect())
@@ -361,9 +411,16 @@ impl CudaBackend {
             None => vec![0; ns],
         };
         let pr = last.plan;
-        let mut plan_len = vec![0u8; ns * hk * 4];
-        download_raw(pr.len, &mut plan_len)?;
-        let plan_len: Vec<i32> = plan_len.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4"))).collect();
+        let ints = |ptr: u64| -> Result<Vec<i32>> {
+            let mut raw = vec![0u8; ns * hk * 4];
+            download_raw(ptr, &mut raw)?;
+            Ok(raw.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4"))).collect())
+        };
+        let plan_len = ints(pr.len as u64)?;
+        let art_tiles = match last.art {
+            Some((ptr, _)) => Some(ints(ptr)?),
+            None => None,
+        };
         let max_pos = a.block_table.dim(1) * cfg.block_size;
         let mut out = Vec::new();
         let mut entries = vec![0u8; pr.cap as usize * 4];
@@ -382,8 +439,23 @@ impl CudaBackend {
                 let n = plan_len[s * hk + h].clamp(0, pr.cap) as usize;
                 download_raw(pr.e + ((s as i64 * pr.p_s + h as i64 * pr.p_h) * 4) as u64, &mut entries[..n * 4])?;
                 let plan = HeadPlan { unit_log2: pr.ulog2 as u32, entries: entries[..n * 4].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect() };
-                plan.spans(lo, hi, &mut spans);
-                out.push(VisitRecord { layer: a.layer, seq_id: ids[s] as u64, kv_head: h, spans: spans.clone(), art_tiles: None });
+                let mut tiles_rec = None;
+                match (&art_tiles, last.art) {
+                    (Some(t), Some((_, sink_limit))) => {
+                        // The kernel's order (recency) and tiles, cut where it stopped.
+                        let mut order = Vec::new();
+                        crate::policy::termination::order_entries(&plan, sink_limit, crate::policy::Order::Recent, |_| f32::NAN, &mut order);
+                        let mut tiles = crate::policy::termination::Tiles::default();
+                        tiles.build(&order, plan.unit_log2, lo, hi);
+                        let done = (t[s * hk + h].max(0) as usize).min(tiles.len());
+                        spans.clear();
+                        spans.extend_from_slice(&tiles.spans[..tiles.bounds[done]]);
+                        crate::policy::select::normalize_spans(&mut spans);
+                        tiles_rec = Some((done as u32, tiles.len() as u32));
+                    }
+                    _ => plan.spans(lo, hi, &mut spans),
+                }
+                out.push(VisitRecord { layer: a.layer, seq_id: ids[s] as u64, kv_head: h, spans: spans.clone(), art_tiles: tiles_rec });
             }
         }
         Ok(out)

@@ -298,6 +298,10 @@ pub fn run(argv: &[String]) -> Result<(), String> {
             println!("not on the CUDA backend yet, left out: {}", skip.iter().map(|r| r.spec.as_str()).collect::<Vec<_>>().join(", "));
         }
         rows = keep;
+        // The oracle (probe=full) is a CPU measure; the CUDA engine runs the lane probe only.
+        for r in rows.iter_mut() {
+            r.oracle_spec = None;
+        }
     }
 
     let traces: Vec<_> = manifest.traces.iter().filter(|t| only.is_empty() || only.contains(&t.name)).collect();

@@ -306,6 +306,8 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
                 blocks.sort_unstable();
                 blocks.dedup();
                 hw.visited = blocks.len();
+                c.art_tiles_visited += hw.art.tiles as u64;
+                c.art_tiles_total += hw.tiles.len() as u64;
                 c.blocks_visited += hw.visited as u64;
                 c.blocks_skipped_termination += hw.cand.units.len().saturating_sub(hw.visited) as u64;
             }
