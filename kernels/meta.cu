@@ -6,11 +6,13 @@
 //   qmin/qmax[num_blocks][upb][hk][d]  Quest: fp16 min (rounded down) / max (rounded up) of K per unit,
 //                                  channels in lane order: c at (c % 16) * (d / 16) + c / 16
 //   codes[num_blocks * bs * hk][d/2], qparams[...][2]   INT4 copy of K, fp16 (min, scale) per row
+//   keep[num_blocks][hk][4]        SnapKV: one bit per slot, set when the slot is written (kernels/snapkv.cu)
 //
 // A write at offset j of a block starts that block over from j (serving engines reuse blocks for other
 // sequences, and sequences only grow or are rewritten from some position on): fill bits >= j not written
 // by the same call are cleared, and every Quest unit from j's on is recomputed from the filled rows.
 // Four launches in stream order (no host sync, capturable): mark -> clear -> set (+INT4) -> units (+reset).
+// With SnapKV's bits only (no Quest bounds, no INT4 copy) just `set` runs: nothing reads fill's cleared tail.
 // Slots are validated here as in kvs_cache_write (negative or out of range: skipped).
 // Requires KVS_DTYPE; compiled with --fmad=false (decide.cuh).
 
@@ -47,10 +49,11 @@ extern "C" __global__ void kvs_meta_clear(const void* slots, i64 slot_stride, in
     }
 }
 
-// One thread per (token, KV head): marks the slot filled (head 0) and quantizes the row to INT4.
+// One thread per (token, KV head): marks the slot filled (head 0), kept for SnapKV, and quantizes the row
+// to INT4.
 extern "C" __global__ void kvs_meta_set(const void* slots, i64 slot_stride, int is64, int tokens, i64 num_blocks, int bs,
                                         unsigned long long* fill, const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int d,
-                                        unsigned char* codes, u16* qparams) {
+                                        unsigned char* codes, u16* qparams, unsigned long long* keep) {
     const i64 n = (i64)tokens * hk;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const int t = (int)(i / hk), h = (int)(i % hk);
@@ -58,6 +61,7 @@ extern "C" __global__ void kvs_meta_set(const void* slots, i64 slot_stride, int 
         int off;
         if (!kvs_slot(slots, slot_stride, is64, t, num_blocks * bs, bs, &b, &off)) continue;
         if (h == 0) atomicOr(&fill[b * 4 + off / 64], 1ull << (off % 64));
+        if (keep != 0) atomicOr(&keep[(b * hk + h) * 4 + off / 64], 1ull << (off % 64));
         if (codes == 0) continue;
         const elem_t* row = kc + b * kc0 + (i64)off * kc1 + (i64)h * kc2;
         float mn = INFINITY, mx = -INFINITY;

@@ -281,6 +281,65 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores(Batch 
     if (threadIdx.x == 0) atomicAdd(&ctr[CTR_KV_BYTES], units * (2 * HEAD_DIM * 2));
 }
 
+// Radix select, 8 bits per pass from the top: the m-th largest of the unique keys key_of(i), lo <= i < hi
+// (1 <= m <= hi - lo), which needs `passes` passes to cover the keys' bits; 0 when m == 0. Block-wide;
+// hist[256], wtot[8] and the two selection words are shared scratch.
+template <typename KeyOf>
+__device__ __forceinline__ unsigned long long radix_kth(int lo, int hi, int m, int passes, KeyOf key_of, unsigned* hist, unsigned* wtot,
+                                                        unsigned long long& sel_prefix, int& sel_left) {
+    if (threadIdx.x == 0) {
+        sel_prefix = 0;
+        sel_left = m;
+    }
+    __syncthreads();
+    for (int pass = 0; pass < passes && m > 0; ++pass) {
+        const int shift = 8 * (passes - 1 - pass);
+        const unsigned long long hi_mask = shift + 8 >= 64 ? 0ull : (~0ull << (shift + 8));
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const unsigned long long prefix = sel_prefix;
+        const int left = sel_left;
+        // Uniform trip count, so the warp can aggregate equal bins before the shared-memory atomic
+        // (early passes put most pages in one or two bins).
+        for (int base_i = lo; base_i < hi; base_i += blockDim.x) {
+            const int i = base_i + threadIdx.x;
+            unsigned bin = 256u;
+            if (i < hi) {
+                const unsigned long long key = key_of(i);
+                if ((key & hi_mask) == (prefix & hi_mask)) bin = (unsigned)((key >> shift) & 255);
+            }
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (bin < 256u && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned)__popc(peers));
+        }
+        __syncthreads();
+        // The digit: counts from the top bin down (thread t holds bin 255 - t), scanned; the one bin
+        // where the running count crosses `left` is it.
+        unsigned c = 0, v = 0;
+        if (threadIdx.x < 256) {
+            c = hist[255 - threadIdx.x];
+            v = c;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned y = __shfl_up_sync(0xffffffffu, v, o);
+                if ((int)(threadIdx.x & 31) >= o) v += y;
+            }
+            if ((threadIdx.x & 31) == 31) wtot[threadIdx.x >> 5] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < 256) {
+            unsigned pre = 0;
+            for (int w = 0; w < (int)(threadIdx.x >> 5); ++w) pre += wtot[w];
+            const unsigned incl = v + pre, excl = incl - c;
+            if ((int)excl < left && (int)incl >= left) {
+                sel_left = left - (int)excl;
+                sel_prefix = prefix | ((unsigned long long)(255 - threadIdx.x) << shift);
+            }
+        }
+        __syncthreads();
+    }
+    return sel_prefix;
+}
+
 // Quest, step 2: keep the decode token's page, the pages holding the first `sink` positions, and the best
 // other pages (score descending, ties: the later page) up to ceil(budget / page) pages, as quest_pages.
 // Radix select of the m-th largest (score, page) key, 8 bits per pass, over order keys staged in dynamic
@@ -330,57 +389,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
         while ((1 << ibits) < np) ++ibits;
         const int passes = (32 + ibits + 7) / 8;
         auto key_of = [&](int i) { return ((unsigned long long)(staged ? skey[i] : kvs_order_key(sc[i])) << ibits) | (unsigned)i; };
-        if (threadIdx.x == 0) {
-            sel_prefix = 0;
-            sel_left = m;
-        }
-        __syncthreads();
-        for (int pass = 0; pass < passes && m > 0; ++pass) {
-            const int shift = 8 * (passes - 1 - pass);
-            const unsigned long long hi_mask = shift + 8 >= 64 ? 0ull : (~0ull << (shift + 8));
-            for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-            __syncthreads();
-            const unsigned long long prefix = sel_prefix;
-            const int left = sel_left;
-            // Uniform trip count, so the warp can aggregate equal bins before the shared-memory atomic
-            // (early passes put most pages in one or two bins).
-            for (int base_i = forced; base_i < last; base_i += blockDim.x) {
-                const int i = base_i + threadIdx.x;
-                unsigned bin = 256u;
-                if (i < last) {
-                    const unsigned long long key = key_of(i);
-                    if ((key & hi_mask) == (prefix & hi_mask)) bin = (unsigned)((key >> shift) & 255);
-                }
-                const unsigned peers = __match_any_sync(0xffffffffu, bin);
-                if (bin < 256u && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned)__popc(peers));
-            }
-            __syncthreads();
-            // The digit: counts from the top bin down (thread t holds bin 255 - t), scanned; the one bin
-            // where the running count crosses `left` is it.
-            unsigned c = 0, v = 0;
-            if (threadIdx.x < 256) {
-                c = hist[255 - threadIdx.x];
-                v = c;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const unsigned y = __shfl_up_sync(0xffffffffu, v, o);
-                    if ((int)(threadIdx.x & 31) >= o) v += y;
-                }
-                if ((threadIdx.x & 31) == 31) wtot[threadIdx.x >> 5] = v;
-            }
-            __syncthreads();
-            if (threadIdx.x < 256) {
-                unsigned pre = 0;
-                for (int w = 0; w < (int)(threadIdx.x >> 5); ++w) pre += wtot[w];
-                const unsigned incl = v + pre, excl = incl - c;
-                if ((int)excl < left && (int)incl >= left) {
-                    sel_left = left - (int)excl;
-                    sel_prefix = prefix | ((unsigned long long)(255 - threadIdx.x) << shift);
-                }
-            }
-            __syncthreads();
-        }
-        const unsigned long long thr = sel_prefix;
+        const unsigned long long thr = radix_kth(forced, last, m, passes, key_of, hist, wtot, sel_prefix, sel_left);
         const int cand_lo = forced;
         auto keep = [&](int i) {
             if (i < cand_lo || i == last) return true;

@@ -6,6 +6,9 @@
 # Usage: gpu-sparse.sh [tests|quicktests|probe|profile|profile-topp|sanitize|bench|benchonly|eval|conformance|flashinfer|art|all]...
 #   art (only when named): ART in the decode kernel (issue 14): its tests (stop tile vs the CPU engine,
 #   graph replay), compute-sanitizer on them, the detector-cost bench and the trace eval (~7 min).
+#   snapkv (only when named): SnapKV on the device (issue 17): its two-call decisions test, the other
+#   sparse tests (the Quest top-k shares its radix select; graph replay, lossless, bad metadata), the
+#   trace eval and the bench (~7 min); snapsan: compute-sanitizer on the SnapKV tests (~5 min).
 #   (default all)
 set -uo pipefail
 DIR=$(cd "$(dirname "$0")" && pwd)
@@ -83,6 +86,21 @@ if [[ " $whats " == *" art "* ]]; then
   GREP='art' step art-bench-noprobe 90 env KVS_ART_NOPROBE=1 "$DIR/bin/kvsparse" bench --device cuda --policy 'art(patience=inf)' --batch 1,32 --ctx 32768,131072 --csv "$OUT/art-noprobe.csv"
   GREP='eval took' step art-eval 120 "$DIR/bin/kvsparse" eval --device cuda --dtype f16 --traces "$DIR/../traces" --policy 'art(tau=1e-5, phi=1e-3, patience=5)' --policy 'art(tau=1e-4, phi=1e-3, patience=5)' --policy 'streaming(sink=64, recent=448) > art(tau=1e-5, phi=1e-3, patience=5)'
   grep -aE "^\| " "$OUT/art-eval.log"
+fi
+if [[ " $whats " == *" snapkv "* ]]; then
+  GREP='test result' step snap-tests 240 "$DIR/bin/cuda_sparse_tests" --test-threads=1 --nocapture snapkv
+  grep -aE "^snapkv " "$OUT/snap-tests.log" | grep -v " ok$" | head -20
+  GREP='test result' step snap-others 300 "$DIR/bin/cuda_sparse_tests" --test-threads=1 --nocapture --skip snapkv --skip art_stops --skip decisions
+  grep -aE "^(graph|lossless) .*snapkv|FAIL|DIFF" "$OUT/snap-others.log" | head -20
+  GREP='eval took' step snap-eval 150 "$DIR/bin/kvsparse" eval --device cuda --traces "$DIR/../traces" --policy 'snapkv(budget=512)' --policy 'snapkv(budget=256, window=16) > top_p(p=0.95)'
+  grep -aE "^\| " "$OUT/snap-eval.log"
+  GREP='snapkv' step snap-bench 240 "$DIR/bin/kvsparse" bench --device cuda --policy 'snapkv(budget=L/16)' --policy 'snapkv(budget=L/16) > top_p(p=0.95)' --batch 1,8,32 --ctx 32768,131072 --csv "$OUT/snapkv.csv"
+  grep -aE "snapkv|choice" "$OUT/snap-bench.log"
+fi
+if [[ " $whats " == *" snapsan "* ]]; then
+  GREP='ERROR SUMMARY' step snap-memcheck 200 env KVS_QUICK=1 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 snapkv
+  GREP='ERROR SUMMARY' step snap-memcheck-bad 120 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 bad_device
+  GREP='RACECHECK SUMMARY|ERROR SUMMARY' step snap-racecheck 200 env KVS_QUICK=1 compute-sanitizer --tool racecheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 snapkv
 fi
 if has probe; then
   GREP='quest' step bench-probe 120 "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --batch 1,32 --ctx 131072

@@ -105,7 +105,7 @@ impl Engine {
                         bail!(Unsupported, "policy {:?}: {why}", cfg.policy);
                     }
                 }
-                Some(crate::cuda::CudaBackend::new(&cfg, i, policy.meta_needs())?)
+                Some(crate::cuda::CudaBackend::new(&cfg, i, policy.device_meta_needs())?)
             }
             Device::Cpu => None,
         };

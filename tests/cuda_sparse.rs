@@ -6,6 +6,7 @@
 //! (for compute-sanitizer).
 
 use kvsparse::conformance::cuda::{cuda_required, DeviceCase};
+use kvsparse::conformance::snapkv_cuda::{run_snapkv_case, snapkv_policies, snapkv_spec};
 use kvsparse::conformance::sparse_cuda::{art_stop_tiles, run_sparse_case, sparse_graph_replay, sparse_policies, sparse_specs};
 use kvsparse::conformance::{judge, CaseSpec, Fixture, Outputs};
 use kvsparse::rng::Rng;
@@ -57,6 +58,41 @@ fn cuda_sparse_decisions_equal_the_cpu_engine() {
     assert!(failures.is_empty(), "failing sparse cases:\n{}", failures.join("\n"));
 }
 
+/// SnapKV: a prefill call (the choice) then a decode call (the plan) on the same cache, over the sparse
+/// geometries: the GPU visits the CPU engine's positions, counts the same, outputs within tolerance.
+fn cuda_snapkv_decisions_equal_the_cpu_engine() {
+    if !have_cuda("cuda_snapkv_decisions") {
+        return;
+    }
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let mut failures = Vec::new();
+    for (i, spec) in sparse_specs(quick()).iter().enumerate() {
+        let spec = snapkv_spec(spec);
+        for (j, pol) in snapkv_policies().iter().enumerate() {
+            if quick() && (i + j) % 2 != 0 {
+                continue;
+            }
+            let r = run_snapkv_case(&spec, pol, seed.wrapping_add((i * 100 + j) as u64));
+            println!(
+                "snapkv {:<36} {:<52} rows {:>4} decisions {} counters {} rel {:.2e} lse {:.2e} {}",
+                r.name,
+                r.policy,
+                r.rows,
+                if r.decision_mismatch.is_none() { "same" } else { "DIFF" },
+                if r.counters_mismatch.is_none() { "same" } else { "DIFF" },
+                r.rel_err,
+                r.lse_err,
+                if r.pass { "ok" } else { "FAIL" }
+            );
+            if !r.pass {
+                failures.push(format!("{} / {} (seed {}): {:?} {:?} rel {:.3e} lse {:.3e} error {:?}", r.name, r.policy, r.seed, r.decision_mismatch, r.counters_mismatch, r.rel_err, r.lse_err, r.error));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "failing SnapKV cases:\n{}", failures.join("\n"));
+}
+
 /// Budget >= context and p = 1 visit everything: the plan path must then agree with the float64
 /// reference as closely as dense attention does.
 fn cuda_lossless_policies_equal_dense() {
@@ -65,7 +101,7 @@ fn cuda_lossless_policies_equal_dense() {
     }
     let seed = Rng::fresh_seed();
     for spec in sparse_specs(true) {
-        for pol in ["quest(budget=1000000)", "quest(budget=1000000) > top_p(p=1)", "all > top_p(p=1)", "streaming(sink=100000, recent=100000)"] {
+        for pol in ["quest(budget=1000000)", "quest(budget=1000000) > top_p(p=1)", "all > top_p(p=1)", "streaming(sink=100000, recent=100000)", "snapkv(budget=1000000)"] {
             let f = Fixture::new(&spec, seed);
             let mut cfg = f.engine_config();
             cfg.policy = format!("{pol}; dense_layers=0");
@@ -92,7 +128,7 @@ fn cuda_sparse_decode_step_graph_replays_on_new_data() {
         return;
     }
     let seed = Rng::fresh_seed();
-    for pol in ["quest(budget=256, sink=16)", "quest(budget=512) > top_p(p=0.95)", "streaming(sink=4, recent=300)", "all > top_p(p=0.9)", "art(tau=1e-3, phi=1e-2, patience=2)", "streaming(sink=4, recent=1000) > art(tau=1e-3, phi=1e-2, patience=2)", "art(patience=inf)"] {
+    for pol in ["quest(budget=256, sink=16)", "quest(budget=512) > top_p(p=0.95)", "streaming(sink=4, recent=300)", "all > top_p(p=0.9)", "snapkv(budget=256) > top_p(p=0.9)", "art(tau=1e-3, phi=1e-2, patience=2)", "streaming(sink=4, recent=1000) > art(tau=1e-3, phi=1e-2, patience=2)", "art(patience=inf)"] {
         let (rows, mism) = sparse_graph_replay(&decode_only(), pol, seed, seed.wrapping_add(7919)).unwrap_or_else(|e| panic!("{pol}: {e}"));
         println!("graph {pol:<40} rows {rows} {}", if mism.is_none() { "replay == eager" } else { "DIFF" });
         assert!(rows > 0 && mism.is_none(), "{pol} (seed {seed}): {mism:?}");
@@ -106,8 +142,9 @@ fn cuda_sparse_bad_device_metadata_stays_in_bounds() {
     if !have_cuda("cuda_sparse_bad_metadata") {
         return;
     }
-    for pol in ["quest(budget=256) > top_p(p=0.9)", "streaming(sink=4, recent=64)"] {
-        let spec = decode_only();
+    // SnapKV also on prefill chunks (its choice kernels read the garbage table too).
+    for (pol, prefill) in [("quest(budget=256) > top_p(p=0.9)", false), ("streaming(sink=4, recent=64)", false), ("snapkv(budget=256)", false), ("snapkv(budget=64, window=16)", true)] {
+        let spec = if prefill { snapkv_spec(&decode_only()) } else { decode_only() };
         let mut f = Fixture::new(&spec, Rng::fresh_seed());
         let mut cfg = f.engine_config();
         cfg.policy = format!("{pol}; dense_layers=0");
@@ -188,7 +225,7 @@ fn cuda_refuses_policies_it_cannot_run_at_engine_creation() {
     if !have_cuda("cuda_refuses") {
         return;
     }
-    for pol in ["quest(budget=256) > art()", "snapkv(budget=256)", "speculate(over=quest(budget=256))", "refresh(k=256)"] {
+    for pol in ["quest(budget=256) > art()", "snapkv(budget=256) > art()", "speculate(over=quest(budget=256))", "refresh(k=256)"] {
         let mut cfg = kvsparse::EngineConfig::new(2, 8, 2, 128, 16, DType::BF16);
         cfg.device = Device::Cuda(0);
         cfg.policy = pol.into();
@@ -214,6 +251,7 @@ fn main() {
     };
     let tests = vec![
         test("cuda_sparse_decisions_equal_the_cpu_engine", cuda_sparse_decisions_equal_the_cpu_engine),
+        test("cuda_snapkv_decisions_equal_the_cpu_engine", cuda_snapkv_decisions_equal_the_cpu_engine),
         test("cuda_lossless_policies_equal_dense", cuda_lossless_policies_equal_dense),
         test("cuda_sparse_decode_step_graph_replays_on_new_data", cuda_sparse_decode_step_graph_replays_on_new_data),
         test("cuda_art_stops_at_the_cpu_engine_tile", cuda_art_stops_at_the_cpu_engine_tile),

@@ -25,7 +25,7 @@ fn bytes<T>(v: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
-fn view(buf: &DevBuf, byte_off: usize, dtype: DType, shape: &[i64], strides: &[i64]) -> Result<TensorRef> {
+pub(super) fn view(buf: &DevBuf, byte_off: usize, dtype: DType, shape: &[i64], strides: &[i64]) -> Result<TensorRef> {
     // SAFETY: the fixture's strides address only elements inside its host buffer, which has the same
     // size as `buf` (checked for the host copy by `TensorRef::strided`).
     unsafe { TensorRef::from_raw(buf.as_ptr().add(byte_off), dtype, Device::Cuda(0), shape, Some(strides)) }

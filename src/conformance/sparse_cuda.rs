@@ -78,7 +78,7 @@ pub fn sparse_specs(quick: bool) -> Vec<CaseSpec> {
     v
 }
 
-fn cfg_for(f: &Fixture, policy: &str, device: Device) -> crate::EngineConfig {
+pub(super) fn cfg_for(f: &Fixture, policy: &str, device: Device) -> crate::EngineConfig {
     let mut cfg = f.engine_config();
     cfg.policy = format!("{policy}; dense_layers=0");
     cfg.device = device;
@@ -86,7 +86,7 @@ fn cfg_for(f: &Fixture, policy: &str, device: Device) -> crate::EngineConfig {
     cfg
 }
 
-fn sorted(mut v: Vec<VisitRecord>) -> Vec<VisitRecord> {
+pub(super) fn sorted(mut v: Vec<VisitRecord>) -> Vec<VisitRecord> {
     v.sort_by_key(|r| (r.seq_id, r.kv_head));
     v
 }
@@ -127,7 +127,7 @@ pub fn compare_counters(c: &Counters, g: &Counters) -> Option<String> {
     (!diffs.is_empty()).then(|| diffs.join(", "))
 }
 
-fn sync() -> Result<()> {
+pub(super) fn sync() -> Result<()> {
     // SAFETY: no arguments.
     check(unsafe { (cuda()?.cuCtxSynchronize)() }, "cuCtxSynchronize")
 }

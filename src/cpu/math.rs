@@ -69,6 +69,26 @@ pub fn decision_dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// Scale of [`softmax_norm`]'s fixed point: 2^42, so that 2^22 numerators (sequences of 4M tokens) of at
+/// most ~1 each sum below 2^64 (longer ones wrap, the same way on both backends).
+pub const NORM_FIXED_ONE: f64 = 4_398_046_511_104.0;
+
+/// A softmax normaliser Σ e (numerators `e = fast_exp(x − max)`, so each ≤ 1) as an exact fixed-point sum:
+/// every term truncated to a multiple of 2^-42, added as integers, so the result is the same whatever
+/// order the terms are added in; the CUDA kernels add them with atomics and get the same bits. The
+/// truncation costs at most n · 2^-42 of a normaliser that is ≥ 1 (the maximum's own term). NaN if any
+/// term is NaN.
+pub fn softmax_norm(e: impl IntoIterator<Item = f32>) -> f64 {
+    let mut acc = 0u64;
+    for x in e {
+        if x.is_nan() {
+            return f64::NAN;
+        }
+        acc = acc.wrapping_add((x as f64 * NORM_FIXED_ONE) as u64);
+    }
+    acc as f64 / NORM_FIXED_ONE
+}
+
 /// Sum in order (the decisions' fixed order for `Σ q`).
 #[inline]
 pub fn ordered_sum(a: &[f32]) -> f32 {
@@ -97,6 +117,22 @@ mod tests {
         assert_eq!(fast_exp(f32::NEG_INFINITY), 0.0);
         assert_eq!(fast_exp(-1000.0), 0.0);
         assert_eq!(fast_exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn softmax_norm_is_order_free_close_to_the_f64_sum_and_nan_on_nan() {
+        let mut rng = crate::rng::Rng::new(crate::rng::Rng::fresh_seed());
+        let e: Vec<f32> = (0..50_000).map(|i| if i == 7 { 1.0 } else { fast_exp(-(rng.uniform() as f32) * 30.0) }).collect();
+        let z = softmax_norm(e.iter().copied());
+        let mut rev = e.clone();
+        rev.reverse();
+        assert_eq!(z.to_bits(), softmax_norm(rev.iter().copied()).to_bits(), "the same bits in any order");
+        let exact: f64 = e.iter().map(|&x| x as f64).sum();
+        assert!((z - exact).abs() <= e.len() as f64 / NORM_FIXED_ONE, "{z} vs {exact}");
+        assert!(z <= exact, "truncation only lowers the sum");
+        let mut poisoned = e.clone();
+        poisoned[123] = f32::NAN;
+        assert!(softmax_norm(poisoned).is_nan());
     }
 
     #[test]

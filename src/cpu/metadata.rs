@@ -30,11 +30,13 @@ pub struct MetaNeeds {
     /// Quest page size in tokens (the unit kept is `min(page, block_size)`).
     pub quest_page: Option<usize>,
     pub int4: bool,
+    /// SnapKV's kept-slot bits (CUDA engines only: the CPU keeps its choice per sequence id).
+    pub snap_keep: bool,
 }
 
 impl MetaNeeds {
     pub fn any(&self) -> bool {
-        self.quest_page.is_some() || self.int4
+        self.quest_page.is_some() || self.int4 || self.snap_keep
     }
 }
 

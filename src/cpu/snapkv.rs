@@ -7,13 +7,14 @@
 //! the prefix (all of them when the prompt fits the budget). A later prefill chunk of the same sequence
 //! replaces the choice, so the last chunk before decoding decides.
 //!
-//! The scores use the decisions' fixed arithmetic (`math::decision_dot`, `fast_exp`, `decision_softcap`)
-//! so that the CUDA prefill kernel makes the same choice bit for bit.
+//! The scores use the decisions' fixed arithmetic (`math::decision_dot`, `fast_exp`, `decision_softcap`,
+//! the order-free normaliser `softmax_norm`) and sum the window's weights in token order, so that the
+//! CUDA kernels (kernels/snapkv.cu) make the same choice bit for bit.
 
 use super::attention::RowLimits;
 use super::convert::{load_row, Portable};
 use super::forward::ForwardIo;
-use super::math::{decision_dot, decision_softcap, fast_exp};
+use super::math::{decision_dot, decision_softcap, fast_exp, softmax_norm};
 use crate::policy::select::{max_pool, top_k_positions};
 use crate::policy::SnapSelection;
 
@@ -60,11 +61,10 @@ pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usiz
         if m == f32::NEG_INFINITY {
             continue;
         }
-        let mut z = 0f64;
         for x in row.iter_mut() {
             *x = fast_exp(*x - m);
-            z += *x as f64;
         }
+        let z = softmax_norm(row.iter().copied());
         let h = r % g;
         for j in 0..obs_start {
             per_head[h * obs_start + j] += (row[j] as f64 / z) as f32;

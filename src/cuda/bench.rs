@@ -238,6 +238,9 @@ pub struct SparseRow {
     /// Bytes of metadata Quest's selection reads (page bounds), and that time at `copy_gbps`.
     pub bound_bytes: f64,
     pub rotation: usize,
+    /// SnapKV: its choice at the prefill chunk (the `window` last prompt tokens of every sequence), the
+    /// choice kernels alone; NaN for other policies.
+    pub choice_us: f64,
 }
 
 /// Keys that attention concentrates on, as in real decoding (heavy hitters): for every (rotation, sequence,
@@ -394,6 +397,39 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             stream: s,
         });
     }
+    // SnapKV chooses at a prefill chunk: the last `window` prompt tokens of every sequence, whose queries
+    // are the decode query repeated (the observation window predicts the decode step, which is what the
+    // method relies on). One chunk per rotation, so every rotation's blocks hold a choice.
+    let snap_window = match crate::policy::Policy::parse(policy)?.pipeline().map(|pl| pl.selector.clone()) {
+        Some(crate::policy::Selector::SnapKv { window, .. }) => Some(window.clamp(1, p.ctx)),
+        _ => None,
+    };
+    let mut prefill = Vec::new();
+    let mut prefill_bufs = Vec::new();
+    if let Some(w) = snap_window {
+        let pq: Vec<u16> = (0..rotation * p.batch * w).flat_map(|i| {
+            let (r, b) = (i / (p.batch * w), (i / w) % p.batch);
+            let at = (r * p.batch + b) * p.hq * d;
+            qh[at..at + p.hq * d].iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>()
+        }).collect();
+        let (pqd, pod) = (DevBuf::from_host(bytes(&pq))?, DevBuf::alloc(pq.len() * 2)?);
+        let pqsl = DevBuf::from_host(bytes(&(0..=p.batch as i32).map(|b| b * w as i32).collect::<Vec<i32>>()))?;
+        for r in 0..rotation {
+            let off = r * p.batch * w * p.hq * d * 2;
+            let rows = (p.batch * w) as i64;
+            prefill.push(ForwardArgs {
+                query: v(unsafe { pqd.as_ptr().add(off) }, DType::BF16, &[rows, p.hq as i64, d as i64])?,
+                query_start_loc: v(pqsl.as_ptr(), DType::I32, &[p.batch as i64 + 1])?,
+                out: v(unsafe { pod.as_ptr().add(off) }, DType::BF16, &[rows, p.hq as i64, d as i64])?,
+                max_query_len: w as i32,
+                ..args[r].clone()
+            });
+        }
+        for a in &prefill {
+            engine.attention_forward(a)?;
+        }
+        prefill_bufs.extend([pqd, pod, pqsl]);
+    }
     let ev = Events::new()?;
     let time_calls = |f: &dyn Fn(usize) -> Result<()>| -> Result<f64> {
         for i in 0..rotation.max(2) {
@@ -425,7 +461,16 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     backend.set_bench_phases(false, true);
     let attend_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
     backend.set_bench_phases(true, true);
-    let (select_us, attend_us) = (select_us?, attend_us?);
+    let choice_us = if prefill.is_empty() {
+        Ok(f64::NAN)
+    } else {
+        backend.set_bench_phases(true, false);
+        let t = time_calls(&|i| engine.attention_forward(&prefill[i % rotation]).map(|_| ()));
+        backend.set_bench_phases(true, true);
+        t
+    };
+    let (select_us, attend_us, choice_us) = (select_us?, attend_us?, choice_us?);
+    drop(prefill_bufs);
     let dense_us = time_calls(&|i| dense.attention_forward(&args[i % rotation]).map(|_| ()))?;
     let write_us = time_calls(&|_| engine.cache_write(&step_write))?;
     let write_dense_us = time_calls(&|_| dense.cache_write(&step_write))?;
@@ -446,5 +491,6 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         top_p_kept: if cand > 0.0 { kept / cand } else { f64::NAN },
         bound_bytes,
         rotation,
+        choice_us,
     })
 }

@@ -95,6 +95,7 @@ api_table!(CudaApi {
     cuMemcpyDtoDAsync: fn(CUdeviceptr, CUdeviceptr, usize, CUstream) -> CUresult;
     cuMemsetD8Async: fn(CUdeviceptr, u8, usize, CUstream) -> CUresult;
     cuMemsetD16Async: fn(CUdeviceptr, u16, usize, CUstream) -> CUresult;
+    cuMemsetD32Async: fn(CUdeviceptr, c_uint, usize, CUstream) -> CUresult;
     cuStreamCreate: fn(*mut CUstream, c_uint) -> CUresult;
     cuStreamDestroy: fn(CUstream) -> CUresult;
     cuStreamSynchronize: fn(CUstream) -> CUresult;

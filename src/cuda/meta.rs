@@ -1,4 +1,5 @@
-//! Key metadata on the device (Quest's per-unit key bounds, the INT4 copy of K, the fill mask), kept by
+//! Key metadata on the device (Quest's per-unit key bounds, the INT4 copy of K, the fill mask, SnapKV's
+//! kept-slot bits), kept by
 //! `kvs_cache_write` in stream order with the semantics of the CPU's `LayerMeta` (see kernels/meta.cu).
 //!
 //! Allocated per layer on the first cache write that needs it, sized from that cache's `num_blocks`, and
@@ -32,6 +33,8 @@ pub struct LayerDevMeta {
     pub qmax: Option<DevBuf>,
     pub codes: Option<DevBuf>,
     pub qparams: Option<DevBuf>,
+    /// SnapKV: one bit per (block, KV head, slot), `[num_blocks][kv_heads][4]` u64 (kernels/snapkv.cu).
+    pub keep: Option<DevBuf>,
 }
 
 impl LayerDevMeta {
@@ -71,11 +74,21 @@ impl LayerDevMeta {
             codes = Some(c);
             qparams = Some(p);
         }
-        Ok(LayerDevMeta { num_blocks: nb, block_size: bs, kv_heads: hk, dim: d, unit, units_per_block: upb, fill, first, qmin, qmax, codes, qparams })
+        let mut keep = None;
+        if needs.snap_keep {
+            // Every slot starts kept: a sequence whose prefill SnapKV never saw attends everything (as on
+            // the CPU); a write sets its slot's bit, SnapKV's choice rewrites the bits below its length.
+            let n = checked(checked(nb, hk)?, 32)?;
+            let k = DevBuf::alloc(n)?;
+            // SAFETY: n bytes.
+            unsafe { check((api.cuMemsetD8Async)(k.ptr, 0xFF, n, stream), "cuMemsetD8Async")? };
+            keep = Some(k);
+        }
+        Ok(LayerDevMeta { num_blocks: nb, block_size: bs, kv_heads: hk, dim: d, unit, units_per_block: upb, fill, first, qmin, qmax, codes, qparams, keep })
     }
 
     pub fn bytes(&self) -> usize {
-        [Some(&self.fill), Some(&self.first), self.qmin.as_ref(), self.qmax.as_ref(), self.codes.as_ref(), self.qparams.as_ref()].iter().flatten().map(|b| b.bytes).sum()
+        [Some(&self.fill), Some(&self.first), self.qmin.as_ref(), self.qmax.as_ref(), self.codes.as_ref(), self.qparams.as_ref(), self.keep.as_ref()].iter().flatten().map(|b| b.bytes).sum()
     }
 
     /// Downloads everything (synchronous; tests compare it with the CPU's metadata).
@@ -165,21 +178,29 @@ impl DeviceMeta {
             k.i32(n as i32).i64(m.num_blocks as i64).i32(bs);
         };
         let grid = (n.div_ceil(256).min(4096) as u32, 1, 1);
-        let mut k = KArgs::new();
-        slots(&mut k);
-        k.i64(m.first.ptr as i64);
-        launch::launch(f("kvs_meta_mark")?, grid, 256, &mut k, stream, "kvs_meta_mark launch")?;
-        let mut k = KArgs::new();
-        slots(&mut k);
-        k.i64(m.first.ptr as i64).i64(m.fill.ptr as i64);
-        launch::launch(f("kvs_meta_clear")?, grid, 256, &mut k, stream, "kvs_meta_clear launch")?;
+        // Only SnapKV's bits (no Quest bounds, no INT4 copy): nothing on the device reads the fill mask's
+        // cleared tail, so one launch (set) instead of four; a decode step's write pays one launch.
+        let bits_only = m.unit == 0 && m.codes.is_none();
+        if !bits_only {
+            let mut k = KArgs::new();
+            slots(&mut k);
+            k.i64(m.first.ptr as i64);
+            launch::launch(f("kvs_meta_mark")?, grid, 256, &mut k, stream, "kvs_meta_mark launch")?;
+            let mut k = KArgs::new();
+            slots(&mut k);
+            k.i64(m.first.ptr as i64).i64(m.fill.ptr as i64);
+            launch::launch(f("kvs_meta_clear")?, grid, 256, &mut k, stream, "kvs_meta_clear launch")?;
+        }
         let kc = &cache.k;
         let mut k = KArgs::new();
         slots(&mut k);
         k.i64(m.fill.ptr as i64).ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk).i32(d);
-        k.i64(m.codes.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qparams.as_ref().map_or(0, |b| b.ptr) as i64);
+        k.i64(m.codes.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qparams.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.keep.as_ref().map_or(0, |b| b.ptr) as i64);
         let rows = n * m.kv_heads;
         launch::launch(f("kvs_meta_set")?, (rows.div_ceil(128).min(65536) as u32, 1, 1), 128, &mut k, stream, "kvs_meta_set launch")?;
+        if bits_only {
+            return Ok(());
+        }
         let mut k = KArgs::new();
         slots(&mut k);
         k.i64(m.first.ptr as i64).i64(m.fill.ptr as i64).ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk).i32(d);

@@ -8,8 +8,9 @@
 //! Counters are accumulated on the device per layer and read (with a sync) by `kvs_engine_stats`; visit
 //! records (evaluation only) download the last call's plans.
 //!
-//! On the GPU today: `all`, `streaming`, `quest` (any of them alone or followed by `top_p`). The plans and
-//! their decisions equal the CPU engine's for the same inputs (tests/cuda_sparse.rs).
+//! On the GPU today: `all`, `streaming`, `quest`, `snapkv` (any of them alone or followed by `top_p`), and
+//! `art` behind `all`/`streaming`. The plans and their decisions equal the CPU engine's for the same inputs
+//! (tests/cuda_sparse.rs). SnapKV's choice lives with the cache blocks (kernels/snapkv.cu).
 
 use std::collections::HashMap;
 
@@ -52,7 +53,7 @@ impl PlanRef {
 /// The batch as the selection kernels read it (kernels/select.cu `Batch`, same layout).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-struct BatchArg {
+pub(super) struct BatchArg {
     bt: u64,
     bt0: i64,
     bt1: i64,
@@ -106,8 +107,7 @@ pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> 
         return Err(format!("policies on the CUDA backend support GQA groups of at most {MAX_POLICY_GROUP} query heads per KV head (this model has {group})"));
     }
     match p.selector {
-        Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } => Ok(()),
-        Selector::SnapKv { .. } => Err("`snapkv` is not available on the CUDA backend yet".into()),
+        Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } | Selector::SnapKv { .. } => Ok(()),
         Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_) => Err("the stateful policies (speculate, refresh, predictor) are not available on the CUDA backend yet".into()),
     }
 }
@@ -155,7 +155,7 @@ impl SparseState {
 
 /// Byte offsets of one call's regions in its stream's workspace.
 #[derive(Clone, Copy, Debug, Default)]
-struct WsLayout {
+pub(super) struct WsLayout {
     plan: usize,
     plan_len: usize,
     base: usize,
@@ -164,6 +164,13 @@ struct WsLayout {
     art_tiles: usize,
     logits: usize,
     w: usize,
+    /// SnapKV's choice (calls that may hold a prefill chunk): per (seq, head) rows' max keys, fixed-point
+    /// normalisers, NaN flags, and the aggregated and pooled scores per position.
+    pub(super) snap_rmax: usize,
+    pub(super) snap_z: usize,
+    pub(super) snap_bad: usize,
+    pub(super) snap_agg: usize,
+    pub(super) snap_pool: usize,
     total: usize,
 }
 
@@ -218,6 +225,21 @@ impl CudaBackend {
         }
         if let Some((_, maxp)) = quest_pages {
             lay.scores = take(checked(&[ns, hk, maxp, 4])?);
+        }
+        // SnapKV's observation rows per (seq, head): the window's tokens of the longest chunk, times the group.
+        let snap_rows = match p.selector {
+            Selector::SnapKv { window, .. } if a.max_query_len != 1 => {
+                let mq = if a.max_query_len > 0 { a.max_query_len as usize } else { window };
+                Some(checked(&[window.min(mq).max(1), g])?)
+            }
+            _ => None,
+        };
+        if let Some(rows) = snap_rows {
+            lay.snap_rmax = take(checked(&[ns, hk, rows, 4])?);
+            lay.snap_z = take(checked(&[ns, hk, rows, 8])?);
+            lay.snap_bad = take(checked(&[ns, hk, rows, 4])?);
+            lay.snap_agg = take(checked(&[ns, hk, geo.max_pos.max(1), 4])?);
+            lay.snap_pool = take(checked(&[ns, hk, geo.max_pos.max(1), 4])?);
         }
         lay.total = off.max(256);
         ensure!(fin.cap < i32::MAX as usize && maxc < i32::MAX as usize, Unsupported, "policy plan too large for 32-bit indices");
@@ -317,6 +339,18 @@ impl CudaBackend {
                 k.i64(scores as i64).i32(maxp as i32).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base);
                 k.i32(smem_keys as i32).i64(ctr);
                 launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), 512, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")?;
+            }
+            Selector::SnapKv { budget, window, pool } => {
+                let m = meta.expect("snapkv metadata checked above");
+                let keep = m.keep.as_ref().map_or(0, |b| b.ptr);
+                ensure!(keep != 0, Internal, "SnapKV's kept-slot bits were not allocated for layer {}", a.layer);
+                if let Some(rows) = snap_rows {
+                    self.snap_choose(a, cache, geo, g, &batch, f, ws, &lay, rows, keep, (budget, window, pool))?;
+                }
+                let mut k = KArgs::new();
+                k.by_value(&batch).i32(hk as i32).i64(keep as i64);
+                k.i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base).i64(ctr);
+                launch::launch(f("kvs_plan_snap")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_plan_snap launch")?;
             }
             _ => bail!(Unsupported, "policy {:?} is not available on the CUDA backend yet", cfg.policy),
         }

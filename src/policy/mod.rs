@@ -71,8 +71,17 @@ impl Policy {
                     _ => None,
                 },
                 int4: p.top_p.is_some(),
+                snap_keep: false,
             },
         }
+    }
+
+    /// Key metadata a CUDA engine's cache writes maintain: the CPU's, plus SnapKV's kept-slot bits (on
+    /// the device SnapKV's choice lives with the cache blocks, kernels/snapkv.cu).
+    pub fn device_meta_needs(&self) -> MetaNeeds {
+        let mut n = self.meta_needs();
+        n.snap_keep = matches!(self.pipeline(), Some(Pipeline { selector: Selector::SnapKv { .. }, .. }));
+        n
     }
 }
 

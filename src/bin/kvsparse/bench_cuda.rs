@@ -21,7 +21,8 @@ one sparse decode step per policy and point instead (default grid: batch 1,8,32 
 heads 32/8): the step's cache write with the policy's metadata upkeep, the selection kernels, the
 attention over the plans, selection + attention in one call, blocks visited, our dense kernel on the
 same cache, and the speedups; Quest's selection is also shown against the time to read its page bounds
-at the measured copy bandwidth.";
+at the measured copy bandwidth. SnapKV first chooses at a prefill chunk of its window's tokens per
+sequence (queries: the decode query repeated); the choice kernels' time is printed below its row.";
 
 /// Replaces every `L/<n>` in a spec by `ctx / n`.
 fn expand(spec: &str, ctx: usize) -> Result<String, String> {
@@ -55,7 +56,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
         None => None,
     };
     if let Some(f) = csv.as_mut() {
-        writeln!(f, "policy,batch,ctx,hq,hk,write_us,write_dense_us,select_us,attend_us,forward_us,dense_us,visited,top_p_kept,bound_bytes,bound_floor_us,copy_gbps,rotation").map_err(|e| e.to_string())?;
+        writeln!(f, "policy,batch,ctx,hq,hk,write_us,write_dense_us,select_us,attend_us,forward_us,dense_us,visited,top_p_kept,bound_bytes,bound_floor_us,copy_gbps,rotation,prefill_choice_us").map_err(|e| e.to_string())?;
     }
     println!(
         "{:<40} {:>5} {:>7} {:>6} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>7} {:>8} {:>8}",
@@ -91,11 +92,14 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                         sel_floor,
                         step_x
                     );
+                    if r.choice_us.is_finite() {
+                        println!("{:<40} SnapKV's choice at the prefill chunk (window tokens per sequence): {:.1} us", "", r.choice_us);
+                    }
                     if let Some(f) = csv.as_mut() {
                         writeln!(
                             f,
-                            "\"{spec}\",{b},{c},{hq},{hk},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.5},{:.5},{:.0},{:.3},{:.1},{}",
-                            r.write_us, r.write_dense_us, r.select_us, r.attend_us, r.forward_us, r.dense_us, r.visited, r.top_p_kept, r.bound_bytes, floor_us, copy, r.rotation
+                            "\"{spec}\",{b},{c},{hq},{hk},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.5},{:.5},{:.0},{:.3},{:.1},{},{:.3}",
+                            r.write_us, r.write_dense_us, r.select_us, r.attend_us, r.forward_us, r.dense_us, r.visited, r.top_p_kept, r.bound_bytes, floor_us, copy, r.rotation, r.choice_us
                         )
                         .map_err(|e| e.to_string())?;
                     }
