@@ -21,12 +21,14 @@
 // Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT, PLAN.
 // PLAN=1: decode rows read their visit plan (src/policy/plan.rs, kernels/select.cu) instead of the
 // sequence's positions; a split is a range of plan keys; the visible range still masks every key.
-// ART=1 (with PLAN=1, NWARPS=4, GQ=GROUP, one split): run-time termination (src/policy/termination.rs,
+// ART=1 (with PLAN=1, NWARPS=4, GQ=GROUP): run-time termination (src/policy/termination.rs,
 // docs/policies.md "art"). The plan is walked in ART's recency order (its sink entries, then the others
 // newest first); after each round of the 4 warps (64 plan slots = one ART tile) every warp publishes its
 // lanes' leading accumulator element (row r = lane/4, dim 2*(lane%4)) with its running max and row sum,
 // one __syncthreads, and every warp computes the same CTA-normalised probe and the same decision (lane
 // sums in the xor-butterfly order, each operation rounded on its own), so the CTA stops as a whole.
+// A split is one of ART's segments (art(segment=...), a whole number of tiles; one split without it):
+// each terminates on its own from x(0) = 0, and the combine merges them by LSE, as the CPU engine does.
 // Dynamic shared memory: kvs_mma_smem_bytes() below (the host computes the same formula).
 
 #define NTHREADS (NWARPS * 32)
@@ -51,7 +53,7 @@ struct ArtArgs {
     float tau, phi;
     int patience, sink_limit;
     unsigned long long* ctr;  // the layer's device counters (kernels/decide.cuh CTR_*)
-    int* tiles_out;           // per (sequence, KV head): tiles visited (visit records)
+    int* tiles_out;           // per (sequence, KV head, split): tiles visited
     int hk, pad;
 };
 #define ART_PR (GQ < 8 ? GQ : 8)  // probed rows
@@ -378,30 +380,12 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     art_done = nloop;
 #endif
     if (threadIdx.x == 0) {
-        // Tiles visited and in the traversal (CTR 9, 10); blocks no visited tile reached (CTR 8), counted
-        // on the plan in position order (entries of at most one block each, as for all/streaming): an entry
-        // is visited when its visit index is below ceil(visited slots / entry size).
-        const int total = nloop;
-        art.tiles_out[row.seq * art.hk + kvh] = art_done;
+        // Tiles visited and in this split's part of the traversal (CTR 9, 10); per (sequence, KV head,
+        // split) the tiles visited, from which kvs_art_blocks (kernels/select.cu) counts the blocks no
+        // visited tile reached (CTR 8) once every split has run.
+        art.tiles_out[(row.seq * art.hk + kvh) * nsplit + split] = art_done;
         atomicAdd(art.ctr + 9, (unsigned long long)art_done);
-        atomicAdd(art.ctr + 10, (unsigned long long)total);
-        if (art_done < total) {
-            const int per = 1 << plan.ulog2;
-            const int vis_entries = min(pl, (art_done * 64 + per - 1) / per);
-            int prev_all = -1, prev_vis = -1, all_blocks = 0, seen = 0;
-            for (int j = 0; j < pl; ++j) {
-                const int pos = (int)(pe[j] << plan.ulog2);
-                const int lo = max(pos, row.lo), hi = min(pos + per - 1, row.hi);
-                if (lo > hi) continue;
-                const int blk = lo >> bs_log2;
-                if (blk != prev_all) { ++all_blocks; prev_all = blk; }
-                const int vidx = j < nsink ? j : nsink + (pl - 1 - j);
-                if (vidx < vis_entries && blk != prev_vis) { ++seen; prev_vis = blk; }
-            }
-            // blocks_visited (CTR 4) was counted for the whole plan by the selection kernel: take the rest back.
-            atomicAdd(art.ctr + 4, (unsigned long long)(-(long long)(all_blocks - seen)));
-            atomicAdd(art.ctr + 8, (unsigned long long)(all_blocks - seen));
-        }
+        atomicAdd(art.ctr + 10, (unsigned long long)nloop);
     }
 #endif
 

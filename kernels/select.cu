@@ -788,3 +788,59 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
     }
     account(e, n, 0, r.lo, r.hi, b.bs_log2, 1, row_bytes, ctr, red_u);
 }
+
+// ART, once every split of the attention has run: the blocks of each decode row's plan that no visited
+// tile reached, added to CTR_BLOCKS_SKIPPED_TERMINATION and taken back from CTR_BLOCKS_VISITED (which the
+// selection counted for the whole plan). The plan is in position order, each entry within one block
+// (all/streaming plans); its visit index follows ART's order (sink entries, then newest first). An entry
+// counts as visited when its first slot lies in its split's visited prefix (`done` tiles of 64 slots), or
+// a later split it reaches visited anything. One CTA per (KV head, sequence).
+extern "C" __global__ void kvs_art_blocks(Batch b, int hk, const unsigned* plan, i64 p_s, i64 p_h, const int* plan_len, int cap, int ulog2,
+                                          int sink_limit, const int* tiles, int nsplit, int chunk, unsigned long long* ctr) {
+    __shared__ unsigned long long red[32];
+    const int s = blockIdx.y, h = blockIdx.x;
+    const SeqRow r = seq_row(b, s);
+    if (!r.decode || r.hi < r.lo) return;
+    const unsigned* pe = plan + s * p_s + h * p_h;
+    const int pl = min(max(plan_len[s * hk + h], 0), cap);
+    const int per = 1 << ulog2;
+    const int* done = tiles + (i64)(s * hk + h) * nsplit;
+    int nsink = 0;
+    while (nsink < pl && (int)(pe[nsink] << ulog2) < sink_limit) ++nsink;
+    auto visited = [&](int j) {
+        const i64 a = (i64)(j < nsink ? j : nsink + (pl - 1 - j)) * per;
+        const int k0 = (int)(a / chunk);
+        if (k0 >= nsplit) return false;
+        if (a - (i64)k0 * chunk < (i64)done[k0] * 64) return true;
+        const int k1 = min((int)((a + per - 1) / chunk), nsplit - 1);
+        for (int k = k0 + 1; k <= k1; ++k)
+            if (done[k] > 0) return true;
+        return false;
+    };
+    // The block of entry j's visible part, or -1.
+    auto block_of = [&](int j) {
+        const int pos = (int)(pe[j] << ulog2);
+        const int lo = max(pos, r.lo), hi = min(pos + per - 1, r.hi);
+        return lo <= hi ? lo >> b.bs_log2 : -1;
+    };
+    unsigned long long all = 0, seen = 0;
+    for (int j = threadIdx.x; j < pl; j += blockDim.x) {
+        const int blk = block_of(j);
+        if (blk < 0) continue;
+        if (j == 0 || block_of(j - 1) != blk) all += 1;
+        if (!visited(j)) continue;
+        bool earlier = false;  // an earlier entry of the same block was visited: counted there
+        for (int i = j - 1; i >= 0 && block_of(i) == blk; --i)
+            if (visited(i)) {
+                earlier = true;
+                break;
+            }
+        if (!earlier) seen += 1;
+    }
+    all = block_sum(all, red);
+    seen = block_sum(seen, red);
+    if (threadIdx.x == 0 && all > seen) {
+        atomicAdd(&ctr[CTR_BLOCKS_VISITED], (unsigned long long)(-(long long)(all - seen)));
+        atomicAdd(&ctr[CTR_BLOCKS_SKIPPED_TERMINATION], all - seen);
+    }
+}

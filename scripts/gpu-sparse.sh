@@ -82,8 +82,8 @@ if [[ " $whats " == *" art "* ]]; then
   GREP='RACECHECK SUMMARY|ERROR SUMMARY' step art-racecheck 150 compute-sanitizer --tool racecheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 art
   # Acceptance 2 of issue 14: the detector's cost (patience=inf, vs the same single-split ART launch
   # without the detector, KVS_ART_NOPROBE=1, and vs dense), and the paper's defaults: visited and time.
-  GREP='art' step art-bench 150 "$DIR/bin/kvsparse" bench --device cuda --policy 'art(patience=inf)' --policy 'art(tau=1e-5, phi=1e-3, patience=5)' --batch 1,32 --ctx 32768,131072 --csv "$OUT/art.csv"
-  GREP='art' step art-bench-noprobe 90 env KVS_ART_NOPROBE=1 "$DIR/bin/kvsparse" bench --device cuda --policy 'art(patience=inf)' --batch 1,32 --ctx 32768,131072 --csv "$OUT/art-noprobe.csv"
+  GREP='art' step art-bench 150 "$DIR/bin/kvsparse" bench --device cuda --policy 'art(patience=inf)' --policy 'art(tau=1e-5, phi=1e-3, patience=5)' --policy 'art(patience=inf, segment=4096)' --policy 'art(tau=1e-5, phi=1e-3, patience=5, segment=4096)' --batch 1,32 --ctx 32768,131072 --csv "$OUT/art.csv"
+  GREP='art' step art-bench-noprobe 90 env KVS_ART_NOPROBE=1 "$DIR/bin/kvsparse" bench --device cuda --policy 'art(patience=inf)' --policy 'art(patience=inf, segment=4096)' --batch 1,32 --ctx 32768,131072 --csv "$OUT/art-noprobe.csv"
   GREP='eval took' step art-eval 120 "$DIR/bin/kvsparse" eval --device cuda --dtype f16 --traces "$DIR/../traces" --policy 'art(tau=1e-5, phi=1e-3, patience=5)' --policy 'art(tau=1e-4, phi=1e-3, patience=5)' --policy 'streaming(sink=64, recent=448) > art(tau=1e-5, phi=1e-3, patience=5)'
   grep -aE "^\| " "$OUT/art-eval.log"
 fi

@@ -40,6 +40,7 @@ fn lossless_pipelines_equal_dense() {
     let specs = [
         "art(patience=inf); dense_layers=0",
         "art(patience=inf, order=priority, probe=full); dense_layers=0",
+        "art(patience=inf, segment=128); dense_layers=0",
         "top_p(p=1.0); dense_layers=0",
         "quest(budget=100000) > top_p(p=1) > art(patience=inf); dense_layers=0",
         "quest(budget=100000, page=4); dense_layers=0",
@@ -472,4 +473,48 @@ fn art_stop_tile_matches_a_float64_simulation() {
     println!("{cases} traversals: {matched} same stop tile, {borderline} borderline differences, {early} stopped early");
     assert!(borderline * 10 <= cases, "seed {s}: too many borderline differences ({borderline} of {cases})");
     assert!(early >= cases / 4 && early < cases, "seed {s}: the settings must stop some traversals early and not all ({early} of {cases})");
+}
+
+/// `art(segment=K)`: the traversal is cut into segments of K keys (whole 64-key tiles), each terminated on
+/// its own from x(0) = 0 and merged by LSE. With thresholds nothing can miss and patience 1, every segment
+/// stops after its first tile, so a row visits exactly the first tile of each segment; with patience=inf
+/// the merged segments equal dense attention.
+#[test]
+fn art_segments_stop_on_their_own_and_merge_to_dense() {
+    let s = seed();
+    let mut syn = small_synth(s, 901); // 57 blocks of 16, the last one partial
+    let sp = syn.spec.clone();
+    let (hq, hk, d, n) = (sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.context);
+    let tabs = syn.tables(n, 1);
+    for seg in [64usize, 192, 320] {
+        let spec = format!("all > art(tau=1e30, phi=1e30, patience=1, segment={seg})");
+        let e = engine(&syn, &spec);
+        syn.write_cache(&e, 0).unwrap();
+        e.record_visits(true);
+        let mut out = HostBuf::nans(sp.dtype, sp.num_seqs * hq * d);
+        let c = e.attention_forward(&syn.decode_args(0, &tabs, &mut out)).unwrap();
+        // Slots in ART's order: every block of 16 slots (the last one partly masked).
+        let slots = n.div_ceil(16) * 16;
+        let tiles = slots.div_ceil(64);
+        let per_seg = seg / 64;
+        let visited = tiles.div_ceil(per_seg);
+        // Keys read: the visited slots of each segment, less the 11 masked slots of the newest block
+        // (901 = 56 * 16 + 5), which comes second in ART's order (after the sink block): in tile 0.
+        let keys: usize = (0..slots.div_ceil(seg)).map(|k| (slots - k * seg).min(64)).sum::<usize>() - 11;
+        for r in e.take_visits() {
+            assert_eq!(r.art_tiles, Some((visited as u32, tiles as u32)), "{spec}");
+            let toks: usize = r.spans.iter().map(|(a, b)| b - a).sum();
+            assert_eq!(toks, keys, "{spec}: keys read");
+        }
+        assert_eq!(c.art_tiles_visited, (visited * sp.num_seqs * hk) as u64, "{spec}");
+        assert_eq!(c.blocks_skipped_termination > 0, visited < tiles, "{spec}");
+        assert!((0..out.len()).all(|i| out.get(i).is_finite()), "{spec}: every output written");
+    }
+    let dense = decode(&mut syn, "all");
+    for seg in [64usize, 192] {
+        let (out, c) = decode(&mut syn, &format!("all > art(patience=inf, segment={seg})"));
+        let err = rel_err(&out, &dense.0);
+        assert!(err < 1e-6, "segment={seg} (seed {s}): {err} vs dense");
+        assert_eq!(c.blocks_skipped_termination, 0);
+    }
 }

@@ -217,7 +217,7 @@ impl CudaBackend {
             }
             let per_sm = launch::occupancy_smem(f_split, threads, smem)? as usize;
             head_groups = cfg.num_q_heads / ms.gq;
-            (nsplit, chunk) = if art.is_some() { (1, keys.max(1)) } else { plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.split_policy(mode, keys, geo.max_len)) };
+            (nsplit, chunk) = if let Some(a) = &art { plan::art_splits(keys, (a.segment > 0).then_some(a.segment as u32)) } else { plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.split_policy(mode, keys, geo.max_len)) };
         } else {
             let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
             let mut d = Self::attn_defines(cfg, &shape);

@@ -224,3 +224,13 @@ mod tests {
         }
     }
 }
+
+/// ART's splits: one per segment of `segment` keys of the plan's capacity `keys` (`art(segment=...)`), or
+/// one for the whole traversal; returns (splits, keys per split). Each split terminates on its own.
+pub fn art_splits(keys: usize, segment: Option<u32>) -> (usize, usize) {
+    match segment {
+        Some(sg) if (sg as usize) < keys => (keys.div_ceil(sg as usize), sg as usize),
+        _ => (1, keys.max(1)),
+    }
+}
+

@@ -85,7 +85,8 @@ pub struct ArtLaunch {
     pub ctr: u64,
     pub tiles_out: u64,
     pub hk: i32,
-    pub pad: i32,
+    /// Keys per segment (`art(segment=...)`), 0 = one segment.
+    pub segment: i32,
 }
 
 /// Largest GQA group the selection kernels stage in shared memory.
@@ -136,8 +137,9 @@ pub struct SparseState {
 struct LastPlan {
     plan: PlanRef,
     num_seqs: usize,
-    /// ART: the per-(sequence, KV head) tiles visited and the sink limit of the order.
-    art: Option<(u64, usize)>,
+    /// ART: the per-(sequence, KV head, split) tiles visited, the sink limit of the order, the splits
+    /// and the segment (keys per split).
+    art: Option<(u64, usize, usize, Option<u32>)>,
 }
 
 impl SparseState {
@@ -210,7 +212,10 @@ impl CudaBackend {
         };
         lay.plan = take(checked(&[rows_of(&fin), fin.cap, 4])?);
         lay.plan_len = take(checked(&[ns, hk, 4])?);
-        lay.art_tiles = take(checked(&[ns, hk, 4])?);
+        // ART: tiles visited per (seq, head, split); its splits follow from the plan's capacity.
+        let art_nsplit = p.art.map_or(1, |art| super::plan::art_splits(fin.cap << fin.ulog2, art.segment).0);
+        ensure!(art_nsplit < 65536, Unsupported, "`art(segment=...)` would split a row into {art_nsplit} segments; at most 65535 (use a larger segment)");
+        lay.art_tiles = take(checked(&[ns, hk, art_nsplit, 4])?);
         let quest_pages = match p.selector {
             Selector::Quest { page, .. } => Some((page, geo.max_pos.div_ceil(page) + 1)),
             _ => None,
@@ -388,15 +393,23 @@ impl CudaBackend {
                 ctr: ctr as u64,
                 tiles_out: ws + lay.art_tiles as u64,
                 hk: hk as i32,
-                pad: 0,
+                segment: art.segment.map_or(0, |v| v.min(i32::MAX as u32) as i32),
             });
-            // ART walks the whole plan in one split: the key bound is the plan's capacity.
+            // ART walks the plan in its segments (art_splits): the key bound is the plan's capacity.
             let keys = if art.is_some() { fin.cap << fin.ulog2 } else { keys };
             self.attend(cfg, a, cache, geo, Rows::Plan(fin_ref, keys, art))?;
+            if let Some(art) = p.art {
+                // Blocks no visited tile reached, once every split has run (kernels/select.cu).
+                let (nsplit, chunk) = super::plan::art_splits(keys, art.segment);
+                let mut k = KArgs::new();
+                k.by_value(&batch).i32(hk as i32).i64(fin_ref.e as i64).i64(fin_ref.p_s).i64(fin_ref.p_h).i64(fin_ref.len as i64).i32(fin_ref.cap).i32(fin_ref.ulog2);
+                k.i32(art_sink_limit(p)).i64((ws + lay.art_tiles as u64) as i64).i32(nsplit as i32).i32(chunk.min(i32::MAX as usize) as i32).i64(ctr);
+                launch::launch(f("kvs_art_blocks")?, (hk as u32, ns as u32, 1), 256, &mut k, stream, "kvs_art_blocks launch")?;
+            }
         }
         // The workspace stays locked until the launches that read it are enqueued.
         drop(ws_map);
-        *self.sparse.last.lock() = Some(LastPlan { plan: fin_ref, num_seqs: ns, art: p.art.map(|_| (ws + lay.art_tiles as u64, art_sink_limit(p) as usize)) });
+        *self.sparse.last.lock() = Some(LastPlan { plan: fin_ref, num_seqs: ns, art: p.art.map(|art| (ws + lay.art_tiles as u64, art_sink_limit(p) as usize, art_nsplit, art.segment)) });
         Ok(())
     }
 
@@ -452,7 +465,11 @@ impl CudaBackend {
         };
         let plan_len = ints(pr.len as u64)?;
         let art_tiles = match last.art {
-            Some((ptr, _)) => Some(ints(ptr)?),
+            Some((ptr, _, nsplit, _)) => {
+                let mut raw = vec![0u8; ns * hk * nsplit * 4];
+                download_raw(ptr, &mut raw)?;
+                Some(raw.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4"))).collect::<Vec<i32>>())
+            }
             None => None,
         };
         let max_pos = a.block_table.dim(1) * cfg.block_size;
@@ -475,17 +492,23 @@ impl CudaBackend {
                 let plan = HeadPlan { unit_log2: pr.ulog2 as u32, entries: entries[..n * 4].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect() };
                 let mut tiles_rec = None;
                 match (&art_tiles, last.art) {
-                    (Some(t), Some((_, sink_limit))) => {
-                        // The kernel's order (recency) and tiles, cut where it stopped.
+                    (Some(t), Some((_, sink_limit, nsplit, segment))) => {
+                        // The kernel's order (recency) and tiles; each split (segment) cut where it stopped.
                         let mut order = Vec::new();
                         crate::policy::termination::order_entries(&plan, sink_limit, crate::policy::Order::Recent, |_| f32::NAN, &mut order);
                         let mut tiles = crate::policy::termination::Tiles::default();
                         tiles.build(&order, plan.unit_log2, lo, hi);
-                        let done = (t[s * hk + h].max(0) as usize).min(tiles.len());
+                        let seg_tiles = segment.map_or(usize::MAX, |k| k as usize / crate::policy::termination::ART_TILE);
                         spans.clear();
-                        spans.extend_from_slice(&tiles.spans[..tiles.bounds[done]]);
+                        let mut visited = 0usize;
+                        for k in 0..nsplit {
+                            let t0 = k.saturating_mul(seg_tiles).min(tiles.len());
+                            let t1 = t0.saturating_add(t[(s * hk + h) * nsplit + k].max(0) as usize).min(tiles.len()).min(t0.saturating_add(seg_tiles));
+                            spans.extend_from_slice(&tiles.spans[tiles.bounds[t0]..tiles.bounds[t1]]);
+                            visited += t1 - t0;
+                        }
                         crate::policy::select::normalize_spans(&mut spans);
-                        tiles_rec = Some((done as u32, tiles.len() as u32));
+                        tiles_rec = Some((visited as u32, tiles.len() as u32));
                     }
                     _ => plan.spans(lo, hi, &mut spans),
                 }

@@ -123,6 +123,9 @@ pub struct Art {
     pub patience: Option<u32>,
     pub order: Order,
     pub probe: Probe,
+    /// Keys per independent segment of the traversal (a multiple of the 64-key tile), each terminated on
+    /// its own and merged by log-sum-exp; `None` = one segment (the paper). Lets a GPU split the row.
+    pub segment: Option<u32>,
 }
 
 /// A non-dense pipeline: select, then optionally prune (top-p), then optionally terminate (ART).
@@ -505,7 +508,7 @@ pub fn parse(src: &str) -> Result<Spec> {
                 top_p = Some(TopP { p: v as f32 });
             }
             "art" => {
-                let mut a = Args::new(src, "art", raw, &["tau", "phi", "patience", "order", "probe"])?;
+                let mut a = Args::new(src, "art", raw, &["tau", "phi", "patience", "order", "probe", "segment"])?;
                 let tau = a.num("tau", Some(1e-5), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
                 let phi = a.num("phi", Some(1e-3), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
                 let pat = a.num("patience", Some(5.0), true, "an integer >= 1 or `inf`", |v| v == f64::INFINITY || (v.fract() == 0.0 && v >= 1.0 && v <= u32::MAX as f64))?;
@@ -519,8 +522,12 @@ pub fn parse(src: &str) -> Result<Spec> {
                     "full" => Probe::Full,
                     _ => Probe::Lanes,
                 };
+                let seg = a.num("segment", Some(f64::INFINITY), true, "a multiple of 64 (keys), at least 64, or `inf`", |v| {
+                    v == f64::INFINITY || (v.fract() == 0.0 && v >= 64.0 && v <= (1u64 << 30) as f64 && v % 64.0 == 0.0)
+                })?;
                 let patience = if pat.is_infinite() { None } else { Some(pat as u32) };
-                art = Some(Art { tau: tau as f32, phi: phi as f32, patience, order: Order::Recent, probe });
+                let segment = if seg.is_infinite() { None } else { Some(seg as u32) };
+                art = Some(Art { tau: tau as f32, phi: phi as f32, patience, order: Order::Recent, probe, segment });
             }
             "speculate" => {
                 let mut raw = raw;
@@ -749,6 +756,11 @@ mod tests {
         assert!(msg("snapkv(budget=0)").contains("snapkv.budget"));
         assert!(msg("snapkv(budget=8, pool=4)").contains("odd"));
         assert!(msg("art(patience=0)").contains("patience"));
+        assert!(msg("art(segment=100)").contains("art.segment"));
+        assert!(msg("art(segment=0)").contains("art.segment"));
+        assert_eq!(parse("art(segment=4096)").unwrap().pipeline.unwrap().art.unwrap().segment, Some(4096));
+        assert_eq!(parse("art").unwrap().pipeline.unwrap().art.unwrap().segment, None);
+        assert_eq!(parse("art(segment=inf)").unwrap().pipeline.unwrap().art.unwrap().segment, None);
         assert!(msg("art(order=oldest)").contains("recent, priority"));
         assert!(msg("art > quest(budget=8)").contains("first stage"));
         assert!(msg("art > top_p").contains("before `art`"));

@@ -27,7 +27,7 @@ use super::quantize::code_bytes;
 use super::convert::load_row;
 use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
 use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
-use crate::policy::termination::{order_entries, probe_lanes, ArtState, Tiles, PROBE_LANES};
+use crate::policy::termination::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};
 use crate::policy::Probe;
 use crate::policy::predictor::{self, PredictorHead, PredictorWeights};
 use crate::policy::refresh::RefreshHead;
@@ -73,6 +73,9 @@ struct HeadWork {
     tiles: Tiles,
     merged: Vec<(usize, usize)>,
     art: ArtState,
+    /// ART: per segment of the traversal, (first tile, tiles visited); and the segment's own state.
+    art_segs: Vec<(u32, u32)>,
+    seg: Option<RowsState>,
     active: bool,
     visited: usize,
     attended: usize,
@@ -265,48 +268,78 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
                 Probe::Lanes => PROBE_LANES,
                 Probe::Full => g * d,
             };
-            for hw in hws.iter_mut() {
-                hw.art.reset(plen);
-            }
             let steps = hws.iter().map(|h| h.tiles.len()).max().unwrap_or(0);
+            // The traversal in segments of `segment` keys (whole tiles), each terminated on its own from
+            // x(0) = 0 with its own accumulator (what one GPU split sees), merged by log-sum-exp; one
+            // segment (the paper) accumulates straight into the row's state.
+            let seg_tiles = art.segment.map_or(steps.max(1), |k| (k as usize / ART_TILE).max(1));
+            for hw in hws.iter_mut() {
+                hw.art_segs.clear();
+            }
             let mut lanes = [0f32; PROBE_LANES];
-            for t in 0..steps {
+            let mut t0 = 0;
+            while t0 < steps {
+                let t1 = (t0 + seg_tiles).min(steps);
+                let segmented = art.segment.is_some();
                 for hw in hws.iter_mut() {
-                    if !hw.active || t >= hw.tiles.len() {
-                        continue;
-                    }
-                    let spans = hw.tiles.tile(t);
-                    let n_tok: usize = spans.iter().map(|(a, b)| b - a).sum();
-                    let st = hw.st.as_mut().expect("prepared");
-                    attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
-                    hw.attended += n_tok;
-                    match art.probe {
-                        Probe::Lanes => {
-                            probe_lanes(&st.acc, &st.l, g, d, &mut lanes);
-                            hw.art.cur_mut(PROBE_LANES).copy_from_slice(&lanes);
+                    hw.art.reset(plen);
+                    hw.active = true;
+                    if segmented {
+                        match &mut hw.seg {
+                            Some(st) if st.rows == g => st.reset(),
+                            slot => *slot = Some(RowsState::new(g, d)),
                         }
-                        Probe::Full => {
-                            let cur = hw.art.cur_mut(g * d);
-                            for (r, row) in cur.chunks_exact_mut(d).enumerate() {
-                                for (x, &a) in row.iter_mut().zip(&st.acc[r * d..(r + 1) * d]) {
-                                    *x = a / st.l[r];
+                    }
+                }
+                for t in t0..t1 {
+                    for hw in hws.iter_mut() {
+                        if !hw.active || t >= hw.tiles.len() {
+                            continue;
+                        }
+                        let spans = hw.tiles.tile(t);
+                        let n_tok: usize = spans.iter().map(|(a, b)| b - a).sum();
+                        let st = if segmented { hw.seg.as_mut() } else { hw.st.as_mut() }.expect("prepared");
+                        attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
+                        hw.attended += n_tok;
+                        match art.probe {
+                            Probe::Lanes => {
+                                probe_lanes(&st.acc, &st.l, g, d, &mut lanes);
+                                hw.art.cur_mut(PROBE_LANES).copy_from_slice(&lanes);
+                            }
+                            Probe::Full => {
+                                let cur = hw.art.cur_mut(g * d);
+                                for (r, row) in cur.chunks_exact_mut(d).enumerate() {
+                                    for (x, &a) in row.iter_mut().zip(&st.acc[r * d..(r + 1) * d]) {
+                                        *x = a / st.l[r];
+                                    }
                                 }
                             }
                         }
-                    }
-                    if hw.art.observe(art.probe, art.tau, art.phi, art.patience) {
-                        hw.active = false;
+                        if hw.art.observe(art.probe, art.tau, art.phi, art.patience) {
+                            hw.active = false;
+                        }
                     }
                 }
+                for hw in hws.iter_mut() {
+                    if t0 < hw.tiles.len() {
+                        hw.art_segs.push((t0 as u32, hw.art.tiles));
+                    }
+                    if segmented {
+                        let seg = hw.seg.take().expect("set above");
+                        hw.st.as_mut().expect("prepared").merge_from(&seg);
+                        hw.seg = Some(seg);
+                    }
+                }
+                t0 = t1;
             }
             for hw in hws.iter_mut() {
                 // Blocks whose keys a visited tile read (a tile may end inside a block).
-                let done = hw.tiles.bounds.get(hw.art.tiles as usize).copied().unwrap_or(0);
-                let mut blocks: Vec<usize> = hw.tiles.spans[..done].iter().flat_map(|&(a, b)| a / bs..=(b - 1) / bs).collect();
+                let mut blocks: Vec<usize> = art_visited(hw).flat_map(|&(a, b)| a / bs..=(b - 1) / bs).collect();
                 blocks.sort_unstable();
                 blocks.dedup();
                 hw.visited = blocks.len();
-                c.art_tiles_visited += hw.art.tiles as u64;
+                let tiles_visited: u32 = hw.art_segs.iter().map(|&(_, n)| n).sum();
+                c.art_tiles_visited += tiles_visited as u64;
                 c.art_tiles_total += hw.tiles.len() as u64;
                 c.blocks_visited += hw.visited as u64;
                 c.blocks_skipped_termination += hw.cand.units.len().saturating_sub(hw.visited) as u64;
@@ -319,7 +352,7 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
             seq_id: sd.seq_id,
             kv_head: hw.head,
             spans: visited_spans(hw, p.art.is_some()),
-            art_tiles: p.art.map(|_| (hw.art.tiles, hw.tiles.len() as u32)),
+            art_tiles: p.art.map(|_| (hw.art_segs.iter().map(|&(_, n)| n).sum(), hw.tiles.len() as u32)),
         });
         log.lock().expect("visit log").extend(recs);
     }
@@ -336,13 +369,21 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
 /// The sorted spans one head attended: all candidates, or under ART the units visited before it stopped.
 fn visited_spans(hw: &HeadWork, art: bool) -> Vec<(usize, usize)> {
     let mut v: Vec<(usize, usize)> = if art {
-        let done = hw.tiles.bounds.get(hw.art.tiles as usize).copied().unwrap_or(0);
-        hw.tiles.spans[..done].to_vec()
+        art_visited(hw).copied().collect()
     } else {
         hw.cand.spans.clone()
     };
     v.sort_unstable();
     v
+}
+
+/// Under ART, the spans of the tiles each segment visited before it stopped (in visiting order).
+fn art_visited(hw: &HeadWork) -> impl Iterator<Item = &(usize, usize)> {
+    hw.art_segs.iter().flat_map(move |&(t0, n)| {
+        let (a, b) = (t0 as usize, (t0 + n) as usize);
+        let at = |t: usize| hw.tiles.bounds.get(t.min(hw.tiles.len())).copied().unwrap_or(0);
+        hw.tiles.spans[at(a)..at(b)].iter()
+    })
 }
 
 /// Select and prune for one KV head; leaves the candidates (and, under ART, the visiting order) in `hw`.
