@@ -83,19 +83,8 @@ fn step_args(f: &Fixture, query: TensorRef, caches: (TensorRef, TensorRef), tabl
 /// Runs the prefill-then-decode case of `policy` (a `snapkv` pipeline) on fixture `spec` (see
 /// [`snapkv_spec`]) on the CPU and on CUDA device 0, and compares the decode calls.
 pub fn run_snapkv_case(spec: &CaseSpec, policy: &str, seed: u64) -> SparseResult {
-    let mut res = SparseResult {
-        name: spec.name.clone(),
-        policy: policy.to_string(),
-        seed,
-        rows: 0,
-        decision_mismatch: None,
-        meta_equal: true,
-        counters_mismatch: None,
-        rel_err: f64::NAN,
-        lse_err: f64::NAN,
-        pass: false,
-        error: None,
-    };
+    // Key metadata is not compared here (the CPU keeps none for SnapKV; sparse_cuda covers the others).
+    let mut res = SparseResult { meta_equal: true, ..SparseResult::new(spec, policy, seed) };
     let mut f = Fixture::new(spec, seed);
     let run = |res: &mut SparseResult, f: &mut Fixture| -> Result<()> {
         crate::ensure!(spec.seqs.iter().all(|&(q, _)| q == SNAP_CHUNK), InvalidArgument, "a SnapKV case needs chunks of {SNAP_CHUNK} tokens (snapkv_spec)");

@@ -33,6 +33,39 @@ pub struct SparseResult {
     pub error: Option<String>,
 }
 
+impl SparseResult {
+    /// Nothing compared yet (a case that fails before comparing reports this with its error).
+    pub fn new(spec: &CaseSpec, policy: &str, seed: u64) -> Self {
+        SparseResult {
+            name: spec.name.clone(),
+            policy: policy.to_string(),
+            seed,
+            rows: 0,
+            decision_mismatch: None,
+            meta_equal: false,
+            counters_mismatch: None,
+            rel_err: f64::NAN,
+            lse_err: f64::NAN,
+            pass: false,
+            error: None,
+        }
+    }
+}
+
+/// A fresh CUDA engine for `policy` recording its visits, fixture `f`'s cache write and forward call on
+/// the default stream, the outputs downloaded.
+pub(super) fn run_fixture_cuda_policy(f: &Fixture, policy: &str) -> Result<(Engine, Outputs)> {
+    let gpu = Engine::new(cfg_for(f, policy, Device::Cuda(0)))?;
+    gpu.record_visits(true);
+    let mut outs = Outputs::new(f);
+    let dc = DeviceCase::upload(f, &outs)?;
+    gpu.cache_write(&dc.cache_write_args(f, std::ptr::null_mut())?)?;
+    gpu.attention_forward(&dc.forward_args(f, &outs, std::ptr::null_mut())?)?;
+    sync()?;
+    dc.download(&mut outs)?;
+    Ok((gpu, outs))
+}
+
 /// The policies the CUDA backend runs, with settings that exercise every branch (forced sink pages,
 /// pages smaller and larger than blocks, top-p over each base, lossless settings).
 pub fn sparse_policies() -> Vec<&'static str> {
@@ -134,19 +167,7 @@ pub(super) fn sync() -> Result<()> {
 
 /// Runs `policy` on fixture `spec`/`seed` on the CPU and on CUDA device 0 and compares them.
 pub fn run_sparse_case(spec: &CaseSpec, policy: &str, seed: u64) -> SparseResult {
-    let mut res = SparseResult {
-        name: spec.name.clone(),
-        policy: policy.to_string(),
-        seed,
-        rows: 0,
-        decision_mismatch: None,
-        meta_equal: false,
-        counters_mismatch: None,
-        rel_err: f64::NAN,
-        lse_err: f64::NAN,
-        pass: false,
-        error: None,
-    };
+    let mut res = SparseResult::new(spec, policy, seed);
     let mut f = Fixture::new(spec, seed);
     let mut run = |res: &mut SparseResult| -> Result<()> {
         let cpu = Engine::new(cfg_for(&f, policy, Device::Cpu))?;
@@ -156,14 +177,7 @@ pub fn run_sparse_case(spec: &CaseSpec, policy: &str, seed: u64) -> SparseResult
         let meta_cpu = cpu.metadata_snapshot(0)?;
         let c_cpu = cpu.stats().total;
 
-        let gpu = Engine::new(cfg_for(&f, policy, Device::Cuda(0)))?;
-        gpu.record_visits(true);
-        let mut outs = Outputs::new(&f);
-        let dc = DeviceCase::upload(&f, &outs)?;
-        gpu.cache_write(&dc.cache_write_args(&f, std::ptr::null_mut())?)?;
-        gpu.attention_forward(&dc.forward_args(&f, &outs, std::ptr::null_mut())?)?;
-        sync()?;
-        dc.download(&mut outs)?;
+        let (gpu, outs) = run_fixture_cuda_policy(&f, policy)?;
         let v_gpu = sorted(gpu.take_visits());
         let meta_gpu = gpu.metadata_snapshot(0)?;
         let c_gpu = gpu.stats().total;
@@ -328,14 +342,7 @@ pub fn art_stop_tiles(spec: &CaseSpec, spec_at: &dyn Fn(f64) -> String, eps: f64
         Ok(sorted(cpu.take_visits()).iter().map(|r| r.art_tiles.unwrap_or((0, 0))).collect())
     };
     let (cpu, loose, tight) = (cpu_tiles(1.0)?, cpu_tiles(1.0 + eps)?, cpu_tiles(1.0 - eps)?);
-    let gpu = Engine::new(cfg_for(&f, &spec_at(1.0), Device::Cuda(0)))?;
-    gpu.record_visits(true);
-    let mut outs = Outputs::new(&f);
-    let dc = DeviceCase::upload(&f, &outs)?;
-    gpu.cache_write(&dc.cache_write_args(&f, std::ptr::null_mut())?)?;
-    gpu.attention_forward(&dc.forward_args(&f, &outs, std::ptr::null_mut())?)?;
-    sync()?;
-    dc.download(&mut outs)?;
+    let (gpu, _) = run_fixture_cuda_policy(&f, &spec_at(1.0))?;
     let g: Vec<(u32, u32)> = sorted(gpu.take_visits()).iter().map(|r| r.art_tiles.unwrap_or((0, 0))).collect();
     crate::ensure!(g.len() == cpu.len(), InvalidArgument, "{} GPU rows vs {} CPU rows", g.len(), cpu.len());
     Ok((0..g.len()).map(|i| (g[i].0, cpu[i].0, loose[i].0, tight[i].0, cpu[i].1.max(g[i].1))).collect())
