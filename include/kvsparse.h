@@ -151,6 +151,9 @@ typedef struct {
   uint64_t sequences_released;
   // Bytes of per-sequence policy state held now.
   uint64_t state_bytes;
+  // Engine-wide: decode rows of a CUDA engine whose sequence found no free state slot (option
+  // `max_seqs`) and therefore ran dense attention instead of the policy.
+  uint64_t policy_rows_without_state;
 } kvs_stats;
 
 // One attention call over a varlen batch (prefill, chunked prefill and decode rows mixed).

@@ -105,7 +105,7 @@ impl Engine {
                         bail!(Unsupported, "policy {:?}: {why}", cfg.policy);
                     }
                 }
-                Some(crate::cuda::CudaBackend::new(&cfg, i, policy.device_meta_needs())?)
+                Some(crate::cuda::CudaBackend::new(&cfg, i, policy.device_meta_needs(), policy.device_slots())?)
             }
             Device::Cpu => None,
         };
@@ -265,13 +265,17 @@ impl Engine {
         self.sequences.state_objects()
     }
 
-    /// Frees all state kept for `seq_id`. A CUDA engine keeps no per-sequence state on the host (the ids
-    /// live on the device and the policies it runs are stateless), so there any id is accepted.
+    /// Frees all state kept for `seq_id`. A CUDA engine keeps per-sequence state only in its device slot
+    /// map (policies with per-sequence state; releasing synchronizes the device); with any other policy
+    /// it keeps none, and any id is accepted.
     pub fn release_sequence(&self, seq_id: u64) -> Result<()> {
-        match self.cuda {
-            Some(_) => {
+        match &self.cuda {
+            Some(g) => {
                 let _ = self.sequences.release(seq_id);
-                Ok(())
+                match &g.slots {
+                    Some(s) => s.release(&g.gpu, seq_id),
+                    None => Ok(()),
+                }
             }
             None => self.sequences.release(seq_id),
         }
@@ -289,10 +293,13 @@ impl Engine {
             }
         }
         let (created, released) = self.sequences.lifecycle();
+        // A CUDA engine with a slot map knows its live sequences (and the rows left without state) there.
+        let slot_counts = self.cuda.as_ref().and_then(|g| g.slots.as_ref().and_then(|s| s.read_counts(&g.gpu).ok()));
         EngineStats {
             total: st.0,
             per_layer: st.1.clone(),
-            live_sequences: self.sequences.live(),
+            live_sequences: slot_counts.map_or(self.sequences.live(), |c| c.1),
+            policy_rows_without_state: slot_counts.map_or(0, |c| c.0),
             sequences_created: created,
             sequences_released: released,
             state_bytes: self.sequences.state_bytes(),

@@ -114,6 +114,9 @@ pub struct EngineStats {
     pub sequences_created: u64,
     pub sequences_released: u64,
     pub state_bytes: u64,
+    /// CUDA engine: sequences' decode rows that found no free state slot (spec option `max_seqs`) and ran
+    /// dense attention instead of the policy.
+    pub policy_rows_without_state: u64,
 }
 
 /// What one policy row attended: for (sequence, KV head) of a decode row in a non-dense layer, the sorted

@@ -192,6 +192,66 @@ fn cuda_propagates_nan_and_inf_as_documented() {
 /// The CUDA kernels propagate NaN and infinity as the CPU does (attention, split combine, merge).
 const NAN_PORT_PENDING: bool = false;
 
+/// The device slot map (src/cuda/slots.rs): distinct slots for distinct ids, the same slot and generation
+/// on a second lookup, -1 and a counted row once every slot is taken, a released slot handed to a new id
+/// with a new generation, unknown ids refused, and many release/insert rounds (tombstones, rebuilds)
+/// keeping every live id on its slot.
+fn cuda_sequence_slots_map_ids_to_state_slots() {
+    use kvsparse::cuda::context::{DevBuf, Gpu};
+    use kvsparse::cuda::launch::Modules;
+    use kvsparse::cuda::slots::SeqSlots;
+    use kvsparse::tensor::TensorRef;
+    let gpu = Gpu::open(0).expect("device 0");
+    gpu.make_current().expect("context");
+    let modules = Modules::default();
+    let max = 4usize;
+    let slots = SeqSlots::new(max).expect("slot map");
+    let look = |ids: &[u64]| -> (Vec<i32>, Vec<u32>) {
+        let n = ids.len();
+        let bytes = |v: &[u64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let d_ids = DevBuf::from_host(&bytes(ids)).unwrap();
+        let out = DevBuf::alloc(n * 8).unwrap();
+        // SAFETY: n int64 elements of a live device buffer.
+        let t = unsafe { TensorRef::from_raw(d_ids.as_ptr(), DType::I64, Device::Cuda(0), &[n as i64], Some(&[1])) }.unwrap();
+        slots.lookup(&gpu, &modules, &t, n, out.ptr, out.ptr + (n * 4) as u64, std::ptr::null_mut()).unwrap();
+        gpu.synchronize().unwrap();
+        let mut raw = vec![0u8; n * 8];
+        out.download(0, &mut raw).unwrap();
+        let s = raw[..n * 4].chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+        let g = raw[n * 4..].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+        (s, g)
+    };
+    let (s1, g1) = look(&[10, 20, 30]);
+    let mut sorted = s1.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert!(sorted.len() == 3 && s1.iter().all(|&s| (0..max as i32).contains(&s)), "{s1:?}");
+    assert_eq!(g1, vec![1, 1, 1]);
+    assert_eq!(look(&[30, 10, 20]), (vec![s1[2], s1[0], s1[1]], vec![1, 1, 1]), "a second lookup finds the same slots");
+    let (s2, _) = look(&[40, 50]);
+    assert!(s2[0] >= 0 && s2[1] == -1, "the fifth id finds no slot: {s2:?}");
+    assert_eq!(slots.read_counts(&gpu).unwrap(), (1, 4));
+    slots.release(&gpu, 20).unwrap();
+    assert_eq!(slots.release(&gpu, 20).unwrap_err().kind, kvsparse::ErrorKind::UnknownSequence);
+    assert_eq!(slots.release(&gpu, 999).unwrap_err().kind, kvsparse::ErrorKind::UnknownSequence);
+    let (s3, g3) = look(&[50]);
+    assert_eq!((s3[0], g3[0]), (s1[1], 2), "the released slot goes to the next new id with a new generation");
+    // Churn: ids come and go; the live ones keep their slots.
+    let mut live: Vec<(u64, i32)> = vec![(10, s1[0]), (30, s1[2]), (40, s2[0]), (50, s3[0])];
+    for round in 0..40u64 {
+        let (id, _) = live.remove((round % 4) as usize);
+        slots.release(&gpu, id).unwrap();
+        let new_id = 1000 + round;
+        let (s, _) = look(&[new_id]);
+        assert!(s[0] >= 0, "round {round}: a freed slot must be reused");
+        live.push((new_id, s[0]));
+        let ids: Vec<u64> = live.iter().map(|x| x.0).collect();
+        let (got, _) = look(&ids);
+        assert_eq!(got, live.iter().map(|x| x.1).collect::<Vec<_>>(), "round {round}");
+    }
+    assert_eq!(slots.read_counts(&gpu).unwrap(), (1, 4));
+}
+
 fn main() {
     use libtest_mimic::{Arguments, Trial};
     let args = Arguments::from_args();
@@ -210,6 +270,7 @@ fn main() {
         test("cuda_graph_capture_of_a_decode_step_replays_on_new_data", cuda_graph_capture_of_a_decode_step_replays_on_new_data).with_ignored_flag(skip),
         test("cuda_bad_device_metadata_stays_in_bounds", cuda_bad_device_metadata_stays_in_bounds).with_ignored_flag(skip),
         test("cuda_merge_states_matches_cpu", cuda_merge_states_matches_cpu).with_ignored_flag(skip),
+        test("cuda_sequence_slots_map_ids_to_state_slots", cuda_sequence_slots_map_ids_to_state_slots).with_ignored_flag(skip),
         test("cuda_propagates_nan_and_inf_as_documented", cuda_propagates_nan_and_inf_as_documented).with_ignored_flag(skip || NAN_PORT_PENDING),
         // Runs everywhere: without a device it checks the clean failure.
         test("cuda_engine_fails_cleanly_without_a_device", cuda_engine_fails_cleanly_without_a_device),

@@ -74,6 +74,8 @@ pub struct CudaBackend {
     pub meta: DeviceMeta,
     /// Policy state on the device: plans, scores and counters (see `sparse`).
     pub(super) sparse: SparseState,
+    /// Sequence id -> state slot map, for policies with per-sequence device state (see `slots`).
+    pub slots: Option<super::slots::SeqSlots>,
 }
 
 pub(super) fn dtype_code(d: DType) -> i32 {
@@ -90,9 +92,11 @@ pub(super) fn p(t: &TensorRef) -> *const u8 {
 
 impl CudaBackend {
     /// Opens the engine's device. Fails with Unsupported when there is no driver or no such device.
-    pub fn new(cfg: &EngineConfig, ordinal: i32, needs: MetaNeeds) -> Result<CudaBackend> {
+    /// `max_seqs`: the size of the per-sequence state slot map, for policies that keep such state.
+    pub fn new(cfg: &EngineConfig, ordinal: i32, needs: MetaNeeds, max_seqs: Option<usize>) -> Result<CudaBackend> {
         let gpu = Gpu::open(ordinal)?;
         let sparse = SparseState::new(cfg.num_layers)?;
+        let slots = max_seqs.map(super::slots::SeqSlots::new).transpose()?;
         Ok(CudaBackend {
             gpu,
             modules: Modules::default(),
@@ -103,6 +107,7 @@ impl CudaBackend {
             smem_ready: Mutex::new(HashSet::new()),
             meta: DeviceMeta::new(needs, cfg.num_layers),
             sparse,
+            slots,
         })
     }
 

@@ -178,7 +178,7 @@ mod compile_tests {
         let only = std::env::var("KVS_COMPILE_ONLY").unwrap_or_default();
         let build = |name: &str, src: &str, defs: &[String]| {
             let (om, od) = only.split_once(':').unwrap_or((only.as_str(), ""));
-            if !om.is_empty() && (om != name || !defs.iter().any(|d| d.contains(od))) {
+            if !om.is_empty() && (om != name || (!od.is_empty() && !defs.iter().any(|d| d.contains(od)))) {
                 return;
             }
             let mut opts: Vec<String> = defs.iter().map(|d| if d.starts_with("--") { d.clone() } else { format!("-D{d}") }).collect();
@@ -224,5 +224,6 @@ mod compile_tests {
         }
         build("select", SELECT, &["KVS_DTYPE=2".into(), "HEAD_DIM=128".into(), "GROUP=16".into(), "--fmad=false".into()]);
         build("merge", MERGE, &[]);
+        build("slots", super::super::slots::SLOTS, &[]);
     }
 }

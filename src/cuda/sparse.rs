@@ -173,6 +173,10 @@ pub(super) struct WsLayout {
     pub(super) snap_bad: usize,
     pub(super) snap_agg: usize,
     pub(super) snap_pool: usize,
+    /// Per-sequence state slot (i32, -1 = none) and its generation (u32) of each sequence of the call,
+    /// written by the slot lookup (src/cuda/slots.rs) when the policy keeps per-sequence state.
+    pub(super) slot: usize,
+    pub(super) slot_gen: usize,
     total: usize,
 }
 
@@ -246,6 +250,10 @@ impl CudaBackend {
             lay.snap_agg = take(checked(&[ns, hk, geo.max_pos.max(1), 4])?);
             lay.snap_pool = take(checked(&[ns, hk, geo.max_pos.max(1), 4])?);
         }
+        if self.slots.is_some() {
+            lay.slot = take(checked(&[ns, 4])?);
+            lay.slot_gen = take(checked(&[ns, 4])?);
+        }
         lay.total = off.max(256);
         ensure!(fin.cap < i32::MAX as usize && maxc < i32::MAX as usize, Unsupported, "policy plan too large for 32-bit indices");
 
@@ -272,6 +280,12 @@ impl CudaBackend {
             }
         }
         let ws = ws_map.get(&key).expect("inserted above").ptr;
+        if let Some(slots) = &self.slots {
+            let Some(ids) = a.seq_ids.as_ref() else {
+                bail!(InvalidArgument, "policy {:?} keeps per-sequence state: forward calls must pass seq_ids", cfg.policy);
+            };
+            slots.lookup(&self.gpu, &self.modules, ids, ns, ws + lay.slot as u64, ws + lay.slot_gen as u64, stream)?;
+        }
 
         let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={d}"), format!("GROUP={g}"), "--fmad=false".to_string()];
         let f = |name: &'static str| self.modules.function(&self.gpu, "select", launch::SELECT, &defines, name);

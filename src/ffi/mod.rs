@@ -308,6 +308,7 @@ unsafe fn write_stats(out: *mut kvs_stats, c: &Counters, engine: Option<&crate::
         sequences_created: engine.map_or(0, |s| s.sequences_created),
         sequences_released: engine.map_or(0, |s| s.sequences_released),
         state_bytes: engine.map_or(0, |s| s.state_bytes),
+        policy_rows_without_state: engine.map_or(0, |s| s.policy_rows_without_state),
     };
     let caller_size = (*out).struct_size as usize;
     let n = caller_size.min(std::mem::size_of::<kvs_stats>());

@@ -213,6 +213,9 @@ pub struct kvs_stats {
     pub sequences_released: u64,
     /// Bytes of per-sequence policy state held now.
     pub state_bytes: u64,
+    /// Engine-wide: decode rows of a CUDA engine whose sequence found no free state slot (option
+    /// `max_seqs`) and therefore ran dense attention instead of the policy.
+    pub policy_rows_without_state: u64,
 }
 
 /// Opaque engine handle.

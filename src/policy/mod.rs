@@ -33,7 +33,7 @@ pub struct Policy {
 
 impl Default for Policy {
     fn default() -> Self {
-        Policy { spec: Spec { pipeline: None, dense_layers: spec::DEFAULT_DENSE_LAYERS, predictor_weights: None } }
+        Policy { spec: Spec { pipeline: None, dense_layers: spec::DEFAULT_DENSE_LAYERS, predictor_weights: None, max_seqs: spec::DEFAULT_MAX_SEQS } }
     }
 }
 
@@ -74,6 +74,12 @@ impl Policy {
                 snap_keep: false,
             },
         }
+    }
+
+    /// The size of a CUDA engine's per-sequence state slot map (`max_seqs`), for the policies whose device
+    /// state belongs to a sequence rather than to cache blocks; None for the others.
+    pub fn device_slots(&self) -> Option<usize> {
+        matches!(self.pipeline(), Some(Pipeline { selector: Selector::Refresh(_) | Selector::Predictor(_), .. })).then_some(self.spec.max_seqs)
     }
 
     /// Key metadata a CUDA engine's cache writes maintain: the CPU's, plus SnapKV's kept-slot bits (on

@@ -4,7 +4,7 @@
 //! spec     := pipeline [ ';' option { (',' | ';') option } ]
 //! pipeline := 'dense' | stage { '>' stage }
 //! stage    := name [ '(' [ key '=' value { ',' key '=' value } ] ')' ]
-//! option   := key '=' value                       (only dense_layers=N today)
+//! option   := key '=' value                       (dense_layers=N, max_seqs=N)
 //! value    := number | 'inf' | name
 //! ```
 //!
@@ -143,10 +143,17 @@ pub struct Spec {
     pub dense_layers: usize,
     /// `predictor(weights="...")`: the weights file the engine loads (None = the built-in weights).
     pub predictor_weights: Option<String>,
+    /// Option `max_seqs`: the most sequences a CUDA engine keeps per-sequence policy state for at once
+    /// (its device slot map, src/cuda/slots.rs); the CPU engine's state is bounded by `max_state_bytes`.
+    pub max_seqs: usize,
 }
 
 /// Default number of leading layers kept dense.
 pub const DEFAULT_DENSE_LAYERS: usize = 2;
+/// Default of the option `max_seqs` (sequences with per-sequence state on a CUDA engine at once).
+pub const DEFAULT_MAX_SEQS: usize = 256;
+/// Largest `max_seqs` accepted.
+pub const MAX_MAX_SEQS: usize = 1 << 20;
 
 #[derive(Clone, Debug, PartialEq)]
 enum Tok {
@@ -438,8 +445,9 @@ impl<'a> Args<'a> {
 pub fn parse(src: &str) -> Result<Spec> {
     let mut p = Parser { src, toks: lex(src)?, i: 0, depth: 0 };
     let mut dense_layers = DEFAULT_DENSE_LAYERS;
+    let mut max_seqs = DEFAULT_MAX_SEQS;
     if p.peek().1 == Tok::End {
-        return Ok(Spec { pipeline: None, dense_layers, predictor_weights: None });
+        return Ok(Spec { pipeline: None, dense_layers, predictor_weights: None, max_seqs: DEFAULT_MAX_SEQS });
     }
     let mut selector: Option<Selector> = None;
     let mut top_p: Option<TopP> = None;
@@ -601,7 +609,11 @@ pub fn parse(src: &str) -> Result<Spec> {
                     Tok::Num(v, _) if v.fract() == 0.0 && (0.0..=1e6).contains(&v) => dense_layers = v as usize,
                     _ => return Err(err(src, a.val_pos, "an integer >= 0 for `dense_layers`", &a.val.describe())),
                 },
-                _ => return Err(err(src, a.key_pos, "an option (dense_layers)", &format!("unknown option `{}`", a.key))),
+                "max_seqs" => match a.val {
+                    Tok::Num(v, _) if v.fract() == 0.0 && (1.0..=MAX_MAX_SEQS as f64).contains(&v) => max_seqs = v as usize,
+                    _ => return Err(err(src, a.val_pos, &format!("an integer in 1..={MAX_MAX_SEQS} for `max_seqs`"), &a.val.describe())),
+                },
+                _ => return Err(err(src, a.key_pos, "an option (dense_layers, max_seqs)", &format!("unknown option `{}`", a.key))),
             }
             if p.eat(',') || p.eat(';') {
                 continue;
@@ -617,7 +629,7 @@ pub fn parse(src: &str) -> Result<Spec> {
         a.order = art_order.unwrap_or_else(|| default_order(&selector, top_p.is_some()));
     }
     let pipeline = if dense { None } else { Some(Pipeline { selector, top_p, art }) };
-    Ok(Spec { pipeline, dense_layers, predictor_weights })
+    Ok(Spec { pipeline, dense_layers, predictor_weights, max_seqs })
 }
 
 /// ART's default traversal (paper §3.3): recency-first for full and pattern-based selections, the
@@ -658,6 +670,8 @@ mod tests {
         assert_eq!(parse("").unwrap().pipeline, None);
         assert_eq!(parse("  dense ").unwrap().pipeline, None);
         assert_eq!(parse("dense; dense_layers=0").unwrap().dense_layers, 0);
+        assert_eq!(parse("refresh(k=64); max_seqs=8, dense_layers=1").unwrap().max_seqs, 8);
+        assert_eq!(parse("quest(budget=64)").unwrap().max_seqs, DEFAULT_MAX_SEQS);
         let s = parse("art(patience=inf, order=priority, probe=full); dense_layers=3").unwrap();
         assert_eq!(s.dense_layers, 3);
         let p = s.pipeline.unwrap();
@@ -770,6 +784,9 @@ mod tests {
         assert!(msg("quest(budget=8,budget=9)").contains("at most once"));
         assert!(msg("all; dense_layer=2").contains("unknown option `dense_layer`"));
         assert!(msg("all; dense_layers=-1").contains("dense_layers"));
+        assert!(msg("all; max_seqs=0").contains("max_seqs"));
+        assert!(msg("all; max_seqs=1.5").contains("max_seqs"));
+        assert!(msg("all; max_seqs=9999999999").contains("max_seqs"));
         assert!(msg("dense > art").contains("alone"));
         assert!(msg("all ! art").contains("position 4"));
         assert!(msg("streaming(sink=4)").contains("needs `recent="));
