@@ -13,6 +13,7 @@ pub mod hostbuf;
 pub mod matrix;
 pub mod nonfinite;
 pub mod reference;
+pub mod refresh_cuda;
 pub mod snapkv_cuda;
 pub mod sparse;
 pub mod sparse_cuda;

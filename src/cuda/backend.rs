@@ -76,6 +76,8 @@ pub struct CudaBackend {
     pub(super) sparse: SparseState,
     /// Sequence id -> state slot map, for policies with per-sequence device state (see `slots`).
     pub slots: Option<super::slots::SeqSlots>,
+    /// RefreshKV's per-layer state and step counters (see `refresh`).
+    pub(super) refresh: super::refresh::RefreshDevice,
 }
 
 pub(super) fn dtype_code(d: DType) -> i32 {
@@ -108,6 +110,7 @@ impl CudaBackend {
             meta: DeviceMeta::new(needs, cfg.num_layers),
             sparse,
             slots,
+            refresh: super::refresh::RefreshDevice::new(cfg.num_layers)?,
         })
     }
 

@@ -108,8 +108,8 @@ pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> 
         return Err(format!("policies on the CUDA backend support GQA groups of at most {MAX_POLICY_GROUP} query heads per KV head (this model has {group})"));
     }
     match p.selector {
-        Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } | Selector::SnapKv { .. } => Ok(()),
-        Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_) => Err("the stateful policies (speculate, refresh, predictor) are not available on the CUDA backend yet".into()),
+        Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } | Selector::SnapKv { .. } | Selector::Refresh(_) => Ok(()),
+        Selector::Speculate(_) | Selector::Predictor(_) => Err("the stateful policies speculate and predictor are not available on the CUDA backend yet".into()),
     }
 }
 
@@ -177,6 +177,8 @@ pub(super) struct WsLayout {
     /// written by the slot lookup (src/cuda/slots.rs) when the policy keeps per-sequence state.
     pub(super) slot: usize,
     pub(super) slot_gen: usize,
+    /// RefreshKV's regions (src/cuda/refresh.rs).
+    pub(super) refresh: super::refresh::RefreshWs,
     total: usize,
 }
 
@@ -253,6 +255,9 @@ impl CudaBackend {
         if self.slots.is_some() {
             lay.slot = take(checked(&[ns, 4])?);
             lay.slot_gen = take(checked(&[ns, 4])?);
+        }
+        if let Selector::Refresh(r) = p.selector {
+            lay.refresh = super::refresh::RefreshWs::reserve(&mut take, ns, hk, g, geo.max_pos, r.k)?;
         }
         lay.total = off.max(256);
         ensure!(fin.cap < i32::MAX as usize && maxc < i32::MAX as usize, Unsupported, "policy plan too large for 32-bit indices");
@@ -371,6 +376,10 @@ impl CudaBackend {
                 k.i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base).i64(ctr);
                 launch::launch(f("kvs_plan_snap")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_plan_snap launch")?;
             }
+            Selector::Refresh(r) => {
+                let slots = (ws + lay.slot as u64, ws + lay.slot_gen as u64);
+                self.refresh_select(a, cache, geo, g, &batch, f, ws, &lay.refresh, slots, &r, fin_ref, row_bytes, ctr)?;
+            }
             _ => bail!(Unsupported, "policy {:?} is not available on the CUDA backend yet", cfg.policy),
         }
 
@@ -440,7 +449,8 @@ impl CudaBackend {
         let mut raw = vec![0u8; n * 8];
         self.sparse.counters.download(0, &mut raw)?;
         let v: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-        Ok(v.chunks_exact(CTR_COUNT)
+        let mut per_layer: Vec<Counters> = v
+            .chunks_exact(CTR_COUNT)
             .map(|c| Counters {
                 decode_rows: c[0],
                 prefill_tokens: c[1],
@@ -455,7 +465,9 @@ impl CudaBackend {
                 art_tiles_total: c[10],
                 ..Default::default()
             })
-            .collect())
+            .collect();
+        self.refresh.add_counters(&mut per_layer)?;
+        Ok(per_layer)
     }
 
     /// What the last policy call's decode rows visited, from its plans (synchronizes; evaluation only).

@@ -10,7 +10,7 @@ mod scoring;
 mod stateful;
 
 pub use scoring::{estimate_weights, quest_bound, quest_page_scores, token_weights, weights_at};
-pub use stateful::{calib_rows, mean_query, predictor_seed, prr_calibrate, refresh_seed, CALIB_ROWS};
+pub use stateful::{calib_rows, mean_query, predictor_seed, prr_calibrate, refresh_seed, refresh_weights, CALIB_ROWS};
 use stateful::{run_predictor, run_refresh, run_speculate};
 
 use std::sync::Arc;

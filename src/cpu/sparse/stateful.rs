@@ -136,11 +136,53 @@ pub fn refresh_seed(io: &ForwardIo, s: usize, head: usize, r: &Refresh) -> Refre
     io.load_queries(t..t + 1, head, &mut q);
     io.limits(sd, t..t + 1, &mut lims);
     let lim = lims[0];
-    let (mut logits, mut w) = (Vec::new(), Vec::new());
-    token_weights(io, &q, g, lim, blocks, head, &mut logits, &mut w);
+    let mut w = Vec::new();
+    refresh_weights(io, &q, g, lim, blocks, head, &mut w);
     let mut rh = RefreshHead::default();
     rh.rebuild(&max_pool(&w, r.pool), lim.lo, lim.hi, r.k);
     rh
+}
+
+/// RefreshKV's scores of one query row: the softmax weight of every visible position `lim.lo ..= lim.hi`
+/// for each of the group's `rows` query heads (`q`: scaled rows), the maximum over the group (from 0, NaN
+/// dropped as `f32::max` does), into `out[pos - lo]`. In the decisions' fixed arithmetic, as SnapKV's
+/// choice (`cpu::snapkv`): `decision_dot`, `decision_softcap`, `fast_exp(x - max)`, the order-free
+/// fixed-point normaliser `softmax_norm`, `w = f32(e / z)`; the CUDA kernel `kvs_refresh_scores`
+/// (kernels/refresh.cu) computes the same bits, so both engines rebuild the same token sets.
+pub fn refresh_weights(io: &ForwardIo, q: &[f32], rows: usize, lim: RowLimits, blocks: &[u32], head: usize, out: &mut Vec<f32>) {
+    use crate::cpu::math::{decision_dot, decision_softcap, softmax_norm};
+    let cache = io.cache;
+    let (d, bs) = (cache.head_dim, cache.block_size);
+    out.clear();
+    if lim.hi < lim.lo {
+        return;
+    }
+    let n = lim.hi + 1 - lim.lo;
+    out.resize(n, 0.0);
+    let mut logits = vec![0f32; rows * n];
+    let mut k = vec![0f32; d];
+    for j in 0..n {
+        let pos = lim.lo + j;
+        // SAFETY: pos <= hi < seq_len, whose blocks were validated.
+        unsafe { load_row::<Portable>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_dim_stride(), d, &mut k) };
+        for r in 0..rows {
+            logits[r * n + j] = decision_softcap(decision_dot(&q[r * d..(r + 1) * d], &k), io.params.softcap);
+        }
+    }
+    for r in 0..rows {
+        let row = &mut logits[r * n..(r + 1) * n];
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if m == f32::NEG_INFINITY {
+            continue;
+        }
+        for x in row.iter_mut() {
+            *x = fast_exp(*x - m);
+        }
+        let z = softmax_norm(row.iter().copied());
+        for (o, &e) in out.iter_mut().zip(row.iter()) {
+            *o = o.max(0f32 + (e as f64 / z) as f32);
+        }
+    }
 }
 
 /// Mean query over all query heads of row `t` (RefreshKV's schedule compares it between steps).
@@ -296,7 +338,7 @@ pub(super) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
         let spans: Vec<(usize, usize)> = if do_full {
             let spans = vec![(lim.lo, lim.hi + 1)];
             attend_set(st, &hw.q, &hw.limits, &kv, &spans, lim.hi + 1 - lim.lo, &mut sc.tokens, softcap);
-            token_weights(io, &hw.q, g, lim, blocks, head, &mut sc.p_rows, &mut sc.w);
+            refresh_weights(io, &hw.q, g, lim, blocks, head, &mut sc.w);
             c.kv_bytes_read += ((lim.hi + 1 - lim.lo) * d * cache.dtype.size_bytes()) as u64; // K read again to score
             let pooled = max_pool(&sc.w, r.pool);
             rh.rebuild(&pooled, lim.lo, lim.hi, r.k);

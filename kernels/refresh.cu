@@ -1,0 +1,331 @@
+// RefreshKV on the device: the schedule, the full step's scores and the token sets, the same decisions as
+// the CPU engine (src/policy/refresh.rs, src/cpu/sparse/stateful.rs) in the same arithmetic (decide.cuh,
+// --fmad=false). Compiled after select.cu and snapkv.cu in one module: it reuses their batch helpers
+// (seq_row, phys_block, rows_count, account, compact, radix_kth) and SnapKV's scoring arithmetic
+// (snap_dot, snap_unkey, the SNAP_* CTA shape, the fixed-point normaliser).
+//
+// A policy call enqueues, with grids fixed by host-known bounds (capturable, no host decision):
+//   kvs_refresh_decide   one CTA per sequence: the mean query (over all query heads, in head order) of the
+//                        decode row, or of a prefill chunk's last row; the schedule (first step, every `N`
+//                        steps, or the cosine check every `stride` steps, f64 summed in channel order as
+//                        refresh::cosine); the per-sequence mode below; the layer state updated.
+//   kvs_refresh_scores   phases 0/1/2 over the FULL and SEED sequences only (a grid-stride loop, so a
+//                        partial step costs a few idle CTAs): the row's logits per query head, its maximum,
+//                        its fixed-point normaliser, then w = e / z, max over the group, per position.
+//   kvs_refresh_plan     one CTA per (KV head, sequence): FULL and SEED rebuild the set (max-pool, radix
+//                        top k, ties: the earlier position); PARTIAL advances it (positions outside the
+//                        range dropped, new ones appended at +inf, the k best kept, ties: the newer);
+//                        the row's plan (FULL: every visible position; PARTIAL: the set; DENSE: every
+//                        visible position) and the counters.
+//
+// State per layer, indexed by the sequence's slot (kernels/slots.cu) and stamped with its generation (a
+// stamp different from the slot's generation reads as "no state": a new or reused slot): the reference
+// mean query qref[slot][HEAD_DIM], steps since the last full step, a stamp; per (slot, KV head): the set's
+// positions (sorted) and scores (k of each), its size, the last position it has seen, a stamp.
+
+#define RF_NONE -1     // not a decode row and nothing to seed (or a decode row that sees nothing)
+#define RF_PARTIAL 0   // attend the set
+#define RF_FULL 1      // attend everything, score it, rebuild the set
+#define RF_DENSE 2     // a decode row without a state slot: attend everything, keep no state
+#define RF_SEED 3      // a prefill chunk: the set from its last row, that row's mean query the reference
+
+// Same layout as src/cuda/refresh.rs `RefreshArgs`.
+struct RefreshArgs {
+    float* qref;          // [max_seqs][HEAD_DIM]
+    int* since;           // [max_seqs]
+    unsigned* lstamp;     // [max_seqs]
+    unsigned* tok;        // [max_seqs][hk][k]
+    float* sc;            // [max_seqs][hk][k]
+    int* cnt;             // [max_seqs][hk]
+    int* last;            // [max_seqs][hk]
+    unsigned* hstamp;     // [max_seqs][hk]
+    const int* slot;      // per sequence of the call (-1: none)
+    const unsigned* gen;  // per sequence of the call
+    int* mode;            // per sequence of the call (RF_*)
+    unsigned long long* rctr;  // the layer's [full steps, partial steps]
+    int k, stride, every, pool;
+    float s;
+    int hk;
+};
+
+// The row a sequence's decision reads: the decode row, or the chunk's last row (with the same limits).
+__device__ __forceinline__ int rf_row(const SeqRow& r) { return r.t + (r.q_len > 0 ? r.q_len : 1) - 1; }
+
+// refresh::cosine: f64 sums in channel order, clamped, to f32; 0 for a zero vector.
+__device__ __forceinline__ float rf_cosine(const float* a, const float* b) {
+    double ab = 0.0, aa = 0.0, bb = 0.0;
+    for (int c = 0; c < HEAD_DIM; ++c) {
+        const double x = (double)a[c], y = (double)b[c];
+        ab = __dadd_rn(ab, __dmul_rn(x, y));
+        aa = __dadd_rn(aa, __dmul_rn(x, x));
+        bb = __dadd_rn(bb, __dmul_rn(y, y));
+    }
+    if (aa == 0.0 || bb == 0.0) return 0.0f;
+    double v = __ddiv_rn(ab, __dmul_rn(__dsqrt_rn(aa), __dsqrt_rn(bb)));
+    if (v < -1.0) v = -1.0;  // NaN stays NaN, as f64::clamp
+    if (v > 1.0) v = 1.0;
+    return __double2float_rn(v);
+}
+
+extern "C" __global__ void __launch_bounds__(128) kvs_refresh_decide(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int nqh,
+                                                                     RefreshArgs ra, i64 row_bytes, unsigned long long* ctr) {
+    __shared__ float qm[HEAD_DIM];
+    __shared__ unsigned long long red[32];
+    const int s = blockIdx.x;
+    if (s == 0) rows_count(b, ra.hk, row_bytes, ctr, red);  // the call's rows, once
+    const SeqRow r = seq_row(b, s);
+    const int slot = ra.slot[s];
+    const unsigned gen = ra.gen[s];
+    const bool seed = r.q_len > 1 && r.hi >= r.lo && r.t + r.q_len <= b.num_tokens;
+    int mode = RF_NONE;
+    if (seed && slot >= 0) mode = RF_SEED;
+    else if (r.decode && r.hi >= r.lo) mode = slot < 0 ? RF_DENSE : RF_FULL;  // FULL or PARTIAL, decided below
+    if (mode == RF_NONE || mode == RF_DENSE) {
+        if (threadIdx.x == 0) ra.mode[s] = mode;
+        return;
+    }
+    // Mean query: per channel, the scaled rows of every query head added in head order (mean_query).
+    const int t = rf_row(r);
+    for (int c = threadIdx.x; c < HEAD_DIM; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int h = 0; h < nqh; ++h) acc += ET::ld(q[(i64)t * q0 + (i64)h * q1 + (i64)c * q2]) * scale;
+        qm[c] = acc;
+    }
+    __syncthreads();
+    __shared__ int full_s;
+    if (threadIdx.x == 0) {
+        bool full = true;
+        if (mode == RF_FULL && ra.lstamp[slot] == gen) {
+            // RefreshLayer::decide
+            int since = ra.since[slot] + 1;
+            if (ra.every > 0) full = since >= ra.every;
+            else full = since % ra.stride == 0 && !(rf_cosine(qm, ra.qref + (i64)slot * HEAD_DIM) > ra.s);
+            if (!full) ra.since[slot] = since;
+        }
+        if (mode == RF_FULL) {
+            mode = full ? RF_FULL : RF_PARTIAL;
+            atomicAdd(&ra.rctr[full ? 0 : 1], 1ull);
+        }
+        full_s = full;
+        ra.mode[s] = mode;
+    }
+    __syncthreads();
+    if (full_s) {
+        // A full step (or the prefill's seed) makes this row's mean query the reference.
+        for (int c = threadIdx.x; c < HEAD_DIM; c += blockDim.x) ra.qref[(i64)slot * HEAD_DIM + c] = qm[c];
+        if (threadIdx.x == 0) {
+            ra.since[slot] = 0;
+            ra.lstamp[slot] = gen;
+        }
+    }
+}
+
+// The full step's scores, for the sequences kvs_refresh_decide marked FULL or SEED: per (seq, head) the
+// GROUP rows' maxima rmax (order keys, preset to -inf's), fixed-point normalisers zfix (preset 0) and NaN
+// flags zbad (preset 0); phase 2 writes agg[(s*hk+h)*maxpos + pos] = max over the group of e / z, for
+// pos in lo..=hi. Grid (CTAs per head, hk): each CTA walks the tiles blockIdx.x, blockIdx.x + gridDim.x,
+// ... of every such sequence (uniform loops: every thread reaches every barrier and shuffle).
+extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
+                                                                              const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, const int* mode,
+                                                                              int phase, unsigned* rmax, unsigned long long* zfix, unsigned* zbad,
+                                                                              float* agg, int maxpos) {
+    __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
+    __shared__ float qs[GROUP * HEAD_DIM];
+    __shared__ float accs[GROUP][SNAP_TP];
+    const int h = blockIdx.y;
+    const int bs = 1 << b.bs_log2;
+    const int p = threadIdx.x % SNAP_TP, j = threadIdx.x / SNAP_TP;
+    for (int s = 0; s < b.num_seqs; ++s) {
+        const int m_s = mode[s];
+        if (m_s != RF_FULL && m_s != RF_SEED) continue;
+        const SeqRow r = seq_row(b, s);
+        const int lo = r.lo, hi = min(r.hi, maxpos - 1);
+        const int first = (lo / SNAP_TP) * SNAP_TP;
+        if (first + blockIdx.x * SNAP_TP > hi) continue;
+        const int t = rf_row(r);
+        __syncthreads();  // the previous sequence's queries and tiles are no longer read
+        for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
+            const int g = i / HEAD_DIM, c = i % HEAD_DIM;
+            qs[i] = ET::ld(q[(i64)t * q0 + (i64)(h * GROUP + g) * q1 + (i64)c * q2]) * scale;
+        }
+        const i64 rows = (i64)(s * hk + h) * GROUP;
+        for (int p0 = first + blockIdx.x * SNAP_TP; p0 <= hi; p0 += gridDim.x * SNAP_TP) {
+            __syncthreads();  // the previous tile is no longer read (and the queries are staged)
+            for (int i = threadIdx.x; i < SNAP_TP * HEAD_DIM; i += blockDim.x) {
+                const int pp = i / HEAD_DIM, c = i % HEAD_DIM, pos = p0 + pp;
+                float v = 0.0f;
+                if (pos >= lo && pos <= hi) {
+                    const i64 blk = phys_block(b, s, pos >> b.bs_log2);
+                    if (blk >= 0) v = ET::ld(kc[blk * kc0 + (i64)(pos & (bs - 1)) * kc1 + (i64)h * kc2 + c]);
+                }
+                ks[pp][c] = v;
+            }
+            __syncthreads();
+            const int pos = p0 + p;
+            const bool vis = pos >= lo && pos <= hi;
+            float acc[SNAP_KPER];
+#pragma unroll
+            for (int k = 0; k < SNAP_KPER; ++k) {
+                acc[k] = 0.0f;
+                const int gi = j + SNAP_J * k;
+                const bool row_ok = gi < GROUP;
+                const i64 rr = rows + (row_ok ? gi : 0);
+                float l = -INFINITY;
+                if (vis && row_ok) l = kvs_decision_softcap(snap_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
+                if (phase == 0) {
+                    float m = l;  // fmaxf drops NaN, as f32::max
+#pragma unroll
+                    for (int off = SNAP_TP / 2; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+                    if (p == 0 && row_ok && m > -INFINITY) atomicMax(&rmax[rr], kvs_order_key(m));
+                    continue;
+                }
+                const float m = row_ok ? snap_unkey(rmax[rr]) : -INFINITY;
+                const float e = vis && m > -INFINITY ? kvs_fast_exp(l - m) : 0.0f;
+                if (phase == 1) {
+                    unsigned long long x = isnan(e) ? 0ull : (unsigned long long)((double)e * SNAP_NORM_ONE);
+                    unsigned bad = isnan(e) ? 1u : 0u;
+#pragma unroll
+                    for (int off = SNAP_TP / 2; off > 0; off >>= 1) {
+                        x += __shfl_xor_sync(0xffffffffu, x, off);
+                        bad |= __shfl_xor_sync(0xffffffffu, bad, off);
+                    }
+                    if (p == 0 && row_ok && m > -INFINITY) {
+                        if (x != 0ull) atomicAdd(&zfix[rr], x);
+                        if (bad) atomicOr(&zbad[rr], 1u);
+                    }
+                } else if (row_ok && m > -INFINITY) {
+                    // refresh_weights: 0 + f32(e / z) (NaN everywhere when the normaliser is NaN).
+                    const double z = zbad[rr] ? (double)__int_as_float(0x7fffffff) : (double)zfix[rr] / SNAP_NORM_ONE;
+                    acc[k] = 0.0f + (float)((double)e / z);
+                }
+            }
+            if (phase != 2) continue;
+#pragma unroll
+            for (int k = 0; k < SNAP_KPER; ++k)
+                if (j + SNAP_J * k < GROUP) accs[j + SNAP_J * k][p] = acc[k];
+            __syncthreads();
+            if (j == 0 && vis) {
+                float a = 0.0f;
+                for (int g = 0; g < GROUP; ++g) a = fmaxf(a, accs[g][p]);
+                agg[(i64)(s * hk + h) * maxpos + pos] = a;
+            }
+        }
+    }
+}
+
+// Per (KV head, sequence): the set and the plan (see the top of this file). `pooled` [maxpos] and `tmp`
+// [k] per (seq, head) are workspace; the plan is token-granular with `cap` entries per row.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batch b, RefreshArgs ra, const float* agg, float* pooled, int maxpos,
+                                                                            unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, float* tmp,
+                                                                            i64 row_bytes, i64 k_bytes, unsigned long long* ctr) {
+    __shared__ unsigned hist[256];
+    __shared__ unsigned wtot[8];
+    __shared__ unsigned long long sel_prefix;
+    __shared__ int sel_left;
+    __shared__ int cnt[TOPK_THREADS / 32 + 1];
+    __shared__ unsigned long long red[32];
+    const int s = blockIdx.y, h = blockIdx.x, hk = ra.hk;
+    const SeqRow r = seq_row(b, s);
+    const int mode = ra.mode[s];
+    unsigned* e = plan + s * p_s + h * p_h;
+    const int lo = r.lo, hi = min(r.hi, maxpos - 1);
+    const int slot = ra.slot[s];
+    const unsigned gen = ra.gen[s];
+    const i64 sh = (i64)slot * hk + h;  // this head's state row (slot >= 0 in FULL, SEED and PARTIAL)
+    const int K = ra.k;
+    bool dense = mode == RF_DENSE || (mode == RF_PARTIAL && ra.hstamp[sh] != gen);  // the latter: no set (unreachable)
+    if (mode == RF_NONE || (mode != RF_SEED && !r.decode)) {
+        if (threadIdx.x == 0) plan_len[s * hk + h] = r.decode ? 0 : -1;
+        return;
+    }
+    if (dense) {
+        // No state: every visible position, counted as a dense row's bytes.
+        const int n = min(hi - lo + 1, cap);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) e[i] = (unsigned)(lo + i);
+        if (threadIdx.x == 0) {
+            plan_len[s * hk + h] = n;
+            atomicAdd(&ctr[CTR_KV_BYTES], (unsigned long long)n * (unsigned long long)row_bytes);
+        }
+        return;
+    }
+    unsigned* tok = ra.tok + sh * K;
+    float* sc = ra.sc + sh * K;
+    int n_plan;
+    if (mode == RF_FULL || mode == RF_SEED) {
+        // RefreshHead::rebuild over max_pool(weights, pool) of positions lo..=hi.
+        const int n = hi - lo + 1;
+        const float* ag = agg + (i64)(s * hk + h) * maxpos + lo;
+        float* pl = pooled + (i64)(s * hk + h) * maxpos;
+        const int rad = ra.pool / 2;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            float v = -INFINITY;
+            for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, ag[x]);
+            pl[i] = v;
+        }
+        __syncthreads();
+        int ibits = 1;
+        while ((1 << ibits) < n) ++ibits;
+        // Larger key = kept first: higher pooled score, then the earlier position (top_k_positions).
+        auto key_of = [&](int i) { return ((unsigned long long)kvs_order_key(pl[i]) << ibits) | (unsigned)(n - 1 - i); };
+        const int m = n > K ? K : 0;
+        const unsigned long long thr = radix_kth(0, n, m, (32 + ibits + 7) / 8, key_of, hist, wtot, sel_prefix, sel_left);
+        auto keep = [&](int i) { return n <= K || key_of(i) >= thr; };
+        const int nk = compact(n, keep, [&](int i) { return (unsigned)(lo + i); }, tok, K, cnt);
+        compact(n, keep, [&](int i) { return __float_as_uint(pl[i]); }, reinterpret_cast<unsigned*>(sc), K, cnt);
+        if (threadIdx.x == 0) {
+            ra.cnt[sh] = nk;
+            ra.last[sh] = hi;
+            ra.hstamp[sh] = gen;
+        }
+        if (mode == RF_SEED) {
+            if (threadIdx.x == 0) plan_len[s * hk + h] = -1;  // the chunk itself is attended densely
+            return;
+        }
+        n_plan = min(n, cap);
+        for (int i = threadIdx.x; i < n_plan; i += blockDim.x) e[i] = (unsigned)(lo + i);
+        if (threadIdx.x == 0) atomicAdd(&ctr[CTR_KV_BYTES], (unsigned long long)n * (unsigned long long)k_bytes);  // K read again to score
+    } else {
+        // RefreshHead::advance: the old set's positions in lo ..< from (a contiguous run of the sorted
+        // set), then the new positions from..=hi at +inf; the k best kept (ties: the newer).
+        const int c = min(max(ra.cnt[sh], 0), K);
+        const int lastp = ra.last[sh];
+        const int from = max(min(lastp, hi) + 1, lo);
+        int below_lo = 0, below_from = 0;
+        for (int i = threadIdx.x; i < c; i += blockDim.x) {
+            below_lo += (int)tok[i] < lo;
+            below_from += (int)tok[i] < from;
+        }
+        below_lo = block_sum(below_lo, (int*)red);
+        below_from = block_sum(below_from, (int*)red);
+        const int i0 = below_lo, n_old = max(below_from - below_lo, 0);
+        const int n_new = hi - from + 1;
+        const int total = n_old + n_new;
+        auto pos_of = [&](int i) { return i < n_old ? (int)tok[i0 + i] : from + (i - n_old); };
+        auto score_of = [&](int i) { return i < n_old ? sc[i0 + i] : INFINITY; };
+        int ibits = 1;
+        while ((1 << ibits) <= hi) ++ibits;
+        auto key_of = [&](int i) { return ((unsigned long long)kvs_order_key(score_of(i)) << ibits) | (unsigned)pos_of(i); };
+        const int m = total > K ? K : 0;
+        const unsigned long long thr = radix_kth(0, total, m, (32 + ibits + 7) / 8, key_of, hist, wtot, sel_prefix, sel_left);
+        auto keep = [&](int i) { return total <= K || key_of(i) >= thr; };
+        float* tp = tmp + (i64)(s * hk + h) * K;
+        n_plan = compact(total, keep, [&](int i) { return (unsigned)pos_of(i); }, e, min(cap, K), cnt);
+        compact(total, keep, [&](int i) { return __float_as_uint(score_of(i)); }, reinterpret_cast<unsigned*>(tp), K, cnt);
+        __syncthreads();  // every old entry is read: the set can be rewritten
+        for (int i = threadIdx.x; i < n_plan; i += blockDim.x) {
+            tok[i] = e[i];
+            sc[i] = tp[i];
+        }
+        if (threadIdx.x == 0) {
+            ra.cnt[sh] = n_plan;
+            ra.last[sh] = hi;
+        }
+    }
+    if (threadIdx.x == 0) {
+        plan_len[s * hk + h] = n_plan;
+        atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
+        atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((hi >> b.bs_log2) - (lo >> b.bs_log2) + 1));
+    }
+    __syncthreads();  // the plan's entries are read back by account
+    account(e, n_plan, 0, lo, hi, b.bs_log2, 1, row_bytes, ctr, red);
+}

@@ -1,0 +1,250 @@
+//! RefreshKV on the CUDA backend (kernels/refresh.cu): the schedule, the full step's scores and the token
+//! sets on the device, per sequence slot (src/cuda/slots.rs), so a decode step has no host decision and
+//! stays capturable. Same decisions as the CPU engine (`policy::refresh`, `cpu::sparse::run_refresh`).
+//!
+//! Plans: token-granular (unit_log2 = 0) with a capacity of the block table's width, because a full step
+//! (which the host cannot foresee) visits every visible position; the attention launch is therefore sized
+//! for dense rows, and a partial step's rows use the first of its splits (docs/perf.md measures it).
+//!
+//! State: one device buffer per layer, allocated on the layer's first call (outside capture), indexed by
+//! slot: the reference mean query, steps since the last full step and a generation stamp; per KV head
+//! the set's `k` positions and scores, its size, the last position seen and a stamp. Counters of full and
+//! partial steps per layer are kept here (the engine's stats call adds them to the device counters).
+
+use parking_lot::Mutex;
+
+use super::backend::{CudaBackend, Geometry};
+use super::context::DevBuf;
+use super::driver::{check, cuda, CUfunction};
+use super::launch::{self, KArgs};
+use super::sparse::{BatchArg, PlanRef};
+use crate::engine::ForwardArgs;
+use crate::error::{Error, ErrorKind, Result};
+use crate::layout::KvCache;
+use crate::policy::Refresh;
+use crate::stats::Counters;
+use crate::{bail, ensure};
+
+/// The kernels' `RefreshArgs` (kernels/refresh.cu, same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct RefreshArgs {
+    qref: u64,
+    since: u64,
+    lstamp: u64,
+    tok: u64,
+    sc: u64,
+    cnt: u64,
+    last: u64,
+    hstamp: u64,
+    slot: u64,
+    gen: u64,
+    mode: u64,
+    rctr: u64,
+    k: i32,
+    stride: i32,
+    every: i32,
+    pool: i32,
+    s: f32,
+    hk: i32,
+}
+
+/// Byte offsets of RefreshKV's regions in a call's policy workspace (see `sparse::WsLayout`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct RefreshWs {
+    mode: usize,
+    rmax: usize,
+    z: usize,
+    bad: usize,
+    agg: usize,
+    pooled: usize,
+    tmp: usize,
+}
+
+fn checked(parts: &[usize]) -> Result<usize> {
+    parts.iter().try_fold(1usize, |a, &b| a.checked_mul(b)).ok_or_else(|| Error::new(ErrorKind::OutOfMemory, "RefreshKV workspace size overflows"))
+}
+
+impl RefreshWs {
+    /// Reserves the regions of a call of `ns` sequences through `take` (bytes -> offset).
+    pub(super) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize) -> Result<Self> {
+        let rows = checked(&[ns, hk, group])?;
+        Ok(RefreshWs {
+            mode: take(checked(&[ns, 4])?),
+            rmax: take(checked(&[rows, 4])?),
+            z: take(checked(&[rows, 8])?),
+            bad: take(checked(&[rows, 4])?),
+            agg: take(checked(&[ns, hk, max_pos.max(1), 4])?),
+            pooled: take(checked(&[ns, hk, max_pos.max(1), 4])?),
+            tmp: take(checked(&[ns, hk, k, 4])?),
+        })
+    }
+}
+
+/// Offsets of one layer's state arrays inside its buffer (all 256-byte aligned).
+#[derive(Clone, Copy, Debug)]
+struct StateLayout {
+    qref: usize,
+    since: usize,
+    lstamp: usize,
+    tok: usize,
+    sc: usize,
+    cnt: usize,
+    last: usize,
+    hstamp: usize,
+    total: usize,
+}
+
+impl StateLayout {
+    fn new(max_seqs: usize, hk: usize, d: usize, k: usize) -> Result<Self> {
+        let mut off = 0usize;
+        let mut take = |bytes: usize| -> usize {
+            let at = off;
+            off = (off + bytes).next_multiple_of(256);
+            at
+        };
+        let per = |n: usize| super::slots::state_bytes(max_seqs, n);
+        let l = StateLayout {
+            qref: take(per(checked(&[d, 4])?)?),
+            since: take(per(4)?),
+            lstamp: take(per(4)?),
+            tok: take(per(checked(&[hk, k, 4])?)?),
+            sc: take(per(checked(&[hk, k, 4])?)?),
+            cnt: take(per(checked(&[hk, 4])?)?),
+            last: take(per(checked(&[hk, 4])?)?),
+            hstamp: take(per(checked(&[hk, 4])?)?),
+            total: 0,
+        };
+        Ok(StateLayout { total: off.max(256), ..l })
+    }
+}
+
+/// RefreshKV's device state of an engine: per layer, the state buffer (allocated on first use) and two
+/// counters (full steps, partial steps).
+pub struct RefreshDevice {
+    layers: Mutex<Vec<Option<DevBuf>>>,
+    counters: DevBuf,
+    num_layers: usize,
+}
+
+impl RefreshDevice {
+    pub fn new(num_layers: usize) -> Result<Self> {
+        let bytes = checked(&[num_layers.max(1), 16])?;
+        let counters = DevBuf::alloc(bytes)?;
+        counters.upload(0, &vec![0u8; bytes])?;
+        Ok(RefreshDevice { layers: Mutex::new((0..num_layers).map(|_| None).collect()), counters, num_layers })
+    }
+
+    /// Adds the per-layer step counters to `per_layer` (the caller synchronized the device).
+    pub(super) fn add_counters(&self, per_layer: &mut [Counters]) -> Result<()> {
+        let mut raw = vec![0u8; self.num_layers * 16];
+        self.counters.download(0, &mut raw)?;
+        for (l, c) in per_layer.iter_mut().enumerate().take(self.num_layers) {
+            let at = l * 16;
+            c.refresh_full_steps += u64::from_le_bytes(raw[at..at + 8].try_into().expect("8"));
+            c.refresh_partial_steps += u64::from_le_bytes(raw[at + 8..at + 16].try_into().expect("8"));
+        }
+        Ok(())
+    }
+}
+
+/// CTAs per KV head of the scoring kernel: enough to fill the device several times over at batch 1.
+fn score_ctas(num_sms: usize, hk: usize, max_pos: usize, tp: usize) -> usize {
+    (8 * num_sms).div_ceil(hk.max(1)).clamp(1, max_pos.div_ceil(tp).max(1))
+}
+
+impl CudaBackend {
+    /// Enqueues RefreshKV's decision for a policy call: schedule, scores of the full (and prefill) rows,
+    /// the sets and every decode row's plan `plan` (token-granular, `plan.cap` entries per row).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn refresh_select(
+        &self,
+        a: &ForwardArgs,
+        cache: &KvCache,
+        geo: &Geometry,
+        group: usize,
+        batch: &BatchArg,
+        f: impl Fn(&'static str) -> Result<CUfunction>,
+        ws: u64,
+        rw: &RefreshWs,
+        (slot, slot_gen): (u64, u64),
+        r: &Refresh,
+        plan: PlanRef,
+        row_bytes: i64,
+        ctr: i64,
+    ) -> Result<()> {
+        let (hk, d, ns) = (cache.num_kv_heads, cache.head_dim, geo.num_seqs);
+        let Some(slots) = self.slots.as_ref() else { bail!(Internal, "RefreshKV needs the sequence slot map") };
+        let stream = a.stream;
+        ensure!(r.k < i32::MAX as usize && r.pool < i32::MAX as usize, Unsupported, "refresh(k, pool) too large for 32-bit indices");
+        // The layer's state, allocated once (never inside a capture).
+        let state = {
+            let mut layers = self.refresh.layers.lock();
+            let entry = layers.get_mut(a.layer).ok_or_else(|| Error::new(ErrorKind::OutOfRange, "layer outside the engine"))?;
+            let lay = StateLayout::new(slots.max_seqs(), hk, d, r.k)?;
+            if entry.is_none() {
+                if self.gpu.is_capturing(stream)? {
+                    bail!(InvalidArgument, "RefreshKV's state for layer {} is allocated by the layer's first call, which must not be captured; run one step eagerly first", a.layer);
+                }
+                let buf = DevBuf::alloc(lay.total)?;
+                buf.upload(0, &vec![0u8; lay.total])?;
+                *entry = Some(buf);
+            }
+            (entry.as_ref().expect("allocated above").ptr, lay)
+        };
+        let (base, sl) = state;
+        let at = |o: usize| base + o as u64;
+        let ra = RefreshArgs {
+            qref: at(sl.qref),
+            since: at(sl.since),
+            lstamp: at(sl.lstamp),
+            tok: at(sl.tok),
+            sc: at(sl.sc),
+            cnt: at(sl.cnt),
+            last: at(sl.last),
+            hstamp: at(sl.hstamp),
+            slot,
+            gen: slot_gen,
+            mode: ws + rw.mode as u64,
+            rctr: self.refresh.counters.ptr + (a.layer * 16) as u64,
+            k: r.k as i32,
+            stride: r.stride.min(i32::MAX as usize) as i32,
+            every: r.every.map_or(0, |v| v.min(i32::MAX as usize) as i32),
+            pool: r.pool as i32,
+            s: r.s,
+            hk: hk as i32,
+        };
+        let rows = ns * hk * group;
+        let api = cuda()?;
+        // SAFETY: each region holds `rows` elements of its width (RefreshWs, sized by the caller).
+        unsafe {
+            // -inf's order key (kernels/decide.cuh kvs_order_key).
+            check((api.cuMemsetD32Async)(ws + rw.rmax as u64, 0x007f_ffff, rows, stream), "cuMemsetD32Async")?;
+            check((api.cuMemsetD8Async)(ws + rw.z as u64, 0, rows * 8, stream), "cuMemsetD8Async")?;
+            check((api.cuMemsetD8Async)(ws + rw.bad as u64, 0, rows * 4, stream), "cuMemsetD8Async")?;
+        }
+        let q = &a.query;
+        let mut k = KArgs::new();
+        k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32((hk * group) as i32);
+        k.by_value(&ra).i64(row_bytes).i64(ctr);
+        launch::launch(f("kvs_refresh_decide")?, (ns as u32, 1, 1), 128, &mut k, stream, "kvs_refresh_decide launch")?;
+
+        let (tp, threads) = super::snapkv::scores_shape(d, group);
+        let maxpos = geo.max_pos.max(1);
+        let ctas = score_ctas(self.gpu.num_sms as usize, hk, maxpos, tp);
+        let kc = &cache.k;
+        for phase in 0..3 {
+            let mut k = KArgs::new();
+            k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
+            k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk as i32).i64((ws + rw.mode as u64) as i64);
+            k.i32(phase).i64((ws + rw.rmax as u64) as i64).i64((ws + rw.z as u64) as i64).i64((ws + rw.bad as u64) as i64);
+            k.i64((ws + rw.agg as u64) as i64).i32(maxpos as i32);
+            launch::launch(f("kvs_refresh_scores")?, (ctas as u32, hk as u32, 1), threads as u32, &mut k, stream, "kvs_refresh_scores launch")?;
+        }
+        let mut k = KArgs::new();
+        k.by_value(batch).by_value(&ra).i64((ws + rw.agg as u64) as i64).i64((ws + rw.pooled as u64) as i64).i32(maxpos as i32);
+        k.i64(plan.e as i64).i64(plan.p_s).i64(plan.p_h).i64(plan.len as i64).i32(plan.cap).i64((ws + rw.tmp as u64) as i64);
+        k.i64(row_bytes).i64((d * cache.dtype.size_bytes()) as i64).i64(ctr);
+        launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_refresh_plan launch")
+    }
+}
