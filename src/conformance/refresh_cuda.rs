@@ -23,7 +23,7 @@ use crate::tensor::{DType, Device, TensorRef};
 /// Settings that reach every branch: the similarity check at every step and every other step, a fixed
 /// schedule, wide and no pooling, a set larger than every row (lossless), the paper's defaults.
 pub fn refresh_policies() -> Vec<&'static str> {
-    vec!["refresh(k=64, stride=1, s=0.9)", "refresh(k=200, stride=2, s=0.5, pool=3)", "refresh(k=32, every=3, pool=1)", "refresh(k=100000, stride=1, s=0.95)", "refresh(k=256)"]
+    vec!["refresh(k=64, stride=1, s=0.9)", "refresh(k=200, stride=2, s=0.5, pool=3)", "refresh(k=32, every=3, pool=1)", "refresh(k=4096, stride=1, s=0.95)", "refresh(k=256)"]
 }
 
 /// Query tokens of each sequence's prefill chunk.

@@ -241,6 +241,9 @@ pub struct SparseRow {
     /// SnapKV: its choice at the prefill chunk (the `window` last prompt tokens of every sequence), the
     /// choice kernels alone; NaN for other policies.
     pub choice_us: f64,
+    /// RefreshKV: the fraction of (sequence) steps that ran full while `forward_us` was timed; NaN for
+    /// other policies.
+    pub refresh_full: f64,
 }
 
 /// Keys that attention concentrates on, as in real decoding (heavy hitters): for every (rotation, sequence,
@@ -294,11 +297,14 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let touched = (kv / 8).max(1);
     let rotation = (4 * l2_bytes).div_ceil(touched).clamp(1, 32).min((max_kv_bytes / kv.max(1)).max(1));
     let nb = rotation * p.batch * bps;
+    // Stateful policies (RefreshKV) keep state per sequence: every rotation's sequences have ids of their own.
+    let stateful = crate::policy::Policy::parse(policy)?.device_slots().is_some();
+    let n_ids = rotation * p.batch;
     let mk = |pol: &str| -> Result<Engine> {
         let mut cfg = EngineConfig::new(1, p.hq, p.hk, d, BLOCK, DType::BF16);
         cfg.device = Device::Cuda(0);
         cfg.num_threads = 1;
-        cfg.policy = if pol.is_empty() { String::new() } else { format!("{pol}; dense_layers=0") };
+        cfg.policy = if pol.is_empty() { String::new() } else if stateful { format!("{pol}; dense_layers=0, max_seqs={}", n_ids.max(1)) } else { format!("{pol}; dense_layers=0") };
         Engine::new(cfg)
     };
     let engine = mk(policy)?;
@@ -328,6 +334,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let bt = DevBuf::from_host(bytes(&table))?;
     let seq_lens = DevBuf::from_host(bytes(&vec![p.ctx as i32; p.batch]))?;
     let qsl = DevBuf::from_host(bytes(&(0..=p.batch as i32).collect::<Vec<i32>>()))?;
+    let ids = DevBuf::from_host(bytes(&(0..n_ids as i64).collect::<Vec<i64>>()))?;
     let dev = Device::Cuda(0);
     let v = |ptr: *mut u8, dt, shape: &[i64]| -> Result<TensorRef> {
         // SAFETY: each view addresses exactly its allocation (or a slice of it for a rotation index).
@@ -386,7 +393,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             block_table: v(unsafe { bt.as_ptr().add(r * p.batch * bps * 4) }, DType::I32, &[p.batch as i64, bps as i64])?,
             seq_lens: v(seq_lens.as_ptr(), DType::I32, &[p.batch as i64])?,
             query_start_loc: v(qsl.as_ptr(), DType::I32, &[p.batch as i64 + 1])?,
-            seq_ids: None,
+            seq_ids: if stateful { Some(v(unsafe { ids.as_ptr().add(r * p.batch * 8) }, DType::I64, &[p.batch as i64])?) } else { None },
             out: v(unsafe { out.as_ptr().add(qoff) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
             lse: None,
             scale: 1.0 / (d as f32).sqrt(),
@@ -456,6 +463,9 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let (elig, vis) = ((after.blocks_eligible - before.blocks_eligible) as f64, (after.blocks_visited - before.blocks_visited) as f64);
     let (cand, kept) = ((after.top_p_candidates - before.top_p_candidates) as f64, (after.top_p_kept - before.top_p_kept) as f64);
     let forward_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()))?;
+    let timed = engine.stats().total;
+    let (rf, rp) = (timed.refresh_full_steps - after.refresh_full_steps, timed.refresh_partial_steps - after.refresh_partial_steps);
+    let refresh_full = if rf + rp > 0 { rf as f64 / (rf + rp) as f64 } else { f64::NAN };
     backend.set_bench_phases(true, false);
     let select_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
     backend.set_bench_phases(false, true);
@@ -492,5 +502,6 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         bound_bytes,
         rotation,
         choice_us,
+        refresh_full,
     })
 }

@@ -92,6 +92,9 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                         sel_floor,
                         step_x
                     );
+                    if r.refresh_full.is_finite() {
+                        println!("{:<40} RefreshKV: {:.1}% of the timed steps ran full", "", 100.0 * r.refresh_full);
+                    }
                     if r.choice_us.is_finite() {
                         println!("{:<40} SnapKV's choice at the prefill chunk (window tokens per sequence): {:.1} us", "", r.choice_us);
                     }
