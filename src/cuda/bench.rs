@@ -241,8 +241,9 @@ pub struct SparseRow {
     /// SnapKV: its choice at the prefill chunk (the `window` last prompt tokens of every sequence), the
     /// choice kernels alone; NaN for other policies.
     pub choice_us: f64,
-    /// RefreshKV: the fraction of (sequence) steps that ran full while `forward_us` was timed; NaN for
-    /// other policies.
+    /// Stateful policies: the mean of many consecutive steps (selection + attention), and for RefreshKV the
+    /// fraction of those steps that ran full; NaN for other policies.
+    pub step_mean_us: f64,
     pub refresh_full: f64,
 }
 
@@ -463,9 +464,24 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let (elig, vis) = ((after.blocks_eligible - before.blocks_eligible) as f64, (after.blocks_visited - before.blocks_visited) as f64);
     let (cand, kept) = ((after.top_p_candidates - before.top_p_candidates) as f64, (after.top_p_kept - before.top_p_kept) as f64);
     let forward_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()))?;
-    let timed = engine.stats().total;
-    let (rf, rp) = (timed.refresh_full_steps - after.refresh_full_steps, timed.refresh_partial_steps - after.refresh_partial_steps);
-    let refresh_full = if rf + rp > 0 { rf as f64 / (rf + rp) as f64 } else { f64::NAN };
+    // A stateful policy's steps differ (RefreshKV: full and partial), so a median of groups can miss the
+    // expensive ones: the mean over many consecutive steps (every rotation's sequences alike), and the
+    // fraction of them that ran full.
+    let (step_mean_us, refresh_full) = if stateful {
+        let n = 60 * rotation;
+        let c0 = engine.stats().total;
+        let ms = ev.time(s, || {
+            for i in 0..n {
+                engine.attention_forward(&args[i % rotation])?;
+            }
+            Ok(())
+        })?;
+        let c1 = engine.stats().total;
+        let (rf, rp) = (c1.refresh_full_steps - c0.refresh_full_steps, c1.refresh_partial_steps - c0.refresh_partial_steps);
+        (ms * 1e3 / n as f64, if rf + rp > 0 { rf as f64 / (rf + rp) as f64 } else { f64::NAN })
+    } else {
+        (f64::NAN, f64::NAN)
+    };
     backend.set_bench_phases(true, false);
     let select_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
     backend.set_bench_phases(false, true);
@@ -502,6 +518,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         bound_bytes,
         rotation,
         choice_us,
+        step_mean_us,
         refresh_full,
     })
 }

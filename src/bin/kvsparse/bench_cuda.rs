@@ -93,7 +93,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                         step_x
                     );
                     if r.refresh_full.is_finite() {
-                        println!("{:<40} RefreshKV: {:.1}% of the timed steps ran full", "", 100.0 * r.refresh_full);
+                        println!("{:<40} RefreshKV: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them full", "", 60 * r.rotation, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
                     }
                     if r.choice_us.is_finite() {
                         println!("{:<40} SnapKV's choice at the prefill chunk (window tokens per sequence): {:.1} us", "", r.choice_us);
