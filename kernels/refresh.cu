@@ -125,8 +125,6 @@ extern "C" __global__ void __launch_bounds__(128) kvs_refresh_decide(Batch b, co
 // flags zbad (preset 0); phase 2 writes agg[(s*hk+h)*maxpos + pos] = max over the group of e / z, for
 // pos in lo..=hi. Grid (CTAs per head, hk): each CTA walks the tiles blockIdx.x, blockIdx.x + gridDim.x,
 // ... of every such sequence (uniform loops: every thread reaches every barrier and shuffle).
-#define RF_LOADS ((SNAP_TP * HEAD_DIM + SNAP_THREADS - 1) / SNAP_THREADS)  // K elements per thread per tile
-#define RF_CHUNK (RF_LOADS < 32 ? RF_LOADS : 32)
 extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
                                                                               const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, const int* mode,
                                                                               int phase, unsigned* rmax, unsigned long long* zfix, unsigned* zbad,
@@ -134,7 +132,6 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Ba
     __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
     __shared__ float accs[GROUP][SNAP_TP];
-    __shared__ i64 krow[SNAP_TP];
     const int h = blockIdx.y;
     const int bs = 1 << b.bs_log2;
     const int p = threadIdx.x % SNAP_TP, j = threadIdx.x / SNAP_TP;
@@ -154,32 +151,14 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Ba
         const i64 rows = (i64)(s * hk + h) * GROUP;
         for (int p0 = first + blockIdx.x * SNAP_TP; p0 <= hi; p0 += gridDim.x * SNAP_TP) {
             __syncthreads();  // the previous tile is no longer read (and the queries are staged)
-            // Each position's K row (or -1: masked), then the tile's elements in a fully unrolled loop so
-            // that every thread's loads are in flight together (a loop of dependent block-table and K loads
-            // was latency-bound: about 250 GB/s).
-            if (threadIdx.x < SNAP_TP) {
-                const int pos = p0 + threadIdx.x;
-                i64 off = -1;
+            for (int i = threadIdx.x; i < SNAP_TP * HEAD_DIM; i += blockDim.x) {
+                const int pp = i / HEAD_DIM, c = i % HEAD_DIM, pos = p0 + pp;
+                float v = 0.0f;
                 if (pos >= lo && pos <= hi) {
                     const i64 blk = phys_block(b, s, pos >> b.bs_log2);
-                    if (blk >= 0) off = blk * kc0 + (i64)(pos & (bs - 1)) * kc1 + (i64)h * kc2;
+                    if (blk >= 0) v = ET::ld(kc[blk * kc0 + (i64)(pos & (bs - 1)) * kc1 + (i64)h * kc2 + c]);
                 }
-                krow[threadIdx.x] = off;
-            }
-            __syncthreads();
-            for (int c0 = 0; c0 < RF_LOADS; c0 += RF_CHUNK) {  // at most RF_CHUNK loads in registers
-                float kv[RF_CHUNK];
-#pragma unroll
-                for (int it = 0; it < RF_CHUNK; ++it) {
-                    const int i = threadIdx.x + (c0 + it) * SNAP_THREADS;
-                    const i64 off = c0 + it < RF_LOADS && i < SNAP_TP * HEAD_DIM ? krow[i / HEAD_DIM] : -1;
-                    kv[it] = off >= 0 ? ET::ld(kc[off + i % HEAD_DIM]) : 0.0f;
-                }
-#pragma unroll
-                for (int it = 0; it < RF_CHUNK; ++it) {
-                    const int i = threadIdx.x + (c0 + it) * SNAP_THREADS;
-                    if (c0 + it < RF_LOADS && i < SNAP_TP * HEAD_DIM) ks[i / HEAD_DIM][i % HEAD_DIM] = kv[it];
-                }
+                ks[pp][c] = v;
             }
             __syncthreads();
             const int pos = p0 + p;
