@@ -55,6 +55,10 @@ struct ArtArgs {
     unsigned long long* ctr;  // the layer's device counters (kernels/decide.cuh CTR_*)
     int* tiles_out;           // per (sequence, KV head, split): tiles visited
     int hk, pad;
+    // Priority order (order=priority behind a scored selector): the plan's entries in visiting order,
+    // same layout as the plan (kvs_art_priority, kernels/select.cu); NULL = recency order.
+    const unsigned* order;
+    const int* inv;           // (read by kvs_art_blocks only)
 };
 #define ART_PR (GQ < 8 ? GQ : 8)  // probed rows
 __device__ __forceinline__ float art_lane_sum(float v) {
@@ -160,10 +164,12 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     // ART's order: plan entries [0, nsink) hold sink positions (the plan is in position order), then the
     // others newest first. Visit index i -> entry index.
     int nsink = 0;
-    while (nsink < pl && (int)(pe[nsink] << plan.ulog2) < art.sink_limit) ++nsink;
+    while (!art.order && nsink < pl && (int)(pe[nsink] << plan.ulog2) < art.sink_limit) ++nsink;
 #define ART_ENTRY(i) ((i) < nsink ? (i) : pl - 1 - ((i) - nsink))
+    const unsigned* art_ord = art.order ? art.order + row.seq * plan.p_s + kvh * plan.p_h : nullptr;
+#define PLAN_E(i) (art_ord ? art_ord[i] : pe[ART_ENTRY(i)])
 #else
-#define ART_ENTRY(i) (i)
+#define PLAN_E(i) pe[i]
 #endif
 #else
     int s_lo = split * chunk, s_hi = (split == nsplit - 1) ? 0x7fffffff : (split + 1) * chunk - 1;
@@ -211,7 +217,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             bool ok = pb + key <= s_hi;
             if (ok) {
                 const int g = pb + key;
-                p = (int)((pe[ART_ENTRY(g >> plan.ulog2)] << plan.ulog2) | (unsigned)(g & umask));
+                p = (int)((PLAN_E(g >> plan.ulog2) << plan.ulog2) | (unsigned)(g & umask));
                 ok = p >= row.lo && p <= row.hi;
             }
 #else

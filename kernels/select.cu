@@ -796,7 +796,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch
 // counts as visited when its first slot lies in its split's visited prefix (`done` tiles of 64 slots), or
 // a later split it reaches visited anything. One CTA per (KV head, sequence).
 extern "C" __global__ void kvs_art_blocks(Batch b, int hk, const unsigned* plan, i64 p_s, i64 p_h, const int* plan_len, int cap, int ulog2,
-                                          int sink_limit, const int* tiles, int nsplit, int chunk, unsigned long long* ctr) {
+                                          int sink_limit, const int* tiles, int nsplit, int chunk, const int* inv, unsigned long long* ctr) {
     __shared__ unsigned long long red[32];
     const int s = blockIdx.y, h = blockIdx.x;
     const SeqRow r = seq_row(b, s);
@@ -805,10 +805,12 @@ extern "C" __global__ void kvs_art_blocks(Batch b, int hk, const unsigned* plan,
     const int pl = min(max(plan_len[s * hk + h], 0), cap);
     const int per = 1 << ulog2;
     const int* done = tiles + (i64)(s * hk + h) * nsplit;
+    // Visit index of entry j: the priority order's inverse (kvs_art_priority), else recency.
+    const int* iv = inv ? inv + s * p_s + h * p_h : nullptr;
     int nsink = 0;
-    while (nsink < pl && (int)(pe[nsink] << ulog2) < sink_limit) ++nsink;
+    while (!iv && nsink < pl && (int)(pe[nsink] << ulog2) < sink_limit) ++nsink;
     auto visited = [&](int j) {
-        const i64 a = (i64)(j < nsink ? j : nsink + (pl - 1 - j)) * per;
+        const i64 a = (i64)(iv ? iv[j] : (j < nsink ? j : nsink + (pl - 1 - j))) * per;
         const int k0 = (int)(a / chunk);
         if (k0 >= nsplit) return false;
         if (a - (i64)k0 * chunk < (i64)done[k0] * 64) return true;
@@ -842,5 +844,75 @@ extern "C" __global__ void kvs_art_blocks(Batch b, int hk, const unsigned* plan,
     if (threadIdx.x == 0 && all > seen) {
         atomicAdd(&ctr[CTR_BLOCKS_VISITED], (unsigned long long)(-(long long)(all - seen)));
         atomicAdd(&ctr[CTR_BLOCKS_SKIPPED_TERMINATION], all - seen);
+    }
+}
+
+// ART's priority order behind Quest (order=priority; termination::order_entries on the CPU): per (sequence,
+// KV head) the plan's entries (absolute pages, position order) in visiting order: entries below
+// `sink_limit` first (position order), then the newest entry (the row's own page), then the rest by their
+// page's Quest score, highest first; ties, and NaN scores (as -inf), by recency (the later page first).
+// Sorted as unique 64-bit keys (order key of the score, entry index) by a bitonic sort in dynamic shared
+// memory of `n2` keys (a power of two >= the plan's capacity). Writes order[i] = the entry value visited
+// i-th and inv[j] = the visit index of entry j, both in the plan's layout.
+extern "C" __global__ void __launch_bounds__(512) kvs_art_priority(Batch b, int hk, const unsigned* plan, i64 p_s, i64 p_h, const int* plan_len,
+                                                                   int cap, int sink_limit, int page, const float* scores, int maxp,
+                                                                   unsigned* order, int* inv, int n2) {
+    extern __shared__ unsigned long long akey[];
+    __shared__ int sm_nsink;
+    const int s = blockIdx.y, h = blockIdx.x;
+    const SeqRow r = seq_row(b, s);
+    if (!r.decode || r.hi < r.lo) return;
+    const unsigned* pe = plan + s * p_s + h * p_h;
+    unsigned* od = order + s * p_s + h * p_h;
+    int* iv = inv + s * p_s + h * p_h;
+    const int pl = min(max(plan_len[s * hk + h], 0), cap);
+    if (pl == 0) return;
+    // Entries are in position order, so the sink entries are a prefix: count them.
+    if (threadIdx.x == 0) sm_nsink = 0;
+    __syncthreads();
+    int mine = 0;
+    for (int j = threadIdx.x; j < pl; j += blockDim.x) mine += (i64)pe[j] * page < (i64)sink_limit;
+    if (mine) atomicAdd(&sm_nsink, mine);
+    __syncthreads();
+    const int nsink = sm_nsink;
+    const int rest = max(pl - 1 - nsink, 0);
+    const int fp = r.lo / page;
+    const float* sc = scores + (i64)(s * hk + h) * maxp;
+    for (int i = threadIdx.x; i < n2; i += blockDim.x) {
+        unsigned long long k = 0ull;
+        if (i < rest) {
+            const int j = nsink + i;
+            const int pi = (int)pe[j] - fp;
+            float x = (pi >= 0 && pi < maxp) ? sc[pi] : -INFINITY;
+            if (x != x) x = -INFINITY;
+            k = ((unsigned long long)kvs_order_key(x) << 32) | (unsigned)j;
+        }
+        akey[i] = k;
+    }
+    __syncthreads();
+    // Bitonic sort, descending.
+    for (int size = 2; size <= n2; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < n2; i += blockDim.x) {
+                const int p = i ^ stride;
+                if (p > i) {
+                    const bool desc = (i & size) == 0;
+                    const unsigned long long a = akey[i], c = akey[p];
+                    if (desc ? (a < c) : (a > c)) {
+                        akey[i] = c;
+                        akey[p] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int i = threadIdx.x; i < pl; i += blockDim.x) {
+        int j;
+        if (i < nsink) j = i;
+        else if (i == nsink) j = pl - 1;
+        else j = (int)(akey[i - nsink - 1] & 0xffffffffull);
+        od[i] = pe[j];
+        iv[j] = i;
     }
 }

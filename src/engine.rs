@@ -79,6 +79,8 @@ pub struct Engine {
     cfg: EngineConfig,
     policy: Policy,
     pool: rayon::ThreadPool,
+    /// CPU engines: the pool of the dense path (cpu::spin_pool), same thread count as `pool`.
+    spin: Option<crate::cpu::spin_pool::SpinPool>,
     sequences: Registry,
     /// Key metadata (Quest min/max, INT4 K) maintained on cache writes for the policy's needs.
     meta: CacheMeta,
@@ -122,9 +124,14 @@ impl Engine {
             .thread_name(|i| format!("kvsparse-{i}"))
             .build()
             .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?;
+        // The dense decode hot path's pool (the caller takes part, workers spin between calls): CPU only.
+        let spin = match cfg.device {
+            Device::Cpu => Some(crate::cpu::spin_pool::SpinPool::new(threads).map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?),
+            Device::Cuda(_) => None,
+        };
         let per_layer = alloc::try_vec(cfg.num_layers, Counters::default(), "per-layer statistics")?;
         let meta = CacheMeta::new(policy.meta_needs(), cfg.num_layers)?;
-        Ok(Engine { cfg, policy, pool, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), cuda, spec_budgets: parking_lot::RwLock::new(None), predictor })
+        Ok(Engine { cfg, policy, pool, spin, sequences: Registry::default(), meta, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), cuda, spec_budgets: parking_lot::RwLock::new(None), predictor })
     }
 
     /// The CUDA backend, when the engine runs on a GPU (benchmarks and tests use its helpers).
@@ -192,7 +199,7 @@ impl Engine {
     }
 
     fn call_ctx(&self) -> CallCtx<'_> {
-        CallCtx { cfg: &self.cfg, policy: &self.policy, pool: &self.pool, sequences: &self.sequences, meta: &self.meta, visits: &self.visits, spec_budgets: &self.spec_budgets, predictor: self.predictor.as_deref() }
+        CallCtx { cfg: &self.cfg, policy: &self.policy, pool: &self.pool, spin: self.spin.as_ref().expect("CPU engines have a spin pool"), sequences: &self.sequences, meta: &self.meta, visits: &self.visits, spec_budgets: &self.spec_budgets, predictor: self.predictor.as_deref() }
     }
 
     fn record(&self, layer: usize, c: &Counters) {

@@ -128,7 +128,7 @@ fn cuda_sparse_decode_step_graph_replays_on_new_data() {
         return;
     }
     let seed = Rng::fresh_seed();
-    for pol in ["quest(budget=256, sink=16)", "quest(budget=512) > top_p(p=0.95)", "streaming(sink=4, recent=300)", "all > top_p(p=0.9)", "snapkv(budget=256) > top_p(p=0.9)", "art(tau=1e-3, phi=1e-2, patience=2)", "streaming(sink=4, recent=1000) > art(tau=1e-3, phi=1e-2, patience=2)", "art(patience=inf)", "art(tau=1e-3, phi=1e-2, patience=2, segment=512)"] {
+    for pol in ["quest(budget=256, sink=16)", "quest(budget=512) > top_p(p=0.95)", "streaming(sink=4, recent=300)", "all > top_p(p=0.9)", "snapkv(budget=256) > top_p(p=0.9)", "art(tau=1e-3, phi=1e-2, patience=2)", "streaming(sink=4, recent=1000) > art(tau=1e-3, phi=1e-2, patience=2)", "art(patience=inf)", "art(tau=1e-3, phi=1e-2, patience=2, segment=512)", "quest(budget=256, sink=16) > art(tau=1e-3, phi=1e-2, patience=2)"] {
         let (rows, mism) = sparse_graph_replay(&decode_only(), pol, seed, seed.wrapping_add(7919)).unwrap_or_else(|e| panic!("{pol}: {e}"));
         println!("graph {pol:<40} rows {rows} {}", if mism.is_none() { "replay == eager" } else { "DIFF" });
         assert!(rows > 0 && mism.is_none(), "{pol} (seed {seed}): {mism:?}");
@@ -193,13 +193,17 @@ fn cuda_art_stops_at_the_cpu_engine_tile() {
         CaseSpec::new("art-h64-f16-gqa3-bs16", DType::F16, 64, 9, 3, 16, vec![(1, 65), (1, 777), (1, 2047), (1, 3000)]),
         CaseSpec::new("art-h128-f16-gqa16-bs32", DType::F16, 128, 16, 1, 32, vec![(1, 129), (1, 1000), (1, 2500)]),
     ];
-    let pols: [(&str, fn(f64) -> String); 6] = [
+    let pols: [(&str, fn(f64) -> String); 9] = [
         ("art(1e-3, 1e-2, 2)", |s| format!("art(tau={}, phi={}, patience=2)", 1e-3 * s, 1e-2 * s)),
         ("art(3e-3, 3e-2, 1)", |s| format!("art(tau={}, phi={}, patience=1)", 3e-3 * s, 3e-2 * s)),
         ("art(1e-5, 1e-3, 5)", |s| format!("art(tau={}, phi={}, patience=5)", 1e-5 * s, 1e-3 * s)),
         ("streaming > art(1e-3, 1e-2, 2)", |s| format!("streaming(sink=4, recent=1000) > art(tau={}, phi={}, patience=2)", 1e-3 * s, 1e-2 * s)),
         ("art(1e-3, 1e-2, 2, seg 256)", |s| format!("art(tau={}, phi={}, patience=2, segment=256)", 1e-3 * s, 1e-2 * s)),
         ("streaming > art(3e-3, 3e-2, 1, seg 128)", |s| format!("streaming(sink=4, recent=1000) > art(tau={}, phi={}, patience=1, segment=128)", 3e-3 * s, 3e-2 * s)),
+        // Quest's priority order (its page scores, sorted on the device) and its recency order.
+        ("quest(512) > art(1e-3, 1e-2, 2)", |s| format!("quest(budget=512) > art(tau={}, phi={}, patience=2)", 1e-3 * s, 1e-2 * s)),
+        ("quest(1024, sink=16, page=8) > art(3e-3, 3e-2, 1, seg 128)", |s| format!("quest(budget=1024, sink=16, page=8) > art(tau={}, phi={}, patience=1, segment=128)", 3e-3 * s, 3e-2 * s)),
+        ("quest(512) > art(recent, 1e-3, 1e-2, 2)", |s| format!("quest(budget=512) > art(tau={}, phi={}, patience=2, order=recent)", 1e-3 * s, 1e-2 * s)),
     ];
     let (mut rows, mut same, mut border, mut early) = (0, 0, 0, 0);
     for (i, spec) in specs.iter().enumerate() {
@@ -227,7 +231,7 @@ fn cuda_refuses_policies_it_cannot_run_at_engine_creation() {
     if !have_cuda("cuda_refuses") {
         return;
     }
-    for pol in ["quest(budget=256) > art()", "snapkv(budget=256) > art()", "speculate(over=quest(budget=256))"] {
+    for pol in ["quest(budget=256) > top_p(p=0.9) > art()", "snapkv(budget=256) > art()", "art(order=priority)", "speculate(over=quest(budget=256))"] {
         let mut cfg = kvsparse::EngineConfig::new(2, 8, 2, 128, 16, DType::BF16);
         cfg.device = Device::Cuda(0);
         cfg.policy = pol.into();

@@ -25,6 +25,7 @@ pub struct CallCtx<'a> {
     pub cfg: &'a EngineConfig,
     pub policy: &'a Policy,
     pub pool: &'a rayon::ThreadPool,
+    pub spin: &'a crate::cpu::spin_pool::SpinPool,
     pub sequences: &'a Registry,
     pub meta: &'a CacheMeta,
     pub visits: &'a Mutex<Option<Vec<VisitRecord>>>,
@@ -145,7 +146,7 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
             st.lock().policy.refresh_layers.insert(a.layer, crate::policy::refresh::RefreshLayer { q_ref: qm, since_full: 0 });
         }
     }
-    cpu::forward::dense_forward(&io, &dense_seqs, &e.pool);
+    cpu::forward::dense_forward(&io, &dense_seqs, e.spin);
 
     if let Some(p) = pipeline {
         if !policy_seqs.is_empty() {

@@ -4,10 +4,9 @@
 //! Also home of the small helpers every CPU path shares: loading a GQA group's query rows and writing
 //! finished rows (output and LSE) back to the caller's tensors.
 
-use rayon::prelude::*;
-
 use super::attention::{attend_spans_heads, AttnParams, RowLimits, RowsState, SeqKv};
 use super::convert::{load_row, store_row, Portable};
+use super::spin_pool::SpinPool;
 use crate::layout::{Batch, KvCache, SeqDesc};
 use crate::tensor::TensorRef;
 
@@ -109,7 +108,7 @@ const MIN_SPLIT_KEYS: usize = 512;
 /// Work items are (sequence, tile of query tokens), each covering all KV heads so the cache is read in
 /// address order. When there are fewer items than twice the threads (small decode batches), each item's
 /// key range is split and the partial states are merged exactly afterwards (split-KV).
-pub fn dense_forward(io: &ForwardIo, seqs: &[usize], pool: &rayon::ThreadPool) {
+pub fn dense_forward(io: &ForwardIo, seqs: &[usize], pool: &SpinPool) {
     let g = io.group();
     let tile_tokens = (TILE_ROWS / g).max(1);
     let mut units = Vec::new();
@@ -124,7 +123,7 @@ pub fn dense_forward(io: &ForwardIo, seqs: &[usize], pool: &rayon::ThreadPool) {
             t0 = t1;
         }
     }
-    let threads = pool.current_num_threads();
+    let threads = pool.threads();
     let wanted = 2 * threads;
     if units.len() >= wanted || threads <= 1 {
         // Longest first, so the pool does not end waiting for one long prefill tile.
@@ -146,7 +145,9 @@ pub fn dense_forward(io: &ForwardIo, seqs: &[usize], pool: &rayon::ThreadPool) {
             k0 = k1;
         }
     }
-    let partials: Vec<Vec<RowsState>> = pool.install(|| items.par_iter().map(|it| attend_item(io, it, &mut Vec::new(), &mut Vec::new())).collect());
+    let slots: Vec<parking_lot::Mutex<Option<Vec<RowsState>>>> = items.iter().map(|_| parking_lot::Mutex::new(None)).collect();
+    pool.run(items.len(), &|i| *slots[i].lock() = Some(attend_item(io, &items[i], &mut Vec::new(), &mut Vec::new())));
+    let partials = slots.into_iter().map(|s| s.into_inner().expect("every item ran"));
     let mut merged: Vec<Option<Vec<RowsState>>> = vec![None; units.len()];
     for (p, &u) in partials.into_iter().zip(&unit_of) {
         match &mut merged[u] {
@@ -180,17 +181,15 @@ fn attend_item(io: &ForwardIo, it: &Item, lim: &mut Vec<RowLimits>, qs_spare: &m
 }
 
 /// Runs items in parallel, handing each finished set of per-head states to `finish`.
-fn run_items(io: &ForwardIo, items: &[Item], pool: &rayon::ThreadPool, finish: impl Fn(&[RowsState], &Item, &mut Vec<f32>) + Sync) {
+fn run_items(io: &ForwardIo, items: &[Item], pool: &SpinPool, finish: impl Fn(&[RowsState], &Item, &mut Vec<f32>) + Sync) {
     let run = |it: &Item, lim: &mut Vec<RowLimits>, qs: &mut Vec<Vec<f32>>, row: &mut Vec<f32>| {
         let st = attend_item(io, it, lim, qs);
         finish(&st, it, row);
     };
-    if items.len() <= 1 || pool.current_num_threads() <= 1 {
+    if items.len() <= 1 || pool.threads() <= 1 {
         let (mut lim, mut qs, mut row) = (Vec::new(), Vec::new(), Vec::new());
         items.iter().for_each(|it| run(it, &mut lim, &mut qs, &mut row));
         return;
     }
-    pool.install(|| {
-        items.par_iter().for_each_init(|| (Vec::new(), Vec::new(), Vec::new()), |(lim, qs, row), it| run(it, lim, qs, row));
-    });
+    pool.run(items.len(), &|i| run(&items[i], &mut Vec::new(), &mut Vec::new(), &mut Vec::new()));
 }

@@ -14,3 +14,4 @@ pub mod metadata;
 pub mod quantize;
 pub mod snapkv;
 pub mod sparse;
+pub mod spin_pool;

@@ -87,6 +87,10 @@ pub struct ArtLaunch {
     pub hk: i32,
     /// Keys per segment (`art(segment=...)`), 0 = one segment.
     pub segment: i32,
+    /// Priority order (behind Quest): the plan's entries in visiting order and the inverse permutation,
+    /// written by `kvs_art_priority`; 0 = recency order.
+    pub order: u64,
+    pub inv: u64,
 }
 
 /// Largest GQA group the selection kernels stage in shared memory.
@@ -95,13 +99,17 @@ pub const MAX_POLICY_GROUP: usize = 16;
 /// Whether the CUDA backend runs pipeline `p` (the engine refuses the others at creation).
 pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> {
     if let Some(a) = p.art {
-        // In the kernel: recency order over `all` / `streaming` plans, the paper's probe. Priority order
-        // (quest, snapkv, top_p) needs the plan sorted by score on the device (not built).
-        if !matches!(p.selector, Selector::All | Selector::Streaming { .. }) || p.top_p.is_some() {
-            return Err("`art` on the CUDA backend runs behind `all` or `streaming` only (priority order is not built yet)".into());
+        // In the kernel: recency order over `all` / `streaming` / `quest` plans, and Quest's priority order
+        // (its page scores sorted on the device, kvs_art_priority), the paper's probe. Priority by SnapKV's
+        // pooled scores or top-p's estimated mass is not built (those scores are not kept on the device).
+        if !matches!(p.selector, Selector::All | Selector::Streaming { .. } | Selector::Quest { .. }) || p.top_p.is_some() {
+            return Err("`art` on the CUDA backend runs behind `all`, `streaming` or `quest` only (ART behind `snapkv` or `top_p` needs their scores on the device, not built yet)".into());
         }
-        if a.order != crate::policy::Order::Recent || a.probe != crate::policy::Probe::Lanes {
-            return Err("`art` on the CUDA backend supports order=recent (auto) and probe=lanes only".into());
+        if a.probe != crate::policy::Probe::Lanes {
+            return Err("`art` on the CUDA backend supports probe=lanes only".into());
+        }
+        if a.order == crate::policy::Order::Priority && !matches!(p.selector, Selector::Quest { .. }) {
+            return Err("`art(order=priority)` on the CUDA backend needs a scored selector (quest)".into());
         }
     }
     if group > MAX_POLICY_GROUP {
@@ -117,7 +125,7 @@ pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> 
 /// `prepare_head`): `streaming.sink`, else position 0.
 fn art_sink_limit(p: &Pipeline) -> i32 {
     match p.selector {
-        Selector::Streaming { sink, .. } => sink.clamp(1, i32::MAX as usize) as i32,
+        Selector::Streaming { sink, .. } | Selector::Quest { sink, .. } => sink.clamp(1, i32::MAX as usize) as i32,
         _ => 1,
     }
 }
@@ -140,6 +148,8 @@ struct LastPlan {
     /// ART: the per-(sequence, KV head, split) tiles visited, the sink limit of the order, the splits
     /// and the segment (keys per split).
     art: Option<(u64, usize, usize, Option<u32>)>,
+    /// ART's priority order (entries in visiting order, the plan's layout), 0 = recency.
+    art_order: u64,
 }
 
 impl SparseState {
@@ -164,6 +174,9 @@ pub(super) struct WsLayout {
     base_len: usize,
     scores: usize,
     art_tiles: usize,
+    /// ART's priority order (behind Quest): the ordered entries and their inverse, in the plan's layout.
+    art_order: usize,
+    art_inv: usize,
     logits: usize,
     w: usize,
     /// SnapKV's choice (calls that may hold a prefill chunk): per (seq, head) rows' max keys, fixed-point
@@ -222,6 +235,14 @@ impl CudaBackend {
         let art_nsplit = p.art.map_or(1, |art| super::plan::art_splits(fin.cap << fin.ulog2, art.segment).0);
         ensure!(art_nsplit < 65536, Unsupported, "`art(segment=...)` would split a row into {art_nsplit} segments; at most 65535 (use a larger segment)");
         lay.art_tiles = take(checked(&[ns, hk, art_nsplit, 4])?);
+        let art_priority = p.art.is_some_and(|art| art.order == crate::policy::Order::Priority);
+        // The bitonic sort of kvs_art_priority holds a power of two >= the plan's capacity of 8-byte keys.
+        let art_n2 = fin.cap.next_power_of_two();
+        if art_priority {
+            ensure!(art_n2 * 8 + 1024 <= self.gpu.smem_optin as usize, Unsupported, "`art(order=priority)` on the CUDA backend sorts a row's plan in shared memory: {} entries is more than this device holds (use a smaller budget or order=recent)", fin.cap);
+            lay.art_order = take(checked(&[rows_of(&fin), fin.cap, 4])?);
+            lay.art_inv = take(checked(&[rows_of(&fin), fin.cap, 4])?);
+        }
         let quest_pages = match p.selector {
             Selector::Quest { page, .. } => Some((page, geo.max_pos.div_ceil(page) + 1)),
             _ => None,
@@ -363,6 +384,19 @@ impl CudaBackend {
                 k.i64(scores as i64).i32(maxp as i32).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base);
                 k.i32(smem_keys as i32).i64(ctr);
                 launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), 512, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")?;
+                if art_priority {
+                    let f_ord = f("kvs_art_priority")?;
+                    let smem = art_n2 * 8;
+                    if smem > 48 * 1024 && !self.smem_ready.lock().contains(&(f_ord as usize)) {
+                        launch::allow_dynamic_smem(f_ord, (self.gpu.smem_optin as usize).saturating_sub(1024))?;
+                        self.smem_ready.lock().insert(f_ord as usize);
+                    }
+                    let mut k = KArgs::new();
+                    k.by_value(&batch).i32(hk as i32).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap);
+                    k.i32(art_sink_limit(p)).i32(page as i32).i64(scores as i64).i32(maxp as i32);
+                    k.i64((ws + lay.art_order as u64) as i64).i64((ws + lay.art_inv as u64) as i64).i32(art_n2 as i32);
+                    launch::launch_smem(f_ord, (hk as u32, ns as u32, 1), 512, smem as u32, &mut k, stream, "kvs_art_priority launch")?;
+                }
             }
             Selector::SnapKv { budget, window, pool } => {
                 let m = meta.expect("snapkv metadata checked above");
@@ -417,6 +451,8 @@ impl CudaBackend {
                 tiles_out: ws + lay.art_tiles as u64,
                 hk: hk as i32,
                 segment: art.segment.map_or(0, |v| v.min(i32::MAX as u32) as i32),
+                order: if art_priority { ws + lay.art_order as u64 } else { 0 },
+                inv: if art_priority { ws + lay.art_inv as u64 } else { 0 },
             });
             // ART walks the plan in its segments (art_splits): the key bound is the plan's capacity.
             let keys = if art.is_some() { fin.cap << fin.ulog2 } else { keys };
@@ -426,13 +462,19 @@ impl CudaBackend {
                 let (nsplit, chunk) = super::plan::art_splits(keys, art.segment);
                 let mut k = KArgs::new();
                 k.by_value(&batch).i32(hk as i32).i64(fin_ref.e as i64).i64(fin_ref.p_s).i64(fin_ref.p_h).i64(fin_ref.len as i64).i32(fin_ref.cap).i32(fin_ref.ulog2);
-                k.i32(art_sink_limit(p)).i64((ws + lay.art_tiles as u64) as i64).i32(nsplit as i32).i32(chunk.min(i32::MAX as usize) as i32).i64(ctr);
+                k.i32(art_sink_limit(p)).i64((ws + lay.art_tiles as u64) as i64).i32(nsplit as i32).i32(chunk.min(i32::MAX as usize) as i32);
+                k.i64(if art_priority { (ws + lay.art_inv as u64) as i64 } else { 0 }).i64(ctr);
                 launch::launch(f("kvs_art_blocks")?, (hk as u32, ns as u32, 1), 256, &mut k, stream, "kvs_art_blocks launch")?;
             }
         }
         // The workspace stays locked until the launches that read it are enqueued.
         drop(ws_map);
-        *self.sparse.last.lock() = Some(LastPlan { plan: fin_ref, num_seqs: ns, art: p.art.map(|art| (ws + lay.art_tiles as u64, art_sink_limit(p) as usize, art_nsplit, art.segment)) });
+        *self.sparse.last.lock() = Some(LastPlan {
+            plan: fin_ref,
+            num_seqs: ns,
+            art: p.art.map(|art| (ws + lay.art_tiles as u64, art_sink_limit(p) as usize, art_nsplit, art.segment)),
+            art_order: if art_priority { ws + lay.art_order as u64 } else { 0 },
+        });
         Ok(())
     }
 
@@ -519,9 +561,15 @@ impl CudaBackend {
                 let mut tiles_rec = None;
                 match (&art_tiles, last.art) {
                     (Some(t), Some((_, sink_limit, nsplit, segment))) => {
-                        // The kernel's order (recency) and tiles; each split (segment) cut where it stopped.
+                        // The kernel's order (priority: as kvs_art_priority wrote it; else recency) and tiles;
+                        // each split (segment) cut where it stopped.
                         let mut order = Vec::new();
-                        crate::policy::termination::order_entries(&plan, sink_limit, crate::policy::Order::Recent, |_| f32::NAN, &mut order);
+                        if last.art_order != 0 {
+                            download_raw(last.art_order + ((s as i64 * pr.p_s + h as i64 * pr.p_h) * 4) as u64, &mut entries[..n * 4])?;
+                            order.extend(entries[..n * 4].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))));
+                        } else {
+                            crate::policy::termination::order_entries(&plan, sink_limit, crate::policy::Order::Recent, |_| f32::NAN, &mut order);
+                        }
                         let mut tiles = crate::policy::termination::Tiles::default();
                         tiles.build(&order, plan.unit_log2, lo, hi);
                         let seg_tiles = segment.map_or(usize::MAX, |k| k as usize / crate::policy::termination::ART_TILE);

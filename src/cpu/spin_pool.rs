@@ -1,0 +1,256 @@
+//! A fork-join pool for the CPU decode hot path whose caller takes part and whose workers spin briefly
+//! between calls before they sleep.
+//!
+//! Why not the rayon pool there: a decode step calls attention once per layer with ~0.1 ms of other work
+//! (the model's Python) in between, and each call is small (0.1–5 ms). Handing such a call to a sleeping
+//! rayon worker costs a wake-up: measured on the 2-vCPU VM (examples/cpu_gap_probe.rs), a 256-key call
+//! took 196 µs on one thread and 372 µs on two — the hand-off alone cost more than the work, and at 2K
+//! keys two threads were only 1.1–1.4× one. OpenMP runtimes (vLLM's CPU attention) avoid this by spinning
+//! after a parallel region; this pool does the same for a bounded time (`KVS_SPIN_US`, default 1000 µs),
+//! then parks, and the caller works on the items itself, so a call is never slower than running it
+//! alone while a worker wakes up.
+//!
+//! Safety protocol: the job lives on the caller's stack. Workers join it under the slot's mutex (counting
+//! themselves in `in_flight`); the caller, once the items are taken, empties the slot under the same mutex
+//! and waits for `in_flight == 0`, so no worker touches the job after the caller returns. A panic in an
+//! item is caught in the worker and re-raised on the caller after the others finished.
+
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+type Item<'a> = dyn Fn(usize) + Sync + 'a;
+
+struct Job {
+    n: usize,
+    next: AtomicUsize,
+    in_flight: AtomicUsize,
+    /// The caller's closure, lifetime erased; valid while the job is in the slot or `in_flight > 0`.
+    f: *const Item<'static>,
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
+}
+
+// SAFETY: `f` is Sync and outlives every use (see the protocol above).
+unsafe impl Send for Job {}
+unsafe impl Sync for Job {}
+
+impl Job {
+    /// Takes items until none are left.
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.n {
+                return;
+            }
+            // SAFETY: see the protocol: the caller keeps the closure alive while items are being run.
+            let f = unsafe { &*self.f };
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+                self.panic.lock().get_or_insert(p);
+                // Leave the rest to the caller's re-raise: stop handing out items.
+                self.next.store(self.n, Ordering::Relaxed);
+                return;
+            }
+        }
+    }
+}
+
+struct Shared {
+    /// Pointer to the current job (None between calls).
+    slot: Mutex<Option<*const Job>>,
+    epoch: AtomicU64,
+    stop: AtomicBool,
+    spin: Duration,
+    /// Per worker: parked (or about to park) and its handle.
+    sleeping: Vec<AtomicBool>,
+    threads: Mutex<Vec<Thread>>,
+}
+
+// SAFETY: the raw job pointer is only dereferenced under the protocol above.
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+/// `threads - 1` workers plus the calling thread.
+pub struct SpinPool {
+    shared: Arc<Shared>,
+    handles: Vec<JoinHandle<()>>,
+}
+
+fn spin_time() -> Duration {
+    let us = std::env::var("KVS_SPIN_US").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1000);
+    Duration::from_micros(us.min(1_000_000))
+}
+
+impl SpinPool {
+    /// A pool that runs items on `threads` threads in all (the caller included). Fails only if the OS
+    /// refuses a thread.
+    pub fn new(threads: usize) -> std::io::Result<Self> {
+        let workers = threads.saturating_sub(1);
+        let shared = Arc::new(Shared {
+            slot: Mutex::new(None),
+            epoch: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            spin: spin_time(),
+            sleeping: (0..workers).map(|_| AtomicBool::new(false)).collect(),
+            threads: Mutex::new(Vec::new()),
+        });
+        let mut handles = Vec::with_capacity(workers);
+        for w in 0..workers {
+            let sh = shared.clone();
+            let h = std::thread::Builder::new().name(format!("kvsparse-spin-{w}")).spawn(move || worker(&sh, w))?;
+            shared.threads.lock().push(h.thread().clone());
+            handles.push(h);
+        }
+        Ok(SpinPool { shared, handles })
+    }
+
+    /// Threads that run items (workers + the caller).
+    pub fn threads(&self) -> usize {
+        self.handles.len() + 1
+    }
+
+    /// Runs `f(0) .. f(n - 1)` on the pool and the calling thread; returns when all have run. A panic in
+    /// an item is re-raised here.
+    pub fn run<'a>(&self, n: usize, f: &(dyn Fn(usize) + Sync + 'a)) {
+        if n == 0 {
+            return;
+        }
+        if n == 1 || self.handles.is_empty() {
+            (0..n).for_each(f);
+            return;
+        }
+        // SAFETY: lifetime erasure only; the job is emptied and drained before this function returns.
+        let f_static: *const Item<'static> = unsafe { std::mem::transmute::<*const Item<'a>, *const Item<'static>>(f as *const Item<'a>) };
+        let job = Job {
+            n,
+            next: AtomicUsize::new(0),
+            in_flight: AtomicUsize::new(0),
+            f: f_static,
+            panic: Mutex::new(None),
+        };
+        *self.shared.slot.lock() = Some(&job as *const Job);
+        self.shared.epoch.fetch_add(1, Ordering::SeqCst);
+        let threads = self.shared.threads.lock();
+        for (w, t) in threads.iter().enumerate() {
+            if self.shared.sleeping[w].load(Ordering::SeqCst) {
+                t.unpark();
+            }
+        }
+        drop(threads);
+        job.work();
+        // No new joiners; wait for the ones inside.
+        *self.shared.slot.lock() = None;
+        while job.in_flight.load(Ordering::Acquire) != 0 {
+            std::hint::spin_loop();
+        }
+        let panicked = job.panic.lock().take();
+        if let Some(p) = panicked {
+            resume_unwind(p);
+        }
+    }
+}
+
+fn worker(sh: &Shared, w: usize) {
+    let mut seen = sh.epoch.load(Ordering::SeqCst);
+    loop {
+        // Wait for a new job: spin for a while, then park.
+        let t0 = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if sh.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let e = sh.epoch.load(Ordering::SeqCst);
+            if e != seen {
+                seen = e;
+                break;
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 64 == 0 && t0.elapsed() >= sh.spin {
+                sh.sleeping[w].store(true, Ordering::SeqCst);
+                // Re-check after announcing: a job posted in between unparks us (or we see its epoch).
+                if sh.epoch.load(Ordering::SeqCst) == seen && !sh.stop.load(Ordering::SeqCst) {
+                    std::thread::park_timeout(Duration::from_millis(100));
+                }
+                sh.sleeping[w].store(false, Ordering::SeqCst);
+                continue;
+            }
+            std::hint::spin_loop();
+        }
+        // Join the job if it is still open.
+        let job = {
+            let slot = sh.slot.lock();
+            match *slot {
+                Some(j) => {
+                    // SAFETY: the job is alive while it is in the slot; counted before the lock is released.
+                    unsafe { (*j).in_flight.fetch_add(1, Ordering::AcqRel) };
+                    Some(j)
+                }
+                None => None,
+            }
+        };
+        if let Some(j) = job {
+            // SAFETY: in_flight > 0 keeps the caller waiting, so the job stays alive.
+            let j = unsafe { &*j };
+            j.work();
+            j.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for SpinPool {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        for t in self.shared.threads.lock().iter() {
+            t.unpark();
+        }
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_every_item_once_from_many_calls() {
+        let pool = SpinPool::new(3).unwrap();
+        for n in [0usize, 1, 2, 7, 100] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
+        }
+        // After the workers fell asleep, calls still complete.
+        std::thread::sleep(Duration::from_millis(5));
+        let sum = AtomicUsize::new(0);
+        pool.run(10, &|i| {
+            sum.fetch_add(i, Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), 45);
+    }
+
+    #[test]
+    fn a_panicking_item_is_reraised_on_the_caller_and_the_pool_survives() {
+        let pool = SpinPool::new(2).unwrap();
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(50, &|i| {
+                if i == 17 {
+                    panic!("item 17");
+                }
+            })
+        }));
+        assert!(r.is_err());
+        let count = AtomicUsize::new(0);
+        pool.run(8, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 8);
+    }
+}
