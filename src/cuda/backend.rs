@@ -74,6 +74,8 @@ pub struct CudaBackend {
     pub meta: DeviceMeta,
     /// Policy state on the device: plans, scores and counters (see `sparse`).
     pub(super) sparse: SparseState,
+    /// PRR's block-keyed state, side streams and events (see `prr`).
+    pub(super) prr: super::prr::PrrDevice,
 }
 
 pub(super) fn dtype_code(d: DType) -> i32 {
@@ -103,6 +105,7 @@ impl CudaBackend {
             smem_ready: Mutex::new(HashSet::new()),
             meta: DeviceMeta::new(needs, cfg.num_layers),
             sparse,
+            prr: super::prr::PrrDevice::new(cfg),
         })
     }
 
@@ -317,7 +320,8 @@ impl CudaBackend {
         k.i32(n as i32).i32(cfg.num_kv_heads as i32).i32(cfg.head_dim as i32).i64(cache.num_blocks as i64).i32(cfg.block_size as i32);
         let grid = total.div_ceil(256).min(65536 * 4) as u32;
         launch::launch(f, (grid, 1, 1), 256, &mut k, a.stream, "kvs_cache_write launch")?;
-        self.meta.update(&self.gpu, &self.modules, a.layer, cache, &a.slot_mapping, n, a.stream)
+        self.meta.update(&self.gpu, &self.modules, a.layer, cache, &a.slot_mapping, n, a.stream)?;
+        self.prr_on_write(cfg, a.layer, cache, &a.slot_mapping, n, a.stream)
     }
 
     /// Merge of two partial states on the device (shapes validated by the engine).

@@ -241,6 +241,13 @@ pub struct SparseRow {
     /// SnapKV: its choice at the prefill chunk (the `window` last prompt tokens of every sequence), the
     /// choice kernels alone; NaN for other policies.
     pub choice_us: f64,
+    /// PRR (`speculate`): the serial path on the same inputs (`quest` with the same budget, page and sink:
+    /// select, then attend), the fraction of true pages the speculation hit in the timed steps, and the
+    /// mean end of each phase of a step in us after the fork (both streams; `prr::TIMELINE`). NaN / empty
+    /// for other policies.
+    pub serial_us: f64,
+    pub spec_hit: f64,
+    pub timeline: Vec<(&'static str, f64)>,
 }
 
 /// Keys that attention concentrates on, as in real decoding (heavy hitters): for every (rotation, sequence,
@@ -303,6 +310,11 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     };
     let engine = mk(policy)?;
     let dense = mk("")?;
+    // PRR: the serial Quest path it is measured against.
+    let serial = match crate::policy::Policy::parse(policy)?.pipeline().map(|pl| pl.selector.clone()) {
+        Some(crate::policy::Selector::Speculate(sp)) => Some(mk(&format!("quest(budget={}, page={}, sink={})", sp.quest_budget, sp.page, sp.quest_sink))?),
+        _ => None,
+    };
     let backend = engine.cuda_backend().expect("CUDA engine");
     let s: CUstream = std::ptr::null_mut();
     let row = p.hk * d; // elements per token row
@@ -343,7 +355,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         let n = chunk.min(nb * BLOCK - at);
         let off = at * row * 2;
         let view_rows = |b: &DevBuf| v(unsafe { b.as_ptr().add(off) }, DType::BF16, &[n as i64, p.hk as i64, d as i64]);
-        engine.cache_write(&crate::engine::CacheWriteArgs {
+        let w = crate::engine::CacheWriteArgs {
             layer: 0,
             key: view_rows(&kc)?,
             value: view_rows(&vc)?,
@@ -351,7 +363,11 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
             slot_mapping: v(unsafe { slots_dev.as_ptr().add(at * 8) }, DType::I64, &[n as i64])?,
             stream: s,
-        })?;
+        };
+        engine.cache_write(&w)?;
+        if let Some(e) = &serial {
+            e.cache_write(&w)?;
+        }
         at += n;
     }
     // The step's write: each sequence's last row (rotation 0), copied out and written back.
@@ -456,11 +472,36 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let (elig, vis) = ((after.blocks_eligible - before.blocks_eligible) as f64, (after.blocks_visited - before.blocks_visited) as f64);
     let (cand, kept) = ((after.top_p_candidates - before.top_p_candidates) as f64, (after.top_p_kept - before.top_p_kept) as f64);
     let forward_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()))?;
-    backend.set_bench_phases(true, false);
-    let select_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
-    backend.set_bench_phases(false, true);
-    let attend_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
-    backend.set_bench_phases(true, true);
+    // PRR runs its own phases on two streams: the serial Quest path and the step's timeline instead.
+    let (mut serial_us, mut spec_hit, mut timeline) = (f64::NAN, f64::NAN, Vec::new());
+    if let Some(se) = &serial {
+        serial_us = time_calls(&|i| se.attention_forward(&args[i % rotation]).map(|_| ()))?;
+        let before = engine.stats().total;
+        backend.set_prr_timeline(true);
+        let n = 30usize;
+        let mut per: Vec<Vec<f64>> = vec![Vec::new(); super::prr::TIMELINE.len()];
+        for i in 0..n {
+            engine.attention_forward(&args[i % rotation])?;
+            for (j, (_, ms)) in backend.prr_timeline(s)?.into_iter().enumerate() {
+                per[j].push(ms as f64 * 1e3);
+            }
+        }
+        backend.set_prr_timeline(false);
+        let after = engine.stats().total;
+        let (hit, tru) = (after.spec_hit_blocks - before.spec_hit_blocks, after.spec_true_blocks - before.spec_true_blocks);
+        spec_hit = if tru > 0 { hit as f64 / tru as f64 } else { f64::NAN };
+        timeline = super::prr::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect();
+    }
+    let (select_us, attend_us) = if serial.is_some() {
+        (Ok(f64::NAN), Ok(f64::NAN))
+    } else {
+        backend.set_bench_phases(true, false);
+        let select_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
+        backend.set_bench_phases(false, true);
+        let attend_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
+        backend.set_bench_phases(true, true);
+        (select_us, attend_us)
+    };
     let choice_us = if prefill.is_empty() {
         Ok(f64::NAN)
     } else {
@@ -492,5 +533,8 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         bound_bytes,
         rotation,
         choice_us,
+        serial_us,
+        spec_hit,
+        timeline,
     })
 }
