@@ -56,7 +56,8 @@ fn cuda_prr_decisions_equal_the_cpu_engine() {
                 if r.pass { "ok" } else { "FAIL" }
             );
             if !r.pass {
-                failures.push(format!("{} / {} (seed {}): {:?} {:?} rel {:.3e} lse {:.3e} error {:?}", r.name, r.policy, r.seed, r.decision_mismatch, r.counters_mismatch, r.rel_err, r.lse_err, r.error));
+                failures
+                    .push(format!("{} / {} (seed {}): {:?} {:?} rel {:.3e} lse {:.3e} error {:?}", r.name, r.policy, r.seed, r.decision_mismatch, r.counters_mismatch, r.rel_err, r.lse_err, r.error));
             }
         }
     }

@@ -148,7 +148,15 @@ impl Side {
                 let kc = cache.view(0, &shape, &st);
                 let vc = cache.view(g.cache_len(), &shape, &st);
                 if n > 0 {
-                    e.cache_write(&CacheWriteArgs { layer: 0, key: kb.view_contiguous(&[n, hk, d]), value: vb.view_contiguous(&[n, hk, d]), key_cache: kc, value_cache: vc, slot_mapping: TensorRef::from_slice(&c.slots, &[n]), stream: std::ptr::null_mut() })?;
+                    e.cache_write(&CacheWriteArgs {
+                        layer: 0,
+                        key: kb.view_contiguous(&[n, hk, d]),
+                        value: vb.view_contiguous(&[n, hk, d]),
+                        key_cache: kc,
+                        value_cache: vc,
+                        slot_mapping: TensorRef::from_slice(&c.slots, &[n]),
+                        stream: std::ptr::null_mut(),
+                    })?;
                 }
                 let mut qb = c.q.clone();
                 let args = fwd(
@@ -181,7 +189,8 @@ impl Side {
                         stream: std::ptr::null_mut(),
                     })?;
                 }
-                let (qd, bt, sl, qs, idd) = (DevBuf::from_host(c.q.as_bytes())?, DevBuf::from_host(bytes(table))?, DevBuf::from_host(bytes(&c.lens))?, DevBuf::from_host(bytes(&c.qsl))?, DevBuf::from_host(bytes(ids))?);
+                let (qd, bt, sl, qs, idd) =
+                    (DevBuf::from_host(c.q.as_bytes())?, DevBuf::from_host(bytes(table))?, DevBuf::from_host(bytes(&c.lens))?, DevBuf::from_host(bytes(&c.qsl))?, DevBuf::from_host(bytes(ids))?);
                 let (od, ld) = (DevBuf::from_host(out.as_bytes())?, DevBuf::from_host(bytes(&lse))?);
                 let args = fwd(
                     view(&qd, 0, g.dtype, &[t, hq, d], &[hq * d, d, 1])?,
@@ -207,85 +216,125 @@ impl Side {
     }
 }
 
+/// A case's inputs: geometry, calls (prefill then decode steps), block table, ids, scale.
+struct CaseInputs {
+    g: Geo,
+    calls: Vec<Call>,
+    table: Vec<i32>,
+    ids: Vec<i64>,
+    scale: f32,
+}
+
+fn build_case(spec: &CaseSpec, steps: usize, seed: u64) -> CaseInputs {
+    let mut rng = Rng::new(seed);
+    let (hq, hk, d, bs) = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.block_size);
+    let lens: Vec<usize> = spec.seqs.iter().map(|&(_, l)| l.max(1)).collect();
+    let ns = lens.len();
+    let max_blocks = lens.iter().map(|&l| (l + steps).div_ceil(bs)).max().unwrap_or(1);
+    let total: usize = lens.iter().map(|&l| (l + steps).div_ceil(bs)).sum();
+    let nb = total + 3;
+    let mut perm: Vec<i32> = (0..nb as i32).collect();
+    rng.shuffle(&mut perm);
+    let mut table = vec![-1i32; ns * max_blocks];
+    let mut next = 0;
+    for (s, &l) in lens.iter().enumerate() {
+        for b in 0..(l + steps).div_ceil(bs) {
+            table[s * max_blocks + b] = perm[next];
+            next += 1;
+        }
+    }
+    let g = Geo { dtype: spec.dtype, hq, hk, d, bs, nb, window: spec.window, softcap: spec.softcap, max_blocks };
+    let ids: Vec<i64> = (0..ns as i64).map(|s| 1000 + 7 * s).collect();
+    let scale = 1.0 / (d as f32).sqrt();
+    // Per-sequence base queries; a query at a position is its base plus noise.
+    let base: Vec<Vec<f64>> = (0..ns).map(|_| (0..hq * d).map(|_| 2.0 * rng.uniform() - 1.0).collect()).collect();
+    let slot = |s: usize, p: usize| table[s * max_blocks + p / bs] as i64 * bs as i64 + (p % bs) as i64;
+    let rows = |rng: &mut Rng, which: &[(usize, usize)]| -> (HostBuf, HostBuf, Vec<i64>) {
+        let mut k = HostBuf::zeros(g.dtype, which.len() * hk * d);
+        let mut v = HostBuf::zeros(g.dtype, which.len() * hk * d);
+        for i in 0..which.len() * hk * d {
+            k.set(i, 2.0 * rng.uniform() - 1.0);
+            v.set(i, 2.0 * rng.uniform() - 1.0);
+        }
+        (k, v, which.iter().map(|&(s, p)| slot(s, p)).collect())
+    };
+    let queries = |rng: &mut Rng, which: &[(usize, usize)]| -> HostBuf {
+        let mut q = HostBuf::zeros(g.dtype, which.len() * hq * d);
+        for (r, &(s, _)) in which.iter().enumerate() {
+            for i in 0..hq * d {
+                q.set(r * hq * d + i, base[s][i] + 0.6 * (2.0 * rng.uniform() - 1.0));
+            }
+        }
+        q
+    };
+    let mut calls: Vec<Call> = Vec::new();
+    // Call 0: the prefix (no forward is made for it: written together with the chunk).
+    let chunk: Vec<usize> = lens.iter().map(|&l| l.min(24)).collect();
+    let mut written: Vec<(usize, usize)> = Vec::new();
+    for (s, &l) in lens.iter().enumerate() {
+        written.extend((0..l).map(|p| (s, p)));
+    }
+    let (k, v, slots) = rows(&mut rng, &written);
+    let qrows: Vec<(usize, usize)> = lens.iter().enumerate().flat_map(|(s, &l)| (l - chunk[s]..l).map(move |p| (s, p))).collect();
+    let q = queries(&mut rng, &qrows);
+    let mut qsl = vec![0i32];
+    for &c in &chunk {
+        qsl.push(qsl.last().unwrap() + c as i32);
+    }
+    calls.push(Call { k, v, slots, q, lens: lens.iter().map(|&l| l as i32).collect(), qsl, max_q: chunk.iter().copied().max().unwrap_or(1) as i32 });
+    for j in 0..steps {
+        let which: Vec<(usize, usize)> = lens.iter().enumerate().map(|(s, &l)| (s, l + j)).collect();
+        let (k, v, slots) = rows(&mut rng, &which);
+        let q = queries(&mut rng, &which);
+        calls.push(Call { k, v, slots, q, lens: lens.iter().map(|&l| (l + j + 1) as i32).collect(), qsl: (0..=ns as i32).collect(), max_q: 1 });
+    }
+
+    CaseInputs { g, calls, table, ids, scale }
+}
+
+fn engine_for(spec: &CaseSpec, policy: &str, dev: Device) -> Result<Engine> {
+    let mut cfg = crate::EngineConfig::new(1, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.block_size, spec.dtype);
+    cfg.policy = format!("{policy}; dense_layers=0");
+    cfg.device = dev;
+    cfg.num_threads = 2;
+    Engine::new(cfg)
+}
+
+/// The case on the CPU engine alone (no GPU needed): its final counters. Tests use it to check that a
+/// case exercises what the GPU comparison relies on (misses and repairs, calibration).
+pub fn run_prr_cpu(spec: &CaseSpec, policy: &str, steps: usize, seed: u64) -> Result<Counters> {
+    let ci = build_case(spec, steps, seed);
+    let e = engine_for(spec, policy, Device::Cpu)?;
+    let mut cpu = Side::Cpu(e, HostBuf::zeros(ci.g.dtype, 2 * ci.g.cache_len()));
+    for c in &ci.calls {
+        cpu.run(&ci.g, c, &ci.table, &ci.ids, ci.scale)?;
+    }
+    Ok(cpu.engine().stats().total)
+}
+
 /// Runs `policy` on the geometry of `spec` (its dtype, heads, block size, window, soft-cap; the
 /// sequences' lengths after prefill are `spec.seqs`' lengths): a prefill call of each sequence's last
 /// `min(len, 24)` tokens, then `steps` decode steps, on the CPU engine and on CUDA device 0.
 pub fn run_prr_case(spec: &CaseSpec, policy: &str, steps: usize, seed: u64) -> PrrResult {
-    let mut res = PrrResult { name: spec.name.clone(), policy: policy.to_string(), seed, calls: 0, rows: 0, decision_mismatch: None, counters_mismatch: None, rel_err: 0.0, lse_err: 0.0, spec: [0; 4], pass: false, error: None };
+    let mut res = PrrResult {
+        name: spec.name.clone(),
+        policy: policy.to_string(),
+        seed,
+        calls: 0,
+        rows: 0,
+        decision_mismatch: None,
+        counters_mismatch: None,
+        rel_err: 0.0,
+        lse_err: 0.0,
+        spec: [0; 4],
+        pass: false,
+        error: None,
+    };
     let run = |res: &mut PrrResult| -> Result<()> {
-        let mut rng = Rng::new(seed);
-        let (hq, hk, d, bs) = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.block_size);
-        let lens: Vec<usize> = spec.seqs.iter().map(|&(_, l)| l.max(1)).collect();
-        let ns = lens.len();
-        let max_blocks = lens.iter().map(|&l| (l + steps).div_ceil(bs)).max().unwrap_or(1);
-        let total: usize = lens.iter().map(|&l| (l + steps).div_ceil(bs)).sum();
-        let nb = total + 3;
-        let mut perm: Vec<i32> = (0..nb as i32).collect();
-        rng.shuffle(&mut perm);
-        let mut table = vec![-1i32; ns * max_blocks];
-        let mut next = 0;
-        for (s, &l) in lens.iter().enumerate() {
-            for b in 0..(l + steps).div_ceil(bs) {
-                table[s * max_blocks + b] = perm[next];
-                next += 1;
-            }
-        }
-        let g = Geo { dtype: spec.dtype, hq, hk, d, bs, nb, window: spec.window, softcap: spec.softcap, max_blocks };
-        let ids: Vec<i64> = (0..ns as i64).map(|s| 1000 + 7 * s).collect();
-        let scale = 1.0 / (d as f32).sqrt();
-        // Per-sequence base queries; a query at a position is its base plus noise.
-        let base: Vec<Vec<f64>> = (0..ns).map(|_| (0..hq * d).map(|_| 2.0 * rng.uniform() - 1.0).collect()).collect();
-        let slot = |s: usize, p: usize| table[s * max_blocks + p / bs] as i64 * bs as i64 + (p % bs) as i64;
-        let rows = |rng: &mut Rng, which: &[(usize, usize)]| -> (HostBuf, HostBuf, Vec<i64>) {
-            let mut k = HostBuf::zeros(g.dtype, which.len() * hk * d);
-            let mut v = HostBuf::zeros(g.dtype, which.len() * hk * d);
-            for i in 0..which.len() * hk * d {
-                k.set(i, 2.0 * rng.uniform() - 1.0);
-                v.set(i, 2.0 * rng.uniform() - 1.0);
-            }
-            (k, v, which.iter().map(|&(s, p)| slot(s, p)).collect())
-        };
-        let queries = |rng: &mut Rng, which: &[(usize, usize)]| -> HostBuf {
-            let mut q = HostBuf::zeros(g.dtype, which.len() * hq * d);
-            for (r, &(s, _)) in which.iter().enumerate() {
-                for i in 0..hq * d {
-                    q.set(r * hq * d + i, base[s][i] + 0.6 * (2.0 * rng.uniform() - 1.0));
-                }
-            }
-            q
-        };
-        let mut calls: Vec<Call> = Vec::new();
-        // Call 0: the prefix (no forward is made for it: written together with the chunk).
-        let chunk: Vec<usize> = lens.iter().map(|&l| l.min(24)).collect();
-        let mut written: Vec<(usize, usize)> = Vec::new();
-        for (s, &l) in lens.iter().enumerate() {
-            written.extend((0..l).map(|p| (s, p)));
-        }
-        let (k, v, slots) = rows(&mut rng, &written);
-        let qrows: Vec<(usize, usize)> = lens.iter().enumerate().flat_map(|(s, &l)| (l - chunk[s]..l).map(move |p| (s, p))).collect();
-        let q = queries(&mut rng, &qrows);
-        let mut qsl = vec![0i32];
-        for &c in &chunk {
-            qsl.push(qsl.last().unwrap() + c as i32);
-        }
-        calls.push(Call { k, v, slots, q, lens: lens.iter().map(|&l| l as i32).collect(), qsl, max_q: chunk.iter().copied().max().unwrap_or(1) as i32 });
-        for j in 0..steps {
-            let which: Vec<(usize, usize)> = lens.iter().enumerate().map(|(s, &l)| (s, l + j)).collect();
-            let (k, v, slots) = rows(&mut rng, &which);
-            let q = queries(&mut rng, &which);
-            calls.push(Call { k, v, slots, q, lens: lens.iter().map(|&l| (l + j + 1) as i32).collect(), qsl: (0..=ns as i32).collect(), max_q: 1 });
-        }
-
-        let mk = |dev: Device| {
-            let mut cfg = crate::EngineConfig::new(1, hq, hk, d, bs, spec.dtype);
-            cfg.policy = format!("{policy}; dense_layers=0");
-            cfg.device = dev;
-            cfg.num_threads = 2;
-            Engine::new(cfg)
-        };
-        let cpu_e = mk(Device::Cpu)?;
+        let CaseInputs { g, calls, table, ids, scale } = build_case(spec, steps, seed);
+        let cpu_e = engine_for(spec, policy, Device::Cpu)?;
         cpu_e.record_visits(true);
-        let gpu_e = mk(Device::Cuda(0))?;
+        let gpu_e = engine_for(spec, policy, Device::Cuda(0))?;
         gpu_e.record_visits(true);
         let mut cpu = Side::Cpu(cpu_e, HostBuf::zeros(g.dtype, 2 * g.cache_len()));
         let mut gpu = Side::Gpu(gpu_e, DevBuf::from_host(HostBuf::zeros(g.dtype, 2 * g.cache_len()).as_bytes())?);
@@ -318,4 +367,25 @@ pub fn run_prr_case(spec: &CaseSpec, policy: &str, steps: usize, seed: u64) -> P
         res.pass = false;
     }
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU side of the cases: every policy predicts, misses some true pages and repairs them over
+    /// the decode steps, and calibrates at the prefill call (so the GPU comparison covers all of it).
+    #[test]
+    fn prr_cases_miss_and_repair_on_the_cpu() {
+        let spec = &super::super::sparse_cuda::sparse_specs(true)[0];
+        for pol in prr_policies() {
+            let c = run_prr_cpu(spec, pol, 3, 11).unwrap_or_else(|e| panic!("{pol}: {e}"));
+            println!(
+                "{pol}: predicted {} true {} hit {} repaired {} reuse {} calibrations {}",
+                c.spec_predicted_blocks, c.spec_true_blocks, c.spec_hit_blocks, c.spec_repaired_blocks, c.spec_reuse_hit_blocks, c.spec_calibrations
+            );
+            assert!(c.spec_repaired_blocks > 0 && c.spec_hit_blocks > 0, "{pol}: {c:?}");
+            assert_eq!(c.spec_calibrations as usize, 6 * spec.num_kv_heads - spec.num_kv_heads, "{pol}: one per (prefill sequence, KV head)");
+        }
+    }
 }

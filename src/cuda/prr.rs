@@ -171,7 +171,9 @@ impl CudaBackend {
     /// Cache-write hook: allocates the layer's PRR state on first use (outside capture) and resets the
     /// entries of the pages whose first slot this write stores.
     pub(super) fn prr_on_write(&self, cfg: &EngineConfig, layer: usize, cache: &KvCache, slot_mapping: &TensorRef, n: usize, stream: CUstream) -> Result<()> {
-        let Some(sp) = self.prr.spec else { return Ok(()) };
+        let Some(sp) = self.prr.spec else {
+            return Ok(());
+        };
         if n == 0 {
             return Ok(());
         }
@@ -213,8 +215,12 @@ impl CudaBackend {
     /// Benchmarks only: the last PRR step's phase ends on `stream`, in ms after the fork (synchronizes).
     pub fn prr_timeline(&self, stream: CUstream) -> Result<Vec<(&'static str, f32)>> {
         let map = self.prr.streams.lock();
-        let Some(set) = map.get(&(stream as usize)) else { return Ok(Vec::new()) };
-        let Some(ev) = &set.timing else { return Ok(Vec::new()) };
+        let Some(set) = map.get(&(stream as usize)) else {
+            return Ok(Vec::new());
+        };
+        let Some(ev) = &set.timing else {
+            return Ok(Vec::new());
+        };
         let api = cuda()?;
         let mut out = Vec::new();
         // SAFETY: events of this set, recorded by the last step.
@@ -326,7 +332,12 @@ impl CudaBackend {
         }
         let set = streams.get_mut(&key).expect("inserted above");
         if set.ws.as_ref().map_or(true, |b| b.bytes < lay.total) {
-            ensure!(!capturing, InvalidArgument, "this call needs {} bytes of PRR workspace on a stream that is being captured; run one call of the largest shape on this stream before capturing", lay.total);
+            ensure!(
+                !capturing,
+                InvalidArgument,
+                "this call needs {} bytes of PRR workspace on a stream that is being captured; run one call of the largest shape on this stream before capturing",
+                lay.total
+            );
             if let Some(old) = set.ws.replace(DevBuf::alloc(lay.total.next_power_of_two())?) {
                 self.retired.lock().push(old);
             }
