@@ -9,10 +9,11 @@
 // never scored (predicted +inf), as a page the CPU's PrrHead has not seen. Sequences that share prefix
 // blocks share those pages' state (as SnapKV's kept bits).
 //
-// A decode step (src/cuda/prr.rs): caller's stream: Quest scores, Quest top-k (the truth), [join A],
-// kvs_prr_repair (missed = truth \ pred, union = pred + missed, counters, Holt update), attention over
-// the missed pages, [join B], kvs_prr_merge. Side stream, after the fork: kvs_prr_predict (predicted
-// scores and their top-k, the speculative set), [A], attention over the predicted pages, [B].
+// A decode step (src/cuda/prr.rs): caller's stream: Quest scores, Quest top-k (the truth), [event T],
+// [join A], kvs_prr_repair (missed = truth \ pred, union = pred + missed, counters), attention over the
+// missed pages, [join B], kvs_prr_merge. Side stream, after the fork: kvs_prr_pred_scores and
+// kvs_prr_predict (the speculative set), [A], attention over the predicted pages, [wait T],
+// kvs_prr_update (Holt update with the true scores), [B].
 
 #define PRR_PARAMS 1u  // the entry carries its sequence's Holt parameters
 #define PRR_PREV 2u    // the page was in the previous step's true set (for the reuse-previous counter)
@@ -91,13 +92,30 @@ __device__ __forceinline__ int prr_top_pages(const float* sc, const unsigned* sk
     return compact(np, keep, [&](int i) { return (unsigned)(fp + i); }, e, cap, cnt);
 }
 
-// Side stream, step 1 (one CTA per (KV head, sequence)): the row's Holt parameters (those of the lowest
-// page of the row whose entry carries them, else the spec's fixed ones (fa, fb, fg)), the predicted score
-// of every page (level + gamma * trend; +inf for a page never scored), and the speculative set: the top
-// k_spec pages of the predictions. params[(s*hk+h)*4 ..] gets (alpha, beta, gamma) for the repair step.
+// Side stream, step 1: the predicted score of every page of every decode row, level + gamma * trend with
+// the entry's own gamma (every entry of a row that has been scored carries the row's parameters: the
+// calibration and every update write them to all of the row's pages), +inf for a page never scored.
+// Grid (page tiles of 256, KV heads, sequences).
+extern "C" __global__ void kvs_prr_pred_scores(Batch b, int hk, int page, const PrrEntry* st, int spb, float* pred, int maxp) {
+    const int s = blockIdx.z, h = blockIdx.y, row = s * hk + h;
+    const SeqRow r = seq_row(b, s);
+    if (!r.decode || r.hi < r.lo) return;
+    const int fp = r.lo / page;
+    const int np = min(r.hi / page - fp + 1, maxp);
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= np) return;
+    const PrrEntry* x = prr_entry(b, s, h, hk, fp + i, page, spb, const_cast<PrrEntry*>(st));
+    float v = INFINITY;
+    if (x != 0 && !isnan(x->level)) v = x->level + x->gamma * x->trend;
+    pred[(i64)row * maxp + i] = v;
+}
+
+// Side stream, step 2 (one CTA per (KV head, sequence)): the row's Holt parameters (those of the lowest
+// page of the row whose entry carries them, else the spec's fixed ones (fa, fb, fg)) into
+// params[(s*hk+h)*4 ..] for the update, and the speculative set: the top k_spec pages of the predictions.
 // Plans are (s*hk+h)*cap-strided.
 extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_predict(Batch b, int hk, int k_spec, int page, float fa, float fb, float fg,
-                                                                          const PrrEntry* st, int spb, float* pred, int maxp, unsigned* plan,
+                                                                          const PrrEntry* st, int spb, const float* pred, int maxp, unsigned* plan,
                                                                           int* plan_len, int cap, float* params, int smem_keys) {
     extern __shared__ unsigned skey[];
     __shared__ unsigned hist[256];
@@ -117,32 +135,34 @@ extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_predict(Batch 
     if (threadIdx.x == 0) first_param = 0x7fffffff;
     __syncthreads();
     PrrEntry* stw = const_cast<PrrEntry*>(st);
-    for (int i = threadIdx.x; i < np; i += blockDim.x) {
-        const PrrEntry* x = prr_entry(b, s, h, hk, fp + i, page, spb, stw);
-        if (x != 0 && (x->flags & PRR_PARAMS)) atomicMin(&first_param, i);
-    }
-    __syncthreads();
-    float pa = fa, pb = fb, pg = fg;
-    if (first_param < np) {
-        const PrrEntry* x = prr_entry(b, s, h, hk, fp + first_param, page, spb, stw);
-        pa = x->alpha;
-        pb = x->beta;
-        pg = x->gamma;
+    // Usually the row's first page carries them: scan a chunk of pages at a time, stop at the first hit.
+    for (int i0 = 0; i0 < np; i0 += blockDim.x) {
+        const int i = i0 + threadIdx.x;
+        if (i < np) {
+            const PrrEntry* x = prr_entry(b, s, h, hk, fp + i, page, spb, stw);
+            if (x != 0 && (x->flags & PRR_PARAMS)) atomicMin(&first_param, i);
+        }
+        __syncthreads();
+        const bool found = first_param < np;
+        __syncthreads();
+        if (found) break;
     }
     if (threadIdx.x == 0) {
+        float pa = fa, pb = fb, pg = fg;
+        if (first_param < np) {
+            const PrrEntry* x = prr_entry(b, s, h, hk, fp + first_param, page, spb, stw);
+            pa = x->alpha;
+            pb = x->beta;
+            pg = x->gamma;
+        }
         params[row * 4 + 0] = pa;
         params[row * 4 + 1] = pb;
         params[row * 4 + 2] = pg;
     }
-    float* sc = pred + (i64)row * maxp;
+    const float* sc = pred + (i64)row * maxp;
     const bool staged = np <= smem_keys;
-    for (int i = threadIdx.x; i < np; i += blockDim.x) {
-        const PrrEntry* x = prr_entry(b, s, h, hk, fp + i, page, spb, stw);
-        float v = INFINITY;
-        if (x != 0 && !isnan(x->level)) v = x->level + pg * x->trend;
-        sc[i] = v;
-        if (staged) skey[i] = kvs_order_key(v);
-    }
+    if (staged)
+        for (int i = threadIdx.x; i < np; i += blockDim.x) skey[i] = kvs_order_key(sc[i]);
     __syncthreads();
     const int n = prr_top_pages(sc, skey, staged, np, fp, max(k_spec, 1), plan + (i64)row * cap, cap, hist, wtot, sel_prefix, sel_left, cnt);
     __syncthreads();
@@ -150,14 +170,13 @@ extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_predict(Batch 
 }
 
 // Caller's stream, after join A (one CTA per (KV head, sequence)): missed = truth \ pred (the repair
-// plan), union = pred + missed (what the row reads and reports), the counters as run_speculate counts
-// them (policy rows, eligible blocks, spec_* pages, blocks visited and K/V bytes of the union), then the
-// Holt update of every page of the row with its true score (PrrHead::update) and the previous-true bits.
-extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_repair(Batch b, int hk, int page, const float* scores, int maxp, const unsigned* truth,
-                                                                         const int* truth_len, int t_cap, const unsigned* pred, const int* pred_len,
-                                                                         int p_cap, unsigned* missed, int* missed_len, int m_cap, unsigned* uni,
-                                                                         int* uni_len, int u_cap, PrrEntry* st, int spb, const float* params,
-                                                                         i64 row_bytes, unsigned long long* ctr) {
+// plan), union = pred + missed (what the row reads and reports), and the counters as run_speculate counts
+// them (policy rows, eligible blocks, spec_* pages, blocks visited and K/V bytes of the union; the
+// reuse-previous hits are counted by the update, which reads the previous-true bits).
+extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_repair(Batch b, int hk, int page, const unsigned* truth, const int* truth_len, int t_cap,
+                                                                         const unsigned* pred, const int* pred_len, int p_cap, unsigned* missed,
+                                                                         int* missed_len, int m_cap, unsigned* uni, int* uni_len, int u_cap, i64 row_bytes,
+                                                                         unsigned long long* ctr) {
     __shared__ int cnt[PRR_THREADS / 32 + 1];
     __shared__ unsigned long long red[32];
     const int s = blockIdx.y, h = blockIdx.x, row = s * hk + h;
@@ -186,12 +205,7 @@ extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_repair(Batch b
         if (at < u_cap) U[at] = M[j];
     }
     const int nu = min(npd + nm, u_cap);
-    unsigned long long reuse = 0;
-    for (int i = threadIdx.x; i < nt; i += blockDim.x) {
-        const PrrEntry* x = prr_entry(b, s, h, hk, (int)T[i], page, spb, st);
-        reuse += (x != 0 && (x->flags & PRR_PREV)) ? 1 : 0;
-    }
-    reuse = block_sum(reuse, red);  // its barriers also publish U and order the reads above before the update
+    __syncthreads();
     if (threadIdx.x == 0) {
         missed_len[row] = nm;
         uni_len[row] = nu;
@@ -201,20 +215,36 @@ extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_repair(Batch b
         atomicAdd(&ctr[CTR_SPEC_TRUE], (unsigned long long)nt);
         atomicAdd(&ctr[CTR_SPEC_HIT], (unsigned long long)(nt - nm));
         atomicAdd(&ctr[CTR_SPEC_REPAIRED], (unsigned long long)nm);
-        atomicAdd(&ctr[CTR_SPEC_REUSE_HIT], reuse);
     }
     int ulog2 = 0;
     while ((1 << ulog2) < page) ++ulog2;
     account(U, nu, ulog2, r.lo, r.hi, b.bs_log2, 1, row_bytes, ctr, red);
-    // Holt update (PrrHead::update, the same f32 operations; the module is compiled with --fmad=false).
+}
+
+// Side stream, after the true selection (event from the caller's stream): the Holt update of every page of
+// every decode row with its true score (PrrHead::update, the same f32 operations; the module is compiled
+// with --fmad=false), the row's parameters written to every page, the previous-true bits replaced by the
+// true set; before that, the true pages whose bit was set are counted (spec_reuse_hit). Grid (page tiles
+// of 256, KV heads, sequences).
+extern "C" __global__ void kvs_prr_update(Batch b, int hk, int page, const float* scores, int maxp, const unsigned* truth, const int* truth_len, int t_cap,
+                                          PrrEntry* st, int spb, const float* params, unsigned long long* ctr) {
+    __shared__ unsigned long long red[32];
+    const int s = blockIdx.z, h = blockIdx.y, row = s * hk + h;
+    const SeqRow r = seq_row(b, s);
+    if (!r.decode || r.hi < r.lo) return;  // uniform over the CTA
     const int fp = r.lo / page;
     const int np = min(r.hi / page - fp + 1, maxp);
+    if ((int)(blockIdx.x * blockDim.x) >= np) return;  // uniform
+    const int nt = min(max(truth_len[row], 0), t_cap);
+    const unsigned* T = truth + (i64)row * t_cap;
     const float pa = params[row * 4 + 0], pb = params[row * 4 + 1], pg = params[row * 4 + 2];
-    const float* sc = scores + (i64)row * maxp;
-    for (int i = threadIdx.x; i < np; i += blockDim.x) {
-        PrrEntry* x = prr_entry(b, s, h, hk, fp + i, page, spb, st);
-        if (x == 0) continue;
-        const float v = sc[i];
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long reuse = 0;
+    PrrEntry* x = i < np ? prr_entry(b, s, h, hk, fp + i, page, spb, st) : 0;
+    if (x != 0) {
+        const bool in_truth = prr_contains(T, nt, (unsigned)(fp + i));
+        if (in_truth && (x->flags & PRR_PREV)) reuse = 1;
+        const float v = scores[(i64)row * maxp + i];
         float l = x->level, t = x->trend;
         if (!isfinite(v)) {
             l = __int_as_float(0x7fffffff);
@@ -232,8 +262,10 @@ extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_repair(Batch b
         x->alpha = pa;
         x->beta = pb;
         x->gamma = pg;
-        x->flags = PRR_PARAMS | (prr_contains(T, nt, (unsigned)(fp + i)) ? PRR_PREV : 0u);
+        x->flags = PRR_PARAMS | (in_truth ? PRR_PREV : 0u);
     }
+    reuse = block_sum(reuse, red);
+    if (threadIdx.x == 0 && reuse > 0) atomicAdd(&ctr[CTR_SPEC_REUSE_HIT], reuse);
 }
 
 // Caller's stream, after join B: each decode row's output = exact LSE merge of the speculative (o1, l1)

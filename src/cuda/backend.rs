@@ -78,6 +78,15 @@ pub struct CudaBackend {
     pub(super) prr: super::prr::PrrDevice,
 }
 
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // PRR's side streams and events belong to the context `gpu` releases when it drops.
+        if self.gpu.make_current().is_ok() {
+            self.prr.release();
+        }
+    }
+}
+
 pub(super) fn dtype_code(d: DType) -> i32 {
     match d {
         DType::F32 => 0,

@@ -248,6 +248,11 @@ pub struct SparseRow {
     pub serial_us: f64,
     pub spec_hit: f64,
     pub timeline: Vec<(&'static str, f64)>,
+    /// PRR: the same steps captured in CUDA graphs and replayed (no host launch cost: the GPU's own time),
+    /// PRR and serial Quest, and the timeline of a replayed step (or why it could not be read).
+    pub graph_us: f64,
+    pub serial_graph_us: f64,
+    pub graph_timeline: std::result::Result<Vec<(&'static str, f64)>, String>,
 }
 
 /// Keys that attention concentrates on, as in real decoding (heavy hitters): for every (rotation, sequence,
@@ -474,6 +479,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let forward_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()))?;
     // PRR runs its own phases on two streams: the serial Quest path and the step's timeline instead.
     let (mut serial_us, mut spec_hit, mut timeline) = (f64::NAN, f64::NAN, Vec::new());
+    let (mut graph_us, mut serial_graph_us, mut graph_timeline) = (f64::NAN, f64::NAN, Ok(Vec::new()));
     if let Some(se) = &serial {
         serial_us = time_calls(&|i| se.attention_forward(&args[i % rotation]).map(|_| ()))?;
         let before = engine.stats().total;
@@ -491,6 +497,10 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         let (hit, tru) = (after.spec_hit_blocks - before.spec_hit_blocks, after.spec_true_blocks - before.spec_true_blocks);
         spec_hit = if tru > 0 { hit as f64 / tru as f64 } else { f64::NAN };
         timeline = super::prr::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect();
+        let (g, sg, gt) = prr_graph_times(&engine, se, &args, rotation)?;
+        graph_us = g;
+        serial_graph_us = sg;
+        graph_timeline = gt;
     }
     let (select_us, attend_us) = if serial.is_some() {
         (Ok(f64::NAN), Ok(f64::NAN))
@@ -536,5 +546,93 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         serial_us,
         spec_hit,
         timeline,
+        graph_us,
+        serial_graph_us,
+        graph_timeline,
     })
+}
+
+/// PRR against serial Quest with both steps captured in CUDA graphs (one graph of `rotation` steps each,
+/// on a private stream), replayed in groups of 10 (median of 15 groups, per step); then the timeline of a
+/// replayed single step (the timing events become event-record nodes of the graph).
+#[allow(clippy::type_complexity)]
+fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotation: usize) -> Result<(f64, f64, std::result::Result<Vec<(&'static str, f64)>, String>)> {
+    use super::driver::{CUgraphExec, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, CU_STREAM_NON_BLOCKING};
+    let api = cuda()?;
+    let mut gs: CUstream = std::ptr::null_mut();
+    // SAFETY: out-parameter; destroyed below.
+    check(unsafe { (api.cuStreamCreate)(&mut gs, CU_STREAM_NON_BLOCKING) }, "cuStreamCreate")?;
+    let gargs: Vec<ForwardArgs> = args.iter().map(|a| ForwardArgs { stream: gs, ..*a }).collect();
+    let backend = engine.cuda_backend().expect("CUDA engine");
+    let capture = |e: &Engine, steps: &[ForwardArgs]| -> Result<CUgraphExec> {
+        // SAFETY: capture on our own stream; the graph is destroyed once instantiated.
+        unsafe {
+            check((api.cuStreamSynchronize)(gs), "cuStreamSynchronize")?;
+            check((api.cuStreamBeginCapture)(gs, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
+            let r = steps.iter().try_for_each(|a| e.attention_forward(a).map(|_| ()));
+            let mut graph = std::ptr::null_mut();
+            let end = check((api.cuStreamEndCapture)(gs, &mut graph), "cuStreamEndCapture");
+            r?;
+            end?;
+            let mut exec = std::ptr::null_mut();
+            let inst = check((api.cuGraphInstantiateWithFlags)(&mut exec, graph, 0), "cuGraphInstantiate");
+            (api.cuGraphDestroy)(graph);
+            inst?;
+            Ok(exec)
+        }
+    };
+    let result = (|| -> Result<(f64, f64, std::result::Result<Vec<(&'static str, f64)>, String>)> {
+        for a in &gargs {
+            engine.attention_forward(a)?; // warm-up on this stream: side stream, events, workspaces
+            serial.attention_forward(a)?;
+        }
+        let ev = Events::new()?;
+        let time = |exec: CUgraphExec| -> Result<f64> {
+            let mut v = Vec::new();
+            for g in 0..16 {
+                let ms = ev.time(gs, || {
+                    for _ in 0..10 {
+                        // SAFETY: a live graph and stream.
+                        check(unsafe { (api.cuGraphLaunch)(exec, gs) }, "cuGraphLaunch")?;
+                    }
+                    Ok(())
+                })?;
+                if g > 0 {
+                    v.push(ms * 1e3 / (10 * rotation) as f64);
+                }
+            }
+            Ok(median(v))
+        };
+        let (ge, gse) = (capture(engine, &gargs)?, capture(serial, &gargs)?);
+        let (g, sg) = (time(ge)?, time(gse)?);
+        // SAFETY: instantiated above.
+        unsafe {
+            (api.cuGraphExecDestroy)(ge);
+            (api.cuGraphExecDestroy)(gse);
+        }
+        backend.set_prr_timeline(true);
+        let tl = (|| -> Result<Vec<(&'static str, f64)>> {
+            engine.attention_forward(&gargs[0])?; // creates the timing events outside capture
+            let exec = capture(engine, &gargs[..1])?;
+            let mut per: Vec<Vec<f64>> = vec![Vec::new(); super::prr::TIMELINE.len()];
+            for _ in 0..30 {
+                // SAFETY: a live graph and stream.
+                check(unsafe { (api.cuGraphLaunch)(exec, gs) }, "cuGraphLaunch")?;
+                for (j, (_, ms)) in backend.prr_timeline(gs)?.into_iter().enumerate() {
+                    per[j].push(ms as f64 * 1e3);
+                }
+            }
+            // SAFETY: instantiated above.
+            unsafe { (api.cuGraphExecDestroy)(exec) };
+            Ok(super::prr::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect())
+        })();
+        backend.set_prr_timeline(false);
+        Ok((g, sg, tl.map_err(|e| e.to_string())))
+    })();
+    // SAFETY: created above; the engines' per-stream sets for it stay until the engines drop.
+    unsafe {
+        (api.cuStreamSynchronize)(gs);
+        (api.cuStreamDestroy)(gs);
+    }
+    result
 }

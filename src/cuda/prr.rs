@@ -49,7 +49,7 @@ const PRR_PARAMS: u32 = 1;
 const PRR_PREV: u32 = 2;
 
 /// Phases of a step whose end the bench's timeline records (`set_timeline`), in this order.
-pub const TIMELINE: [&str; 7] = ["fork", "side:predict", "side:spec_attn", "main:select", "main:repair_plan", "main:repair_attn", "main:merge"];
+pub const TIMELINE: [&str; 8] = ["fork", "side:predict", "side:spec_attn", "side:update", "main:select", "main:repair_plan", "main:repair_attn", "main:merge"];
 
 /// One caller stream's side stream, fork/join events and workspace.
 struct StreamSet {
@@ -57,6 +57,8 @@ struct StreamSet {
     fork: CUevent,
     join_a: CUevent,
     join_b: CUevent,
+    /// The true selection is known (caller's stream -> side stream, for the update).
+    truth: CUevent,
     /// Timing events (benchmarks), TIMELINE order.
     timing: Option<Vec<CUevent>>,
     ws: Option<DevBuf>,
@@ -71,7 +73,7 @@ impl Drop for StreamSet {
             // SAFETY: created by us, destroyed once.
             unsafe {
                 (api.cuStreamSynchronize)(self.side);
-                for e in [self.fork, self.join_a, self.join_b].into_iter().chain(self.timing.iter().flatten().copied()) {
+                for e in [self.fork, self.join_a, self.join_b, self.truth].into_iter().chain(self.timing.iter().flatten().copied()) {
                     (api.cuEventDestroy)(e);
                 }
                 (api.cuStreamDestroy)(self.side);
@@ -110,6 +112,17 @@ impl PrrDevice {
     /// Host-side counters of `layer` (calibrations), added to the device counters by the stats call.
     pub fn host_counters(&self, layer: usize) -> Counters {
         self.host.get(layer).map_or_else(Counters::default, |c| c.lock().clone())
+    }
+
+    /// Destroys the side streams and events while the engine's context is still alive (the backend's
+    /// Drop calls this before its fields, the context among them, are dropped).
+    pub(super) fn release(&self) {
+        for (_, set) in self.streams.lock().drain() {
+            drop(set);
+        }
+        for l in &self.layers {
+            l.lock().take();
+        }
     }
 
     pub fn bytes(&self) -> usize {
@@ -324,6 +337,7 @@ impl CudaBackend {
                     fork: mk_event(DISABLE_TIMING)?,
                     join_a: mk_event(DISABLE_TIMING)?,
                     join_b: mk_event(DISABLE_TIMING)?,
+                    truth: mk_event(DISABLE_TIMING)?,
                     timing: if timeline { Some((0..TIMELINE.len()).map(|_| mk_event(0)).collect::<Result<Vec<_>>>()?) } else { None },
                     ws: None,
                 };
@@ -368,7 +382,10 @@ impl CudaBackend {
             check((api.cuEventRecord)(set.fork, stream), "cuEventRecord")?;
             check((api.cuStreamWaitEvent)(side, set.fork, 0), "cuStreamWaitEvent")?;
         }
-        // Side stream: predict and the speculative set, then attention over it.
+        // Side stream: predicted scores and the speculative set, then attention over it.
+        let mut k = KArgs::new();
+        k.by_value(&batch).i32(hk as i32).i32(page as i32).i64(st as i64).i32(spb as i32).i64(at(lay.pred_scores) as i64).i32(maxp as i32);
+        launch::launch(f("kvs_prr_pred_scores")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_pred_scores launch")?;
         let f_pred = f("kvs_prr_predict")?;
         if !self.smem_ready.lock().contains(&(f_pred as usize)) {
             launch::allow_dynamic_smem(f_pred, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
@@ -396,8 +413,6 @@ impl CudaBackend {
         let pred_ref = plan(lay.pred, lay.pred_len, p_cap);
         self.attend(cfg, &partial(lay.o1, lay.l1, side)?, cache, geo, Rows::Plan(pred_ref, (p_cap << ulog2).min(geo.max_len), None))?;
         mark(2, side)?;
-        // SAFETY: our event and stream.
-        unsafe { check((api.cuEventRecord)(set.join_b, side), "cuEventRecord")? };
 
         // Caller's stream: Quest scores (counting the call's rows) and the true selection.
         let q = &a.query;
@@ -417,20 +432,33 @@ impl CudaBackend {
         k.i64(at(lay.scores) as i64).i32(maxp as i32).i64(truth.e as i64).i64(truth.p_s).i64(truth.p_h).i64(truth.len as i64).i32(truth.cap).i64(row_bytes).i32(0);
         k.i32(smem_keys as i32).i64(ctr);
         launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), 512, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")?;
-        mark(3, stream)?;
+        mark(4, stream)?;
+        // Side stream: once the true selection is known, the Holt update (off the caller's stream).
+        // SAFETY: our events and streams.
+        unsafe {
+            check((api.cuEventRecord)(set.truth, stream), "cuEventRecord")?;
+            check((api.cuStreamWaitEvent)(side, set.truth, 0), "cuStreamWaitEvent")?;
+        }
+        let mut k = KArgs::new();
+        k.by_value(&batch).i32(hk as i32).i32(page as i32).i64(at(lay.scores) as i64).i32(maxp as i32).i64(at(lay.truth) as i64).i64(at(lay.truth_len) as i64).i32(t_cap as i32);
+        k.i64(st as i64).i32(spb as i32).i64(at(lay.params) as i64).i64(ctr);
+        launch::launch(f("kvs_prr_update")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_update launch")?;
+        mark(3, side)?;
+        // SAFETY: our event and stream.
+        unsafe { check((api.cuEventRecord)(set.join_b, side), "cuEventRecord")? };
         // Join A: the speculative set is known (and the predictions have read the state).
         // SAFETY: our event, the caller's stream.
         unsafe { check((api.cuStreamWaitEvent)(stream, set.join_a, 0), "cuStreamWaitEvent")? };
         let mut k = KArgs::new();
-        k.by_value(&batch).i32(hk as i32).i32(page as i32).i64(at(lay.scores) as i64).i32(maxp as i32);
+        k.by_value(&batch).i32(hk as i32).i32(page as i32);
         k.i64(at(lay.truth) as i64).i64(at(lay.truth_len) as i64).i32(t_cap as i32).i64(at(lay.pred) as i64).i64(at(lay.pred_len) as i64).i32(p_cap as i32);
         k.i64(at(lay.missed) as i64).i64(at(lay.missed_len) as i64).i32(m_cap as i32).i64(at(lay.uni) as i64).i64(at(lay.uni_len) as i64).i32(u_cap as i32);
-        k.i64(st as i64).i32(spb as i32).i64(at(lay.params) as i64).i64(row_bytes).i64(ctr);
+        k.i64(row_bytes).i64(ctr);
         launch::launch(f("kvs_prr_repair")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_prr_repair launch")?;
-        mark(4, stream)?;
+        mark(5, stream)?;
         let missed_ref = plan(lay.missed, lay.missed_len, m_cap);
         self.attend(cfg, &partial(lay.o2, lay.l2, stream)?, cache, geo, Rows::Plan(missed_ref, (m_cap << ulog2).min(geo.max_len), None))?;
-        mark(5, stream)?;
+        mark(6, stream)?;
         if a.max_query_len != 1 {
             self.attend(cfg, a, cache, geo, Rows::DenseRest)?;
         }
@@ -445,7 +473,7 @@ impl CudaBackend {
         k.by_value(&batch).i32(nq as i32).i64(at(lay.o1) as i64).i64(at(lay.l1) as i64).i64(at(lay.o2) as i64).i64(at(lay.l2) as i64);
         k.ptr(a.out.data).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64).i64(lse_ptr).i64(l0).i64(l1);
         launch::launch(f("kvs_prr_merge")?, (ns as u32, nq as u32, 1), d as u32, &mut k, stream, "kvs_prr_merge launch")?;
-        mark(6, stream)?;
+        mark(7, stream)?;
         drop(streams);
         drop(st_guard);
         drop(meta_guard);

@@ -58,7 +58,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
         None => None,
     };
     if let Some(f) = csv.as_mut() {
-        writeln!(f, "policy,batch,ctx,hq,hk,write_us,write_dense_us,select_us,attend_us,forward_us,dense_us,visited,top_p_kept,bound_bytes,bound_floor_us,copy_gbps,rotation,prefill_choice_us,prr_serial_us,prr_spec_hit,prr_timeline").map_err(|e| e.to_string())?;
+        writeln!(f, "policy,batch,ctx,hq,hk,write_us,write_dense_us,select_us,attend_us,forward_us,dense_us,visited,top_p_kept,bound_bytes,bound_floor_us,copy_gbps,rotation,prefill_choice_us,prr_serial_us,prr_spec_hit,prr_timeline,prr_graph_us,prr_serial_graph_us").map_err(|e| e.to_string())?;
     }
     println!(
         "{:<40} {:>5} {:>7} {:>6} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>7} {:>8} {:>8}",
@@ -98,6 +98,11 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                         println!("{:<40} PRR step {:.1} us vs serial quest (select, then attend) {:.1} us: {:.2}x; speculation hit {:.1}% of true pages", "", r.forward_us, r.serial_us, r.serial_us / r.forward_us, 100.0 * r.spec_hit);
                         let tl: Vec<String> = r.timeline.iter().map(|(n, us)| format!("{n} {us:.1}")).collect();
                         println!("{:<40} timeline, phase ends in us after the fork (one step, median of 30): {}", "", tl.join(", "));
+                        println!("{:<40} CUDA graphs (GPU time, no launch cost): PRR {:.1} us vs serial quest {:.1} us: {:.2}x", "", r.graph_us, r.serial_graph_us, r.serial_graph_us / r.graph_us);
+                        match &r.graph_timeline {
+                            Ok(t) => println!("{:<40} timeline of a replayed graph step (us after the fork): {}", "", t.iter().map(|(n, us)| format!("{n} {us:.1}")).collect::<Vec<_>>().join(", ")),
+                            Err(e) => println!("{:<40} timeline of a replayed graph step: not available ({e})", ""),
+                        }
                     }
                     if r.choice_us.is_finite() {
                         println!("{:<40} SnapKV's choice at the prefill chunk (window tokens per sequence): {:.1} us", "", r.choice_us);
@@ -105,9 +110,11 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                     if let Some(f) = csv.as_mut() {
                         writeln!(
                             f,
-                            "\"{spec}\",{b},{c},{hq},{hk},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.5},{:.5},{:.0},{:.3},{:.1},{},{:.3},{:.3},{:.5},\"{}\"",
+                            "\"{spec}\",{b},{c},{hq},{hk},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.5},{:.5},{:.0},{:.3},{:.1},{},{:.3},{:.3},{:.5},\"{}\",{:.3},{:.3}",
                             r.write_us, r.write_dense_us, r.select_us, r.attend_us, r.forward_us, r.dense_us, r.visited, r.top_p_kept, r.bound_bytes, floor_us, copy, r.rotation, r.choice_us, r.serial_us, r.spec_hit,
-                            r.timeline.iter().map(|(n, us)| format!("{n}={us:.2}")).collect::<Vec<_>>().join(";")
+                            r.timeline.iter().map(|(n, us)| format!("{n}={us:.2}")).collect::<Vec<_>>().join(";"),
+                            r.graph_us,
+                            r.serial_graph_us
                         )
                         .map_err(|e| e.to_string())?;
                     }
