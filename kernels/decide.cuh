@@ -86,4 +86,9 @@ __device__ __forceinline__ SeqRow kvs_seq_row(int s, const int* qsl, i64 qsl0, c
 #define CTR_BLOCKS_SKIPPED_TERMINATION 8  // ART (kernels/attention_mma.cu, ART=1)
 #define CTR_ART_TILES 9
 #define CTR_ART_TILES_TOTAL 10
-#define CTR_COUNT 11
+#define CTR_SPEC_PREDICTED 11  // PRR (kernels/prr.cu)
+#define CTR_SPEC_TRUE 12
+#define CTR_SPEC_HIT 13
+#define CTR_SPEC_REPAIRED 14
+#define CTR_SPEC_REUSE_HIT 15
+#define CTR_COUNT 16

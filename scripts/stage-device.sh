@@ -12,5 +12,12 @@ newest() { ls -t target/release/deps/$1-* | grep -v '\.d$' | head -1; }
 cp "$(newest cuda)" "$dest/bin/cuda_tests"
 cp "$(newest cuda_sparse)" "$dest/bin/cuda_sparse_tests"
 strip --strip-debug "$dest/bin/kvsparse" "$dest/bin/cuda_tests" "$dest/bin/cuda_sparse_tests"
+# The stateful policies' multi-step tests (one binary each, where the branch has them).
+for t in cuda_refresh cuda_prr cuda_predictor; do
+  if ls target/release/deps/$t-* >/dev/null 2>&1; then
+    cp "$(newest $t)" "$dest/bin/${t}_tests"
+    strip --strip-debug "$dest/bin/${t}_tests"
+  fi
+done
 cp scripts/gpu-check.sh scripts/gpu-sparse.sh scripts/mma-tune.sh scripts/clock-probe.sh scripts/sdpa_bench.py scripts/compare.py scripts/compare_sparse.py "$dest/"
 du -sh "$dest"

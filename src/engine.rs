@@ -186,6 +186,12 @@ impl Engine {
         let pipeline = if self.policy.is_dense_for_layer(a.layer) { None } else { self.policy.pipeline() };
         let c = match &self.cuda {
             Some(gpu) => {
+                // PRR on the device reads the spec's constant budget; a loaded table is CPU-only for now.
+                ensure!(
+                    !matches!(pipeline.map(|p| &p.selector), Some(Selector::Speculate(_))) || self.spec_budgets.read().is_none(),
+                    Unsupported,
+                    "a speculation budget table (set_speculation_budgets) is not supported by the CUDA backend; PRR there uses the spec's `budget`"
+                );
                 let c = gpu.forward(cfg, a, &cache, pipeline)?;
                 if let (Some(_), Some(dst)) = (pipeline, self.visits.lock().as_mut()) {
                     dst.extend(gpu.visit_records(cfg, a)?);

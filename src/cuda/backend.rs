@@ -78,6 +78,17 @@ pub struct CudaBackend {
     pub slots: Option<super::slots::SeqSlots>,
     /// RefreshKV's per-layer state and step counters (see `refresh`).
     pub(super) refresh: super::refresh::RefreshDevice,
+    /// PRR's block-keyed state, side streams and events (see `prr`).
+    pub(super) prr: super::prr::PrrDevice,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // PRR's side streams and events belong to the context `gpu` releases when it drops.
+        if self.gpu.make_current().is_ok() {
+            self.prr.release();
+        }
+    }
 }
 
 pub(super) fn dtype_code(d: DType) -> i32 {
@@ -111,6 +122,7 @@ impl CudaBackend {
             sparse,
             slots,
             refresh: super::refresh::RefreshDevice::new(cfg.num_layers)?,
+            prr: super::prr::PrrDevice::new(cfg),
         })
     }
 
@@ -325,7 +337,8 @@ impl CudaBackend {
         k.i32(n as i32).i32(cfg.num_kv_heads as i32).i32(cfg.head_dim as i32).i64(cache.num_blocks as i64).i32(cfg.block_size as i32);
         let grid = total.div_ceil(256).min(65536 * 4) as u32;
         launch::launch(f, (grid, 1, 1), 256, &mut k, a.stream, "kvs_cache_write launch")?;
-        self.meta.update(&self.gpu, &self.modules, a.layer, cache, &a.slot_mapping, n, a.stream)
+        self.meta.update(&self.gpu, &self.modules, a.layer, cache, &a.slot_mapping, n, a.stream)?;
+        self.prr_on_write(cfg, a.layer, cache, &a.slot_mapping, n, a.stream)
     }
 
     /// Merge of two partial states on the device (shapes validated by the engine).

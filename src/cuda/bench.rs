@@ -245,6 +245,18 @@ pub struct SparseRow {
     /// fraction of those steps that ran full; NaN for other policies.
     pub step_mean_us: f64,
     pub refresh_full: f64,
+    /// PRR (`speculate`): the serial path on the same inputs (`quest` with the same budget, page and sink:
+    /// select, then attend), the fraction of true pages the speculation hit in the timed steps, and the
+    /// mean end of each phase of a step in us after the fork (both streams; `prr::TIMELINE`). NaN / empty
+    /// for other policies.
+    pub serial_us: f64,
+    pub spec_hit: f64,
+    pub timeline: Vec<(&'static str, f64)>,
+    /// PRR: the same steps captured in CUDA graphs and replayed (no host launch cost: the GPU's own time),
+    /// PRR and serial Quest, and the timeline of a replayed step (or why it could not be read).
+    pub graph_us: f64,
+    pub serial_graph_us: f64,
+    pub graph_timeline: std::result::Result<Vec<(&'static str, f64)>, String>,
 }
 
 /// Keys that attention concentrates on, as in real decoding (heavy hitters): for every (rotation, sequence,
@@ -310,6 +322,11 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     };
     let engine = mk(policy)?;
     let dense = mk("")?;
+    // PRR: the serial Quest path it is measured against.
+    let serial = match crate::policy::Policy::parse(policy)?.pipeline().map(|pl| pl.selector.clone()) {
+        Some(crate::policy::Selector::Speculate(sp)) => Some(mk(&format!("quest(budget={}, page={}, sink={})", sp.quest_budget, sp.page, sp.quest_sink))?),
+        _ => None,
+    };
     let backend = engine.cuda_backend().expect("CUDA engine");
     let s: CUstream = std::ptr::null_mut();
     let row = p.hk * d; // elements per token row
@@ -351,7 +368,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         let n = chunk.min(nb * BLOCK - at);
         let off = at * row * 2;
         let view_rows = |b: &DevBuf| v(unsafe { b.as_ptr().add(off) }, DType::BF16, &[n as i64, p.hk as i64, d as i64]);
-        engine.cache_write(&crate::engine::CacheWriteArgs {
+        let w = crate::engine::CacheWriteArgs {
             layer: 0,
             key: view_rows(&kc)?,
             value: view_rows(&vc)?,
@@ -359,7 +376,11 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
             slot_mapping: v(unsafe { slots_dev.as_ptr().add(at * 8) }, DType::I64, &[n as i64])?,
             stream: s,
-        })?;
+        };
+        engine.cache_write(&w)?;
+        if let Some(e) = &serial {
+            e.cache_write(&w)?;
+        }
         at += n;
     }
     // The step's write: each sequence's last row (rotation 0), copied out and written back.
@@ -482,11 +503,41 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     } else {
         (f64::NAN, f64::NAN)
     };
-    backend.set_bench_phases(true, false);
-    let select_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
-    backend.set_bench_phases(false, true);
-    let attend_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
-    backend.set_bench_phases(true, true);
+    // PRR runs its own phases on two streams: the serial Quest path and the step's timeline instead.
+    let (mut serial_us, mut spec_hit, mut timeline) = (f64::NAN, f64::NAN, Vec::new());
+    let (mut graph_us, mut serial_graph_us, mut graph_timeline) = (f64::NAN, f64::NAN, Ok(Vec::new()));
+    if let Some(se) = &serial {
+        serial_us = time_calls(&|i| se.attention_forward(&args[i % rotation]).map(|_| ()))?;
+        let before = engine.stats().total;
+        backend.set_prr_timeline(true);
+        let n = 30usize;
+        let mut per: Vec<Vec<f64>> = vec![Vec::new(); super::prr::TIMELINE.len()];
+        for i in 0..n {
+            engine.attention_forward(&args[i % rotation])?;
+            for (j, (_, ms)) in backend.prr_timeline(s)?.into_iter().enumerate() {
+                per[j].push(ms as f64 * 1e3);
+            }
+        }
+        backend.set_prr_timeline(false);
+        let after = engine.stats().total;
+        let (hit, tru) = (after.spec_hit_blocks - before.spec_hit_blocks, after.spec_true_blocks - before.spec_true_blocks);
+        spec_hit = if tru > 0 { hit as f64 / tru as f64 } else { f64::NAN };
+        timeline = super::prr::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect();
+        let (g, sg, gt) = prr_graph_times(&engine, se, &args, rotation)?;
+        graph_us = g;
+        serial_graph_us = sg;
+        graph_timeline = gt;
+    }
+    let (select_us, attend_us) = if serial.is_some() {
+        (Ok(f64::NAN), Ok(f64::NAN))
+    } else {
+        backend.set_bench_phases(true, false);
+        let select_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
+        backend.set_bench_phases(false, true);
+        let attend_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
+        backend.set_bench_phases(true, true);
+        (select_us, attend_us)
+    };
     let choice_us = if prefill.is_empty() {
         Ok(f64::NAN)
     } else {
@@ -520,5 +571,96 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         choice_us,
         step_mean_us,
         refresh_full,
+        serial_us,
+        spec_hit,
+        timeline,
+        graph_us,
+        serial_graph_us,
+        graph_timeline,
     })
+}
+
+/// PRR against serial Quest with both steps captured in CUDA graphs (one graph of `rotation` steps each,
+/// on a private stream), replayed in groups of 10 (median of 15 groups, per step); then the timeline of a
+/// replayed single step (the timing events become event-record nodes of the graph).
+#[allow(clippy::type_complexity)]
+fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotation: usize) -> Result<(f64, f64, std::result::Result<Vec<(&'static str, f64)>, String>)> {
+    use super::driver::{CUgraphExec, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, CU_STREAM_NON_BLOCKING};
+    let api = cuda()?;
+    let mut gs: CUstream = std::ptr::null_mut();
+    // SAFETY: out-parameter; destroyed below.
+    check(unsafe { (api.cuStreamCreate)(&mut gs, CU_STREAM_NON_BLOCKING) }, "cuStreamCreate")?;
+    let gargs: Vec<ForwardArgs> = args.iter().map(|a| ForwardArgs { stream: gs, ..*a }).collect();
+    let backend = engine.cuda_backend().expect("CUDA engine");
+    let capture = |e: &Engine, steps: &[ForwardArgs]| -> Result<CUgraphExec> {
+        // SAFETY: capture on our own stream; the graph is destroyed once instantiated.
+        unsafe {
+            check((api.cuStreamSynchronize)(gs), "cuStreamSynchronize")?;
+            check((api.cuStreamBeginCapture)(gs, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
+            let r = steps.iter().try_for_each(|a| e.attention_forward(a).map(|_| ()));
+            let mut graph = std::ptr::null_mut();
+            let end = check((api.cuStreamEndCapture)(gs, &mut graph), "cuStreamEndCapture");
+            r?;
+            end?;
+            let mut exec = std::ptr::null_mut();
+            let inst = check((api.cuGraphInstantiateWithFlags)(&mut exec, graph, 0), "cuGraphInstantiate");
+            (api.cuGraphDestroy)(graph);
+            inst?;
+            Ok(exec)
+        }
+    };
+    let result = (|| -> Result<(f64, f64, std::result::Result<Vec<(&'static str, f64)>, String>)> {
+        for a in &gargs {
+            engine.attention_forward(a)?; // warm-up on this stream: side stream, events, workspaces
+            serial.attention_forward(a)?;
+        }
+        let ev = Events::new()?;
+        let time = |exec: CUgraphExec| -> Result<f64> {
+            let mut v = Vec::new();
+            for g in 0..16 {
+                let ms = ev.time(gs, || {
+                    for _ in 0..10 {
+                        // SAFETY: a live graph and stream.
+                        check(unsafe { (api.cuGraphLaunch)(exec, gs) }, "cuGraphLaunch")?;
+                    }
+                    Ok(())
+                })?;
+                if g > 0 {
+                    v.push(ms * 1e3 / (10 * rotation) as f64);
+                }
+            }
+            Ok(median(v))
+        };
+        let (ge, gse) = (capture(engine, &gargs)?, capture(serial, &gargs)?);
+        let (g, sg) = (time(ge)?, time(gse)?);
+        // SAFETY: instantiated above.
+        unsafe {
+            (api.cuGraphExecDestroy)(ge);
+            (api.cuGraphExecDestroy)(gse);
+        }
+        backend.set_prr_timeline(true);
+        let tl = (|| -> Result<Vec<(&'static str, f64)>> {
+            engine.attention_forward(&gargs[0])?; // creates the timing events outside capture
+            let exec = capture(engine, &gargs[..1])?;
+            let mut per: Vec<Vec<f64>> = vec![Vec::new(); super::prr::TIMELINE.len()];
+            for _ in 0..30 {
+                // SAFETY: a live graph and stream.
+                check(unsafe { (api.cuGraphLaunch)(exec, gs) }, "cuGraphLaunch")?;
+                for (j, (_, ms)) in backend.prr_timeline(gs)?.into_iter().enumerate() {
+                    per[j].push(ms as f64 * 1e3);
+                }
+            }
+            // SAFETY: instantiated above.
+            unsafe { (api.cuGraphExecDestroy)(exec) };
+            Ok(super::prr::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect())
+        })();
+        backend.set_prr_timeline(false);
+        Ok((g, sg, tl.map_err(|e| e.to_string())))
+    })();
+    // SAFETY: created above; the engines' per-stream sets for it stay until the engines drop.
+    unsafe {
+        (api.cuStreamSynchronize)(gs);
+        (api.cuStreamDestroy)(gs);
+    }
+    result
 }

@@ -99,6 +99,7 @@ api_table!(CudaApi {
     cuStreamCreate: fn(*mut CUstream, c_uint) -> CUresult;
     cuStreamDestroy: fn(CUstream) -> CUresult;
     cuStreamSynchronize: fn(CUstream) -> CUresult;
+    cuStreamWaitEvent: fn(CUstream, CUevent, c_uint) -> CUresult;
     cuStreamIsCapturing: fn(CUstream, *mut c_int) -> CUresult;
     cuStreamBeginCapture: fn(CUstream, c_int) -> CUresult;
     cuStreamEndCapture: fn(CUstream, *mut CUgraph) -> CUresult;

@@ -19,7 +19,7 @@ pub const CACHE_WRITE: &str = include_str!("../../kernels/cache_write.cu");
 pub const MERGE: &str = include_str!("../../kernels/merge.cu");
 pub const FILL: &str = include_str!("../../kernels/fill.cu");
 pub const META: &str = concat!(include_str!("../../kernels/decide.cuh"), "\n", include_str!("../../kernels/meta.cu"));
-pub const SELECT: &str = concat!(include_str!("../../kernels/decide.cuh"), "\n", include_str!("../../kernels/select.cu"), "\n", include_str!("../../kernels/snapkv.cu"), "\n", include_str!("../../kernels/refresh.cu"));
+pub const SELECT: &str = concat!(include_str!("../../kernels/decide.cuh"), "\n", include_str!("../../kernels/select.cu"), "\n", include_str!("../../kernels/snapkv.cu"), "\n", include_str!("../../kernels/refresh.cu"), "\n", include_str!("../../kernels/prr.cu"));
 
 /// Loaded modules by variant (source name + defines) and the functions looked up in them.
 #[derive(Default)]

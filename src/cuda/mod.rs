@@ -11,6 +11,7 @@ pub mod launch;
 pub mod meta;
 pub mod module_cache;
 pub mod plan;
+pub mod prr;
 pub mod refresh;
 pub mod slots;
 pub mod snapkv;

@@ -70,8 +70,30 @@ pub(super) struct BatchArg {
     pad: i32,
 }
 
+impl BatchArg {
+    /// The call's batch as the selection kernels read it.
+    pub(super) fn new(a: &ForwardArgs, geo: &Geometry, cache: &KvCache) -> Self {
+        BatchArg {
+            bt: a.block_table.data as u64,
+            bt0: a.block_table.stride(0) as i64,
+            bt1: a.block_table.stride(1) as i64,
+            bt_cols: geo.cols as i32,
+            bs_log2: cache.block_size.trailing_zeros() as i32,
+            num_blocks: cache.num_blocks as i64,
+            seq_lens: a.seq_lens.data as u64,
+            sl0: a.seq_lens.stride(0) as i64,
+            qsl: a.query_start_loc.data as u64,
+            qsl0: a.query_start_loc.stride(0) as i64,
+            num_seqs: geo.num_seqs as i32,
+            num_tokens: geo.num_tokens as i32,
+            window: a.sliding_window,
+            pad: 0,
+        }
+    }
+}
+
 /// Counter slots on the device (kernels/decide.cuh CTR_*).
-const CTR_COUNT: usize = 11;
+const CTR_COUNT: usize = 16;
 
 /// ART's parameters as the tensor-core kernel reads them (kernels/attention_mma.cu `ArtArgs`, same layout).
 #[repr(C)]
@@ -117,7 +139,8 @@ pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> 
     }
     match p.selector {
         Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } | Selector::SnapKv { .. } | Selector::Refresh(_) => Ok(()),
-        Selector::Speculate(_) | Selector::Predictor(_) => Err("the stateful policies speculate and predictor are not available on the CUDA backend yet".into()),
+        Selector::Speculate(s) => super::prr::supported(&s),
+        Selector::Predictor(_) => Err("the stateful policy predictor is not available on the CUDA backend yet".into()),
     }
 }
 
@@ -214,6 +237,9 @@ fn checked(parts: &[usize]) -> Result<usize> {
 impl CudaBackend {
     /// A policy layer's call: selection, then attention over the plans (and dense over the other rows).
     pub(super) fn sparse_forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, p: &Pipeline) -> Result<()> {
+        if let Selector::Speculate(sp) = &p.selector {
+            return self.prr_forward(cfg, a, cache, geo, sp);
+        }
         let (hk, bs, d, g) = (cfg.num_kv_heads, cfg.block_size, cfg.head_dim, cfg.group_size());
         ensure!(geo.num_seqs < 65536, Unsupported, "policies on the CUDA backend take at most 65535 sequences per call (got {})", geo.num_seqs);
         let stream = a.stream;
@@ -478,6 +504,15 @@ impl CudaBackend {
         Ok(())
     }
 
+    pub(super) fn sparse_layer_counters(&self, layer: usize) -> u64 {
+        self.sparse.layer_counters(layer)
+    }
+
+    /// Records where a policy call left its final plans (for visit records).
+    pub(super) fn sparse_set_last_plan(&self, plan: PlanRef, num_seqs: usize) {
+        *self.sparse.last.lock() = Some(LastPlan { plan, num_seqs, art: None, art_order: 0 });
+    }
+
     /// Benchmarks only: run just the selection (`attend = false`) or just the attention over the plans the
     /// previous call left (`select = false`) of later policy calls, to time the phases apart.
     pub fn set_bench_phases(&self, select: bool, attend: bool) {
@@ -493,7 +528,8 @@ impl CudaBackend {
         let v: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
         let mut per_layer: Vec<Counters> = v
             .chunks_exact(CTR_COUNT)
-            .map(|c| Counters {
+            .enumerate()
+            .map(|(l, c)| Counters {
                 decode_rows: c[0],
                 prefill_tokens: c[1],
                 policy_rows: c[2],
@@ -505,7 +541,12 @@ impl CudaBackend {
                 blocks_skipped_termination: c[8],
                 art_tiles_visited: c[9],
                 art_tiles_total: c[10],
-                ..Default::default()
+                spec_predicted_blocks: c[11],
+                spec_true_blocks: c[12],
+                spec_hit_blocks: c[13],
+                spec_repaired_blocks: c[14],
+                spec_reuse_hit_blocks: c[15],
+                ..self.prr.host_counters(l)
             })
             .collect();
         self.refresh.add_counters(&mut per_layer)?;
@@ -602,7 +643,7 @@ fn download_raw(ptr: u64, dst: &mut [u8]) -> Result<()> {
 }
 
 /// The first `n` elements of a 1-D int32/int64 device tensor (any stride).
-fn download_ints(t: &TensorRef, n: usize) -> Result<Vec<i64>> {
+pub(super) fn download_ints(t: &TensorRef, n: usize) -> Result<Vec<i64>> {
     if n == 0 {
         return Ok(Vec::new());
     }

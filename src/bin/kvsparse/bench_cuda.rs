@@ -22,7 +22,9 @@ heads 32/8): the step's cache write with the policy's metadata upkeep, the selec
 attention over the plans, selection + attention in one call, blocks visited, our dense kernel on the
 same cache, and the speedups; Quest's selection is also shown against the time to read its page bounds
 at the measured copy bandwidth. SnapKV first chooses at a prefill chunk of its window's tokens per
-sequence (queries: the decode query repeated); the choice kernels' time is printed below its row.";
+sequence (queries: the decode query repeated); the choice kernels' time is printed below its row.
+PRR (`speculate(over=quest(...), ...)`) is timed against the serial `quest` path with the same budget,
+page and sink on the same inputs, with the step's timeline on both streams printed below its row.";
 
 /// Replaces every `L/<n>` in a spec by `ctx / n`.
 fn expand(spec: &str, ctx: usize) -> Result<String, String> {
@@ -56,7 +58,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
         None => None,
     };
     if let Some(f) = csv.as_mut() {
-        writeln!(f, "policy,batch,ctx,hq,hk,write_us,write_dense_us,select_us,attend_us,forward_us,dense_us,visited,top_p_kept,bound_bytes,bound_floor_us,copy_gbps,rotation,prefill_choice_us").map_err(|e| e.to_string())?;
+        writeln!(f, "policy,batch,ctx,hq,hk,write_us,write_dense_us,select_us,attend_us,forward_us,dense_us,visited,top_p_kept,bound_bytes,bound_floor_us,copy_gbps,rotation,prefill_choice_us,prr_serial_us,prr_spec_hit,prr_timeline,prr_graph_us,prr_serial_graph_us").map_err(|e| e.to_string())?;
     }
     println!(
         "{:<40} {:>5} {:>7} {:>6} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>7} {:>8} {:>8}",
@@ -95,14 +97,27 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                     if r.refresh_full.is_finite() {
                         println!("{:<40} RefreshKV: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them full", "", 60 * r.rotation, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
                     }
+                    if r.serial_us.is_finite() {
+                        println!("{:<40} PRR step {:.1} us vs serial quest (select, then attend) {:.1} us: {:.2}x; speculation hit {:.1}% of true pages", "", r.forward_us, r.serial_us, r.serial_us / r.forward_us, 100.0 * r.spec_hit);
+                        let tl: Vec<String> = r.timeline.iter().map(|(n, us)| format!("{n} {us:.1}")).collect();
+                        println!("{:<40} timeline, phase ends in us after the fork (one step, median of 30): {}", "", tl.join(", "));
+                        println!("{:<40} CUDA graphs (GPU time, no launch cost): PRR {:.1} us vs serial quest {:.1} us: {:.2}x", "", r.graph_us, r.serial_graph_us, r.serial_graph_us / r.graph_us);
+                        match &r.graph_timeline {
+                            Ok(t) => println!("{:<40} timeline of a replayed graph step (us after the fork): {}", "", t.iter().map(|(n, us)| format!("{n} {us:.1}")).collect::<Vec<_>>().join(", ")),
+                            Err(e) => println!("{:<40} timeline of a replayed graph step: not available ({e})", ""),
+                        }
+                    }
                     if r.choice_us.is_finite() {
                         println!("{:<40} SnapKV's choice at the prefill chunk (window tokens per sequence): {:.1} us", "", r.choice_us);
                     }
                     if let Some(f) = csv.as_mut() {
                         writeln!(
                             f,
-                            "\"{spec}\",{b},{c},{hq},{hk},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.5},{:.5},{:.0},{:.3},{:.1},{},{:.3}",
-                            r.write_us, r.write_dense_us, r.select_us, r.attend_us, r.forward_us, r.dense_us, r.visited, r.top_p_kept, r.bound_bytes, floor_us, copy, r.rotation, r.choice_us
+                            "\"{spec}\",{b},{c},{hq},{hk},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.5},{:.5},{:.0},{:.3},{:.1},{},{:.3},{:.3},{:.5},\"{}\",{:.3},{:.3}",
+                            r.write_us, r.write_dense_us, r.select_us, r.attend_us, r.forward_us, r.dense_us, r.visited, r.top_p_kept, r.bound_bytes, floor_us, copy, r.rotation, r.choice_us, r.serial_us, r.spec_hit,
+                            r.timeline.iter().map(|(n, us)| format!("{n}={us:.2}")).collect::<Vec<_>>().join(";"),
+                            r.graph_us,
+                            r.serial_graph_us
                         )
                         .map_err(|e| e.to_string())?;
                     }

@@ -1,0 +1,594 @@
+//! PRR (`speculate(over=quest(...))`: predict, speculate, repair) on the CUDA backend (kernels/prr.cu).
+//!
+//! A decode step forks a side stream from the caller's stream (an event recorded on the caller's stream,
+//! waited on by the side stream). The side stream predicts every page's Quest score from its Holt state,
+//! takes the top `budget/page` predictions (the speculative set) and attends them; meanwhile the caller's
+//! stream scores the pages (Quest bounds) and selects the true pages. After join A (the speculative set is
+//! known) the caller's stream computes the missed pages (true, not predicted), counts, updates the Holt
+//! state with the true scores, and attends the missed pages; after join B (the speculative attention is
+//! done) it merges the two partial states through their LSEs. Pages predicted but not selected stay in the
+//! merge (`extra=keep`, the paper's and the default). No host sync, no allocation, no host decision: the
+//! step is capturable. The side stream, the events and the workspace are the engine's, one set per caller
+//! stream, created outside capture.
+//!
+//! State: Holt (level, trend), the Holt parameters and the previous-true bit per (cache block, KV head,
+//! page slot) in the layer's PRR buffer, reset by the cache write when a page's first slot is written
+//! (see kernels/prr.cu). Keyed by cache blocks, not sequence ids (which a captured step holds in device
+//! memory), as SnapKV's kept bits: sequences sharing prefix blocks share those pages' state.
+//!
+//! Calibration: a call that may hold a prefill chunk (`max_query_len != 1`) scores the chunk's
+//! calibration rows on the device, downloads the trajectory (a host sync), runs the CPU's own
+//! `speculate::calibrate` per (sequence, KV head) and uploads the warm state. Such a call cannot be
+//! captured (refused with a clear error); decode steps never sync.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
+
+use super::backend::{dtype_code, CudaBackend, Geometry, Rows};
+use super::context::DevBuf;
+use super::driver::{check, cuda, CUevent, CUstream, CU_STREAM_NON_BLOCKING};
+use super::launch::{self, KArgs};
+use super::sparse::{download_ints, BatchArg, PlanRef};
+use crate::config::EngineConfig;
+use crate::cpu::sparse::{calib_rows, CALIB_ROWS};
+use crate::engine::ForwardArgs;
+use crate::error::Result;
+use crate::layout::KvCache;
+use crate::policy::plan::selector_capacity;
+use crate::policy::speculate::{self, TrajStep};
+use crate::policy::{Selector, Speculate};
+use crate::stats::Counters;
+use crate::tensor::{DType, TensorRef};
+use crate::{bail, ensure};
+
+/// Bytes of one state entry (kernels/prr.cu `PrrEntry`: level, trend, alpha, beta, gamma, flags).
+const ENTRY_BYTES: usize = 24;
+const PRR_PARAMS: u32 = 1;
+const PRR_PREV: u32 = 2;
+
+/// Phases of a step whose end the bench's timeline records (`set_timeline`), in this order.
+pub const TIMELINE: [&str; 8] = ["fork", "side:predict", "side:spec_attn", "side:update", "main:select", "main:repair_plan", "main:repair_attn", "main:merge"];
+
+/// One caller stream's side stream, fork/join events and workspace.
+struct StreamSet {
+    side: CUstream,
+    fork: CUevent,
+    join_a: CUevent,
+    join_b: CUevent,
+    /// The true selection is known (caller's stream -> side stream, for the update).
+    truth: CUevent,
+    /// Timing events (benchmarks), TIMELINE order.
+    timing: Option<Vec<CUevent>>,
+    ws: Option<DevBuf>,
+}
+
+// SAFETY: the handles are plain driver handles used under the engine's locks.
+unsafe impl Send for StreamSet {}
+
+impl Drop for StreamSet {
+    fn drop(&mut self) {
+        if let Ok(api) = cuda() {
+            // SAFETY: created by us, destroyed once.
+            unsafe {
+                (api.cuStreamSynchronize)(self.side);
+                for e in [self.fork, self.join_a, self.join_b, self.truth].into_iter().chain(self.timing.iter().flatten().copied()) {
+                    (api.cuEventDestroy)(e);
+                }
+                (api.cuStreamDestroy)(self.side);
+            }
+        }
+    }
+}
+
+/// PRR's device state of a CUDA engine.
+pub struct PrrDevice {
+    /// The policy's `speculate` stage, when that is the engine's policy.
+    spec: Option<Speculate>,
+    /// Per layer: entries `[num_blocks][kv_heads][slots per block]`, allocated by the layer's first cache write.
+    layers: Vec<Mutex<Option<DevBuf>>>,
+    streams: Mutex<HashMap<usize, StreamSet>>,
+    /// Counted on the host (calibrations at prefill), per layer.
+    host: Vec<Mutex<Counters>>,
+    timeline: AtomicBool,
+}
+
+impl PrrDevice {
+    pub fn new(cfg: &EngineConfig) -> Self {
+        let spec = crate::policy::Policy::parse(&cfg.policy).ok().and_then(|p| match p.pipeline().map(|p| &p.selector) {
+            Some(Selector::Speculate(s)) => Some(*s),
+            _ => None,
+        });
+        PrrDevice {
+            spec,
+            layers: (0..cfg.num_layers).map(|_| Mutex::new(None)).collect(),
+            streams: Mutex::new(HashMap::new()),
+            host: (0..cfg.num_layers).map(|_| Mutex::new(Counters::default())).collect(),
+            timeline: AtomicBool::new(false),
+        }
+    }
+
+    /// Host-side counters of `layer` (calibrations), added to the device counters by the stats call.
+    pub fn host_counters(&self, layer: usize) -> Counters {
+        self.host.get(layer).map_or_else(Counters::default, |c| c.lock().clone())
+    }
+
+    /// Destroys the side streams and events while the engine's context is still alive (the backend's
+    /// Drop calls this before its fields, the context among them, are dropped).
+    pub(super) fn release(&self) {
+        for (_, set) in self.streams.lock().drain() {
+            drop(set);
+        }
+        for l in &self.layers {
+            l.lock().take();
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.lock().as_ref().map_or(0, |b| b.bytes)).sum::<usize>() + self.streams.lock().values().map(|s| s.ws.as_ref().map_or(0, |b| b.bytes)).sum::<usize>()
+    }
+}
+
+/// Which `speculate` settings the CUDA backend runs.
+pub fn supported(s: &Speculate) -> std::result::Result<(), String> {
+    if s.predict != crate::policy::Predict::Holt {
+        return Err("`speculate` on the CUDA backend predicts with Holt only (`predict=previous|inverse` are CPU baselines)".into());
+    }
+    if !s.keep_extra {
+        return Err("`speculate(extra=drop)` needs attention over the predicted pages that are also true, known only after selection, which defeats speculating on a second stream; the CUDA backend runs `extra=keep` (the default, the paper's)".into());
+    }
+    Ok(())
+}
+
+/// Slots per block: pages no larger than a block have one each, larger pages one in their first block.
+fn slots_per_block(bs: usize, page: usize) -> usize {
+    bs / page.min(bs)
+}
+
+fn bytes_of<T>(v: &[T]) -> &[u8] {
+    // SAFETY: plain-old-data slice viewed as bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+fn oom(what: &str) -> crate::error::Error {
+    crate::error::Error::new(crate::error::ErrorKind::OutOfMemory, format!("{what} size overflows"))
+}
+
+fn mul(parts: &[usize]) -> Result<usize> {
+    parts.iter().try_fold(1usize, |a, &b| a.checked_mul(b)).ok_or_else(|| oom("PRR workspace"))
+}
+
+/// Byte offsets of a step's regions in the stream's PRR workspace.
+#[derive(Default)]
+struct Layout {
+    scores: usize,
+    pred_scores: usize,
+    truth: usize,
+    truth_len: usize,
+    pred: usize,
+    pred_len: usize,
+    missed: usize,
+    missed_len: usize,
+    uni: usize,
+    uni_len: usize,
+    params: usize,
+    o1: usize,
+    l1: usize,
+    o2: usize,
+    l2: usize,
+    total: usize,
+}
+
+impl CudaBackend {
+    /// Cache-write hook: allocates the layer's PRR state on first use (outside capture) and resets the
+    /// entries of the pages whose first slot this write stores.
+    pub(super) fn prr_on_write(&self, cfg: &EngineConfig, layer: usize, cache: &KvCache, slot_mapping: &TensorRef, n: usize, stream: CUstream) -> Result<()> {
+        let Some(sp) = self.prr.spec else {
+            return Ok(());
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let (nb, bs, hk) = (cache.num_blocks, cfg.block_size, cfg.num_kv_heads);
+        let spb = slots_per_block(bs, sp.page);
+        let mut g = self.prr.layers[layer].lock();
+        let bytes = mul(&[nb, hk, spb, ENTRY_BYTES])?;
+        match &*g {
+            Some(b) => ensure!(b.bytes == bytes, InvalidShape, "layer {layer}'s PRR state was built for another cache size; one engine layer serves one cache"),
+            None => {
+                if self.gpu.is_capturing(stream)? {
+                    bail!(InvalidArgument, "layer {layer}'s PRR state would be allocated inside a CUDA graph capture; write the cache of every layer once before capturing");
+                }
+                let b = DevBuf::alloc(bytes)?;
+                // Zeros: every entry a step reads was reset first by the write of its page's first slot.
+                // SAFETY: `bytes` bytes.
+                unsafe { check((cuda()?.cuMemsetD8Async)(b.ptr, 0, bytes, stream), "cuMemsetD8Async")? };
+                *g = Some(b);
+            }
+        }
+        let st = g.as_ref().expect("set above").ptr;
+        let f = self.prr_fn(cfg, "kvs_prr_reset")?;
+        let mut k = KArgs::new();
+        k.ptr(slot_mapping.data).i64(slot_mapping.stride(0) as i64).i32((slot_mapping.dtype == DType::I64) as i32).i32(n as i32);
+        k.i64(nb as i64).i32(bs as i32).i32(hk as i32).i32(sp.page.min(bs) as i32).i64(st as i64);
+        launch::launch(f, ((n * hk).div_ceil(256).min(65536) as u32, 1, 1), 256, &mut k, stream, "kvs_prr_reset launch")
+    }
+
+    fn prr_fn(&self, cfg: &EngineConfig, name: &'static str) -> Result<super::driver::CUfunction> {
+        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={}", cfg.head_dim), format!("GROUP={}", cfg.group_size()), "--fmad=false".to_string()];
+        self.modules.function(&self.gpu, "select", launch::SELECT, &defines, name)
+    }
+
+    /// Benchmarks only: record the phases of later PRR steps with timing events (see `prr_timeline`).
+    pub fn set_prr_timeline(&self, on: bool) {
+        self.prr.timeline.store(on, Ordering::Relaxed);
+    }
+
+    /// Benchmarks only: the last PRR step's phase ends on `stream`, in ms after the fork (synchronizes).
+    pub fn prr_timeline(&self, stream: CUstream) -> Result<Vec<(&'static str, f32)>> {
+        let map = self.prr.streams.lock();
+        let Some(set) = map.get(&(stream as usize)) else {
+            return Ok(Vec::new());
+        };
+        let Some(ev) = &set.timing else {
+            return Ok(Vec::new());
+        };
+        let api = cuda()?;
+        let mut out = Vec::new();
+        // SAFETY: events of this set, recorded by the last step.
+        unsafe {
+            check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
+            for (i, &e) in ev.iter().enumerate() {
+                let mut ms = 0f32;
+                check((api.cuEventElapsedTime)(&mut ms, ev[0], e), "cuEventElapsedTime")?;
+                out.push((TIMELINE[i], ms));
+            }
+        }
+        Ok(out)
+    }
+
+    /// A PRR layer's call: calibration for the prefill chunks (host sync; refused under capture), then
+    /// the decode rows' predict / speculate / select / repair / merge on two streams, and the prefill rows
+    /// densely.
+    pub(super) fn prr_forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, sp: &Speculate) -> Result<()> {
+        let (hk, bs, d, nq) = (cfg.num_kv_heads, cfg.block_size, cfg.head_dim, cfg.num_q_heads);
+        let ns = geo.num_seqs;
+        ensure!(ns < 65536, Unsupported, "policies on the CUDA backend take at most 65535 sequences per call (got {ns})");
+        let stream = a.stream;
+        let page = sp.page;
+        let ulog2 = page.trailing_zeros() as i32;
+        let spb = slots_per_block(bs, page);
+        let maxp = geo.max_pos.div_ceil(page) + 1;
+        let k_spec = sp.budget.unwrap_or(sp.quest_budget).div_ceil(page).max(1);
+        let t_cap = selector_capacity(&Selector::Quest { budget: sp.quest_budget, page, sink: sp.quest_sink }, bs, geo.max_pos).max(1);
+        let p_cap = k_spec.min(maxp).max(1);
+        let (m_cap, u_cap) = (t_cap, p_cap + t_cap);
+        ensure!(u_cap < i32::MAX as usize && maxp < i32::MAX as usize, Unsupported, "PRR plan too large for 32-bit indices");
+        let es = cfg.dtype.size_bytes();
+        let nt = geo.num_tokens;
+
+        let mut lay = Layout::default();
+        let mut off = 0usize;
+        let mut take = |bytes: usize| -> usize {
+            let at = off;
+            off = (off + bytes).next_multiple_of(256);
+            at
+        };
+        lay.scores = take(mul(&[ns, hk, maxp, 4])?);
+        lay.pred_scores = take(mul(&[ns, hk, maxp, 4])?);
+        lay.truth = take(mul(&[ns, hk, t_cap, 4])?);
+        lay.truth_len = take(mul(&[ns, hk, 4])?);
+        lay.pred = take(mul(&[ns, hk, p_cap, 4])?);
+        lay.pred_len = take(mul(&[ns, hk, 4])?);
+        lay.missed = take(mul(&[ns, hk, m_cap, 4])?);
+        lay.missed_len = take(mul(&[ns, hk, 4])?);
+        lay.uni = take(mul(&[ns, hk, u_cap, 4])?);
+        lay.uni_len = take(mul(&[ns, hk, 4])?);
+        lay.params = take(mul(&[ns, hk, 4, 4])?);
+        lay.o1 = take(mul(&[nt, nq, d, es])?);
+        lay.l1 = take(mul(&[nt, nq, 4])?);
+        lay.o2 = take(mul(&[nt, nq, d, es])?);
+        lay.l2 = take(mul(&[nt, nq, 4])?);
+        lay.total = off.max(256);
+
+        let meta_guard = self.meta.layer(a.layer);
+        let Some(m) = meta_guard.as_ref() else {
+            bail!(InvalidArgument, "policy {:?} needs key metadata for layer {}, but no cache write for that layer went through kvs_cache_write", cfg.policy, a.layer);
+        };
+        ensure!(m.num_blocks == cache.num_blocks, InvalidShape, "layer {}'s key metadata was built for {} blocks, the caches have {}", a.layer, m.num_blocks, cache.num_blocks);
+        let st_guard = self.prr.layers[a.layer].lock();
+        let Some(st) = st_guard.as_ref().map(|b| b.ptr) else {
+            bail!(InvalidArgument, "policy {:?} keeps PRR state for layer {}, but no cache write for that layer went through kvs_cache_write", cfg.policy, a.layer);
+        };
+        let batch = BatchArg::new(a, geo, cache);
+        let capturing = self.gpu.is_capturing(stream)?;
+
+        // Prefill chunks: calibration (synchronous).
+        if a.max_query_len != 1 {
+            ensure!(!capturing, InvalidArgument, "a PRR call that may hold a prefill chunk (max_query_len != 1) calibrates on the host and synchronizes; it cannot be captured in a CUDA graph (capture decode steps only, with max_query_len = 1)");
+            self.prr_calibrate(cfg, a, geo, sp, &batch, m, st, spb)?;
+        }
+
+        let api = cuda()?;
+        let mut streams = self.prr.streams.lock();
+        let key = stream as usize;
+        let timeline = self.prr.timeline.load(Ordering::Relaxed);
+        if !streams.contains_key(&key) || (timeline && streams[&key].timing.is_none()) {
+            ensure!(!capturing, InvalidArgument, "PRR's side stream and events for this stream would be created inside a CUDA graph capture; run one PRR call on this stream before capturing");
+            let mk_event = |flags: u32| -> Result<CUevent> {
+                let mut e = std::ptr::null_mut();
+                // SAFETY: out-parameter; destroyed with the set.
+                check(unsafe { (api.cuEventCreate)(&mut e, flags) }, "cuEventCreate")?;
+                Ok(e)
+            };
+            if let Some(old) = streams.remove(&key) {
+                // The timing events are added to an existing set: keep its workspace.
+                let mut set = old;
+                set.timing = Some((0..TIMELINE.len()).map(|_| mk_event(0)).collect::<Result<Vec<_>>>()?);
+                streams.insert(key, set);
+            } else {
+                let mut side = std::ptr::null_mut();
+                // SAFETY: out-parameter; destroyed with the set.
+                check(unsafe { (api.cuStreamCreate)(&mut side, CU_STREAM_NON_BLOCKING) }, "cuStreamCreate")?;
+                const DISABLE_TIMING: u32 = 2;
+                let set = StreamSet {
+                    side,
+                    fork: mk_event(DISABLE_TIMING)?,
+                    join_a: mk_event(DISABLE_TIMING)?,
+                    join_b: mk_event(DISABLE_TIMING)?,
+                    truth: mk_event(DISABLE_TIMING)?,
+                    timing: if timeline { Some((0..TIMELINE.len()).map(|_| mk_event(0)).collect::<Result<Vec<_>>>()?) } else { None },
+                    ws: None,
+                };
+                streams.insert(key, set);
+            }
+        }
+        let set = streams.get_mut(&key).expect("inserted above");
+        if set.ws.as_ref().map_or(true, |b| b.bytes < lay.total) {
+            ensure!(
+                !capturing,
+                InvalidArgument,
+                "this call needs {} bytes of PRR workspace on a stream that is being captured; run one call of the largest shape on this stream before capturing",
+                lay.total
+            );
+            if let Some(old) = set.ws.replace(DevBuf::alloc(lay.total.next_power_of_two())?) {
+                self.retired.lock().push(old);
+            }
+        }
+        let ws = set.ws.as_ref().expect("allocated above").ptr;
+        let side = set.side;
+        let tev = if timeline { set.timing.clone() } else { None };
+        let mark = |i: usize, s: CUstream| -> Result<()> {
+            if let Some(ev) = &tev {
+                // SAFETY: our event, a live stream.
+                check(unsafe { (api.cuEventRecord)(ev[i], s) }, "cuEventRecord")?;
+            }
+            Ok(())
+        };
+        let at = |o: usize| ws + o as u64;
+        let f = |name: &'static str| self.prr_fn(cfg, name);
+        let ctr = self.sparse_layer_counters(a.layer) as i64;
+        let row_bytes = (2 * d * es) as i64;
+        let smem_keys = maxp.min((self.gpu.smem_optin as usize).saturating_sub(4096) / 4);
+        let plan = |e: usize, len: usize, cap: usize| PlanRef { e: at(e), p_s: (hk * cap) as i64, p_h: cap as i64, len: at(len), ulog2, hk: hk as i32, cap: cap as i32, pad: 0 };
+        let (fa, fb, fg) = (sp.alpha.unwrap_or(speculate::DEFAULT_PARAMS.alpha), sp.beta.unwrap_or(speculate::DEFAULT_PARAMS.beta), sp.gamma.unwrap_or(speculate::DEFAULT_PARAMS.gamma));
+        let clamp = |v: usize| v.min(i32::MAX as usize) as i32;
+
+        // Fork.
+        mark(0, stream)?;
+        // SAFETY: our events and streams.
+        unsafe {
+            check((api.cuEventRecord)(set.fork, stream), "cuEventRecord")?;
+            check((api.cuStreamWaitEvent)(side, set.fork, 0), "cuStreamWaitEvent")?;
+        }
+        // Side stream: predicted scores and the speculative set, then attention over it.
+        let mut k = KArgs::new();
+        k.by_value(&batch).i32(hk as i32).i32(page as i32).i64(st as i64).i32(spb as i32).i64(at(lay.pred_scores) as i64).i32(maxp as i32);
+        launch::launch(f("kvs_prr_pred_scores")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_pred_scores launch")?;
+        let f_pred = f("kvs_prr_predict")?;
+        if !self.smem_ready.lock().contains(&(f_pred as usize)) {
+            launch::allow_dynamic_smem(f_pred, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
+            self.smem_ready.lock().insert(f_pred as usize);
+        }
+        let mut k = KArgs::new();
+        k.by_value(&batch).i32(hk as i32).i32(clamp(k_spec)).i32(page as i32).f32(fa).f32(fb).f32(fg).i64(st as i64).i32(spb as i32);
+        k.i64(at(lay.pred_scores) as i64).i32(maxp as i32).i64(at(lay.pred) as i64).i64(at(lay.pred_len) as i64).i32(p_cap as i32).i64(at(lay.params) as i64).i32(smem_keys as i32);
+        launch::launch_smem(f_pred, (hk as u32, ns as u32, 1), 512, (smem_keys * 4) as u32, &mut k, side, "kvs_prr_predict launch")?;
+        mark(1, side)?;
+        // SAFETY: our event and stream.
+        unsafe { check((api.cuEventRecord)(set.join_a, side), "cuEventRecord")? };
+        let view = |o: usize, dt: DType, shape: &[i64], strides: &[i64]| -> Result<TensorRef> {
+            // SAFETY: a region of our workspace sized for this shape (Layout).
+            unsafe { TensorRef::from_raw(at(o) as usize as *mut u8, dt, cfg.device, shape, Some(strides)) }
+        };
+        let (nt64, nq64, d64) = (nt as i64, nq as i64, d as i64);
+        let partial = |o: usize, l: usize, s: CUstream| -> Result<ForwardArgs> {
+            let mut x = *a;
+            x.out = view(o, cfg.dtype, &[nt64, nq64, d64], &[nq64 * d64, d64, 1])?;
+            x.lse = Some(view(l, DType::F32, &[nt64, nq64], &[nq64, 1])?);
+            x.stream = s;
+            Ok(x)
+        };
+        let pred_ref = plan(lay.pred, lay.pred_len, p_cap);
+        self.attend(cfg, &partial(lay.o1, lay.l1, side)?, cache, geo, Rows::Plan(pred_ref, (p_cap << ulog2).min(geo.max_len), None))?;
+        mark(2, side)?;
+
+        // Caller's stream: Quest scores (counting the call's rows) and the true selection.
+        let q = &a.query;
+        let mut k = KArgs::new();
+        k.by_value(&batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
+        k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
+        k.i64(at(lay.scores) as i64).i32(maxp as i32).i32(1).i64(row_bytes).i64(ctr);
+        launch::launch(f("kvs_quest_scores")?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores launch")?;
+        let f_topk = f("kvs_quest_topk")?;
+        if !self.smem_ready.lock().contains(&(f_topk as usize)) {
+            launch::allow_dynamic_smem(f_topk, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
+            self.smem_ready.lock().insert(f_topk as usize);
+        }
+        let truth = plan(lay.truth, lay.truth_len, t_cap);
+        let mut k = KArgs::new();
+        k.by_value(&batch).i32(hk as i32).i32(clamp(sp.quest_budget)).i32(page as i32).i32(clamp(sp.quest_sink));
+        k.i64(at(lay.scores) as i64).i32(maxp as i32).i64(truth.e as i64).i64(truth.p_s).i64(truth.p_h).i64(truth.len as i64).i32(truth.cap).i64(row_bytes).i32(0);
+        k.i32(smem_keys as i32).i64(ctr);
+        launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), 512, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")?;
+        mark(4, stream)?;
+        // Side stream: once the true selection is known, the Holt update (off the caller's stream).
+        // SAFETY: our events and streams.
+        unsafe {
+            check((api.cuEventRecord)(set.truth, stream), "cuEventRecord")?;
+            check((api.cuStreamWaitEvent)(side, set.truth, 0), "cuStreamWaitEvent")?;
+        }
+        let mut k = KArgs::new();
+        k.by_value(&batch).i32(hk as i32).i32(page as i32).i64(at(lay.scores) as i64).i32(maxp as i32).i64(at(lay.truth) as i64).i64(at(lay.truth_len) as i64).i32(t_cap as i32);
+        k.i64(st as i64).i32(spb as i32).i64(at(lay.params) as i64).i64(ctr);
+        launch::launch(f("kvs_prr_update")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_update launch")?;
+        mark(3, side)?;
+        // SAFETY: our event and stream.
+        unsafe { check((api.cuEventRecord)(set.join_b, side), "cuEventRecord")? };
+        // Join A: the speculative set is known (and the predictions have read the state).
+        // SAFETY: our event, the caller's stream.
+        unsafe { check((api.cuStreamWaitEvent)(stream, set.join_a, 0), "cuStreamWaitEvent")? };
+        let mut k = KArgs::new();
+        k.by_value(&batch).i32(hk as i32).i32(page as i32);
+        k.i64(at(lay.truth) as i64).i64(at(lay.truth_len) as i64).i32(t_cap as i32).i64(at(lay.pred) as i64).i64(at(lay.pred_len) as i64).i32(p_cap as i32);
+        k.i64(at(lay.missed) as i64).i64(at(lay.missed_len) as i64).i32(m_cap as i32).i64(at(lay.uni) as i64).i64(at(lay.uni_len) as i64).i32(u_cap as i32);
+        k.i64(row_bytes).i64(ctr);
+        launch::launch(f("kvs_prr_repair")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_prr_repair launch")?;
+        mark(5, stream)?;
+        let missed_ref = plan(lay.missed, lay.missed_len, m_cap);
+        self.attend(cfg, &partial(lay.o2, lay.l2, stream)?, cache, geo, Rows::Plan(missed_ref, (m_cap << ulog2).min(geo.max_len), None))?;
+        mark(6, stream)?;
+        if a.max_query_len != 1 {
+            self.attend(cfg, a, cache, geo, Rows::DenseRest)?;
+        }
+        // Join B: the speculative attention is done; merge.
+        // SAFETY: our event, the caller's stream.
+        unsafe { check((api.cuStreamWaitEvent)(stream, set.join_b, 0), "cuStreamWaitEvent")? };
+        let (lse_ptr, l0, l1) = match &a.lse {
+            Some(l) => (l.data as i64, l.stride(0) as i64, l.stride(1) as i64),
+            None => (0, 0, 0),
+        };
+        let mut k = KArgs::new();
+        k.by_value(&batch).i32(nq as i32).i64(at(lay.o1) as i64).i64(at(lay.l1) as i64).i64(at(lay.o2) as i64).i64(at(lay.l2) as i64);
+        k.ptr(a.out.data).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64).i64(lse_ptr).i64(l0).i64(l1);
+        launch::launch(f("kvs_prr_merge")?, (ns as u32, nq as u32, 1), d as u32, &mut k, stream, "kvs_prr_merge launch")?;
+        mark(7, stream)?;
+        drop(streams);
+        drop(st_guard);
+        drop(meta_guard);
+        self.sparse_set_last_plan(plan(lay.uni, lay.uni_len, u_cap), ns);
+        Ok(())
+    }
+
+    /// Calibration of the call's prefill chunks (synchronous): the calibration rows' Quest page scores on
+    /// the device, the CPU's `speculate::calibrate` per (sequence, KV head) on the host, the warm state
+    /// scattered into the block-keyed entries.
+    #[allow(clippy::too_many_arguments)]
+    fn prr_calibrate(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, sp: &Speculate, batch: &BatchArg, m: &super::meta::LayerDevMeta, st: u64, spb: usize) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        let (hk, ns, page) = (cfg.num_kv_heads, geo.num_seqs, sp.page);
+        let api = cuda()?;
+        let stream = a.stream;
+        // SAFETY: the caller's stream.
+        check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
+        let qsl = download_ints(&a.query_start_loc, ns + 1)?;
+        let lens = download_ints(&a.seq_lens, ns)?;
+        let window = a.sliding_window.max(0) as usize;
+        // (sequence, its calibration rows as (s, t, lo, hi)).
+        let mut seqs: Vec<(usize, Vec<[i32; 4]>)> = Vec::new();
+        for s in 0..ns {
+            let (q0, q1) = (qsl[s], qsl[s + 1]);
+            let q_len = q1 - q0;
+            let len = lens[s].clamp(0, geo.max_pos as i64);
+            if q_len == 1 || q_len <= 0 || q0 < 0 || q1 > geo.num_tokens as i64 || len < q_len {
+                continue;
+            }
+            let rows = calib_rows(q0 as usize, q_len as usize, CALIB_ROWS);
+            let first_pos = (len - q_len) as usize;
+            let v = rows
+                .iter()
+                .map(|&t| {
+                    let pos = first_pos + (t - q0 as usize);
+                    let lo = if window == 0 { 0 } else { (pos + 1).saturating_sub(window) };
+                    [s as i32, t as i32, lo as i32, pos as i32]
+                })
+                .collect();
+            seqs.push((s, v));
+        }
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<[i32; 4]> = seqs.iter().flat_map(|(_, v)| v.iter().copied()).collect();
+        let tmaxp = rows.iter().map(|r| (r[3] as usize) / page - (r[2] as usize) / page + 1).max().unwrap_or(1);
+        let rows_d = DevBuf::from_host(bytes_of(&rows))?;
+        let traj_bytes = mul(&[rows.len(), hk, tmaxp, 4])?;
+        let traj_d = DevBuf::alloc(traj_bytes)?;
+        let q = &a.query;
+        let mut k = KArgs::new();
+        k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
+        k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
+        k.i64(rows_d.ptr as i64).i64(traj_d.ptr as i64).i32(tmaxp as i32);
+        launch::launch(self.prr_fn(cfg, "kvs_prr_traj_scores")?, (tmaxp.div_ceil(64) as u32, hk as u32, rows.len() as u32), 256, &mut k, stream, "kvs_prr_traj_scores launch")?;
+        // SAFETY: the caller's stream.
+        check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
+        let mut raw = vec![0u8; traj_bytes];
+        traj_d.download(0, &mut raw)?;
+        let traj: Vec<f32> = raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
+
+        // The CPU's calibration, per (sequence, KV head).
+        let spec_tokens = sp.budget.unwrap_or(sp.quest_budget);
+        let (k_spec, k_true) = (spec_tokens.div_ceil(page), sp.quest_budget.div_ceil(page));
+        let cands = speculate::grid(sp.alpha, sp.beta, sp.gamma);
+        let mut items = Vec::new();
+        let mut row0 = 0usize;
+        for (j, (_, v)) in seqs.iter().enumerate() {
+            for h in 0..hk {
+                items.push((j, h, row0, v.len()));
+            }
+            row0 += v.len();
+        }
+        use rayon::prelude::*;
+        let warm: Vec<speculate::PrrHead> = items
+            .par_iter()
+            .map(|&(_, h, r0, nr)| {
+                let steps: Vec<TrajStep> = (r0..r0 + nr)
+                    .map(|r| {
+                        let (lo, hi) = (rows[r][2] as usize, rows[r][3] as usize);
+                        let np = hi / page - lo / page + 1;
+                        let at = (r * hk + h) * tmaxp;
+                        (lo / page, traj[at..at + np].to_vec())
+                    })
+                    .collect();
+                speculate::calibrate(&steps, &cands, k_spec, k_true).warm
+            })
+            .collect();
+        let smaxp = warm.iter().map(|w| w.holt.len()).max().unwrap_or(0).max(1);
+        // Pages past a head's trajectory (none: every head has the same rows) would be written as reset.
+        let reset: Vec<u8> = [f32::NAN.to_bits(), 0, 0, 0, 0, 0].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut src = reset.repeat(mul(&[seqs.len(), hk, smaxp])?);
+        let mut npages = vec![0i32; seqs.len()];
+        for (&(j, h, _, _), w) in items.iter().zip(&warm) {
+            npages[j] = npages[j].max(w.holt.len() as i32);
+            for (pg, &(l, t)) in w.holt.iter().enumerate() {
+                let flags = PRR_PARAMS | if w.prev_true.binary_search(&pg).is_ok() { PRR_PREV } else { 0 };
+                let at = ((j * hk + h) * smaxp + pg) * ENTRY_BYTES;
+                for (i, x) in [l.to_bits(), t.to_bits(), w.params.alpha.to_bits(), w.params.beta.to_bits(), w.params.gamma.to_bits(), flags].iter().enumerate() {
+                    src[at + 4 * i..at + 4 * i + 4].copy_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+        let seq_ids: Vec<i32> = seqs.iter().map(|(s, _)| *s as i32).collect();
+        let (seqs_d, np_d, src_d) = (DevBuf::from_host(bytes_of(&seq_ids))?, DevBuf::from_host(bytes_of(&npages))?, DevBuf::from_host(&src)?);
+        let mut k = KArgs::new();
+        k.by_value(batch).i32(hk as i32).i32(page as i32).i32(spb as i32).i64(seqs_d.ptr as i64).i64(np_d.ptr as i64).i64(src_d.ptr as i64).i32(smaxp as i32).i64(st as i64);
+        launch::launch(self.prr_fn(cfg, "kvs_prr_scatter")?, (smaxp.div_ceil(256) as u32, hk as u32, seqs.len() as u32), 256, &mut k, stream, "kvs_prr_scatter launch")?;
+        // The temporary buffers must outlive the launches that read them.
+        // SAFETY: the caller's stream.
+        check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
+        let mut h = self.prr.host[a.layer].lock();
+        h.spec_calibrations += items.len() as u64;
+        h.spec_calib_us += t0.elapsed().as_micros() as u64;
+        Ok(())
+    }
+}
