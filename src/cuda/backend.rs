@@ -76,6 +76,8 @@ pub struct CudaBackend {
     pub(super) sparse: SparseState,
     /// Sequence id -> state slot map, for policies with per-sequence device state (see `slots`).
     pub slots: Option<super::slots::SeqSlots>,
+    /// AttentionPredictor's weights and per-layer history on the device (see `predictor`).
+    pub(super) predictor: Option<super::predictor::PredictorDev>,
 }
 
 pub(super) fn dtype_code(d: DType) -> i32 {
@@ -108,6 +110,7 @@ impl CudaBackend {
             meta: DeviceMeta::new(needs, cfg.num_layers),
             sparse,
             slots,
+            predictor: None,
         })
     }
 

@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::layout::KvCache;
 
 /// Positions per CTA and threads of `kvs_snap_scores` (the kernel's SNAP_TP / SNAP_J).
-fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {
+pub(super) fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {
     if head_dim <= 128 {
         (32, 32 * group.min(8))
     } else {

@@ -108,8 +108,8 @@ pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> 
         return Err(format!("policies on the CUDA backend support GQA groups of at most {MAX_POLICY_GROUP} query heads per KV head (this model has {group})"));
     }
     match p.selector {
-        Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } | Selector::SnapKv { .. } => Ok(()),
-        Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_) => Err("the stateful policies (speculate, refresh, predictor) are not available on the CUDA backend yet".into()),
+        Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } | Selector::SnapKv { .. } | Selector::Predictor(_) => Ok(()),
+        Selector::Speculate(_) | Selector::Refresh(_) => Err("the stateful policies speculate and refresh are not available on the CUDA backend yet".into()),
     }
 }
 
@@ -177,6 +177,13 @@ pub(super) struct WsLayout {
     /// written by the slot lookup (src/cuda/slots.rs) when the policy keeps per-sequence state.
     pub(super) slot: usize,
     pub(super) slot_gen: usize,
+    /// AttentionPredictor (src/cuda/predictor.rs): mode per (seq, head), predicted block scores per
+    /// (seq, head, block), and the history rows' maxima, fixed-point normalisers and NaN flags per query row.
+    pub(super) pred_mode: usize,
+    pub(super) pred_scores: usize,
+    pub(super) pred_rmax: usize,
+    pub(super) pred_z: usize,
+    pub(super) pred_bad: usize,
     total: usize,
 }
 
@@ -253,6 +260,17 @@ impl CudaBackend {
         if self.slots.is_some() {
             lay.slot = take(checked(&[ns, 4])?);
             lay.slot_gen = take(checked(&[ns, 4])?);
+        }
+        let pred_ws = match p.selector {
+            Selector::Predictor(ps) => Some(super::predictor::PredWs::new(&ps, geo, g, a.max_query_len)?),
+            _ => None,
+        };
+        if let Some(pw) = &pred_ws {
+            lay.pred_mode = take(checked(&[ns, hk, 4])?);
+            lay.pred_scores = take(checked(&[ns, hk, pw.nbmax, 4])?);
+            lay.pred_rmax = take(checked(&[ns, hk, pw.rcap, 4])?);
+            lay.pred_z = take(checked(&[ns, hk, pw.rcap, 8])?);
+            lay.pred_bad = take(checked(&[ns, hk, pw.rcap, 4])?);
         }
         lay.total = off.max(256);
         ensure!(fin.cap < i32::MAX as usize && maxc < i32::MAX as usize, Unsupported, "policy plan too large for 32-bit indices");
@@ -371,6 +389,10 @@ impl CudaBackend {
                 k.i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base).i64(ctr);
                 launch::launch(f("kvs_plan_snap")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_plan_snap launch")?;
             }
+            Selector::Predictor(_) => {
+                let pw = pred_ws.as_ref().expect("predictor workspace");
+                self.predictor_step(a, cache, geo, g, &batch, &defines, ws, &lay, pw, &fin_ref, ctr)?;
+            }
             _ => bail!(Unsupported, "policy {:?} is not available on the CUDA backend yet", cfg.policy),
         }
 
@@ -440,7 +462,8 @@ impl CudaBackend {
         let mut raw = vec![0u8; n * 8];
         self.sparse.counters.download(0, &mut raw)?;
         let v: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-        Ok(v.chunks_exact(CTR_COUNT)
+        let mut out: Vec<Counters> = v
+            .chunks_exact(CTR_COUNT)
             .map(|c| Counters {
                 decode_rows: c[0],
                 prefill_tokens: c[1],
@@ -455,7 +478,14 @@ impl CudaBackend {
                 art_tiles_total: c[10],
                 ..Default::default()
             })
-            .collect())
+            .collect();
+        if let Some(pd) = &self.predictor {
+            for (c, (full, partial)) in out.iter_mut().zip(pd.read_counters(&self.gpu)?) {
+                c.refresh_full_steps += full;
+                c.refresh_partial_steps += partial;
+            }
+        }
+        Ok(out)
     }
 
     /// What the last policy call's decode rows visited, from its plans (synchronizes; evaluation only).
