@@ -154,11 +154,11 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
     for (int i = threadIdx.x; i < PRED_NP; i += blockDim.x) ws[i] = wts[i];
     const int col = b0 + threadIdx.x;
     // Image value at (row tt, column bb); 0 outside the image (padding) and for rows never pushed.
+    const int rbase = pred_mod((long long)count - H, H);  // ring row of image row 0
     auto xv = [&](int tt, int bb) {
         if (tt < 0 || tt >= H || bb < 0 || bb >= width) return 0.0f;
-        const long long a = (long long)count - H + tt;
-        if (a < 0) return 0.0f;
-        const int ri = pred_mod(a, H);
+        if (count - H + tt < 0) return 0.0f;
+        const int ri = rbase + tt < H ? rbase + tt : rbase + tt - H;
         const int c = start + bb;
         if (c >= min(lens[ri], st.wc)) return 0.0f;
         const float v = ring[(long long)ri * st.wc + c];
@@ -204,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
                     for (int k = 0; k < 9; ++k) y2 += w2[c * 9 + k] * yv[c][k];
                 z += ws[PRED_W3 + co] * pred_relu(y2);
             }
-            zc[(long long)pred_mod((long long)count - H + t, H) * st.wc + col] = z;
+            zc[(long long)(rbase + t < H ? rbase + t : rbase + t - H) * st.wc + col] = z;
         }
         __syncthreads();
     }
@@ -251,9 +251,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
         const int count = hd[HDR_COUNT];
         const float inv = 1.0f / (float)H;
         const float* zc = st.zc + sh * H * (long long)st.wc;
+        const int rbase = pred_mod((long long)count - H, H);  // ring row of image row 0
         for (int i = threadIdx.x; i < width; i += blockDim.x) {
             float acc = 0.0f;
-            for (int t = 0; t < H; ++t) acc += zc[(long long)pred_mod((long long)count - H + t, H) * st.wc + i];
+            for (int t = 0, ri = rbase; t < H; ++t, ri = ri + 1 == H ? 0 : ri + 1) acc += zc[(long long)ri * st.wc + i];
             sc[start + i] = wts[PRED_B3] + acc * inv;
         }
         __syncthreads();

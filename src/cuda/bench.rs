@@ -241,6 +241,9 @@ pub struct SparseRow {
     /// SnapKV: its choice at the prefill chunk (the `window` last prompt tokens of every sequence), the
     /// choice kernels alone; NaN for other policies.
     pub choice_us: f64,
+    /// AttentionPredictor: median per-part times of a step (schedule + CNN, selection, history row), from
+    /// events between the parts; NaN for other policies.
+    pub pred_parts_us: [f64; 3],
 }
 
 /// Keys that attention concentrates on, as in real decoding (heavy hitters): for every (rotation, sequence,
@@ -298,7 +301,8 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         let mut cfg = EngineConfig::new(1, p.hq, p.hk, d, BLOCK, DType::BF16);
         cfg.device = Device::Cuda(0);
         cfg.num_threads = 1;
-        cfg.policy = if pol.is_empty() { String::new() } else { format!("{pol}; dense_layers=0") };
+        // Options after a policy's own (e.g. `; max_seqs=32`) join with a comma.
+        cfg.policy = if pol.is_empty() { String::new() } else if pol.contains(';') { format!("{pol}, dense_layers=0") } else { format!("{pol}; dense_layers=0") };
         Engine::new(cfg)
     };
     let engine = mk(policy)?;
@@ -375,6 +379,9 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         slot_mapping: v(step_slots.as_ptr(), DType::I64, &[p.batch as i64])?,
         stream: s,
     };
+    // Stateful policies key their state by sequence id (one id per sequence, shared by the rotations).
+    let stateful = crate::policy::Policy::parse(policy)?.is_stateful();
+    let ids = DevBuf::from_host(bytes(&(0..p.batch as i64).collect::<Vec<i64>>()))?;
     let mut args = Vec::with_capacity(rotation);
     for r in 0..rotation {
         let qoff = r * p.batch * p.hq * d * 2;
@@ -386,7 +393,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             block_table: v(unsafe { bt.as_ptr().add(r * p.batch * bps * 4) }, DType::I32, &[p.batch as i64, bps as i64])?,
             seq_lens: v(seq_lens.as_ptr(), DType::I32, &[p.batch as i64])?,
             query_start_loc: v(qsl.as_ptr(), DType::I32, &[p.batch as i64 + 1])?,
-            seq_ids: None,
+            seq_ids: if stateful { Some(v(ids.as_ptr(), DType::I64, &[p.batch as i64])?) } else { None },
             out: v(unsafe { out.as_ptr().add(qoff) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
             lse: None,
             scale: 1.0 / (d as f32).sqrt(),
@@ -450,6 +457,12 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         }
         Ok(median(times) * 1e3)
     };
+    if stateful {
+        // A stateful policy's first steps have no history (they attend everything): count a later one.
+        for i in 0..3 {
+            engine.attention_forward(&args[i % rotation])?;
+        }
+    }
     let before = engine.stats().total;
     engine.attention_forward(&args[0])?;
     let after = engine.stats().total;
@@ -470,6 +483,40 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         t
     };
     let (select_us, attend_us, choice_us) = (select_us?, attend_us?, choice_us?);
+    let mut pred_parts_us = [f64::NAN; 3];
+    if matches!(crate::policy::Policy::parse(policy)?.pipeline().map(|pl| &pl.selector), Some(crate::policy::Selector::Predictor(_))) {
+        let api = cuda()?;
+        let mut evs = [std::ptr::null_mut(); 4];
+        for e in evs.iter_mut() {
+            // SAFETY: out-parameter; destroyed below.
+            check(unsafe { (api.cuEventCreate)(e, 0) }, "cuEventCreate")?;
+        }
+        backend.set_predictor_probe(Some(evs));
+        let mut parts: [Vec<f64>; 3] = Default::default();
+        let r = (|| -> Result<()> {
+            for i in 0..30 {
+                engine.attention_forward(&args[i % rotation])?;
+                // SAFETY: events recorded by the call above.
+                unsafe { check((api.cuEventSynchronize)(evs[3]), "cuEventSynchronize")? };
+                for (k, part) in parts.iter_mut().enumerate() {
+                    let mut ms = 0f32;
+                    // SAFETY: both events recorded and complete.
+                    unsafe { check((api.cuEventElapsedTime)(&mut ms, evs[k], evs[k + 1]), "cuEventElapsedTime")? };
+                    part.push(ms as f64 * 1e3);
+                }
+            }
+            Ok(())
+        })();
+        backend.set_predictor_probe(None);
+        for e in evs {
+            // SAFETY: created above.
+            unsafe { (api.cuEventDestroy)(e) };
+        }
+        r?;
+        for (k, part) in parts.into_iter().enumerate() {
+            pred_parts_us[k] = median(part);
+        }
+    }
     drop(prefill_bufs);
     let dense_us = time_calls(&|i| dense.attention_forward(&args[i % rotation]).map(|_| ()))?;
     let write_us = time_calls(&|_| engine.cache_write(&step_write))?;
@@ -492,5 +539,6 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         bound_bytes,
         rotation,
         choice_us,
+        pred_parts_us,
     })
 }

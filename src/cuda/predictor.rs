@@ -100,7 +100,14 @@ pub struct PredictorDev {
     /// Per layer: calibration steps, predicted steps (u64 each).
     counters: DevBuf,
     num_layers: usize,
+    /// Benchmarks only: events recorded between the step's parts (start, after the CNN, after the
+    /// selection, after the history update), when set.
+    probe: Mutex<Option<[super::driver::CUevent; 4]>>,
 }
+
+// SAFETY: the events are opaque driver handles, used only under the mutex.
+unsafe impl Send for PredictorDev {}
+unsafe impl Sync for PredictorDev {}
 
 fn clamp(v: usize) -> i32 {
     v.min(i32::MAX as usize) as i32
@@ -122,7 +129,7 @@ impl PredictorDev {
         let bytes: Vec<u8> = flat.iter().flat_map(|x| x.to_le_bytes()).collect();
         let weights = DevBuf::from_host(&bytes)?;
         let counters = DevBuf::from_host(&vec![0u8; checked(&[num_layers, 16])?])?;
-        Ok(PredictorDev { spec, c1: w.c1, c2: w.c2, pt, weights, max_seqs, hk: num_kv_heads, layers: Mutex::new((0..num_layers).map(|_| None).collect()), counters, num_layers })
+        Ok(PredictorDev { spec, c1: w.c1, c2: w.c2, pt, weights, max_seqs, hk: num_kv_heads, layers: Mutex::new((0..num_layers).map(|_| None).collect()), counters, num_layers, probe: Mutex::new(None) })
     }
 
     /// Bytes of one layer's state for ring rows of `wc` blocks.
@@ -199,6 +206,15 @@ impl CudaBackend {
         let pctr = pd.counters.ptr + (a.layer * 16) as u64;
         let es = cache.dtype.size_bytes();
         let threads = (hk.next_multiple_of(32)).min(256) as u32;
+        let probe = *pd.probe.lock();
+        let mark = |i: usize| -> Result<()> {
+            match probe {
+                // SAFETY: events created by the benchmark, recorded on the call's stream.
+                Some(ev) => check(unsafe { (cuda()?.cuEventRecord)(ev[i], stream) }, "cuEventRecord"),
+                None => Ok(()),
+            }
+        };
+        mark(0)?;
 
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(gen as i64).i64(mode as i64).i64(pctr as i64);
@@ -210,11 +226,13 @@ impl CudaBackend {
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
         launch::launch(f("kvs_pred_conv")?, (tiles as u32, (hk * NY) as u32, ns as u32), pd.pt as u32, &mut k, stream, "kvs_pred_conv launch")?;
 
+        mark(1)?;
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
         k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
         k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64((2 * d * es) as i64).i64((d * es) as i64).i64(ctr);
         launch::launch(f("kvs_pred_select")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_pred_select launch")?;
+        mark(2)?;
 
         // The history rows (decode rows and prefill seeds): three passes over their keys.
         let n_rows = checked(&[ns, hk, pw.rcap])?;
@@ -240,7 +258,15 @@ impl CudaBackend {
         }
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64).i32(pw.rcap as i32);
-        launch::launch(f("kvs_pred_finish")?, (ns as u32, 1, 1), threads, &mut k, stream, "kvs_pred_finish launch")
+        launch::launch(f("kvs_pred_finish")?, (ns as u32, 1, 1), threads, &mut k, stream, "kvs_pred_finish launch")?;
+        mark(3)
+    }
+
+    /// Benchmarks only: record events between the predictor's parts of later calls (None: stop).
+    pub fn set_predictor_probe(&self, ev: Option<[super::driver::CUevent; 4]>) {
+        if let Some(pd) = &self.predictor {
+            *pd.probe.lock() = ev;
+        }
     }
 
     /// The layer's state arrays, allocated (or grown to ring rows of `wc` blocks) outside capture.
