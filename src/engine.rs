@@ -99,6 +99,13 @@ impl Engine {
     pub fn new(cfg: EngineConfig) -> Result<Self> {
         cfg.validate()?;
         let policy = Policy::parse(&cfg.policy)?;
+        let predictor = match policy.pipeline().map(|p| &p.selector) {
+            Some(Selector::Predictor(_)) => Some(std::sync::Arc::new(match &policy.spec.predictor_weights {
+                Some(path) => crate::policy::predictor::PredictorWeights::from_file(path)?,
+                None => crate::policy::predictor::PredictorWeights::builtin()?.clone(),
+            })),
+            _ => None,
+        };
         let cuda = match cfg.device {
             Device::Cuda(i) => {
                 // Fail at engine start, not on the first forward call, when the policy has no GPU path yet.
@@ -107,16 +114,13 @@ impl Engine {
                         bail!(Unsupported, "policy {:?}: {why}", cfg.policy);
                     }
                 }
-                Some(crate::cuda::CudaBackend::new(&cfg, i, policy.device_meta_needs(), policy.device_slots())?)
+                let mut b = crate::cuda::CudaBackend::new(&cfg, i, policy.device_meta_needs(), policy.device_slots())?;
+                if let (Some(w), Some(Selector::Predictor(ps))) = (&predictor, policy.pipeline().map(|p| &p.selector)) {
+                    b.init_predictor(w, *ps, cfg.num_layers, cfg.num_kv_heads, policy.spec.max_seqs)?;
+                }
+                Some(b)
             }
             Device::Cpu => None,
-        };
-        let predictor = match policy.pipeline().map(|p| &p.selector) {
-            Some(Selector::Predictor(_)) => Some(std::sync::Arc::new(match &policy.spec.predictor_weights {
-                Some(path) => crate::policy::predictor::PredictorWeights::from_file(path)?,
-                None => crate::policy::predictor::PredictorWeights::builtin()?.clone(),
-            })),
-            _ => None,
         };
         let threads = if cfg.num_threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()).min(crate::config::MAX_THREADS) } else { cfg.num_threads };
         let pool = rayon::ThreadPoolBuilder::new()

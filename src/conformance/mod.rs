@@ -12,6 +12,7 @@ pub mod fixture;
 pub mod hostbuf;
 pub mod matrix;
 pub mod nonfinite;
+pub mod predictor_cuda;
 pub mod prr_cuda;
 pub mod reference;
 pub mod refresh_cuda;

@@ -76,6 +76,8 @@ pub struct CudaBackend {
     pub(super) sparse: SparseState,
     /// Sequence id -> state slot map, for policies with per-sequence device state (see `slots`).
     pub slots: Option<super::slots::SeqSlots>,
+    /// AttentionPredictor's weights and per-layer history on the device (see `predictor`).
+    pub(super) predictor: Option<super::predictor::PredictorDev>,
     /// RefreshKV's per-layer state and step counters (see `refresh`).
     pub(super) refresh: super::refresh::RefreshDevice,
     /// PRR's block-keyed state, side streams and events (see `prr`).
@@ -123,6 +125,7 @@ impl CudaBackend {
             slots,
             refresh: super::refresh::RefreshDevice::new(cfg.num_layers)?,
             prr: super::prr::PrrDevice::new(cfg),
+            predictor: None,
         })
     }
 

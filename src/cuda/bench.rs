@@ -257,6 +257,9 @@ pub struct SparseRow {
     pub graph_us: f64,
     pub serial_graph_us: f64,
     pub graph_timeline: std::result::Result<Vec<(&'static str, f64)>, String>,
+    /// AttentionPredictor: median per-part times of a step (schedule + CNN, selection, history row), from
+    /// events between the parts; NaN for other policies.
+    pub pred_parts_us: [f64; 3],
 }
 
 /// Keys that attention concentrates on, as in real decoding (heavy hitters): for every (rotation, sequence,
@@ -317,7 +320,10 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         let mut cfg = EngineConfig::new(1, p.hq, p.hk, d, BLOCK, DType::BF16);
         cfg.device = Device::Cuda(0);
         cfg.num_threads = 1;
-        cfg.policy = if pol.is_empty() { String::new() } else if stateful { format!("{pol}; dense_layers=0, max_seqs={}", n_ids.max(1)) } else { format!("{pol}; dense_layers=0") };
+        // Options after a policy's own (e.g. `; max_seqs=32`) join with a comma; stateful policies get a slot
+        // per sequence of the rotation unless the spec names max_seqs.
+        let opts = if stateful && !pol.contains("max_seqs") { format!("dense_layers=0, max_seqs={}", n_ids.max(1)) } else { "dense_layers=0".to_string() };
+        cfg.policy = if pol.is_empty() { String::new() } else if pol.contains(';') { format!("{pol}, {opts}") } else { format!("{pol}; {opts}") };
         Engine::new(cfg)
     };
     let engine = mk(policy)?;
@@ -479,6 +485,12 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         }
         Ok(median(times) * 1e3)
     };
+    if stateful {
+        // A stateful policy's first steps have no history (they attend everything): count a later one.
+        for i in 0..3 {
+            engine.attention_forward(&args[i % rotation])?;
+        }
+    }
     let before = engine.stats().total;
     engine.attention_forward(&args[0])?;
     let after = engine.stats().total;
@@ -547,6 +559,40 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         t
     };
     let (select_us, attend_us, choice_us) = (select_us?, attend_us?, choice_us?);
+    let mut pred_parts_us = [f64::NAN; 3];
+    if matches!(crate::policy::Policy::parse(policy)?.pipeline().map(|pl| &pl.selector), Some(crate::policy::Selector::Predictor(_))) {
+        let api = cuda()?;
+        let mut evs = [std::ptr::null_mut(); 4];
+        for e in evs.iter_mut() {
+            // SAFETY: out-parameter; destroyed below.
+            check(unsafe { (api.cuEventCreate)(e, 0) }, "cuEventCreate")?;
+        }
+        backend.set_predictor_probe(Some(evs));
+        let mut parts: [Vec<f64>; 3] = Default::default();
+        let r = (|| -> Result<()> {
+            for i in 0..30 {
+                engine.attention_forward(&args[i % rotation])?;
+                // SAFETY: events recorded by the call above.
+                unsafe { check((api.cuEventSynchronize)(evs[3]), "cuEventSynchronize")? };
+                for (k, part) in parts.iter_mut().enumerate() {
+                    let mut ms = 0f32;
+                    // SAFETY: both events recorded and complete.
+                    unsafe { check((api.cuEventElapsedTime)(&mut ms, evs[k], evs[k + 1]), "cuEventElapsedTime")? };
+                    part.push(ms as f64 * 1e3);
+                }
+            }
+            Ok(())
+        })();
+        backend.set_predictor_probe(None);
+        for e in evs {
+            // SAFETY: created above.
+            unsafe { (api.cuEventDestroy)(e) };
+        }
+        r?;
+        for (k, part) in parts.into_iter().enumerate() {
+            pred_parts_us[k] = median(part);
+        }
+    }
     drop(prefill_bufs);
     let dense_us = time_calls(&|i| dense.attention_forward(&args[i % rotation]).map(|_| ()))?;
     let write_us = time_calls(&|_| engine.cache_write(&step_write))?;
@@ -577,6 +623,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         graph_us,
         serial_graph_us,
         graph_timeline,
+        pred_parts_us,
     })
 }
 

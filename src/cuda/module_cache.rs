@@ -223,6 +223,11 @@ mod compile_tests {
             build("meta", META, &[format!("KVS_DTYPE={dt}"), "--fmad=false".into()]);
         }
         build("select", SELECT, &["KVS_DTYPE=2".into(), "HEAD_DIM=128".into(), "GROUP=16".into(), "--fmad=false".into()]);
+        // AttentionPredictor (the built-in network's widths; PT as PredictorDev picks it).
+        for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 64, 8), (0, 128, 4), (2, 96, 16), (1, 80, 1), (2, 256, 8), (0, 192, 4)] {
+            let defs = vec![format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), "--fmad=false".into(), "PRED_C1=16".into(), "PRED_C2=32".into(), "PRED_PT=128".into()];
+            build("predictor", super::super::predictor::PREDICTOR, &defs);
+        }
         build("merge", MERGE, &[]);
         build("slots", super::super::slots::SLOTS, &[]);
     }

@@ -138,9 +138,8 @@ pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> 
         return Err(format!("policies on the CUDA backend support GQA groups of at most {MAX_POLICY_GROUP} query heads per KV head (this model has {group})"));
     }
     match p.selector {
-        Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } | Selector::SnapKv { .. } | Selector::Refresh(_) => Ok(()),
+        Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } | Selector::SnapKv { .. } | Selector::Refresh(_) | Selector::Predictor(_) => Ok(()),
         Selector::Speculate(s) => super::prr::supported(&s),
-        Selector::Predictor(_) => Err("the stateful policy predictor is not available on the CUDA backend yet".into()),
     }
 }
 
@@ -215,6 +214,13 @@ pub(super) struct WsLayout {
     pub(super) slot_gen: usize,
     /// RefreshKV's regions (src/cuda/refresh.rs).
     pub(super) refresh: super::refresh::RefreshWs,
+    /// AttentionPredictor (src/cuda/predictor.rs): mode per (seq, head), predicted block scores per
+    /// (seq, head, block), and the history rows' maxima, fixed-point normalisers and NaN flags per query row.
+    pub(super) pred_mode: usize,
+    pub(super) pred_scores: usize,
+    pub(super) pred_rmax: usize,
+    pub(super) pred_z: usize,
+    pub(super) pred_bad: usize,
     total: usize,
 }
 
@@ -305,6 +311,17 @@ impl CudaBackend {
         }
         if let Selector::Refresh(r) = p.selector {
             lay.refresh = super::refresh::RefreshWs::reserve(&mut take, ns, hk, g, geo.max_pos, r.k)?;
+        }
+        let pred_ws = match p.selector {
+            Selector::Predictor(ps) => Some(super::predictor::PredWs::new(&ps, geo, g, a.max_query_len)?),
+            _ => None,
+        };
+        if let Some(pw) = &pred_ws {
+            lay.pred_mode = take(checked(&[ns, hk, 4])?);
+            lay.pred_scores = take(checked(&[ns, hk, pw.nbmax, 4])?);
+            lay.pred_rmax = take(checked(&[ns, hk, pw.rcap, 4])?);
+            lay.pred_z = take(checked(&[ns, hk, pw.rcap, 8])?);
+            lay.pred_bad = take(checked(&[ns, hk, pw.rcap, 4])?);
         }
         lay.total = off.max(256);
         ensure!(fin.cap < i32::MAX as usize && maxc < i32::MAX as usize, Unsupported, "policy plan too large for 32-bit indices");
@@ -440,6 +457,10 @@ impl CudaBackend {
                 let slots = (ws + lay.slot as u64, ws + lay.slot_gen as u64);
                 self.refresh_select(a, cache, geo, g, &batch, f, ws, &lay.refresh, slots, &r, fin_ref, row_bytes, ctr)?;
             }
+            Selector::Predictor(_) => {
+                let pw = pred_ws.as_ref().expect("predictor workspace");
+                self.predictor_step(a, cache, geo, g, &batch, &defines, ws, &lay, pw, &fin_ref, ctr)?;
+            }
             _ => bail!(Unsupported, "policy {:?} is not available on the CUDA backend yet", cfg.policy),
         }
 
@@ -550,6 +571,12 @@ impl CudaBackend {
             })
             .collect();
         self.refresh.add_counters(&mut per_layer)?;
+        if let Some(pd) = &self.predictor {
+            for (c, (full, partial)) in per_layer.iter_mut().zip(pd.read_counters(&self.gpu)?) {
+                c.refresh_full_steps += full;
+                c.refresh_partial_steps += partial;
+            }
+        }
         Ok(per_layer)
     }
 

@@ -135,6 +135,17 @@ impl PredictorWeights {
         })
     }
 
+    /// Every parameter in one array, the order the CUDA kernels read them (kernels/predictor.cu):
+    /// `w1 [c1][3][3]`, `b1 [c1]`, `w2 [c2][c1][3][3]`, `b2 [c2]`, `w3 [c2]`, `b3`.
+    pub fn flat(&self) -> Vec<f32> {
+        let mut v = Vec::with_capacity(self.parameters());
+        for part in [&self.w1, &self.b1, &self.w2, &self.b2, &self.w3] {
+            v.extend_from_slice(part);
+        }
+        v.push(self.b3);
+        v
+    }
+
     /// Number of parameters.
     pub fn parameters(&self) -> usize {
         self.w1.len() + self.b1.len() + self.w2.len() + self.b2.len() + self.w3.len() + 1
@@ -189,6 +200,12 @@ impl PredictorWeights {
     }
 
     /// Output rows `todo` of `z = conv3(relu(conv2(relu(conv1(x)))))` (per row, before the time average).
+    ///
+    /// The f32 arithmetic has one fixed order, which kernels/predictor.cu repeats (with --fmad=false) so
+    /// that both engines predict the same bits: `y1[c][t][b] = b1[c]`, then `+= w1[c][dt][db] ·
+    /// x[t+dt-1][b+db-1]` for dt, then db, in 0..3 (terms outside the image skipped), ReLU; `y2 = b2[o]`,
+    /// then `+= w2[o][c][dt][db] · y1[c][t+dt-1][b+db-1]` for c, then dt, then db (skipped outside), ReLU;
+    /// `z[t][b] = 0`, then `+= w3[o] · y2` for o in order; every product rounded before it is added.
     fn conv_rows(&self, x: &[f32], h: usize, n: usize, todo: &[usize], z: &mut [f32]) {
         let (c1, c2) = (self.c1, self.c2);
         if todo.is_empty() || n == 0 {
@@ -215,7 +232,7 @@ impl PredictorWeights {
                     shifted_axpy(&mut row, &x[ts as usize * n..(ts as usize + 1) * n], &w[dt * 3..dt * 3 + 3]);
                 }
                 for (o, &v) in y1[(ch * h + t) * n..(ch * h + t + 1) * n].iter_mut().zip(&row) {
-                    *o = v.max(0.0);
+                    *o = relu(v);
                 }
             }
         }
@@ -238,10 +255,21 @@ impl PredictorWeights {
                 }
                 let w3 = self.w3[co];
                 for (o, &v) in dst.iter_mut().zip(&y2) {
-                    *o += w3 * v.max(0.0);
+                    *o += w3 * relu(v);
                 }
             }
         }
+    }
+}
+
+/// ReLU as the decisions define it (`v > 0 ? v : 0`): +0 for -0 and NaN, so that the device's
+/// (kernels/predictor.cu) and the CPU's zeros have the same sign (the top-k orders by f32 total order).
+#[inline]
+fn relu(v: f32) -> f32 {
+    if v > 0.0 {
+        v
+    } else {
+        0.0
     }
 }
 

@@ -107,6 +107,10 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                             Err(e) => println!("{:<40} timeline of a replayed graph step: not available ({e})", ""),
                         }
                     }
+                    if r.pred_parts_us[0].is_finite() {
+                        let [cnn, sel, hist] = r.pred_parts_us;
+                        println!("{:<40} predictor parts: schedule + CNN {cnn:.1} us, selection {sel:.1} us, history row {hist:.1} us", "");
+                    }
                     if r.choice_us.is_finite() {
                         println!("{:<40} SnapKV's choice at the prefill chunk (window tokens per sequence): {:.1} us", "", r.choice_us);
                     }

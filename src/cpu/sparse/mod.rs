@@ -6,9 +6,11 @@
 //! kernels the decisions need (Quest's page bound, Twilight's INT4 estimate, exact weights for full steps)
 //! in [`scoring`].
 
+mod predictor_row;
 mod scoring;
 mod stateful;
 
+pub use predictor_row::history_row;
 pub use scoring::{estimate_weights, quest_bound, quest_page_scores, token_weights, weights_at};
 pub use stateful::{calib_rows, mean_query, predictor_seed, prr_calibrate, refresh_seed, refresh_weights, CALIB_ROWS};
 use stateful::{run_predictor, run_refresh, run_speculate};

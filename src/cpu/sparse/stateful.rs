@@ -202,7 +202,7 @@ pub fn mean_query(io: &ForwardIo, t: usize) -> Vec<f32> {
 }
 
 /// AttentionPredictor's history seeded from a prefill chunk: the true block rows of the chunk's last
-/// `history` query rows.
+/// `history` query rows (in the decisions' arithmetic, [`super::history_row`]).
 pub fn predictor_seed(io: &ForwardIo, s: usize, head: usize, ps: &PredictorSpec) -> PredictorHead {
     let (d, g) = (io.cache.head_dim, io.group());
     let sd = &io.batch.seqs[s];
@@ -211,16 +211,14 @@ pub fn predictor_seed(io: &ForwardIo, s: usize, head: usize, ps: &PredictorSpec)
     let t0 = t_end - sd.q_len.min(ps.history);
     let mut q = vec![0f32; g * d];
     let mut lims = Vec::new();
-    let (mut logits, mut w) = (Vec::new(), Vec::new());
+    let mut logits = Vec::new();
     let mut ph = PredictorHead::default();
     for t in t0..t_end {
         io.load_queries(t..t + 1, head, &mut q);
         io.limits(sd, t..t + 1, &mut lims);
         let lim = lims[0];
-        token_weights(io, &q, g, lim, blocks, head, &mut logits, &mut w);
-        let mut full = vec![0f32; lim.lo];
-        full.extend_from_slice(&w);
-        ph.push(predictor::block_max(&full, ps.block), ps.history);
+        let pos: Vec<usize> = (lim.lo..=lim.hi).collect();
+        ph.push(super::history_row(io, &q, g, &pos, blocks, head, lim.hi + 1, ps.block, &mut logits), ps.history);
     }
     ph
 }
@@ -275,12 +273,7 @@ pub(super) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         attend_set(st, &hw.q, &hw.limits, &kv, &spans, n_tok, &mut sc.tokens, softcap);
         // The history row: every visible position's weight on a calibration step, else the attended ones'.
         let pos: Vec<usize> = if calibrate { (lim.lo..n).collect() } else { spans.iter().flat_map(|&(a, b)| a..b).collect() };
-        weights_at(io, &hw.q, g, &pos, blocks, head, &mut sc.p_rows, &mut sc.w);
-        let mut row = vec![0f32; n];
-        for (&p, &x) in pos.iter().zip(&sc.w) {
-            row[p] = x;
-        }
-        ph.push(predictor::block_max(&row, ps.block), ps.history);
+        ph.push(super::history_row(io, &hw.q, g, &pos, blocks, head, n, ps.block, &mut sc.p_rows), ps.history);
         // K and V of the attended tokens, K again for the history row's weights.
         c.kv_bytes_read += ((n_tok * 2 + pos.len()) * d * cache.dtype.size_bytes()) as u64;
         hw.cand.from_spans(&spans, bs, 1, |_| f32::NAN);

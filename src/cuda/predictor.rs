@@ -1,0 +1,318 @@
+//! AttentionPredictor on the CUDA backend (kernels/predictor.cu): the block-attention history, the
+//! calibration schedule, the CNN and the selection on the device, with the CPU engine's decisions
+//! (src/cpu/sparse/stateful.rs, src/policy/predictor.rs) bit for bit. No host decision inside a decode step:
+//! the launches and their grids follow from host-known bounds (block-table width, history, budgets), so a
+//! step is capturable in a CUDA graph.
+//!
+//! State, per layer and per (state slot, KV head) of the slot map (src/cuda/slots.rs): a header (the
+//! slot generation it belongs to, rows pushed, steps since calibration, the last prediction's crop), the
+//! ring of `history` rows of block scores and, as large again, the CNN's per-row outputs of the last
+//! prediction (a step recomputes only the rows and columns whose receptive field changed, five rows of
+//! 64 in the steady state). Each ring row has `wc = ceil(max_pos / block)` entries (max_pos: the block
+//! table's capacity), so a layer costs `max_seqs × kv_heads × (2 × history × wc × 4 + history × 4 + 32)`
+//! bytes: 2 MiB per (sequence, KV head) at 128K tokens, history 64, block 16 — size `max_seqs` to the
+//! batch. It is allocated on the layer's first call (outside capture), and grown (migrated by a kernel)
+//! when a later call's table is wider, which must not happen inside a capture.
+//!
+//! The CNN's weights are uploaded once at engine creation. The conv kernel stages them, one image tile and
+//! the first convolution's tile in static shared memory, so a weights file must fit (the built-in network:
+//! 4,833 parameters); larger ones are refused with UNSUPPORTED at engine creation.
+
+use parking_lot::Mutex;
+
+use super::backend::{CudaBackend, Geometry};
+use super::context::DevBuf;
+use super::driver::{check, cuda, CUfunction};
+use super::launch::{self, KArgs};
+use super::sparse::{BatchArg, PlanRef, WsLayout};
+use crate::engine::ForwardArgs;
+use crate::error::Result;
+use crate::layout::KvCache;
+use crate::policy::predictor::PredictorWeights;
+use crate::policy::PredictorSpec;
+use crate::{bail, ensure};
+
+/// The module: the selection kernels (Batch, radix top-k, counting), SnapKV's scoring helpers and the
+/// predictor's kernels, compiled together.
+pub const PREDICTOR: &str = concat!(
+    include_str!("../../kernels/decide.cuh"),
+    "\n",
+    include_str!("../../kernels/select.cu"),
+    "\n",
+    include_str!("../../kernels/snapkv.cu"),
+    "\n",
+    include_str!("../../kernels/predictor.cu")
+);
+
+/// CTAs per column tile of `kvs_pred_conv` (the kernel's PRED_NY).
+const NY: usize = 8;
+/// Largest first-layer width the conv kernel keeps in registers per column (9 values per channel).
+const MAX_C1: usize = 32;
+/// Static shared memory the conv kernel may use.
+const CONV_SMEM: usize = 47 * 1024;
+
+/// `PredState` of the kernels (same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct StateArg {
+    hdr: u64,
+    lens: u64,
+    ring: u64,
+    zc: u64,
+    h: i32,
+    wc: i32,
+    hk: i32,
+    pad: i32,
+}
+
+/// `PredSpec` of the kernels (same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct SpecArg {
+    budget: i32,
+    block: i32,
+    calib: i32,
+    sink: i32,
+    local: i32,
+    pad: i32,
+}
+
+/// One layer's history arrays.
+struct LayerState {
+    hdr: DevBuf,
+    lens: DevBuf,
+    ring: DevBuf,
+    zc: DevBuf,
+    wc: usize,
+}
+
+/// The predictor's device state of an engine.
+pub struct PredictorDev {
+    spec: PredictorSpec,
+    c1: usize,
+    c2: usize,
+    /// Image columns per conv CTA (fits the shared memory for these weights).
+    pt: usize,
+    weights: DevBuf,
+    max_seqs: usize,
+    hk: usize,
+    layers: Mutex<Vec<Option<LayerState>>>,
+    /// Per layer: calibration steps, predicted steps (u64 each).
+    counters: DevBuf,
+    num_layers: usize,
+    /// Benchmarks only: events recorded between the step's parts (start, after the CNN, after the
+    /// selection, after the history update), when set.
+    probe: Mutex<Option<[super::driver::CUevent; 4]>>,
+}
+
+// SAFETY: the events are opaque driver handles, used only under the mutex.
+unsafe impl Send for PredictorDev {}
+unsafe impl Sync for PredictorDev {}
+
+fn clamp(v: usize) -> i32 {
+    v.min(i32::MAX as usize) as i32
+}
+
+fn checked(parts: &[usize]) -> Result<usize> {
+    parts.iter().try_fold(1usize, |a, &b| a.checked_mul(b)).ok_or_else(|| crate::error::Error::new(crate::error::ErrorKind::OutOfMemory, "predictor state size overflows"))
+}
+
+impl PredictorDev {
+    /// Uploads the weights; refuses networks the kernels cannot hold.
+    pub fn new(w: &PredictorWeights, spec: PredictorSpec, num_layers: usize, num_kv_heads: usize, max_seqs: usize) -> Result<Self> {
+        let flat = w.flat();
+        ensure!(w.c1 <= MAX_C1, Unsupported, "predictor weights with {} first-layer channels: the CUDA backend's CNN kernel holds at most {MAX_C1}", w.c1);
+        let smem = |pt: usize| 4 * (flat.len() + 5 * (pt + 4) + w.c1 * 3 * (pt + 2));
+        let Some(pt) = [128usize, 64, 32].into_iter().find(|&pt| smem(pt) <= CONV_SMEM) else {
+            bail!(Unsupported, "predictor weights of {} parameters do not fit the CUDA backend's CNN kernel (shared memory); the built-in network has 4833", flat.len());
+        };
+        let bytes: Vec<u8> = flat.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let weights = DevBuf::from_host(&bytes)?;
+        let counters = DevBuf::from_host(&vec![0u8; checked(&[num_layers, 16])?])?;
+        Ok(PredictorDev { spec, c1: w.c1, c2: w.c2, pt, weights, max_seqs, hk: num_kv_heads, layers: Mutex::new((0..num_layers).map(|_| None).collect()), counters, num_layers, probe: Mutex::new(None) })
+    }
+
+    /// Bytes of one layer's state for ring rows of `wc` blocks.
+    pub fn layer_bytes(&self, wc: usize) -> Result<usize> {
+        let per = checked(&[self.spec.history, wc, 4, 2])?.checked_add(self.spec.history * 4 + 32);
+        let per = per.ok_or_else(|| crate::error::Error::new(crate::error::ErrorKind::OutOfMemory, "predictor state size overflows"))?;
+        super::slots::state_bytes(self.max_seqs, checked(&[self.hk, per])?)
+    }
+
+    /// Calibration and predicted steps per layer (synchronizes).
+    pub fn read_counters(&self, gpu: &super::context::Gpu) -> Result<Vec<(u64, u64)>> {
+        gpu.synchronize()?;
+        let mut raw = vec![0u8; self.num_layers * 16];
+        self.counters.download(0, &mut raw)?;
+        Ok(raw.chunks_exact(16).map(|c| (u64::from_le_bytes(c[..8].try_into().expect("8")), u64::from_le_bytes(c[8..].try_into().expect("8")))).collect())
+    }
+
+    fn defines(&self, base: &[String]) -> Vec<String> {
+        let mut d = base.to_vec();
+        d.push(format!("PRED_C1={}", self.c1));
+        d.push(format!("PRED_C2={}", self.c2));
+        d.push(format!("PRED_PT={}", self.pt));
+        d
+    }
+}
+
+/// Workspace regions of a predictor call (bytes), given its geometry.
+pub(super) struct PredWs {
+    pub nbmax: usize,
+    /// Query rows per (sequence, KV head) of the history's scoring (tokens × group).
+    pub rcap: usize,
+}
+
+impl PredWs {
+    pub fn new(spec: &PredictorSpec, geo: &Geometry, group: usize, max_query_len: i32) -> Result<Self> {
+        let nbmax = geo.max_pos.div_ceil(spec.block).max(1);
+        // A prefill chunk seeds from its last min(q_len, history) rows; a decode-only call scores one.
+        let tokens = match max_query_len {
+            1 => 1,
+            0 => spec.history,
+            q => spec.history.min(q as usize).max(1),
+        };
+        Ok(PredWs { nbmax, rcap: checked(&[tokens, group])? })
+    }
+}
+
+impl CudaBackend {
+    /// AttentionPredictor's whole decision for one call, enqueued on its stream: modes and schedule,
+    /// the CNN, the selection (the plan `fin`), the history rows of decode rows and prefill seeds.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn predictor_step(
+        &self,
+        a: &ForwardArgs,
+        cache: &KvCache,
+        geo: &Geometry,
+        group: usize,
+        batch: &BatchArg,
+        base_defines: &[String],
+        ws: u64,
+        lay: &WsLayout,
+        pw: &PredWs,
+        fin: &PlanRef,
+        ctr: i64,
+    ) -> Result<()> {
+        let Some(pd) = self.predictor.as_ref() else { bail!(Internal, "predictor weights were not uploaded") };
+        let (hk, d, g, ns) = (cache.num_kv_heads, cache.head_dim, group, geo.num_seqs);
+        let stream = a.stream;
+        let ps = pd.spec;
+        let defines = pd.defines(base_defines);
+        let f = |name: &'static str| -> Result<CUfunction> { self.modules.function(&self.gpu, "predictor", PREDICTOR, &defines, name) };
+        let st = self.predictor_layer(pd, a.layer, pw.nbmax, stream, &f)?;
+        let spec = SpecArg { budget: clamp(ps.budget), block: clamp(ps.block), calib: clamp(ps.calib), sink: clamp(ps.sink), local: clamp(ps.local), pad: 0 };
+        let (slot, gen, mode) = (ws + lay.slot as u64, ws + lay.slot_gen as u64, ws + lay.pred_mode as u64);
+        let pctr = pd.counters.ptr + (a.layer * 16) as u64;
+        let es = cache.dtype.size_bytes();
+        let threads = (hk.next_multiple_of(32)).min(256) as u32;
+        let probe = *pd.probe.lock();
+        let mark = |i: usize| -> Result<()> {
+            match probe {
+                // SAFETY: events created by the benchmark, recorded on the call's stream.
+                Some(ev) => check(unsafe { (cuda()?.cuEventRecord)(ev[i], stream) }, "cuEventRecord"),
+                None => Ok(()),
+            }
+        };
+        mark(0)?;
+
+        let mut k = KArgs::new();
+        k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(gen as i64).i64(mode as i64).i64(pctr as i64);
+        launch::launch(f("kvs_pred_prepare")?, (ns as u32, 1, 1), threads, &mut k, stream, "kvs_pred_prepare launch")?;
+
+        let tiles = pw.nbmax.div_ceil(pd.pt);
+        ensure!(hk * NY < 65536 && tiles < (1 << 31), Unsupported, "predictor: too many KV heads or blocks for the CNN's grid");
+        let mut k = KArgs::new();
+        k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
+        launch::launch(f("kvs_pred_conv")?, (tiles as u32, (hk * NY) as u32, ns as u32), pd.pt as u32, &mut k, stream, "kvs_pred_conv launch")?;
+
+        mark(1)?;
+        let mut k = KArgs::new();
+        k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
+        k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
+        k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64((2 * d * es) as i64).i64((d * es) as i64).i64(ctr);
+        launch::launch(f("kvs_pred_select")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_pred_select launch")?;
+        mark(2)?;
+
+        // The history rows (decode rows and prefill seeds): three passes over their keys.
+        let n_rows = checked(&[ns, hk, pw.rcap])?;
+        let api = cuda()?;
+        // SAFETY: each region holds n_rows elements of its width (sized by sparse_forward from `pw`).
+        unsafe {
+            // -inf's order key (kernels/decide.cuh kvs_order_key).
+            check((api.cuMemsetD32Async)(ws + lay.pred_rmax as u64, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
+            check((api.cuMemsetD8Async)(ws + lay.pred_z as u64, 0, n_rows * 8, stream), "cuMemsetD8Async")?;
+            check((api.cuMemsetD8Async)(ws + lay.pred_bad as u64, 0, n_rows * 4, stream), "cuMemsetD8Async")?;
+        }
+        let (tp, sthreads) = super::snapkv::scores_shape(d, g);
+        let q = &a.query;
+        let kc = &cache.k;
+        let key_tiles = (geo.max_pos + 1).div_ceil(tp);
+        for phase in 0..3 {
+            let mut k = KArgs::new();
+            k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
+            k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
+            k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i32(phase);
+            k.i64((ws + lay.pred_rmax as u64) as i64).i64((ws + lay.pred_z as u64) as i64).i64((ws + lay.pred_bad as u64) as i64).i32(pw.rcap as i32);
+            launch::launch(f("kvs_pred_scores")?, (key_tiles as u32, hk as u32, ns as u32), sthreads as u32, &mut k, stream, "kvs_pred_scores launch")?;
+        }
+        let mut k = KArgs::new();
+        k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64).i32(pw.rcap as i32);
+        launch::launch(f("kvs_pred_finish")?, (ns as u32, 1, 1), threads, &mut k, stream, "kvs_pred_finish launch")?;
+        mark(3)
+    }
+
+    /// Benchmarks only: record events between the predictor's parts of later calls (None: stop).
+    pub fn set_predictor_probe(&self, ev: Option<[super::driver::CUevent; 4]>) {
+        if let Some(pd) = &self.predictor {
+            *pd.probe.lock() = ev;
+        }
+    }
+
+    /// The layer's state arrays, allocated (or grown to ring rows of `wc` blocks) outside capture.
+    fn predictor_layer(&self, pd: &PredictorDev, layer: usize, wc: usize, stream: super::driver::CUstream, f: &dyn Fn(&'static str) -> Result<CUfunction>) -> Result<StateArg> {
+        let mut layers = pd.layers.lock();
+        let h = pd.spec.history;
+        let rows = checked(&[pd.max_seqs, pd.hk, h])?;
+        let need = layers[layer].as_ref().map_or(true, |l| l.wc < wc);
+        if need {
+            ensure!(!self.gpu.is_capturing(stream)?, InvalidArgument, "the predictor's history for layer {layer} must grow to {wc} blocks per row on a stream that is being captured; run one call with the widest block table before capturing");
+            let bytes = pd.layer_bytes(wc)?;
+            let ring = DevBuf::alloc(checked(&[rows, wc, 4])?)?;
+            let zc = DevBuf::alloc(checked(&[rows, wc, 4])?)?;
+            let new = match layers[layer].take() {
+                Some(old) => {
+                    // Migrate the rows to the wider pitch (same stream, before anything reads them).
+                    for (src, dst) in [(&old.ring, &ring), (&old.zc, &zc)] {
+                        let total = checked(&[rows, wc])?;
+                        let mut k = KArgs::new();
+                        k.i64(src.ptr as i64).i64(dst.ptr as i64).i64(rows as i64).i32(old.wc as i32).i32(wc as i32);
+                        launch::launch(f("kvs_pred_migrate")?, (total.div_ceil(256) as u32, 1, 1), 256, &mut k, stream, "kvs_pred_migrate launch")?;
+                    }
+                    let LayerState { hdr, lens, ring: oring, zc: ozc, .. } = old;
+                    // Graphs captured before still name the old arrays: keep them alive.
+                    self.retired.lock().extend([oring, ozc]);
+                    LayerState { hdr, lens, ring, zc, wc }
+                }
+                None => {
+                    let hdr = DevBuf::from_host(&vec![0u8; checked(&[pd.max_seqs, pd.hk, 32])?])?;
+                    let lens = DevBuf::alloc(checked(&[rows, 4])?)?;
+                    LayerState { hdr, lens, ring, zc, wc }
+                }
+            };
+            if std::env::var("KVS_LOG").is_ok_and(|v| v != "0" && !v.is_empty()) {
+                eprintln!("kvsparse: predictor layer {layer}: history state {bytes} bytes ({} slots x {} KV heads, {h} rows of {wc} blocks)", pd.max_seqs, pd.hk);
+            }
+            layers[layer] = Some(new);
+        }
+        let l = layers[layer].as_ref().expect("allocated above");
+        Ok(StateArg { hdr: l.hdr.ptr, lens: l.lens.ptr, ring: l.ring.ptr, zc: l.zc.ptr, h: h as i32, wc: l.wc as i32, hk: pd.hk as i32, pad: 0 })
+    }
+
+    /// Uploads the predictor's weights (engine creation).
+    pub fn init_predictor(&mut self, w: &PredictorWeights, spec: PredictorSpec, num_layers: usize, num_kv_heads: usize, max_seqs: usize) -> Result<()> {
+        ensure!(spec.history < 65536 && spec.block < (1 << 30), Unsupported, "predictor history or block too large for the CUDA backend");
+        self.predictor = Some(PredictorDev::new(w, spec, num_layers, num_kv_heads, max_seqs)?);
+        Ok(())
+    }
+}
