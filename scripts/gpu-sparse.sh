@@ -3,7 +3,7 @@
 # CUDA tests again (the kernels gained a plan variant), compute-sanitizer on both, the sparse benchmark
 # next to our dense kernel and PyTorch SDPA, and the trace eval through the CUDA engine.
 # Expects the binaries staged by scripts/stage-device.sh in $DIR/bin. Logs and CSVs go to $OUT.
-# Usage: gpu-sparse.sh [tests|quicktests|probe|profile|profile-topp|sanitize|bench|benchonly|eval|conformance|flashinfer|art|all]...
+# Usage: gpu-sparse.sh [merged|mergedsan|tests|quicktests|probe|profile|profile-topp|sanitize|bench|benchonly|eval|conformance|flashinfer|art|all]...
 #   art (only when named): ART in the decode kernel (issue 14): its tests (stop tile vs the CPU engine,
 #   graph replay), compute-sanitizer on them, the detector-cost bench and the trace eval (~7 min).
 #   snapkv (only when named): SnapKV on the device (issue 17): its two-call decisions test, the other
@@ -101,6 +101,32 @@ if [[ " $whats " == *" snapsan "* ]]; then
   GREP='ERROR SUMMARY' step snap-memcheck 200 env KVS_QUICK=1 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 snapkv
   GREP='ERROR SUMMARY' step snap-memcheck-bad 120 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 bad_device
   GREP='RACECHECK SUMMARY|ERROR SUMMARY' step snap-racecheck 200 env KVS_QUICK=1 compute-sanitizer --tool racecheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 snapkv
+fi
+if [[ " $whats " == *" merged "* ]]; then
+  # Issue 14 after the merge of ART-behind-Quest, RefreshKV, PRR and the predictor: every CUDA test binary
+  # (reduced matrices) in one process each (~7 min).
+  GREP='test result' step dense-tests 120 "$DIR/bin/cuda_tests" --test-threads=1
+  GREP='test result' step sparse-tests 200 env KVS_QUICK=1 "$DIR/bin/cuda_sparse_tests" --test-threads=1 --nocapture
+  for t in refresh prr predictor; do
+    GREP='test result' step $t-tests 100 env KVS_QUICK=1 "$DIR/bin/cuda_${t}_tests" --test-threads=1 --nocapture
+  done
+fi
+if [[ " $whats " == *" mergedsan "* ]]; then
+  # The merged stateful policies through the Python package (captured multi-layer steps == eager, no sync,
+  # vs the CPU engine), compute-sanitizer on their tests, the engine's conformance suite (~8 min).
+  if [[ -d "$DIR/shim" ]]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$DIR"/shim/whl/*.whl
+    i=0
+    for pol in 'quest(budget=256, sink=16) > art(tau=1e-3, phi=1e-2, patience=2)' 'refresh(k=256, stride=2, s=0.9)' 'speculate(over=quest(budget=256), budget=256)' 'predictor(budget=256); max_seqs=16'; do
+      i=$((i+1))
+      GREP='PASSED|FAIL' step shim-$i 75 env PYTHONPATH=/tmp/site KVSPARSE_LIB="$DIR/shim/libkvsparse.so" PYTHONUNBUFFERED=1 python3 "$DIR/../scripts/gpu_shim_check.py" --policy "$pol"
+    done
+  fi
+  for t in refresh prr predictor; do
+    GREP='ERROR SUMMARY' step $t-memcheck 75 env KVS_QUICK=1 compute-sanitizer --tool memcheck "$DIR/bin/cuda_${t}_tests" --test-threads=1 decisions
+  done
+  GREP='RACECHECK SUMMARY|ERROR SUMMARY' step predictor-racecheck 150 env KVS_QUICK=1 compute-sanitizer --tool racecheck "$DIR/bin/cuda_predictor_tests" --test-threads=1 graph
+  GREP='passed|failed' step engine-conformance 90 "$DIR/bin/kvsparse" conformance --quick --seed 20251125
 fi
 if has probe; then
   GREP='quest' step bench-probe 120 "$DIR/bin/kvsparse" bench --device cuda --policy 'quest(budget=L/16)' --batch 1,32 --ctx 131072

@@ -231,7 +231,7 @@ fn cuda_refuses_policies_it_cannot_run_at_engine_creation() {
     if !have_cuda("cuda_refuses") {
         return;
     }
-    for pol in ["quest(budget=256) > top_p(p=0.9) > art()", "snapkv(budget=256) > art()", "art(order=priority)", "speculate(over=quest(budget=256), extra=drop)", "speculate(over=quest(budget=256), predict=previous)", "predictor(budget=256)"] {
+    for pol in ["quest(budget=256) > top_p(p=0.9) > art()", "snapkv(budget=256) > art()", "art(order=priority)", "speculate(over=quest(budget=256), extra=drop)", "speculate(over=quest(budget=256), predict=previous)"] {
         let mut cfg = kvsparse::EngineConfig::new(2, 8, 2, 128, 16, DType::BF16);
         cfg.device = Device::Cuda(0);
         cfg.policy = pol.into();
