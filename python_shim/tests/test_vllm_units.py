@@ -85,10 +85,10 @@ def test_backend_declarations():
     assert cg(_vllm_config(device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     # The stages that passed a GPU graph check (GRAPH_POLICY_STAGES) join vLLM's decode graphs; stages not
     # checked on the GPU keep attention out of them.
-    assert vllm_backend.GRAPH_POLICY_STAGES == frozenset({"all", "streaming", "quest", "top_p"})
-    for spec in ("quest(budget=256)", "quest(budget=256) > top_p(p=0.9)", "streaming(sink=4, recent=256)"):
+    assert vllm_backend.GRAPH_POLICY_STAGES == frozenset({"all", "streaming", "quest", "top_p", "art"})
+    for spec in ("quest(budget=256)", "quest(budget=256) > top_p(p=0.9)", "streaming(sink=4, recent=256)", "quest(budget=256) > art(tau=1e-5)"):
         assert cg(_vllm_config(spec, device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, spec
-    for spec in ("refresh(k=64, every=4)", "quest(budget=256) > art(tau=1e-5)", "snapkv(budget=256)"):
+    for spec in ("refresh(k=64, every=4)", "predictor(budget=64)", "speculate(over=quest(budget=64))", "snapkv(budget=256)"):
         assert cg(_vllm_config(spec, device="cuda"), None) == AttentionCGSupport.NEVER, spec
     assert cg(_vllm_config(device="cpu"), None) == AttentionCGSupport.NEVER
     assert cg(_vllm_config("quest(budget=256)", device="cpu"), None) == AttentionCGSupport.NEVER
