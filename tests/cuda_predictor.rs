@@ -4,22 +4,12 @@
 //! Without a CUDA device the tests are listed as ignored, and fail when KVS_REQUIRE_CUDA=1. KVS_QUICK=1
 //! runs a reduced matrix (for compute-sanitizer).
 
-use kvsparse::conformance::cuda::cuda_required;
 use kvsparse::conformance::predictor_cuda::{predictor_full_slot_map, predictor_graph_replay, predictor_policies, predictor_spec, run_predictor_case};
 use kvsparse::conformance::sparse_cuda::sparse_specs;
 use kvsparse::rng::Rng;
 
-fn have_cuda(test: &str) -> bool {
-    if kvsparse::cuda::device_available() {
-        return true;
-    }
-    assert!(!cuda_required(), "{test}: KVS_REQUIRE_CUDA=1 but no CUDA device/driver is available");
-    false
-}
-
-fn quick() -> bool {
-    std::env::var("KVS_QUICK").map(|v| v == "1").unwrap_or(false)
-}
+mod common;
+use common::{have_cuda, quick};
 
 fn cuda_predictor_decisions_equal_the_cpu_engine() {
     if !have_cuda("cuda_predictor_decisions") {
@@ -90,23 +80,9 @@ fn cuda_predictor_decode_step_graph_replays_like_eager() {
 }
 
 fn main() {
-    use libtest_mimic::{Arguments, Trial};
-    let args = Arguments::from_args();
-    let skip = !kvsparse::cuda::device_available() && !cuda_required();
-    if skip {
-        println!("no CUDA device: the predictor GPU tests below are skipped, listed as ignored (KVS_REQUIRE_CUDA=1 makes a missing device a failure)");
-    }
-    let test = |name: &'static str, f: fn()| {
-        Trial::test(name, move || {
-            f();
-            Ok(())
-        })
-        .with_ignored_flag(skip)
-    };
-    let tests = vec![
-        test("cuda_predictor_decisions_equal_the_cpu_engine", cuda_predictor_decisions_equal_the_cpu_engine),
-        test("cuda_predictor_full_slot_map_runs_dense", cuda_predictor_full_slot_map_runs_dense),
-        test("cuda_predictor_decode_step_graph_replays_like_eager", cuda_predictor_decode_step_graph_replays_like_eager),
-    ];
-    libtest_mimic::run(&args, tests).exit();
+    common::run("predictor", vec![
+        ("cuda_predictor_decisions_equal_the_cpu_engine", cuda_predictor_decisions_equal_the_cpu_engine as fn(), true),
+        ("cuda_predictor_full_slot_map_runs_dense", cuda_predictor_full_slot_map_runs_dense as fn(), true),
+        ("cuda_predictor_decode_step_graph_replays_like_eager", cuda_predictor_decode_step_graph_replays_like_eager as fn(), true),
+    ]);
 }

@@ -4,24 +4,14 @@
 //! exactly as an eager one. Without a CUDA device every test is a visible skip, and fails instead when
 //! KVS_REQUIRE_CUDA=1. KVS_QUICK=1 runs a reduced matrix (for compute-sanitizer).
 
-use kvsparse::conformance::cuda::cuda_required;
 use kvsparse::conformance::prr_cuda::{prr_policies, run_prr_case};
 use kvsparse::conformance::sparse_cuda::{sparse_graph_replay, sparse_specs};
 use kvsparse::conformance::CaseSpec;
 use kvsparse::rng::Rng;
 use kvsparse::DType;
 
-fn have_cuda(test: &str) -> bool {
-    if kvsparse::cuda::device_available() {
-        return true;
-    }
-    assert!(!cuda_required(), "{test}: KVS_REQUIRE_CUDA=1 but no CUDA device/driver is available");
-    false
-}
-
-fn quick() -> bool {
-    std::env::var("KVS_QUICK").map(|v| v == "1").unwrap_or(false)
-}
+mod common;
+use common::{have_cuda, quick};
 
 /// Decode steps after the prefill call.
 const STEPS: usize = 5;
@@ -91,23 +81,9 @@ fn cuda_prr_refuses_what_it_does_not_run() {
 }
 
 fn main() {
-    use libtest_mimic::{Arguments, Trial};
-    let args = Arguments::from_args();
-    let skip = !kvsparse::cuda::device_available() && !cuda_required();
-    if skip {
-        println!("no CUDA device: the PRR GPU tests below are skipped, listed as ignored (KVS_REQUIRE_CUDA=1 makes a missing device a failure)");
-    }
-    let test = |name: &'static str, f: fn(), gpu: bool| {
-        Trial::test(name, move || {
-            f();
-            Ok(())
-        })
-        .with_ignored_flag(skip && gpu)
-    };
-    let tests = vec![
-        test("cuda_prr_decisions_equal_the_cpu_engine", cuda_prr_decisions_equal_the_cpu_engine, true),
-        test("cuda_prr_decode_step_graph_replays_on_new_data", cuda_prr_decode_step_graph_replays_on_new_data, true),
-        test("cuda_prr_refuses_what_it_does_not_run", cuda_prr_refuses_what_it_does_not_run, false),
-    ];
-    libtest_mimic::run(&args, tests).exit();
+    common::run("PRR", vec![
+        ("cuda_prr_decisions_equal_the_cpu_engine", cuda_prr_decisions_equal_the_cpu_engine as fn(), true),
+        ("cuda_prr_decode_step_graph_replays_on_new_data", cuda_prr_decode_step_graph_replays_on_new_data as fn(), true),
+        ("cuda_prr_refuses_what_it_does_not_run", cuda_prr_refuses_what_it_does_not_run as fn(), false),
+    ]);
 }

@@ -4,22 +4,12 @@
 //! decode step replayed step after step equals eager. Without a CUDA device every test is listed as ignored
 //! (a visible skip), and fails instead when KVS_REQUIRE_CUDA=1. KVS_QUICK=1 runs a reduced matrix (for compute-sanitizer).
 
-use kvsparse::conformance::cuda::cuda_required;
 use kvsparse::conformance::refresh_cuda::{refresh_graph_replay, refresh_policies, run_refresh_case, Variant};
 use kvsparse::conformance::sparse_cuda::sparse_specs;
 use kvsparse::DType;
 
-fn have_cuda(test: &str) -> bool {
-    if kvsparse::cuda::device_available() {
-        return true;
-    }
-    assert!(!cuda_required(), "{test}: KVS_REQUIRE_CUDA=1 but no CUDA device/driver is available");
-    false
-}
-
-fn quick() -> bool {
-    std::env::var("KVS_QUICK").map(|v| v == "1").unwrap_or(false)
-}
+mod common;
+use common::{have_cuda, quick};
 
 const LENS: [usize; 4] = [40, 300, 900, 1500];
 
@@ -90,23 +80,9 @@ fn cuda_refresh_decode_step_graph_replays_equal_eager() {
 }
 
 fn main() {
-    use libtest_mimic::{Arguments, Trial};
-    let args = Arguments::from_args();
-    let skip = !kvsparse::cuda::device_available() && !cuda_required();
-    if skip {
-        println!("no CUDA device: the RefreshKV GPU tests below are skipped, listed as ignored (KVS_REQUIRE_CUDA=1 makes a missing device a failure)");
-    }
-    let test = |name: &'static str, f: fn()| {
-        Trial::test(name, move || {
-            f();
-            Ok(())
-        })
-        .with_ignored_flag(skip)
-    };
-    let tests = vec![
-        test("cuda_refresh_decisions_equal_the_cpu_engine_at_every_step", cuda_refresh_decisions_equal_the_cpu_engine_at_every_step),
-        test("cuda_refresh_without_a_slot_runs_dense", cuda_refresh_without_a_slot_runs_dense),
-        test("cuda_refresh_decode_step_graph_replays_equal_eager", cuda_refresh_decode_step_graph_replays_equal_eager),
-    ];
-    libtest_mimic::run(&args, tests).exit();
+    common::run("RefreshKV", vec![
+        ("cuda_refresh_decisions_equal_the_cpu_engine_at_every_step", cuda_refresh_decisions_equal_the_cpu_engine_at_every_step as fn(), true),
+        ("cuda_refresh_without_a_slot_runs_dense", cuda_refresh_without_a_slot_runs_dense as fn(), true),
+        ("cuda_refresh_decode_step_graph_replays_equal_eager", cuda_refresh_decode_step_graph_replays_equal_eager as fn(), true),
+    ]);
 }

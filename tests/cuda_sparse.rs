@@ -5,24 +5,15 @@
 //! ignored (a visible skip), and fails instead when KVS_REQUIRE_CUDA=1. KVS_QUICK=1 runs a reduced matrix
 //! (for compute-sanitizer).
 
-use kvsparse::conformance::cuda::{cuda_required, DeviceCase};
+use kvsparse::conformance::cuda::DeviceCase;
 use kvsparse::conformance::snapkv_cuda::{run_snapkv_case, snapkv_policies, snapkv_spec};
 use kvsparse::conformance::sparse_cuda::{art_stop_tiles, run_sparse_case, sparse_graph_replay, sparse_policies, sparse_specs};
 use kvsparse::conformance::{judge, CaseSpec, Fixture, Outputs};
 use kvsparse::rng::Rng;
 use kvsparse::{DType, Device, Engine};
 
-fn have_cuda(test: &str) -> bool {
-    if kvsparse::cuda::device_available() {
-        return true;
-    }
-    assert!(!cuda_required(), "{test}: KVS_REQUIRE_CUDA=1 but no CUDA device/driver is available");
-    false
-}
-
-fn quick() -> bool {
-    std::env::var("KVS_QUICK").map(|v| v == "1").unwrap_or(false)
-}
+mod common;
+use common::{have_cuda, quick};
 
 fn cuda_sparse_decisions_equal_the_cpu_engine() {
     if !have_cuda("cuda_sparse_decisions") {
@@ -242,27 +233,13 @@ fn cuda_refuses_policies_it_cannot_run_at_engine_creation() {
 }
 
 fn main() {
-    use libtest_mimic::{Arguments, Trial};
-    let args = Arguments::from_args();
-    let skip = !kvsparse::cuda::device_available() && !cuda_required();
-    if skip {
-        println!("no CUDA device: the sparse GPU tests below are skipped, listed as ignored (KVS_REQUIRE_CUDA=1 makes a missing device a failure)");
-    }
-    let test = |name: &'static str, f: fn()| {
-        Trial::test(name, move || {
-            f();
-            Ok(())
-        })
-        .with_ignored_flag(skip)
-    };
-    let tests = vec![
-        test("cuda_sparse_decisions_equal_the_cpu_engine", cuda_sparse_decisions_equal_the_cpu_engine),
-        test("cuda_snapkv_decisions_equal_the_cpu_engine", cuda_snapkv_decisions_equal_the_cpu_engine),
-        test("cuda_lossless_policies_equal_dense", cuda_lossless_policies_equal_dense),
-        test("cuda_sparse_decode_step_graph_replays_on_new_data", cuda_sparse_decode_step_graph_replays_on_new_data),
-        test("cuda_art_stops_at_the_cpu_engine_tile", cuda_art_stops_at_the_cpu_engine_tile),
-        test("cuda_sparse_bad_device_metadata_stays_in_bounds", cuda_sparse_bad_device_metadata_stays_in_bounds),
-        test("cuda_refuses_policies_it_cannot_run_at_engine_creation", cuda_refuses_policies_it_cannot_run_at_engine_creation),
-    ];
-    libtest_mimic::run(&args, tests).exit();
+    common::run("sparse", vec![
+        ("cuda_sparse_decisions_equal_the_cpu_engine", cuda_sparse_decisions_equal_the_cpu_engine as fn(), true),
+        ("cuda_snapkv_decisions_equal_the_cpu_engine", cuda_snapkv_decisions_equal_the_cpu_engine as fn(), true),
+        ("cuda_lossless_policies_equal_dense", cuda_lossless_policies_equal_dense as fn(), true),
+        ("cuda_sparse_decode_step_graph_replays_on_new_data", cuda_sparse_decode_step_graph_replays_on_new_data as fn(), true),
+        ("cuda_art_stops_at_the_cpu_engine_tile", cuda_art_stops_at_the_cpu_engine_tile as fn(), true),
+        ("cuda_sparse_bad_device_metadata_stays_in_bounds", cuda_sparse_bad_device_metadata_stays_in_bounds as fn(), true),
+        ("cuda_refuses_policies_it_cannot_run_at_engine_creation", cuda_refuses_policies_it_cannot_run_at_engine_creation as fn(), true),
+    ]);
 }
