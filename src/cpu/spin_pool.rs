@@ -6,9 +6,16 @@
 //! rayon worker costs a wake-up: measured on the 2-vCPU VM (examples/cpu_gap_probe.rs), a 256-key call
 //! took 196 µs on one thread and 372 µs on two — the hand-off alone cost more than the work, and at 2K
 //! keys two threads were only 1.1–1.4× one. OpenMP runtimes (vLLM's CPU attention) avoid this by spinning
-//! after a parallel region; this pool does the same for a bounded time (`KVS_SPIN_US`, default 1000 µs),
+//! after a parallel region; this pool does the same for a bounded time (`KVS_SPIN_US`, default 100 µs),
 //! then parks, and the caller works on the items itself, so a call is never slower than running it
 //! alone while a worker wakes up.
+//!
+//! Why the spin is short: inside a model our workers are not the only threads; the model's own (PyTorch's
+//! OpenMP pool, which runs the GEMMs between attention calls) want the same cores. With a 1000 µs spin,
+//! vLLM on the 2-vCPU VM decoded SmolLM2 at 0.60x of its own attention's speed (7K prompt), with 100 µs
+//! or none at 0.87-0.88x, and at 4K 0.77x against 1.15-1.16x (scripts/vllm_e2e_bench.py, docs/perf.md):
+//! a spinning worker took a core from the GEMM that followed. 100 µs still covers the cache write ->
+//! attention gap of one layer.
 //!
 //! Safety protocol: the job lives on the caller's stack. Workers join it under the slot's mutex (counting
 //! themselves in `in_flight`); the caller, once the items are taken, empties the slot under the same mutex
@@ -80,7 +87,7 @@ pub struct SpinPool {
 }
 
 fn spin_time() -> Duration {
-    let us = std::env::var("KVS_SPIN_US").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1000);
+    let us = std::env::var("KVS_SPIN_US").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(100);
     Duration::from_micros(us.min(1_000_000))
 }
 
