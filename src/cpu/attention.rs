@@ -161,6 +161,8 @@ pub fn attend_spans(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &Se
     match isa::detected() {
         #[cfg(target_arch = "x86_64")]
         IsaLevel::Avx2 => unsafe { attend_spans_avx2(st, q, limits, kv, spans, softcap) },
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512 => unsafe { attend_spans_avx512(st, q, limits, kv, spans, softcap) },
         IsaLevel::Portable => attend_spans_generic::<Portable>(st, q, limits, kv, spans, softcap),
     }
 }
@@ -172,6 +174,8 @@ pub fn attend_tokens(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &S
     match isa::detected() {
         #[cfg(target_arch = "x86_64")]
         IsaLevel::Avx2 => unsafe { attend_tokens_avx2(st, q, limits, kv, tokens, softcap) },
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512 => unsafe { attend_tokens_avx512(st, q, limits, kv, tokens, softcap) },
         IsaLevel::Portable => attend_tokens_generic::<Portable>(st, q, limits, kv, tokens, softcap),
     }
 }
@@ -180,6 +184,12 @@ pub fn attend_tokens(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &S
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_tokens_avx2(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, tokens: &[u32], softcap: f32) {
     attend_tokens_generic::<super::convert::Avx2>(st, q, limits, kv, tokens, softcap)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn attend_tokens_avx512(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, tokens: &[u32], softcap: f32) {
+    attend_tokens_generic::<super::convert::Avx512>(st, q, limits, kv, tokens, softcap)
 }
 
 #[inline(always)]
@@ -235,6 +245,8 @@ pub fn attend_spans_heads(states: &mut [RowsState], qs: &[Vec<f32>], limits: &[R
     match isa::detected() {
         #[cfg(target_arch = "x86_64")]
         IsaLevel::Avx2 => unsafe { attend_spans_heads_avx2(states, qs, limits, kv, spans, softcap) },
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512 => unsafe { attend_spans_heads_avx512(states, qs, limits, kv, spans, softcap) },
         IsaLevel::Portable => attend_spans_heads_generic::<Portable>(states, qs, limits, kv, spans, softcap),
     }
 }
@@ -243,6 +255,12 @@ pub fn attend_spans_heads(states: &mut [RowsState], qs: &[Vec<f32>], limits: &[R
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_spans_heads_avx2(states: &mut [RowsState], qs: &[Vec<f32>], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
     attend_spans_heads_generic::<super::convert::Avx2>(states, qs, limits, kv, spans, softcap)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn attend_spans_heads_avx512(states: &mut [RowsState], qs: &[Vec<f32>], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
+    attend_spans_heads_generic::<super::convert::Avx512>(states, qs, limits, kv, spans, softcap)
 }
 
 #[inline(always)]
@@ -265,7 +283,9 @@ fn attend_spans_heads_generic<I: Isa>(states: &mut [RowsState], qs: &[Vec<f32>],
                 krows[jj] = kv.k_row(c0 + jj);
                 vrows[jj] = kv.v_row(c0 + jj);
             }
-            prefetch_next_chunk(kv, c1, end, states.len(), (kh, vh), row_bytes);
+            if *PREFETCH {
+                prefetch_next_chunk(kv, c1, end, states.len(), (kh, vh), row_bytes);
+            }
             for (i, st) in states.iter_mut().enumerate() {
                 let i = i as isize;
                 for jj in 0..n {
@@ -279,11 +299,16 @@ fn attend_spans_heads_generic<I: Isa>(states: &mut [RowsState], qs: &[Vec<f32>],
     }
 }
 
-/// Hints every K and V row of the next chunk (all heads) into the cache while this chunk is computed.
-/// One head's rows are spread over the chunk's tokens (another head's rows in between, blocks shuffled), a
-/// pattern the hardware prefetchers follow poorly: measured on the 2-vCPU dev VM (SmolLM2 shape, f32,
-/// block 128, one thread, thread CPU time, interleaved in one process) this is 5-10% faster than
-/// prefetching only the first rows of each new block and than no prefetch.
+/// Whether [`prefetch_next_chunk`] runs (`KVS_CPU_PREFETCH=1`; off by default). Measured with
+/// `scripts/cpu_attn_bench.py`, libraries with and without it alternated on a quiet machine: on the first
+/// 2-vCPU VM (AVX2) it made the SmolLM2 shape 5-10% faster; on its successor (a Xeon with AVX-512 and a
+/// 260 MB L3) it made the Llama-8B shape 1.2-1.6x slower (bf16, batch 1-8, 2K-8K keys: the prefetches
+/// stall on full fill buffers) and the SmolLM2 shape no faster (docs/perf.md, issue 16).
+static PREFETCH: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| std::env::var("KVS_CPU_PREFETCH").is_ok_and(|v| v.trim() == "1"));
+
+/// Hints every K and V row of the next chunk (all heads) into the cache while this chunk is computed:
+/// one head's rows are spread over the chunk's tokens (another head's rows in between, blocks shuffled).
+/// Off by default; see [`PREFETCH`].
 #[inline(always)]
 fn prefetch_next_chunk(kv: &SeqKv, c1: usize, end: usize, heads: usize, (kh, vh): (isize, isize), row_bytes: usize) {
     for pos in c1..(c1 + CHUNK).min(end) {
@@ -299,6 +324,12 @@ fn prefetch_next_chunk(kv: &SeqKv, c1: usize, end: usize, heads: usize, (kh, vh)
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_spans_avx2(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
     attend_spans_generic::<super::convert::Avx2>(st, q, limits, kv, spans, softcap)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn attend_spans_avx512(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
+    attend_spans_generic::<super::convert::Avx512>(st, q, limits, kv, spans, softcap)
 }
 
 #[inline(always)]

@@ -273,7 +273,7 @@ pub unsafe fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::cpu::math::fast_exp;
     use crate::rng::Rng;
@@ -305,36 +305,43 @@ mod tests {
         (bytes, exact)
     }
 
-    fn check<const FMT: u8>(rng: &mut Rng) {
-        let esize = if FMT == FMT_F32 { 4 } else { 2 };
-        for d in [64usize, 80, 128] {
-            for nrows in 1..=9 {
-                for n in [1usize, 2, 3, 7, 8, 9, 31, 32] {
-                    let q: Vec<f32> = (0..nrows * d).map(|_| rng.normal() as f32).collect();
-                    let (kb, k) = rows(FMT, n, d, rng);
-                    let (vb, v) = rows(FMT, n, d, rng);
-                    // Rows in reverse order in memory, so a row's address is not its index.
-                    let krows: Vec<*const u8> = (0..n).map(|j| kb[(n - 1 - j) * d * esize..].as_ptr()).collect();
-                    let vrows: Vec<*const u8> = (0..n).map(|j| vb[(n - 1 - j) * d * esize..].as_ptr()).collect();
-                    let mut sc = vec![f32::NAN; nrows * CHUNK];
-                    unsafe { scores_rows::<FMT>(&mut sc, &q, &krows, nrows, d) };
-                    let p: Vec<f32> = (0..nrows * CHUNK).map(|_| rng.normal() as f32).collect();
-                    let acc0: Vec<f32> = (0..nrows * d).map(|_| rng.normal() as f32).collect();
-                    let mut acc = acc0.clone();
-                    unsafe { accumulate_rows::<FMT>(&mut acc, &p, &vrows, nrows, d) };
-                    for r in 0..nrows {
-                        for j in 0..n {
-                            let want: f64 = (0..d).map(|c| q[r * d + c] as f64 * k[(n - 1 - j) * d + c]).sum();
-                            let got = sc[r * CHUNK + j] as f64;
-                            assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "score fmt {FMT} d {d} rows {nrows} n {n} ({r},{j}): {got} vs {want}");
-                        }
-                        for j in n..CHUNK {
-                            assert!(sc[r * CHUNK + j].is_nan(), "score past n written: fmt {FMT} rows {nrows} n {n}");
-                        }
-                        for c in 0..d {
-                            let want = acc0[r * d + c] as f64 + (0..n).map(|j| p[r * CHUNK + j] as f64 * v[(n - 1 - j) * d + c]).sum::<f64>();
-                            let got = acc[r * d + c] as f64;
-                            assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "acc fmt {FMT} d {d} rows {nrows} n {n} ({r},{c}): {got} vs {want}");
+    /// Checks a scores kernel and an accumulate kernel (any ISA; arguments `(format, out, q or p, row
+    /// pointers, rows, d)`) against f64 on fresh random rows: every format, every head size in `dims`,
+    /// 1..=9 query rows (every row block and remainder), chunks of 1 to CHUNK keys; nothing written past
+    /// the chunk's keys.
+    pub(crate) fn check_kernels(scores_k: impl Fn(u8, &mut [f32], &[f32], &[*const u8], usize, usize), acc_k: impl Fn(u8, &mut [f32], &[f32], &[*const u8], usize, usize), dims: &[usize]) {
+        let mut rng = Rng::new(Rng::fresh_seed());
+        for fmt in [FMT_F32, FMT_F16, FMT_BF16] {
+            let esize = if fmt == FMT_F32 { 4 } else { 2 };
+            for &d in dims {
+                for nrows in 1..=9 {
+                    for n in [1usize, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32] {
+                        let q: Vec<f32> = (0..nrows * d).map(|_| rng.normal() as f32).collect();
+                        let (kb, k) = rows(fmt, n, d, &mut rng);
+                        let (vb, v) = rows(fmt, n, d, &mut rng);
+                        // Rows in reverse order in memory, so a row's address is not its index.
+                        let krows: Vec<*const u8> = (0..n).map(|j| kb[(n - 1 - j) * d * esize..].as_ptr()).collect();
+                        let vrows: Vec<*const u8> = (0..n).map(|j| vb[(n - 1 - j) * d * esize..].as_ptr()).collect();
+                        let mut sc = vec![f32::NAN; nrows * CHUNK];
+                        scores_k(fmt, &mut sc, &q, &krows, nrows, d);
+                        let p: Vec<f32> = (0..nrows * CHUNK).map(|_| rng.normal() as f32).collect();
+                        let acc0: Vec<f32> = (0..nrows * d).map(|_| rng.normal() as f32).collect();
+                        let mut acc = acc0.clone();
+                        acc_k(fmt, &mut acc, &p, &vrows, nrows, d);
+                        for r in 0..nrows {
+                            for j in 0..n {
+                                let want: f64 = (0..d).map(|c| q[r * d + c] as f64 * k[(n - 1 - j) * d + c]).sum();
+                                let got = sc[r * CHUNK + j] as f64;
+                                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "score fmt {fmt} d {d} rows {nrows} n {n} ({r},{j}): {got} vs {want}");
+                            }
+                            for j in n..CHUNK {
+                                assert!(sc[r * CHUNK + j].is_nan(), "score past n written: fmt {fmt} rows {nrows} n {n}");
+                            }
+                            for c in 0..d {
+                                let want = acc0[r * d + c] as f64 + (0..n).map(|j| p[r * CHUNK + j] as f64 * v[(n - 1 - j) * d + c]).sum::<f64>();
+                                let got = acc[r * d + c] as f64;
+                                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "acc fmt {fmt} d {d} rows {nrows} n {n} ({r},{c}): {got} vs {want}");
+                            }
                         }
                     }
                 }
@@ -342,27 +349,13 @@ mod tests {
         }
     }
 
-    #[test]
-    fn scores_and_accumulate_match_f64_for_every_row_block_and_format() {
-        if !have_avx2() {
-            return;
-        }
-        let mut rng = Rng::new(Rng::fresh_seed());
-        check::<FMT_F32>(&mut rng);
-        check::<FMT_F16>(&mut rng);
-        check::<FMT_BF16>(&mut rng);
-    }
-
-    #[test]
-    fn vector_exp_equals_fast_exp_bit_for_bit_and_keeps_nan() {
-        if !have_avx2() {
-            return;
-        }
+    /// Checks an `exp_sub_sum` (bit-identical to `fast_exp`, NaN kept, sum within f32 rounding) and a `max`.
+    pub(crate) fn check_exp_max(exp_k: impl Fn(&mut [f32], f32) -> f32, max_k: impl Fn(&[f32]) -> f32) {
         let mut xs: Vec<f32> = (0..20000).map(|i| -100.0 + i as f32 * 0.0097).collect();
         xs.extend([f32::NEG_INFINITY, f32::NAN, -87.0, -86.99, 0.0, -0.0, 88.0, 1e-30, -1e-30]);
         let m = 0.25f32;
         let mut got = xs.clone();
-        let sum = unsafe { exp_sub_sum(&mut got, m) };
+        let sum = exp_k(&mut got, m);
         let mut total = 0f64;
         for (&x, &g) in xs.iter().zip(&got) {
             let want = fast_exp(x - m);
@@ -373,13 +366,51 @@ mod tests {
         // (sums of values above ~80 overflow f32, as they would in the scalar path)
         let finite: Vec<f32> = xs.iter().copied().filter(|x| !x.is_nan() && *x < 80.0).collect();
         let mut e = finite.clone();
-        let s = unsafe { exp_sub_sum(&mut e, m) } as f64;
+        let s = exp_k(&mut e, m) as f64;
         let want: f64 = finite.iter().map(|&x| fast_exp(x - m) as f64).sum();
         assert!((s - want).abs() <= 1e-5 * want, "sum {s} vs {want}");
-        assert_eq!(unsafe { max(&xs[..20000]) }, xs[19999], "largest of the grid");
-        for n in 0..20 {
+        assert_eq!(max_k(&xs[..20000]), xs[19999], "largest of the grid");
+        for n in 0..40 {
             let v: Vec<f32> = (0..n).map(|i| (i as f32 * 7.3) % 5.0 - 2.0).collect();
-            assert_eq!(unsafe { max(&v) }, v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)), "max of {v:?}");
+            assert_eq!(max_k(&v), v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)), "max of {v:?}");
         }
+        // A NaN among finite values gives a NaN weight and sum.
+        let mut v: Vec<f32> = (0..32).map(|i| i as f32 * 0.1).collect();
+        v[20] = f32::NAN;
+        assert!(exp_k(&mut v, 3.1).is_nan() && v[20].is_nan(), "NaN score gives a NaN weight and sum");
+    }
+
+    #[test]
+    fn scores_and_accumulate_match_f64_for_every_row_block_and_format() {
+        if !have_avx2() {
+            return;
+        }
+        // SAFETY: the features were detected.
+        check_kernels(
+            |fmt, sc, q, k, rows, d| unsafe {
+                match fmt {
+                    FMT_F16 => scores_rows::<FMT_F16>(sc, q, k, rows, d),
+                    FMT_BF16 => scores_rows::<FMT_BF16>(sc, q, k, rows, d),
+                    _ => scores_rows::<FMT_F32>(sc, q, k, rows, d),
+                }
+            },
+            |fmt, acc, p, v, rows, d| unsafe {
+                match fmt {
+                    FMT_F16 => accumulate_rows::<FMT_F16>(acc, p, v, rows, d),
+                    FMT_BF16 => accumulate_rows::<FMT_BF16>(acc, p, v, rows, d),
+                    _ => accumulate_rows::<FMT_F32>(acc, p, v, rows, d),
+                }
+            },
+            &[64, 80, 128],
+        );
+    }
+
+    #[test]
+    fn vector_exp_equals_fast_exp_bit_for_bit_and_keeps_nan() {
+        if !have_avx2() {
+            return;
+        }
+        // SAFETY: as above.
+        check_exp_max(|x, m| unsafe { exp_sub_sum(x, m) }, |x| unsafe { max(x) });
     }
 }

@@ -139,6 +139,72 @@ impl Isa for Avx2 {
     }
 }
 
+/// x86-64 with AVX-512F (and AVX2, FMA, F16C): the attention kernels of [`super::avx512`] where the head
+/// size is a multiple of 16 (every supported one), [`Avx2`]'s otherwise.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl Isa for Avx512 {
+    #[inline(always)]
+    unsafe fn f16_to_f32(src: *const u16, dst: &mut [f32], n: usize) {
+        f16_to_f32_f16c(src, dst, n)
+    }
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn scores(scores: &mut [f32], q: &[f32], kbuf: &[f32], rows: usize, n: usize, d: usize) {
+        if d % 16 != 0 {
+            return Avx2::scores(scores, q, kbuf, rows, n, d);
+        }
+        // SAFETY: this ISA is only selected when AVX-512F, AVX2, FMA and F16C were detected.
+        unsafe { super::avx512::scores(scores, q, kbuf, rows, n, d) }
+    }
+    #[inline(always)]
+    fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
+        if d % 16 != 0 {
+            return Avx2::accumulate(acc, p, vbuf, rows, n, d);
+        }
+        // SAFETY: as above.
+        unsafe { super::avx512::accumulate(acc, p, vbuf, rows, n, d) }
+    }
+    #[inline(always)]
+    fn max(x: &[f32]) -> f32 {
+        // SAFETY: as above.
+        unsafe { super::avx512::max(x) }
+    }
+    #[inline(always)]
+    fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
+        // SAFETY: as above.
+        unsafe { super::avx512::exp_sub_sum(x, m) }
+    }
+    #[inline(always)]
+    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, stride: isize, kbuf: &mut Vec<f32>, rows: usize, d: usize) {
+        use super::avx2::{FMT_BF16, FMT_F16, FMT_F32};
+        use super::avx512 as k;
+        match (dtype, stride, d % 16) {
+            (DType::F16, 1, 0) => k::scores_rows::<FMT_F16>(scores, q, krows, rows, d),
+            (DType::BF16, 1, 0) => k::scores_rows::<FMT_BF16>(scores, q, krows, rows, d),
+            (DType::F32, 1, 0) => k::scores_rows::<FMT_F32>(scores, q, krows, rows, d),
+            _ => Avx2::scores_rows(scores, q, krows, dtype, stride, kbuf, rows, d),
+        }
+    }
+    #[inline(always)]
+    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, stride: isize, vbuf: &mut Vec<f32>, rows: usize, d: usize) {
+        use super::avx2::{FMT_BF16, FMT_F16, FMT_F32};
+        use super::avx512 as k;
+        match (dtype, stride, d % 16) {
+            (DType::F16, 1, 0) => k::accumulate_rows::<FMT_F16>(acc, p, vrows, rows, d),
+            (DType::BF16, 1, 0) => k::accumulate_rows::<FMT_BF16>(acc, p, vrows, rows, d),
+            (DType::F32, 1, 0) => k::accumulate_rows::<FMT_F32>(acc, p, vrows, rows, d),
+            _ => Avx2::accumulate_rows(acc, p, vrows, dtype, stride, vbuf, rows, d),
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16_to_f32_f16c(src: *const u16, dst: &mut [f32], n: usize) {

@@ -3,6 +3,8 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 pub mod cache_write;
 pub mod call;
 pub mod convert;

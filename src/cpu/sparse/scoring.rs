@@ -18,7 +18,7 @@ pub fn token_weights(io: &ForwardIo, q: &[f32], rows: usize, lim: RowLimits, blo
 pub fn weights_at(io: &ForwardIo, q: &[f32], rows: usize, positions: &[usize], blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
     match isa::detected() {
         #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx2 => unsafe { weights_at_avx2(io, q, rows, positions, blocks, head, logits, out) },
+        IsaLevel::Avx2 | IsaLevel::Avx512 => unsafe { weights_at_avx2(io, q, rows, positions, blocks, head, logits, out) },
         IsaLevel::Portable => weights_at_generic::<Portable>(io, q, rows, positions, blocks, head, logits, out),
     }
 }
@@ -111,7 +111,7 @@ pub fn butterfly16(mut v: [f32; 16]) -> f32 {
 pub fn quest_page_scores(q: &[f32], rows: usize, d: usize, lim: RowLimits, page: usize, blocks: &[u32], head: usize, meta: &LayerMeta, out: &mut Vec<f32>) -> u64 {
     match isa::detected() {
         #[cfg(target_arch = "x86_64")]
-        IsaLevel::Avx2 => unsafe { quest_scores_avx2(q, rows, d, lim, page, blocks, head, meta, out) },
+        IsaLevel::Avx2 | IsaLevel::Avx512 => unsafe { quest_scores_avx2(q, rows, d, lim, page, blocks, head, meta, out) },
         IsaLevel::Portable => quest_scores_generic::<Portable>(q, rows, d, lim, page, blocks, head, meta, out),
     }
 }
