@@ -158,7 +158,12 @@ impl RowsState {
 /// of every span `[start, end)` in `spans`, in the order given, masking each row by its `limits`.
 /// Spans may come in any order and need not be contiguous; they must not overlap (each key counted once).
 pub fn attend_spans(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
-    match isa::detected() {
+    attend_spans_at(isa::detected(), st, q, limits, kv, spans, softcap)
+}
+
+/// [`attend_spans`] on instruction set `level` (at most the detected one; see [`isa::decisions`]).
+pub fn attend_spans_at(level: IsaLevel, st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
+    match level {
         #[cfg(target_arch = "x86_64")]
         IsaLevel::Avx2 => unsafe { attend_spans_avx2(st, q, limits, kv, spans, softcap) },
         #[cfg(target_arch = "x86_64")]
@@ -171,7 +176,12 @@ pub fn attend_spans(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &Se
 /// [`CHUNK`] at a time: what token-level selections (top-p, SnapKV) use, so a scattered set costs one
 /// online-softmax update per chunk, not per token.
 pub fn attend_tokens(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, tokens: &[u32], softcap: f32) {
-    match isa::detected() {
+    attend_tokens_at(isa::detected(), st, q, limits, kv, tokens, softcap)
+}
+
+/// [`attend_tokens`] on instruction set `level` (at most the detected one; see [`isa::decisions`]).
+pub fn attend_tokens_at(level: IsaLevel, st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, tokens: &[u32], softcap: f32) {
+    match level {
         #[cfg(target_arch = "x86_64")]
         IsaLevel::Avx2 => unsafe { attend_tokens_avx2(st, q, limits, kv, tokens, softcap) },
         #[cfg(target_arch = "x86_64")]

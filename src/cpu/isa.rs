@@ -37,6 +37,18 @@ static DETECTED: Lazy<IsaLevel> = Lazy::new(|| {
     IsaLevel::Portable
 });
 
+/// The level whose arithmetic the policies' decisions are defined in where a decision reads attention
+/// state (ART's probe of the running output): [`detected`] capped at AVX2. ART's `tau` (1e-5 by default)
+/// is near f32 rounding, so its stop tile moves with the summation order: on the traces, 0.1% of blocks
+/// changed between the AVX2 and AVX-512 loops. The GPU's stop tiles are checked against this level.
+pub fn decisions() -> IsaLevel {
+    match detected() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx512 => IsaLevel::Avx2,
+        l => l,
+    }
+}
+
 /// The best instruction set this CPU offers, capped by `KVS_CPU_ISA` (`portable`, `avx2`, `avx512`;
 /// `KVS_CPU_PORTABLE=1` = `portable`), for testing each path on one machine.
 pub fn detected() -> IsaLevel {

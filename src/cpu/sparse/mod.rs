@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::attention::{attend_spans, attend_tokens, RowLimits, RowsState, SeqKv, CHUNK};
+use super::attention::{attend_spans_at, attend_tokens_at, RowLimits, RowsState, SeqKv, CHUNK};
 use super::convert::{Isa, Portable};
 use super::isa::{self, IsaLevel};
 use super::forward::ForwardIo;
@@ -256,7 +256,7 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
                     }
                     let n_tok: usize = sc.part.iter().map(|(a, b)| b - a).sum();
                     let st = hw.st.as_mut().expect("prepared");
-                    attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), &sc.part, n_tok, &mut sc.tokens, softcap);
+                    attend_set(isa::detected(), st, &hw.q, &hw.limits, &kv_of(hw.head), &sc.part, n_tok, &mut sc.tokens, softcap);
                     hw.attended += n_tok;
                 }
                 w0 = w1;
@@ -301,7 +301,8 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
                         let spans = hw.tiles.tile(t);
                         let n_tok: usize = spans.iter().map(|(a, b)| b - a).sum();
                         let st = if segmented { hw.seg.as_mut() } else { hw.st.as_mut() }.expect("prepared");
-                        attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
+                        // ART's probe reads the running output: attend in the decisions' arithmetic.
+                        attend_set(isa::decisions(), st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
                         hw.attended += n_tok;
                         match art.probe {
                             Probe::Lanes => {
@@ -517,17 +518,17 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
 
 /// Attends a set of spans: as spans when runs are long, as a token list (full chunks) when scattered.
 #[allow(clippy::too_many_arguments)]
-fn attend_set(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
+fn attend_set(level: IsaLevel, st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
     if spans.is_empty() {
         return;
     }
     if n_tok >= MIN_RUN_FOR_SPANS * spans.len() {
-        attend_spans(st, q, limits, kv, spans, softcap);
+        attend_spans_at(level, st, q, limits, kv, spans, softcap);
     } else {
         tokens.clear();
         for &(a, b) in spans {
             tokens.extend(a as u32..b as u32);
         }
-        attend_tokens(st, q, limits, kv, tokens, softcap);
+        attend_tokens_at(level, st, q, limits, kv, tokens, softcap);
     }
 }
