@@ -380,29 +380,39 @@ pub(crate) mod tests {
         assert!(exp_k(&mut v, 3.1).is_nan() && v[20].is_nan(), "NaN score gives a NaN weight and sum");
     }
 
+    /// [`check_kernels`] on the `scores_rows` / `accumulate_rows` of the module at `$m` (every format).
+    macro_rules! check_module_kernels {
+        ($($m:ident)::+, $dims:expr) => {
+            // SAFETY: the caller checked the module's CPU features.
+            $crate::cpu::avx2::tests::check_kernels(
+                |fmt, sc, q, k, rows, d| unsafe {
+                    use $crate::cpu::avx2::{FMT_BF16, FMT_F16, FMT_F32};
+                    match fmt {
+                        FMT_F16 => $($m)::+::scores_rows::<FMT_F16>(sc, q, k, rows, d),
+                        FMT_BF16 => $($m)::+::scores_rows::<FMT_BF16>(sc, q, k, rows, d),
+                        _ => $($m)::+::scores_rows::<FMT_F32>(sc, q, k, rows, d),
+                    }
+                },
+                |fmt, acc, p, v, rows, d| unsafe {
+                    use $crate::cpu::avx2::{FMT_BF16, FMT_F16, FMT_F32};
+                    match fmt {
+                        FMT_F16 => $($m)::+::accumulate_rows::<FMT_F16>(acc, p, v, rows, d),
+                        FMT_BF16 => $($m)::+::accumulate_rows::<FMT_BF16>(acc, p, v, rows, d),
+                        _ => $($m)::+::accumulate_rows::<FMT_F32>(acc, p, v, rows, d),
+                    }
+                },
+                $dims,
+            )
+        };
+    }
+    pub(crate) use check_module_kernels;
+
     #[test]
     fn scores_and_accumulate_match_f64_for_every_row_block_and_format() {
         if !have_avx2() {
             return;
         }
-        // SAFETY: the features were detected.
-        check_kernels(
-            |fmt, sc, q, k, rows, d| unsafe {
-                match fmt {
-                    FMT_F16 => scores_rows::<FMT_F16>(sc, q, k, rows, d),
-                    FMT_BF16 => scores_rows::<FMT_BF16>(sc, q, k, rows, d),
-                    _ => scores_rows::<FMT_F32>(sc, q, k, rows, d),
-                }
-            },
-            |fmt, acc, p, v, rows, d| unsafe {
-                match fmt {
-                    FMT_F16 => accumulate_rows::<FMT_F16>(acc, p, v, rows, d),
-                    FMT_BF16 => accumulate_rows::<FMT_BF16>(acc, p, v, rows, d),
-                    _ => accumulate_rows::<FMT_F32>(acc, p, v, rows, d),
-                }
-            },
-            &[64, 80, 128],
-        );
+        check_module_kernels!(crate::cpu::avx2, &[64, 80, 128]);
     }
 
     #[test]

@@ -304,7 +304,7 @@ pub unsafe fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::avx2::tests::{check_exp_max, check_kernels};
+    use crate::cpu::avx2::tests::{check_exp_max, check_module_kernels};
 
     #[test]
     fn scores_and_accumulate_match_f64_for_every_row_block_and_format() {
@@ -312,24 +312,7 @@ mod tests {
             eprintln!("no AVX-512 on this CPU: the AVX-512 kernels are not tested here");
             return;
         }
-        // SAFETY: the features were detected.
-        check_kernels(
-            |fmt, sc, q, k, rows, d| unsafe {
-                match fmt {
-                    FMT_F16 => scores_rows::<FMT_F16>(sc, q, k, rows, d),
-                    FMT_BF16 => scores_rows::<FMT_BF16>(sc, q, k, rows, d),
-                    _ => scores_rows::<FMT_F32>(sc, q, k, rows, d),
-                }
-            },
-            |fmt, acc, p, v, rows, d| unsafe {
-                match fmt {
-                    FMT_F16 => accumulate_rows::<FMT_F16>(acc, p, v, rows, d),
-                    FMT_BF16 => accumulate_rows::<FMT_BF16>(acc, p, v, rows, d),
-                    _ => accumulate_rows::<FMT_F32>(acc, p, v, rows, d),
-                }
-            },
-            &[64, 80, 96, 112, 128, 192, 256],
-        );
+        check_module_kernels!(crate::cpu::avx512, &[64, 80, 96, 112, 128, 192, 256]);
     }
 
     #[test]
@@ -338,7 +321,7 @@ mod tests {
             eprintln!("no AVX-512 on this CPU: the AVX-512 kernels are not tested here");
             return;
         }
-        // SAFETY: as above.
+        // SAFETY: the features were detected.
         check_exp_max(|x, m| unsafe { exp_sub_sum(x, m) }, |x| unsafe { max(x) });
     }
 }
