@@ -35,9 +35,14 @@ policy `dense` the kvsparse decode reproduces HF's own attention (HF decode
 with its DynamicCache teacher-forced on the same tokens; full-sequence HF
 forward for the perplexity).
 
+Needles run depth-major, the contexts interleaved (2K, 4K, 8K at depth 0.1, then at the next depth...),
+and the CSV and the markdown report are rewritten after every needle and after the perplexity run, so a
+run cut off part-way leaves a (marked partial) report covering the contexts evenly.
+
 Usage:
     .venv/bin/python scripts/quality_e2e.py                   # full run, B=1024
     .venv/bin/python scripts/quality_e2e.py --budgets 1024,256
+    .venv/bin/python scripts/quality_e2e.py --policies dense,art,art_1e-6,art_1e-4   # ART's tau sweep
     .venv/bin/python scripts/quality_e2e.py --quick           # smoke run (to /tmp)
 """
 
@@ -49,6 +54,7 @@ import hashlib
 import json
 import math
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -65,12 +71,17 @@ DEFAULT_MODEL = REPO_ROOT / ".cache" / "smollm2"
 NUM_LAYERS, HQ, HKV, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 SCALE = 0.125
 
-# name -> spec template ({B} = budget, {B64} = budget - 64, {TAU} = ART tau)
+# name -> spec template ({B} = budget, {B64} = budget - 64, {TAU} = ART tau, {N/k} = the prompt's
+# token count / k rounded up to a multiple of 16, per prompt: see expand_n).
+# A name `<name>_<tau>` of a template with {TAU} (e.g. `art_1e-6`, `snapkv_art_1e-4`) is that template
+# with the literal tau, so one run can sweep ART's tau with distinctly named rows.
 POLICIES = {
     "dense": "dense",
     "streaming": "streaming(sink=64, recent={B64})",
     "quest": "quest(budget={B})",
     "quest_top_p": "quest(budget={B}) > top_p(p=0.95)",
+    "twilight": "quest(budget={N/4}) > top_p(p=0.95)",  # Twilight's recipe: conservative base, top-p
+    "top_p": "top_p(p=0.95)",                             # top-p alone (selector `all`)
     "quest_art": "quest(budget={B}) > art(tau={TAU}, phi=1e-3, patience=5)",
     "art": "art(tau={TAU}, phi=1e-3, patience=5)",
     "streaming_art": "streaming(sink=64, recent={B64}) > art(tau={TAU}, phi=1e-3, patience=5)",
@@ -311,10 +322,13 @@ class Needle:
 
 
 def make_needles(contexts, n_depths: int, seed0: int) -> list[Needle]:
+    """Depth-major with the contexts interleaved (2K@0.1, 4K@0.1, 8K@0.1, 2K@0.19, ...), so that the
+    first needles of a run cover every context evenly; the seeds (seed0 + 100 * context index + depth
+    index) do not depend on the order."""
     depths = [0.5] if n_depths == 1 else [0.1 + 0.8 * i / (n_depths - 1) for i in range(n_depths)]
     out = []
-    for ci, ctx in enumerate(contexts):
-        for di, d in enumerate(depths):
+    for di, d in enumerate(depths):
+        for ci, ctx in enumerate(contexts):
             out.append(Needle(ctx, round(d, 3), seed0 + 100 * ci + di))
     return out
 
@@ -371,6 +385,7 @@ class Result:
     budget: int | None
     name: str
     spec: str
+    expanded: dict = field(default_factory=dict)      # prompt length -> spec with {N/k} resolved
     needles: dict = field(default_factory=dict)       # needle name -> (correct, answer)
     needle_stats: dict = field(default_factory=lambda: {k: 0 for k in STAT_KEYS})
     ppl_stats: dict = field(default_factory=lambda: {k: 0 for k in STAT_KEYS})
@@ -384,8 +399,36 @@ class Result:
     error: str | None = None
 
 
+_N_FRAC = re.compile(r"\{N/(\d+)\}")
+
+
 def fmt_spec(template: str, budget: int, tau: str) -> str:
+    """The spec of a template at a budget; `{N/k}` stays for expand_n (it depends on the prompt)."""
+    template = _N_FRAC.sub(lambda m: "{{N/" + m.group(1) + "}}", template)
     return template.format(B=budget, B64=budget - 64, TAU=tau)
+
+
+def expand_n(spec: str, n: int) -> str:
+    """Replaces every `{N/k}` by n/k rounded up to a multiple of 16 (the block size), at least 16."""
+    def one(m):
+        k = int(m.group(1))
+        if k < 1:
+            raise ValueError(f"{spec!r}: {{N/{k}}} needs k >= 1")
+        return str(max(BLOCK, BLOCK * math.ceil(n / (k * BLOCK))))
+    return _N_FRAC.sub(one, spec)
+
+
+def tau_variant(name: str) -> str | None:
+    """`art_1e-6` -> the `art` template with tau=1e-6 (None if `name` is not such a variant)."""
+    base, sep, tau = name.rpartition("_")
+    if not sep or base not in POLICIES or "{TAU}" not in POLICIES[base]:
+        return None
+    try:
+        if not math.isfinite(float(tau)) or float(tau) < 0:
+            return None
+    except ValueError:
+        return None
+    return POLICIES[base].replace("{TAU}", tau)
 
 
 def main(argv=None) -> int:
@@ -396,7 +439,9 @@ def main(argv=None) -> int:
                     help=f"comma-separated policy names from: {', '.join(POLICIES)}")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=TEMPLATE",
                     help="an extra policy, e.g. 'quest_sink=quest(budget={B}, sink=16)' "
-                         "({B} budget, {B64} budget-64, {TAU} ART tau); repeatable")
+                         "({B} budget, {B64} budget-64, {TAU} ART tau, {N/k} the prompt's tokens / k "
+                         "rounded up to a multiple of 16); repeatable. ART's tau sweep needs no --extra: "
+                         "name `art_1e-6`, `streaming_art_1e-4`, ... in --policies")
     ap.add_argument("--contexts", default="2048,4096,8192", help="needle contexts (tokens)")
     ap.add_argument("--depths", type=int, default=10,
                     help="needle depths per context, evenly spaced in [0.1, 0.9]")
@@ -439,6 +484,9 @@ def main(argv=None) -> int:
             ap.error(f"--extra {e!r}: expected NAME=TEMPLATE with a new NAME")
         POLICIES[name] = template
         names.append(name)
+    for n in names:
+        if n not in POLICIES and tau_variant(n):
+            POLICIES[n] = tau_variant(n)
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         ap.error(f"unknown policies {unknown}")
@@ -473,12 +521,14 @@ def main(argv=None) -> int:
         if res.error:
             return None
         t0 = time.time()
+        spec = expand_n(res.spec, len(pf.ids))
+        res.expanded[len(pf.ids)] = spec
         try:
-            run = KvsRun(res.spec, pf, store, args.threads)
+            run = KvsRun(spec, pf, store, args.threads)
             value = body(run)
             run.close()
         except KvsError as e:
-            res.error = f"{e} (kind={kind}, prompt len {len(pf.ids)})"
+            res.error = f"{e} (kind={kind}, prompt len {len(pf.ids)}, spec {spec})"
             print(f"[e2e] KVSPARSE ERROR {res.spec}: {res.error}", flush=True)
             return None
         secs = time.time() - t0
@@ -495,6 +545,17 @@ def main(argv=None) -> int:
             res.ppl_s += secs
         return value
 
+    def probe_scale():
+        scale = torch.cat(out_scale) if out_scale else torch.zeros(1)
+        return float(scale.median()), float(scale.quantile(0.1)), float(scale.quantile(0.9))
+
+    def report(n_done: int, ppl_state: str, final: bool = False):
+        """(Re)write the CSV and the report: the first n_done needles; ppl_state not run/partial/done."""
+        write_outputs(args, results, order, needles[:n_done], contexts, checks, ppl_info, prefill_s,
+                      probe_scale()[0], time.time() - t_start, budgets, str(kvsparse._ffi.LIB_PATH),
+                      progress=None if final else (n_done, len(needles), ppl_state))
+
+    ppl_info = None
     # ---------------- needles ----------------
     for i, nd in enumerate(needles):
         target = nd.context - 32
@@ -506,7 +567,9 @@ def main(argv=None) -> int:
             pf.cache = None  # only the first needle's HF cache is needed (reference check)
         prefill_s.setdefault(nd.context, []).append(pf.seconds)
         for L in range(2, NUM_LAYERS):
-            out_scale.append(pf.o_tail[L][:, :, PROBE_DIMS].norm(dim=-1).flatten())
+            # ART's lane probe of one KV head: dims PROBE_DIMS of the group's 3 query heads (12 values)
+            o = pf.o_tail[L].view(-1, HKV, HQ // HKV, HEAD_DIM)[..., PROBE_DIMS]
+            out_scale.append(o.flatten(2).norm(dim=-1).flatten())
         logits0 = pf.last_logits
         first = int(torch.argmax(logits0))
         store = PagedStore(len(ids) + args.gen_tokens + 1, seed=nd.seed)
@@ -542,9 +605,9 @@ def main(argv=None) -> int:
               f"dense answer {results[('dense', None)].needles.get(nd.name, (None, ''))[1]!r}: "
               + " ".join(line), flush=True)
         del pf, store
+        report(i + 1, "not run yet" if args.ppl_tokens > 0 else "skipped")
 
     # ---------------- perplexity ----------------
-    ppl_info = None
     if args.ppl_tokens > 0:
         Pp, N = args.ppl_prefix, args.ppl_tokens
         ids, digest = ppl_text(tok, Pp + N + 1)
@@ -558,6 +621,8 @@ def main(argv=None) -> int:
         hf_nll = torch.nn.functional.cross_entropy(out.logits[0].double(), targets, reduction="none")
         hf_ppl = math.exp(float(hf_nll.mean()))
         del out
+        ppl_info = {"prefix": Pp, "tokens": N, "sha": digest, "prefill_s": pf.seconds,
+                    "hf_ppl": hf_ppl}
         t_ppl = time.time()
         for key in order:
             res = results[key]
@@ -575,6 +640,7 @@ def main(argv=None) -> int:
                 continue
             res.nll = nll
             print(f"[e2e] ppl {res.spec}: {math.exp(sum(nll) / len(nll)):.4f}", flush=True)
+            report(len(needles), "partial (the policies with a ppl value are done)")
         d = results[("dense", None)]
         dense_ppl = math.exp(sum(d.nll) / len(d.nll))
         checks["ppl"] = (hf_ppl, dense_ppl, float((torch.tensor(d.nll, dtype=torch.float64)
@@ -582,19 +648,13 @@ def main(argv=None) -> int:
         print(f"[e2e] check: HF full-forward ppl {hf_ppl:.6f} vs kvsparse dense decode "
               f"{dense_ppl:.6f} (max per-token |NLL diff| {checks['ppl'][2]:.2e}); "
               f"{time.time() - t_ppl:.1f}s for all policies", flush=True)
-        ppl_info = {"prefix": Pp, "tokens": N, "sha": digest, "prefill_s": pf.seconds,
-                    "hf_ppl": hf_ppl}
         del pf, store
 
-    total_s = time.time() - t_start
-    scale = torch.cat(out_scale) if out_scale else torch.zeros(1)
-    scale_med = float(scale.median())
-    print(f"[e2e] output scale: median ||o_h[probe dims]||_2 = {scale_med:.4f} over layers 2..29 "
-          f"(p10 {float(scale.quantile(0.1)):.4f}, p90 {float(scale.quantile(0.9)):.4f})")
-    print(f"[e2e] total {total_s:.0f} s")
-
-    write_outputs(args, results, order, needles, contexts, checks, ppl_info, prefill_s,
-                  scale_med, total_s, budgets, str(kvsparse._ffi.LIB_PATH))
+    med, p10, p90 = probe_scale()
+    print(f"[e2e] ART probe scale: median L2 norm of the lane probe (dims {PROBE_DIMS} of a KV head's "
+          f"{HQ // HKV} query heads) = {med:.4f} over layers 2..29 (p10 {p10:.4f}, p90 {p90:.4f})")
+    print(f"[e2e] total {time.time() - t_start:.0f} s")
+    report(len(needles), "done", final=True)
     return 0
 
 
@@ -608,7 +668,9 @@ def _pct(a, b):
 
 
 def write_outputs(args, results, order, needles, contexts, checks, ppl_info, prefill_s,
-                  scale_med, total_s, budgets, kvs_path):
+                  scale_med, total_s, budgets, kvs_path, progress=None):
+    """`needles`: the needles done so far; `progress`: None for a finished run, else
+    (needles done, needles planned, perplexity state) for a partial report."""
     so = Path(kvs_path)
     so_sha = hashlib.sha256(so.read_bytes()).hexdigest()[:12] if so.is_file() else "?"
     dense = results[("dense", None)]
@@ -616,7 +678,9 @@ def write_outputs(args, results, order, needles, contexts, checks, ppl_info, pre
     rows = []
     for key in order:
         r = results[key]
-        row = {"budget": r.budget or "", "policy": r.name, "spec": r.spec}
+        # the budget column only where the spec depends on it (not for `top_p`, `art`, `{N/k}` specs)
+        uses_b = "{B}" in POLICIES[r.name] or "{B64}" in POLICIES[r.name]
+        row = {"budget": (r.budget or "") if uses_b else "", "policy": r.name, "spec": r.spec}
         tot_ok = 0
         for c in contexts:
             names = [n.name for n in needles if n.context == c]
@@ -653,6 +717,8 @@ def write_outputs(args, results, order, needles, contexts, checks, ppl_info, pre
         row["kvs_ms_per_step"] = round(1000 * r.kvs_decode_s / r.steps, 2) if r.steps else ""
         row["needle_s"], row["ppl_s"] = round(r.needle_s, 1), round(r.ppl_s, 1)
         row["prefill_chunk_max_rel_err"] = f"{r.tail_rel_err:.1e}"
+        row["specs_resolved"] = "; ".join(f"P={n}: {v}" for n, v in sorted(r.expanded.items())) \
+            if any(v != r.spec for v in r.expanded.values()) else ""
         row["error"] = r.error or ""
         row["library"] = f"sha256 {so_sha}"
         rows.append(row)
@@ -725,7 +791,8 @@ def write_outputs(args, results, order, needles, contexts, checks, ppl_info, pre
                          "✗ " + repr(ok[1].strip()[:16]).replace("|", "\\|")))
         nt.append("| " + " | ".join(cells) + " |")
 
-    print("\n" + "\n".join(table) + "\n\n" + "\n".join(extra) + "\n\n" + "\n".join(nt) + "\n")
+    if progress is None:
+        print("\n" + "\n".join(table) + "\n\n" + "\n".join(extra) + "\n\n" + "\n".join(nt) + "\n")
 
     cmd = "python scripts/quality_e2e.py " + " ".join(sys.argv[1:])
     pre = ", ".join(f"{c // 1024}K {sum(v) / len(v):.1f} s" for c, v in sorted(prefill_s.items()))
@@ -733,11 +800,15 @@ def write_outputs(args, results, order, needles, contexts, checks, ppl_info, pre
     pchk = checks.get("ppl")
     md = []
     md.append("## End to end: needle retrieval and perplexity on the real model\n")
+    if progress is not None:
+        md.append(f"**PARTIAL REPORT** (rewritten as the run goes): {progress[0]} of {progress[1]} "
+                  f"needles done (depth-major, contexts interleaved); perplexity: {progress[2]}. "
+                  f"The needle columns count the needles done so far.\n")
     md.append(f"Measured {date} at commit `{commit}`"
               + (" (src/ had uncommitted changes of another branch of work)" if dirty else "")
               + f", on the 2-core development VM ({cpu}, no GPU), {args.threads} torch / "
-              f"kvsparse threads; libkvsparse.so sha256 {so_sha}…; total wall time "
-              f"{total_s / 60:.1f} min. Command:\n")
+              f"kvsparse threads; library `{kvs_path}` (sha256 {so_sha}…); "
+              f"{'wall time so far' if progress else 'total wall time'} {total_s / 60:.1f} min. Command:\n")
     md.append(f"```sh\n.venv/bin/{cmd}\n```\n")
     md.append("**Method.** SmolLM2-135M-Instruct (`.cache/smollm2`, float32, 30 layers, 9 query / "
               "3 KV heads, head size 64) runs under HF transformers on the CPU. The prompt is "
@@ -762,10 +833,12 @@ def write_outputs(args, results, order, needles, contexts, checks, ppl_info, pre
                      if pchk else "") + ".\n")
     md.append(f"**Needles.** `scripts/trace_prompts.py:needle_prompt` (RULER niah_single: repeated "
               f"filler sentences, one \"special magic number\" needle with a 7-digit value, question, "
-              f"RULER answer prefix; chat template), {len(needles)} needles: contexts "
+              f"RULER answer prefix; chat template), {len(needles)} needles"
+              + (f" (of {progress[1]})" if progress else "") + f": contexts "
               f"{', '.join(str(c) for c in contexts)} (prompt ≤ context − 32 tokens), "
               f"{args.depths} depths per context evenly spaced in [0.1, 0.9], seeds "
-              f"{needles[0].seed}… (one per needle). Greedy decoding of at most {args.gen_tokens} "
+              f"{args.seed}… (one per needle: seed + 100 × context index + depth index; run depth-major, "
+              f"the contexts interleaved). Greedy decoding of at most {args.gen_tokens} "
               f"tokens, stopping at a special token; correct when the needle's value appears in the "
               f"answer. Prefill time per prompt: {pre}.\n")
     if ppl_info:
@@ -780,10 +853,19 @@ def write_outputs(args, results, order, needles, contexts, checks, ppl_info, pre
                   f"one at a time as decode steps through the policy (context "
                   f"{ppl_info['prefix']}…{ppl_info['prefix'] + ppl_info['tokens'] - 1}), and the "
                   f"perplexity is exp(mean NLL) of the {ppl_info['tokens']} tokens they predict.\n")
-    md.append(f"**Policies.** Specs as in docs/policies.md; `{{B}}` is the budget in tokens. ART's "
-              f"`tau` is absolute (output units): the median L2 norm of the 16 probe dimensions of an "
-              f"attention output row (layers 2–29, dense prefill tail) is {scale_med:.3f} for this "
-              f"model, so `tau={args.art_tau}` is ≈ {float(args.art_tau) / scale_med:.1e} of it.\n")
+    nfrac = []
+    for key in order:
+        r = results[key]
+        if r.expanded and any(v != r.spec for v in r.expanded.values()):
+            nfrac.append(f"`{r.spec}`: " + ", ".join(f"P={n} → `{v}`" for n, v in sorted(r.expanded.items())))
+    md.append(f"**Policies.** Specs as in docs/policies.md; `{{B}}` is the budget in tokens; `{{N/k}}` is "
+              f"the prompt's token count N (the needle prompt, or the perplexity prefix) divided by k and "
+              f"rounded up to a multiple of 16, resolved per prompt"
+              + (" (" + "; ".join(nfrac) + ")" if nfrac else "") + ". ART's "
+              f"`tau` is absolute (output units): the median L2 norm of ART's lane probe (dims "
+              f"{', '.join(map(str, PROBE_DIMS))} of the {HQ // HKV} query heads of a KV head, 12 values; "
+              f"layers 2–29, dense prefill tail) is {scale_med:.3f} for this model, so "
+              f"`tau={args.art_tau}` is ≈ {float(args.art_tau) / scale_med:.1e} of it.\n")
     md.append("*blocks visited* is `blocks_visited / blocks_eligible` summed over the decode rows "
               "served by the policy (layers 2–29 × KV heads); *kvsparse ms/step* is the time in "
               "`cache_write` + `forward` for the 30 layers of one decode step (the rest of a step "
