@@ -11,7 +11,7 @@
 use std::arch::x86_64::*;
 
 use super::attention::CHUNK;
-use super::avx2::{FMT_BF16, FMT_F16, FMT_F32};
+use super::avx2::{FMT_BF16, FMT_F16};
 
 /// Sixteen consecutive elements of a row of format `$fmt` at element index `$i`, as f32 lanes.
 macro_rules! load16 {
@@ -48,21 +48,6 @@ unsafe fn hsum8(a: &[__m512]) -> __m256 {
     let lo = _mm256_hadd_ps(s01, s23);
     let hi = _mm256_hadd_ps(s45, s67);
     _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(lo, hi), _mm256_permute2f128_ps::<0x31>(lo, hi))
-}
-
-/// `scores[r * CHUNK + j] = q_r · k_j` for all rows and the `n` keys in `kbuf` (`d % 16 == 0`).
-///
-/// # Safety
-/// Requires AVX-512F, AVX2, FMA, F16C; slices must hold `rows × d` queries, `n × d` keys, `rows × CHUNK`
-/// scores.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub unsafe fn scores(scores: &mut [f32], q: &[f32], kbuf: &[f32], rows: usize, n: usize, d: usize) {
-    assert!(kbuf.len() >= n * d && n <= CHUNK);
-    let mut ptrs = [std::ptr::null::<u8>(); CHUNK];
-    for (j, p) in ptrs[..n].iter_mut().enumerate() {
-        *p = kbuf.as_ptr().add(j * d) as *const u8;
-    }
-    scores_rows::<FMT_F32>(scores, q, &ptrs[..n], rows, d)
 }
 
 /// `scores[r * CHUNK + j] = q_r · k_j` with key `j` read from `krows[j]` (format `FMT`, converted in
@@ -139,21 +124,6 @@ unsafe fn score_rows_block<const FMT: u8, const R: usize, const KB: usize>(sp: *
         }
         j += KB;
     }
-}
-
-/// `acc[r] += Σ_j p[r * CHUNK + j] · v_j` for all rows (`d % 16 == 0`).
-///
-/// # Safety
-/// Requires AVX-512F, AVX2, FMA, F16C; slices must hold `rows × d` accumulators, `rows × CHUNK` weights,
-/// `n × d` values.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub unsafe fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
-    assert!(vbuf.len() >= n * d && n <= CHUNK);
-    let mut ptrs = [std::ptr::null::<u8>(); CHUNK];
-    for (j, ptr) in ptrs[..n].iter_mut().enumerate() {
-        *ptr = vbuf.as_ptr().add(j * d) as *const u8;
-    }
-    accumulate_rows::<FMT_F32>(acc, p, &ptrs[..n], rows, d)
 }
 
 /// `acc[r] += Σ_j p[r * CHUNK + j] · v_j` with value `j` read from `vrows[j]` (format `FMT`): rows in

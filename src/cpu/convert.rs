@@ -139,8 +139,9 @@ impl Isa for Avx2 {
     }
 }
 
-/// x86-64 with AVX-512F (and AVX2, FMA, F16C): the attention kernels of [`super::avx512`] where the head
-/// size is a multiple of 16 (every supported one), [`Avx2`]'s otherwise.
+/// x86-64 with AVX-512F (and AVX2, FMA, F16C): the cache-row kernels, max and exp of [`super::avx512`]
+/// where the head size is a multiple of 16 (every supported one); conversions and the staged (strided)
+/// path as [`Avx2`].
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub struct Avx512;
@@ -149,31 +150,23 @@ pub struct Avx512;
 impl Isa for Avx512 {
     #[inline(always)]
     unsafe fn f16_to_f32(src: *const u16, dst: &mut [f32], n: usize) {
-        f16_to_f32_f16c(src, dst, n)
+        Avx2::f16_to_f32(src, dst, n)
     }
     #[inline(always)]
     fn fma(a: f32, b: f32, c: f32) -> f32 {
-        a.mul_add(b, c)
+        Avx2::fma(a, b, c)
     }
     #[inline(always)]
     fn scores(scores: &mut [f32], q: &[f32], kbuf: &[f32], rows: usize, n: usize, d: usize) {
-        if d % 16 != 0 {
-            return Avx2::scores(scores, q, kbuf, rows, n, d);
-        }
-        // SAFETY: this ISA is only selected when AVX-512F, AVX2, FMA and F16C were detected.
-        unsafe { super::avx512::scores(scores, q, kbuf, rows, n, d) }
+        Avx2::scores(scores, q, kbuf, rows, n, d)
     }
     #[inline(always)]
     fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
-        if d % 16 != 0 {
-            return Avx2::accumulate(acc, p, vbuf, rows, n, d);
-        }
-        // SAFETY: as above.
-        unsafe { super::avx512::accumulate(acc, p, vbuf, rows, n, d) }
+        Avx2::accumulate(acc, p, vbuf, rows, n, d)
     }
     #[inline(always)]
     fn max(x: &[f32]) -> f32 {
-        // SAFETY: as above.
+        // SAFETY: this ISA is only selected when AVX-512F, AVX2, FMA and F16C were detected.
         unsafe { super::avx512::max(x) }
     }
     #[inline(always)]

@@ -37,10 +37,10 @@ static DETECTED: Lazy<IsaLevel> = Lazy::new(|| {
     IsaLevel::Portable
 });
 
-/// The level whose arithmetic the policies' decisions are defined in where a decision reads attention
-/// state (ART's probe of the running output): [`detected`] capped at AVX2. ART's `tau` (1e-5 by default)
-/// is near f32 rounding, so its stop tile moves with the summation order: on the traces, 0.1% of blocks
-/// changed between the AVX2 and AVX-512 loops. The GPU's stop tiles are checked against this level.
+/// The level whose arithmetic the policies' decisions are defined in (Quest's page bounds, token weights,
+/// ART's probe of the running output): [`detected`] capped at AVX2, so a decision does not move with the
+/// host. ART's `tau` (1e-5 by default) is near f32 rounding: on the traces, 0.1% of its blocks changed
+/// between the AVX2 and AVX-512 loops. The GPU's decisions are checked against this level.
 pub fn decisions() -> IsaLevel {
     match detected() {
         #[cfg(target_arch = "x86_64")]

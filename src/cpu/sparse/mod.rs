@@ -256,7 +256,7 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
                     }
                     let n_tok: usize = sc.part.iter().map(|(a, b)| b - a).sum();
                     let st = hw.st.as_mut().expect("prepared");
-                    attend_set(isa::detected(), st, &hw.q, &hw.limits, &kv_of(hw.head), &sc.part, n_tok, &mut sc.tokens, softcap);
+                    attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), &sc.part, n_tok, &mut sc.tokens, softcap);
                     hw.attended += n_tok;
                 }
                 w0 = w1;
@@ -302,7 +302,7 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
                         let n_tok: usize = spans.iter().map(|(a, b)| b - a).sum();
                         let st = if segmented { hw.seg.as_mut() } else { hw.st.as_mut() }.expect("prepared");
                         // ART's probe reads the running output: attend in the decisions' arithmetic.
-                        attend_set(isa::decisions(), st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
+                        attend_set_at(isa::decisions(), st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
                         hw.attended += n_tok;
                         match art.probe {
                             Probe::Lanes => {
@@ -518,7 +518,13 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
 
 /// Attends a set of spans: as spans when runs are long, as a token list (full chunks) when scattered.
 #[allow(clippy::too_many_arguments)]
-fn attend_set(level: IsaLevel, st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
+fn attend_set(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
+    attend_set_at(isa::detected(), st, q, limits, kv, spans, n_tok, tokens, softcap)
+}
+
+/// [`attend_set`] on instruction set `level` (ART's tiles: [`isa::decisions`]).
+#[allow(clippy::too_many_arguments)]
+fn attend_set_at(level: IsaLevel, st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
     if spans.is_empty() {
         return;
     }

@@ -16,7 +16,7 @@ pub fn token_weights(io: &ForwardIo, q: &[f32], rows: usize, lim: RowLimits, blo
 /// [`CHUNK`] at a time and scored with the attention kernel's register-blocked dot products.
 #[allow(clippy::too_many_arguments)]
 pub fn weights_at(io: &ForwardIo, q: &[f32], rows: usize, positions: &[usize], blocks: &[u32], head: usize, logits: &mut Vec<f32>, out: &mut Vec<f32>) {
-    match isa::detected() {
+    match isa::decisions() {
         #[cfg(target_arch = "x86_64")]
         IsaLevel::Avx2 | IsaLevel::Avx512 => unsafe { weights_at_avx2(io, q, rows, positions, blocks, head, logits, out) },
         IsaLevel::Portable => weights_at_generic::<Portable>(io, q, rows, positions, blocks, head, logits, out),
@@ -109,7 +109,7 @@ pub fn butterfly16(mut v: [f32; 16]) -> f32 {
 /// `out`; returns the metadata bytes read.
 #[allow(clippy::too_many_arguments)]
 pub fn quest_page_scores(q: &[f32], rows: usize, d: usize, lim: RowLimits, page: usize, blocks: &[u32], head: usize, meta: &LayerMeta, out: &mut Vec<f32>) -> u64 {
-    match isa::detected() {
+    match isa::decisions() {
         #[cfg(target_arch = "x86_64")]
         IsaLevel::Avx2 | IsaLevel::Avx512 => unsafe { quest_scores_avx2(q, rows, d, lim, page, blocks, head, meta, out) },
         IsaLevel::Portable => quest_scores_generic::<Portable>(q, rows, d, lim, page, blocks, head, meta, out),

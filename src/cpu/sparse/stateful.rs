@@ -46,7 +46,7 @@ pub(super) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
                 sc.pages[j] = RowsState::new(g, d);
             }
             let n = span[0].1 - span[0].0;
-            attend_set(isa::detected(), &mut sc.pages[j], &hw.q, &hw.limits, &kv, &span, n, &mut sc.tokens, softcap);
+            attend_set(&mut sc.pages[j], &hw.q, &hw.limits, &kv, &span, n, &mut sc.tokens, softcap);
             attended += n;
         }
         // 2. The true selection (Quest), from metadata only.
@@ -64,7 +64,7 @@ pub(super) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         if !miss_spans.is_empty() {
             let n = span_tokens(&miss_spans);
             let rep = fresh_state(&mut sc.repair, g, d);
-            attend_set(isa::detected(), rep, &hw.q, &hw.limits, &kv, &miss_spans, n, &mut sc.tokens, softcap);
+            attend_set(rep, &hw.q, &hw.limits, &kv, &miss_spans, n, &mut sc.tokens, softcap);
             st.merge_from(rep);
             attended += n;
         }
@@ -270,7 +270,7 @@ pub(super) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         };
         let n_tok = span_tokens(&spans);
         let st = hw.st.as_mut().expect("loaded");
-        attend_set(isa::detected(), st, &hw.q, &hw.limits, &kv, &spans, n_tok, &mut sc.tokens, softcap);
+        attend_set(st, &hw.q, &hw.limits, &kv, &spans, n_tok, &mut sc.tokens, softcap);
         // The history row: every visible position's weight on a calibration step, else the attended ones'.
         let pos: Vec<usize> = if calibrate { (lim.lo..n).collect() } else { spans.iter().flat_map(|&(a, b)| a..b).collect() };
         ph.push(super::history_row(io, &hw.q, g, &pos, blocks, head, n, ps.block, &mut sc.p_rows), ps.history);
@@ -330,7 +330,7 @@ pub(super) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
         let st = hw.st.as_mut().expect("loaded");
         let spans: Vec<(usize, usize)> = if do_full {
             let spans = vec![(lim.lo, lim.hi + 1)];
-            attend_set(isa::detected(), st, &hw.q, &hw.limits, &kv, &spans, lim.hi + 1 - lim.lo, &mut sc.tokens, softcap);
+            attend_set(st, &hw.q, &hw.limits, &kv, &spans, lim.hi + 1 - lim.lo, &mut sc.tokens, softcap);
             refresh_weights(io, &hw.q, g, lim, blocks, head, &mut sc.w);
             c.kv_bytes_read += ((lim.hi + 1 - lim.lo) * d * cache.dtype.size_bytes()) as u64; // K read again to score
             let pooled = max_pool(&sc.w, r.pool);
@@ -347,7 +347,7 @@ pub(super) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
                 }
             }
             let n = span_tokens(&spans);
-            attend_set(isa::detected(), st, &hw.q, &hw.limits, &kv, &spans, n, &mut sc.tokens, softcap);
+            attend_set(st, &hw.q, &hw.limits, &kv, &spans, n, &mut sc.tokens, softcap);
             spans
         };
         hw.cand.from_spans(&spans, bs, 1, |_| f32::NAN);
