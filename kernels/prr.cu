@@ -17,9 +17,9 @@
 
 #define PRR_PARAMS 1u  // the entry carries its sequence's Holt parameters
 #define PRR_PREV 2u    // the page was in the previous step's true set (for the reuse-previous counter)
-#define PRR_THREADS 512
+#define PRR_THREADS 1024  // = TOPK_THREADS (src/cuda/launch.rs)
 
-struct PrrEntry {
+struct __align__(8) PrrEntry {  // 24 bytes, 8-aligned: read and written as three float2 words
     float level, trend, alpha, beta, gamma;
     unsigned flags;
 };
@@ -75,7 +75,7 @@ extern "C" __global__ void kvs_prr_reset(const void* slots, i64 s0, int slots_i6
 // Top-k of one row's scores sc[0..np) (pages fp ..): the last page and the best k - 1 others (ties: the
 // later page), as quest_pages(scores, first, k, 1, 0), i.e. kvs_quest_topk with no sink. Block-wide.
 __device__ __forceinline__ int prr_top_pages(const float* sc, const unsigned* skey, bool staged, int np, int fp, int k, unsigned* e, int cap,
-                                             unsigned* hist, unsigned* wtot, unsigned long long& sel_prefix, int& sel_left, int* cnt) {
+                                             unsigned* hist, unsigned* sel, int* cnt) {
     if (np <= k) {
         const int n = min(np, cap);
         for (int i = threadIdx.x; i < n; i += blockDim.x) e[i] = fp + i;
@@ -83,13 +83,16 @@ __device__ __forceinline__ int prr_top_pages(const float* sc, const unsigned* sk
     }
     const int last = np - 1;
     const int m = min(k - 1, last);
-    int ibits = 1;
-    while ((1 << ibits) < np) ++ibits;
-    const int passes = (32 + ibits + 7) / 8;
-    auto key_of = [&](int i) { return ((unsigned long long)(staged ? skey[i] : kvs_order_key(sc[i])) << ibits) | (unsigned)i; };
-    const unsigned long long thr = radix_kth(0, last, m, passes, key_of, hist, wtot, sel_prefix, sel_left);
-    auto keep = [&](int i) { return i == last || (m > 0 && key_of(i) >= thr); };
-    return compact(np, keep, [&](int i) { return (unsigned)(fp + i); }, e, cap, cnt);
+    auto key_of = [&](int i) { return staged ? skey[i] : kvs_order_key(sc[i]); };
+    TopCut tc{0u, last};
+    if (m > 0) tc = topk32(0, last, m, key_of, hist, cnt, sel);
+    auto keep = [&](int i) {
+        if (i == last) return true;
+        if (m == 0) return false;
+        const unsigned kk = key_of(i);
+        return kk > tc.thr || (kk == tc.thr && i >= tc.cut);
+    };
+    return compact_seg(np, keep, [&](int i) { return (unsigned)(fp + i); }, e, cap, cnt);
 }
 
 // Side stream, step 1: the predicted score of every page of every decode row, level + gamma * trend with
@@ -119,9 +122,7 @@ extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_predict(Batch 
                                                                           int* plan_len, int cap, float* params, int smem_keys) {
     extern __shared__ unsigned skey[];
     __shared__ unsigned hist[256];
-    __shared__ unsigned wtot[8];
-    __shared__ unsigned long long sel_prefix;
-    __shared__ int sel_left;
+    __shared__ unsigned sel[4];
     __shared__ int cnt[PRR_THREADS / 32 + 1];
     __shared__ int first_param;
     const int s = blockIdx.y, h = blockIdx.x, row = s * hk + h;
@@ -164,36 +165,50 @@ extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_predict(Batch 
     if (staged)
         for (int i = threadIdx.x; i < np; i += blockDim.x) skey[i] = kvs_order_key(sc[i]);
     __syncthreads();
-    const int n = prr_top_pages(sc, skey, staged, np, fp, max(k_spec, 1), plan + (i64)row * cap, cap, hist, wtot, sel_prefix, sel_left, cnt);
+    const int n = prr_top_pages(sc, skey, staged, np, fp, max(k_spec, 1), plan + (i64)row * cap, cap, hist, sel, cnt);
     __syncthreads();
     if (threadIdx.x == 0) plan_len[row] = n;
 }
 
-// Caller's stream, after join A (one CTA per (KV head, sequence)): missed = truth \ pred (the repair
-// plan), union = pred + missed (what the row reads and reports), and the counters as run_speculate counts
-// them (policy rows, eligible blocks, spec_* pages, blocks visited and K/V bytes of the union; the
-// reuse-previous hits are counted by the update, which reads the previous-true bits).
-extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_repair(Batch b, int hk, int page, const unsigned* truth, const int* truth_len, int t_cap,
-                                                                         const unsigned* pred, const int* pred_len, int p_cap, unsigned* missed,
-                                                                         int* missed_len, int m_cap, unsigned* uni, int* uni_len, int u_cap, i64 row_bytes,
-                                                                         unsigned long long* ctr) {
-    __shared__ int cnt[PRR_THREADS / 32 + 1];
+// Caller's stream, after join A (one CTA per (KV head, sequence)): the true selection (Quest's top-k, as
+// kvs_quest_topk) and, in the same CTA, missed = truth \ pred (the repair plan), union = pred + missed
+// (what the row reads and reports), and the counters as run_speculate counts them (policy rows, eligible
+// blocks, spec_* pages, blocks visited and K/V bytes of the union; the reuse-previous hits are counted by
+// the update, which reads the previous-true bits). The speculative set is staged in shared memory (after
+// the top-k is done with it) when it fits.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_prr_select(Batch b, int hk, int budget, int page, int sink, const float* scores, int maxp,
+                                                                          unsigned* truth, int* truth_len, int t_cap, const unsigned* pred,
+                                                                          const int* pred_len, int p_cap, unsigned* missed, int* missed_len, int m_cap,
+                                                                          unsigned* uni, int* uni_len, int u_cap, i64 row_bytes, int smem_keys,
+                                                                          unsigned long long* ctr) {
+    extern __shared__ unsigned skey[];
+    __shared__ unsigned hist[256];
+    __shared__ unsigned sel[4];
+    __shared__ int cnt[TOPK_THREADS / 32 + 1];
     __shared__ unsigned long long red[32];
     const int s = blockIdx.y, h = blockIdx.x, row = s * hk + h;
     const SeqRow r = seq_row(b, s);
-    if (!r.decode || r.hi < r.lo) {
+    unsigned* T = truth + (i64)row * t_cap;
+    const int n = quest_topk_row(b, r, s, h, hk, budget, page, sink, scores, maxp, T, t_cap, smem_keys, skey, hist, sel, cnt);
+    if (n <= 0 || r.hi < r.lo) {
         if (threadIdx.x == 0) {
-            missed_len[row] = r.decode ? 0 : -1;
-            uni_len[row] = r.decode ? 0 : -1;
+            truth_len[row] = n;
+            missed_len[row] = n;
+            uni_len[row] = n;
         }
-        return;
+        return;  // uniform: n and the row are the CTA's
     }
-    const int nt = min(max(truth_len[row], 0), t_cap), npd = min(max(pred_len[row], 0), p_cap);
-    const unsigned* T = truth + (i64)row * t_cap;
-    const unsigned* P = pred + (i64)row * p_cap;
+    __syncthreads();  // T written, skey free
+    const int nt = min(n, t_cap), npd = min(max(pred_len[row], 0), p_cap);
+    const unsigned* Pg = pred + (i64)row * p_cap;
+    const bool pstaged = npd <= smem_keys;
+    if (pstaged)
+        for (int i = threadIdx.x; i < npd; i += blockDim.x) skey[i] = Pg[i];
+    __syncthreads();
+    const unsigned* P = pstaged ? skey : Pg;
     unsigned* M = missed + (i64)row * m_cap;
     unsigned* U = uni + (i64)row * u_cap;
-    const int nm = compact(nt, [&](int i) { return !prr_contains(P, npd, T[i]); }, [&](int i) { return T[i]; }, M, m_cap, cnt);
+    const int nm = compact_seg(nt, [&](int i) { return !prr_contains(P, npd, T[i]); }, [&](int i) { return T[i]; }, M, m_cap, cnt);
     __syncthreads();
     // The union by rank (pred and missed are disjoint and sorted).
     for (int i = threadIdx.x; i < npd; i += blockDim.x) {
@@ -207,6 +222,7 @@ extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_repair(Batch b
     const int nu = min(npd + nm, u_cap);
     __syncthreads();
     if (threadIdx.x == 0) {
+        truth_len[row] = nt;
         missed_len[row] = nm;
         uni_len[row] = nu;
         atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
@@ -237,15 +253,30 @@ extern "C" __global__ void kvs_prr_update(Batch b, int hk, int page, const float
     if ((int)(blockIdx.x * blockDim.x) >= np) return;  // uniform
     const int nt = min(max(truth_len[row], 0), t_cap);
     const unsigned* T = truth + (i64)row * t_cap;
+    // The true pages inside this CTA's 256 pages, as a bitmap (a binary search per thread in global memory
+    // was the kernel's latency).
+    __shared__ unsigned in_t[8];
+    const int i0 = blockIdx.x * blockDim.x;
+    if (threadIdx.x < 8) in_t[threadIdx.x] = 0u;
+    __syncthreads();
+    for (int j = threadIdx.x; j < nt; j += blockDim.x) {
+        const i64 rel = (i64)T[j] - fp - i0;
+        if (rel >= 0 && rel < 256) atomicOr(&in_t[rel >> 5], 1u << (rel & 31));
+    }
+    __syncthreads();
     const float pa = params[row * 4 + 0], pb = params[row * 4 + 1], pg = params[row * 4 + 2];
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int i = i0 + threadIdx.x;
     unsigned long long reuse = 0;
     PrrEntry* x = i < np ? prr_entry(b, s, h, hk, fp + i, page, spb, st) : 0;
     if (x != 0) {
-        const bool in_truth = prr_contains(T, nt, (unsigned)(fp + i));
-        if (in_truth && (x->flags & PRR_PREV)) reuse = 1;
+        // The entry as three 8-byte words (level, trend | alpha, beta | gamma, flags): half the memory
+        // instructions of field-by-field access, and the parameters are stored only when they change.
+        float2* x2 = reinterpret_cast<float2*>(x);
+        const float2 lt = x2[0], ab = x2[1], gf = x2[2];
+        const bool in_truth = (in_t[threadIdx.x >> 5] >> (threadIdx.x & 31)) & 1u;
+        if (in_truth && (__float_as_uint(gf.y) & PRR_PREV)) reuse = 1;
         const float v = scores[(i64)row * maxp + i];
-        float l = x->level, t = x->trend;
+        float l = lt.x, t = lt.y;
         if (!isfinite(v)) {
             l = __int_as_float(0x7fffffff);
             t = 0.f;
@@ -257,51 +288,180 @@ extern "C" __global__ void kvs_prr_update(Batch b, int hk, int page, const float
             t = pb * (l2 - l) + (1.0f - pb) * t;
             l = l2;
         }
-        x->level = l;
-        x->trend = t;
-        x->alpha = pa;
-        x->beta = pb;
-        x->gamma = pg;
-        x->flags = PRR_PARAMS | (in_truth ? PRR_PREV : 0u);
+        x2[0] = make_float2(l, t);
+        if (__float_as_uint(ab.x) != __float_as_uint(pa) || __float_as_uint(ab.y) != __float_as_uint(pb)) x2[1] = make_float2(pa, pb);
+        x2[2] = make_float2(pg, __uint_as_float(PRR_PARAMS | (in_truth ? PRR_PREV : 0u)));
     }
     reuse = block_sum(reuse, red);
     if (threadIdx.x == 0 && reuse > 0) atomicAdd(&ctr[CTR_SPEC_REUSE_HIT], reuse);
 }
 
-// Caller's stream, after join B: each decode row's output = exact LSE merge of the speculative (o1, l1)
-// and repair (o2, l2) partial states (the rules of kernels/merge.cu), into the caller's out / lse. The
-// partial states are [num_tokens][nq][HEAD_DIM] / [num_tokens][nq]. Grid (seqs, nq), HEAD_DIM threads.
-extern "C" __global__ void kvs_prr_merge(Batch b, int nq, const elem_t* o1, const float* l1, const elem_t* o2, const float* l2, elem_t* out,
-                                         i64 o0, i64 oq, i64 od, float* lse, i64 ls0, i64 ls1) {
-    const int s = blockIdx.x, qh = blockIdx.y, d = threadIdx.x;
+// Caller's stream, after join B: attention over the missed pages and the exact LSE merge with the
+// speculative partial state (o1, l1; [num_tokens][nq][HEAD_DIM] / [num_tokens][nq]) into the caller's out /
+// lse, in one launch. Grid (seqs, KV heads, parts), PRR_FIN_THREADS threads: part p takes the missed pages
+// p, p + parts, ... (usually none: a hit step's repair is empty); warp w the group's query rows w, w + 4,
+// ...; each lane the channels lane, lane + 32, ... Logits are f32 dot products times `scale`, soft-capped
+// as the attention kernels do; a non-finite logit poisons the row (NaN out, NaN LSE). Each part writes its
+// partial state (pw_o / pw_l, [(s*hk+h)*parts + p][GROUP][HEAD_DIM] / [..][GROUP]); the row's last part to
+// finish (a counter per row in done[], zeroed by the side stream at the fork) merges the parts with the
+// speculative state by the rules of kernels/merge.cu.
+#define PRR_FIN_THREADS 128
+#define PRR_FIN_ROWS ((GROUP + 3) / 4)
+#define PRR_FIN_CH ((HEAD_DIM + 31) / 32)
+#define PRR_FIN_UNROLL 2
+#define PRR_FIN_MAX_PARTS 8
+extern "C" __global__ void __launch_bounds__(PRR_FIN_THREADS) kvs_prr_finish(Batch b, int hk, int nq, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
+                                                                           float softcap, const elem_t* kc, i64 k0, i64 k1, i64 k2, const elem_t* vc,
+                                                                           i64 v0, i64 v1, i64 v2, const unsigned* missed, const int* missed_len,
+                                                                           int m_cap, int ulog2, const elem_t* o1, const float* l1, float* pw_o,
+                                                                           float* pw_l, unsigned* done, elem_t* out, i64 o0, i64 oq, i64 od, float* lse,
+                                                                           i64 ls0, i64 ls1) {
+    __shared__ int last_part;
+    const int s = blockIdx.x, h = blockIdx.y, part = blockIdx.z, parts = gridDim.z, row = s * hk + h;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const SeqRow r = seq_row(b, s);
-    const int q0 = b.qsl[s * b.qsl0];
-    if (!r.decode || q0 < 0 || q0 >= b.num_tokens || d >= HEAD_DIM) return;
-    const int t = r.t;
-    const i64 ri = (i64)t * nq + qh;
-    const float xa = l1[ri], xb = l2[ri];
-    const float va = ET::ld(o1[ri * HEAD_DIM + d]), vb = ET::ld(o2[ri * HEAD_DIM + d]);
-    const float m = fmaxf(xa, xb);
-    float v, l;
-    if (isnan(xa) || isnan(xb) || xa == INFINITY || xb == INFINITY) {
-        v = __int_as_float(0x7fffffff);
-        l = v;
-    } else if (m == -INFINITY) {
-        v = 0.f;
-        l = -INFINITY;
-    } else if (xb == -INFINITY) {
-        v = va;
-        l = xa;
-    } else if (xa == -INFINITY) {
-        v = vb;
-        l = xb;
-    } else {
-        const float wa = __expf(xa - m), wb = __expf(xb - m);
-        v = (wa * va + wb * vb) / (wa + wb);
-        l = m + __logf(wa + wb);
+    if (!r.decode) return;  // uniform over the row's CTAs: a prefill row's output is the dense launch's
+    const int nm = r.hi >= r.lo ? min(max(missed_len[row], 0), m_cap) : 0;
+    const unsigned* M = missed + (i64)row * m_cap;
+    const int bs = 1 << b.bs_log2;
+    // This part's partial state, per query row of this warp.
+    float m[PRR_FIN_ROWS], l[PRR_FIN_ROWS], acc[PRR_FIN_ROWS][PRR_FIN_CH], qv[PRR_FIN_ROWS][PRR_FIN_CH];
+    bool bad[PRR_FIN_ROWS];
+#pragma unroll
+    for (int j = 0; j < PRR_FIN_ROWS; ++j) {
+        const int g = warp + 4 * j;
+        m[j] = -INFINITY;
+        l[j] = 0.f;
+        bad[j] = false;
+#pragma unroll
+        for (int c = 0; c < PRR_FIN_CH; ++c) {
+            const int d = lane + 32 * c;
+            acc[j][c] = 0.f;
+            qv[j][c] = (g < GROUP && d < HEAD_DIM) ? ET::ld(q[(i64)r.t * q0 + (i64)(h * GROUP + g) * q1 + (i64)d * q2]) : 0.f;
+        }
     }
-    out[(i64)t * o0 + (i64)qh * oq + (i64)d * od] = ET::st(v);
-    if (lse != 0 && d == 0) lse[(i64)t * ls0 + (i64)qh * ls1] = l;
+    for (int pi = part; pi < nm; pi += parts) {
+        const i64 a = max((i64)M[pi] << ulog2, (i64)r.lo), z = min((((i64)M[pi] + 1) << ulog2) - 1, (i64)r.hi);
+        for (i64 pos0 = a; pos0 <= z; pos0 += PRR_FIN_UNROLL) {
+          // PRR_FIN_UNROLL tokens' rows loaded before any is used (memory-level parallelism).
+          float kx[PRR_FIN_UNROLL][PRR_FIN_CH], vx[PRR_FIN_UNROLL][PRR_FIN_CH];
+          bool ok[PRR_FIN_UNROLL];
+#pragma unroll
+          for (int u = 0; u < PRR_FIN_UNROLL; ++u) {
+            const i64 pos = pos0 + u;
+            const i64 pb = pos <= z ? phys_block(b, s, (int)(pos >> b.bs_log2)) : -1;
+            ok[u] = pb >= 0;  // as the attention kernels: a block id out of range contributes nothing
+            const i64 slot = pos & (bs - 1);
+            const elem_t* kr = kc + (ok[u] ? pb * k0 + slot * k1 + (i64)h * k2 : 0);
+            const elem_t* vr = vc + (ok[u] ? pb * v0 + slot * v1 + (i64)h * v2 : 0);
+#pragma unroll
+            for (int c = 0; c < PRR_FIN_CH; ++c) {
+                const int d = lane + 32 * c;
+                kx[u][c] = (ok[u] && d < HEAD_DIM) ? ET::ld(kr[d]) : 0.f;
+                vx[u][c] = (ok[u] && d < HEAD_DIM) ? ET::ld(vr[d]) : 0.f;
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < PRR_FIN_UNROLL; ++u) {
+            if (!ok[u]) continue;  // uniform over the warp
+#pragma unroll
+            for (int j = 0; j < PRR_FIN_ROWS; ++j) {
+                if (warp + 4 * j >= GROUP) continue;  // uniform over the warp
+                float x = 0.f;
+#pragma unroll
+                for (int c = 0; c < PRR_FIN_CH; ++c) x = fmaf(qv[j][c], kx[u][c], x);
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+                x *= scale;
+                if (!isfinite(x)) {
+                    bad[j] = true;
+                    continue;
+                }
+                if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+                const float mn = fmaxf(m[j], x);
+                const float alpha = __expf(m[j] - mn), p = __expf(x - mn);
+                m[j] = mn;
+                l[j] = l[j] * alpha + p;
+#pragma unroll
+                for (int c = 0; c < PRR_FIN_CH; ++c) acc[j][c] = fmaf(p, vx[u][c], acc[j][c] * alpha);
+            }
+          }
+        }
+    }
+    const float nan = __int_as_float(0x7fffffff);
+    const i64 pbase = (i64)row * parts + part;
+#pragma unroll
+    for (int j = 0; j < PRR_FIN_ROWS; ++j) {
+        const int g = warp + 4 * j;
+        if (g >= GROUP) continue;
+        const bool any = l[j] > 0.f;
+#pragma unroll
+        for (int c = 0; c < PRR_FIN_CH; ++c) {
+            const int d = lane + 32 * c;
+            if (d < HEAD_DIM) pw_o[(pbase * GROUP + g) * HEAD_DIM + d] = bad[j] ? nan : (any ? acc[j][c] / l[j] : 0.f);
+        }
+        if (lane == 0) pw_l[pbase * GROUP + g] = bad[j] ? nan : (any ? m[j] + __logf(l[j]) : -INFINITY);
+    }
+    // The row's last part merges.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_part = atomicAdd(&done[row], 1u) == (unsigned)(parts - 1);
+    __syncthreads();
+    if (!last_part) return;
+    __threadfence();
+    // The merge: the weights of the speculative state (slot 0) and of every part (slots 1..), per query
+    // row, once in shared memory; then each output channel is one pass over independent loads.
+    __shared__ float w_sm[GROUP][PRR_FIN_MAX_PARTS + 1];
+    __shared__ float lse_sm[GROUP];
+    const int t = r.t;
+    if ((int)threadIdx.x < GROUP) {
+        const int g = threadIdx.x;
+        float xs[PRR_FIN_MAX_PARTS + 1];
+        xs[0] = l1[(i64)t * nq + h * GROUP + g];
+        for (int p = 0; p < PRR_FIN_MAX_PARTS; ++p) xs[p + 1] = p < parts ? __ldcg(&pw_l[((i64)row * parts + p) * GROUP + g]) : -INFINITY;
+        float mx = -INFINITY;
+        bool poison = false;
+#pragma unroll
+        for (int p = 0; p <= PRR_FIN_MAX_PARTS; ++p) {
+            poison = poison || isnan(xs[p]) || xs[p] == INFINITY;
+            mx = fmaxf(mx, xs[p]);
+        }
+        float wsum = 0.f;
+#pragma unroll
+        for (int p = 0; p <= PRR_FIN_MAX_PARTS; ++p) {
+            const float w = (poison || mx == -INFINITY || xs[p] == -INFINITY) ? 0.f : __expf(xs[p] - mx);
+            w_sm[g][p] = w;
+            wsum += w;
+        }
+        // Normalized weights; the row's LSE (NaN when poisoned, -inf when nothing was seen).
+        const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+#pragma unroll
+        for (int p = 0; p <= PRR_FIN_MAX_PARTS; ++p) w_sm[g][p] *= inv;
+        lse_sm[g] = poison ? nan : (mx == -INFINITY ? -INFINITY : mx + __logf(wsum));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
+        const int g = i / HEAD_DIM, d = i % HEAD_DIM, qh = h * GROUP + g;
+        const i64 ri = (i64)t * nq + qh;
+        const float lv = lse_sm[g];
+        float v;
+        if (isnan(lv)) {
+            v = nan;
+        } else if (lv == -INFINITY) {
+            v = 0.f;
+        } else {
+            const float w0 = w_sm[g][0];
+            v = w0 > 0.f ? w0 * ET::ld(o1[ri * HEAD_DIM + d]) : 0.f;
+#pragma unroll
+            for (int p = 0; p < PRR_FIN_MAX_PARTS; ++p) {
+                const float w = w_sm[g][p + 1];
+                if (p < parts && w > 0.f) v = fmaf(w, __ldcg(&pw_o[(((i64)row * parts + p) * GROUP + g) * HEAD_DIM + d]), v);
+            }
+        }
+        out[(i64)t * o0 + (i64)qh * oq + (i64)d * od] = ET::st(v);
+        if (lse != 0 && d == 0) lse[(i64)t * ls0 + (i64)qh * ls1] = lv;
+    }
+    if (threadIdx.x == 0) done[row] = 0u;  // for the next step (the side stream also zeroes it at the fork)
 }
 
 // Calibration at a prefill chunk, step 1: the Quest page scores of the calibration rows (rows[j] = (seq,

@@ -340,67 +340,208 @@ __device__ __forceinline__ unsigned long long radix_kth(int lo, int hi, int m, i
     return sel_prefix;
 }
 
+// Block-wide exclusive prefix sum of v in thread order; `total` gets the sum. `wsum` is shared scratch of
+// blockDim/32 ints. All threads call it (blockDim a multiple of 32).
+__device__ __forceinline__ int block_excl_scan(int v, int* wsum, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();  // a previous call may still read wsum
+    if (lane == 31) wsum[warp] = x;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < nw; ++w) {
+        const int c = wsum[w];
+        if (w < warp) before += c;
+        all += c;
+    }
+    total = all;
+    return before + x - v;
+}
+
+// As compact, with one scan per call instead of one per blockDim indices: each warp owns a contiguous
+// segment of the indices (lanes interleaved, so reads stay coalesced), counts its kept entries, and writes
+// them after the warps before it. `wsum` is shared scratch of blockDim/32 ints.
+template <typename Keep, typename Val>
+__device__ __forceinline__ int compact_seg(int n, Keep keep, Val value, unsigned* out, int cap, int* wsum) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int per = ((n + nw - 1) / nw + 31) & ~31;
+    const int a = min(warp * per, n), z = min(a + per, n);
+    int c = 0;
+    for (int i0 = a; i0 < z; i0 += 32) c += __popc(__ballot_sync(0xffffffffu, i0 + lane < z && keep(i0 + lane)));
+    __syncthreads();  // a previous user of wsum may still read it
+    if (lane == 0) wsum[warp] = c;
+    __syncthreads();
+    int at = 0, total = 0;
+    for (int w = 0; w < nw; ++w) {
+        const int x = wsum[w];
+        if (w < warp) at += x;
+        total += x;
+    }
+    for (int i0 = a; i0 < z; i0 += 32) {
+        const int i = i0 + lane;
+        const bool k = i < z && keep(i);
+        const unsigned bal = __ballot_sync(0xffffffffu, k);
+        const int p = at + __popc(bal & ((1u << lane) - 1u));
+        if (k && p < cap) out[p] = value(i);
+        at += __popc(bal);
+    }
+    return total < cap ? total : cap;
+}
+
+// The m largest of the 32-bit keys key_of(i), lo <= i < hi (1 <= m <= hi - lo), ties on the key going to
+// the larger i: i is among them iff key_of(i) > thr, or key_of(i) == thr and i >= cut. The same set as
+// radix_kth over the unique keys (key << ibits | i), found with fewer passes: the radix starts below the
+// bits every key shares (from the keys' minimum and maximum), takes 8 bits per pass, and stops as soon as
+// the bin it descends into holds exactly the keys still needed; only a tie on the whole key is cut by
+// index (one scan from the top). Block-wide (all threads; blockDim a multiple of 32, at least 256);
+// hist[256], wsum[blockDim/32] and sel[4] are shared scratch.
+struct TopCut {
+    unsigned thr;
+    int cut;
+};
+template <typename KeyOf>
+__device__ __forceinline__ TopCut topk32(int lo, int hi, int m, KeyOf key_of, unsigned* hist, int* wsum, unsigned* sel) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    unsigned mn = 0xffffffffu, mx = 0u;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const unsigned k = key_of(i);
+        mn = min(mn, k);
+        mx = max(mx, k);
+    }
+    mn = __reduce_min_sync(0xffffffffu, mn);
+    mx = __reduce_max_sync(0xffffffffu, mx);
+    __syncthreads();  // hist / sel may still be read by a previous user
+    if (lane == 0) {
+        hist[warp] = mn;
+        hist[32 + warp] = mx;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned a = 0xffffffffu, z = 0u;
+        for (int w = 0; w < nw; ++w) {
+            a = min(a, hist[w]);
+            z = max(z, hist[32 + w]);
+        }
+        const int top = a == z ? 0 : 32 - __clz(a ^ z);  // the low bits that differ among the keys
+        sel[0] = top == 32 ? 0u : (z & (0xffffffffu << top));
+        sel[1] = (unsigned)m;
+        sel[2] = 0u;
+        sel[3] = (unsigned)top;
+    }
+    __syncthreads();
+    unsigned prefix = sel[0];
+    int left = (int)sel[1], top = (int)sel[3];
+    bool done = false;
+    while (top > 0 && !done) {
+        const int bits = min(8, top), shift = top - bits, nb = 1 << bits;
+        const unsigned himask = top >= 32 ? 0u : (0xffffffffu << top);
+        for (int i = threadIdx.x; i < nb; i += blockDim.x) hist[i] = 0u;
+        __syncthreads();
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            const unsigned k = key_of(i);
+            if ((k & himask) == (prefix & himask)) atomicAdd(&hist[(k >> shift) & (unsigned)(nb - 1)], 1u);
+        }
+        __syncthreads();
+        // Bins from the top (thread t holds bin nb - 1 - t), scanned: the bin where the count crosses `left`.
+        const int c = (int)threadIdx.x < nb ? (int)hist[nb - 1 - threadIdx.x] : 0;
+        int total;
+        const int excl = block_excl_scan(c, wsum, total);
+        if (c > 0 && excl < left && excl + c >= left) {
+            sel[0] = prefix | ((unsigned)(nb - 1 - threadIdx.x) << shift);
+            sel[1] = (unsigned)(left - excl);
+            sel[2] = (c == left - excl) ? 1u : 0u;
+        }
+        __syncthreads();
+        prefix = sel[0];
+        left = (int)sel[1];
+        done = sel[2] != 0u;
+        top = shift;
+    }
+    TopCut r{prefix, lo};
+    if (!done) {
+        __syncthreads();  // every thread has read sel
+        // Keys equal to `prefix` (all 32 bits): `left` of them, the later ones. Scan from the top.
+        int acc = 0;
+        if (threadIdx.x == 0) sel[3] = (unsigned)lo;
+        for (int c0 = hi; c0 > lo; c0 -= blockDim.x) {
+            const int i = c0 - 1 - (int)threadIdx.x;
+            const bool t = i >= lo && key_of(i) == prefix;
+            const unsigned bal = __ballot_sync(0xffffffffu, t);
+            int total;
+            const int before = block_excl_scan(lane == 0 ? __popc(bal) : 0, wsum, total);
+            const int rank = acc + before + __popc(bal & ((2u << lane) - 1u));
+            if (t && rank == left) sel[3] = (unsigned)i;
+            acc += total;
+            if (acc >= left) break;  // uniform
+        }
+        __syncthreads();
+        r.cut = (int)sel[3];
+    }
+    __syncthreads();  // sel / hist are free again
+    return r;
+}
+
+#define TOPK_THREADS 1024  // src/cuda/launch.rs TOPK_THREADS
+// One row's Quest plan (the body of kvs_quest_topk, shared with PRR's kvs_prr_select): writes the plan
+// entries to e and returns their count, or -1 for a sequence that is not a decode row. Block-wide.
+__device__ __forceinline__ int quest_topk_row(const Batch& b, const SeqRow& r, int s, int h, int hk, int budget, int page, int sink, const float* scores,
+                                              int maxp, unsigned* e, int cap, int smem_keys, unsigned* skey, unsigned* hist, unsigned* sel, int* cnt) {
+    if (!r.decode) return -1;
+    if (r.hi < r.lo) return 0;
+    const int fp = r.lo / page;
+    const int np = min(r.hi / page - fp + 1, maxp);
+    const int k = max(budget / page + (budget % page != 0), 1);
+    const float* sc = scores + (i64)(s * hk + h) * maxp;
+    if (np <= k) {
+        const int n = min(np, cap);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) e[i] = fp + i;
+        return n;
+    }
+    const int last = np - 1;
+    const int sinkp = sink / page + (sink % page != 0);
+    const int forced = min(max(sinkp - fp, 0), last);
+    const int m = min(max(k - 1 - forced, 0), last - forced);
+    const bool staged = np <= smem_keys;
+    if (staged)
+        for (int i = threadIdx.x; i < np; i += blockDim.x) skey[i] = kvs_order_key(sc[i]);
+    __syncthreads();
+    // Candidates forced <= i < last, larger order key first (higher score; equal scores: the later page).
+    auto key_of = [&](int i) { return staged ? skey[i] : kvs_order_key(sc[i]); };
+    TopCut tc{0u, last};
+    if (m > 0) tc = topk32(forced, last, m, key_of, hist, cnt, sel);
+    auto keep = [&](int i) {
+        if (i < forced || i == last) return true;
+        if (m == 0) return false;
+        const unsigned kk = key_of(i);
+        return kk > tc.thr || (kk == tc.thr && i >= tc.cut);
+    };
+    return compact_seg(np, keep, [&](int i) { return (unsigned)(fp + i); }, e, cap, cnt);
+}
+
 // Quest, step 2: keep the decode token's page, the pages holding the first `sink` positions, and the best
 // other pages (score descending, ties: the later page) up to ceil(budget / page) pages, as quest_pages.
-// Radix select of the m-th largest (score, page) key, 8 bits per pass, over order keys staged in dynamic
-// shared memory (`smem_keys` of them fit; longer rows read the scores from global memory instead).
-// One CTA per (KV head, sequence).
-#define TOPK_THREADS 512
+// Top-k by topk32 over order keys staged in dynamic shared memory (`smem_keys` of them fit; longer rows
+// read the scores from global memory instead). One CTA per (KV head, sequence).
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch b, int hk, int budget, int page, int sink, const float* scores, int maxp,
                                                                           unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes,
                                                                           int count, int smem_keys, unsigned long long* ctr) {
     extern __shared__ unsigned skey[];
     __shared__ unsigned hist[256];
-    __shared__ unsigned wtot[8];
-    __shared__ unsigned long long sel_prefix;
-    __shared__ int sel_left;
+    __shared__ unsigned sel[4];
     __shared__ int cnt[TOPK_THREADS / 32 + 1];
     __shared__ unsigned long long red[32];
     const int s = blockIdx.y, h = blockIdx.x;
     const SeqRow r = seq_row(b, s);
-    if (!r.decode) {
-        if (threadIdx.x == 0) plan_len[s * hk + h] = -1;
-        return;
-    }
     unsigned* e = plan + s * p_s + h * p_h;
-    if (r.hi < r.lo) {
-        if (threadIdx.x == 0) plan_len[s * hk + h] = 0;
-        return;
-    }
-    const int fp = r.lo / page;
-    const int np = min(r.hi / page - fp + 1, maxp);
-    const int k = max(budget / page + (budget % page != 0), 1);
-    const float* sc = scores + (i64)(s * hk + h) * maxp;
-    int n;
-    if (np <= k) {
-        n = min(np, cap);
-        for (int i = threadIdx.x; i < n; i += blockDim.x) e[i] = fp + i;
-    } else {
-        const int last = np - 1;
-        const int sinkp = sink / page + (sink % page != 0);
-        const int forced = min(max(sinkp - fp, 0), last);
-        const int m = min(max(k - 1 - forced, 0), last - forced);
-        const bool staged = np <= smem_keys;
-        if (staged)
-            for (int i = threadIdx.x; i < np; i += blockDim.x) skey[i] = kvs_order_key(sc[i]);
-        // Key of candidate i (forced <= i < last): (order key of the score) << ibits | i; unique, and larger
-        // means kept first (higher score; equal scores: the later page).
-        int ibits = 1;
-        while ((1 << ibits) < np) ++ibits;
-        const int passes = (32 + ibits + 7) / 8;
-        auto key_of = [&](int i) { return ((unsigned long long)(staged ? skey[i] : kvs_order_key(sc[i])) << ibits) | (unsigned)i; };
-        const unsigned long long thr = radix_kth(forced, last, m, passes, key_of, hist, wtot, sel_prefix, sel_left);
-        const int cand_lo = forced;
-        auto keep = [&](int i) {
-            if (i < cand_lo || i == last) return true;
-            if (m == 0) return false;
-            return key_of(i) >= thr;
-        };
-        n = compact(np, keep, [&](int i) { return (unsigned)(fp + i); }, e, cap, cnt);
-    }
+    const int n = quest_topk_row(b, r, s, h, hk, budget, page, sink, scores, maxp, e, cap, smem_keys, skey, hist, sel, cnt);
     __syncthreads();
     if (threadIdx.x == 0) plan_len[s * hk + h] = n;
-    if (!count) return;  // a later stage (top-p) makes the final plan and counts it
+    if (n < 0 || r.hi < r.lo || !count) return;  // a later stage (top-p) makes the final plan and counts it
     if (threadIdx.x == 0) {
         atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
         atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((r.hi >> b.bs_log2) - (r.lo >> b.bs_log2) + 1));

@@ -3,13 +3,15 @@
 //! A decode step forks a side stream from the caller's stream (an event recorded on the caller's stream,
 //! waited on by the side stream). The side stream predicts every page's Quest score from its Holt state,
 //! takes the top `budget/page` predictions (the speculative set) and attends them; meanwhile the caller's
-//! stream scores the pages (Quest bounds) and selects the true pages. After join A (the speculative set is
-//! known) the caller's stream computes the missed pages (true, not predicted), counts, updates the Holt
-//! state with the true scores, and attends the missed pages; after join B (the speculative attention is
-//! done) it merges the two partial states through their LSEs. Pages predicted but not selected stay in the
-//! merge (`extra=keep`, the paper's and the default). No host sync, no allocation, no host decision: the
-//! step is capturable. The side stream, the events and the workspace are the engine's, one set per caller
-//! stream, created outside capture.
+//! stream scores the pages (Quest bounds). After join A (the speculative set is known) one kernel selects
+//! the true pages and computes the missed ones (true, not predicted) with the counters; the side stream,
+//! once its speculative attention is done and the truth is known, updates the Holt state with the true
+//! scores while the caller's stream, after join B (the speculative attention is done), attends the missed
+//! pages and merges them with the speculative partial state through their LSEs in one kernel; join C
+//! (the update is done) ends the step. So after the scores only two kernels stand between selection and
+//! output. Pages predicted but not selected stay in the merge (`extra=keep`, the paper's and the default).
+//! No host sync, no allocation, no host decision: the step is capturable. The side stream, the events and
+//! the workspace are the engine's, one set per caller stream, created outside capture.
 //!
 //! State: Holt (level, trend), the Holt parameters and the previous-true bit per (cache block, KV head,
 //! page slot) in the layer's PRR buffer, reset by the cache write when a page's first slot is written
@@ -49,7 +51,7 @@ const PRR_PARAMS: u32 = 1;
 const PRR_PREV: u32 = 2;
 
 /// Phases of a step whose end the bench's timeline records (`set_timeline`), in this order.
-pub const TIMELINE: [&str; 8] = ["fork", "side:predict", "side:spec_attn", "side:update", "main:select", "main:repair_plan", "main:repair_attn", "main:merge"];
+pub const TIMELINE: [&str; 8] = ["fork", "side:predict", "side:spec_attn", "side:update", "main:scores", "main:select+repair_plan", "main:repair_attn+merge", "main:join"];
 
 /// One caller stream's side stream, fork/join events and workspace.
 struct StreamSet {
@@ -57,6 +59,8 @@ struct StreamSet {
     fork: CUevent,
     join_a: CUevent,
     join_b: CUevent,
+    /// The Holt update is done (side stream -> caller's stream, the step's end).
+    join_c: CUevent,
     /// The true selection is known (caller's stream -> side stream, for the update).
     truth: CUevent,
     /// Timing events (benchmarks), TIMELINE order.
@@ -73,7 +77,7 @@ impl Drop for StreamSet {
             // SAFETY: created by us, destroyed once.
             unsafe {
                 (api.cuStreamSynchronize)(self.side);
-                for e in [self.fork, self.join_a, self.join_b, self.truth].into_iter().chain(self.timing.iter().flatten().copied()) {
+                for e in [self.fork, self.join_a, self.join_b, self.join_c, self.truth].into_iter().chain(self.timing.iter().flatten().copied()) {
                     (api.cuEventDestroy)(e);
                 }
                 (api.cuStreamDestroy)(self.side);
@@ -175,8 +179,10 @@ struct Layout {
     params: usize,
     o1: usize,
     l1: usize,
-    o2: usize,
-    l2: usize,
+    /// kvs_prr_finish: per-row part counters and the parts' partial states.
+    done: usize,
+    pw_o: usize,
+    pw_l: usize,
     total: usize,
 }
 
@@ -288,8 +294,12 @@ impl CudaBackend {
         lay.params = take(mul(&[ns, hk, 4, 4])?);
         lay.o1 = take(mul(&[nt, nq, d, es])?);
         lay.l1 = take(mul(&[nt, nq, 4])?);
-        lay.o2 = take(mul(&[nt, nq, d, es])?);
-        lay.l2 = take(mul(&[nt, nq, 4])?);
+        // The repair's parts: enough that a row whose whole truth was missed spreads over several CTAs.
+        let parts = ((m_cap << ulog2).min(geo.max_len.max(1))).div_ceil(512).clamp(1, 8); // <= PRR_FIN_MAX_PARTS
+        let group = cfg.group_size();
+        lay.done = take(mul(&[ns, hk, 4])?);
+        lay.pw_o = take(mul(&[ns, hk, parts, group, d, 4])?);
+        lay.pw_l = take(mul(&[ns, hk, parts, group, 4])?);
         lay.total = off.max(256);
 
         let meta_guard = self.meta.layer(a.layer);
@@ -337,6 +347,7 @@ impl CudaBackend {
                     fork: mk_event(DISABLE_TIMING)?,
                     join_a: mk_event(DISABLE_TIMING)?,
                     join_b: mk_event(DISABLE_TIMING)?,
+                    join_c: mk_event(DISABLE_TIMING)?,
                     truth: mk_event(DISABLE_TIMING)?,
                     timing: if timeline { Some((0..TIMELINE.len()).map(|_| mk_event(0)).collect::<Result<Vec<_>>>()?) } else { None },
                     ws: None,
@@ -357,7 +368,9 @@ impl CudaBackend {
             }
         }
         let ws = set.ws.as_ref().expect("allocated above").ptr;
-        let side = set.side;
+        // Benchmarks only: KVS_PRR_ONE_STREAM=1 runs the side stream's work on the caller's stream (in the
+        // same order), to measure what the overlap gains against the same kernels run one after another.
+        let side = if std::env::var("KVS_PRR_ONE_STREAM").is_ok_and(|v| v == "1") { stream } else { set.side };
         let tev = if timeline { set.timing.clone() } else { None };
         let mark = |i: usize, s: CUstream| -> Result<()> {
             if let Some(ev) = &tev {
@@ -377,24 +390,28 @@ impl CudaBackend {
 
         // Fork.
         mark(0, stream)?;
-        // SAFETY: our events and streams.
+        // SAFETY: our events and streams; `done` lies inside the workspace (Layout).
         unsafe {
             check((api.cuEventRecord)(set.fork, stream), "cuEventRecord")?;
             check((api.cuStreamWaitEvent)(side, set.fork, 0), "cuStreamWaitEvent")?;
+            check((api.cuMemsetD32Async)(at(lay.done), 0, ns * hk, side), "cuMemsetD32Async")?;
         }
         // Side stream: predicted scores and the speculative set, then attention over it.
         let mut k = KArgs::new();
         k.by_value(&batch).i32(hk as i32).i32(page as i32).i64(st as i64).i32(spb as i32).i64(at(lay.pred_scores) as i64).i32(maxp as i32);
         launch::launch(f("kvs_prr_pred_scores")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_pred_scores launch")?;
-        let f_pred = f("kvs_prr_predict")?;
-        if !self.smem_ready.lock().contains(&(f_pred as usize)) {
-            launch::allow_dynamic_smem(f_pred, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
-            self.smem_ready.lock().insert(f_pred as usize);
-        }
+        let smem_fn = |name: &'static str| -> Result<super::driver::CUfunction> {
+            let func = f(name)?;
+            if !self.smem_ready.lock().contains(&(func as usize)) {
+                launch::allow_dynamic_smem(func, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
+                self.smem_ready.lock().insert(func as usize);
+            }
+            Ok(func)
+        };
         let mut k = KArgs::new();
         k.by_value(&batch).i32(hk as i32).i32(clamp(k_spec)).i32(page as i32).f32(fa).f32(fb).f32(fg).i64(st as i64).i32(spb as i32);
         k.i64(at(lay.pred_scores) as i64).i32(maxp as i32).i64(at(lay.pred) as i64).i64(at(lay.pred_len) as i64).i32(p_cap as i32).i64(at(lay.params) as i64).i32(smem_keys as i32);
-        launch::launch_smem(f_pred, (hk as u32, ns as u32, 1), 512, (smem_keys * 4) as u32, &mut k, side, "kvs_prr_predict launch")?;
+        launch::launch_smem(smem_fn("kvs_prr_predict")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, (smem_keys * 4) as u32, &mut k, side, "kvs_prr_predict launch")?;
         mark(1, side)?;
         // SAFETY: our event and stream.
         unsafe { check((api.cuEventRecord)(set.join_a, side), "cuEventRecord")? };
@@ -403,37 +420,37 @@ impl CudaBackend {
             unsafe { TensorRef::from_raw(at(o) as usize as *mut u8, dt, cfg.device, shape, Some(strides)) }
         };
         let (nt64, nq64, d64) = (nt as i64, nq as i64, d as i64);
-        let partial = |o: usize, l: usize, s: CUstream| -> Result<ForwardArgs> {
-            let mut x = *a;
-            x.out = view(o, cfg.dtype, &[nt64, nq64, d64], &[nq64 * d64, d64, 1])?;
-            x.lse = Some(view(l, DType::F32, &[nt64, nq64], &[nq64, 1])?);
-            x.stream = s;
-            Ok(x)
-        };
+        let mut spec = *a;
+        spec.out = view(lay.o1, cfg.dtype, &[nt64, nq64, d64], &[nq64 * d64, d64, 1])?;
+        spec.lse = Some(view(lay.l1, DType::F32, &[nt64, nq64], &[nq64, 1])?);
+        spec.stream = side;
         let pred_ref = plan(lay.pred, lay.pred_len, p_cap);
-        self.attend(cfg, &partial(lay.o1, lay.l1, side)?, cache, geo, Rows::Plan(pred_ref, (p_cap << ulog2).min(geo.max_len), None))?;
+        self.attend(cfg, &spec, cache, geo, Rows::Plan(pred_ref, (p_cap << ulog2).min(geo.max_len), None))?;
         mark(2, side)?;
+        // SAFETY: our event and stream.
+        unsafe { check((api.cuEventRecord)(set.join_b, side), "cuEventRecord")? };
 
-        // Caller's stream: Quest scores (counting the call's rows) and the true selection.
+        // Caller's stream: Quest scores (counting the call's rows).
         let q = &a.query;
         let mut k = KArgs::new();
         k.by_value(&batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
         k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
         k.i64(at(lay.scores) as i64).i32(maxp as i32).i32(1).i64(row_bytes).i64(ctr);
         launch::launch(f("kvs_quest_scores")?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores launch")?;
-        let f_topk = f("kvs_quest_topk")?;
-        if !self.smem_ready.lock().contains(&(f_topk as usize)) {
-            launch::allow_dynamic_smem(f_topk, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
-            self.smem_ready.lock().insert(f_topk as usize);
-        }
-        let truth = plan(lay.truth, lay.truth_len, t_cap);
+        mark(4, stream)?;
+        // Join A (the speculative set is known, and the predictions have read the state): the true
+        // selection, the missed pages, the union and the counters, in one kernel.
+        // SAFETY: our event, the caller's stream.
+        unsafe { check((api.cuStreamWaitEvent)(stream, set.join_a, 0), "cuStreamWaitEvent")? };
         let mut k = KArgs::new();
         k.by_value(&batch).i32(hk as i32).i32(clamp(sp.quest_budget)).i32(page as i32).i32(clamp(sp.quest_sink));
-        k.i64(at(lay.scores) as i64).i32(maxp as i32).i64(truth.e as i64).i64(truth.p_s).i64(truth.p_h).i64(truth.len as i64).i32(truth.cap).i64(row_bytes).i32(0);
-        k.i32(smem_keys as i32).i64(ctr);
-        launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), 512, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")?;
-        mark(4, stream)?;
-        // Side stream: once the true selection is known, the Holt update (off the caller's stream).
+        k.i64(at(lay.scores) as i64).i32(maxp as i32).i64(at(lay.truth) as i64).i64(at(lay.truth_len) as i64).i32(t_cap as i32);
+        k.i64(at(lay.pred) as i64).i64(at(lay.pred_len) as i64).i32(p_cap as i32);
+        k.i64(at(lay.missed) as i64).i64(at(lay.missed_len) as i64).i32(m_cap as i32).i64(at(lay.uni) as i64).i64(at(lay.uni_len) as i64).i32(u_cap as i32);
+        k.i64(row_bytes).i32(smem_keys as i32).i64(ctr);
+        launch::launch_smem(smem_fn("kvs_prr_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, (smem_keys * 4) as u32, &mut k, stream, "kvs_prr_select launch")?;
+        mark(5, stream)?;
+        // Side stream, once its speculative attention is done and the truth is known: the Holt update.
         // SAFETY: our events and streams.
         unsafe {
             check((api.cuEventRecord)(set.truth, stream), "cuEventRecord")?;
@@ -445,34 +462,30 @@ impl CudaBackend {
         launch::launch(f("kvs_prr_update")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_update launch")?;
         mark(3, side)?;
         // SAFETY: our event and stream.
-        unsafe { check((api.cuEventRecord)(set.join_b, side), "cuEventRecord")? };
-        // Join A: the speculative set is known (and the predictions have read the state).
-        // SAFETY: our event, the caller's stream.
-        unsafe { check((api.cuStreamWaitEvent)(stream, set.join_a, 0), "cuStreamWaitEvent")? };
-        let mut k = KArgs::new();
-        k.by_value(&batch).i32(hk as i32).i32(page as i32);
-        k.i64(at(lay.truth) as i64).i64(at(lay.truth_len) as i64).i32(t_cap as i32).i64(at(lay.pred) as i64).i64(at(lay.pred_len) as i64).i32(p_cap as i32);
-        k.i64(at(lay.missed) as i64).i64(at(lay.missed_len) as i64).i32(m_cap as i32).i64(at(lay.uni) as i64).i64(at(lay.uni_len) as i64).i32(u_cap as i32);
-        k.i64(row_bytes).i64(ctr);
-        launch::launch(f("kvs_prr_repair")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_prr_repair launch")?;
-        mark(5, stream)?;
-        let missed_ref = plan(lay.missed, lay.missed_len, m_cap);
-        self.attend(cfg, &partial(lay.o2, lay.l2, stream)?, cache, geo, Rows::Plan(missed_ref, (m_cap << ulog2).min(geo.max_len), None))?;
-        mark(6, stream)?;
+        unsafe { check((api.cuEventRecord)(set.join_c, side), "cuEventRecord")? };
         if a.max_query_len != 1 {
             self.attend(cfg, a, cache, geo, Rows::DenseRest)?;
         }
-        // Join B: the speculative attention is done; merge.
+        // Join B (the speculative attention is done): attention over the missed pages, merged with it.
         // SAFETY: our event, the caller's stream.
         unsafe { check((api.cuStreamWaitEvent)(stream, set.join_b, 0), "cuStreamWaitEvent")? };
         let (lse_ptr, l0, l1) = match &a.lse {
             Some(l) => (l.data as i64, l.stride(0) as i64, l.stride(1) as i64),
             None => (0, 0, 0),
         };
+        let (kc, vc) = (&cache.k, &cache.v);
         let mut k = KArgs::new();
-        k.by_value(&batch).i32(nq as i32).i64(at(lay.o1) as i64).i64(at(lay.l1) as i64).i64(at(lay.o2) as i64).i64(at(lay.l2) as i64);
+        k.by_value(&batch).i32(hk as i32).i32(nq as i32).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
+        k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64);
+        k.ptr(vc.data).i64(vc.stride(0) as i64).i64(vc.stride(1) as i64).i64(vc.stride(2) as i64);
+        k.i64(at(lay.missed) as i64).i64(at(lay.missed_len) as i64).i32(m_cap as i32).i32(ulog2);
+        k.i64(at(lay.o1) as i64).i64(at(lay.l1) as i64).i64(at(lay.pw_o) as i64).i64(at(lay.pw_l) as i64).i64(at(lay.done) as i64);
         k.ptr(a.out.data).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64).i64(lse_ptr).i64(l0).i64(l1);
-        launch::launch(f("kvs_prr_merge")?, (ns as u32, nq as u32, 1), d as u32, &mut k, stream, "kvs_prr_merge launch")?;
+        launch::launch(f("kvs_prr_finish")?, (ns as u32, hk as u32, parts as u32), 128, &mut k, stream, "kvs_prr_finish launch")?;
+        mark(6, stream)?;
+        // Join C: the update is done; the step ends on the caller's stream.
+        // SAFETY: our event, the caller's stream.
+        unsafe { check((api.cuStreamWaitEvent)(stream, set.join_c, 0), "cuStreamWaitEvent")? };
         mark(7, stream)?;
         drop(streams);
         drop(st_guard);

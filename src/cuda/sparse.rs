@@ -426,7 +426,7 @@ impl CudaBackend {
                 k.by_value(&batch).i32(hk as i32).i32(budget.min(i32::MAX as usize) as i32).i32(page as i32).i32(sink.min(i32::MAX as usize) as i32);
                 k.i64(scores as i64).i32(maxp as i32).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base);
                 k.i32(smem_keys as i32).i64(ctr);
-                launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), 512, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")?;
+                launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")?;
                 if art_priority {
                     let f_ord = f("kvs_art_priority")?;
                     let smem = art_n2 * 8;
