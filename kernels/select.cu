@@ -373,15 +373,9 @@ __device__ __forceinline__ int compact_seg(int n, Keep keep, Val value, unsigned
     const int a = min(warp * per, n), z = min(a + per, n);
     int c = 0;
     for (int i0 = a; i0 < z; i0 += 32) c += __popc(__ballot_sync(0xffffffffu, i0 + lane < z && keep(i0 + lane)));
-    __syncthreads();  // a previous user of wsum may still read it
-    if (lane == 0) wsum[warp] = c;
-    __syncthreads();
-    int at = 0, total = 0;
-    for (int w = 0; w < nw; ++w) {
-        const int x = wsum[w];
-        if (w < warp) at += x;
-        total += x;
-    }
+    int total;
+    // The warps before this one: lane 0 carries the warp's count, so lane 0's exclusive prefix is theirs.
+    int at = __shfl_sync(0xffffffffu, block_excl_scan(lane == 0 ? c : 0, wsum, total), 0);
     for (int i0 = a; i0 < z; i0 += 32) {
         const int i = i0 + lane;
         const bool k = i < z && keep(i);
