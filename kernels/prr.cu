@@ -320,7 +320,10 @@ extern "C" __global__ void __launch_bounds__(PRR_FIN_THREADS) kvs_prr_finish(Bat
     const int s = blockIdx.x, h = blockIdx.y, part = blockIdx.z, parts = gridDim.z, row = s * hk + h;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const SeqRow r = seq_row(b, s);
-    if (!r.decode) return;  // uniform over the row's CTAs: a prefill row's output is the dense launch's
+    const int first = b.qsl[s * b.qsl0];
+    // Uniform over the row's CTAs: a prefill row's output is the dense launch's; a row whose query index is
+    // out of range (bad metadata) writes nothing.
+    if (!r.decode || first < 0 || first >= b.num_tokens) return;
     const int nm = r.hi >= r.lo ? min(max(missed_len[row], 0), m_cap) : 0;
     const unsigned* M = missed + (i64)row * m_cap;
     const int bs = 1 << b.bs_log2;
