@@ -17,7 +17,6 @@
 
 #define PRR_PARAMS 1u  // the entry carries its sequence's Holt parameters
 #define PRR_PREV 2u    // the page was in the previous step's true set (for the reuse-previous counter)
-#define PRR_THREADS 1024  // = TOPK_THREADS (src/cuda/launch.rs)
 
 struct __align__(8) PrrEntry {  // 24 bytes, 8-aligned: read and written as three float2 words
     float level, trend, alpha, beta, gamma;
@@ -92,7 +91,7 @@ __device__ __forceinline__ int prr_top_pages(const float* sc, const unsigned* sk
         const unsigned kk = key_of(i);
         return kk > tc.thr || (kk == tc.thr && i >= tc.cut);
     };
-    return compact_seg(np, keep, [&](int i) { return (unsigned)(fp + i); }, e, cap, cnt);
+    return compact(np, keep, [&](int i) { return (unsigned)(fp + i); }, e, cap, cnt);
 }
 
 // Side stream, step 1: the predicted score of every page of every decode row, level + gamma * trend with
@@ -117,13 +116,13 @@ extern "C" __global__ void kvs_prr_pred_scores(Batch b, int hk, int page, const 
 // page of the row whose entry carries them, else the spec's fixed ones (fa, fb, fg)) into
 // params[(s*hk+h)*4 ..] for the update, and the speculative set: the top k_spec pages of the predictions.
 // Plans are (s*hk+h)*cap-strided.
-extern "C" __global__ void __launch_bounds__(PRR_THREADS) kvs_prr_predict(Batch b, int hk, int k_spec, int page, float fa, float fb, float fg,
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_prr_predict(Batch b, int hk, int k_spec, int page, float fa, float fb, float fg,
                                                                           const PrrEntry* st, int spb, const float* pred, int maxp, unsigned* plan,
                                                                           int* plan_len, int cap, float* params, int smem_keys) {
     extern __shared__ unsigned skey[];
     __shared__ unsigned hist[256];
     __shared__ unsigned sel[4];
-    __shared__ int cnt[PRR_THREADS / 32 + 1];
+    __shared__ int cnt[TOPK_THREADS / 32 + 1];
     __shared__ int first_param;
     const int s = blockIdx.y, h = blockIdx.x, row = s * hk + h;
     const SeqRow r = seq_row(b, s);
@@ -208,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_prr_select(Batch 
     const unsigned* P = pstaged ? skey : Pg;
     unsigned* M = missed + (i64)row * m_cap;
     unsigned* U = uni + (i64)row * u_cap;
-    const int nm = compact_seg(nt, [&](int i) { return !prr_contains(P, npd, T[i]); }, [&](int i) { return T[i]; }, M, m_cap, cnt);
+    const int nm = compact(nt, [&](int i) { return !prr_contains(P, npd, T[i]); }, [&](int i) { return T[i]; }, M, m_cap, cnt);
     __syncthreads();
     // The union by rank (pred and missed are disjoint and sorted).
     for (int i = threadIdx.x; i < npd; i += blockDim.x) {

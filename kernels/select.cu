@@ -77,28 +77,55 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     return r;
 }
 
+// Block-wide exclusive prefix sum of v in thread order; `total` gets the sum. `wsum` is shared scratch of
+// blockDim/32 ints. All threads call it (blockDim a multiple of 32).
+__device__ __forceinline__ int block_excl_scan(int v, int* wsum, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();  // a previous call may still read wsum
+    if (lane == 31) wsum[warp] = x;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < nw; ++w) {
+        const int c = wsum[w];
+        if (w < warp) before += c;
+        all += c;
+    }
+    total = all;
+    return before + x - v;
+}
+
 // Writes the entries i (0 <= i < n) for which keep(i) holds, in increasing i, as value(i); returns how
-// many were written. Block-wide (all threads call it); `cnt` is shared scratch of blockDim/32+1 ints.
+// many were written (at most cap). Block-wide (all threads call it); `cnt` is shared scratch of blockDim/32
+// ints; `out` must not alias what keep or value read. One scan per call: each warp owns a contiguous
+// segment of the indices (lanes interleaved, so reads stay coalesced), counts its kept entries, and writes
+// them after the warps before it; keep is evaluated twice per index. Every thread sees the whole of `out`
+// on return.
 template <typename Keep, typename Val>
 __device__ __forceinline__ int compact(int n, Keep keep, Val value, unsigned* out, int cap, int* cnt) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int base = 0;
-    for (int i0 = 0; i0 < n; i0 += blockDim.x) {
-        const int i = i0 + threadIdx.x;
-        const bool k = i < n && keep(i);
+    const int per = ((n + nw - 1) / nw + 31) & ~31;
+    const int a = min(warp * per, n), z = min(a + per, n);
+    int c = 0;
+    for (int i0 = a; i0 < z; i0 += 32) c += __popc(__ballot_sync(0xffffffffu, i0 + lane < z && keep(i0 + lane)));
+    int total;
+    // The warps before this one: lane 0 carries the warp's count, so lane 0's exclusive prefix is theirs.
+    int at = __shfl_sync(0xffffffffu, block_excl_scan(lane == 0 ? c : 0, cnt, total), 0);
+    for (int i0 = a; i0 < z; i0 += 32) {
+        const int i = i0 + lane;
+        const bool k = i < z && keep(i);
         const unsigned bal = __ballot_sync(0xffffffffu, k);
-        if (lane == 0) cnt[warp] = __popc(bal);
-        __syncthreads();
-        int before = base;
-        for (int w = 0; w < warp; ++w) before += cnt[w];
-        const int at = before + __popc(bal & ((1u << lane) - 1u));
-        if (k && at < cap) out[at] = value(i);
-        int total = 0;
-        for (int w = 0; w < nw; ++w) total += cnt[w];
-        base += total;
-        __syncthreads();
+        const int p = at + __popc(bal & ((1u << lane) - 1u));
+        if (k && p < cap) out[p] = value(i);
+        at += __popc(bal);
     }
-    return base < cap ? base : cap;
+    __syncthreads();
+    return total < cap ? total : cap;
 }
 
 // Counts the blocks and tokens a plan (entries increasing) visits inside lo..=hi, as the CPU counts its
@@ -340,53 +367,6 @@ __device__ __forceinline__ unsigned long long radix_kth(int lo, int hi, int m, i
     return sel_prefix;
 }
 
-// Block-wide exclusive prefix sum of v in thread order; `total` gets the sum. `wsum` is shared scratch of
-// blockDim/32 ints. All threads call it (blockDim a multiple of 32).
-__device__ __forceinline__ int block_excl_scan(int v, int* wsum, int& total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int x = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    __syncthreads();  // a previous call may still read wsum
-    if (lane == 31) wsum[warp] = x;
-    __syncthreads();
-    int before = 0, all = 0;
-    for (int w = 0; w < nw; ++w) {
-        const int c = wsum[w];
-        if (w < warp) before += c;
-        all += c;
-    }
-    total = all;
-    return before + x - v;
-}
-
-// As compact, with one scan per call instead of one per blockDim indices: each warp owns a contiguous
-// segment of the indices (lanes interleaved, so reads stay coalesced), counts its kept entries, and writes
-// them after the warps before it. `wsum` is shared scratch of blockDim/32 ints.
-template <typename Keep, typename Val>
-__device__ __forceinline__ int compact_seg(int n, Keep keep, Val value, unsigned* out, int cap, int* wsum) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int per = ((n + nw - 1) / nw + 31) & ~31;
-    const int a = min(warp * per, n), z = min(a + per, n);
-    int c = 0;
-    for (int i0 = a; i0 < z; i0 += 32) c += __popc(__ballot_sync(0xffffffffu, i0 + lane < z && keep(i0 + lane)));
-    int total;
-    // The warps before this one: lane 0 carries the warp's count, so lane 0's exclusive prefix is theirs.
-    int at = __shfl_sync(0xffffffffu, block_excl_scan(lane == 0 ? c : 0, wsum, total), 0);
-    for (int i0 = a; i0 < z; i0 += 32) {
-        const int i = i0 + lane;
-        const bool k = i < z && keep(i);
-        const unsigned bal = __ballot_sync(0xffffffffu, k);
-        const int p = at + __popc(bal & ((1u << lane) - 1u));
-        if (k && p < cap) out[p] = value(i);
-        at += __popc(bal);
-    }
-    return total < cap ? total : cap;
-}
-
 // The m largest of the 32-bit keys key_of(i), lo <= i < hi (1 <= m <= hi - lo), ties on the key going to
 // the larger i: i is among them iff key_of(i) > thr, or key_of(i) == thr and i >= cut. The same set as
 // radix_kth over the unique keys (key << ibits | i), found with fewer passes: the radix starts below the
@@ -480,7 +460,7 @@ __device__ __forceinline__ TopCut topk32(int lo, int hi, int m, KeyOf key_of, un
     return r;
 }
 
-#define TOPK_THREADS 1024  // src/cuda/launch.rs TOPK_THREADS
+#define TOPK_THREADS 512  // src/cuda/launch.rs TOPK_THREADS
 // One row's Quest plan (the body of kvs_quest_topk, shared with PRR's kvs_prr_select): writes the plan
 // entries to e and returns their count, or -1 for a sequence that is not a decode row. Block-wide.
 __device__ __forceinline__ int quest_topk_row(const Batch& b, const SeqRow& r, int s, int h, int hk, int budget, int page, int sink, const float* scores,
@@ -514,7 +494,7 @@ __device__ __forceinline__ int quest_topk_row(const Batch& b, const SeqRow& r, i
         const unsigned kk = key_of(i);
         return kk > tc.thr || (kk == tc.thr && i >= tc.cut);
     };
-    return compact_seg(np, keep, [&](int i) { return (unsigned)(fp + i); }, e, cap, cnt);
+    return compact(np, keep, [&](int i) { return (unsigned)(fp + i); }, e, cap, cnt);
 }
 
 // Quest, step 2: keep the decode token's page, the pages holding the first `sink` positions, and the best

@@ -69,7 +69,7 @@ pub struct CudaBackend {
     policy: SplitPolicy,
     mma: plan::MmaTunables,
     /// Functions whose dynamic shared-memory limit was raised already.
-    pub(super) smem_ready: Mutex<HashSet<usize>>,
+    smem_ready: Mutex<HashSet<usize>>,
     /// Key metadata the policy needs, kept by cache writes.
     pub meta: DeviceMeta,
     /// Policy state on the device: plans, scores and counters (see `sparse`).
@@ -195,6 +195,17 @@ impl CudaBackend {
         p
     }
 
+    /// Raises `f`'s dynamic shared-memory limit to `bytes`, once per function (every launch site of a
+    /// function asks for the same limit).
+    pub(super) fn allow_smem_once(&self, f: super::driver::CUfunction, bytes: usize) -> Result<()> {
+        let mut ready = self.smem_ready.lock();
+        if !ready.contains(&(f as usize)) {
+            launch::allow_dynamic_smem(f, bytes)?;
+            ready.insert(f as usize);
+        }
+        Ok(())
+    }
+
     /// One attention launch (plus its split combine) over the rows `rows` selects.
     pub(super) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
         let num_tokens = geo.num_tokens;
@@ -234,10 +245,7 @@ impl CudaBackend {
             f_split = self.modules.function(&self.gpu, "attention_mma", launch::ATTENTION_MMA, &defines, "kvs_attn_mma")?;
             smem = ms.smem_bytes(cfg.head_dim);
             threads = 32 * ms.warps as u32;
-            if !self.smem_ready.lock().contains(&(f_split as usize)) {
-                launch::allow_dynamic_smem(f_split, smem)?;
-                self.smem_ready.lock().insert(f_split as usize);
-            }
+            self.allow_smem_once(f_split, smem)?;
             let per_sm = launch::occupancy_smem(f_split, threads, smem)? as usize;
             head_groups = cfg.num_q_heads / ms.gq;
             (nsplit, chunk) = if let Some(a) = &art { plan::art_splits(keys, (a.segment > 0).then_some(a.segment as u32)) } else { plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.split_policy(mode, keys, geo.max_len)) };

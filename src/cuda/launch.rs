@@ -19,9 +19,10 @@ pub const CACHE_WRITE: &str = include_str!("../../kernels/cache_write.cu");
 pub const MERGE: &str = include_str!("../../kernels/merge.cu");
 pub const FILL: &str = include_str!("../../kernels/fill.cu");
 pub const META: &str = concat!(include_str!("../../kernels/decide.cuh"), "\n", include_str!("../../kernels/meta.cu"));
-/// Threads of the top-k kernels (kvs_quest_topk, kvs_prr_predict, kvs_prr_select): one CTA per row, so its
-/// serial chain of passes is shorter the more threads share the keys (kernels/select.cu TOPK_THREADS).
-pub const TOPK_THREADS: u32 = 1024;
+/// Threads of the selection kernels whose launch bound is kernels/select.cu's TOPK_THREADS (Quest's and
+/// PRR's top-k, SnapKV's choice and plan, RefreshKV's plan, the predictor's selection): one CTA per row.
+/// (1024 was measured no faster for the top-k: its time is a serial chain of block-wide phases.)
+pub const TOPK_THREADS: u32 = 512;
 pub const SELECT: &str = concat!(include_str!("../../kernels/decide.cuh"), "\n", include_str!("../../kernels/select.cu"), "\n", include_str!("../../kernels/snapkv.cu"), "\n", include_str!("../../kernels/refresh.cu"), "\n", include_str!("../../kernels/prr.cu"));
 
 /// Loaded modules by variant (source name + defines) and the functions looked up in them.

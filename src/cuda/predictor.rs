@@ -231,7 +231,7 @@ impl CudaBackend {
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
         k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
         k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64((2 * d * es) as i64).i64((d * es) as i64).i64(ctr);
-        launch::launch(f("kvs_pred_select")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_pred_select launch")?;
+        launch::launch(f("kvs_pred_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_pred_select launch")?;
         mark(2)?;
 
         // The history rows (decode rows and prefill seeds): three passes over their keys.

@@ -402,10 +402,7 @@ impl CudaBackend {
         launch::launch(f("kvs_prr_pred_scores")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_pred_scores launch")?;
         let smem_fn = |name: &'static str| -> Result<super::driver::CUfunction> {
             let func = f(name)?;
-            if !self.smem_ready.lock().contains(&(func as usize)) {
-                launch::allow_dynamic_smem(func, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
-                self.smem_ready.lock().insert(func as usize);
-            }
+            self.allow_smem_once(func, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
             Ok(func)
         };
         let mut k = KArgs::new();

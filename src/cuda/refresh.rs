@@ -245,6 +245,6 @@ impl CudaBackend {
         k.by_value(batch).by_value(&ra).i64((ws + rw.agg as u64) as i64).i64((ws + rw.pooled as u64) as i64).i32(maxpos as i32);
         k.i64(plan.e as i64).i64(plan.p_s).i64(plan.p_h).i64(plan.len as i64).i32(plan.cap).i64((ws + rw.tmp as u64) as i64);
         k.i64(row_bytes).i64((d * cache.dtype.size_bytes()) as i64).i64(ctr);
-        launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_refresh_plan launch")
+        launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_refresh_plan launch")
     }
 }

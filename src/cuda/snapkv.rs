@@ -67,6 +67,6 @@ impl CudaBackend {
         let mut k = KArgs::new();
         k.by_value(batch).i32(hk as i32).i32(clamp(budget)).i32(clamp(window)).i32(clamp(pool)).i32(rows as i32);
         k.i64((ws + lay.snap_agg as u64) as i64).i64((ws + lay.snap_pool as u64) as i64).i32(maxpos as i32).i64(keep as i64);
-        launch::launch(f("kvs_snap_choose")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_snap_choose launch")
+        launch::launch(f("kvs_snap_choose")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_snap_choose launch")
     }
 }

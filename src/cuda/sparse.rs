@@ -418,10 +418,7 @@ impl CudaBackend {
                 // kernel's own static shared memory).
                 let smem_keys = maxp.min((self.gpu.smem_optin as usize).saturating_sub(4096) / 4);
                 let f_topk = f("kvs_quest_topk")?;
-                if !self.smem_ready.lock().contains(&(f_topk as usize)) {
-                    launch::allow_dynamic_smem(f_topk, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
-                    self.smem_ready.lock().insert(f_topk as usize);
-                }
+                self.allow_smem_once(f_topk, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
                 let mut k = KArgs::new();
                 k.by_value(&batch).i32(hk as i32).i32(budget.min(i32::MAX as usize) as i32).i32(page as i32).i32(sink.min(i32::MAX as usize) as i32);
                 k.i64(scores as i64).i32(maxp as i32).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base);
@@ -430,9 +427,8 @@ impl CudaBackend {
                 if art_priority {
                     let f_ord = f("kvs_art_priority")?;
                     let smem = art_n2 * 8;
-                    if smem > 48 * 1024 && !self.smem_ready.lock().contains(&(f_ord as usize)) {
-                        launch::allow_dynamic_smem(f_ord, (self.gpu.smem_optin as usize).saturating_sub(1024))?;
-                        self.smem_ready.lock().insert(f_ord as usize);
+                    if smem > 48 * 1024 {
+                        self.allow_smem_once(f_ord, (self.gpu.smem_optin as usize).saturating_sub(1024))?;
                     }
                     let mut k = KArgs::new();
                     k.by_value(&batch).i32(hk as i32).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap);
@@ -451,7 +447,7 @@ impl CudaBackend {
                 let mut k = KArgs::new();
                 k.by_value(&batch).i32(hk as i32).i64(keep as i64);
                 k.i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base).i64(ctr);
-                launch::launch(f("kvs_plan_snap")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_plan_snap launch")?;
+                launch::launch(f("kvs_plan_snap")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_plan_snap launch")?;
             }
             Selector::Refresh(r) => {
                 let slots = (ws + lay.slot as u64, ws + lay.slot_gen as u64);
