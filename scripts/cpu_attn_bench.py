@@ -2,8 +2,9 @@
 """Side-by-side CPU decode: kvsparse's forward against vLLM's own CPU attention op, same data, one process.
 
 Both read the same K/V tokens of one paged batch (same block table, same query): kvsparse from the layout
-the vLLM plugin hands it (LBNHC: `[blocks, block_size, kv_heads, 2*head]`, K and V the two halves of the
-last dim), vLLM from its own layout, written by its own `cpu_attn_reshape_and_cache` outside the timed region
+the vLLM plugin asks vLLM for on the CPU for the shape (`--kvs-layouts auto`: head-major LBHNC
+`[blocks, kv_heads, block_size, 2*head]` for narrow tokens, token-major LBNHC `[blocks, block_size,
+kv_heads, 2*head]` for wide ones; K and V the two halves of the last dim), vLLM from its own layout, written by its own `cpu_attn_reshape_and_cache` outside the timed region
 (K column-major inside a block, V row-major). Timed: one decode step, i.e. the C call of each side
 (`kvs_attention_forward` through cffi with prebuilt descriptors; `torch.ops._C.cpu_attention_with_kv_cache`
 with the scheduler metadata vLLM's builder makes once per step, built outside the timed region and timed on
@@ -86,12 +87,19 @@ class Kvs:
 
 def kvs_views(layout, nb, bs, hk, d, dt):
     """K and V views `[blocks, block_size, kv_heads, head]` of one layer's buffer in a vLLM layout:
-    LBNHC (token-major, what vLLM hands the plugin by default) or LBHNC (head-major)."""
+    LBNHC (token-major) or LBHNC (head-major)."""
     if layout == "nhc":
         raw = torch.zeros(nb, bs, hk, 2 * d, dtype=dt)
     else:
         raw = torch.zeros(nb, hk, bs, 2 * d, dtype=dt).transpose(1, 2)
     return raw[..., :d], raw[..., d:]
+
+
+def plugin_layout(hk, d, dt):
+    """The layout the vLLM plugin asks vLLM for on the CPU for this shape (`vllm_backend.preferred_layouts`)."""
+    from kvsparse.vllm_backend import preferred_layouts
+    first = preferred_layouts(True, hk * 2 * d * dt.itemsize)[0]
+    return {"LBNHC": "nhc", "LBHNC": "hnc"}[first.name]
 
 
 def fill_caches(sides, layouts, hk, d, bs, dt, batch, ctx, layers, seed):
@@ -153,7 +161,8 @@ def run_point(a, shape, dtn, batch, ctx, out_rows):
     scale = d ** -0.5
     for threads in a.threads:
         torch.set_num_threads(threads)
-        layouts = a.kvs_layouts if 3 * layer_bytes * layers <= a.max_gb * 1e9 else a.kvs_layouts[:1]
+        wanted = list(dict.fromkeys(plugin_layout(hk, d, dt) if lay == "auto" else lay for lay in a.kvs_layouts))
+        layouts = wanted if 3 * layer_bytes * layers <= a.max_gb * 1e9 else wanted[:1]
         engines = [Kvs("dense" if i == 0 else f"dense-{lay}", "", lay, hq, hk, d, bs, dt, threads, layers)
                    for i, lay in enumerate(layouts)]
         engines += [Kvs(p, p, layouts[0], hq, hk, d, bs, dt, threads, layers) for p in a.policy]
@@ -204,13 +213,13 @@ def run_point(a, shape, dtn, batch, ctx, out_rows):
             reps += 1
         med = {n: statistics.median(v) for n, v in times.items()}
         kv_bytes = layer_bytes
-        row = dict(shape=shape, heads=f"{hq}/{hk}x{d}", dtype=dtn, batch=batch, ctx=ctx, threads=threads,
+        row = dict(shape=shape, heads=f"{hq}/{hk}x{d}", layout=layouts[0], dtype=dtn, batch=batch, ctx=ctx, threads=threads,
                    layers=layers, reps=reps, vllm_us=med["vllm"] * 1e6, vllm_md_us=statistics.median(md_times) * 1e6,
                    kvs_us=med["dense"] * 1e6, ratio=med["dense"] / med["vllm"],
                    kvs_gbs=kv_bytes / med["dense"] / 1e9, vllm_gbs=kv_bytes / med["vllm"] / 1e9,
                    kvs_cpu_us=statistics.median(cpu["dense"]) * 1e6, vllm_cpu_us=statistics.median(cpu["vllm"]) * 1e6,
                    err=errs["dense"], fill_s=fill_s)
-        print(f"| {shape} {hq}/{hk}x{d} | {dtn} | {batch} | {ctx} | {threads} | {row['vllm_us']:.0f} | "
+        print(f"| {shape} {hq}/{hk}x{d} {layouts[0]} | {dtn} | {batch} | {ctx} | {threads} | {row['vllm_us']:.0f} | "
               f"{row['kvs_us']:.0f} | **{row['ratio']:.2f}** | {row['vllm_gbs']:.1f} | {row['kvs_gbs']:.1f} | "
               f"{row['vllm_cpu_us']:.0f} | {row['kvs_cpu_us']:.0f} | {row['vllm_md_us']:.0f} | {row['err']:.1e} | "
               f"{layers}x{reps} |", flush=True)
@@ -241,8 +250,9 @@ def main():
     ap.add_argument("--threads", type=ints, default=[1, 2])
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's CPU default")
     ap.add_argument("--policy", action="append", default=[])
-    ap.add_argument("--kvs-layouts", type=lambda x: x.split(","), default=["nhc"],
-                    help="kvsparse cache layouts: nhc (LBNHC, token-major) and/or hnc (LBHNC, head-major); "
+    ap.add_argument("--kvs-layouts", type=lambda x: x.split(","), default=["auto"],
+                    help="kvsparse cache layouts: auto (what the vLLM plugin asks for on the CPU for the shape), "
+                         "nhc (LBNHC, token-major) and/or hnc (LBHNC, head-major); "
                          "the first is `dense`, policies use it too")
     ap.add_argument("--min-reps", type=int, default=7)
     ap.add_argument("--max-reps", type=int, default=41)

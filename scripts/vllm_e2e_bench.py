@@ -80,13 +80,15 @@ def install_profile(config, timers):
         builder = cpu_attn.CPUAttentionMetadataBuilder
     else:
         from kvsparse import engine as keng
+        from kvsparse import step as kstep
         from kvsparse import vllm_backend
 
-        keng.lib = _LibProxy(keng.lib, timers)
+        keng.lib = kstep.lib = _LibProxy(keng.lib, timers)
         impl = vllm_backend.KvSparseImpl
         builder = vllm_backend.KvSparseMetadataBuilder
     impl.forward = timers.wrap("impl.forward", impl.forward)
-    impl.do_kv_cache_update = timers.wrap("impl.do_kv_cache_update", impl.do_kv_cache_update)
+    if hasattr(impl, "do_kv_cache_update"):  # kvsparse writes the cache inside forward
+        impl.do_kv_cache_update = timers.wrap("impl.do_kv_cache_update", impl.do_kv_cache_update)
     builder.build = timers.wrap("metadata build (per step)", builder.build)
 
 

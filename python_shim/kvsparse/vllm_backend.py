@@ -1,7 +1,8 @@
 """vLLM attention backend running prefill, chunked prefill and decode through kvsparse.
 
 KV cache: vLLM 0.32 allocates each layer's cache as a logical [blocks, kv_heads, block_size, 2*head_size]
-view in a layout the backend accepts; we accept the token-major LBNHC (flash's layout) and LBHNC, and pass K
+view in a layout the backend accepts; we accept the head-major LBHNC and the token-major LBNHC (flash's
+layout), preferring one by device and token width (`preferred_layouts`), and pass K
 and V to kvsparse as the two strided halves of `kv_cache.transpose(1, 2)` ([blocks, block_size, kv_heads,
 head_size] each), with no copy. One kvsparse engine per process serves all layers.
 
@@ -29,6 +30,7 @@ from typing import ClassVar
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -144,7 +146,10 @@ class KvSparseBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls):
-        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+        e = get_engine()  # made with the model's first attention layer, before vLLM resolves the cache layout
+        if e is None:
+            return preferred_layouts(current_platform.is_cpu())
+        return preferred_layouts(e.device.type == "cpu", e.num_kv_heads * 2 * e.head_dim * e.dtype.itemsize)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -180,6 +185,25 @@ def _int32(t, what):
     if t.dtype is not torch.int32:  # a conversion would be a new tensor per step, invisible to a captured graph
         raise NotImplementedError(f"kvsparse: vLLM passed {what} as {t.dtype}; int32 expected")
     return t
+
+
+# On the CPU a token-major cache reads faster once one token's K and V rows over all KV heads are this wide.
+WIDE_TOKEN_BYTES = 2048
+
+
+def preferred_layouts(cpu: bool, token_bytes: int = 0):
+    """The cache layouts we read, most preferred first (either is read correctly on both devices).
+
+    CPU, measured side by side with vLLM's CPU attention (docs/perf.md, issue 16): head-major blocks (LBHNC,
+    vLLM's own CPU layout) for narrow tokens -- the SmolLM2 shape (3 KV heads x 64, 768-1536 bytes per token)
+    ran at 0.55-1.0x of the token-major time with bf16 or two threads (within 2-7% with f32 on one thread);
+    token-major (LBNHC) for wide ones -- the Llama-8B shape (8 x 128, 4-8 KiB per token) ran 1.1-1.7x slower
+    over head-major blocks. CUDA: token-major, the layout the GPU kernels were tuned and measured on.
+    `VLLM_KV_CACHE_LAYOUT=HND|NHD` overrides the choice."""
+    head_major, token_major = KVCacheLayout.LBHNC, KVCacheLayout.LBNHC
+    if cpu and token_bytes < WIDE_TOKEN_BYTES:
+        return (head_major, token_major)
+    return (token_major, head_major)
 
 
 def graph_capturable(spec: str) -> bool:

@@ -49,14 +49,17 @@ def _reference(q, k, v, scale):
     return torch.einsum("hts,shd->thd", logits.softmax(-1), vv)
 
 
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_cache_write_and_forward_match_reference_on_strided_vllm_cache(dtype, tol):
+def test_cache_write_and_forward_match_reference_on_strided_vllm_cache(dtype, tol, layout):
     torch.manual_seed(0)
     H, KH, D, bs, nb = 9, 3, 64, 16, 12
     eng = Engine(num_layers=1, num_q_heads=H, num_kv_heads=KH, head_dim=D, block_size=bs, dtype=dtype)
-    # vLLM layout: logical [blocks, kv_heads, block_size, 2*D], token-major in memory (LBNHC)
-    raw = torch.zeros(nb, bs, KH, 2 * D, dtype=dtype)
-    kv_cache = raw.permute(0, 2, 1, 3)
+    # vLLM's logical [blocks, kv_heads, block_size, 2*D], token-major (LBNHC) or head-major (LBHNC) in memory
+    if layout == "LBNHC":
+        kv_cache = torch.zeros(nb, bs, KH, 2 * D, dtype=dtype).permute(0, 2, 1, 3)
+    else:
+        kv_cache = torch.zeros(nb, KH, bs, 2 * D, dtype=dtype)
     kc, vc = kv_cache.transpose(1, 2).split(D, dim=-1)
     lens, qlens = [37, 5], [37, 1]  # one prefill, one decode row
     tables = torch.tensor([[3, 7, 1, 0], [9, 2, 0, 0]], dtype=torch.int32)

@@ -74,13 +74,20 @@ def test_builder_reads_no_metadata_on_the_host_and_its_step_attends_correctly(en
     assert b.build_for_cudagraph_capture(m).max_seq_len == 0
 
 
-def test_backend_declarations():
+def test_backend_declarations(engine):
     be = vllm_backend.KvSparseBackend
     assert be.get_supported_head_sizes() == [64, 80, 96, 112, 128, 192, 256]
     assert be.supports_head_size(128) and not be.supports_head_size(72)
     # vLLM accepts any cache block size a kernel size divides and addresses the cache in kernel blocks.
     assert be.supports_block_size(16) and be.supports_block_size(256)
     assert [vllm_backend.kernel_block_size(b) for b in (16, 128, 12, 512, 528)] == [16, 128, 4, 256, 16]
+    # The layout vLLM resolves from our declaration: on this (CPU) vLLM head-major blocks for the engine's
+    # narrow tokens (3 KV heads x 64 x 2 x 4 bytes), token-major for wide ones and on CUDA.
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+    assert get_supported_kv_cache_layouts((be,))[0] == KVCacheLayout.LBHNC
+    assert vllm_backend.preferred_layouts(cpu=True, token_bytes=8 * 2 * 128 * 2)[0] == KVCacheLayout.LBNHC
+    assert vllm_backend.preferred_layouts(cpu=False)[0] == KVCacheLayout.LBNHC
     cg = vllm_backend.KvSparseMetadataBuilder.get_cudagraph_support
     assert cg(_vllm_config(device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     # The stages that passed a GPU graph check (GRAPH_POLICY_STAGES) join vLLM's decode graphs; stages not

@@ -47,6 +47,9 @@ pub struct CaseSpec {
     pub softcap: f32,
     /// Padded, non-contiguous caches, queries and outputs; LSE in `[heads, tokens]` layout.
     pub strided: bool,
+    /// Cache blocks head-major (a block's tokens of one KV head side by side: vLLM's LBHNC, its CPU
+    /// backend's layout) instead of token-major (a token's heads side by side: LBNHC).
+    pub head_major: bool,
     /// Blocks assigned to sequences in random order (else in order).
     pub shuffled: bool,
     pub poison: Poison,
@@ -73,6 +76,7 @@ impl CaseSpec {
             window: 0,
             softcap: 0.0,
             strided: false,
+            head_major: false,
             shuffled: true,
             poison: Poison::Garbage,
             columns: Columns::Stale,
@@ -123,6 +127,9 @@ impl CaseSpec {
         f.push("combined-cache");
         if self.strided {
             f.push("strided");
+        }
+        if self.head_major {
+            f.push("head-major-blocks");
         }
         f
     }
@@ -241,7 +248,8 @@ impl Fixture {
         let spare: Vec<usize> = ids[next..].to_vec();
         // Cache geometry: padded rows and a gap between blocks when strided.
         let (row, gap) = if spec.strided { (d + PAD, PAD) } else { (d, 0) };
-        let cache_strides = [(bs * hk * row + gap) as i64, (hk * row) as i64, row as i64, 1];
+        let (token, head) = if spec.head_major { (row, bs * row) } else { (hk * row, row) };
+        let cache_strides = [(bs * hk * row + gap) as i64, token as i64, head as i64, 1];
         let one = num_blocks * cache_strides[0] as usize;
         let mut cache = HostBuf::zeros(dt, 2 * one);
         for i in 0..cache.len() {

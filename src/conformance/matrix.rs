@@ -91,16 +91,27 @@ pub fn matrix(quick: bool) -> Vec<CaseSpec> {
     // 4. GQA 3 (SmolLM2's 9/3 heads, head 64) in vLLM's CPU block size 128 over a strided cache: query
     //    rows per KV head 3 (decode), 6, 9, 21 and 30 (prefill tiles), so every row-block remainder of the
     //    CPU kernels (4 + 3, 2 or 1) meets keys in full and partial chunks.
-    for (dt, win) in [(DType::F32, 0usize), (DType::BF16, 0), (DType::F32, 300)] {
-        if quick && (dt != DType::F32 || win > 0) {
-            continue;
+    //    Also over head-major blocks (vLLM's CPU layout, which the CPU kernel reads a block's worth of
+    //    chunks per head at a time), where a window makes spans start inside a block.
+    for head_major in [false, true] {
+        for (dt, win) in [(DType::F32, 0usize), (DType::BF16, 0), (DType::F32, 300)] {
+            // Quick: f32 without a window in both layouts, and head-major with a window.
+            if quick && !(dt == DType::F32 && (win == 0 || head_major)) {
+                continue;
+            }
+            let seqs = vec![(1, 2100), (2, 130), (3, 77), (7, 300), (1, 1), (40, 200)];
+            let hm = if head_major { "-headmajor" } else { "" };
+            let mut c = CaseSpec::new(format!("gqa3-bs128-{}{}{hm}-strided", dtype_tag(dt), if win > 0 { "-window" } else { "" }), dt, 64, 9, 3, 128, seqs);
+            c.window = win;
+            c.strided = true;
+            c.head_major = head_major;
+            cases.push(c);
         }
-        let seqs = vec![(1, 2100), (2, 130), (3, 77), (7, 300), (1, 1), (40, 200)];
-        let mut c = CaseSpec::new(format!("gqa3-bs128-{}{}-strided", dtype_tag(dt), if win > 0 { "-window" } else { "" }), dt, 64, 9, 3, 128, seqs);
-        c.window = win;
-        c.strided = true;
-        cases.push(c);
     }
+    // The Llama-8B shape's group and head size over head-major blocks of 64 (f16, decode and a prefill).
+    let mut c = CaseSpec::new("gqa4-h128-bs64-f16-headmajor", DType::F16, 128, 16, 4, 64, vec![(1, 1500), (1, 65), (33, 400), (1, 64)]);
+    c.head_major = true;
+    cases.push(c);
     // 5. In-order (unshuffled) table, MQA, single decode row of length 1.
     let mut c = CaseSpec::new("mqa-inorder-f32", DType::F32, 256, 8, 1, 8, vec![(1, 1), (3, 3), (1, 2048)]);
     c.shuffled = false;
