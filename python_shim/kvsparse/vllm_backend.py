@@ -194,11 +194,11 @@ WIDE_TOKEN_BYTES = 2048
 def preferred_layouts(cpu: bool, token_bytes: int = 0):
     """The cache layouts we read, most preferred first (either is read correctly on both devices).
 
-    CPU, measured side by side with vLLM's CPU attention (docs/perf.md, issue 16): head-major blocks (LBHNC,
-    vLLM's own CPU layout) for narrow tokens -- the SmolLM2 shape (3 KV heads x 64, 768-1536 bytes per token)
-    ran at 0.55-1.0x of the token-major time with bf16 or two threads (within 2-7% with f32 on one thread);
-    token-major (LBNHC) for wide ones -- the Llama-8B shape (8 x 128, 4-8 KiB per token) ran 1.1-1.7x slower
-    over head-major blocks. CUDA: token-major, the layout the GPU kernels were tuned and measured on.
+    CPU, measured on the same data in both layouts (docs/perf.md, issue 16, "2026-11-26"): head-major blocks
+    (LBHNC, vLLM's own CPU layout) for narrow tokens -- the SmolLM2 shape (3 KV heads x 64, 768-1536 bytes
+    per token) ran at 0.77-0.94x of the token-major time with bf16 and 0.88-1.02x with f32 on two threads
+    (1.02-1.08x with f32 on one); token-major (LBNHC) for wide ones -- the Llama-8B shape (8 x 128, 4-8 KiB
+    per token) ran up to 1.2x (f32) and 1.3-1.7x (bf16) slower over head-major blocks. CUDA: token-major, the layout the GPU kernels were tuned and measured on.
     `VLLM_KV_CACHE_LAYOUT=HND|NHD` overrides the choice."""
     head_major, token_major = KVCacheLayout.LBHNC, KVCacheLayout.LBNHC
     if cpu and token_bytes < WIDE_TOKEN_BYTES:
