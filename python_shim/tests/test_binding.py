@@ -49,18 +49,24 @@ def _reference(q, k, v, scale):
     return torch.einsum("hts,shd->thd", logits.softmax(-1), vv)
 
 
-@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "LBHNC-planes"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_cache_write_and_forward_match_reference_on_strided_vllm_cache(dtype, tol, layout):
     torch.manual_seed(0)
     H, KH, D, bs, nb = 9, 3, 64, 16, 12
     eng = Engine(num_layers=1, num_q_heads=H, num_kv_heads=KH, head_dim=D, block_size=bs, dtype=dtype)
-    # vLLM's logical [blocks, kv_heads, block_size, 2*D], token-major (LBNHC) or head-major (LBHNC) in memory
+    # vLLM's logical [blocks, kv_heads, block_size, 2*D], token-major (LBNHC) or head-major (LBHNC) in memory;
+    # K and V the halves of every row, or (planes, what the vLLM plugin reads on the CPU) the halves of each
+    # block's plane of one head.
     if layout == "LBNHC":
         kv_cache = torch.zeros(nb, bs, KH, 2 * D, dtype=dtype).permute(0, 2, 1, 3)
     else:
         kv_cache = torch.zeros(nb, KH, bs, 2 * D, dtype=dtype)
-    kc, vc = kv_cache.transpose(1, 2).split(D, dim=-1)
+    if layout == "LBHNC-planes":
+        planes = kv_cache.view(nb, KH, 2, bs, D)
+        kc, vc = planes[:, :, 0].transpose(1, 2), planes[:, :, 1].transpose(1, 2)
+    else:
+        kc, vc = kv_cache.transpose(1, 2).split(D, dim=-1)
     lens, qlens = [37, 5], [37, 1]  # one prefill, one decode row
     tables = torch.tensor([[3, 7, 1, 0], [9, 2, 0, 0]], dtype=torch.int32)
     ks = [torch.randn(n, KH, D, dtype=dtype) for n in lens]
@@ -139,3 +145,58 @@ def test_engine_calls_go_to_torchs_current_stream_unless_given_one(monkeypatch):
     # Without the stand-in the real raw_stream gives 0 (no stream) for the CPU.
     from kvsparse.streams import raw_stream
     assert raw_stream(torch.device("cpu")) == 0
+
+
+def _thread_names():
+    import os
+
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names[tid] = f.read().strip()
+        except OSError:
+            pass  # the thread exited meanwhile
+    return names
+
+
+def test_cpu_engine_runs_on_torchs_openmp_team_and_starts_no_spinning_threads():
+    # Inside PyTorch the CPU engine's decode pool runs on PyTorch's OpenMP team (whose threads spin between
+    # the GEMMs) instead of its own workers, also when another OpenMP runtime is mapped (vLLM's process maps
+    # sentencepiece's bundled libgomp): either mistake starts threads that compete for the same cores.
+    import os
+
+    try:
+        import sentencepiece  # noqa: F401  (its libgomp, where installed)
+    except ImportError:
+        pass
+    if torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs PyTorch with 2+ OpenMP threads and /proc")
+    torch.manual_seed(0)
+    a = torch.randn(512, 512)
+    (a @ a).sum().item()  # PyTorch's OpenMP team is up
+    torch.ones(1 << 22).sum().item()
+    H, KH, D, bs, ctx = 9, 3, 64, 128, 8192  # 12 MB of f32 K/V: large enough for the pool (> 2 MB)
+    nb = ctx // bs
+    kc = torch.randn(nb, bs, KH, D)
+    vc = torch.randn(nb, bs, KH, D)
+    before = _thread_names()
+    eng = Engine(num_layers=1, num_q_heads=H, num_kv_heads=KH, head_dim=D, block_size=bs, dtype=torch.float32,
+                 num_threads=2)
+    q = torch.randn(1, H, D)
+    out = torch.empty_like(q)
+    table = torch.randperm(nb).to(torch.int32).reshape(1, -1)
+    for _ in range(3):
+        eng.forward(0, q, kc, vc, table, torch.tensor([ctx], dtype=torch.int32),
+                    torch.tensor([0, 1], dtype=torch.int32), out, scale=D ** -0.5)
+    import re
+    import time
+
+    time.sleep(0.2)  # a new thread names itself once it runs
+    new = {n for t, n in _thread_names().items() if t not in before}
+    # Allowed: the engine's pool for the policies' paths (rayon, asleep between calls).
+    assert all(re.fullmatch(r"kvsparse-\d+", n) for n in new), f"threads started: {sorted(new)}"
+    k = kc[table[0].long()].reshape(ctx, KH, D)
+    v = vc[table[0].long()].reshape(ctx, KH, D)
+    ref = _reference(q, k, v, D ** -0.5)
+    assert (out.double() - ref).abs().max().item() < 1e-5

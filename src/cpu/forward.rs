@@ -103,9 +103,15 @@ struct Item {
 /// Fewest keys worth a split of its own (below this, merging costs more than it spreads).
 const MIN_SPLIT_KEYS: usize = 512;
 
-/// A call with few work items that reads less than this runs on the calling thread alone. Measured side by
-/// side with vLLM's CPU attention on the 2-vCPU VM (issue 16): a SmolLM2-shaped decode of 2K keys (1.5 MB of
-/// bf16 K/V) took 173 µs on one thread and 192 µs on two; at 3 MB (f32) two threads were 10% faster.
+/// The same on the host's OpenMP team, whose threads are awake: there a split of 128 keys pays. Measured
+/// side by side with vLLM on the 2-vCPU VM (SmolLM2 shape, batch 1 × 512 keys, two threads): 35 / 39 µs
+/// (f32) and 34 / 34 µs (bf16) against 48 / 54 and 38 / 41 µs with 512 (docs/perf.md).
+const MIN_SPLIT_KEYS_ON_TEAM: usize = 128;
+
+/// A call with few work items that reads less than this runs on the calling thread alone, unless the pool
+/// is the host's OpenMP team (awake: no wake-up to pay). Measured side by side with vLLM's CPU attention on
+/// the 2-vCPU VM (issue 16): a SmolLM2-shaped decode of 2K keys (1.5 MB of bf16 K/V) took 173 µs on one
+/// thread and 192 µs on two of our own (a parked worker wakes); at 3 MB (f32) two threads were 10% faster.
 const MIN_PARALLEL_KV_BYTES: usize = 2 << 20;
 
 /// Dense attention for the sequences `seqs` (indices into the batch) of one forward call.
@@ -133,7 +139,7 @@ pub fn dense_forward(io: &ForwardIo, seqs: &[usize], pool: &SpinPool) {
     // K and V bytes the call reads (a query tile reads its keys once for all its rows).
     let row_bytes = io.cache.head_dim * io.cache.dtype.size_bytes();
     let kv_bytes = units.iter().fold(0usize, |acc, it| acc.saturating_add((it.k1 - it.k0).saturating_mul(2 * io.num_kv_heads * row_bytes)));
-    if units.len() < wanted && kv_bytes < MIN_PARALLEL_KV_BYTES {
+    if units.len() < wanted && kv_bytes < MIN_PARALLEL_KV_BYTES && !pool.on_host_team() {
         // Too little to share: handing items to another thread costs more than it saves.
         run_items(io, &units, None, |st, it, row| io.store_heads(st, it.t0..it.t1, row));
         return;
@@ -144,11 +150,12 @@ pub fn dense_forward(io: &ForwardIo, seqs: &[usize], pool: &SpinPool) {
         run_items(io, &units, Some(pool), |st, it, row| io.store_heads(st, it.t0..it.t1, row));
         return;
     }
+    let min_split = if pool.on_host_team() { MIN_SPLIT_KEYS_ON_TEAM } else { MIN_SPLIT_KEYS };
     let mut items = Vec::new();
     let mut unit_of = Vec::new();
     for (u, it) in units.iter().enumerate() {
         let keys = it.k1 - it.k0;
-        let n = wanted.div_ceil(units.len()).min(keys.div_ceil(MIN_SPLIT_KEYS)).max(1);
+        let n = wanted.div_ceil(units.len()).min(keys.div_ceil(min_split)).max(1);
         let step = keys.div_ceil(n);
         let mut k0 = it.k0;
         while k0 < it.k1 {

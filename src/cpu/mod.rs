@@ -9,6 +9,7 @@ pub mod cache_write;
 pub mod call;
 pub mod convert;
 pub mod forward;
+mod host_omp;
 pub mod isa;
 pub mod math;
 pub mod merge;

@@ -17,6 +17,9 @@
 //! a spinning worker took a core from the GEMM that followed. 100 µs still covers the cache write ->
 //! attention gap of one layer.
 //!
+//! Inside a process that runs PyTorch, the pool does not start workers of its own: it runs its items on
+//! PyTorch's OpenMP team (`host_omp`), whose threads are the ones spinning between the GEMMs.
+//!
 //! Safety protocol: the job lives on the caller's stack. Workers join it under the slot's mutex (counting
 //! themselves in `in_flight`); the caller, once the items are taken, empties the slot under the same mutex
 //! and waits for `in_flight == 0`, so no worker touches the job after the caller returns. A panic in an
@@ -29,6 +32,8 @@ use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+
+use super::host_omp::HostOmp;
 
 type Item<'a> = dyn Fn(usize) + Sync + 'a;
 
@@ -80,10 +85,13 @@ struct Shared {
 unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
-/// `threads - 1` workers plus the calling thread.
+/// `threads - 1` workers plus the calling thread; or, in a process that already has an OpenMP runtime
+/// loaded (PyTorch's), that runtime's team of `threads` (see [`HostOmp`]) and no workers of our own.
 pub struct SpinPool {
     shared: Arc<Shared>,
     handles: Vec<JoinHandle<()>>,
+    threads: usize,
+    omp: Option<HostOmp>,
 }
 
 fn spin_time() -> Duration {
@@ -92,10 +100,17 @@ fn spin_time() -> Duration {
 }
 
 impl SpinPool {
-    /// A pool that runs items on `threads` threads in all (the caller included). Fails only if the OS
-    /// refuses a thread.
+    /// A pool that runs items on up to `threads` threads in all (the caller included): on the host's OpenMP
+    /// team where the process runs PyTorch or one OpenMP runtime (`host_omp`), else on `threads - 1`
+    /// workers of its own. Fails only if the OS refuses a thread.
     pub fn new(threads: usize) -> std::io::Result<Self> {
-        let workers = threads.saturating_sub(1);
+        Self::with_host_omp(threads, if threads > 1 { HostOmp::detect() } else { None })
+    }
+
+    /// A pool on the given OpenMP runtime (None: our own spinning workers).
+    pub fn with_host_omp(threads: usize, omp: Option<HostOmp>) -> std::io::Result<Self> {
+        let threads = threads.max(1);
+        let workers = if omp.is_some() { 0 } else { threads - 1 };
         let shared = Arc::new(Shared {
             slot: Mutex::new(None),
             epoch: AtomicU64::new(0),
@@ -111,12 +126,23 @@ impl SpinPool {
             shared.threads.lock().push(h.thread().clone());
             handles.push(h);
         }
-        Ok(SpinPool { shared, handles })
+        Ok(SpinPool { shared, handles, threads, omp })
     }
 
-    /// Threads that run items (workers + the caller).
+    /// Threads that run items (workers + the caller, or the OpenMP team).
     pub fn threads(&self) -> usize {
-        self.handles.len() + 1
+        self.threads
+    }
+
+    /// Whether handing items to the other threads is cheap: they are the host's OpenMP team, kept awake by
+    /// the host's own parallel work, rather than our workers, which may be parked.
+    pub fn on_host_team(&self) -> bool {
+        self.omp.is_some()
+    }
+
+    /// The host OpenMP runtime the pool runs on, if any.
+    pub fn host_omp(&self) -> Option<&str> {
+        self.omp.as_ref().map(|o| o.path.as_str())
     }
 
     /// Runs `f(0) .. f(n - 1)` on the pool and the calling thread; returns when all have run. A panic in
@@ -125,7 +151,7 @@ impl SpinPool {
         if n == 0 {
             return;
         }
-        if n == 1 || self.handles.is_empty() {
+        if n == 1 || self.threads == 1 {
             (0..n).for_each(f);
             return;
         }
@@ -138,6 +164,21 @@ impl SpinPool {
             f: f_static,
             panic: Mutex::new(None),
         };
+        if let Some(omp) = &self.omp {
+            // Every thread of the team takes items until none are left; the team is joined on return. No
+            // more threads than the host runs its own regions with: a larger team would start threads beside
+            // the host's (more threads than cores, all of them spinning).
+            let team = self.threads.min(n).min(omp.team_size());
+            if team <= 1 {
+                (0..n).for_each(f);
+                return;
+            }
+            omp.run_on_team(team, &|| job.work());
+            if let Some(p) = job.panic.lock().take() {
+                resume_unwind(p);
+            }
+            return;
+        }
         *self.shared.slot.lock() = Some(&job as *const Job);
         self.shared.epoch.fetch_add(1, Ordering::SeqCst);
         let threads = self.shared.threads.lock();
@@ -226,7 +267,7 @@ mod tests {
 
     #[test]
     fn runs_every_item_once_from_many_calls() {
-        let pool = SpinPool::new(3).unwrap();
+        let pool = SpinPool::with_host_omp(3, None).unwrap();
         for n in [0usize, 1, 2, 7, 100] {
             let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
             pool.run(n, &|i| {
@@ -243,9 +284,53 @@ mod tests {
         assert_eq!(sum.load(Ordering::Relaxed), 45);
     }
 
+    /// The system's libgomp, loaded into this test process so the pool finds it (CI's machines have it with
+    /// the C toolchain); None when there is none.
+    fn system_gomp() -> Option<HostOmp> {
+        for name in ["libgomp.so.1", "libgomp.so"] {
+            let c = std::ffi::CString::new(name).unwrap();
+            // SAFETY: loads a shared library by name; kept loaded for the process's life.
+            if !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
+                return HostOmp::detect();
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn runs_on_a_loaded_openmp_runtime() {
+        // KVS_REQUIRE_GOMP=1 (CI) makes a missing libgomp a failure instead of a skip.
+        let Some(omp) = system_gomp() else {
+            assert!(std::env::var("KVS_REQUIRE_GOMP").is_err(), "KVS_REQUIRE_GOMP is set but libgomp could not be loaded");
+            eprintln!("no libgomp on this machine: host-OpenMP path not tested");
+            return;
+        };
+        assert!(omp.path.contains("libgomp"), "{}", omp.path);
+        let pool = SpinPool::with_host_omp(3, Some(omp)).unwrap();
+        assert!(pool.host_omp().is_some() && pool.threads() == 3 && pool.handles.is_empty());
+        let tids = Mutex::new(std::collections::HashSet::new());
+        for n in [0usize, 1, 2, 7, 300] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+                tids.lock().insert(std::thread::current().id());
+                std::hint::black_box((0..2000).sum::<u64>());
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
+        }
+        assert!(tids.lock().len() > 1, "items ran on one thread only");
+        let r = catch_unwind(AssertUnwindSafe(|| pool.run(50, &|i| assert!(i != 17, "item 17"))));
+        assert!(r.is_err());
+        let count = AtomicUsize::new(0);
+        pool.run(8, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 8);
+    }
+
     #[test]
     fn a_panicking_item_is_reraised_on_the_caller_and_the_pool_survives() {
-        let pool = SpinPool::new(2).unwrap();
+        let pool = SpinPool::with_host_omp(2, None).unwrap();
         let r = catch_unwind(AssertUnwindSafe(|| {
             pool.run(50, &|i| {
                 if i == 17 {
