@@ -88,13 +88,19 @@ class Kvs:
 
 
 def kvs_views(layout, nb, bs, hk, d, dt):
-    """K and V views `[blocks, block_size, kv_heads, head]` of one layer's buffer in a vLLM layout:
-    LBNHC (token-major) or LBHNC (head-major)."""
+    """K and V views `[blocks, block_size, kv_heads, head]` of one layer's buffer in a vLLM layout, as the
+    plugin reads it (`vllm_backend.kv_views`): LBNHC (`nhc`, token-major) or LBHNC (`hnc`, head-major: K and
+    V the two halves of each block's plane of one head); `hnc-rows`: LBHNC with K and V the two halves of
+    every row (what the plugin read before 2026-11-26, for comparison)."""
+    from kvsparse.vllm_backend import kv_views
+
     if layout == "nhc":
-        raw = torch.zeros(nb, bs, hk, 2 * d, dtype=dt)
+        raw = torch.zeros(nb, bs, hk, 2 * d, dtype=dt).permute(0, 2, 1, 3)
     else:
-        raw = torch.zeros(nb, hk, bs, 2 * d, dtype=dt).transpose(1, 2)
-    return raw[..., :d], raw[..., d:]
+        raw = torch.zeros(nb, hk, bs, 2 * d, dtype=dt)
+    if layout == "hnc-rows":
+        return raw.transpose(1, 2).split(d, dim=-1)
+    return kv_views(raw, d)
 
 
 def plugin_layout(hk, d, dt):
@@ -254,7 +260,7 @@ def main():
     ap.add_argument("--policy", action="append", default=[])
     ap.add_argument("--kvs-layouts", type=lambda x: x.split(","), default=["auto"],
                     help="kvsparse cache layouts: auto (what the vLLM plugin asks for on the CPU for the shape), "
-                         "nhc (LBNHC, token-major) and/or hnc (LBHNC, head-major); "
+                         "nhc (LBNHC, token-major), hnc (LBHNC, head-major), hnc-rows (LBHNC, K|V in every row); "
                          "the first is `dense`, policies use it too")
     ap.add_argument("--min-reps", type=int, default=7)
     ap.add_argument("--max-reps", type=int, default=41)

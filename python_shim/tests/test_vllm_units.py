@@ -42,7 +42,7 @@ def test_builder_reads_no_metadata_on_the_host_and_its_step_attends_correctly(en
                                             _vllm_config(), torch.device("cpu"))
     raw = torch.zeros(NB, BS, KH, 2 * D)
     kv = raw.permute(0, 2, 1, 3)
-    kc, vc = kv.transpose(1, 2).split(D, dim=-1)
+    kc, vc = vllm_backend.kv_views(kv, D)
     lens, tables = [40, 7], [[4, 9, 2, 0], [11, 0, 0, 0]]
     ks = [torch.randn(n, KH, D) for n in lens]
     vs = [torch.randn(n, KH, D) for n in lens]
@@ -191,3 +191,24 @@ def test_builder_never_waits_for_the_device(engine, monkeypatch):
     assert logged == []
     b.build(0, m)
     assert logged == [engine]
+
+
+def test_kv_views_read_head_major_blocks_as_k_and_v_planes_and_token_major_rows_as_halves():
+    B, KH_, N, D_ = 3, 2, 4, 5
+    # Head-major (LBHNC, contiguous): each (block, head) plane of N x 2D holds K's N rows, then V's.
+    hm = torch.arange(B * KH_ * N * 2 * D_, dtype=torch.float32).reshape(B, KH_, N, 2 * D_)
+    k, v = vllm_backend.kv_views(hm, D_)
+    assert k.shape == v.shape == (B, N, KH_, D_)
+    for b in range(B):
+        for h in range(KH_):
+            plane = hm[b, h].flatten()
+            assert torch.equal(k[b, :, h], plane[: N * D_].view(N, D_))
+            assert torch.equal(v[b, :, h], plane[N * D_:].view(N, D_))
+    assert k.data_ptr() == hm.data_ptr() and v.untyped_storage().data_ptr() == hm.untyped_storage().data_ptr()
+    # Token-major (LBNHC): K and V are the halves of every token's row.
+    tm = torch.arange(B * N * KH_ * 2 * D_, dtype=torch.float32).reshape(B, N, KH_, 2 * D_).permute(0, 2, 1, 3)
+    k, v = vllm_backend.kv_views(tm, D_)
+    assert torch.equal(k, tm.transpose(1, 2)[..., :D_]) and torch.equal(v, tm.transpose(1, 2)[..., D_:])
+    # Writes through the views land in the cache (no copies).
+    k[1, 2, 1] = -1.0
+    assert (tm.transpose(1, 2)[1, 2, 1, :D_] == -1.0).all()
