@@ -66,12 +66,7 @@ impl HostOmp {
 
     #[cfg(unix)]
     fn open(path: &str) -> Option<HostOmp> {
-        let c = CString::new(path).ok()?;
-        // SAFETY: RTLD_NOLOAD only returns a handle to a library that is already loaded (no constructors run).
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-        if h.is_null() {
-            return None;
-        }
+        let h = already_loaded(path)?;
         let sym = |name: &str| -> Option<*mut c_void> {
             let c = CString::new(name).ok()?;
             // SAFETY: dlsym on a valid handle.
@@ -119,16 +114,21 @@ impl HostOmp {
     }
 }
 
+/// A handle to the library at `path` if the process has already loaded it (nothing is loaded, no
+/// constructors run); never closed, so what it resolves stays valid.
+#[cfg(unix)]
+fn already_loaded(path: &str) -> Option<*mut c_void> {
+    let c = CString::new(path).ok()?;
+    // SAFETY: RTLD_NOLOAD only returns a handle to a library that is already loaded.
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    (!h.is_null()).then_some(h)
+}
+
 /// The file of the OpenMP runtime that the loaded library `lib` binds `GOMP_parallel` to (its own dependency
 /// scope, as its calls resolve), if it binds one.
 #[cfg(unix)]
 fn runtime_used_by(lib: &str) -> Option<String> {
-    let c = CString::new(lib).ok()?;
-    // SAFETY: RTLD_NOLOAD only returns a handle to a library that is already loaded.
-    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    if h.is_null() {
-        return None;
-    }
+    let h = already_loaded(lib)?;
     let name = CString::new("GOMP_parallel").ok()?;
     // SAFETY: dlsym/dladdr on a valid handle and the address it returned; dli_fname points into the loader's
     // tables, valid while the library stays loaded (it is: the handle is not closed).
