@@ -160,11 +160,14 @@ def _thread_names():
     return names
 
 
-def test_cpu_engine_runs_on_torchs_openmp_team_and_starts_no_spinning_threads():
+@pytest.mark.parametrize("policy", ["", "quest(budget=2048); dense_layers=0"])
+def test_cpu_engine_runs_on_torchs_openmp_team_and_starts_no_spinning_threads(policy):
     # Inside PyTorch the CPU engine's decode pool runs on PyTorch's OpenMP team (whose threads spin between
     # the GEMMs) instead of its own workers, also when another OpenMP runtime is mapped (vLLM's process maps
     # sentencepiece's bundled libgomp): either mistake starts threads that compete for the same cores.
     import os
+    import re
+    import time
 
     try:
         import sentencepiece  # noqa: F401  (its libgomp, where installed)
@@ -178,25 +181,46 @@ def test_cpu_engine_runs_on_torchs_openmp_team_and_starts_no_spinning_threads():
     torch.ones(1 << 22).sum().item()
     H, KH, D, bs, ctx = 9, 3, 64, 128, 8192  # 12 MB of f32 K/V: large enough for the pool (> 2 MB)
     nb = ctx // bs
-    kc = torch.randn(nb, bs, KH, D)
-    vc = torch.randn(nb, bs, KH, D)
+    kc = torch.zeros(nb, bs, KH, D)
+    vc = torch.zeros(nb, bs, KH, D)
     before = _thread_names()
     eng = Engine(num_layers=1, num_q_heads=H, num_kv_heads=KH, head_dim=D, block_size=bs, dtype=torch.float32,
-                 num_threads=2)
+                 num_threads=2, policy=policy)
     q = torch.randn(1, H, D)
     out = torch.empty_like(q)
     table = torch.randperm(nb).to(torch.int32).reshape(1, -1)
-    for _ in range(3):
-        eng.forward(0, q, kc, vc, table, torch.tensor([ctx], dtype=torch.int32),
-                    torch.tensor([0, 1], dtype=torch.int32), out, scale=D ** -0.5)
-    import re
-    import time
+    slots = (table[0].long()[:, None] * bs + torch.arange(bs)).reshape(-1)
+    eng.cache_write(0, torch.randn(ctx, KH, D), torch.randn(ctx, KH, D), kc, vc, slots)  # (Quest's page bounds too)
 
+    def busy_ticks():  # CPU time (clock ticks) of the engine's own threads
+        ticks = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if not f.read().startswith("kvsparse"):
+                        continue
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])
+            except OSError:
+                pass
+        return ticks
+
+    time.sleep(0.2)  # the engine's threads have named themselves
+    ticks0 = busy_ticks()
+    for _ in range(200):
+        eng.forward(0, q, kc, vc, table, torch.tensor([ctx], dtype=torch.int32),
+                    torch.tensor([0, 1], dtype=torch.int32), out, seq_ids=torch.tensor([7]), scale=D ** -0.5)
     time.sleep(0.2)  # a new thread names itself once it runs
     new = {n for t, n in _thread_names().items() if t not in before}
     # Allowed: the engine's pool for the policies' paths (rayon, asleep between calls).
     assert all(re.fullmatch(r"kvsparse-\d+", n) for n in new), f"threads started: {sorted(new)}"
+    # and they did not do the work (200 calls of ~1 ms: many 10 ms ticks if they had)
+    assert (eng.stats()["policy_rows"] > 0) == bool(policy), "the policy path ran (layer 0 not kept dense)"
+    assert busy_ticks() - ticks0 <= 1, "the engine's own threads ran the calls"
     k = kc[table[0].long()].reshape(ctx, KH, D)
     v = vc[table[0].long()].reshape(ctx, KH, D)
-    ref = _reference(q, k, v, D ** -0.5)
-    assert (out.double() - ref).abs().max().item() < 1e-5
+    if policy:  # (tests/policies.rs checks what it selects; here: where it runs)
+        assert torch.isfinite(out).all()
+    else:
+        assert (out.double() - _reference(q, k, v, D ** -0.5)).abs().max().item() < 1e-5

@@ -162,7 +162,7 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
             let states = if e.policy.is_stateful() { policy_seqs.iter().map(|&s| e.sequences.get(batch.seqs[s].seq_id)).collect() } else { Vec::new() };
             let table = e.spec_budgets.read();
             let ctx = SparseCtx { pipeline: p, meta, snap, visits: log.as_ref(), layer: a.layer, states, spec_budgets: table.as_ref(), predictor: e.predictor };
-            c.add(&sparse_forward(&io, &policy_seqs, &ctx, &e.pool));
+            c.add(&sparse_forward(&io, &policy_seqs, &ctx, e.spin));
             if let (Some(log), Some(dst)) = (log, e.visits.lock().as_mut()) {
                 // Canonical form (sorted, adjacent spans merged), as the CUDA engine reports its plans.
                 dst.extend(log.into_inner().expect("visit log").into_iter().map(|mut r| {

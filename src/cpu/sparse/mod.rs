@@ -17,7 +17,6 @@ use stateful::{run_predictor, run_refresh, run_speculate};
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
 
 use super::attention::{attend_spans_at, attend_tokens_at, RowLimits, RowsState, SeqKv, CHUNK};
 use super::convert::{Isa, Portable};
@@ -26,6 +25,7 @@ use super::forward::ForwardIo;
 use super::math::fast_exp;
 use super::metadata::LayerMeta;
 use super::quantize::code_bytes;
+use super::spin_pool::SpinPool;
 use super::convert::load_row;
 use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
 use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
@@ -112,10 +112,11 @@ const WINDOW: usize = 64;
 ///
 /// Work items are (sequence, group of KV heads): heads are grouped so there are about two items per
 /// thread, and inside an item the heads are interleaved (by position window, or step by step under
-/// ART), since one head's rows alone are scattered over the cache.
-pub fn sparse_forward(io: &ForwardIo, seqs: &[usize], ctx: &SparseCtx, pool: &rayon::ThreadPool) -> Counters {
+/// ART), since one head's rows alone are scattered over the cache. They run on the dense path's pool, so
+/// inside PyTorch on its OpenMP team (see `cpu::host_omp`).
+pub fn sparse_forward(io: &ForwardIo, seqs: &[usize], ctx: &SparseCtx, pool: &SpinPool) -> Counters {
     let hk = io.num_kv_heads;
-    let threads = pool.current_num_threads();
+    let threads = pool.threads();
     let per_item = (seqs.len() * hk).div_ceil(2 * threads).clamp(1, hk);
     let mut items: Vec<(usize, usize, usize)> = Vec::new();
     for i in 0..seqs.len() {
@@ -147,16 +148,12 @@ pub fn sparse_forward(io: &ForwardIo, seqs: &[usize], ctx: &SparseCtx, pool: &ra
         }
         return total;
     }
-    let mut total = pool.install(|| {
-        items
-            .par_iter()
-            .map_init(Scratch::default, run)
-            .reduce(Counters::default, |mut a, b| {
-                a.add(&b);
-                a
-            })
-    });
-    total.add(&pre);
+    let counters: Vec<parking_lot::Mutex<Counters>> = items.iter().map(|_| parking_lot::Mutex::new(Counters::default())).collect();
+    pool.run(items.len(), &|k| *counters[k].lock() = run(&mut Scratch::default(), &items[k]));
+    let mut total = pre;
+    for c in counters {
+        total.add(&c.into_inner());
+    }
     total
 }
 
