@@ -35,9 +35,10 @@ pub struct EngineConfig {
     /// Policy spec (see docs/policies.md); empty = dense.
     pub policy: String,
     /// CPU worker threads; 0 = one per available core (at most [`MAX_THREADS`]).
-    /// In a process that runs PyTorch (or has one OpenMP runtime loaded), dense attention runs on that
-    /// runtime's team of the calling thread instead, with at most this many of its threads and no more than
-    /// it runs its own regions with; `KVS_HOST_OMP=0` keeps it on the engine's own threads.
+    /// In a process that runs PyTorch (or has one OpenMP runtime loaded), decode attention (dense and the
+    /// policies') runs on that runtime's team of the calling thread instead, with at most this many of its
+    /// threads and no more than it runs its own regions with; `KVS_HOST_OMP=0` keeps it on the engine's own
+    /// threads.
     pub num_threads: usize,
     /// Upper bound on per-sequence policy state in bytes; 0 = unbounded.
     pub max_state_bytes: u64,

@@ -66,9 +66,10 @@ pub struct kvs_engine_config {
     /// dtype of queries, caches and outputs.
     pub dtype: kvs_dtype,
     /// CPU worker threads, at most 1024; 0 = one per available core (at most 1024).
-    /// In a process that runs PyTorch (or has one OpenMP runtime loaded), dense attention runs on that
-    /// runtime's team of the calling thread instead, with at most this many of its threads and no more than
-    /// it runs its own regions with; `KVS_HOST_OMP=0` keeps it on the engine's own threads.
+    /// In a process that runs PyTorch (or has one OpenMP runtime loaded), decode attention (dense and the
+    /// policies') runs on that runtime's team of the calling thread instead, with at most this many of its
+    /// threads and no more than it runs its own regions with; `KVS_HOST_OMP=0` keeps it on the engine's own
+    /// threads.
     pub num_threads: u32,
     /// Cap on per-sequence policy state in bytes; 0 = none.
     pub max_state_bytes: u64,

@@ -17,7 +17,6 @@ use stateful::{run_predictor, run_refresh, run_speculate};
 
 use std::sync::Arc;
 
-
 use super::attention::{attend_spans_at, attend_tokens_at, RowLimits, RowsState, SeqKv, CHUNK};
 use super::convert::{Isa, Portable};
 use super::isa::{self, IsaLevel};
