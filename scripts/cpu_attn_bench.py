@@ -4,7 +4,7 @@
 Both read the same K/V tokens of one paged batch (same block table, same query): kvsparse from the layout
 the vLLM plugin asks vLLM for on the CPU for the shape (`--kvs-layouts auto`: head-major LBHNC
 `[blocks, kv_heads, block_size, 2*head]` for narrow tokens, token-major LBNHC `[blocks, block_size,
-kv_heads, 2*head]` for wide ones; K and V the two halves of the last dim), vLLM from its own layout,
+kv_heads, 2*head]` for wide ones; K and V read as the plugin reads them, `vllm_backend.kv_views`), vLLM from its own layout,
 written by its own `cpu_attn_reshape_and_cache` outside the timed region (K column-major inside a block, V
 row-major). Timed: one decode step, i.e. the C call of each side
 (`kvs_attention_forward` through cffi with prebuilt descriptors; `torch.ops._C.cpu_attention_with_kv_cache`

@@ -215,8 +215,8 @@ def kv_views(kv_cache: torch.Tensor, head_size: int):
     block). On the CPU with head-major blocks (LBHNC: each block's plane of one KV head, block_size x
     2 * head_size, is one contiguous run) K takes the plane's first half and V its second, each row-major
     [block_size, head_size]: a head's K rows of a block are then one run and its V rows another, as in
-    vLLM's own CPU cache. Measured on the 2-vCPU AVX-512 VM (SmolLM2 shape, f32, docs/perf.md): 4-13% faster
-    than K and V as the two halves of every row. Elsewhere (token-major blocks, CUDA) K and V are the two
+    vLLM's own CPU cache. Measured on the 2-vCPU AVX-512 VM (SmolLM2 shape, docs/perf.md): f32 4-10% faster on
+    two threads than K and V as the two halves of every row; bf16 no consistent difference. Elsewhere (token-major blocks, CUDA) K and V are the two
     halves of each token's row. kvsparse alone writes and reads the cache, so the choice only has to be the
     same on every call, which it is (a function of the tensor's device, shape and strides)."""
     b, h, n, c = kv_cache.shape

@@ -23,7 +23,7 @@ type OmpGetMaxThreads = unsafe extern "C" fn() -> std::ffi::c_int;
 pub struct HostOmp {
     parallel: GompParallel,
     max_threads: OmpGetMaxThreads,
-    /// The runtime's file, for the engine's log and tests.
+    /// The runtime's file (tests check which one was found).
     pub path: String,
 }
 
@@ -47,11 +47,11 @@ impl HostOmp {
         let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
         let mut runtimes: Vec<&str> = Vec::new();
         let mut torch = None;
-        for p in maps.lines().filter_map(|l| l.split_whitespace().nth(5)) {
+        for p in mapped_files(&maps) {
             if is_runtime(p) && !runtimes.contains(&p) {
                 runtimes.push(p);
             }
-            if torch.is_none() && p.rsplit('/').next().is_some_and(|n| n.starts_with("libtorch_cpu.so")) {
+            if torch.is_none() && file_name(p).starts_with("libtorch_cpu.so") {
                 torch = Some(p);
             }
         }
@@ -151,13 +151,22 @@ fn runtime_used_by(_lib: &str) -> Option<String> {
     None
 }
 
+/// The files mapped into the process, one entry per mapping, from the text of /proc/self/maps.
+fn mapped_files(maps: &str) -> impl Iterator<Item = &str> {
+    maps.lines().filter_map(|l| l.split_whitespace().nth(5))
+}
+
+fn file_name(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
 fn is_runtime(path: &str) -> bool {
-    let name = path.rsplit('/').next().unwrap_or(path);
+    let name = file_name(path);
     RUNTIMES.iter().any(|r| name.starts_with(r) && name.contains(".so"))
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -172,16 +181,25 @@ mod tests {
     /// The file of the first mapped library whose name starts with `prefix`.
     fn mapped(prefix: &str) -> Option<String> {
         let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-        maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.rsplit('/').next().is_some_and(|n| n.starts_with(prefix))).map(str::to_string)
+        let found = mapped_files(&maps).find(|p| file_name(p).starts_with(prefix)).map(str::to_string);
+        found
+    }
+
+    /// Loads the system's libgomp into this test process (CI's machines have it with the C toolchain);
+    /// false when there is none, which `KVS_REQUIRE_GOMP=1` (CI) turns into a failure instead of a skip.
+    pub(crate) fn load_system_libgomp() -> bool {
+        let loaded = ["libgomp.so.1", "libgomp.so"].iter().any(|name| {
+            let c = CString::new(*name).unwrap();
+            // SAFETY: loads a shared library by name; kept loaded for the process's life.
+            !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null()
+        });
+        assert!(loaded || std::env::var("KVS_REQUIRE_GOMP").is_err(), "KVS_REQUIRE_GOMP is set but libgomp could not be loaded");
+        loaded
     }
 
     #[test]
     fn finds_the_runtime_a_library_binds_gomp_parallel_to() {
-        let c = CString::new("libgomp.so.1").unwrap();
-        // SAFETY: loads a shared library by name; kept loaded for the process's life.
-        if unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
-            // KVS_REQUIRE_GOMP=1 (CI) makes a missing libgomp a failure instead of a skip.
-            assert!(std::env::var("KVS_REQUIRE_GOMP").is_err(), "KVS_REQUIRE_GOMP is set but libgomp could not be loaded");
+        if !load_system_libgomp() {
             eprintln!("no libgomp on this machine: runtime lookup not tested");
             return;
         }

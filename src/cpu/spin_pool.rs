@@ -140,11 +140,6 @@ impl SpinPool {
         self.omp.is_some()
     }
 
-    /// The host OpenMP runtime the pool runs on, if any.
-    pub fn host_omp(&self) -> Option<&str> {
-        self.omp.as_ref().map(|o| o.path.as_str())
-    }
-
     /// Runs `f(0) .. f(n - 1)` on the pool and the calling thread; returns when all have run. A panic in
     /// an item is re-raised here.
     pub fn run<'a>(&self, n: usize, f: &(dyn Fn(usize) + Sync + 'a)) {
@@ -284,30 +279,16 @@ mod tests {
         assert_eq!(sum.load(Ordering::Relaxed), 45);
     }
 
-    /// The system's libgomp, loaded into this test process so the pool finds it (CI's machines have it with
-    /// the C toolchain); None when there is none.
-    fn system_gomp() -> Option<HostOmp> {
-        for name in ["libgomp.so.1", "libgomp.so"] {
-            let c = std::ffi::CString::new(name).unwrap();
-            // SAFETY: loads a shared library by name; kept loaded for the process's life.
-            if !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
-                return HostOmp::detect();
-            }
-        }
-        None
-    }
-
     #[test]
     fn runs_on_a_loaded_openmp_runtime() {
-        // KVS_REQUIRE_GOMP=1 (CI) makes a missing libgomp a failure instead of a skip.
-        let Some(omp) = system_gomp() else {
-            assert!(std::env::var("KVS_REQUIRE_GOMP").is_err(), "KVS_REQUIRE_GOMP is set but libgomp could not be loaded");
+        if !crate::cpu::host_omp::tests::load_system_libgomp() {
             eprintln!("no libgomp on this machine: host-OpenMP path not tested");
             return;
-        };
+        }
+        let omp = HostOmp::detect().expect("the loaded libgomp is found");
         assert!(omp.path.contains("libgomp"), "{}", omp.path);
         let pool = SpinPool::with_host_omp(3, Some(omp)).unwrap();
-        assert!(pool.host_omp().is_some() && pool.threads() == 3 && pool.handles.is_empty());
+        assert!(pool.on_host_team() && pool.threads() == 3 && pool.handles.is_empty());
         let tids = Mutex::new(std::collections::HashSet::new());
         for n in [0usize, 1, 2, 7, 300] {
             let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
