@@ -2,7 +2,7 @@
 # Is the batch-1 slowdown after heavy points a clock effect? Logs SM clock / power every 50 ms while
 # running b1 x 128K and b32 x 128K alternately in one process, then again after a 5 s idle pause.
 DIR=$(cd "$(dirname "$0")" && pwd); OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-export KVS_KERNEL_CACHE=/tmp/kvs-kernel-cache
+export KVS_KERNEL_CACHE=${KVS_KERNEL_CACHE:-/tmp/kvs-kernel-cache}
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv -lms 50 >"$OUT/clocks.csv" 2>&1 &
 mon=$!
 sleep 1

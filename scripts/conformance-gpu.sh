@@ -11,7 +11,7 @@
 #   KVS_BIN      kvsparse binary (default .device/bin/kvsparse, as scripts/stage-device.sh puts it)   KVS_CASES  suite dir (default /tmp/kvs-cases)
 #   KVS_SEED     suite seed (default 20251123)                KVS_FILTER comma-separated case-name filters
 #   KVS_BUDGET   seconds per target (default 200)             KVS_DEVICE torch device (default cuda)
-#   wheels in .whl/ are installed to /tmp/site first (KVS_WHEELS=0 skips that)
+#   wheels in .whl/ are installed to $KVS_SITE (default /tmp/site) first (KVS_WHEELS=0 skips that)
 # Exit status: non-zero only if the harness itself is wrong (export or numpy check failed, the float64 control
 # did not pass every case, a target could not be loaded); a target failing cases is a finding, not an error.
 set -uo pipefail
@@ -23,8 +23,8 @@ mkdir -p "$RES"
 export PYTHONUNBUFFERED=1
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH   # FlashInfer's JIT compiles with nvcc
 if [[ "${KVS_WHEELS:-1}" != 0 ]] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "${KVS_SITE:-/tmp/site}" .whl/*.whl || exit 1
+  export PYTHONPATH=${KVS_SITE:-/tmp/site}${PYTHONPATH:+:$PYTHONPATH}
 fi
 if [[ ! -f "$CASES/manifest.json" ]]; then
   "$BIN" conformance --export "$CASES" --seed "${KVS_SEED:-20251123}" 2>&1 | tee "$RES/export.log" | tail -3

@@ -6,7 +6,7 @@ DIR=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export KVS_REQUIRE_CUDA=1
-export KVS_KERNEL_CACHE=/tmp/kvs-kernel-cache
+export KVS_KERNEL_CACHE=${KVS_KERNEL_CACHE:-/tmp/kvs-kernel-cache}
 summary=()
 step() { # name, timeout seconds, command...
   local name=$1 lim=$2; shift 2

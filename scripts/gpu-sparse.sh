@@ -15,7 +15,10 @@ DIR=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export KVS_REQUIRE_CUDA=1
-export KVS_KERNEL_CACHE=/tmp/kvs-kernel-cache
+export KVS_KERNEL_CACHE=${KVS_KERNEL_CACHE:-/tmp/kvs-kernel-cache}
+# Scratch on the device: pip --target for the staged wheels, and the conformance reports before they are tarred into $OUT.
+SITE=${KVS_SITE:-/tmp/site}
+SCRATCH=${KVS_SCRATCH:-/tmp}
 summary=()
 step() { # name, timeout seconds, command...
   local name=$1 lim=$2; shift 2
@@ -55,9 +58,9 @@ if has benchonly; then
 fi
 if has conformance; then
   # The conformance suite against third-party GPU kernels (docs/conformance.md), reports tarred into $OUT.
-  GREP='CONFORMANCE-GPU DONE|passed' step conformance-gpu 330 env OUT=/tmp/conf KVS_BIN="$DIR/bin/kvsparse" KVS_CUDA_ENGINE=1 bash "$DIR/../scripts/conformance-gpu.sh" reference torch-sdpa torch-sdpa-efficient torch-flex
+  GREP='CONFORMANCE-GPU DONE|passed' step conformance-gpu 330 env OUT="$SCRATCH/conf" KVS_BIN="$DIR/bin/kvsparse" KVS_CUDA_ENGINE=1 bash "$DIR/../scripts/conformance-gpu.sh" reference torch-sdpa torch-sdpa-efficient torch-flex
   grep -aE "passed|failed|HARNESS|DONE|engine" "$OUT/conformance-gpu.log" | tail -12
-  (cd /tmp/conf && tar czf "$OUT/conformance.tgz" . 2>/dev/null)
+  (cd "$SCRATCH/conf" && tar czf "$OUT/conformance.tgz" . 2>/dev/null)
 fi
 if has final; then
   # The last checks of a session: every CUDA test (the NaN/Inf contract included), the Python package
@@ -66,8 +69,8 @@ if has final; then
   GREP='test result' step dense-tests 150 "$DIR/bin/cuda_tests" --test-threads=1
   GREP='test result' step sparse-tests 150 env KVS_QUICK=1 "$DIR/bin/cuda_sparse_tests" --test-threads=1 --nocapture
   if [[ -d "$DIR/shim" ]]; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$DIR"/shim/whl/*.whl
-    GREP='PASSED|FAIL' step shim 150 env PYTHONPATH=/tmp/site KVSPARSE_LIB="$DIR/shim/libkvsparse.so" PYTHONUNBUFFERED=1 python3 "$DIR/../scripts/gpu_shim_check.py"
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$DIR"/shim/whl/*.whl
+    GREP='PASSED|FAIL' step shim 150 env PYTHONPATH="$SITE" KVSPARSE_LIB="$DIR/shim/libkvsparse.so" PYTHONUNBUFFERED=1 python3 "$DIR/../scripts/gpu_shim_check.py"
   fi
   GREP='passed|failed' step engine-conformance 120 "$DIR/bin/kvsparse" conformance --quick --seed 20251123
   GREP='ERROR SUMMARY' step memcheck 220 env KVS_QUICK=1 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 --skip lossless --skip refuses
@@ -115,11 +118,11 @@ if [[ " $whats " == *" mergedsan "* ]]; then
   # The merged stateful policies through the Python package (captured multi-layer steps == eager, no sync,
   # vs the CPU engine), compute-sanitizer on their tests, the engine's conformance suite (~8 min).
   if [[ -d "$DIR/shim" ]]; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$DIR"/shim/whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$DIR"/shim/whl/*.whl
     i=0
     for pol in ${KVS_SHIM_POLICIES:-'quest(budget=256, sink=16) > art(tau=1e-3, phi=1e-2, patience=2)' 'refresh(k=256, stride=2, s=0.9)' 'speculate(over=quest(budget=256), budget=256)' 'predictor(budget=256); max_seqs=16'}; do
       i=$((i+1))
-      GREP='PASSED|FAIL' step shim-$i 75 env PYTHONPATH=/tmp/site KVSPARSE_LIB="$DIR/shim/libkvsparse.so" PYTHONUNBUFFERED=1 python3 "$DIR/../scripts/gpu_shim_check.py" --policy "$pol"
+      GREP='PASSED|FAIL' step shim-$i 75 env PYTHONPATH="$SITE" KVSPARSE_LIB="$DIR/shim/libkvsparse.so" PYTHONUNBUFFERED=1 python3 "$DIR/../scripts/gpu_shim_check.py" --policy "$pol"
     done
   fi
   for t in refresh prr predictor; do
@@ -132,11 +135,11 @@ if [[ " $whats " == *" shimstate "* ]]; then
   # The stateful policies through the Python package (scripts/gpu_shim_check.py; its graph rounds re-run a
   # replayed step eagerly on the same engine, which a policy whose state the replay advanced cannot pass:
   # docs/vllm.md), and racecheck on the predictor's graph test with a longer limit.
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$DIR"/shim/whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" "$DIR"/shim/whl/*.whl
   i=0
   for pol in 'refresh(k=256, stride=2, s=0.9)' 'speculate(over=quest(budget=256), budget=256)' 'predictor(budget=256); max_seqs=16' 'snapkv(budget=256)'; do
     i=$((i+1))
-    GREP='PASSED|FAIL' step shimst-$i 80 env PYTHONPATH=/tmp/site KVSPARSE_LIB="$DIR/shim/libkvsparse.so" PYTHONUNBUFFERED=1 python3 "$DIR/../scripts/gpu_shim_check.py" --policy "$pol"
+    GREP='PASSED|FAIL' step shimst-$i 80 env PYTHONPATH="$SITE" KVSPARSE_LIB="$DIR/shim/libkvsparse.so" PYTHONUNBUFFERED=1 python3 "$DIR/../scripts/gpu_shim_check.py" --policy "$pol"
   done
   GREP='RACECHECK SUMMARY|ERROR SUMMARY' step predictor-racecheck 230 env KVS_QUICK=1 compute-sanitizer --tool racecheck "$DIR/bin/cuda_predictor_tests" --test-threads=1 graph
 fi
@@ -145,8 +148,8 @@ if has probe; then
 fi
 if has flashinfer; then
   # FlashInfer's paged decode through the conformance adapter (wheels in .whl/, JIT per shape), reports tarred.
-  GREP='flashinfer-decode on|DONE' step conformance-fi 300 env OUT=/tmp/conf-fi KVS_BIN="$DIR/bin/kvsparse" KVS_BUDGET=${KVS_FI_BUDGET:-240} bash "$DIR/../scripts/conformance-gpu.sh" flashinfer-decode
-  (cd /tmp/conf-fi && tar czf "$OUT/conformance-fi.tgz" . 2>/dev/null)
+  GREP='flashinfer-decode on|DONE' step conformance-fi 300 env OUT="$SCRATCH/conf-fi" KVS_BIN="$DIR/bin/kvsparse" KVS_BUDGET=${KVS_FI_BUDGET:-240} bash "$DIR/../scripts/conformance-gpu.sh" flashinfer-decode
+  (cd "$SCRATCH/conf-fi" && tar czf "$OUT/conformance-fi.tgz" . 2>/dev/null)
 fi
 if has sanitize; then
   GREP='ERROR SUMMARY' step memcheck 400 env KVS_QUICK=1 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1

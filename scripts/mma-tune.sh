@@ -5,7 +5,7 @@
 set -uo pipefail
 DIR=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-export KVS_REQUIRE_CUDA=1 KVS_KERNEL_CACHE=/tmp/kvs-kernel-cache
+export KVS_REQUIRE_CUDA=1 KVS_KERNEL_CACHE=${KVS_KERNEL_CACHE:-/tmp/kvs-kernel-cache}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [[ ${SKIP_CONF:-0} != 1 ]]; then
   KVS_LOG=1 "$DIR/bin/kvsparse" conformance >"$OUT/conformance.log" 2>&1; echo "conformance rc=$?"

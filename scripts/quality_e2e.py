@@ -43,7 +43,7 @@ Usage:
     .venv/bin/python scripts/quality_e2e.py                   # full run, B=1024
     .venv/bin/python scripts/quality_e2e.py --budgets 1024,256
     .venv/bin/python scripts/quality_e2e.py --policies dense,art,art_1e-6,art_1e-4   # ART's tau sweep
-    .venv/bin/python scripts/quality_e2e.py --quick           # smoke run (to /tmp)
+    .venv/bin/python scripts/quality_e2e.py --quick           # smoke run (to out/quality-e2e-quick.*)
 """
 
 from __future__ import annotations
@@ -471,9 +471,9 @@ def main(argv=None) -> int:
         if args.ppl_tokens == ap.get_default("ppl_tokens"):
             args.ppl_tokens = 16
         if args.csv == ap.get_default("csv"):
-            args.csv = Path("/tmp/quality-e2e-quick.csv")
+            args.csv = REPO_ROOT / "out" / "quality-e2e-quick.csv"
         if args.md == ap.get_default("md"):
-            args.md = Path("/tmp/quality-e2e-quick.md")
+            args.md = REPO_ROOT / "out" / "quality-e2e-quick.md"
 
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",") if b]

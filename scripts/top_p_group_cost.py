@@ -7,7 +7,7 @@ weights over all keys (top_p alone, no base selector). Prints the mean set sizes
 The per-KV-head set is what a GQA kernel reads once for the group; the per-query-head sets are the
 paper's (one budget per head).
 
-    /work/venv/bin/python scripts/top_p_group_cost.py [--p 0.95]
+    .venv/bin/python scripts/top_p_group_cost.py [--p 0.95]     # the venv of scripts/setup-python.sh (numpy, safetensors)
 """
 import argparse
 import json

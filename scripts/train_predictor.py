@@ -4,7 +4,7 @@ src/policy/predictor_weights.safetensors, which the library embeds (the default 
 
 One command, deterministic (fixed seed, one thread, deterministic algorithms), a few minutes on a CPU:
 
-    /work/venv/bin/python scripts/train_predictor.py [--out FILE] [--epochs N]
+    .venv/bin/python scripts/train_predictor.py [--out FILE] [--epochs N]     # the venv of scripts/setup-python.sh (torch)
 
 The model and its training follow the AttentionPredictor paper (section 4.2, appendix C "Training
 Details"), whose reference network is Conv2d 1->16 (3x3, pad 1) + ReLU, Conv2d 16->32 (3x3, pad 1) + ReLU,
