@@ -77,6 +77,8 @@ struct Call {
     lens: Vec<i32>,
     qsl: Vec<i32>,
     max_q: i32,
+    /// false: the call only writes the cache (no forward; its output is empty).
+    forward: bool,
 }
 
 /// An engine with its cache (host memory for the CPU, device memory for CUDA).
@@ -170,7 +172,9 @@ impl Side {
                     out.view_contiguous(&[t, hq, d]),
                     TensorRef::from_slice(&lse, &[t, hq]),
                 );
-                e.attention_forward(&args)?;
+                if c.forward {
+                    e.attention_forward(&args)?;
+                }
             }
             Side::Gpu(e, cache) => {
                 let es = g.dtype.size_bytes();
@@ -203,7 +207,9 @@ impl Side {
                     view(&od, 0, g.dtype, &[t, hq, d], &[hq * d, d, 1])?,
                     view(&ld, 0, DType::F32, &[t, hq], &[hq, 1])?,
                 );
-                e.attention_forward(&args)?;
+                if c.forward {
+                    e.attention_forward(&args)?;
+                }
                 sync()?;
                 // SAFETY: the host buffers hold exactly the device buffers' bytes.
                 unsafe {
@@ -225,7 +231,10 @@ struct CaseInputs {
     scale: f32,
 }
 
-fn build_case(spec: &CaseSpec, steps: usize, seed: u64) -> CaseInputs {
+/// `prefill`: call 0 writes the prefix and runs a prefill chunk over its last tokens (PRR calibrates
+/// there); without it, call 0 only writes the cache and the first decode step is the sequences' first
+/// forward (no calibration: the spec's fixed or default Holt parameters, every page unseen).
+fn build_case(spec: &CaseSpec, steps: usize, seed: u64, prefill: bool) -> CaseInputs {
     let mut rng = Rng::new(seed);
     let (hq, hk, d, bs) = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.block_size);
     let lens: Vec<usize> = spec.seqs.iter().map(|&(_, l)| l.max(1)).collect();
@@ -281,12 +290,12 @@ fn build_case(spec: &CaseSpec, steps: usize, seed: u64) -> CaseInputs {
     for &c in &chunk {
         qsl.push(qsl.last().unwrap() + c as i32);
     }
-    calls.push(Call { k, v, slots, q, lens: lens.iter().map(|&l| l as i32).collect(), qsl, max_q: chunk.iter().copied().max().unwrap_or(1) as i32 });
+    calls.push(Call { k, v, slots, q, lens: lens.iter().map(|&l| l as i32).collect(), qsl, max_q: chunk.iter().copied().max().unwrap_or(1) as i32, forward: prefill });
     for j in 0..steps {
         let which: Vec<(usize, usize)> = lens.iter().enumerate().map(|(s, &l)| (s, l + j)).collect();
         let (k, v, slots) = rows(&mut rng, &which);
         let q = queries(&mut rng, &which);
-        calls.push(Call { k, v, slots, q, lens: lens.iter().map(|&l| (l + j + 1) as i32).collect(), qsl: (0..=ns as i32).collect(), max_q: 1 });
+        calls.push(Call { k, v, slots, q, lens: lens.iter().map(|&l| (l + j + 1) as i32).collect(), qsl: (0..=ns as i32).collect(), max_q: 1, forward: true });
     }
 
     CaseInputs { g, calls, table, ids, scale }
@@ -303,7 +312,7 @@ fn engine_for(spec: &CaseSpec, policy: &str, dev: Device) -> Result<Engine> {
 /// The case on the CPU engine alone (no GPU needed): its final counters. Tests use it to check that a
 /// case exercises what the GPU comparison relies on (misses and repairs, calibration).
 pub fn run_prr_cpu(spec: &CaseSpec, policy: &str, steps: usize, seed: u64) -> Result<Counters> {
-    let ci = build_case(spec, steps, seed);
+    let ci = build_case(spec, steps, seed, true);
     let e = engine_for(spec, policy, Device::Cpu)?;
     let mut cpu = Side::Cpu(e, HostBuf::zeros(ci.g.dtype, 2 * ci.g.cache_len()));
     for c in &ci.calls {
@@ -316,6 +325,13 @@ pub fn run_prr_cpu(spec: &CaseSpec, policy: &str, steps: usize, seed: u64) -> Re
 /// sequences' lengths after prefill are `spec.seqs`' lengths): a prefill call of each sequence's last
 /// `min(len, 24)` tokens, then `steps` decode steps, on the CPU engine and on CUDA device 0.
 pub fn run_prr_case(spec: &CaseSpec, policy: &str, steps: usize, seed: u64) -> PrrResult {
+    run_prr_case_with(spec, policy, steps, seed, true)
+}
+
+/// As [`run_prr_case`]; `prefill = false` writes the prefix without a forward call, so the decode steps
+/// start with no calibration and every page unseen (a sequence whose first call through the engine is a
+/// decode step).
+pub fn run_prr_case_with(spec: &CaseSpec, policy: &str, steps: usize, seed: u64, prefill: bool) -> PrrResult {
     let mut res = PrrResult {
         name: spec.name.clone(),
         policy: policy.to_string(),
@@ -331,7 +347,7 @@ pub fn run_prr_case(spec: &CaseSpec, policy: &str, steps: usize, seed: u64) -> P
         error: None,
     };
     let run = |res: &mut PrrResult| -> Result<()> {
-        let CaseInputs { g, calls, table, ids, scale } = build_case(spec, steps, seed);
+        let CaseInputs { g, calls, table, ids, scale } = build_case(spec, steps, seed, prefill);
         let cpu_e = engine_for(spec, policy, Device::Cpu)?;
         cpu_e.record_visits(true);
         let gpu_e = engine_for(spec, policy, Device::Cuda(0))?;
@@ -342,6 +358,9 @@ pub fn run_prr_case(spec: &CaseSpec, policy: &str, steps: usize, seed: u64) -> P
         for (i, c) in calls.iter().enumerate() {
             let (oc, lc) = cpu.run(&g, c, &table, &ids, scale)?;
             let (og, lg) = gpu.run(&g, c, &table, &ids, scale)?;
+            if !c.forward {
+                continue;
+            }
             let vc: Vec<VisitRecord> = sorted(cpu.engine().take_visits());
             let vg: Vec<VisitRecord> = sorted(gpu.engine().take_visits());
             let (cc, cg) = (cpu.engine().stats().total, gpu.engine().stats().total);

@@ -4,7 +4,7 @@
 //! exactly as an eager one. Without a CUDA device every test is a visible skip, and fails instead when
 //! KVS_REQUIRE_CUDA=1. KVS_QUICK=1 runs a reduced matrix (for compute-sanitizer).
 
-use kvsparse_conformance::prr_cuda::{prr_policies, run_prr_case};
+use kvsparse_conformance::prr_cuda::{prr_policies, run_prr_case, run_prr_case_with};
 use kvsparse_conformance::sparse_cuda::{sparse_graph_replay, sparse_specs};
 use kvsparse_conformance::CaseSpec;
 use kvsparse::rng::Rng;
@@ -54,6 +54,41 @@ fn cuda_prr_decisions_equal_the_cpu_engine() {
     assert!(failures.is_empty(), "failing PRR cases:\n{}", failures.join("\n"));
 }
 
+/// Sequences whose first call through the engine is a decode step (the cache written, no prefill call:
+/// no calibration, every page unseen), 2K-4K tokens, GQA 4, head 128, bf16 and f16: the same pages,
+/// counters and outputs as the CPU engine from the first step on (an independent check had found the
+/// outputs differing there).
+fn cuda_prr_first_decode_steps_without_prefill_equal_the_cpu_engine() {
+    if !have_cuda("cuda_prr_no_prefill") {
+        return;
+    }
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let mut failures = Vec::new();
+    for (i, dt) in [DType::BF16, DType::F16].into_iter().enumerate() {
+        let spec = CaseSpec::new("no-prefill-gqa4-h128", dt, 128, 32, 8, 16, vec![(1, 2048), (1, 3001), (1, 4096)]);
+        for (j, pol) in ["speculate(over=quest(budget=256), budget=256)", "speculate(over=quest(budget=256, sink=16), alpha=0.5, beta=0.1, gamma=1)"].iter().enumerate() {
+            let r = run_prr_case_with(&spec, pol, 3, seed.wrapping_add((i * 10 + j) as u64), false);
+            println!(
+                "prr {:?} {:<72} calls {} rows {:>4} decisions {} counters {} rel {:.2e} lse {:.2e} {}",
+                dt,
+                r.policy,
+                r.calls,
+                r.rows,
+                if r.decision_mismatch.is_none() { "same" } else { "DIFF" },
+                if r.counters_mismatch.is_none() { "same" } else { "DIFF" },
+                r.rel_err,
+                r.lse_err,
+                if r.pass { "ok" } else { "FAIL" }
+            );
+            if !r.pass {
+                failures.push(format!("{dt:?} / {} (seed {}): {:?} {:?} rel {:.3e} lse {:.3e} error {:?}", r.policy, r.seed, r.decision_mismatch, r.counters_mismatch, r.rel_err, r.lse_err, r.error));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "failing PRR cases without prefill:\n{}", failures.join("\n"));
+}
+
 /// A captured PRR decode step (cache write, fork, predict + speculative attention on the side stream,
 /// selection, repair, merge) replays on new data exactly as an eager step.
 fn cuda_prr_decode_step_graph_replays_on_new_data() {
@@ -83,6 +118,7 @@ fn cuda_prr_refuses_what_it_does_not_run() {
 fn main() {
     common::run("PRR", vec![
         ("cuda_prr_decisions_equal_the_cpu_engine", cuda_prr_decisions_equal_the_cpu_engine as fn(), true),
+        ("cuda_prr_first_decode_steps_without_prefill_equal_the_cpu_engine", cuda_prr_first_decode_steps_without_prefill_equal_the_cpu_engine as fn(), true),
         ("cuda_prr_decode_step_graph_replays_on_new_data", cuda_prr_decode_step_graph_replays_on_new_data as fn(), true),
         ("cuda_prr_refuses_what_it_does_not_run", cuda_prr_refuses_what_it_does_not_run as fn(), false),
     ]);
