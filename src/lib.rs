@@ -12,21 +12,17 @@
 
 pub mod alloc;
 pub mod config;
-pub mod conformance;
 pub mod cpu;
 pub mod cuda;
 pub mod engine;
 pub mod error;
-pub mod eval;
 pub mod ffi;
 pub mod layout;
 pub mod policy;
 pub mod rng;
 pub mod sequences;
 pub mod stats;
-pub mod synthetic;
 pub mod tensor;
-pub mod traces;
 pub mod validate;
 
 pub use config::EngineConfig;

@@ -4,7 +4,6 @@
 //! Nothing here is needed at build time, and every entry point fails cleanly when no driver is present.
 
 pub mod backend;
-pub mod bench;
 pub mod context;
 pub mod driver;
 pub mod launch;
