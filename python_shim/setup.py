@@ -30,7 +30,7 @@ def _locate_library() -> Path:
             f"no Cargo.toml at {REPO}: build from the kvsparse repository or set KVSPARSE_LIB"
         )
     target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    subprocess.run(["cargo", "build", "--release", "--lib"], cwd=REPO, check=True)
+    subprocess.run(["cargo", "build", "--release", "--lib", "-p", "kvsparse"], cwd=REPO, check=True)
     return target / "release" / LIBNAME
 
 

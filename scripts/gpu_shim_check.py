@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "python_shim"))
 from kvsparse import Engine  # noqa: E402
 from kvsparse.step import IdBuffer, LayerCall, StepMeta, raw_stream  # noqa: E402
 
-# Relative error ||a-b|| / ||b|| allowed vs float64: the conformance suite's (src/conformance/mod.rs); an
+# Relative error ||a-b|| / ||b|| allowed vs float64: the conformance suite's (crates/conformance/src/lib.rs); an
 # engine vs the other engine, each within that of float64: twice it.
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-3}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

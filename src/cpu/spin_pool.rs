@@ -3,7 +3,7 @@
 //!
 //! Why not the rayon pool there: a decode step calls attention once per layer with ~0.1 ms of other work
 //! (the model's Python) in between, and each call is small (0.1–5 ms). Handing such a call to a sleeping
-//! rayon worker costs a wake-up: measured on the 2-vCPU VM (examples/cpu_gap_probe.rs), a 256-key call
+//! rayon worker costs a wake-up: measured on the 2-vCPU VM (crates/conformance/examples/cpu_gap_probe.rs), a 256-key call
 //! took 196 µs on one thread and 372 µs on two — the hand-off alone cost more than the work, and at 2K
 //! keys two threads were only 1.1–1.4× one. OpenMP runtimes (vLLM's CPU attention) avoid this by spinning
 //! after a parallel region; this pool does the same for a bounded time (`KVS_SPIN_US`, default 100 µs),

@@ -10,7 +10,7 @@
 //!
 //! On the GPU today: `all`, `streaming`, `quest`, `snapkv` (any of them alone or followed by `top_p`), and
 //! `art` behind `all`/`streaming`. The plans and their decisions equal the CPU engine's for the same inputs
-//! (tests/cuda_sparse.rs). SnapKV's choice lives with the cache blocks (kernels/snapkv.cu).
+//! (crates/conformance/tests/cuda_sparse.rs). SnapKV's choice lives with the cache blocks (kernels/snapkv.cu).
 
 use std::collections::HashMap;
 

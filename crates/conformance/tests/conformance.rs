@@ -206,7 +206,7 @@ fn sparse_contract_on_the_cpu_engine() {
 
 /// NaN and infinity in queries, keys and values propagate as the header documents (NaN row and LSE for a
 /// non-finite logit, non-finite elements for a non-finite value), and nothing a row does not attend
-/// changes it. The same check runs on CUDA (`tests/cuda.rs`).
+/// changes it. The same check runs on CUDA (`crates/conformance/tests/cuda.rs`).
 #[test]
 fn cpu_propagates_nan_and_inf_as_documented() {
     let seed = Rng::fresh_seed();

@@ -168,7 +168,7 @@ fn cuda_engine_fails_cleanly_without_a_device() {
 }
 
 /// NaN and infinity propagate on the GPU exactly as on the CPU (the contract on `kvs_forward_args` and
-/// `kvs_merge_args`; `tests/conformance.rs` runs the same check on the CPU).
+/// `kvs_merge_args`; `crates/conformance/tests/conformance.rs` runs the same check on the CPU).
 fn cuda_propagates_nan_and_inf_as_documented() {
     if !have_cuda("cuda_nonfinite") {
         return;

@@ -1,4 +1,4 @@
-//! RefreshKV on CUDA against the CPU engine over many steps (src/conformance/refresh_cuda.rs): the same
+//! RefreshKV on CUDA against the CPU engine over many steps (crates/conformance/src/refresh_cuda.rs): the same
 //! full steps and the same sets at every step, the same counters, outputs within the dense tolerances;
 //! a sequence unseen at prefill, a released id replaced by a new one, `max_seqs` exhausted; a captured
 //! decode step replayed step after step equals eager. Without a CUDA device every test is listed as ignored

@@ -110,7 +110,7 @@ fn refresh_with_s1_stride1_is_dense() {
         let all_dense = rel_err(&all.out[li], &dense.out[li]);
         println!("refresh(s=1, stride=1) layer {}: rel err vs dense {e:.2e}, vs `all` {e_all:.2e} (`all` vs dense {all_dense:.2e})", tr.layers[li].layer);
         // Bit for bit the policy path's dense pipeline (`all`); vs the dense path (another summation order,
-        // as in tests/traces.rs for full-budget Quest) within f32 accumulation error.
+        // as in crates/conformance/tests/traces.rs for full-budget Quest) within f32 accumulation error.
         assert_eq!(e_all, 0.0, "refresh(s=1, stride=1) differs from the `all` pipeline");
         assert!(e <= 1e-5, "refresh(s=1, stride=1) differs from dense by {e:.3e}");
     }
