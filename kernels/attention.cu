@@ -8,7 +8,7 @@
 // are in flight. Scores are reduced across the lane group with shuffles; each lane group keeps its own
 // online softmax (m, l, acc in f32, base-2 logits), and the CTA combines its lane groups in shared memory.
 // With one split the CTA writes the final output and LSE; otherwise it writes (O_s, LSE_s) to the
-// workspace and kvs_attn_combine (kernels/combine.cuh) merges the splits exactly through their LSEs.
+// workspace and kvs_attn_combine (kernels/include/combine.cuh) merges the splits exactly through their LSEs.
 // Used for f32 caches and whatever kernels/attention_mma.cu (the tensor-core path) does not cover.
 //
 // Bounds contract (metadata is on the device and never read by the host): seq_len is clamped to what the
@@ -19,6 +19,10 @@
 // Compile-time parameters (NVRTC -D): KVS_DTYPE, HEAD_DIM, GQ (query heads per CTA), GROUP (query heads
 // per KV head), LOAD_BYTES (16, or the element size for unaligned caches), KB (keys per lane group batch),
 // PLAN (1: decode rows walk their visit plan's keys, as in attention_mma.cu).
+
+#include "common.cuh"
+#include "params.cuh"
+#include "combine.cuh"
 
 #define NWARPS 4
 #define NTHREADS (NWARPS * 32)

@@ -31,6 +31,10 @@
 // each terminates on its own from x(0) = 0, and the combine merges them by LSE, as the CPU engine does.
 // Dynamic shared memory: kvs_mma_smem_bytes() below (the host computes the same formula).
 
+#include "common.cuh"
+#include "params.cuh"
+#include "combine.cuh"
+
 #define NTHREADS (NWARPS * 32)
 #define CPR (HEAD_DIM / 8)          // 16-byte chunks per K/V row
 #define ROWB (HEAD_DIM * 2 + 16)    // padded shared-memory row, bytes
@@ -48,18 +52,6 @@
 #define ART_NOPROBE 0  // benchmarks only: ART's order and single split without the detector
 #endif
 #if ART
-// Termination parameters (passed by value after `mode`). patience < 0: never stop (patience = inf).
-struct ArtArgs {
-    float tau, phi;
-    int patience, sink_limit;
-    unsigned long long* ctr;  // the layer's device counters (kernels/decide.cuh CTR_*)
-    int* tiles_out;           // per (sequence, KV head, split): tiles visited
-    int hk, pad;
-    // Priority order (order=priority behind a scored selector): the plan's entries in visiting order,
-    // same layout as the plan (kvs_art_priority, kernels/select.cu); NULL = recency order.
-    const unsigned* order;
-    const int* inv;           // (read by kvs_art_blocks only)
-};
 #define ART_PR (GQ < 8 ? GQ : 8)  // probed rows
 __device__ __forceinline__ float art_lane_sum(float v) {
 #pragma unroll

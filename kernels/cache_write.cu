@@ -4,6 +4,8 @@
 // (never written out of bounds); the host has already validated shapes, dtypes and strides.
 // Requires KVS_DTYPE. One thread per (token, kv head, element), grid-stride.
 
+#include "common.cuh"
+
 extern "C" __global__ void kvs_cache_write(const elem_t* key, i64 k0, i64 k1, i64 k2,
                                            const elem_t* val, i64 v0, i64 v1, i64 v2,
                                            elem_t* kc, i64 kc0, i64 kc1, i64 kc2, i64 kc3,

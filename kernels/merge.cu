@@ -4,6 +4,8 @@
 // an lse that is NaN or +inf on either side makes the row NaN, lse NaN; NaN or infinity in a side's
 // output reaches the merged elements.
 
+#include "common.cuh"
+
 template <typename T>
 __device__ void merge_impl(const typename T::S* a, i64 a0, i64 a1, i64 a2, const float* la, i64 la0, i64 la1,
                            const typename T::S* b, i64 b0, i64 b1, i64 b2, const float* lb, i64 lb0, i64 lb1,

@@ -16,6 +16,9 @@
 // Slots are validated here as in kvs_cache_write (negative or out of range: skipped).
 // Requires KVS_DTYPE; compiled with --fmad=false (decide.cuh).
 
+#include "common.cuh"
+#include "decide.cuh"
+
 __device__ __forceinline__ bool kvs_slot(const void* slots, i64 stride, int is64, int t, i64 capacity, int bs, i64* blk, int* off) {
     const i64 slot = is64 ? ((const i64*)slots)[t * stride] : (i64)((const int*)slots)[t * stride];
     if (slot < 0 || slot >= capacity) return false;

@@ -3,8 +3,8 @@
 // making the decisions of the CPU engine (src/cpu/sparse/stateful.rs run_predictor / predictor_seed,
 // src/policy/predictor.rs) bit for bit: the CNN repeats the CPU's summation order in f32 (this module is
 // compiled with --fmad=false) and the history rows use the decisions' arithmetic (decide.cuh; the CPU's
-// cpu::sparse::history_row). Compiled after select.cu and snapkv.cu in one module (Batch, seq_row,
-// radix_kth, account, rows_count, snap_dot, SNAP_TP).
+// cpu::sparse::history_row). Batch geometry, radix top-k, accounting and SnapKV's scoring arithmetic
+// (snap_dot, SNAP_TP) come from kernels/include/.
 //
 // State of one layer (allocated per layer outside capture, indexed by the slot map's slot, kernels/slots.cu):
 //   hdr  [max_seqs][hk][8]   generation stamp, rows pushed (count), steps since calibration, rows pushed
@@ -21,6 +21,14 @@
 // history row: row maxima, fixed-point normalisers, weights max-pooled into the ring row) and
 // kvs_pred_finish (ring bookkeeping); the attention reads the plan. Prefill chunks (q_len > 1) take the
 // SEED path of the same kernels: their last min(q_len, H) rows become the history.
+
+#include "common.cuh"
+#include "params.cuh"
+#include "decide.cuh"
+#include "batch.cuh"
+#include "block_reduce.cuh"
+#include "topk.cuh"
+#include "snap_score.cuh"
 
 #ifndef PRED_PT
 #define PRED_PT 128  // image columns per CTA of kvs_pred_conv
@@ -51,18 +59,6 @@
 #define HDR_WIDTH 5
 #define HDR_ZVALID 6
 #define HDR_WORDS 8
-
-struct PredState {
-    int* hdr;
-    int* lens;
-    float* ring;
-    float* zc;
-    int H, wc, hk, pad;
-};
-
-struct PredSpec {
-    int budget, block, calib, sink, local, pad;
-};
 
 __device__ __forceinline__ int pred_mod(long long a, int H) {
     const long long r = a % H;

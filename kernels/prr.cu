@@ -1,5 +1,5 @@
 // PRR (predict, speculate, repair; src/policy/speculate.rs, src/cpu/sparse/stateful.rs) on the device.
-// Appended to the selection module (select.cu's Batch, seq_row, phys_block, radix_kth, compact, account).
+// Batch geometry, top-k, compaction and Quest's row top-k come from kernels/include/.
 //
 // State: one PrrEntry per (cache block, KV head, page slot) in the layer's PRR buffer (src/cuda/prr.rs),
 // spb = block_size / min(page, block_size) slots per block. A page no larger than a block lives in slot
@@ -14,6 +14,13 @@
 // missed pages, [join B], kvs_prr_merge. Side stream, after the fork: kvs_prr_pred_scores and
 // kvs_prr_predict (the speculative set), [A], attention over the predicted pages, [wait T],
 // kvs_prr_update (Holt update with the true scores), [B].
+
+#include "common.cuh"
+#include "decide.cuh"
+#include "batch.cuh"
+#include "block_reduce.cuh"
+#include "topk.cuh"
+#include "quest.cuh"
 
 #define PRR_PARAMS 1u  // the entry carries its sequence's Holt parameters
 #define PRR_PREV 2u    // the page was in the previous step's true set (for the reuse-previous counter)

@@ -1,8 +1,8 @@
 // RefreshKV on the device: the schedule, the full step's scores and the token sets, the same decisions as
 // the CPU engine (src/policy/refresh.rs, src/cpu/sparse/stateful.rs) in the same arithmetic (decide.cuh,
-// --fmad=false). Compiled after select.cu and snapkv.cu in one module: it reuses their batch helpers
-// (seq_row, phys_block, rows_count, account, compact, radix_kth) and SnapKV's scoring arithmetic
-// (snap_dot, snap_unkey, the SNAP_* CTA shape, the fixed-point normaliser).
+// --fmad=false). Batch helpers (seq_row, phys_block, rows_count, account, compact, radix_kth) and SnapKV's
+// scoring arithmetic (snap_dot, snap_unkey, the SNAP_* CTA shape, the fixed-point normaliser) come from
+// kernels/include/.
 //
 // A policy call enqueues, with grids fixed by host-known bounds (capturable, no host decision):
 //   kvs_refresh_decide   one CTA per sequence: the mean query (over all query heads, in head order) of the
@@ -23,30 +23,19 @@
 // mean query qref[slot][HEAD_DIM], steps since the last full step, a stamp; per (slot, KV head): the set's
 // positions (sorted) and scores (k of each), its size, the last position it has seen, a stamp.
 
+#include "common.cuh"
+#include "params.cuh"
+#include "decide.cuh"
+#include "batch.cuh"
+#include "block_reduce.cuh"
+#include "topk.cuh"
+#include "snap_score.cuh"
+
 #define RF_NONE -1     // not a decode row and nothing to seed (or a decode row that sees nothing)
 #define RF_PARTIAL 0   // attend the set
 #define RF_FULL 1      // attend everything, score it, rebuild the set
 #define RF_DENSE 2     // a decode row without a state slot: attend everything, keep no state
 #define RF_SEED 3      // a prefill chunk: the set from its last row, that row's mean query the reference
-
-// Same layout as src/cuda/refresh.rs `RefreshArgs`.
-struct RefreshArgs {
-    float* qref;          // [max_seqs][HEAD_DIM]
-    int* since;           // [max_seqs]
-    unsigned* lstamp;     // [max_seqs]
-    unsigned* tok;        // [max_seqs][hk][k]
-    float* sc;            // [max_seqs][hk][k]
-    int* cnt;             // [max_seqs][hk]
-    int* last;            // [max_seqs][hk]
-    unsigned* hstamp;     // [max_seqs][hk]
-    const int* slot;      // per sequence of the call (-1: none)
-    const unsigned* gen;  // per sequence of the call
-    int* mode;            // per sequence of the call (RF_*)
-    unsigned long long* rctr;  // the layer's [full steps, partial steps]
-    int k, stride, every, pool;
-    float s;
-    int hk;
-};
 
 // The row a sequence's decision reads: the decode row, or the chunk's last row (with the same limits).
 __device__ __forceinline__ int rf_row(const SeqRow& r) { return r.t + (r.q_len > 0 ? r.q_len : 1) - 1; }

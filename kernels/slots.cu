@@ -11,6 +11,8 @@
 // within a call (the engine's contract); a row whose id finds no entry and no free slot gets slot -1 (its
 // policy rows then run dense, exact, and are counted as `rows without state`).
 
+#include "common.cuh"
+
 #define SLOT_EMPTY 0xffffffffffffffffull
 #define SLOT_TOMB 0xfffffffffffffffeull
 

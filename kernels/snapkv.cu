@@ -1,6 +1,7 @@
 // SnapKV on the device: the choice at a prefill chunk and the decode plan that reads it, the same
 // decisions as the CPU engine (src/cpu/snapkv.rs, src/cpu/sparse/mod.rs) in the same arithmetic
-// (decide.cuh, --fmad=false). Compiled after select.cu in one module (Batch, seq_row, compact, account).
+// (decide.cuh, --fmad=false). Its batch, reduction and top-k helpers and its scoring arithmetic are
+// headers in kernels/include/.
 //
 // Where the choice lives: with the cache, not with a sequence id. The layer's metadata holds one bit per
 // (block, KV head, slot) (`keep[num_blocks][hk][4]` u64, kernels/meta.cu): every slot starts kept, a cache
@@ -23,19 +24,13 @@
 // Logits are recomputed in each phase (K is read three times; prefill only) rather than stored: the
 // window's rows times the context would not fit a workspace at long contexts.
 
-// Positions per CTA and query heads served side by side: 32 x min(GROUP, 8) threads; at head sizes
-// above 128, 16 positions (the K tile stays in static shared memory) and an even count of query heads
-// (whole warps: the reductions run over one head's SNAP_TP lanes). src/cuda/sparse.rs repeats this.
-#if HEAD_DIM <= 128
-#define SNAP_TP 32
-#define SNAP_J (GROUP < 8 ? GROUP : 8)
-#else
-#define SNAP_TP 16
-#define SNAP_J (GROUP < 8 ? ((GROUP + 1) / 2) * 2 : 8)
-#endif
-#define SNAP_KPER ((GROUP + SNAP_J - 1) / SNAP_J)  // query heads per thread
-#define SNAP_THREADS (SNAP_TP * SNAP_J)
-#define SNAP_NORM_ONE 4398046511104.0  // 2^42, math::NORM_FIXED_ONE
+#include "common.cuh"
+#include "decide.cuh"
+#include "batch.cuh"
+#include "block_reduce.cuh"
+#include "topk.cuh"
+#include "snap_score.cuh"
+
 
 // The observation window of prefill sequence s: tokens [t0, t0 + n) of q at positions [pos0, pos0 + n).
 struct SnapSeq {
@@ -55,23 +50,6 @@ __device__ __forceinline__ SnapSeq snap_seq(const Batch& b, int s, int window) {
     return o;
 }
 
-// decision_dot: eight lane sums over c = l (mod 8), each product rounded, then the lanes in order.
-__device__ __forceinline__ float snap_dot(const float* q, const float* k) {
-    float acc[8];
-#pragma unroll
-    for (int l = 0; l < 8; ++l) acc[l] = 0.0f;
-    for (int c = 0; c < HEAD_DIM; c += 8)
-#pragma unroll
-        for (int l = 0; l < 8; ++l) acc[l] += q[c + l] * k[c + l];
-    float s = acc[0];
-#pragma unroll
-    for (int l = 1; l < 8; ++l) s += acc[l];
-    return s;
-}
-
-__device__ __forceinline__ float snap_unkey(unsigned k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
 
 // Grid (position tiles of SNAP_TP, KV heads, seqs). Per (seq, head), rows r = token * GROUP + query head:
 // rmax[r] (order keys, preset to the key of -inf), zfix[r] (preset 0), zbad[r] (preset 0), rcap rows each;

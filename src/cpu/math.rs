@@ -32,7 +32,7 @@ pub fn fast_exp(x: f32) -> f32 {
 
 /// `tanh` for the policies' decisions (soft-capped scores in top-p estimates and SnapKV's choice):
 /// `sign(x) · (1 − e) / (1 + e)` with `e = fast_exp(−2|x|)`, every operation rounded on its own, so the
-/// CUDA selection kernels (`kernels/decide.cuh`) compute the same bits. Absolute error below 1e-7; the
+/// CUDA selection kernels (`kernels/include/decide.cuh`) compute the same bits. Absolute error below 1e-7; the
 /// relative error grows near 0 (3e-4 at |x| = 1e-4), which only perturbs estimates, never attention.
 #[inline]
 pub fn decision_tanh(x: f32) -> f32 {

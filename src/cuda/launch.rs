@@ -11,19 +11,12 @@ use super::driver::{check, cuda, CUfunction, CUmodule, CUstream};
 use super::module_cache;
 use crate::error::Result;
 
-/// The CUDA sources, embedded at build time; `COMMON` is prepended to each.
-pub const COMMON: &str = include_str!("../../kernels/common.cuh");
-pub const ATTENTION: &str = concat!(include_str!("../../kernels/combine.cuh"), "\n", include_str!("../../kernels/attention.cu"));
-pub const ATTENTION_MMA: &str = concat!(include_str!("../../kernels/combine.cuh"), "\n", include_str!("../../kernels/attention_mma.cu"));
-pub const CACHE_WRITE: &str = include_str!("../../kernels/cache_write.cu");
-pub const MERGE: &str = include_str!("../../kernels/merge.cu");
-pub const FILL: &str = include_str!("../../kernels/fill.cu");
-pub const META: &str = concat!(include_str!("../../kernels/decide.cuh"), "\n", include_str!("../../kernels/meta.cu"));
-/// Threads of the selection kernels whose launch bound is kernels/select.cu's TOPK_THREADS (Quest's and
+/// The modules' sources (each a list of `#include`s of kernels/, expanded before compiling).
+pub use super::kernel_src::{ATTENTION, ATTENTION_MMA, CACHE_WRITE, FILL, MERGE, META, SELECT};
+/// Threads of the selection kernels whose launch bound is kernels/include/topk.cuh's TOPK_THREADS (Quest's and
 /// PRR's top-k, SnapKV's choice and plan, RefreshKV's plan, the predictor's selection): one CTA per row.
 /// (1024 was measured no faster for the top-k: its time is a serial chain of block-wide phases.)
 pub const TOPK_THREADS: u32 = 512;
-pub const SELECT: &str = concat!(include_str!("../../kernels/decide.cuh"), "\n", include_str!("../../kernels/select.cu"), "\n", include_str!("../../kernels/snapkv.cu"), "\n", include_str!("../../kernels/refresh.cu"), "\n", include_str!("../../kernels/prr.cu"));
 
 /// Loaded modules by variant (source name + defines) and the functions looked up in them.
 #[derive(Default)]
@@ -53,7 +46,7 @@ impl Modules {
                     if std::env::var("KVS_PTXAS_VERBOSE").is_ok() {
                         opts.push("--ptxas-options=-v".to_string());
                     }
-                    let text = format!("{COMMON}\n{source}");
+                    let text = super::kernel_src::expand(source)?;
                     let bin = module_cache::cubin(name, &text, &opts, &gpu.arch())?;
                     let mut m: CUmodule = std::ptr::null_mut();
                     // SAFETY: bin is a complete cubin for this device's architecture.

@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod context;
 pub mod driver;
+pub mod kernel_src;
 pub mod launch;
 pub mod meta;
 pub mod module_cache;

@@ -32,17 +32,8 @@ use crate::policy::predictor::PredictorWeights;
 use crate::policy::PredictorSpec;
 use crate::{bail, ensure};
 
-/// The module: the selection kernels (Batch, radix top-k, counting), SnapKV's scoring helpers and the
-/// predictor's kernels, compiled together.
-pub const PREDICTOR: &str = concat!(
-    include_str!("../../kernels/decide.cuh"),
-    "\n",
-    include_str!("../../kernels/select.cu"),
-    "\n",
-    include_str!("../../kernels/snapkv.cu"),
-    "\n",
-    include_str!("../../kernels/predictor.cu")
-);
+/// The module: the predictor's kernels (with the batch, top-k and SnapKV scoring headers they include).
+pub use super::kernel_src::PREDICTOR;
 
 /// CTAs per column tile of `kvs_pred_conv` (the kernel's PRED_NY).
 const NY: usize = 8;
@@ -51,7 +42,7 @@ const MAX_C1: usize = 32;
 /// Static shared memory the conv kernel may use.
 const CONV_SMEM: usize = 47 * 1024;
 
-/// `PredState` of the kernels (same layout).
+/// `PredState` of the kernels (kernels/include/params.cuh; a test compares the layouts).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct StateArg {
@@ -65,7 +56,7 @@ struct StateArg {
     pad: i32,
 }
 
-/// `PredSpec` of the kernels (same layout).
+/// `PredSpec` of the kernels (kernels/include/params.cuh; a test compares the layouts).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct SpecArg {
@@ -75,6 +66,16 @@ struct SpecArg {
     sink: i32,
     local: i32,
     pad: i32,
+}
+
+/// The layouts a test compares with kernels/include/params.cuh.
+#[cfg(test)]
+pub(super) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
+    use super::kernel_src::c_layout;
+    vec![
+        c_layout!(StateArg as "PredState" { hdr, lens, ring, zc, h => "H", wc, hk, pad }),
+        c_layout!(SpecArg as "PredSpec" { budget, block, calib, sink, local, pad }),
+    ]
 }
 
 /// One layer's history arrays.
@@ -239,7 +240,7 @@ impl CudaBackend {
         let api = cuda()?;
         // SAFETY: each region holds n_rows elements of its width (sized by sparse_forward from `pw`).
         unsafe {
-            // -inf's order key (kernels/decide.cuh kvs_order_key).
+            // -inf's order key (kernels/include/decide.cuh kvs_order_key).
             check((api.cuMemsetD32Async)(ws + lay.pred_rmax as u64, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
             check((api.cuMemsetD8Async)(ws + lay.pred_z as u64, 0, n_rows * 8, stream), "cuMemsetD8Async")?;
             check((api.cuMemsetD8Async)(ws + lay.pred_bad as u64, 0, n_rows * 4, stream), "cuMemsetD8Async")?;

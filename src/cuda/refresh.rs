@@ -25,7 +25,7 @@ use crate::policy::Refresh;
 use crate::stats::Counters;
 use crate::{bail, ensure};
 
-/// The kernels' `RefreshArgs` (kernels/refresh.cu, same layout).
+/// The kernels' `RefreshArgs` (kernels/include/params.cuh; a test compares the layouts).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct RefreshArgs {
@@ -47,6 +47,13 @@ struct RefreshArgs {
     pool: i32,
     s: f32,
     hk: i32,
+}
+
+/// The layout a test compares with kernels/include/params.cuh.
+#[cfg(test)]
+pub(super) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
+    use super::kernel_src::c_layout;
+    vec![c_layout!(RefreshArgs as "RefreshArgs" { qref, since, lstamp, tok, sc, cnt, last, hstamp, slot, gen, mode, rctr, k, stride, every, pool, s, hk })]
 }
 
 /// Byte offsets of RefreshKV's regions in a call's policy workspace (see `sparse::WsLayout`).
@@ -218,7 +225,7 @@ impl CudaBackend {
         let api = cuda()?;
         // SAFETY: each region holds `rows` elements of its width (RefreshWs, sized by the caller).
         unsafe {
-            // -inf's order key (kernels/decide.cuh kvs_order_key).
+            // -inf's order key (kernels/include/decide.cuh kvs_order_key).
             check((api.cuMemsetD32Async)(ws + rw.rmax as u64, 0x007f_ffff, rows, stream), "cuMemsetD32Async")?;
             check((api.cuMemsetD8Async)(ws + rw.z as u64, 0, rows * 8, stream), "cuMemsetD8Async")?;
             check((api.cuMemsetD8Async)(ws + rw.bad as u64, 0, rows * 4, stream), "cuMemsetD8Async")?;

@@ -26,7 +26,7 @@ const TOMB: u64 = u64::MAX - 1;
 
 use crate::policy::spec::MAX_MAX_SEQS;
 
-pub const SLOTS: &str = include_str!("../../kernels/slots.cu");
+pub use super::kernel_src::SLOTS;
 
 /// The device-side map from sequence id to state slot.
 pub struct SeqSlots {

@@ -46,7 +46,7 @@ impl CudaBackend {
         let api = cuda()?;
         // SAFETY: each region holds n_rows elements of its width (WsLayout, sized by the caller).
         unsafe {
-            // -inf's order key (kernels/decide.cuh kvs_order_key): rows with no visible key stay there.
+            // -inf's order key (kernels/include/decide.cuh kvs_order_key): rows with no visible key stay there.
             check((api.cuMemsetD32Async)(ws + lay.snap_rmax as u64, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
             check((api.cuMemsetD8Async)(ws + lay.snap_z as u64, 0, n_rows * 8, stream), "cuMemsetD8Async")?;
             check((api.cuMemsetD8Async)(ws + lay.snap_bad as u64, 0, n_rows * 4, stream), "cuMemsetD8Async")?;

@@ -30,7 +30,7 @@ use crate::stats::{Counters, VisitRecord};
 use crate::tensor::{DType, TensorRef};
 use crate::{bail, ensure};
 
-/// A plan as the attention kernel reads it (kernels/common.cuh `PlanRef`, same layout).
+/// A plan as the attention kernel reads it (kernels/include/params.cuh `PlanRef`; a test compares the layouts).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PlanRef {
@@ -50,7 +50,7 @@ impl PlanRef {
     }
 }
 
-/// The batch as the selection kernels read it (kernels/select.cu `Batch`, same layout).
+/// The batch as the selection kernels read it (kernels/include/params.cuh `Batch`; a test compares the layouts).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(super) struct BatchArg {
@@ -92,10 +92,10 @@ impl BatchArg {
     }
 }
 
-/// Counter slots on the device (kernels/decide.cuh CTR_*).
+/// Counter slots on the device (kernels/include/decide.cuh CTR_*).
 const CTR_COUNT: usize = 16;
 
-/// ART's parameters as the tensor-core kernel reads them (kernels/attention_mma.cu `ArtArgs`, same layout).
+/// ART's parameters as the tensor-core kernel reads them (kernels/include/params.cuh `ArtArgs`; a test compares the layouts).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ArtLaunch {
@@ -113,6 +113,17 @@ pub struct ArtLaunch {
     /// written by `kvs_art_priority`; 0 = recency order.
     pub order: u64,
     pub inv: u64,
+}
+
+/// The layouts a test compares with kernels/include/params.cuh.
+#[cfg(test)]
+pub(super) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
+    use super::kernel_src::c_layout;
+    vec![
+        c_layout!(BatchArg as "Batch" { bt, bt0, bt1, bt_cols, bs_log2, num_blocks, seq_lens, sl0, qsl, qsl0, num_seqs, num_tokens, window, pad }),
+        c_layout!(PlanRef as "PlanRef" { e, p_s, p_h, len, ulog2, hk, cap, pad }),
+        c_layout!(ArtLaunch as "ArtArgs" { tau, phi, patience, sink_limit, ctr, tiles_out, hk, segment, order, inv }),
+    ]
 }
 
 /// Largest GQA group the selection kernels stage in shared memory.

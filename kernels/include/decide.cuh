@@ -3,6 +3,8 @@
 // that the selection kernels choose exactly the pages and tokens the CPU engine chooses.
 // The modules that include this are compiled with --fmad=false: a * b + c is never fused unless written
 // as fmaf (which the CPU writes as mul_add).
+#pragma once
+#include "common.cuh"
 
 __device__ __forceinline__ float kvs_fast_exp(float x) {
     const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // NaN stays NaN, as f32::clamp

@@ -4,6 +4,8 @@
 // threads, each over its own subset of splits (independent loads in flight), then summed in shared
 // memory. Launch with a multiple of HEAD_DIM threads, at most 1024. Needs HEAD_DIM and elem_t/ET.
 // `mode` skips the rows another launch of the same call serves (common.cuh MODE_*).
+#pragma once
+#include "common.cuh"
 
 __device__ __forceinline__ float kvs_block_reduce(float v, bool is_max, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;

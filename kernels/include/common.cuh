@@ -1,6 +1,7 @@
 // Shared by every kvsparse kernel: element types and conversions without the CUDA headers, so NVRTC
 // needs no include path. The storage type is chosen by KVS_DTYPE (0 = f32, 1 = f16, 2 = bf16).
 // All arithmetic is f32; bf16/f16 are converted on load and rounded to nearest even on store.
+#pragma once
 
 typedef unsigned short u16;
 typedef long long i64;
@@ -91,11 +92,3 @@ __device__ __forceinline__ int kvs_token_qlen(int t, const int* qsl, i64 qsl0, i
     }
     return qsl[(lo + 1) * qsl0] - qsl[lo * qsl0];
 }
-
-// The plan a decode row reads (PLAN=1 variants): entries of (1 << ulog2) positions, plan_len[seq*hk+kvh].
-struct PlanRef {
-    const unsigned* e;
-    i64 p_s, p_h;
-    const int* len;
-    int ulog2, hk, cap;
-};
