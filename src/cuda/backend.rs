@@ -26,7 +26,7 @@ use crate::layout::KvCache;
 use crate::policy::Pipeline;
 use crate::stats::Counters;
 use crate::tensor::{DType, TensorRef};
-use crate::{bail, ensure};
+use crate::ensure;
 
 const NTHREADS: u32 = 128;
 
@@ -270,20 +270,8 @@ impl CudaBackend {
             let slots = num_tokens * cfg.num_q_heads * nsplit;
             let need = slots * (cfg.head_dim + 1) * 4;
             let mut map = self.workspaces.lock();
-            let key = stream as usize;
-            let too_small = map.get(&key).map_or(true, |b| b.bytes < need);
-            if too_small {
-                if self.gpu.is_capturing(stream)? {
-                    bail!(InvalidArgument, "this call needs {need} bytes of split-KV workspace on a stream that is being captured; run one call of the largest shape on this stream before capturing");
-                }
-                // A graph captured earlier may still point at the old buffer: retire it, never free it here.
-                if let Some(old) = map.insert(key, DevBuf::alloc(need.next_power_of_two())?) {
-                    self.retired.lock().push(old);
-                }
-            }
-            let b = map.get(&key).expect("inserted above");
-            ws_o = b.ptr;
-            ws_lse = b.ptr + (slots * cfg.head_dim * 4) as u64;
+            ws_o = super::workspace::for_stream(&mut map, &self.retired, &self.gpu, stream, need, "split-KV")?;
+            ws_lse = ws_o + (slots * cfg.head_dim * 4) as u64;
             ws_guard = Some(map);
         }
 

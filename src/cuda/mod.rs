@@ -17,6 +17,7 @@ pub mod refresh;
 pub mod slots;
 pub mod snapkv;
 pub mod sparse;
+pub mod workspace;
 
 pub use backend::CudaBackend;
 

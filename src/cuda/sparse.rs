@@ -349,17 +349,7 @@ impl CudaBackend {
         };
 
         let mut ws_map = self.sparse.ws.lock();
-        let key = stream as usize;
-        if ws_map.get(&key).map_or(true, |b| b.bytes < lay.total) {
-            if self.gpu.is_capturing(stream)? {
-                bail!(InvalidArgument, "this call needs {} bytes of policy workspace on a stream that is being captured; run one call of the largest shape on this stream before capturing", lay.total);
-            }
-            // Graphs captured before this growth still use the old buffer: retire it, never free it here.
-            if let Some(old) = ws_map.insert(key, DevBuf::alloc(lay.total.next_power_of_two())?) {
-                self.retired.lock().push(old);
-            }
-        }
-        let ws = ws_map.get(&key).expect("inserted above").ptr;
+        let ws = super::workspace::for_stream(&mut ws_map, &self.retired, &self.gpu, stream, lay.total, "policy")?;
         if let Some(slots) = &self.slots {
             let Some(ids) = a.seq_ids.as_ref() else {
                 bail!(InvalidArgument, "policy {:?} keeps per-sequence state: forward calls must pass seq_ids", cfg.policy);

@@ -242,6 +242,13 @@ fn bytes_of<T>(v: &[T]) -> &[u8] {
 /// fixture on a fresh engine: the same visited positions and bit-identical outputs. `spec` must be
 /// decode-only. Returns (policy rows compared, mismatch description or None).
 pub fn sparse_graph_replay(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b: u64) -> Result<(usize, Option<String>)> {
+    sparse_graph_replay_on(spec, policy, seed_a, seed_b, false)
+}
+
+/// As [`sparse_graph_replay`]; with `capture_elsewhere` the eager warm-up runs on one stream and the
+/// capture on a second one, as vLLM and `torch.cuda.graph` do (the capturing stream has had no eager call
+/// of its own), and the graph is replayed on the first.
+pub fn sparse_graph_replay_on(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b: u64, capture_elsewhere: bool) -> Result<(usize, Option<String>)> {
     use kvsparse::cuda::context::DevBuf;
     use kvsparse::engine::CacheWriteArgs;
     use kvsparse::tensor::TensorRef;
@@ -277,22 +284,28 @@ pub fn sparse_graph_replay(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b: u
     let outs = Outputs::new(&fa);
     let mut dc = DeviceCase::upload(&fa, &outs)?;
     let (kg, vg, sg) = (DevBuf::from_host(sa.k.as_bytes())?, DevBuf::from_host(sa.v.as_bytes())?, DevBuf::from_host(bytes_of(&sa.slots))?);
-    let mut stream: CUstream = std::ptr::null_mut();
-    // SAFETY: out-parameter; destroyed below.
+    let (mut stream, mut cap): (CUstream, CUstream) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: out-parameters; destroyed below.
     check(unsafe { (api.cuStreamCreate)(&mut stream, driver::CU_STREAM_NON_BLOCKING) }, "cuStreamCreate")?;
+    if capture_elsewhere {
+        check(unsafe { (api.cuStreamCreate)(&mut cap, driver::CU_STREAM_NON_BLOCKING) }, "cuStreamCreate")?;
+    } else {
+        cap = stream;
+    }
     let result = (|| -> Result<(usize, Option<String>)> {
         let step = step_args(&kg, &vg, &sg, &dc, &fa, stream)?;
         let fwd = dc.forward_args(&fa, &outs, stream)?;
         engine.cache_write(&dc.cache_write_args(&fa, stream)?)?;
         engine.cache_write(&step)?; // warm-up: modules, metadata, workspaces
         engine.attention_forward(&fwd)?;
-        // SAFETY: capture / instantiate / launch on our own stream; handles destroyed below.
+        let (step_c, fwd_c) = (step_args(&kg, &vg, &sg, &dc, &fa, cap)?, dc.forward_args(&fa, &outs, cap)?);
+        // SAFETY: capture / instantiate / launch on our own streams; handles destroyed below.
         unsafe {
             check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
-            check((api.cuStreamBeginCapture)(stream, driver::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
-            let r = engine.cache_write(&step).and_then(|_| engine.attention_forward(&fwd));
+            check((api.cuStreamBeginCapture)(cap, driver::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
+            let r = engine.cache_write(&step_c).and_then(|_| engine.attention_forward(&fwd_c));
             let mut graph = std::ptr::null_mut();
-            let end = check((api.cuStreamEndCapture)(stream, &mut graph), "cuStreamEndCapture");
+            let end = check((api.cuStreamEndCapture)(cap, &mut graph), "cuStreamEndCapture");
             r?;
             end?;
             let mut exec = std::ptr::null_mut();
@@ -324,7 +337,12 @@ pub fn sparse_graph_replay(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b: u
         }
     })();
     // SAFETY: created above.
-    unsafe { (api.cuStreamDestroy)(stream) };
+    unsafe {
+        (api.cuStreamDestroy)(stream);
+        if capture_elsewhere {
+            (api.cuStreamDestroy)(cap);
+        }
+    }
     result
 }
 

@@ -7,7 +7,7 @@
 
 use kvsparse_conformance::cuda::DeviceCase;
 use kvsparse_conformance::snapkv_cuda::{run_snapkv_case, snapkv_policies, snapkv_spec};
-use kvsparse_conformance::sparse_cuda::{art_stop_tiles, run_sparse_case, sparse_graph_replay, sparse_policies, sparse_specs};
+use kvsparse_conformance::sparse_cuda::{art_stop_tiles, run_sparse_case, sparse_graph_replay, sparse_graph_replay_on, sparse_policies, sparse_specs};
 use kvsparse_conformance::{judge, CaseSpec, Fixture, Outputs};
 use kvsparse::rng::Rng;
 use kvsparse::{DType, Device, Engine};
@@ -126,6 +126,21 @@ fn cuda_sparse_decode_step_graph_replays_on_new_data() {
     }
 }
 
+/// The eager warm-up on one stream, the capture on another that has made no call of its own (what vLLM's
+/// and torch.cuda.graph's capture do): the capturing stream takes over the warm-up's workspaces (split-KV
+/// and policy), and the graph replays on the first stream exactly as an eager step.
+fn cuda_graph_captured_on_a_stream_without_eager_calls() {
+    if !have_cuda("cuda_graph_other_stream") {
+        return;
+    }
+    let seed = Rng::fresh_seed();
+    for pol in ["", "quest(budget=256, sink=16)", "quest(budget=512) > top_p(p=0.95)", "streaming(sink=4, recent=300)"] {
+        let (rows, mism) = sparse_graph_replay_on(&decode_only(), pol, seed, seed.wrapping_add(7919), true).unwrap_or_else(|e| panic!("{pol:?}: {e}"));
+        println!("graph on another stream {pol:<40} rows {rows} {}", if mism.is_none() { "replay == eager" } else { "DIFF" });
+        assert!((pol.is_empty() || rows > 0) && mism.is_none(), "{pol:?} (seed {seed}): {mism:?}");
+    }
+}
+
 /// Garbage metadata on the device (block ids out of range, negative, seq_lens beyond the table) cannot be
 /// validated without a sync; selection and attention must stay inside their buffers and still write
 /// every output. Run under compute-sanitizer memcheck for the "no read out of bounds" half.
@@ -238,6 +253,7 @@ fn main() {
         ("cuda_snapkv_decisions_equal_the_cpu_engine", cuda_snapkv_decisions_equal_the_cpu_engine as fn(), true),
         ("cuda_lossless_policies_equal_dense", cuda_lossless_policies_equal_dense as fn(), true),
         ("cuda_sparse_decode_step_graph_replays_on_new_data", cuda_sparse_decode_step_graph_replays_on_new_data as fn(), true),
+        ("cuda_graph_captured_on_a_stream_without_eager_calls", cuda_graph_captured_on_a_stream_without_eager_calls as fn(), true),
         ("cuda_art_stops_at_the_cpu_engine_tile", cuda_art_stops_at_the_cpu_engine_tile as fn(), true),
         ("cuda_sparse_bad_device_metadata_stays_in_bounds", cuda_sparse_bad_device_metadata_stays_in_bounds as fn(), true),
         ("cuda_refuses_policies_it_cannot_run_at_engine_creation", cuda_refuses_policies_it_cannot_run_at_engine_creation as fn(), true),
