@@ -62,6 +62,27 @@ typedef enum {
   KVS_DTYPE_BFLOAT16 = 2,
 } kvs_dtype;
 
+// DLPack device types a kvsparse caller uses (`DLDevice.device_type`, `kvs_engine_config.device_type`):
+// the values of dlpack.h's `kDLCPU`, `kDLCUDA`, `kDLCUDAHost`, in the header so a C caller needs no
+// dlpack.h and no bare numbers.
+typedef enum {
+  KVS_DL_CPU = 1,
+  KVS_DL_CUDA = 2,
+  // Pinned host memory: served like CPU memory.
+  KVS_DL_CUDA_HOST = 3,
+} kvs_dl_device_type;
+
+// DLPack type codes (`DLDataType.code`, the values of dlpack.h's `kDLInt`, `kDLUInt`, `kDLFloat`,
+// `kDLBfloat`). kvsparse takes float32 `{KVS_DL_FLOAT, 32, 1}`, float16 `{KVS_DL_FLOAT, 16, 1}`, bfloat16
+// `{KVS_DL_BFLOAT, 16, 1}`, int32 `{KVS_DL_INT, 32, 1}`, int64 `{KVS_DL_INT, 64, 1}` and uint64
+// `{KVS_DL_UINT, 64, 1}`, each argument the ones its documentation names.
+typedef enum {
+  KVS_DL_INT = 0,
+  KVS_DL_UINT = 1,
+  KVS_DL_FLOAT = 2,
+  KVS_DL_BFLOAT = 4,
+} kvs_dl_type_code;
+
 // Opaque engine handle.
 typedef struct kvs_engine kvs_engine;
 
@@ -71,7 +92,7 @@ typedef struct kvs_engine kvs_engine;
 typedef struct {
   // `sizeof(kvs_engine_config)` as the caller was compiled.
   uint32_t struct_size;
-  // DLPack device type of the tensors this engine serves (1 = CPU, 2 = CUDA).
+  // DLPack device type of the tensors this engine serves: `KVS_DL_CPU` (1) or `KVS_DL_CUDA` (2).
   int32_t device_type;
   int32_t device_id;
   // Attention layers served (1 to 4096); layer ids in calls are `0 .. num_layers-1`.

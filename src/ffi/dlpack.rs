@@ -38,9 +38,40 @@ pub struct DLTensor {
     pub byte_offset: u64,
 }
 
-pub const KDL_CPU: i32 = 1;
-pub const KDL_CUDA: i32 = 2;
-pub const KDL_CUDA_HOST: i32 = 3;
+/// DLPack device types a kvsparse caller uses (`DLDevice.device_type`, `kvs_engine_config.device_type`):
+/// the values of dlpack.h's `kDLCPU`, `kDLCUDA`, `kDLCUDAHost`, in the header so a C caller needs no
+/// dlpack.h and no bare numbers.
+#[repr(C)]
+#[allow(non_camel_case_types, clippy::enum_variant_names)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvs_dl_device_type {
+    KVS_DL_CPU = 1,
+    KVS_DL_CUDA = 2,
+    /// Pinned host memory: served like CPU memory.
+    KVS_DL_CUDA_HOST = 3,
+}
+
+/// DLPack type codes (`DLDataType.code`, the values of dlpack.h's `kDLInt`, `kDLUInt`, `kDLFloat`,
+/// `kDLBfloat`). kvsparse takes float32 `{KVS_DL_FLOAT, 32, 1}`, float16 `{KVS_DL_FLOAT, 16, 1}`, bfloat16
+/// `{KVS_DL_BFLOAT, 16, 1}`, int32 `{KVS_DL_INT, 32, 1}`, int64 `{KVS_DL_INT, 64, 1}` and uint64
+/// `{KVS_DL_UINT, 64, 1}`, each argument the ones its documentation names.
+#[repr(C)]
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvs_dl_type_code {
+    KVS_DL_INT = 0,
+    KVS_DL_UINT = 1,
+    KVS_DL_FLOAT = 2,
+    KVS_DL_BFLOAT = 4,
+}
+
+pub const KDL_CPU: i32 = kvs_dl_device_type::KVS_DL_CPU as i32;
+pub const KDL_CUDA: i32 = kvs_dl_device_type::KVS_DL_CUDA as i32;
+pub const KDL_CUDA_HOST: i32 = kvs_dl_device_type::KVS_DL_CUDA_HOST as i32;
+const INT: u8 = kvs_dl_type_code::KVS_DL_INT as u8;
+const UINT: u8 = kvs_dl_type_code::KVS_DL_UINT as u8;
+const FLOAT: u8 = kvs_dl_type_code::KVS_DL_FLOAT as u8;
+const BFLOAT: u8 = kvs_dl_type_code::KVS_DL_BFLOAT as u8;
 
 pub fn device_from_dl(device_type: i32, device_id: i32) -> Result<Device> {
     match device_type {
@@ -61,12 +92,12 @@ pub fn device_to_dl(d: Device) -> DLDevice {
 /// The DLPack dtype of a [`DType`] (the inverse of `dtype_from_dl`).
 pub fn dtype_to_dl(d: DType) -> DLDataType {
     let (code, bits) = match d {
-        DType::F32 => (2, 32),
-        DType::F16 => (2, 16),
-        DType::BF16 => (4, 16),
-        DType::I32 => (0, 32),
-        DType::I64 => (0, 64),
-        DType::U64 => (1, 64),
+        DType::F32 => (FLOAT, 32),
+        DType::F16 => (FLOAT, 16),
+        DType::BF16 => (BFLOAT, 16),
+        DType::I32 => (INT, 32),
+        DType::I64 => (INT, 64),
+        DType::U64 => (UINT, 64),
     };
     DLDataType { code, bits, lanes: 1 }
 }
@@ -74,12 +105,12 @@ pub fn dtype_to_dl(d: DType) -> DLDataType {
 fn dtype_from_dl(name: &str, t: DLDataType) -> Result<DType> {
     ensure!(t.lanes == 1, InvalidDtype, "{name} has {} lanes; only scalar dtypes are supported", t.lanes);
     Ok(match (t.code, t.bits) {
-        (2, 32) => DType::F32,
-        (2, 16) => DType::F16,
-        (4, 16) => DType::BF16,
-        (0, 32) => DType::I32,
-        (0, 64) => DType::I64,
-        (1, 64) => DType::U64,
+        (FLOAT, 32) => DType::F32,
+        (FLOAT, 16) => DType::F16,
+        (BFLOAT, 16) => DType::BF16,
+        (INT, 32) => DType::I32,
+        (INT, 64) => DType::I64,
+        (UINT, 64) => DType::U64,
         (c, b) => bail!(InvalidDtype, "{name} has an unsupported dtype (DLPack code {c}, {b} bits)"),
     })
 }

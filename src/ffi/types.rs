@@ -48,7 +48,7 @@ pub enum kvs_dtype {
 pub struct kvs_engine_config {
     /// `sizeof(kvs_engine_config)` as the caller was compiled.
     pub struct_size: u32,
-    /// DLPack device type of the tensors this engine serves (1 = CPU, 2 = CUDA).
+    /// DLPack device type of the tensors this engine serves: `KVS_DL_CPU` (1) or `KVS_DL_CUDA` (2).
     pub device_type: i32,
     pub device_id: i32,
     /// Attention layers served (1 to 4096); layer ids in calls are `0 .. num_layers-1`.

@@ -68,6 +68,16 @@ impl Args {
     }
 }
 
+/// The `--policy` values. An empty spec would be dense again under an empty name (dense always runs as
+/// the reference), so it is an error, not a silent extra row.
+pub fn policies(a: &Args) -> Result<Vec<String>, String> {
+    let v = a.values_of("policy");
+    match v.iter().find(|p| p.trim().is_empty()) {
+        Some(p) => Err(format!("--policy {p:?}: empty policy spec (dense always runs first as the reference; docs/policies.md lists the policies)")),
+        None => Ok(v),
+    }
+}
+
 /// Parses a dtype name as the CLI spells it.
 pub fn dtype(s: &str) -> Result<kvsparse::DType, String> {
     match s {

@@ -12,7 +12,7 @@ use kvsparse::stats::Counters;
 use kvsparse_conformance::synthetic::{Synth, SynthSpec};
 use kvsparse::EngineConfig;
 
-use crate::args::{dtype, Args};
+use crate::args::{dtype, policies, Args};
 
 const HELP: &str = "usage: kvsparse bench --policy SPEC [--policy SPEC ...] [options]
 
@@ -42,7 +42,7 @@ struct Run {
 
 pub fn run(argv: &[String]) -> Result<(), String> {
     let a = Args::parse(argv, &["policy", "context", "batch", "q-heads", "kv-heads", "head-dim", "block-size", "dtype", "iters", "threads", "seed"], &[], HELP)?;
-    let policies: Vec<String> = a.values_of("policy");
+    let policies: Vec<String> = policies(&a)?;
     if policies.is_empty() {
         return Err(format!("--policy is required\n\n{HELP}"));
     }

@@ -140,7 +140,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     if !kvsparse::cuda::device_available() {
         return Err("no CUDA driver/device available".into());
     }
-    let policies = a.values_of("policy");
+    let policies = crate::args::policies(&a)?;
     if !policies.is_empty() {
         return run_sparse(&a, &policies);
     }

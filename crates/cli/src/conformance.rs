@@ -24,12 +24,18 @@ head). Prints one line per case and device; cases a target does not support are 
 failed. Exits non-zero on any failure. Runs on CUDA device 0 too when a driver and device are present
 (KVS_REQUIRE_CUDA=1: a missing device is a failure).
 
+  --quick        a reduced suite: one representative per axis of the case matrix (head size, dtype, block
+                 size, GQA ratio, lengths) plus every serving case, in seconds instead of minutes; the
+                 sparse contract is the same
+  --seed N       seed of the random inputs (case i uses N+i); default: fresh, printed on the first line so
+                 a failure can be replayed with --seed N
   --lib PATH     run the suite and the sparse contract through the C ABI of the library at PATH (dlopen;
                  any build of kvsparse or another library exposing kvsparse.h) instead of in process
   --export DIR   write the suite to DIR (safetensors per case + manifest.json, float64 reference, tolerances
                  by dtype), kvsparse's CPU outputs to DIR/results/kvsparse-cpu, and DIR/check.py, a numpy-only
                  checker: python3 DIR/check.py DIR  (docs/conformance.md)
-  --filter A,B   only cases and checks whose name contains any of the comma-separated substrings
+  --filter A,B   only cases and checks whose name contains any of the comma-separated substrings (none
+                 matching is an error)
   --dense-only   skip the sparse contract";
 
 pub fn run(argv: &[String]) -> Result<(), String> {
@@ -38,6 +44,10 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     let filter = a.str("filter").unwrap_or("").to_string();
     let quick = a.flag("quick");
     let cases: Vec<_> = suite(quick).into_iter().filter(|c| selected(&c.name, &filter)).collect();
+    let with_contract = !a.flag("dense-only") && a.str("export").is_none();
+    if cases.is_empty() && !(with_contract && sparse::checks(seed).iter().any(|c| selected(&c.name, &filter))) {
+        return Err(format!("--filter {filter:?} matches no case{}", if with_contract { " and no sparse-contract check" } else { "" }));
+    }
     println!("seed {seed} (replay with --seed {seed})");
     if let Some(dir) = a.str("export") {
         return run_export(Path::new(dir), &cases, seed);

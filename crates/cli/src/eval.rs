@@ -13,7 +13,7 @@ use kvsparse::policy::Policy;
 use kvsparse::stats::Counters;
 use kvsparse_conformance::traces::{replay, Manifest, Replay, ReplayOptions, Trace};
 
-use crate::args::{dtype, Args};
+use crate::args::{dtype, policies, Args};
 use crate::plot;
 
 const HELP: &str = "usage: kvsparse eval [options]
@@ -275,7 +275,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     let out_dir = a.str("out").map(PathBuf::from);
 
     // The table's settings, then (with --out) the sweep's; every spec is checked before any replay.
-    let user = a.values_of("policy");
+    let user = policies(&a)?;
     let table_specs = if user.is_empty() { default_policies(budget) } else { user };
     let row = |in_table: bool, spec: String, family: &str, knob: &str, value: f64| Row { oracle_spec: oracle_spec(&spec), in_table, spec, family: family.to_string(), knob: knob.to_string(), value, per_trace: Vec::new(), pooled: Measure::default() };
     // rows[0] is dense, the reference of every other row.
@@ -314,30 +314,52 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         traces.iter().map(|t| format!("{} ({}+{} tokens, layers {:?})", t.name, t.prompt_len, t.decode_steps, t.layers)).collect::<Vec<_>>().join(", "),
         dir.display()
     );
-    println!("engine dtype {:?}, blocks of {}, step stride {}, {} policy settings", opts.dtype, kvsparse_conformance::traces::BLOCK_SIZE, opts.step_stride, rows.len() - 1);
+    // A setting in both the table and the sweep (e.g. `quest(budget=512)`) is replayed once and both rows
+    // share that measurement, time included.
+    let (specs, replay_of) = distinct_specs(&rows);
+    let table_rows = rows.iter().filter(|r| r.in_table).count();
+    let sweep_rows = rows.len() - table_rows;
+    let shared = rows.iter().filter(|r| !r.in_table && rows.iter().any(|t| t.in_table && t.spec == r.spec)).count();
+    let oracles = rows.iter().filter(|r| r.in_table && r.oracle_spec.is_some()).count();
+    println!("engine dtype {:?}, blocks of {}, step stride {}", opts.dtype, kvsparse_conformance::traces::BLOCK_SIZE, opts.step_stride);
+    println!(
+        "{table_rows} table rows (dense + {} policy settings){}; replays per trace: {} (one per distinct spec){}",
+        table_rows - 1,
+        if sweep_rows > 0 { format!(", {sweep_rows} sweep settings for the plot ({shared} also in the table: one replay, one measurement)") } else { String::new() },
+        specs.len(),
+        if oracles > 0 { format!(" + {oracles} ART oracle (probe=full) for the table's ART rows") } else { String::new() }
+    );
 
     let t_all = Instant::now();
     let mut model_errs: Vec<f64> = Vec::new();
     for info in &traces {
         let t0 = Instant::now();
         let tr = manifest.load_trace(info)?;
-        let dense = replay(&tr, "dense", &opts)?;
-        model_errs.extend(errors_vs_model(&tr, &dense));
-        let runs: Vec<Replay> = rows[1..].iter().map(|r| replay(&tr, &expand(&r.spec, info.prompt_len)?, &opts).map_err(|e| format!("{}: {}: {e}", info.name, r.spec))).collect::<Result<_, _>>()?;
-        let refs: Vec<&Replay> = std::iter::once(&dense).chain(runs.iter()).collect();
+        let runs: Vec<Replay> = specs.iter().map(|s| replay(&tr, &expand(s, info.prompt_len)?, &opts).map_err(|e| format!("{}: {s}: {e}", info.name))).collect::<Result<_, _>>()?;
+        let dense = &runs[0];
+        model_errs.extend(errors_vs_model(&tr, dense));
+        let refs: Vec<&Replay> = runs.iter().collect();
         let masses = recovered_mass(&tr, &refs);
-        for ((row, r), mass) in rows.iter_mut().zip(&refs).zip(masses) {
+        let measures: Vec<Measure> = runs
+            .iter()
+            .zip(masses)
+            .map(|(r, mass)| {
+                let art_tiles = r.art_tiles.iter().flatten().fold((0u64, 0u64), |a, &(v, t)| (a.0 + v as u64, a.1 + t as u64));
+                Measure { counters: r.counters, errs: row_errors(r, dense, tr.d), mass, forward_s: r.forward_s, art_tiles, oracle: None }
+            })
+            .collect();
+        let mut n_oracle = 0;
+        for (row, &k) in rows.iter_mut().zip(&replay_of) {
+            let mut m = measures[k].clone();
             // Only the table's rows get the oracle replay (it costs one more replay each).
-            let oracle = match (&row.oracle_spec, row.in_table) {
-                (Some(os), true) => Some(OracleCheck::compare(r, &replay(&tr, os, &opts).map_err(|e| format!("{}: {os}: {e}", info.name))?)),
-                _ => None,
-            };
-            let art_tiles = r.art_tiles.iter().flatten().fold((0u64, 0u64), |a, &(v, t)| (a.0 + v as u64, a.1 + t as u64));
-            let m = Measure { counters: r.counters, errs: row_errors(r, &dense, tr.d), mass, forward_s: r.forward_s, art_tiles, oracle };
+            if let (Some(os), true) = (&row.oracle_spec, row.in_table) {
+                m.oracle = Some(OracleCheck::compare(&runs[k], &replay(&tr, os, &opts).map_err(|e| format!("{}: {os}: {e}", info.name))?));
+                n_oracle += 1;
+            }
             row.pooled.add(&m);
             row.per_trace.push((info.name.clone(), m));
         }
-        eprintln!("  {}: {} replays in {:.1}s", info.name, refs.len(), t0.elapsed().as_secs_f64());
+        eprintln!("  {}: {} replays ({} specs + {n_oracle} ART oracle) in {:.1}s", info.name, runs.len() + n_oracle, runs.len(), t0.elapsed().as_secs_f64());
     }
 
     println!(
@@ -362,6 +384,23 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     }
     println!("eval took {:.1}s", t_all.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// The distinct specs of `rows` in order of first appearance (dense first: rows[0]), and for each row the
+/// index of its spec there.
+fn distinct_specs(rows: &[Row]) -> (Vec<String>, Vec<usize>) {
+    let mut specs: Vec<String> = Vec::new();
+    let index = rows
+        .iter()
+        .map(|r| match specs.iter().position(|s| *s == r.spec) {
+            Some(i) => i,
+            None => {
+                specs.push(r.spec.clone());
+                specs.len() - 1
+            }
+        })
+        .collect();
+    (specs, index)
 }
 
 /// Replaces every `{N/k}` in `spec` by `ceil(n / k)` (a budget relative to the context, for the trace at

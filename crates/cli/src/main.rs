@@ -30,6 +30,7 @@ commands:
 run `kvsparse <command> --help` for the options of a command";
 
 fn main() -> ExitCode {
+    quiet_on_closed_pipe();
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = argv.first() else {
         eprintln!("{USAGE}");
@@ -54,5 +55,15 @@ fn main() -> ExitCode {
             eprintln!("kvsparse {cmd}: {msg}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `kvsparse ... | head -1`: Rust ignores SIGPIPE, so a write to a closed pipe is an error and `println!`
+/// panics ("failed printing to stdout"). A command-line tool ends quietly instead, as `cat` does: restore
+/// the default action (the process ends on SIGPIPE, the shell reports 141).
+fn quiet_on_closed_pipe() {
+    // SAFETY: setting a signal's disposition to the default at start-up, before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }

@@ -174,7 +174,7 @@ fn cuda_engine(f: &Fixture) -> Result<Engine> {
 }
 
 fn failed(spec: &CaseSpec, seed: u64, e: kvsparse::Error) -> CaseResult {
-    CaseResult::refused(&spec.name, seed, e.kind == kvsparse::ErrorKind::Unsupported, e.to_string())
+    CaseResult::refused(&spec.name, seed, &e)
 }
 
 /// Cache write + forward of a fixture on CUDA device 0 (default stream); the outputs come back to the

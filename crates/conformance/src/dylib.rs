@@ -250,6 +250,6 @@ pub fn run_case_lib(lib: &Lib, spec: &CaseSpec, seed: u64) -> CaseResult {
     let res = LibEngine::create(lib, &f.engine_config()).and_then(|e| run_on_engine(&e, &mut f));
     match res {
         Ok(outs) => judge(&f, &outs, seed),
-        Err(e) => CaseResult::refused(&spec.name, seed, e.kind == ErrorKind::Unsupported, e.to_string()),
+        Err(e) => CaseResult::refused(&spec.name, seed, &e),
     }
 }

@@ -13,7 +13,6 @@ use super::fixture::{run_on_engine, Fixture, Outputs};
 use super::hostbuf::HostBuf;
 use super::{judge, tolerance, CaseResult, CaseSpec};
 use kvsparse::engine::Engine;
-use kvsparse::error::ErrorKind;
 use kvsparse::tensor::DType;
 
 /// Format name and version written into the manifest; readers refuse what they do not know.
@@ -163,7 +162,7 @@ pub fn export(dir: &Path, cases: &[CaseSpec], seed: u64, mut progress: impl FnMu
                 total += write_result(&res_dir.join(format!("{}.safetensors", spec.name)), &f, &outs)?;
                 judge(&f, &outs, case_seed)
             }
-            Err(e) => CaseResult::refused(&spec.name, case_seed, e.kind == ErrorKind::Unsupported, e.to_string()),
+            Err(e) => CaseResult::refused(&spec.name, case_seed, &e),
         };
         verdicts.insert(spec.name.clone(), json!(r.verdict()));
         progress(&r);

@@ -72,8 +72,11 @@ pub struct CaseResult {
 }
 
 impl CaseResult {
-    /// A case that produced no output: unsupported when the target said so, else failed.
-    pub fn refused(name: &str, seed: u64, unsupported: bool, error: String) -> Self {
+    /// A case that produced no output: unsupported when the target said so (the verdict then reads
+    /// `unsupported: <why>`), else failed with the error's kind and message.
+    pub fn refused(name: &str, seed: u64, e: &kvsparse::Error) -> Self {
+        let unsupported = e.kind == ErrorKind::Unsupported;
+        let error = if unsupported { e.message.clone() } else { e.to_string() };
         CaseResult { name: name.to_string(), seed, rel_err: f64::NAN, lse_err: f64::NAN, pass: false, unsupported, error: Some(error) }
     }
 
@@ -109,7 +112,7 @@ pub fn run_case_cpu(spec: &CaseSpec, seed: u64) -> CaseResult {
     let res = Engine::new(f.engine_config()).and_then(|e| fixture::run_on_engine(&e, &mut f));
     match res {
         Ok(outs) => judge(&f, &outs, seed),
-        Err(e) => CaseResult::refused(&spec.name, seed, e.kind == ErrorKind::Unsupported, e.to_string()),
+        Err(e) => CaseResult::refused(&spec.name, seed, &e),
     }
 }
 

@@ -239,7 +239,8 @@ impl Check {
         let (mut pass, unsupported, mut known, mut detail) = match r {
             Ok(Ok(d)) => (true, false, false, d),
             Ok(Err(why)) => (false, false, self.known.is_some(), format!("{why} (seed {})", self.seed)),
-            Err(e) => (false, e.kind == ErrorKind::Unsupported, false, e.to_string()),
+            Err(e) if e.kind == ErrorKind::Unsupported => (false, true, false, e.message),
+            Err(e) => (false, false, false, e.to_string()),
         };
         if let Some(reason) = self.known {
             if pass {
