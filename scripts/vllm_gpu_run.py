@@ -117,6 +117,10 @@ def wait_gpu_free(limit_mib=2000, timeout=30):
     return gpu_mem_used_mib()
 
 
+def is_kvsparse(name):
+    return ENGINES[name][1] is not None
+
+
 def policy_for(name, l16):
     backend, spec = ENGINES[name]
     return backend, (None if spec is None else spec.replace("{L16}", str(l16)))
@@ -162,7 +166,7 @@ def random_prompts(seed, lengths, prefix=None):
     rng = random.Random(seed)
     out = []
     for n in lengths:
-        ids = [rng.randrange(1000, 120000) for _ in range(n)]
+        ids = [rng.randrange(10, LLAMA3_8B["vocab_size"] - 10) for _ in range(n)]
         out.append((prefix or []) + ids)
     return out
 
@@ -246,7 +250,7 @@ def part_preempt(args, llm, name):
         rows.append({"request": i, "prompt_len": len(prompts[i]), "equal": bt == at, "first_divergence": k,
                      "prefix_cached_alone": getattr(a, "num_cached_tokens", None)})
     rep = None
-    if ENGINES[name][0] == "CUSTOM":
+    if is_kvsparse(name):
         rep = worker_reports(llm)
     equal = sum(r["equal"] for r in rows)
     RESULTS["preempt"].append({"engine": name, "requests": len(rows), "equal_to_alone": equal, "rows": rows,
@@ -389,9 +393,9 @@ def part_speed(args, root, mdir):
                         continue
                     prompts = random_prompts(zlib.crc32(tag.encode()), [l] * b)
                     inter = random_prompts(99, [extra])[0] if extra else None
-                    before = worker_reports(llm) if ENGINES[name][0] == "CUSTOM" else None
+                    before = worker_reports(llm) if is_kvsparse(name) else None
                     r = timed_decode(llm, prompts, args.decode_tokens, inter, min(args.point_timeout_s, left), tag)
-                    after = worker_reports(llm) if ENGINES[name][0] == "CUSTOM" else None
+                    after = worker_reports(llm) if is_kvsparse(name) else None
                     if before and after and before[0] and after[0]:
                         sb, sa = before[0]["stats"], after[0]["stats"]
                         vis = sa["blocks_visited"] - sb["blocks_visited"]
@@ -526,10 +530,13 @@ def main():
         import vllm
 
         RESULTS["vllm"] = vllm.__version__
-        RESULTS["device"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     except Exception as e:
         record_error("import vllm", e)
+    try:
+        RESULTS["device"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except OSError as e:
+        RESULTS["device"] = f"unknown ({e})"
     log(f"vLLM {RESULTS['vllm']} on {RESULTS['device']}; parts {args.parts}; engines {args.engines}")
     if "badconfig" in args.parts:
         try:
@@ -543,7 +550,8 @@ def main():
         part_speed(args, root, mdir)
     save(args.out)
     summary(args)
+    return 1 if RESULTS["errors"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

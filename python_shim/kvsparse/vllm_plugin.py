@@ -13,7 +13,6 @@ KVSPARSE_OVERRIDE_CPU_ATTN=1: installing the package must not change vLLM's beha
 before any worker starts. Nothing else is wrapped here; per-step hooks are installed only by the kvsparse
 backend itself (vllm_runner.py), so a plain vLLM run executes no kvsparse code per step.
 """
-import functools
 import os
 
 BACKEND_PATH = "kvsparse.vllm_backend.KvSparseBackend"
@@ -37,17 +36,16 @@ def register():
 def _check_configs():
     from vllm.engine.arg_utils import EngineArgs
 
-    orig = EngineArgs.create_engine_config
-    if getattr(orig, _MARK, False):
-        return
+    from .vllm_runner import wrap_method
 
-    @functools.wraps(orig)
-    def create_engine_config(self, *args, **kwargs):
-        config = orig(self, *args, **kwargs)
-        from .vllm_config import check
+    def make(orig):
+        def create_engine_config(self, *args, **kwargs):
+            config = orig(self, *args, **kwargs)
+            from .vllm_config import check
 
-        check(config)
-        return config
+            check(config)
+            return config
 
-    setattr(create_engine_config, _MARK, True)
-    EngineArgs.create_engine_config = create_engine_config
+        return create_engine_config
+
+    wrap_method(EngineArgs, "create_engine_config", make, mark=_MARK)

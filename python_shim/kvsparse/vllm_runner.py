@@ -88,14 +88,19 @@ def find_runner(max_depth=40):
     return None
 
 
-def install(runner):
-    """Wraps `execute_model` of the runner's class (idempotent)."""
-    cls = type(runner)
-    orig = cls.execute_model
-    if getattr(orig, _HOOK_MARK, False):
-        return
+def wrap_method(cls, name, make, mark=_HOOK_MARK):
+    """Replaces `cls.name` by `make(original)` once (a second call finds the mark on the wrapper and does
+    nothing). Returns whether it wrapped."""
+    orig = getattr(cls, name)
+    if getattr(orig, mark, False):
+        return False
+    wrapper = functools.wraps(orig)(make(orig))
+    setattr(wrapper, mark, True)
+    setattr(cls, name, wrapper)
+    return True
 
-    @functools.wraps(orig)
+
+def _execute_model(orig):
     def execute_model(self, scheduler_output, *args, **kwargs):
         # V2: execute_model(scheduler_output, intermediate_tensors=None, dummy_run=False, ...).
         dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
@@ -105,26 +110,25 @@ def install(runner):
         finally:
             TRACKER.end_step()
 
-    setattr(execute_model, _HOOK_MARK, True)
-    cls.execute_model = execute_model
-    if vllm_compat.records_prepare_inputs(cls):
-        _record_prepare_inputs(cls)
+    return execute_model
 
 
-def _record_prepare_inputs(cls):
-    """Wraps `prepare_inputs` of 0.26's V2 runner class: its InputBatch names the step's rows in order."""
-    orig = cls.prepare_inputs
-    if getattr(orig, _HOOK_MARK, False):
-        return
+def _prepare_inputs(orig):
+    """0.26's V2 runner: the InputBatch that prepare_inputs returns names the step's rows in order."""
 
-    @functools.wraps(orig)
     def prepare_inputs(self, *args, **kwargs):
         batch = orig(self, *args, **kwargs)
         TRACKER.record_rows(getattr(batch, "req_ids", None))
         return batch
 
-    setattr(prepare_inputs, _HOOK_MARK, True)
-    cls.prepare_inputs = prepare_inputs
+    return prepare_inputs
+
+
+def install(runner):
+    """Wraps `execute_model` of the runner's class (idempotent), and on 0.26's V2 runner `prepare_inputs`."""
+    cls = type(runner)
+    if wrap_method(cls, "execute_model", _execute_model) and vllm_compat.records_prepare_inputs(cls):
+        wrap_method(cls, "prepare_inputs", _prepare_inputs)
 
 
 def hooked(runner_cls) -> bool:

@@ -144,15 +144,18 @@ def test_vllm_026_v2_runner_rows_come_from_prepare_inputs(monkeypatch):
     r = cls()
     vllm_runner.install(r)
     assert vllm_runner.hooked(cls) and getattr(cls.prepare_inputs, vllm_runner._HOOK_MARK, False)
-    r.execute_model(_step(["a", "b"], padded=4))  # a FULL-graph batch padded to 4 rows
-    r.execute_model(_step(["b", "a", "c"], padded=3))  # reordered, one more request
-    r.execute_model(_step(["c"], padded=1, finished=["a"], preempted=["b"]))
+    # (request names of their own: TRACKER's lifecycle counters are process-wide)
+    a, b, c = "compat-a", "compat-b", "compat-c"
+    r.execute_model(_step([a, b], padded=4))  # a FULL-graph batch padded to 4 rows
+    r.execute_model(_step([b, a, c], padded=3))  # reordered, one more request
+    r.execute_model(_step([c], padded=1, finished=[a], preempted=[b]))
     r.execute_model(None, dummy_run=True)
     s1, s2, s3, s4 = r.seen
     assert s1[2] >= EPHEMERAL_BASE and s1[3] >= EPHEMERAL_BASE  # padding rows
     assert s2[:2] == [s1[1], s1[0]]  # the same request keeps its id across reordering
     assert s3 == [s2[2]]
     assert s1[0] in released and s1[1] in released  # finished and preempted released
+    assert vllm_runner.TRACKER.lifecycle()[b] == [1, 1, 1]  # assigned, released, restarts
     assert all(i >= EPHEMERAL_BASE for i in s4)  # a dummy run names no request
     vllm_runner.install(r)  # idempotent: wrapped once
     assert cls.prepare_inputs.__wrapped__ is _Runner026.prepare_inputs
