@@ -497,7 +497,7 @@ def main():
     ap.add_argument("--parts", default="tokens,preempt,badconfig", help="tokens,preempt,badconfig,speed")
     ap.add_argument("--engines", default="FLASH_ATTN,dense,quest,refresh",
                     help=f"comma list of {', '.join(ENGINES)}; the first is the tokens reference")
-    ap.add_argument("--points", default="32x8192,1x32768,8x32768,8x32768+32768,1x131072",
+    ap.add_argument("--points", default="1x32768,32x8192,8x32768,8x32768+32768,1x131072",
                     help="speed points BxL or BxL+M (M-token prompt interleaved)")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--gen", type=int, default=48, help="greedy tokens per prompt in the tokens part")
