@@ -179,6 +179,25 @@ def worker_reports(llm):
     return llm.collective_rpc(worker_report)
 
 
+def realistic_weights(worker, seed=0):
+    """Runs in each worker (LLM.collective_rpc): replaces vLLM's dummy weights (uniform in +-1e-3, which
+    make the logits nearly uniform, so that almost every greedy step is a tie) by seeded N(0, 0.02) matrices
+    and unit norm weights, in place (captured graphs keep their addresses). The same seed gives every
+    engine the same model."""
+    import torch
+
+    model = worker.model_runner.model
+    rank = getattr(worker, "rank", 0) or 0
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(model.named_parameters())):
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                g = torch.Generator(device=p.device).manual_seed(seed * 1000003 + rank * 10007 + i)
+                p.normal_(0.0, 0.02, generator=g)
+    return True
+
+
 # -- tokens -----------------------------------------------------------------------------------------------
 
 def top2(lp_step):
@@ -358,11 +377,14 @@ def timed_decode(llm, prompts, n_decode, interloper, timeout_s, tag):
         res["decode_tok_s"] = round(res["decode_tokens"] / span, 1) if span > 0 else None
     if inter_id is not None:
         t1 = first.get(inter_id)
-        mixed = [(t, d) for t, d in dec if t_inter < t <= (t1 or float("inf"))]
         res["interloper_prefill_s"] = None if t1 is None else round(t1 - t_inter, 2)
-        if mixed and t1 is not None and t1 > t_inter:
+        # The decoders' tokens while the interloper prefills (until its first token or their last one).
+        t_end = min(t1 or float("inf"), dec[-1][0] if dec else t_inter)
+        mixed = [(t, d) for t, d in dec if t_inter < t <= t_end]
+        if mixed and t_end > t_inter:
             res["mixed_decode_tokens"] = sum(d for _, d in mixed)
-            res["mixed_decode_tok_s"] = round(res["mixed_decode_tokens"] / (t1 - t_inter), 1)
+            res["mixed_decode_tok_s"] = round(res["mixed_decode_tokens"] / (t_end - t_inter), 1)
+            res["mixed_window_s"] = round(t_end - t_inter, 2)
     return res
 
 
@@ -431,6 +453,8 @@ def part_engines(args, root, mdir):
             if "preempt" in args.parts:
                 kw["num_gpu_blocks_override"] = args.preempt_blocks
             llm, _ = make_llm(args, mdir, name, SMALL_L16, **kw)
+            if args.weights == "realistic":
+                llm.collective_rpc(realistic_weights, args=(args.seed,))
             if "tokens" in args.parts:
                 out = part_tokens(args, llm, name, ref, prompts)
                 if ref is None:
@@ -507,6 +531,8 @@ def main():
     ap.add_argument("--preempt-blocks", type=int, default=360,
                     help="KV blocks (of 16 tokens) of the tokens/preempt engines: the tokens batch needs ~320, "
                          "the preempt batch ~420 at its end")
+    ap.add_argument("--weights", choices=["realistic", "dummy"], default="realistic",
+                    help="tokens/preempt engines: seeded N(0, 0.02) weights (see realistic_weights) or vLLM's dummy ones")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--gpu-mem", type=float, default=0.85, help="gpu_memory_utilization")
     ap.add_argument("--max-num-seqs", type=int, default=64)
