@@ -257,17 +257,16 @@ def preempt_prompts(seed):
 
 def part_preempt(args, llm, name):
     prompts = preempt_prompts(args.seed)
-    sp = sampling(args.preempt_gen)
+    sp = sampling(args.preempt_gen, logprobs=2)
     t = time.monotonic()
     batch = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     batch_s = time.monotonic() - t
     alone = [llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0] for p in prompts]
-    rows = []
-    for i, (b, a) in enumerate(zip(batch, alone)):
-        bt, at = list(b.outputs[0].token_ids), list(a.outputs[0].token_ids)
-        k = next((j for j, (x, y) in enumerate(zip(bt, at)) if x != y), None)
-        rows.append({"request": i, "prompt_len": len(prompts[i]), "equal": bt == at, "first_divergence": k,
-                     "prefix_cached_alone": getattr(a, "num_cached_tokens", None)})
+    # Alone is the reference: at a divergence, its top-2 gap says whether the batch's token was a bf16 tie.
+    rows = compare(alone, batch)
+    for r, a in zip(rows, alone):
+        r["equal"] = "first_divergence" not in r and r["agree"] == r["tokens"]
+        r["prefix_cached_alone"] = getattr(a, "num_cached_tokens", None)
     rep = None
     if is_kvsparse(name):
         rep = worker_reports(llm)
@@ -282,6 +281,9 @@ def part_preempt(args, llm, name):
                 summary += (f"\n    rank {w.get('rank')}: preemptions seen {w['restarts']}, request ids live "
                             f"{w['live_ids']}, engine sequences live {w['stats']['live_sequences']} "
                             f"created {w['stats']['sequences_created']} released {w['stats']['sequences_released']}")
+    summary += "".join(f"\n    request {r['prompt']} diverges at token {r['first_divergence']}: alone's top-2 gap "
+                       f"{r['ref_gap']:.4f} (batch chose alone's 2nd: {r['chosen_is_ref_second']})"
+                       for r in rows if "first_divergence" in r)
     log(f"preempt {name}: {equal}/{len(rows)} requests equal to the same request run alone "
         f"(batch {batch_s:.1f} s; KV {args.preempt_blocks} blocks){summary}")
 
