@@ -274,6 +274,13 @@ const char *kvs_last_error(void);
 // The model fields (layers, heads, head_dim, block_size) must still be set.
 kvs_status kvs_engine_config_init(kvs_engine_config *config);
 
+// Checks a configuration as `kvs_engine_create` would (geometry, dtype, policy spec, and for a CUDA device
+// whether the CUDA backend runs the policy) without creating anything or touching any device: no GPU
+// context, no thread, no allocation beyond the check. `KVS_OK` means only that creation would not refuse
+// the configuration itself (it can still fail for lack of a device or memory). For serving engines that
+// must report a bad configuration in a process that cannot create the engine (e.g. before forking workers).
+kvs_status kvs_engine_config_check(const kvs_engine_config *config);
+
 // Creates an engine. On success `*out` owns a new engine (free it with `kvs_engine_destroy`); on failure
 // `*out` is set to NULL (when `out` is not NULL) and nothing is allocated. The config is read during the
 // call only. A bad configuration (head size, block size, GQA ratio, policy spec, device) fails here.

@@ -96,9 +96,24 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn new(cfg: EngineConfig) -> Result<Self> {
+    /// Everything `new` checks about `cfg` that needs no device and no allocation: the geometry, the policy
+    /// spec, and (for a CUDA device) whether the CUDA backend runs the policy. Serving plugins call it (through
+    /// `kvs_engine_config_check`) where the engine cannot be made yet, e.g. in a process that must not touch
+    /// the GPU before its workers fork.
+    pub fn check_config(cfg: &EngineConfig) -> Result<Policy> {
         cfg.validate()?;
         let policy = Policy::parse(&cfg.policy)?;
+        if let (Device::Cuda(_), Some(p)) = (cfg.device, policy.pipeline()) {
+            // Fail at engine start, not on the first forward call, when the policy has no GPU path yet.
+            if let Err(why) = crate::cuda::sparse::supported(p, cfg.group_size()) {
+                bail!(Unsupported, "policy {:?}: {why}", cfg.policy);
+            }
+        }
+        Ok(policy)
+    }
+
+    pub fn new(cfg: EngineConfig) -> Result<Self> {
+        let policy = Self::check_config(&cfg)?;
         let predictor = match policy.pipeline().map(|p| &p.selector) {
             Some(Selector::Predictor(_)) => Some(std::sync::Arc::new(match &policy.spec.predictor_weights {
                 Some(path) => crate::policy::predictor::PredictorWeights::from_file(path)?,
@@ -108,12 +123,6 @@ impl Engine {
         };
         let cuda = match cfg.device {
             Device::Cuda(i) => {
-                // Fail at engine start, not on the first forward call, when the policy has no GPU path yet.
-                if let Some(p) = policy.pipeline() {
-                    if let Err(why) = crate::cuda::sparse::supported(p, cfg.group_size()) {
-                        bail!(Unsupported, "policy {:?}: {why}", cfg.policy);
-                    }
-                }
                 let mut b = crate::cuda::CudaBackend::new(&cfg, i, policy.device_meta_needs(), policy.device_slots())?;
                 if let (Some(w), Some(Selector::Predictor(ps))) = (&predictor, policy.pipeline().map(|p| &p.selector)) {
                     b.init_predictor(w, *ps, cfg.num_layers, cfg.num_kv_heads, policy.spec.max_seqs)?;

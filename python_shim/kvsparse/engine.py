@@ -51,29 +51,47 @@ def check(status: int, what: str):
 _check = check
 
 
+def _engine_config(*, num_layers, num_q_heads, num_kv_heads, head_dim, block_size, dtype=torch.float16,
+                   device="cpu", policy="", num_threads=0, max_state_bytes=0):
+    """The C config (and the policy string it points at, which must outlive it) of an engine."""
+    if dtype not in _DTYPE:
+        raise KvsUnsupported(f"dtype {dtype} is not supported (float32, float16, bfloat16)")
+    cfg = ffi.new("kvs_engine_config *")
+    _check(lib.kvs_engine_config_init(cfg), "config_init")
+    dev = torch.device(device)
+    cfg.device_type = 1 if dev.type == "cpu" else 2
+    cfg.device_id = dev.index or 0
+    cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads = num_layers, num_q_heads, num_kv_heads
+    cfg.head_dim, cfg.block_size = head_dim, block_size
+    cfg.dtype = _DTYPE[dtype]
+    cfg.num_threads, cfg.max_state_bytes = num_threads, max_state_bytes
+    spec = ffi.new("char[]", (policy or "").encode())
+    cfg.policy = spec
+    return cfg, spec
+
+
+def check_config(**config):
+    """Raises what `Engine(**config)` would raise about the configuration itself (geometry, dtype, policy spec,
+    and on a CUDA device whether the CUDA engine runs the policy), without creating an engine or touching any
+    device (`kvs_engine_config_check`): the check a serving engine runs before it starts its workers. The
+    error reads as the engine's (`kvsparse engine_create: ...`), since it is the same check."""
+    cfg, _spec = _engine_config(**config)
+    _check(lib.kvs_engine_config_check(cfg), "engine_create")
+
+
 class Engine:
     """One kvsparse engine (all attention layers of one model on one device)."""
 
     def __init__(self, *, num_layers, num_q_heads, num_kv_heads, head_dim, block_size,
                  dtype=torch.float16, device="cpu", policy="", num_threads=0, max_state_bytes=0):
-        if dtype not in _DTYPE:
-            raise KvsUnsupported(f"dtype {dtype} is not supported (float32, float16, bfloat16)")
-        cfg = ffi.new("kvs_engine_config *")
-        _check(lib.kvs_engine_config_init(cfg), "config_init")
-        dev = torch.device(device)
-        cfg.device_type = 1 if dev.type == "cpu" else 2
-        cfg.device_id = dev.index or 0
-        cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads = num_layers, num_q_heads, num_kv_heads
-        cfg.head_dim, cfg.block_size = head_dim, block_size
-        cfg.dtype = _DTYPE[dtype]
-        cfg.num_threads, cfg.max_state_bytes = num_threads, max_state_bytes
-        spec = ffi.new("char[]", (policy or "").encode())
-        cfg.policy = spec
+        cfg, _spec = _engine_config(num_layers=num_layers, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                    head_dim=head_dim, block_size=block_size, dtype=dtype, device=device,
+                                    policy=policy, num_threads=num_threads, max_state_bytes=max_state_bytes)
         out = ffi.new("kvs_engine **")
         _check(lib.kvs_engine_create(cfg, out), "engine_create")
         self._h = ffi.gc(out[0], lib.kvs_engine_destroy)
         self.policy = policy or ""
-        self.device = torch.device("cpu") if dev.type == "cpu" else torch.device("cuda", cfg.device_id)
+        self.device = torch.device("cpu") if cfg.device_type == 1 else torch.device("cuda", cfg.device_id)
         self.dtype = dtype
         self.num_layers = num_layers
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim

@@ -1,8 +1,9 @@
 """vLLM attention backend running prefill, chunked prefill and decode through kvsparse.
 
-KV cache: vLLM 0.32 allocates each layer's cache as a logical [blocks, kv_heads, block_size, 2*head_size]
-view in a layout the backend accepts; we accept the head-major LBHNC and the token-major LBNHC (flash's
-layout), preferring one by device and token width (`preferred_layouts`), and pass K and V to kvsparse as
+KV cache: vLLM (0.26 and 0.32) allocates each layer's cache as a logical [blocks, kv_heads, block_size,
+2*head_size] view in a layout the backend accepts (how that is declared differs: vllm_compat.py); we accept
+the head-major LBHNC/HND and the token-major LBNHC/NHD (flash's layout), on 0.32 preferring one by device
+and token width (`preferred_layouts`), and pass K and V to kvsparse as
 strided [blocks, block_size, kv_heads, head_size] views, with no copy (`kv_views`: on the CPU with head-major
 blocks the two halves of each block's plane of one head, else the two halves of each row). One kvsparse
 engine per process serves all layers.
@@ -40,9 +41,10 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from vllm.v1.kv_cache_interface import KVCacheLayout
 
+from . import vllm_compat
 from . import vllm_config as kcfg
+from .vllm_config import BLOCK_SIZES, kernel_block_size  # noqa: F401 - part of the backend's declarations
 from . import vllm_runner
 from .engine import Engine
 from .step import IdBuffer, LayerCall, StepMeta, raw_stream
@@ -62,7 +64,6 @@ def log_every(device) -> int:
 
 # What kvs_engine_create accepts (include/kvsparse.h), declared to vLLM so it can choose or refuse up front.
 HEAD_SIZES = [64, 80, 96, 112, 128, 192, 256]
-BLOCK_SIZES = [1 << i for i in range(9)]
 # Policy stages (spec names, docs/policies.md) whose decode steps the CUDA engine runs inside a CUDA graph,
 # as checked on the GPU by scripts/gpu_shim_check.py --policy SPEC (the shared step module, every layer's cache
 # write + attention captured and replayed == eager) or scripts/gpu_e2e.py's graph == eager check of a whole
@@ -75,14 +76,12 @@ BLOCK_SIZES = [1 << i for i in range(9)]
 GRAPH_POLICY_STAGES = frozenset({"all", "streaming", "quest", "top_p", "art"})
 
 
-
-def kernel_block_size(block_size: int) -> int:
-    """The block size vLLM gives kvsparse for its cache blocks of `block_size` tokens: the size itself when
-    supported, else (vLLM's select_common_block_size) the largest supported size dividing it, vLLM then
-    addressing the cache in kernel blocks of that size."""
-    if block_size in BLOCK_SIZES:
-        return block_size
-    return max(b for b in BLOCK_SIZES if block_size % b == 0)
+def engine_device(vllm_config):
+    """The device of this process's engine: the CPU, or the CUDA device vLLM made current for this worker
+    (under tensor parallelism each rank's own GPU, not cuda:0)."""
+    if kcfg.device_type(vllm_config) == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 _engine_lock = threading.Lock()
@@ -105,7 +104,7 @@ def get_engine(vllm_config=None, num_q_heads=None, num_kv_heads=None, head_dim=N
                 head_dim=head_dim,
                 block_size=kernel_block_size(vllm_config.cache_config.block_size),
                 dtype=mc.dtype,
-                device="cpu" if vllm_config.device_config.device.type == "cpu" else "cuda",
+                device=engine_device(vllm_config),
                 policy=kcfg.policy(vllm_config),
                 num_threads=int(os.environ.get("KVSPARSE_NUM_THREADS", "0")),
             )
@@ -125,6 +124,24 @@ def log_stats(engine):
              s["blocks_visited"], s["blocks_eligible"], s["blocks_skipped_termination"], s["kv_bytes_read"],
              s["live_sequences"], s["sequences_created"], s["sequences_released"])
     return s
+
+
+def worker_report(worker=None):
+    """This worker's kvsparse state, for `LLM.collective_rpc(worker_report)` (the function runs in each
+    worker, `worker` being vLLM's worker object): the engine's counters (`stats()`, which synchronizes a
+    CUDA device: not for a hot loop), the request ids live in the tracker, the preemptions it saw and, per
+    request, ids assigned / released by the engine / restarts. None where no kvsparse engine was made."""
+    e = get_engine()
+    if e is None:
+        return None
+    lifecycle = TRACKER.lifecycle()
+    requests = {k: v for k, v in lifecycle.items() if k != "<dummy>"}
+    rank = getattr(worker, "rank", None)
+    return dict(rank=rank, policy=e.policy or "dense", device=str(e.device), stats=e.stats(),
+                live_ids=len(TRACKER.live()), requests=len(requests),
+                restarts=sum(v[2] for v in requests.values()),
+                ids_assigned=sum(v[0] for v in requests.values()),
+                ids_released_by_engine=sum(v[1] for v in requests.values()))
 
 
 class KvSparseBackend(AttentionBackend):
@@ -147,10 +164,22 @@ class KvSparseBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls):
+        """vLLM 0.32: the layouts we read, most preferred first."""
         e = get_engine()  # made with the model's first attention layer, before vLLM resolves the cache layout
         if e is None:
             return preferred_layouts(current_platform.is_cpu())
         return preferred_layouts(e.device.type == "cpu", e.num_kv_heads * 2 * e.head_dim * e.dtype.itemsize)
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        """vLLM 0.26: the logical shape of a layer's cache, [blocks, kv_heads, block_size, 2 * head_size]."""
+        return vllm_compat.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False):
+        """vLLM 0.26: the physical order of those axes for vLLM's layout ($VLLM_KV_CACHE_LAYOUT, default NHD:
+        token-major, the layout the CUDA kernels were tuned on); kv_views reads either."""
+        return vllm_compat.kv_cache_stride_order(vllm_compat.current_layout_name(), include_num_layers_dimension)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -200,11 +229,9 @@ def preferred_layouts(cpu: bool, token_bytes: int = 0):
     per token) ran at 0.77-0.94x of the token-major time with bf16 and 0.88-1.02x with f32 on two threads
     (1.02-1.08x with f32 on one); token-major (LBNHC) for wide ones -- the Llama-8B shape (8 x 128, 4-8 KiB
     per token) ran up to 1.2x (f32) and 1.3-1.7x (bf16) slower over head-major blocks. CUDA: token-major, the layout the GPU kernels were tuned and measured on.
-    `VLLM_KV_CACHE_LAYOUT=HND|NHD` overrides the choice."""
-    head_major, token_major = KVCacheLayout.LBHNC, KVCacheLayout.LBNHC
-    if cpu and token_bytes < WIDE_TOKEN_BYTES:
-        return (head_major, token_major)
-    return (token_major, head_major)
+    `VLLM_KV_CACHE_LAYOUT=HND|NHD` overrides the choice. (vLLM 0.32's declaration; 0.26 takes vLLM's own
+    layout choice, see get_kv_cache_stride_order.)"""
+    return vllm_compat.layout_list(head_major_first=cpu and token_bytes < WIDE_TOKEN_BYTES)
 
 
 def kv_views(kv_cache: torch.Tensor, head_size: int):
@@ -234,7 +261,7 @@ def graph_capturable(spec: str) -> bool:
 
 
 def graphs_supported(vllm_config) -> bool:
-    return vllm_config.device_config.device.type == "cuda" and graph_capturable(kcfg.policy(vllm_config))
+    return kcfg.device_type(vllm_config) == "cuda" and graph_capturable(kcfg.policy(vllm_config))
 
 
 class KvSparseMetadataBuilder(AttentionMetadataBuilder[KvSparseMetadata]):

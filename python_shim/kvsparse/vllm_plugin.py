@@ -1,5 +1,9 @@
 """vLLM `general_plugins` entry point: registers the kvsparse attention backend and its config check.
 
+The installed vLLM's version is checked first (`vllm_compat.check_version`: 0.26 on CUDA, 0.32 on the CPU);
+another one raises `UnsupportedVllmVersion` with the supported list, unless
+KVSPARSE_ALLOW_UNSUPPORTED_VLLM=1.
+
 On GPU platforms the backend is registered as `CUSTOM` (select it with attention_backend="CUSTOM"). The CPU
 platform always resolves `CPU_ATTN`, so there the plugin replaces that entry, but only when
 KVSPARSE_OVERRIDE_CPU_ATTN=1: installing the package must not change vLLM's behaviour by itself.
@@ -9,7 +13,6 @@ KVSPARSE_OVERRIDE_CPU_ATTN=1: installing the package must not change vLLM's beha
 before any worker starts. Nothing else is wrapped here; per-step hooks are installed only by the kvsparse
 backend itself (vllm_runner.py), so a plain vLLM run executes no kvsparse code per step.
 """
-import functools
 import os
 
 BACKEND_PATH = "kvsparse.vllm_backend.KvSparseBackend"
@@ -17,6 +20,11 @@ _MARK = "_kvsparse_checked"
 
 
 def register():
+    from .vllm_compat import check_version
+
+    # An unsupported vLLM fails here, in every process, before any of its classes is touched: vLLM's
+    # attention-backend interface changes between minor versions (vllm_compat.py lists what differs).
+    check_version()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
@@ -28,17 +36,16 @@ def register():
 def _check_configs():
     from vllm.engine.arg_utils import EngineArgs
 
-    orig = EngineArgs.create_engine_config
-    if getattr(orig, _MARK, False):
-        return
+    from .vllm_runner import wrap_method
 
-    @functools.wraps(orig)
-    def create_engine_config(self, *args, **kwargs):
-        config = orig(self, *args, **kwargs)
-        from .vllm_config import check
+    def make(orig):
+        def create_engine_config(self, *args, **kwargs):
+            config = orig(self, *args, **kwargs)
+            from .vllm_config import check
 
-        check(config)
-        return config
+            check(config)
+            return config
 
-    setattr(create_engine_config, _MARK, True)
-    EngineArgs.create_engine_config = create_engine_config
+        return create_engine_config
+
+    wrap_method(EngineArgs, "create_engine_config", make, mark=_MARK)

@@ -109,6 +109,30 @@ unsafe fn config_from_c(c: &kvs_engine_config) -> Result<EngineConfig> {
     })
 }
 
+/// The engine config behind a C pointer, checked as far as reading it needs.
+unsafe fn config_arg(config: *const kvs_engine_config) -> Result<EngineConfig> {
+    ensure!(!config.is_null(), InvalidArgument, "config is NULL");
+    // The dtype field is an enum: check its raw value before Rust reads it as one.
+    let raw_dtype = std::ptr::addr_of!((*config).dtype) as *const i32;
+    let dt = raw_dtype.read_unaligned();
+    ensure!((0..=2).contains(&dt), InvalidDtype, "config.dtype {dt} is not a kvs_dtype");
+    let c = args_ref("kvs_engine_config", config, |c| c.struct_size)?;
+    config_from_c(c)
+}
+
+/// Checks a configuration as `kvs_engine_create` would (geometry, dtype, policy spec, and for a CUDA device
+/// whether the CUDA backend runs the policy) without creating anything or touching any device: no GPU
+/// context, no thread, no allocation beyond the check. `KVS_OK` means only that creation would not refuse
+/// the configuration itself (it can still fail for lack of a device or memory). For serving engines that
+/// must report a bad configuration in a process that cannot create the engine (e.g. before forking workers).
+#[no_mangle]
+pub unsafe extern "C" fn kvs_engine_config_check(config: *const kvs_engine_config) -> kvs_status {
+    guard(|| {
+        Engine::check_config(&config_arg(config)?)?;
+        Ok(())
+    })
+}
+
 /// Creates an engine. On success `*out` owns a new engine (free it with `kvs_engine_destroy`); on failure
 /// `*out` is set to NULL (when `out` is not NULL) and nothing is allocated. The config is read during the
 /// call only. A bad configuration (head size, block size, GQA ratio, policy spec, device) fails here.
@@ -117,13 +141,7 @@ pub unsafe extern "C" fn kvs_engine_create(config: *const kvs_engine_config, out
     guard(|| {
         ensure!(!out.is_null(), InvalidArgument, "out is NULL");
         out.write(std::ptr::null_mut());
-        // The dtype field is an enum: check its raw value before Rust reads it as one.
-        ensure!(!config.is_null(), InvalidArgument, "config is NULL");
-        let raw_dtype = std::ptr::addr_of!((*config).dtype) as *const i32;
-        let dt = raw_dtype.read_unaligned();
-        ensure!((0..=2).contains(&dt), InvalidDtype, "config.dtype {dt} is not a kvs_dtype");
-        let c = args_ref("kvs_engine_config", config, |c| c.struct_size)?;
-        let engine = Engine::new(config_from_c(c)?)?;
+        let engine = Engine::new(config_arg(config)?)?;
         out.write(Box::into_raw(Box::new(kvs_engine { inner: engine })));
         Ok(())
     })

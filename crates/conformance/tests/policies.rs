@@ -388,6 +388,48 @@ fn policy_specs_through_the_c_abi() {
     }
 }
 
+/// `kvs_engine_config_check` refuses what `kvs_engine_create` would refuse, for the config's device, without
+/// creating anything: on this GPU-less machine a CUDA config is checked (a policy the CUDA backend does not
+/// run, a bad spec, an unsupported head size) and a good one passes, although no CUDA engine could be made.
+#[test]
+fn config_check_refuses_what_creation_would_without_a_device() {
+    use kvsparse::ffi::types::{kvs_engine_config, kvs_status};
+    use kvsparse::ffi::{kvs_engine_config_check, kvs_engine_config_init, kvs_last_error};
+    use std::ffi::{CStr, CString};
+    let cases = [
+        (2, 128, "", kvs_status::KVS_OK, ""),
+        (2, 128, "quest(budget=256)", kvs_status::KVS_OK, ""),
+        (1, 128, "snapkv(budget=256) > art(tau=1e-3, phi=1e-2, patience=2)", kvs_status::KVS_OK, ""),
+        (2, 128, "snapkv(budget=256) > art(tau=1e-3, phi=1e-2, patience=2)", kvs_status::KVS_ERR_UNSUPPORTED, "CUDA backend"),
+        (2, 128, "nonsense(", kvs_status::KVS_ERR_INVALID_ARGUMENT, "position"),
+        (2, 72, "", kvs_status::KVS_ERR_UNSUPPORTED, "head_dim 72"),
+    ];
+    for (device_type, head_dim, spec, want, text) in cases {
+        let spec_c = CString::new(spec).unwrap();
+        // SAFETY: plain C calls with valid pointers.
+        unsafe {
+            let mut cfg: kvs_engine_config = std::mem::zeroed();
+            cfg.struct_size = std::mem::size_of::<kvs_engine_config>() as u32;
+            assert_eq!(kvs_engine_config_init(&mut cfg), kvs_status::KVS_OK);
+            cfg.device_type = device_type;
+            cfg.num_layers = 32;
+            cfg.num_q_heads = 32;
+            cfg.num_kv_heads = 8;
+            cfg.head_dim = head_dim;
+            cfg.block_size = 16;
+            cfg.policy = spec_c.as_ptr();
+            let st = kvs_engine_config_check(&cfg);
+            assert_eq!(st, want, "device {device_type} head_dim {head_dim} {spec:?}");
+            if want != kvs_status::KVS_OK {
+                let msg = CStr::from_ptr(kvs_last_error()).to_string_lossy().into_owned();
+                assert!(msg.contains(text), "{spec:?}: {msg}");
+            }
+        }
+    }
+    // SAFETY: a NULL config is refused, not read.
+    assert_eq!(unsafe { kvs_engine_config_check(std::ptr::null()) }, kvs_status::KVS_ERR_INVALID_ARGUMENT);
+}
+
 /// ART's decision (docs/policies.md, "art"): tiles of 64 slots of the visit order, the paper's lane
 /// probe, Eq. 2-3 with patience. The engine's stop tile (its visit records) must equal an independent
 /// float64 simulation of the same definition on the same inputs, except where a tile's d_scale or d_dir
