@@ -258,8 +258,10 @@ fn prefill_rows_are_the_same_bits_on_any_thread_count() {
     // with the pool's size. Decode rows split by the thread count and are not compared.
     let seed = Rng::fresh_seed();
     println!("seed {seed}");
-    let cases: Vec<_> = matrix(true).into_iter().filter(|c| c.seqs.iter().any(|&(q, _)| q > 1)).collect();
+    let mut cases: Vec<_> = matrix(true).into_iter().filter(|c| c.seqs.iter().any(|&(q, _)| q > 1)).collect();
     assert!(cases.len() >= 5);
+    // A short extend over a long prefix, alone in its call: the case a thread-count split would cut.
+    cases.push(kvsparse::conformance::fixture::CaseSpec::new("extend-5-over-3000-f32", DType::F32, 128, 8, 2, 16, vec![(5, 3000)]));
     for case in cases {
         let mut runs = Vec::new();
         for threads in [1usize, 2, 5] {
