@@ -50,12 +50,12 @@ pub struct SeqKv<'a> {
 impl SeqKv<'_> {
     // Block sizes are powers of two (validated), so position → (block, offset) is a shift and a mask.
     #[inline(always)]
-    fn k_row(&self, pos: usize) -> *const u8 {
+    pub(crate) fn k_row(&self, pos: usize) -> *const u8 {
         let sh = self.cache.block_size.trailing_zeros();
         self.cache.k_row(self.blocks[pos >> sh] as usize, pos & (self.cache.block_size - 1), self.head)
     }
     #[inline(always)]
-    fn v_row(&self, pos: usize) -> *const u8 {
+    pub(crate) fn v_row(&self, pos: usize) -> *const u8 {
         let sh = self.cache.block_size.trailing_zeros();
         self.cache.v_row(self.blocks[pos >> sh] as usize, pos & (self.cache.block_size - 1), self.head)
     }

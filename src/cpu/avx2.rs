@@ -17,6 +17,56 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Eight f32 lanes for the prefill micro-kernels ([`super::prefill`]); only valid inside code compiled
+/// with AVX2 and FMA enabled (the `#[inline(always)]` bodies are inlined into such functions).
+#[derive(Clone, Copy)]
+pub(crate) struct Ymm;
+
+impl super::prefill::Simd for Ymm {
+    const L: usize = 8;
+    type V = __m256;
+    #[inline(always)]
+    unsafe fn zero() -> __m256 {
+        _mm256_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn splat(p: *const f32) -> __m256 {
+        _mm256_broadcast_ss(&*p)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+        _mm256_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m256) {
+        _mm256_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m256, b: __m256) -> __m256 {
+        _mm256_add_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m256, b: __m256) -> __m256 {
+        _mm256_sub_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m256, b: __m256) -> __m256 {
+        _mm256_max_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn and(a: __m256, b: __m256) -> __m256 {
+        _mm256_and_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn exp(x: __m256) -> __m256 {
+        exp8(x)
+    }
+}
+
 /// Row formats the kernels read directly (no f32 staging copy): the const parameter of
 /// [`scores_rows`] and [`accumulate_rows`].
 pub const FMT_F32: u8 = 0;

@@ -24,6 +24,56 @@ macro_rules! load16 {
     };
 }
 
+/// Sixteen f32 lanes for the prefill micro-kernels ([`super::prefill`]); only valid inside code compiled
+/// with AVX-512F enabled (the `#[inline(always)]` bodies are inlined into such functions).
+#[derive(Clone, Copy)]
+pub(crate) struct Zmm;
+
+impl super::prefill::Simd for Zmm {
+    const L: usize = 16;
+    type V = __m512;
+    #[inline(always)]
+    unsafe fn zero() -> __m512 {
+        _mm512_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn splat(p: *const f32) -> __m512 {
+        _mm512_set1_ps(*p)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        _mm512_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m512) {
+        _mm512_storeu_ps(p, v)
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m512, b: __m512) -> __m512 {
+        _mm512_sub_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m512, b: __m512) -> __m512 {
+        _mm512_max_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn and(a: __m512, b: __m512) -> __m512 {
+        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+    }
+    #[inline(always)]
+    unsafe fn exp(x: __m512) -> __m512 {
+        exp16(x)
+    }
+}
+
 /// Whether this CPU runs these kernels.
 pub fn available() -> bool {
     is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")

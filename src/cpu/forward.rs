@@ -6,11 +6,12 @@
 
 use super::attention::{attend_spans_heads, AttnParams, RowLimits, RowsState, SeqKv};
 use super::convert::{load_row, store_row, Portable};
+use super::prefill::{attend_prefill_heads, PREFILL_TILE_ROWS};
 use super::spin_pool::SpinPool;
 use crate::layout::{Batch, KvCache, SeqDesc};
 use crate::tensor::TensorRef;
 
-/// Query rows per work item: a tile holds `max(1, TILE_ROWS / group)` tokens of one GQA group.
+/// Query rows per decode work item: a tile holds `max(1, TILE_ROWS / group)` tokens of one GQA group.
 const TILE_ROWS: usize = 32;
 
 /// Caller tensors and parameters of one forward call (all validated).
@@ -90,7 +91,8 @@ impl ForwardIo<'_> {
     }
 }
 
-/// One unit of parallel work: a tile of query tokens of one sequence, all KV heads, keys `[k0, k1)`.
+/// One unit of parallel work: a tile of query tokens of one sequence, all KV heads, keys `[k0, k1)`;
+/// `prefill` when the sequence has several query tokens (then [`attend_prefill_heads`] runs it).
 #[derive(Clone, Copy, Debug)]
 struct Item {
     seq: usize,
@@ -98,6 +100,7 @@ struct Item {
     t1: usize,
     k0: usize,
     k1: usize,
+    prefill: bool,
 }
 
 /// Fewest keys worth a split of its own (below this, merging costs more than it spreads).
@@ -114,23 +117,36 @@ const MIN_SPLIT_KEYS_ON_TEAM: usize = 128;
 /// thread and 192 µs on two of our own (a parked worker wakes); at 3 MB (f32) two threads were 10% faster.
 const MIN_PARALLEL_KV_BYTES: usize = 2 << 20;
 
+/// A prefill sequence with fewer query tiles than this has each tile's keys split into pieces of at least
+/// [`PREFILL_MIN_SPLIT_KEYS`], up to this many items per sequence in all: so a short extend over a long
+/// prefix still spreads over threads. The split depends only on the call's shapes, never on the thread
+/// count, so prefill outputs are the same bits whatever the pool (decode rows split by the thread count).
+const PREFILL_MIN_ITEMS: usize = 16;
+const PREFILL_MIN_SPLIT_KEYS: usize = 1024;
+
 /// Dense attention for the sequences `seqs` (indices into the batch) of one forward call.
 ///
 /// Work items are (sequence, tile of query tokens), each covering all KV heads so the cache is read in
-/// address order. When there are fewer items than twice the threads (small decode batches), each item's
-/// key range is split and the partial states are merged exactly afterwards (split-KV).
+/// address order. Decode rows: when there are fewer items than twice the threads (small decode batches),
+/// each item's key range is split and the partial states are merged exactly afterwards (split-KV).
+/// Prefill rows: tiles of [`PREFILL_TILE_ROWS`] rows, split by shape alone (see [`PREFILL_MIN_ITEMS`]).
 pub fn dense_forward(io: &ForwardIo, seqs: &[usize], pool: &SpinPool) {
     let g = io.group();
-    let tile_tokens = (TILE_ROWS / g).max(1);
     let mut units = Vec::new();
+    // Per unit: into how many key ranges it is split (prefill: fixed here by shape).
+    let mut pieces = Vec::new();
     for &s in seqs {
         let sd = &io.batch.seqs[s];
+        let prefill = sd.q_len > 1;
+        let tile_tokens = ((if prefill { PREFILL_TILE_ROWS } else { TILE_ROWS }) / g).max(1);
+        let tiles = sd.q_len.div_ceil(tile_tokens);
         let mut t0 = sd.q_start;
         while t0 < sd.q_start + sd.q_len {
             let t1 = (t0 + tile_tokens).min(sd.q_start + sd.q_len);
             let first = RowLimits::causal(sd.first_pos() + (t0 - sd.q_start), io.params.window).lo;
             let last = sd.first_pos() + (t1 - 1 - sd.q_start);
-            units.push(Item { seq: s, t0, t1, k0: first, k1: last + 1 });
+            units.push(Item { seq: s, t0, t1, k0: first, k1: last + 1, prefill });
+            pieces.push(if prefill { PREFILL_MIN_ITEMS.div_ceil(tiles).min((last + 1 - first).div_ceil(PREFILL_MIN_SPLIT_KEYS)).max(1) } else { 1 });
             t0 = t1;
         }
     }
@@ -139,24 +155,26 @@ pub fn dense_forward(io: &ForwardIo, seqs: &[usize], pool: &SpinPool) {
     // K and V bytes the call reads (a query tile reads its keys once for all its rows).
     let row_bytes = io.cache.head_dim * io.cache.dtype.size_bytes();
     let kv_bytes = units.iter().fold(0usize, |acc, it| acc.saturating_add((it.k1 - it.k0).saturating_mul(2 * io.num_kv_heads * row_bytes)));
-    if units.len() < wanted && kv_bytes < MIN_PARALLEL_KV_BYTES && !pool.on_host_team() {
-        // Too little to share: handing items to another thread costs more than it saves.
-        run_items(io, &units, None, |st, it, row| io.store_heads(st, it.t0..it.t1, row));
-        return;
+    let small = units.len() < wanted && kv_bytes < MIN_PARALLEL_KV_BYTES && !pool.on_host_team();
+    if !small && units.len() < wanted && threads > 1 {
+        let min_split = if pool.on_host_team() { MIN_SPLIT_KEYS_ON_TEAM } else { MIN_SPLIT_KEYS };
+        for (it, n) in units.iter().zip(pieces.iter_mut()) {
+            if !it.prefill {
+                *n = wanted.div_ceil(units.len()).min((it.k1 - it.k0).div_ceil(min_split)).max(1);
+            }
+        }
     }
-    if units.len() >= wanted || threads <= 1 {
+    if pieces.iter().all(|&n| n == 1) {
         // Longest first, so the pool does not end waiting for one long prefill tile.
         units.sort_by_key(|it| std::cmp::Reverse(it.k1 - it.k0));
-        run_items(io, &units, Some(pool), |st, it, row| io.store_heads(st, it.t0..it.t1, row));
+        // Too little to share (`small`): handing items to another thread costs more than it saves.
+        run_items(io, &units, if small { None } else { Some(pool) }, |st, it, row| io.store_heads(st, it.t0..it.t1, row));
         return;
     }
-    let min_split = if pool.on_host_team() { MIN_SPLIT_KEYS_ON_TEAM } else { MIN_SPLIT_KEYS };
     let mut items = Vec::new();
     let mut unit_of = Vec::new();
-    for (u, it) in units.iter().enumerate() {
-        let keys = it.k1 - it.k0;
-        let n = wanted.div_ceil(units.len()).min(keys.div_ceil(min_split)).max(1);
-        let step = keys.div_ceil(n);
+    for (u, (it, &n)) in units.iter().zip(&pieces).enumerate() {
+        let step = (it.k1 - it.k0).div_ceil(n);
         let mut k0 = it.k0;
         while k0 < it.k1 {
             let k1 = (k0 + step).min(it.k1);
@@ -195,7 +213,11 @@ fn attend_item(io: &ForwardIo, it: &Item, lim: &mut Vec<RowLimits>, qs_spare: &m
     let sd = &io.batch.seqs[it.seq];
     io.limits(sd, it.t0..it.t1, lim);
     let kv = SeqKv { cache: io.cache, blocks: io.batch.blocks(it.seq, io.cache.block_size), head: 0 };
-    attend_spans_heads(&mut states, &qs, lim, &kv, &[(it.k0, it.k1)], io.params.softcap);
+    if it.prefill {
+        attend_prefill_heads(&mut states, &qs, lim, &kv, (it.k0, it.k1), io.params.softcap);
+    } else {
+        attend_spans_heads(&mut states, &qs, lim, &kv, &[(it.k0, it.k1)], io.params.softcap);
+    }
     *qs_spare = qs;
     states
 }

@@ -14,6 +14,7 @@ pub mod isa;
 pub mod math;
 pub mod merge;
 pub mod metadata;
+pub mod prefill;
 pub mod quantize;
 pub mod snapkv;
 pub mod sparse;

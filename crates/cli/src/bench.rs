@@ -169,7 +169,7 @@ fn row_errors(out: &[f64], dense: &[f64], d: usize) -> Vec<f64> {
         .collect()
 }
 
-fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     quantile(v, 0.5)
 }
 

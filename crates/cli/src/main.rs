@@ -4,11 +4,13 @@
 mod args;
 mod bench;
 mod bench_cuda;
+mod bench_prefill;
 mod cuda_bench;
 mod conformance;
 mod conformance_cuda;
 mod demo;
 mod eval;
+mod fma_peak;
 mod plot;
 
 use std::process::ExitCode;
@@ -25,7 +27,8 @@ commands:
                 writes the suite as files for other implementations (docs/conformance.md)
   bench         dense vs decode policies (--policy SPEC) on one synthetic batch: time, KV bytes,
                 blocks visited, relative error vs dense; with --device cuda: paged decode on the GPU
-                over a grid vs the device copy bandwidth
+                over a grid vs the device copy bandwidth; with --prefill: CPU prompt-chunk attention in
+                GFLOP/s vs the machine's measured f32 FMA peak
 
 run `kvsparse <command> --help` for the options of a command";
 
@@ -42,6 +45,7 @@ fn main() -> ExitCode {
         "eval" => eval::run(rest),
         "conformance" => conformance::run(rest),
         "bench" if rest.iter().any(|a| a == "cuda" || a == "--device=cuda") => bench_cuda::run(rest),
+        "bench" if rest.iter().any(|a| a == "--prefill") => bench_prefill::run(rest),
         "bench" => bench::run(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");

@@ -250,3 +250,41 @@ fn head_major_and_token_major_caches_give_identical_outputs() {
         assert_eq!(bits(&a.lse), bits(&b.lse), "{}: LSE differs between layouts", hm.name);
     }
 }
+
+#[test]
+fn prefill_rows_are_the_same_bits_on_any_thread_count() {
+    // Prefill work is split by the call's shapes alone (query tiles, and key ranges of short extends over
+    // long prefixes: the mixed batches' 64 × 1100 rows are split; the quick matrix), so their outputs and LSE must not move
+    // with the pool's size. Decode rows split by the thread count and are not compared.
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let mut cases: Vec<_> = matrix(true).into_iter().filter(|c| c.seqs.iter().any(|&(q, _)| q > 1)).collect();
+    assert!(cases.len() >= 5);
+    // A short extend over a long prefix, alone in its call: the case a thread-count split would cut.
+    cases.push(kvsparse_conformance::fixture::CaseSpec::new("extend-5-over-3000-f32", DType::F32, 128, 8, 2, 16, vec![(5, 3000)]));
+    for case in cases {
+        let mut runs = Vec::new();
+        for threads in [1usize, 2, 5] {
+            let mut f = Fixture::new(&case, seed);
+            let mut cfg = f.engine_config();
+            cfg.num_threads = threads;
+            let engine = kvsparse::Engine::new(cfg).unwrap();
+            let outs = kvsparse_conformance::fixture::run_on_engine(&engine, &mut f).unwrap();
+            let (o, l) = outs.to_f64(&f);
+            let (hq, d) = (case.num_q_heads, case.head_dim);
+            // Bits of every prefill row (tokens of sequences with more than one query).
+            let mut bits = Vec::new();
+            for (s, &(q, _)) in case.seqs.iter().enumerate() {
+                if q > 1 {
+                    let t0 = f.query_start_loc[s] as usize;
+                    bits.extend(o[t0 * hq * d..(t0 + q) * hq * d].iter().map(|x| x.to_bits()));
+                    bits.extend(l[t0 * hq..(t0 + q) * hq].iter().map(|x| x.to_bits()));
+                }
+            }
+            runs.push((threads, bits));
+        }
+        for (threads, bits) in &runs[1..] {
+            assert!(*bits == runs[0].1, "{}: prefill rows differ between 1 and {threads} threads (seed {seed})", case.name);
+        }
+    }
+}
