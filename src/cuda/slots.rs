@@ -37,8 +37,10 @@ pub struct SeqSlots {
     free_stack: DevBuf,
     free_top: DevBuf,
     gen: DevBuf,
-    /// [0]: rows left without a slot since the engine started.
+    /// [0]: rows left without a slot since the engine started; [1]: ids given a slot (created).
     counters: DevBuf,
+    /// Successful releases (the host edits the table).
+    released: std::sync::atomic::AtomicU64,
     /// Serializes releases (host edits of the table) with each other.
     edit: Mutex<()>,
 }
@@ -60,8 +62,8 @@ impl SeqSlots {
         let free_stack = DevBuf::from_host(bytes_of(&stack))?;
         let free_top = DevBuf::from_host(bytes_of(&[max_seqs as i32]))?;
         let gen = DevBuf::from_host(bytes_of(&vec![0u32; max_seqs]))?;
-        let counters = DevBuf::from_host(&[0u8; 8])?;
-        Ok(SeqSlots { max_seqs, tsize_log2: tsize.trailing_zeros(), keys, entry_slot, free_stack, free_top, gen, counters, edit: Mutex::new(()) })
+        let counters = DevBuf::from_host(&[0u8; 16])?;
+        Ok(SeqSlots { max_seqs, tsize_log2: tsize.trailing_zeros(), keys, entry_slot, free_stack, free_top, gen, counters, released: Default::default(), edit: Mutex::new(()) })
     }
 
     pub fn max_seqs(&self) -> usize {
@@ -92,6 +94,14 @@ impl SeqSlots {
         self.free_top.download(0, &mut top)?;
         let free = i32::from_le_bytes(top).clamp(0, self.max_seqs as i32) as u64;
         Ok((u64::from_le_bytes(c), self.max_seqs as u64 - free))
+    }
+
+    /// Sequences created (ids given a slot) and released since the map was made (synchronizes the device).
+    pub fn lifecycle(&self, gpu: &Gpu) -> Result<(u64, u64)> {
+        gpu.synchronize()?;
+        let mut c = [0u8; 16];
+        self.counters.download(0, &mut c)?;
+        Ok((u64::from_le_bytes(c[8..].try_into().expect("8 bytes")), self.released.load(std::sync::atomic::Ordering::Relaxed)))
     }
 
     /// Frees `id`'s slot (synchronizes the device first, so no enqueued step still uses it). Unknown ids
@@ -146,6 +156,7 @@ impl SeqSlots {
             self.keys.upload(e * 8, bytes_of(&[TOMB]))?;
             self.entry_slot.upload(e * 4, bytes_of(&[-1i32]))?;
         }
+        self.released.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 }

@@ -76,6 +76,24 @@ pub struct kvs_engine_config {
     /// NUL-terminated policy spec (docs/policies.md), at most 4096 bytes; NULL or "" = dense. Copied
     /// during the call.
     pub policy: *const c_char,
+    /// CUDA engines: when the device checks of block tables, lengths, query offsets and slots surface
+    /// (docs/abi.md, "Where each check runs"). `KVS_VALIDATE_DEFERRED` (0, default): the kernels write an
+    /// offending row as NaN and record the first fault, which `kvs_engine_check` returns (and
+    /// `kvs_engine_stats` shows); nothing waits, so calls are capturable. `KVS_VALIDATE_SYNC` (1): every
+    /// call waits for its work and returns the fault itself (a call on a capturing stream is refused).
+    /// Ignored by CPU engines, which check everything before writing. Appended in ABI 0: a caller whose
+    /// `struct_size` ends before it gets the default.
+    pub validate: kvs_validate,
+}
+
+/// When a CUDA engine's device checks surface (`kvs_engine_config.validate`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvs_validate {
+    /// Recorded on the device; `kvs_engine_check` returns the fault (default). Capturable.
+    KVS_VALIDATE_DEFERRED = 0,
+    /// Every call waits for its work and returns the fault itself; not capturable.
+    KVS_VALIDATE_SYNC = 1,
 }
 
 /// One attention call over a varlen batch (prefill, chunked prefill and decode rows mixed).
@@ -220,6 +238,9 @@ pub struct kvs_stats {
     /// Engine-wide: decode rows of a CUDA engine whose sequence found no free state slot (option
     /// `max_seqs`) and therefore ran dense attention instead of the policy.
     pub policy_rows_without_state: u64,
+    /// Engine-wide, CUDA engines: the `kvs_status` of the fault the device checks recorded and
+    /// `kvs_engine_check` has not returned yet (0 = none; reading the stats does not clear it).
+    pub pending_status: u64,
 }
 
 /// Opaque engine handle.
