@@ -43,6 +43,16 @@ pub enum kvs_dtype {
 /// Engine configuration. Fill it with `kvs_engine_config_init` and then set the model's fields.
 /// A size above its documented limit fails `kvs_engine_create` with `KVS_ERR_UNSUPPORTED`; an allocation
 /// the machine cannot make fails it with `KVS_ERR_OUT_OF_MEMORY`.
+///
+/// Where checks run (docs/abi.md, "Where each check runs"): a CPU engine checks everything at the call.
+/// A CUDA engine checks shapes, dtypes, strides, devices, scalars and a stateful policy's `seq_ids` at the
+/// call, and the device-resident contents (query_start_loc, seq_lens, block ids, slots) in its kernels:
+/// offending rows are NaN, a bad slot writes nothing, and the fault surfaces at `kvs_engine_check` (or
+/// from the call with `validate = KVS_VALIDATE_SYNC`). A CUDA engine refuses with `KVS_ERR_UNSUPPORTED`:
+/// caches whose head_dim stride is not 1; devices below compute capability 8.0; policies with GQA groups
+/// over 16 or more than 65535 sequences per call; `art` on an f32 cache (it needs the tensor-core
+/// kernel: f16/bf16, 16-byte aligned rows) or behind `snapkv`/`top_p`; a PRR speculation budget table.
+/// It keeps at most 8192 live sequence ids without per-sequence policy state.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvs_engine_config {
