@@ -1,3 +1,12 @@
+//! Compiles the kernel modules (the variants the dense path, the policies' selection and the cache
+//! write use) with NVRTC for `KVS_ARCH` (default sm_90), without a GPU: kernels are compiled at run time
+//! on the device, so a syntax error otherwise shows only there. NVRTC alone is enough, e.g. PyPI's
+//! `nvidia-cuda-nvrtc` (`pip install --target /tmp/nvrtc nvidia-cuda-nvrtc`, then
+//! `LD_LIBRARY_PATH=/tmp/nvrtc/nvidia/cu13/lib`). `KVS_LOG=1` prints ptxas' register and spill counts.
+//! With a directory argument, the attention kernels (common.cuh, combine.cuh, attention.cu,
+//! attention_mma.cu) are read from there instead, to compare with another commit's.
+//! Usage: `cargo run --release --example nvrtc_compile [KERNEL_DIR]`; exits non-zero if any fails.
+
 use kvsparse::cuda::launch;
 use kvsparse::cuda::module_cache::cubin;
 fn main() {
@@ -12,13 +21,14 @@ fn main() {
     } else {
         (launch::COMMON, launch::ATTENTION, launch::ATTENTION_MMA)
     };
+    let arch = std::env::var("KVS_ARCH").unwrap_or_else(|_| "sm_90".to_string());
     let mut fails = 0;
     let mut go = |name: &str, src: &str, defs: Vec<String>| {
         let mut opts: Vec<String> = defs.iter().map(|d| if d.starts_with("--") { d.clone() } else { format!("-D{d}") }).collect();
         opts.push("--std=c++17".into());
         opts.push("--ptxas-options=-v".into());
         let text = format!("{common}\n{src}");
-        match cubin(name, &text, &opts, "sm_90") {
+        match cubin(name, &text, &opts, &arch) {
             Ok(b) => println!("ok {name} {defs:?} {} bytes", b.len()),
             Err(e) => { println!("FAIL {name} {defs:?}: {e}"); fails += 1; }
         }
