@@ -153,15 +153,8 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int h0 = hg * GQ, kvh = h0 / GROUP;
 
     const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
-    if (!kvs_row_served(mode, row.qlen)) {  // another launch of this call serves the row
-        kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2);
-        return;
-    }
-    bool row_bad;
-    {
-        long long fa, fb;
-        row_bad = kvs_row_fault(t, row.seq, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2, &fa, &fb) != 0ull;
-    }
+    bool row_bad = false;  // another launch of this call may serve the row
+    if (!kvs_serve_row(mode, row, t, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, &row_bad)) return;
     bool bt_bad = false;  // this thread read a block id outside [0, num_blocks)
 #if PLAN
     // Plan mode: this split walks plan keys [s_lo, s_hi] (key g = position (e[g >> ulog2] << ulog2) | low bits).
@@ -448,12 +441,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
     }
     __syncthreads();
-    if (cta_bt_bad) kvs_record_block_fault(kerr, row.seq, bt_row, bt1, bt_cols, bs_log2, seq_lens, sl0, num_blocks, &sm_col);
-    if (row_bad && threadIdx.x == 0) {
-        long long fa, fb;
-        const unsigned long long key = kvs_row_fault(t, row.seq, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2, &fa, &fb);
-        kvs_fail(kerr, key, fa, fb);
-    }
+    kvs_record_row_faults(kerr, row_bad, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, &sm_col);
     for (int idx = threadIdx.x; idx < GQ * HEAD_DIM; idx += NTHREADS) {
         const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
         float M = -INFINITY;

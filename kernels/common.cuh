@@ -220,3 +220,31 @@ __device__ __noinline__ void kvs_record_block_fault(unsigned long long* err, int
     const int c = *sm_col;
     if (threadIdx.x == 0 && c != 0x7fffffff) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_BLOCK, (unsigned)c), bt_row[(i64)c * bt1], num_blocks);
 }
+
+// An attention CTA's checks, start: false when another launch of the call serves the row (the CTA has
+// then checked its share of the batch description and must return); else *row_bad tells whether the
+// row's part of the batch description is bad (kvs_row_fault): the row then finishes as NaN.
+__device__ __forceinline__ bool kvs_serve_row(int mode, const RowInfo& row, int t, unsigned long long* err, unsigned long long* bk, const int* qsl,
+                                              i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs, int cols, int bs_log2, bool* row_bad) {
+    if (!kvs_row_served(mode, row.qlen)) {
+        kvs_check_seqs(err, bk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2);
+        return false;
+    }
+    long long fa, fb;
+    *row_bad = kvs_row_fault(t, row.seq, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2, &fa, &fb) != 0ull;
+    return true;
+}
+
+// An attention CTA's checks, end (every thread calls it, after the CTA's last read of the caches):
+// records the row's fault and, when any thread read a bad block id (`cta_bt_bad`, uniform), the sequence's
+// first bad block id.
+__device__ __forceinline__ void kvs_record_row_faults(unsigned long long* err, bool row_bad, bool cta_bt_bad, int t, int seq, const int* bt_row, i64 bt1,
+                                                      i64 num_blocks, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs,
+                                                      int cols, int bs_log2, int* sm_col) {
+    if (cta_bt_bad) kvs_record_block_fault(err, seq, bt_row, bt1, cols, bs_log2, seq_lens, sl0, num_blocks, sm_col);
+    if (row_bad && threadIdx.x == 0) {
+        long long fa, fb;
+        const unsigned long long key = kvs_row_fault(t, seq, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2, &fa, &fb);
+        kvs_fail(err, key, fa, fb);
+    }
+}

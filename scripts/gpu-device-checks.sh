@@ -21,13 +21,10 @@ for f in "$DIR"/bin/*.gz; do
   [[ -x $BIN/$b && $BIN/$b -nt $f ]] || { gunzip -c "$f" >"$BIN/$b" && chmod +x "$BIN/$b"; }
 done
 summary=()
-step() { # name, grep pattern for the summary, command...
-  local name=$1 pat=$2; shift 2
-  local t0=$(date +%s%N)
-  "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  local dt=$(( ($(date +%s%N) - t0) / 1000000 ))
-  summary+=("$(printf '%-22s rc=%-3s %7sms  %s' "$name" "$rc" "$dt" "$(grep -aE "$pat" "$OUT/$name.log" | tail -1 | cut -c1-100)")")
+step() { # name, grep pattern for the summary line, command...
+  local name=$1 pat=$2 t0=$SECONDS rc; shift 2
+  "$@" >"$OUT/$name.log" 2>&1; rc=$?
+  summary+=("$(printf '%-22s rc=%-3s %5ss  ' "$name" "$rc" "$((SECONDS - t0))")$(grep -aE "$pat" "$OUT/$name.log" | tail -1 | cut -c1-100)")
   tail -4 "$OUT/$name.log"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/device.txt"

@@ -9,7 +9,7 @@
 //! Fresh random data each run; the seed is printed.
 
 use kvsparse::config::Validate;
-use kvsparse::conformance::cuda::{cuda_required, DeviceCase};
+use kvsparse::conformance::cuda::{capture, cuda_required, replay, DeviceCase};
 use kvsparse::conformance::fixture::run_on_engine;
 use kvsparse::conformance::{CaseSpec, Fixture, Outputs};
 use kvsparse::cuda::driver::{self, check, cuda, CUstream};
@@ -194,6 +194,18 @@ fn cpu_error(f: &mut Fixture, m: Option<&Meta>, slots: Option<&[i64]>) -> kvspar
     r.err().expect("the CPU engine refuses the corrupted call")
 }
 
+/// Corrupts the device copy of `f`'s metadata with `corrupt` and fills the device outputs with the
+/// sentinel; returns the corrupted metadata, the CPU engine's error for it, and host outputs to download to.
+fn corrupt_on_device(f: &mut Fixture, dc: &DeviceCase, corrupt: &dyn Fn(&mut Meta, usize, usize)) -> (Meta, kvsparse::Error, Outputs) {
+    let mut m = Meta::of(f);
+    corrupt(&mut m, f.num_tokens, f.num_blocks);
+    let want = cpu_error(f, Some(&m), None);
+    m.upload(dc);
+    let got = sentinel(f);
+    upload_outputs(dc, &got);
+    (m, want, got)
+}
+
 fn same_error(name: &str, got: Option<kvsparse::Error>, want: &kvsparse::Error) -> Option<String> {
     match got {
         Some(g) if g.kind == want.kind && g.message.starts_with(&want.message) => None,
@@ -220,12 +232,7 @@ fn forward_faults_surface_with_the_cpu_engines_status_and_message() {
             let clean = outs.to_f64(&f);
             for (what, corrupt) in corruptions() {
                 let name = format!("{} {validate:?} {what}", spec.name);
-                let mut m = Meta::of(&f);
-                corrupt(&mut m, f.num_tokens, f.num_blocks);
-                let want = cpu_error(&mut f, Some(&m), None);
-                m.upload(&dc);
-                let mut got = sentinel(&f);
-                upload_outputs(&dc, &got);
+                let (m, want, mut got) = corrupt_on_device(&mut f, &dc, corrupt.as_ref());
                 let r = e.attention_forward(&args);
                 let err = match validate {
                     Validate::Deferred => {
@@ -299,46 +306,6 @@ fn bad_cache_write_changes_nothing() {
     }
 }
 
-struct Graph {
-    exec: driver::CUgraphExec,
-    graph: driver::CUgraph,
-}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        // SAFETY: handles created by capture below, destroyed once.
-        unsafe {
-            (cuda().unwrap().cuGraphExecDestroy)(self.exec);
-            (cuda().unwrap().cuGraphDestroy)(self.graph);
-        }
-    }
-}
-
-fn capture(stream: CUstream, body: impl FnOnce() -> kvsparse::error::Result<()>) -> kvsparse::error::Result<Graph> {
-    let api = cuda()?;
-    // SAFETY: capture on the caller's private stream; the graph is instantiated and returned.
-    unsafe {
-        check((api.cuStreamBeginCapture)(stream, driver::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
-        let r = body();
-        let mut graph = std::ptr::null_mut();
-        let end = check((api.cuStreamEndCapture)(stream, &mut graph), "cuStreamEndCapture");
-        r?;
-        end?;
-        let mut exec = std::ptr::null_mut();
-        check((api.cuGraphInstantiateWithFlags)(&mut exec, graph, 0), "cuGraphInstantiate")?;
-        Ok(Graph { exec, graph })
-    }
-}
-
-fn replay(g: &Graph, stream: CUstream) {
-    let api = cuda().unwrap();
-    // SAFETY: an instantiated graph on our stream.
-    unsafe {
-        check((api.cuGraphLaunch)(g.exec, stream), "cuGraphLaunch").unwrap();
-        check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize").unwrap();
-    }
-}
-
 /// A captured decode step replayed with bad metadata: NaN rows, the other rows equal to the clean replay,
 /// the fault sticky until checked; a captured cache write replayed with a bad slot writes nothing; and an
 /// engine with validate = sync refuses to be captured.
@@ -358,23 +325,18 @@ fn graph_replay_with_bad_metadata() {
         let args = dc.forward_args(&f, &outs, stream).unwrap();
         e.attention_forward(&args).unwrap(); // warm-up: modules, workspace
         let fwd = capture(stream, || e.attention_forward(&args).map(|_| ())).expect("capture of a forward call");
-        replay(&fwd, stream);
+        replay(&fwd, stream).unwrap();
         e.check(stream).expect("clean replay");
         dc.download(&mut outs).unwrap();
         let clean = outs.to_f64(&f);
         for (what, corrupt) in corruptions() {
             let name = format!("{} graph {what}", spec.name);
-            let mut m = Meta::of(&f);
-            corrupt(&mut m, f.num_tokens, f.num_blocks);
-            let want = cpu_error(&mut f, Some(&m), None);
-            m.upload(&dc);
-            let mut got = sentinel(&f);
-            upload_outputs(&dc, &got);
-            replay(&fwd, stream);
+            let (m, want, mut got) = corrupt_on_device(&mut f, &dc, corrupt.as_ref());
+            replay(&fwd, stream).unwrap();
             // Sticky: a second replay with the metadata repaired does not clear it.
             dc.download(&mut got).unwrap();
             Meta::of(&f).upload(&dc);
-            replay(&fwd, stream);
+            replay(&fwd, stream).unwrap();
             if let Some(msg) = same_error(&name, e.check(stream).err(), &want) {
                 panic!("{msg}");
             }
@@ -392,7 +354,7 @@ fn graph_replay_with_bad_metadata() {
         slots[n - 1] = (f.num_blocks * spec.block_size) as i64;
         dc.slots.upload(0, bytes(&slots)).unwrap();
         let before = cache_bytes(&dc);
-        replay(&g, stream);
+        replay(&g, stream).unwrap();
         assert!(cache_bytes(&dc) == before, "{}: a replayed bad write changed the cache", spec.name);
         let want = cpu_error(&mut f, None, Some(&slots));
         if let Some(msg) = same_error(&format!("{} graph cache write", spec.name), e.check(stream).err(), &want) {

@@ -5,7 +5,7 @@
 //! bit-identical key metadata, count the same policy statistics, and produce outputs within the dense
 //! tolerances of the CPU engine's. Also the CUDA-graph replay of a sparse decode step.
 
-use super::cuda::DeviceCase;
+use super::cuda::{capture, replay, DeviceCase};
 use super::fixture::{run_on_engine, Fixture, Outputs};
 use super::reference::{max_abs_err, rel_err};
 use super::{tolerance, CaseSpec};
@@ -286,17 +286,10 @@ pub fn sparse_graph_replay(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b: u
         engine.cache_write(&dc.cache_write_args(&fa, stream)?)?;
         engine.cache_write(&step)?; // warm-up: modules, metadata, workspaces
         engine.attention_forward(&fwd)?;
-        // SAFETY: capture / instantiate / launch on our own stream; handles destroyed below.
-        unsafe {
-            check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
-            check((api.cuStreamBeginCapture)(stream, driver::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
-            let r = engine.cache_write(&step).and_then(|_| engine.attention_forward(&fwd));
-            let mut graph = std::ptr::null_mut();
-            let end = check((api.cuStreamEndCapture)(stream, &mut graph), "cuStreamEndCapture");
-            r?;
-            end?;
-            let mut exec = std::ptr::null_mut();
-            check((api.cuGraphInstantiateWithFlags)(&mut exec, graph, 0), "cuGraphInstantiate")?;
+        // SAFETY: our own stream.
+        check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
+        let graph = capture(stream, || engine.cache_write(&step).and_then(|_| engine.attention_forward(&fwd)).map(|_| ()))?;
+        {
             // Fixture b in a's buffers: cache, queries, table, lengths; b's prefix written eagerly (b's
             // blocks start over, so a's metadata there is replaced); b's new rows and slots in the step's
             // buffers, which the graph reads at replay.
@@ -306,14 +299,13 @@ pub fn sparse_graph_replay(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b: u
             kg.upload(0, sb.k.as_bytes())?;
             vg.upload(0, sb.v.as_bytes())?;
             sg.upload(0, bytes_of(&sb.slots))?;
-            check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
-            check((api.cuGraphLaunch)(exec, stream), "cuGraphLaunch")?;
-            check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
+            // SAFETY: our own stream.
+            check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
+            replay(&graph, stream)?;
             dc.download(&mut o)?;
             let cfg = engine.config().clone();
             let v_replay = sorted(engine.cuda_backend().expect("cuda").visit_records(&cfg, &dc.forward_args(&fb, &o, stream)?)?);
-            (api.cuGraphExecDestroy)(exec);
-            (api.cuGraphDestroy)(graph);
+            drop(graph);
             let mism = compare_visits(&v_eager, &v_replay).or_else(|| {
                 let (a, _) = outs_e.to_f64(&fb);
                 let (b, _) = o.to_f64(&fb);
