@@ -151,6 +151,7 @@ pub fn decode(f: Fault, block_size: usize) -> Error {
 
 /// Refuses `validate = sync` on a stream that is being captured (a captured call cannot wait).
 pub fn refuse_sync_in_capture(gpu: &Gpu, stream: CUstream) -> Result<()> {
+    gpu.make_current()?;
     if gpu.is_capturing(stream)? {
         bail!(InvalidArgument, "the engine validates synchronously (validate = sync), which waits for every call; a call on a stream that is being captured into a CUDA graph cannot wait: use an engine without validate = sync for capture");
     }
