@@ -97,6 +97,14 @@ def test_unsupported_dtype_is_a_clear_error():
         Engine(num_layers=1, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float64)
 
 
+def test_check_and_the_validate_option_on_a_cpu_engine():
+    e = Engine(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, validate="sync")
+    assert e.check() is None  # a CPU engine checks everything at the call: nothing deferred
+    assert e.stats()["pending_status"] == 0
+    with pytest.raises(ValueError, match="validate"):
+        Engine(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, validate="later")
+
+
 class _RecordingLib:
     """Stands in for the C library in `kvsparse.engine`: records the stream each call was given."""
 
