@@ -62,6 +62,14 @@ typedef enum {
   KVS_DTYPE_BFLOAT16 = 2,
 } kvs_dtype;
 
+// When a CUDA engine's device checks surface (`kvs_engine_config.validate`).
+typedef enum {
+  // Recorded on the device; `kvs_engine_check` returns the fault (default). Capturable.
+  KVS_VALIDATE_DEFERRED = 0,
+  // Every call waits for its work and returns the fault itself; not capturable.
+  KVS_VALIDATE_SYNC = 1,
+} kvs_validate;
+
 // DLPack device types a kvsparse caller uses (`DLDevice.device_type`, `kvs_engine_config.device_type`):
 // the values of dlpack.h's `kDLCPU`, `kDLCUDA`, `kDLCUDAHost`, in the header so a C caller needs no
 // dlpack.h and no bare numbers.
@@ -89,6 +97,16 @@ typedef struct kvs_engine kvs_engine;
 // Engine configuration. Fill it with `kvs_engine_config_init` and then set the model's fields.
 // A size above its documented limit fails `kvs_engine_create` with `KVS_ERR_UNSUPPORTED`; an allocation
 // the machine cannot make fails it with `KVS_ERR_OUT_OF_MEMORY`.
+//
+// Where checks run (docs/abi.md, "Where each check runs"): a CPU engine checks everything at the call.
+// A CUDA engine checks shapes, dtypes, strides, devices, scalars and a stateful policy's `seq_ids` at the
+// call, and the device-resident contents (query_start_loc, seq_lens, block ids, slots) in its kernels:
+// offending rows are NaN, a bad slot writes nothing, and the fault surfaces at `kvs_engine_check` (or
+// from the call with `validate = KVS_VALIDATE_SYNC`). A CUDA engine refuses with `KVS_ERR_UNSUPPORTED`:
+// caches whose head_dim stride is not 1; devices below compute capability 8.0; policies with GQA groups
+// over 16 or more than 65535 sequences per call; `art` on an f32 cache (it needs the tensor-core
+// kernel: f16/bf16, 16-byte aligned rows) or behind `snapkv`/`top_p`; a PRR speculation budget table.
+// It keeps at most 8192 live sequence ids without per-sequence policy state.
 typedef struct {
   // `sizeof(kvs_engine_config)` as the caller was compiled.
   uint32_t struct_size;
@@ -120,6 +138,14 @@ typedef struct {
   // NUL-terminated policy spec (docs/policies.md), at most 4096 bytes; NULL or "" = dense. Copied
   // during the call.
   const char *policy;
+  // CUDA engines: when the device checks of block tables, lengths, query offsets and slots surface
+  // (docs/abi.md, "Where each check runs"). `KVS_VALIDATE_DEFERRED` (0, default): the kernels write an
+  // offending row as NaN and record the first fault, which `kvs_engine_check` returns (and
+  // `kvs_engine_stats` shows); nothing waits, so calls are capturable. `KVS_VALIDATE_SYNC` (1): every
+  // call waits for its work and returns the fault itself (a call on a capturing stream is refused).
+  // Ignored by CPU engines, which check everything before writing. Appended in ABI 0: a caller whose
+  // `struct_size` ends before it gets the default.
+  kvs_validate validate;
 } kvs_engine_config;
 
 // Writes new K/V rows into a layer's cache by slot mapping (`slot = block * block_size + offset`).
@@ -179,6 +205,9 @@ typedef struct {
   // Engine-wide: decode rows of a CUDA engine whose sequence found no free state slot (option
   // `max_seqs`) and therefore ran dense attention instead of the policy.
   uint64_t policy_rows_without_state;
+  // Engine-wide, CUDA engines: the `kvs_status` of the fault the device checks recorded and
+  // `kvs_engine_check` has not returned yet (0 = none; reading the stats does not clear it).
+  uint64_t pending_status;
 } kvs_stats;
 
 // One attention call over a varlen batch (prefill, chunked prefill and decode rows mixed).
@@ -292,13 +321,20 @@ kvs_status kvs_engine_create(const kvs_engine_config *config,
 void kvs_engine_destroy(kvs_engine *engine);
 
 // Writes new K/V rows into the layer's caches by slot mapping. Every slot is validated before any byte
-// is written. Thread-safe with respect to other sequences' calls.
+// is written (a CUDA engine checks them on the device first: a bad slot writes nothing and surfaces at
+// `kvs_engine_check`, or from this call with `validate = KVS_VALIDATE_SYNC`). Thread-safe with respect
+// to other sequences' calls.
 kvs_status kvs_cache_write(kvs_engine *engine,
                            const kvs_cache_write_args *args);
 
 // Causal paged attention for a varlen batch of one layer; decode rows of non-dense layers go through the
 // engine's policy. Validates everything (shapes, dtypes, block ids, lengths) before writing `out`/`lse`;
-// on failure nothing is written. Per-call counters go to `args->call_stats` when it is not NULL.
+// on failure nothing is written. A CUDA engine checks the host-known parts (shapes, dtypes, devices,
+// seq_ids for a stateful policy) here and the device-resident contents (block ids, lengths, query
+// offsets) in its kernels: an offending row's `out` and `lse` are NaN and the fault surfaces at
+// `kvs_engine_check` (or from this call with `validate = KVS_VALIDATE_SYNC`); see docs/abi.md. Per-call
+// counters go to `args->call_stats` when it is not NULL (on a CUDA engine: `calls` only, unless
+// `validate = KVS_VALIDATE_SYNC`, where the call waits and they are read back from the device).
 kvs_status kvs_attention_forward(kvs_engine *engine,
                                  const kvs_forward_args *args);
 
@@ -306,8 +342,11 @@ kvs_status kvs_attention_forward(kvs_engine *engine,
 kvs_status kvs_merge_states(kvs_engine *engine, const kvs_merge_args *args);
 
 // Frees the per-sequence state of `seq_id` (call when a request finishes or is preempted).
-// Returns `KVS_ERR_UNKNOWN_SEQUENCE` for an id the engine does not hold.
-kvs_status kvs_sequence_release(kvs_engine *engine, uint64_t seq_id);
+// Returns `KVS_ERR_UNKNOWN_SEQUENCE` for an id the engine does not hold (never named in a forward call's
+// `seq_ids`, or released already). A CUDA engine registers ids on the device and synchronizes here; one
+// without per-sequence policy state registers at most 8192 live ids (later ones are not registered).
+kvs_status kvs_sequence_release(kvs_engine *engine,
+                                uint64_t seq_id);
 
 // Loads PRR's speculation budget table: `n` points `(context_lens[i], budgets[i])` (tokens), used as a
 // step function of the sequence length (a context below the first point takes the first budget). `n = 0`
@@ -323,6 +362,15 @@ kvs_status kvs_engine_set_speculation_budgets(kvs_engine *engine,
 // value, other negative ones included, is `KVS_ERR_OUT_OF_RANGE`). `out->struct_size` must be set;
 // kvsparse writes at most that many bytes. Thread-safe.
 kvs_status kvs_engine_stats(const kvs_engine *engine, int32_t layer, kvs_stats *out);
+
+// Returns what the device-side checks of a CUDA engine found since the last check: it waits for the work
+// enqueued on `stream` (a CUstream; NULL = the legacy default stream), then returns the status and
+// message (`kvs_last_error`) of the first fault recorded (in the CPU engine's order of checks: the same
+// status and message a CPU engine gives at the call, naming the field and index) and clears the record;
+// `KVS_OK` when none. Refused (`KVS_ERR_INVALID_ARGUMENT`) on a stream that is being captured. A CPU
+// engine checks everything at the call: always `KVS_OK`. See docs/abi.md, "Where each check runs".
+kvs_status kvs_engine_check(const kvs_engine *engine,
+                            void *stream);
 
 // Short constant name of a status code ("KVS_OK", ...). Never NULL.
 const char *kvs_status_name(int32_t status);

@@ -12,9 +12,11 @@
 // Used for f32 caches and whatever kernels/attention_mma.cu (the tensor-core path) does not cover.
 //
 // Bounds contract (metadata is on the device and never read by the host): seq_len is clamped to what the
-// block-table row can address; a token outside every sequence's query range, or whose position is
-// negative, gets zeros and LSE -inf; a block id outside [0, num_blocks) masks its keys (they contribute
-// nothing). No index derived from metadata is used unchecked.
+// block-table row can address and a block id outside [0, num_blocks) masks its keys, so no index derived
+// from metadata is used unchecked. Checks (common.cuh, issue 33): a row whose part of the batch
+// description is bad (kvs_row_fault), or that read a block id outside [0, num_blocks), finishes as NaN
+// (out and LSE) and the fault goes to the engine's error record `kerr`; kvs_check_seqs checks every
+// sequence once and, when `kbk` is not NULL, counts decode rows and prefill tokens.
 //
 // Compile-time parameters (NVRTC -D): KVS_DTYPE, HEAD_DIM, GQ (query heads per CTA), GROUP (query heads
 // per KV head), LOAD_BYTES (16, or the element size for unaligned caches), KB (keys per lane group batch),
@@ -67,6 +69,7 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2,
                float* __restrict__ lse, i64 l0, i64 l1,
                float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads,
+               unsigned long long* kerr, unsigned long long* kbk,
                PlanRef plan, int mode) {
     const int t = blockIdx.x, hg = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -74,7 +77,9 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int h0 = hg * GQ, kvh = h0 / GROUP;
 
     const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
-    if (!kvs_row_served(mode, row.qlen)) return;  // another launch of this call serves the row
+    bool row_bad = false;  // another launch of this call may serve the row
+    if (!kvs_serve_row(mode, row, t, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, &row_bad)) return;
+    bool bt_bad = false;  // this thread read a block id outside [0, num_blocks)
 #if PLAN
     const int pl = min(max(plan.len[row.seq * plan.hk + kvh], 0), plan.cap);
     const int nkeys = pl << plan.ulog2;
@@ -137,6 +142,7 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             if (valid[j]) {
                 blk = bt_row[(i64)(p >> bs_log2) * bt1];
                 valid[j] = blk >= 0 && blk < num_blocks;
+                bt_bad = bt_bad || !valid[j];
             }
             const i64 off = p & bmask;
             const elem_t* kp = kc + blk * k0 + off * k1 + kvh * k2;
@@ -200,8 +206,9 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     __shared__ float sm_m[NG][GQ], sm_l[NG][GQ];
     __shared__ float sm_acc[NG][GQ][HEAD_DIM];
     __shared__ int sm_bad[GQ];
+    __shared__ int sm_col;
     if (threadIdx.x < GQ) sm_bad[threadIdx.x] = 0;
-    __syncthreads();
+    const bool cta_bt_bad = __syncthreads_or((int)bt_bad) != 0;
 #pragma unroll
     for (int g = 0; g < GQ; ++g)
         if (bad[g]) sm_bad[g] = 1;
@@ -217,6 +224,7 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
     }
     __syncthreads();
+    kvs_record_row_faults(kerr, row_bad, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, &sm_col);
     for (int idx = threadIdx.x; idx < GQ * HEAD_DIM; idx += NTHREADS) {
         const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
         float M = -INFINITY;
@@ -233,7 +241,7 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
         const bool any = L > 0.f;
         const float nan = __int_as_float(0x7fffffff);
-        const bool poisoned = sm_bad[g] != 0;
+        const bool poisoned = sm_bad[g] != 0 || row_bad || cta_bt_bad;
         const float o = poisoned ? nan : (any ? O / L : 0.f);
         const float lse_nat = poisoned ? nan : (any ? (M + log2f(L)) * KVS_LN2 : -INFINITY);
         const int h = h0 + g;
@@ -246,4 +254,5 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             if (d == 0) ws_lse[slot] = lse_nat;
         }
     }
+    kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2);
 }

@@ -15,8 +15,9 @@
 // end the warps are merged through shared memory (reusing the stage buffers) and the CTA writes the output (one split) or (O_s, LSE_s) to
 // the workspace for kvs_attn_combine.
 //
-// Bounds: identical contract to kvs_attn_split (positions clamped, out-of-range block ids masked; no index
-// derived from metadata is used unchecked). Needs: 16-byte aligned K/V rows and strides, HEAD_DIM % 16 == 0.
+// Bounds and checks: identical contract to kvs_attn_split (positions clamped, out-of-range block ids
+// masked; no index derived from metadata is used unchecked; a row with a bad batch description or that
+// read a bad block id finishes as NaN and the fault goes to `kerr`, common.cuh). Needs: 16-byte aligned K/V rows and strides, HEAD_DIM % 16 == 0.
 //
 // Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT, PLAN.
 // PLAN=1: decode rows read their visit plan (src/policy/plan.rs, kernels/select.cu) instead of the
@@ -130,6 +131,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
              elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2,
              float* __restrict__ lse, i64 l0, i64 l1,
              float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads,
+             unsigned long long* kerr, unsigned long long* kbk,
              PlanRef plan, int mode
 #if ART
              , ArtArgs art
@@ -143,7 +145,9 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int h0 = hg * GQ, kvh = h0 / GROUP;
 
     const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
-    if (!kvs_row_served(mode, row.qlen)) return;  // another launch of this call serves the row
+    bool row_bad = false;  // another launch of this call may serve the row
+    if (!kvs_serve_row(mode, row, t, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, &row_bad)) return;
+    bool bt_bad = false;  // this thread read a block id outside [0, num_blocks)
 #if PLAN
     // Plan mode: this split walks plan keys [s_lo, s_hi] (key g = position (e[g >> ulog2] << ulog2) | low bits).
     const int pl = min(max(plan.len[row.seq * plan.hk + kvh], 0), plan.cap);
@@ -220,6 +224,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             if (ok) {
                 blk = bt_row[(i64)(p >> bs_log2) * bt1];
                 ok = blk >= 0 && blk < num_blocks;
+                bt_bad = bt_bad || !ok;
             }
             const unsigned msk = __ballot_sync(0xffffffffu, ok) & 0xffffu;
             if (lane == 0) sm_mask[warp][st] = msk;
@@ -399,10 +404,11 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     bad1 = __shfl_xor_sync(0xffffffffu, (int)bad1, 1) | bad1;
     bad1 = __shfl_xor_sync(0xffffffffu, (int)bad1, 2) | bad1;
     __shared__ int sm_bad[GQ];
+    __shared__ int sm_col;
     if (threadIdx.x < GQ) sm_bad[threadIdx.x] = 0;
 
     // Merge the warps of this CTA in shared memory (the stage buffers are free once every warp is here).
-    __syncthreads();
+    const bool cta_bt_bad = __syncthreads_or((int)bt_bad) != 0;
     if (qd == 0) {
         if (bad0 && r < GQ) sm_bad[r] = 1;
         if (bad1 && r + 8 < GQ) sm_bad[r + 8] = 1;
@@ -427,6 +433,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
     }
     __syncthreads();
+    kvs_record_row_faults(kerr, row_bad, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, &sm_col);
     for (int idx = threadIdx.x; idx < GQ * HEAD_DIM; idx += NTHREADS) {
         const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
         float M = -INFINITY;
@@ -443,7 +450,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
         const bool any = L > 0.f;
         const float nan = __int_as_float(0x7fffffff);
-        const bool bad = sm_bad[g] != 0;
+        const bool bad = sm_bad[g] != 0 || row_bad || cta_bt_bad;
         const float ov = bad ? nan : (any ? O / L : 0.f);
         const float lse_nat = bad ? nan : (any ? (M + log2f(L)) * KVS_LN2 : -INFINITY);
         const int h = h0 + g;
@@ -456,4 +463,5 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             if (d == 0) ws_lse[slot] = lse_nat;
         }
     }
+    kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2);
 }

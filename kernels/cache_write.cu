@@ -25,3 +25,29 @@ extern "C" __global__ void kvs_cache_write(const elem_t* key, i64 k0, i64 k1, i6
         vc[blk * vc0 + off * vc1 + h * vc2 + d * vc3] = val[t * v0 + h * v1 + d * v2];
     }
 }
+
+// Validates every slot of a cache write before any is written (issue 33): copies the caller's slot
+// mapping into the engine's int64 buffer `clean`, or -1 (skip) into every entry when any slot is at or
+// beyond the capacity, and records the first such slot (smallest token index) in the error record. The
+// write, the metadata and the policies' write hooks then read `clean`, so a bad slot writes nothing.
+// One CTA (a block-wide OR separates the two passes); no host sync, capturable.
+extern "C" __global__ void __launch_bounds__(1024)
+kvs_slots_check(const void* slots, i64 slot_stride, int slots_are_i64, int tokens, i64 capacity, i64* clean, unsigned long long* err) {
+    __shared__ int first_bad;
+    if (threadIdx.x == 0) first_bad = 0x7fffffff;
+    __syncthreads();
+    for (int t = threadIdx.x; t < tokens; t += blockDim.x) {
+        const i64 s = slots_are_i64 ? ((const i64*)slots)[t * slot_stride] : (i64)((const int*)slots)[t * slot_stride];
+        if (s >= capacity) atomicMin(&first_bad, t);
+    }
+    __syncthreads();
+    const int fb = first_bad;
+    for (int t = threadIdx.x; t < tokens; t += blockDim.x) {
+        const i64 s = slots_are_i64 ? ((const i64*)slots)[t * slot_stride] : (i64)((const int*)slots)[t * slot_stride];
+        clean[t] = fb == 0x7fffffff ? s : (i64)-1;
+    }
+    if (threadIdx.x == 0 && fb != 0x7fffffff) {
+        const i64 s = slots_are_i64 ? ((const i64*)slots)[fb * slot_stride] : (i64)((const int*)slots)[fb * slot_stride];
+        kvs_fail(err, kvs_fault_key(KVS_FAULT_SLOT, fb, 0, 0), s, capacity);
+    }
+}

@@ -28,7 +28,8 @@ __device__ __forceinline__ unsigned long long slot_hash(unsigned long long x) {
 
 // One thread per sequence of the call. `ids` are int64/uint64 with element stride `ids_s`. Writes the
 // slot (or -1) and its generation for each row. The two reserved key values cannot be stored: such an id
-// gets slot -1. `counters[0]` counts rows left without a slot (monotonic, read by the stats call).
+// gets slot -1. `counters[0]` counts rows left without a slot, `counters[1]` the ids given a slot
+// (sequences created); both monotonic, read by the stats call.
 extern "C" __global__ void kvs_seq_slots(const unsigned long long* __restrict__ ids, long long ids_s, int n,
                                          unsigned long long* keys, int* entry_slot, int tsize_log2,
                                          int* free_stack, int* free_top, unsigned* gen,
@@ -67,6 +68,7 @@ extern "C" __global__ void kvs_seq_slots(const unsigned long long* __restrict__ 
                     slot = free_stack[t];
                     gen[slot] += 1u;
                     entry_slot[e] = slot;
+                    atomicAdd(&counters[1], 1ull);  // sequences created
                 }
                 break;
             }

@@ -42,6 +42,19 @@ pub struct EngineConfig {
     pub num_threads: usize,
     /// Upper bound on per-sequence policy state in bytes; 0 = unbounded.
     pub max_state_bytes: u64,
+    /// How a CUDA engine reports what its device checks find (docs/abi.md, "Where each check runs").
+    pub validate: Validate,
+}
+
+/// When a CUDA engine's device-side checks of the metadata surface (the CPU engine always fails the call).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Validate {
+    /// The kernels record the first fault; `kvs_engine_check` returns it (and `kvs_engine_stats` shows
+    /// it). Calls never wait: capturable.
+    #[default]
+    Deferred,
+    /// Every eager call waits for its work and returns the fault itself; refused on a capturing stream.
+    Sync,
 }
 
 impl EngineConfig {
@@ -59,6 +72,7 @@ impl EngineConfig {
             policy: String::new(),
             num_threads: 0,
             max_state_bytes: 0,
+            validate: Validate::Deferred,
         }
     }
 

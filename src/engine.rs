@@ -197,7 +197,7 @@ impl Engine {
         let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
         validate::batch(dev, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref())?;
         let pipeline = if self.policy.is_dense_for_layer(a.layer) { None } else { self.policy.pipeline() };
-        let c = match &self.cuda {
+        let (c, call) = match &self.cuda {
             Some(gpu) => {
                 // PRR on the device reads the spec's constant budget; a loaded table is CPU-only for now.
                 ensure!(
@@ -205,16 +205,55 @@ impl Engine {
                     Unsupported,
                     "a speculation budget table (set_speculation_budgets) is not supported by the CUDA backend; PRR there uses the spec's `budget`"
                 );
+                // Host-known, so it fails at the call as on the CPU engine.
+                ensure!(
+                    a.seq_ids.is_some() || pipeline.is_none() || !self.policy.is_stateful(),
+                    InvalidArgument,
+                    "policy {:?} keeps per-sequence state, so seq_ids is required",
+                    cfg.policy
+                );
+                // validate = sync: the call waits anyway, so its counters are read back from the device
+                // (the difference of the layer's device counters across the call).
+                let before = if gpu.validates_sync() {
+                    crate::cuda::checks::refuse_sync_in_capture(&gpu.gpu, a.stream)?;
+                    Some(gpu.device_counters()?)
+                } else {
+                    None
+                };
                 let c = gpu.forward(cfg, a, &cache, pipeline)?;
                 if let (Some(_), Some(dst)) = (pipeline, self.visits.lock().as_mut()) {
                     dst.extend(gpu.visit_records(cfg, a)?);
                 }
-                c
+                let call = match before {
+                    Some(b) => {
+                        let mut d = gpu.device_counters()?[a.layer].since(&b[a.layer]);
+                        d.add(&c);
+                        d
+                    }
+                    None => c,
+                };
+                (c, call)
             }
-            None => cpu::call::forward(&self.call_ctx(), a, &cache)?,
+            None => {
+                let c = cpu::call::forward(&self.call_ctx(), a, &cache)?;
+                (c, c)
+            }
         };
         self.record(a.layer, &c);
-        Ok(c)
+        Ok(call)
+    }
+
+    /// The first fault the device checks recorded since the last check (CUDA engines: waits for the work
+    /// enqueued on `stream`, then clears the record), as the CPU engine would have reported it. A CPU
+    /// engine checks everything at the call, so it has nothing pending: always Ok.
+    pub fn check(&self, stream: *mut c_void) -> Result<()> {
+        match &self.cuda {
+            Some(g) => match g.checks.take(&g.gpu, stream)? {
+                Some(e) => Err(e),
+                None => Ok(()),
+            },
+            None => Ok(()),
+        }
     }
 
     fn call_ctx(&self) -> CallCtx<'_> {
@@ -291,18 +330,15 @@ impl Engine {
         self.sequences.state_objects()
     }
 
-    /// Frees all state kept for `seq_id`. A CUDA engine keeps per-sequence state only in its device slot
-    /// map (policies with per-sequence state; releasing synchronizes the device); with any other policy
-    /// it keeps none, and any id is accepted.
+    /// Frees all state kept for `seq_id`; an id the engine does not hold is `UnknownSequence`. A CUDA
+    /// engine registers ids on the device (its policy's state slots, or a plain id registry of
+    /// [`crate::cuda::backend::ID_REGISTRY_SEQS`] live ids); releasing synchronizes the device.
     pub fn release_sequence(&self, seq_id: u64) -> Result<()> {
         match &self.cuda {
-            Some(g) => {
-                let _ = self.sequences.release(seq_id);
-                match &g.slots {
-                    Some(s) => s.release(&g.gpu, seq_id),
-                    None => Ok(()),
-                }
-            }
+            Some(g) => match g.id_map() {
+                Some(s) => s.release(&g.gpu, seq_id),
+                None => bail!(Internal, "the CUDA engine has no sequence id map"),
+            },
             None => self.sequences.release(seq_id),
         }
     }
@@ -318,17 +354,29 @@ impl Engine {
                 st.1[l].add(c);
             }
         }
-        let (created, released) = self.sequences.lifecycle();
-        // A CUDA engine with a slot map knows its live sequences (and the rows left without state) there.
-        let slot_counts = self.cuda.as_ref().and_then(|g| g.slots.as_ref().and_then(|s| s.read_counts(&g.gpu).ok()));
+        let (mut created, mut released) = self.sequences.lifecycle();
+        let mut live = self.sequences.live();
+        let mut without_state = 0;
+        let mut pending_status = 0;
+        if let Some(g) = &self.cuda {
+            // A CUDA engine registers its sequence ids on the device (slots.rs); only a policy's state
+            // slots leave rows without state.
+            if let Some((counts, life)) = g.id_map().and_then(|s| Some((s.read_counts(&g.gpu).ok()?, s.lifecycle(&g.gpu).ok()?))) {
+                live = counts.1;
+                (created, released) = life;
+                without_state = if g.slots.is_some() { counts.0 } else { 0 };
+            }
+            pending_status = g.checks.peek().ok().flatten().map_or(0, |e| crate::ffi::guard::status_of(e.kind) as u64);
+        }
         EngineStats {
             total: st.0,
             per_layer: st.1.clone(),
-            live_sequences: slot_counts.map_or(self.sequences.live(), |c| c.1),
-            policy_rows_without_state: slot_counts.map_or(0, |c| c.0),
+            live_sequences: live,
+            policy_rows_without_state: without_state,
             sequences_created: created,
             sequences_released: released,
             state_bytes: self.sequences.state_bytes(),
+            pending_status,
         }
     }
 }

@@ -117,6 +117,9 @@ pub struct EngineStats {
     /// CUDA engine: sequences' decode rows that found no free state slot (spec option `max_seqs`) and ran
     /// dense attention instead of the policy.
     pub policy_rows_without_state: u64,
+    /// CUDA engine: the C status of the fault the device checks recorded and `Engine::check` has not
+    /// returned yet (0 = none).
+    pub pending_status: u64,
 }
 
 /// What one policy row attended: for (sequence, KV head) of a decode row in a non-dense layer, the sorted

@@ -92,3 +92,153 @@ __device__ __forceinline__ int kvs_token_qlen(int t, const int* qsl, i64 qsl0, i
     }
     return qsl[(lo + 1) * qsl0] - qsl[lo * qsl0];
 }
+
+
+// ---- Device-side checks of the batch description (issue 33; src/cuda/checks.rs decodes the record) ----
+// The engine owns one error record of four 64-bit words: [0] a lock (low 32 bits), [1] the fault's key
+// (0 = none), [2] and [3] two values for the message. Keys order faults as the CPU engine checks them
+// (query_start_loc[0]; then per sequence: its query_start_loc pair, seq_len, query length, table
+// capacity, block ids; then the end of query_start_loc; slot_mapping), so the record keeps the smallest
+// key: the fault the CPU engine would report, whatever order the CTAs ran in.
+#define KVS_FAULT_QSL_FIRST 1
+#define KVS_FAULT_SEQ 2
+#define KVS_FAULT_QSL_LAST 3
+#define KVS_FAULT_SLOT 4
+#define KVS_SUB_QSL_ORDER 0
+#define KVS_SUB_QSL_BEYOND 1
+#define KVS_SUB_LEN_NEG 2
+#define KVS_SUB_QLEN 3
+#define KVS_SUB_LEN_TABLE 4
+#define KVS_SUB_BLOCK 5
+// A row to poison whose fault another check records (a token outside its sequence's query rows).
+#define KVS_FAULT_POISON_ONLY 0xffffffffffffffffull
+
+__device__ __forceinline__ unsigned long long kvs_fault_key(int group, int idx, int sub, unsigned col) {
+    return ((unsigned long long)group << 56) | ((unsigned long long)(idx & 0xfffff) << 36) | ((unsigned long long)sub << 32) |
+           (unsigned long long)col;
+}
+
+// Records a fault unless one that comes earlier in the CPU engine's order is already recorded. Rare
+// path: a spin lock makes key and values one consistent record.
+__device__ __noinline__ void kvs_fail(unsigned long long* err, unsigned long long key, long long a, long long b) {
+    if (err == 0 || key == 0ull || key == KVS_FAULT_POISON_ONLY) return;
+    volatile unsigned long long* e = err;
+    const unsigned long long cur = e[1];
+    if (cur != 0ull && cur <= key) return;
+    unsigned* lock = (unsigned*)err;
+    while (atomicCAS(lock, 0u, 1u) != 0u) {
+    }
+    __threadfence();
+    if (e[1] == 0ull || key < e[1]) {
+        e[2] = (unsigned long long)a;
+        e[3] = (unsigned long long)b;
+        e[1] = key;
+    }
+    __threadfence();
+    atomicExch(lock, 0u);
+}
+
+// The first fault of the batch description that the row of token t (in sequence `seq`, as locate()
+// found it) depends on: its sequence's query_start_loc pair and the pairs on either side, its seq_len
+// (sign, capacity of the table's `cols` columns, at least the query length), the ends of
+// query_start_loc, and t inside its sequence's rows. 0 = none; such a row finishes as NaN.
+__device__ __forceinline__ unsigned long long kvs_row_fault(int t, int seq, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0,
+                                                            int num_seqs, int num_tokens, int cols, int bs_log2, long long* a, long long* b) {
+    const int q0 = qsl[seq * qsl0], q1 = qsl[(seq + 1) * qsl0];
+    const int qprev = seq > 0 ? qsl[(seq - 1) * qsl0] : q0;
+    const int qnext = seq + 2 <= num_seqs ? qsl[(seq + 2) * qsl0] : q1;
+    const int qfirst = qsl[0], qlast = qsl[num_seqs * qsl0];
+    const int len = seq_lens[seq * sl0];
+    const long long qlen = (long long)q1 - q0;
+    *a = 0;
+    *b = 0;
+    if (qfirst != 0) { *a = qfirst; return kvs_fault_key(KVS_FAULT_QSL_FIRST, 0, 0, 0); }
+    if (qprev > q0) { *a = qprev; *b = q0; return kvs_fault_key(KVS_FAULT_SEQ, seq - 1, KVS_SUB_QSL_ORDER, 0); }
+    if (q1 < q0) { *a = q0; *b = q1; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_QSL_ORDER, 0); }
+    if (q1 > num_tokens) { *a = q1; *b = num_tokens; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_QSL_BEYOND, 0); }
+    if (len < 0) { *a = len; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_LEN_NEG, 0); }
+    if (qlen > len) { *a = qlen; *b = len; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_QLEN, 0); }
+    if ((long long)len > ((long long)cols << bs_log2)) { *a = len; *b = cols; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_LEN_TABLE, 0); }
+    if (qnext < q1) { *a = q1; *b = qnext; return kvs_fault_key(KVS_FAULT_SEQ, seq + 1, KVS_SUB_QSL_ORDER, 0); }
+    if (qlast != num_tokens) { *a = qlast; *b = num_tokens; return kvs_fault_key(KVS_FAULT_QSL_LAST, 0, 0, 0); }
+    if (t < q0 || t >= q1) return KVS_FAULT_POISON_ONLY;
+    return 0ull;
+}
+
+// Every sequence's part of the batch description, checked once per launch whether or not it has rows:
+// the CTA (t, 0, 0) of the attention grid checks sequences t, t + num_tokens, ... (thread 0), and counts
+// decode rows and prefill tokens of the valid ones into bk[0], bk[1] (the layer's CTR_DECODE_ROWS and
+// CTR_PREFILL_TOKENS) when bk is not NULL. Records faults; poisons nothing (kvs_row_fault does).
+__device__ __noinline__ void kvs_check_seqs(unsigned long long* err, unsigned long long* bk, const int* qsl, i64 qsl0, const int* seq_lens,
+                                            i64 sl0, int num_seqs, int num_tokens, int cols, int bs_log2) {
+    if (blockIdx.y != 0 || blockIdx.z != 0 || threadIdx.x != 0) return;
+    const int t = blockIdx.x;
+    if (t == 0) {
+        const int f = qsl[0], l = qsl[num_seqs * qsl0];
+        if (f != 0) kvs_fail(err, kvs_fault_key(KVS_FAULT_QSL_FIRST, 0, 0, 0), f, 0);
+        if (l != num_tokens) kvs_fail(err, kvs_fault_key(KVS_FAULT_QSL_LAST, 0, 0, 0), l, num_tokens);
+    }
+    unsigned long long dec = 0ull, pre = 0ull;
+    for (int s = t; s < num_seqs; s += gridDim.x) {
+        const int a = qsl[s * qsl0], b = qsl[(s + 1) * qsl0], len = seq_lens[s * sl0];
+        const long long qlen = (long long)b - a;
+        if (b < a) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, s, KVS_SUB_QSL_ORDER, 0), a, b);
+        else if (b > num_tokens) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, s, KVS_SUB_QSL_BEYOND, 0), b, num_tokens);
+        else if (len < 0) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, s, KVS_SUB_LEN_NEG, 0), len, 0);
+        else if (qlen > len) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, s, KVS_SUB_QLEN, 0), qlen, len);
+        else if ((long long)len > ((long long)cols << bs_log2)) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, s, KVS_SUB_LEN_TABLE, 0), len, cols);
+        else if (qlen == 1) dec += 1ull;
+        else pre += (unsigned long long)qlen;
+    }
+    if (bk != 0 && (dec | pre) != 0ull) {
+        atomicAdd(&bk[0], dec);
+        atomicAdd(&bk[1], pre);
+    }
+}
+
+// The first block-table entry of `seq` (columns below ceil(seq_len / block size), as the CPU engine
+// checks them) outside [0, num_blocks), found by the whole CTA and recorded by thread 0. Called (by every
+// thread) only by a CTA that read a bad entry: the fault path.
+__device__ __noinline__ void kvs_record_block_fault(unsigned long long* err, int seq, const int* bt_row, i64 bt1, int cols, int bs_log2,
+                                                    const int* seq_lens, i64 sl0, i64 num_blocks, int* sm_col) {
+    if (threadIdx.x == 0) *sm_col = 0x7fffffff;
+    __syncthreads();
+    int len = seq_lens[seq * sl0];
+    len = len < 0 ? 0 : (len > (cols << bs_log2) ? (cols << bs_log2) : len);
+    const int need = (len + (1 << bs_log2) - 1) >> bs_log2;
+    for (int c = threadIdx.x; c < need; c += blockDim.x) {
+        const int id = bt_row[(i64)c * bt1];
+        if (id < 0 || id >= num_blocks) atomicMin(sm_col, c);
+    }
+    __syncthreads();
+    const int c = *sm_col;
+    if (threadIdx.x == 0 && c != 0x7fffffff) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_BLOCK, (unsigned)c), bt_row[(i64)c * bt1], num_blocks);
+}
+
+// An attention CTA's checks, start: false when another launch of the call serves the row (the CTA has
+// then checked its share of the batch description and must return); else *row_bad tells whether the
+// row's part of the batch description is bad (kvs_row_fault): the row then finishes as NaN.
+__device__ __forceinline__ bool kvs_serve_row(int mode, const RowInfo& row, int t, unsigned long long* err, unsigned long long* bk, const int* qsl,
+                                              i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs, int cols, int bs_log2, bool* row_bad) {
+    if (!kvs_row_served(mode, row.qlen)) {
+        kvs_check_seqs(err, bk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2);
+        return false;
+    }
+    long long fa, fb;
+    *row_bad = kvs_row_fault(t, row.seq, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2, &fa, &fb) != 0ull;
+    return true;
+}
+
+// An attention CTA's checks, end (every thread calls it, after the CTA's last read of the caches):
+// records the row's fault and, when any thread read a bad block id (`cta_bt_bad`, uniform), the sequence's
+// first bad block id.
+__device__ __forceinline__ void kvs_record_row_faults(unsigned long long* err, bool row_bad, bool cta_bt_bad, int t, int seq, const int* bt_row, i64 bt1,
+                                                      i64 num_blocks, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs,
+                                                      int cols, int bs_log2, int* sm_col) {
+    if (cta_bt_bad) kvs_record_block_fault(err, seq, bt_row, bt1, cols, bs_log2, seq_lens, sl0, num_blocks, sm_col);
+    if (row_bad && threadIdx.x == 0) {
+        long long fa, fb;
+        const unsigned long long key = kvs_row_fault(t, seq, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2, &fa, &fb);
+        kvs_fail(err, key, fa, fb);
+    }
+}

@@ -52,7 +52,7 @@ _check = check
 
 
 def _engine_config(*, num_layers, num_q_heads, num_kv_heads, head_dim, block_size, dtype=torch.float16,
-                   device="cpu", policy="", num_threads=0, max_state_bytes=0):
+                   device="cpu", policy="", num_threads=0, max_state_bytes=0, validate="deferred"):
     """The C config (and the policy string it points at, which must outlive it) of an engine."""
     if dtype not in _DTYPE:
         raise KvsUnsupported(f"dtype {dtype} is not supported (float32, float16, bfloat16)")
@@ -65,6 +65,11 @@ def _engine_config(*, num_layers, num_q_heads, num_kv_heads, head_dim, block_siz
     cfg.head_dim, cfg.block_size = head_dim, block_size
     cfg.dtype = _DTYPE[dtype]
     cfg.num_threads, cfg.max_state_bytes = num_threads, max_state_bytes
+    # CUDA engines: "deferred" (device checks surface at check()), or "sync" (each call waits and raises
+    # what they found; not capturable). docs/abi.md, "Where each check runs".
+    if validate not in ("deferred", "sync"):
+        raise ValueError(f"validate must be 'deferred' or 'sync', got {validate!r}")
+    cfg.validate = lib.KVS_VALIDATE_SYNC if validate == "sync" else lib.KVS_VALIDATE_DEFERRED
     spec = ffi.new("char[]", (policy or "").encode())
     cfg.policy = spec
     return cfg, spec
@@ -83,10 +88,12 @@ class Engine:
     """One kvsparse engine (all attention layers of one model on one device)."""
 
     def __init__(self, *, num_layers, num_q_heads, num_kv_heads, head_dim, block_size,
-                 dtype=torch.float16, device="cpu", policy="", num_threads=0, max_state_bytes=0):
+                 dtype=torch.float16, device="cpu", policy="", num_threads=0, max_state_bytes=0,
+                 validate="deferred"):
         cfg, _spec = _engine_config(num_layers=num_layers, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                     head_dim=head_dim, block_size=block_size, dtype=dtype, device=device,
-                                    policy=policy, num_threads=num_threads, max_state_bytes=max_state_bytes)
+                                    policy=policy, num_threads=num_threads, max_state_bytes=max_state_bytes,
+                                    validate=validate)
         out = ffi.new("kvs_engine **")
         _check(lib.kvs_engine_create(cfg, out), "engine_create")
         self._h = ffi.gc(out[0], lib.kvs_engine_destroy)
@@ -133,9 +140,15 @@ class Engine:
         _check(lib.kvs_attention_forward(self._h, a), "attention_forward")
         return None if st is None else {f: getattr(st, f) for f in _STATS_FIELDS}
 
+    def check(self, stream=None):
+        """Raises what a CUDA engine's device checks of block tables, lengths, query offsets and slots
+        found since the last check (waits for `stream`, default torch's current one; clears the record).
+        A CPU engine checks at the call: nothing to raise."""
+        _check(lib.kvs_engine_check(self._h, ffi.cast("void *", self._stream(stream))), "engine_check")
+
     def release(self, seq_id: int, missing_ok: bool = False) -> bool:
-        """Frees a sequence's state; with missing_ok an id the engine never saw (dense CUDA calls and
-        captured graphs register none) is not an error. Returns whether the engine held it."""
+        """Frees a sequence's state; with missing_ok an id the engine does not hold (never named in a
+        forward call's seq_ids, or released already) is not an error. Returns whether the engine held it."""
         st = lib.kvs_sequence_release(self._h, seq_id)
         if missing_ok and st == KVS_ERR_UNKNOWN_SEQUENCE:
             return False

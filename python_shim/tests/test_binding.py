@@ -17,7 +17,7 @@ def test_abi_version_matches_header():
 def test_struct_sizes_come_from_header():
     # Every config/args struct starts with struct_size; the layout is cffi's reading of the header.
     assert ffi.offsetof("kvs_forward_args", "struct_size") == 0
-    assert ffi.sizeof("kvs_stats") == 8 + 8 * 21
+    assert ffi.sizeof("kvs_stats") == 8 + 8 * 22
 
 
 @pytest.mark.parametrize("kw,status,text", [
@@ -95,6 +95,14 @@ def test_cache_write_and_forward_match_reference_on_strided_vllm_cache(dtype, to
 def test_unsupported_dtype_is_a_clear_error():
     with pytest.raises(ValueError, match="float64"):
         Engine(num_layers=1, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float64)
+
+
+def test_check_and_the_validate_option_on_a_cpu_engine():
+    e = Engine(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, validate="sync")
+    assert e.check() is None  # a CPU engine checks everything at the call: nothing deferred
+    assert e.stats()["pending_status"] == 0
+    with pytest.raises(ValueError, match="validate"):
+        Engine(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, validate="later")
 
 
 class _RecordingLib:

@@ -30,6 +30,10 @@ use crate::ensure;
 
 const NTHREADS: u32 = 128;
 
+/// Live sequence ids a CUDA engine without per-sequence device state registers (docs/abi.md); ids past
+/// that are not registered (their release is `UNKNOWN_SEQUENCE`).
+pub const ID_REGISTRY_SEQS: usize = 8192;
+
 /// Fewest plan keys per split when a plan is shorter than its sequences (dense rows keep
 /// `SplitPolicy::min_chunk`): short plans are split finer to fill the device at small batch.
 const PLAN_MIN_CHUNK: usize = 256;
@@ -76,12 +80,20 @@ pub struct CudaBackend {
     pub(super) sparse: SparseState,
     /// Sequence id -> state slot map, for policies with per-sequence device state (see `slots`).
     pub slots: Option<super::slots::SeqSlots>,
+    /// Without such a map: a slot map used only as the registry of sequence ids (created on first use in
+    /// a forward call, freed by release, counted by the stats, as on the CPU engine), and the scratch its
+    /// lookup writes the (unused) slots into.
+    ids: Option<(super::slots::SeqSlots, DevBuf)>,
     /// AttentionPredictor's weights and per-layer history on the device (see `predictor`).
     pub(super) predictor: Option<super::predictor::PredictorDev>,
     /// RefreshKV's per-layer state and step counters (see `refresh`).
     pub(super) refresh: super::refresh::RefreshDevice,
     /// PRR's block-keyed state, side streams and events (see `prr`).
     pub(super) prr: super::prr::PrrDevice,
+    /// The device checks' error record and the cache writes' checked slot buffers (see `checks`).
+    pub checks: super::checks::DeviceChecks,
+    /// `validate = sync`: every eager call waits and returns what the device checks found.
+    validate_sync: bool,
 }
 
 impl Drop for CudaBackend {
@@ -112,6 +124,10 @@ impl CudaBackend {
         let gpu = Gpu::open(ordinal)?;
         let sparse = SparseState::new(cfg.num_layers)?;
         let slots = max_seqs.map(super::slots::SeqSlots::new).transpose()?;
+        let ids = match slots {
+            Some(_) => None,
+            None => Some((super::slots::SeqSlots::new(ID_REGISTRY_SEQS)?, DevBuf::alloc(crate::validate::MAX_SEQS_PER_CALL * 8)?)),
+        };
         Ok(CudaBackend {
             gpu,
             modules: Modules::default(),
@@ -123,9 +139,12 @@ impl CudaBackend {
             meta: DeviceMeta::new(needs, cfg.num_layers),
             sparse,
             slots,
+            ids,
             refresh: super::refresh::RefreshDevice::new(cfg.num_layers)?,
             prr: super::prr::PrrDevice::new(cfg),
             predictor: None,
+            checks: super::checks::DeviceChecks::new(cfg.num_layers, cfg.block_size)?,
+            validate_sync: cfg.validate == crate::config::Validate::Sync,
         })
     }
 
@@ -147,11 +166,40 @@ impl CudaBackend {
             return Ok(Counters { calls: 1, ..Default::default() });
         };
         self.gpu.make_current()?;
+        if self.validate_sync {
+            super::checks::refuse_sync_in_capture(&self.gpu, a.stream)?;
+        }
+        if let (Some((reg, scratch)), Some(ids)) = (&self.ids, &a.seq_ids) {
+            reg.lookup(&self.gpu, &self.modules, ids, geo.num_seqs, scratch.ptr, scratch.ptr + (geo.num_seqs * 4) as u64, a.stream)?;
+        }
         match pipeline {
             None => self.attend(cfg, a, cache, &geo, Rows::All)?,
             Some(p) => self.sparse_forward(cfg, a, cache, &geo, p)?,
         }
+        self.sync_checks(a.stream)?;
         Ok(Counters { calls: 1, ..Default::default() })
+    }
+
+    /// Under `validate = sync`: waits for the call's work on `stream` and returns the fault the device
+    /// checks recorded, as the CPU engine would have (the record is cleared). Otherwise nothing.
+    fn sync_checks(&self, stream: super::driver::CUstream) -> Result<()> {
+        if !self.validate_sync {
+            return Ok(());
+        }
+        match self.checks.take(&self.gpu, stream)? {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The map that registers this engine's sequence ids: the policy's state slots, or the plain registry.
+    pub fn id_map(&self) -> Option<&super::slots::SeqSlots> {
+        self.slots.as_ref().or(self.ids.as_ref().map(|r| &r.0))
+    }
+
+    /// Whether every eager call waits for the device checks (`validate = sync`).
+    pub fn validates_sync(&self) -> bool {
+        self.validate_sync
     }
 
     /// Validates what the host can see of a call (shapes, dtypes, devices; not the device-side contents).
@@ -292,6 +340,10 @@ impl CudaBackend {
         k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
         k.ptr(lse_ptr).i64(l0).i64(l1);
         k.i64(ws_o as i64).i64(ws_lse as i64).i32(cfg.num_q_heads as i32);
+        // The device checks' record, and the layer's decode-row / prefill-token counters (CTR_DECODE_ROWS,
+        // CTR_PREFILL_TOKENS) for a dense layer's launch (a policy layer's selection counts them).
+        let bk = if matches!(rows, Rows::All) { self.sparse_layer_counters(a.layer) } else { 0 };
+        k.i64(self.checks.record_ptr() as i64).i64(bk as i64);
         k.by_value(&plan_ref).i32(mode);
         if let Some(art) = &art {
             k.by_value(art);
@@ -313,7 +365,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Cache write by slot mapping on the device (validated shapes; slots are bounds-checked by the kernel).
+    /// Cache write by slot mapping on the device (validated shapes; every slot is checked on the device
+    /// before any is written, see `checks`).
     pub fn cache_write(&self, cfg: &EngineConfig, a: &CacheWriteArgs, cache: &KvCache, n: usize) -> Result<()> {
         ensure!(a.slot_mapping.strides()[0] >= 0, InvalidShape, "slot_mapping has a negative stride");
         if n == 0 {
@@ -321,7 +374,14 @@ impl CudaBackend {
         }
         let total = n * cfg.num_kv_heads * cfg.head_dim;
         self.gpu.make_current()?;
+        if self.validate_sync {
+            super::checks::refuse_sync_in_capture(&self.gpu, a.stream)?;
+        }
         let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype))];
+        // Every slot is checked on the device before any is written: the kernels below read the checked
+        // copy, all -1 (skip) when any slot is out of range.
+        let capacity = cache.num_blocks * cfg.block_size;
+        let slots = self.checks.check_slots(&self.gpu, &self.modules, &defines, a.layer, &a.slot_mapping, n, capacity, a.stream)?;
         let f = self.modules.function(&self.gpu, "cache_write", launch::CACHE_WRITE, &defines, "kvs_cache_write")?;
         let mut k = KArgs::new();
         k.ptr(p(&a.key)).i64(a.key.stride(0) as i64).i64(a.key.stride(1) as i64).i64(a.key.stride(2) as i64);
@@ -332,12 +392,13 @@ impl CudaBackend {
                 k.i64(t.stride(i) as i64);
             }
         }
-        k.ptr(p(&a.slot_mapping)).i64(a.slot_mapping.stride(0) as i64).i32((a.slot_mapping.dtype == DType::I64) as i32);
+        k.ptr(p(&slots)).i64(1).i32(1);
         k.i32(n as i32).i32(cfg.num_kv_heads as i32).i32(cfg.head_dim as i32).i64(cache.num_blocks as i64).i32(cfg.block_size as i32);
         let grid = total.div_ceil(256).min(65536 * 4) as u32;
         launch::launch(f, (grid, 1, 1), 256, &mut k, a.stream, "kvs_cache_write launch")?;
-        self.meta.update(&self.gpu, &self.modules, a.layer, cache, &a.slot_mapping, n, a.stream)?;
-        self.prr_on_write(cfg, a.layer, cache, &a.slot_mapping, n, a.stream)
+        self.meta.update(&self.gpu, &self.modules, a.layer, cache, &slots, n, a.stream)?;
+        self.prr_on_write(cfg, a.layer, cache, &slots, n, a.stream)?;
+        self.sync_checks(a.stream)
     }
 
     /// Merge of two partial states on the device (shapes validated by the engine).

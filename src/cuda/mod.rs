@@ -1,9 +1,10 @@
 //! CUDA backend: the driver and NVRTC loaded at run time ([`driver`]), the device context ([`context`]),
 //! NVRTC compilation with an on-disk module cache ([`module_cache`]), launches ([`launch`]), split-KV
-//! planning ([`plan`]), the policies' device path ([`sparse`], [`snapkv`], [`refresh`], [`prr`], [`predictor`], per-sequence state slots [`slots`]) and the backend the engine dispatches to ([`backend`]). Kernels: `kernels/*.cu`.
+//! planning ([`plan`]), the device checks of the metadata ([`checks`]), the policies' device path ([`sparse`], [`snapkv`], [`refresh`], [`prr`], [`predictor`], per-sequence state slots [`slots`]) and the backend the engine dispatches to ([`backend`]). Kernels: `kernels/*.cu`.
 //! Nothing here is needed at build time, and every entry point fails cleanly when no driver is present.
 
 pub mod backend;
+pub mod checks;
 pub mod context;
 pub mod driver;
 pub mod kernel_src;

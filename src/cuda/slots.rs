@@ -37,10 +37,13 @@ pub struct SeqSlots {
     free_stack: DevBuf,
     free_top: DevBuf,
     gen: DevBuf,
-    /// [0]: rows left without a slot since the engine started.
+    /// [0]: rows left without a slot since the engine started; [1]: ids given a slot (created).
     counters: DevBuf,
-    /// Serializes releases (host edits of the table) with each other.
-    edit: Mutex<()>,
+    /// Successful releases (the host edits the table).
+    released: std::sync::atomic::AtomicU64,
+    /// Serializes releases (host edits of the table) with each other; holds the tombstones released since
+    /// the last rebuild.
+    edit: Mutex<usize>,
 }
 
 fn bytes_of<T>(v: &[T]) -> &[u8] {
@@ -60,8 +63,8 @@ impl SeqSlots {
         let free_stack = DevBuf::from_host(bytes_of(&stack))?;
         let free_top = DevBuf::from_host(bytes_of(&[max_seqs as i32]))?;
         let gen = DevBuf::from_host(bytes_of(&vec![0u32; max_seqs]))?;
-        let counters = DevBuf::from_host(&[0u8; 8])?;
-        Ok(SeqSlots { max_seqs, tsize_log2: tsize.trailing_zeros(), keys, entry_slot, free_stack, free_top, gen, counters, edit: Mutex::new(()) })
+        let counters = DevBuf::from_host(&[0u8; 16])?;
+        Ok(SeqSlots { max_seqs, tsize_log2: tsize.trailing_zeros(), keys, entry_slot, free_stack, free_top, gen, counters, released: Default::default(), edit: Mutex::new(0) })
     }
 
     pub fn max_seqs(&self) -> usize {
@@ -94,27 +97,49 @@ impl SeqSlots {
         Ok((u64::from_le_bytes(c), self.max_seqs as u64 - free))
     }
 
+    /// Sequences created (ids given a slot) and released since the map was made (synchronizes the device).
+    pub fn lifecycle(&self, gpu: &Gpu) -> Result<(u64, u64)> {
+        gpu.synchronize()?;
+        let mut c = [0u8; 16];
+        self.counters.download(0, &mut c)?;
+        Ok((u64::from_le_bytes(c[8..].try_into().expect("8 bytes")), self.released.load(std::sync::atomic::Ordering::Relaxed)))
+    }
+
     /// Frees `id`'s slot (synchronizes the device first, so no enqueued step still uses it). Unknown ids
-    /// are an error, as on the CPU engine.
+    /// are an error, as on the CPU engine. Reads only the entries on the id's probe path (a few bytes per
+    /// release: serving engines release every finished request); the whole table only when tombstones
+    /// call for a rebuild.
     pub fn release(&self, gpu: &Gpu, id: u64) -> Result<()> {
-        let _g = self.edit.lock();
+        let mut tombs = self.edit.lock();
         gpu.synchronize()?;
         let tsize = 1usize << self.tsize_log2;
-        let mut keys = vec![0u64; tsize];
-        // SAFETY: a u64 slice viewed as bytes for the download.
-        self.keys.download(0, unsafe { std::slice::from_raw_parts_mut(keys.as_mut_ptr() as *mut u8, tsize * 8) })?;
-        let mut slots = vec![0i32; tsize];
-        // SAFETY: as above.
-        self.entry_slot.download(0, unsafe { std::slice::from_raw_parts_mut(slots.as_mut_ptr() as *mut u8, tsize * 4) })?;
         let mask = tsize - 1;
-        let h = (hash(id) as usize) & mask;
-        let found = (0..tsize).map(|k| (h + k) & mask).take_while(|&e| keys[e] != EMPTY).find(|&e| keys[e] == id);
-        let Some(e) = found.filter(|_| id != EMPTY && id != TOMB) else {
+        let key_at = |e: usize| -> Result<u64> {
+            let mut b = [0u8; 8];
+            self.keys.download(e * 8, &mut b)?;
+            Ok(u64::from_le_bytes(b))
+        };
+        let mut found = None;
+        if id != EMPTY && id != TOMB {
+            let h = (hash(id) as usize) & mask;
+            for k in 0..tsize {
+                let e = (h + k) & mask;
+                match key_at(e)? {
+                    x if x == id => {
+                        found = Some(e);
+                        break;
+                    }
+                    EMPTY => break,
+                    _ => {}
+                }
+            }
+        }
+        let Some(e) = found else {
             bail!(UnknownSequence, "sequence {id} is not known to this engine (never used in a forward call, or already released)");
         };
-        let slot = slots[e];
-        keys[e] = TOMB;
-        slots[e] = -1;
+        let mut sb = [0u8; 4];
+        self.entry_slot.download(e * 4, &mut sb)?;
+        let slot = i32::from_le_bytes(sb);
         let mut top = [0u8; 4];
         self.free_top.download(0, &mut top)?;
         let top = i32::from_le_bytes(top);
@@ -123,8 +148,18 @@ impl SeqSlots {
             self.free_stack.upload(top as usize * 4, bytes_of(&[slot]))?;
             self.free_top.upload(0, bytes_of(&[top + 1]))?;
         }
-        // Tombstones lengthen every probe: rebuild the table when they are a quarter of it.
-        if keys.iter().filter(|&&k| k == TOMB).count() * 4 > tsize {
+        // Tombstones lengthen every probe: rebuild the table when they are a quarter of it (counted here;
+        // the few the lookup kernel leaves when no slot is free are found at the rebuild).
+        *tombs += 1;
+        if *tombs * 4 > tsize {
+            let mut keys = vec![0u64; tsize];
+            // SAFETY: a u64 slice viewed as bytes for the download.
+            self.keys.download(0, unsafe { std::slice::from_raw_parts_mut(keys.as_mut_ptr() as *mut u8, tsize * 8) })?;
+            let mut slots = vec![0i32; tsize];
+            // SAFETY: as above.
+            self.entry_slot.download(0, unsafe { std::slice::from_raw_parts_mut(slots.as_mut_ptr() as *mut u8, tsize * 4) })?;
+            keys[e] = TOMB;
+            slots[e] = -1;
             let mut nk = vec![EMPTY; tsize];
             let mut ns = vec![-1i32; tsize];
             for (&k, &s) in keys.iter().zip(&slots) {
@@ -138,14 +173,14 @@ impl SeqSlots {
                 nk[e] = k;
                 ns[e] = s;
             }
-            keys = nk;
-            slots = ns;
-            self.keys.upload(0, bytes_of(&keys))?;
-            self.entry_slot.upload(0, bytes_of(&slots))?;
+            self.keys.upload(0, bytes_of(&nk))?;
+            self.entry_slot.upload(0, bytes_of(&ns))?;
+            *tombs = 0;
         } else {
             self.keys.upload(e * 8, bytes_of(&[TOMB]))?;
             self.entry_slot.upload(e * 4, bytes_of(&[-1i32]))?;
         }
+        self.released.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 }

@@ -76,9 +76,37 @@ pub unsafe extern "C" fn kvs_engine_config_init(config: *mut kvs_engine_config) 
             num_threads: 0,
             max_state_bytes: 0,
             policy: std::ptr::null(),
+            validate: kvs_validate::KVS_VALIDATE_DEFERRED,
         });
         Ok(())
     })
+}
+
+/// Bytes of `kvs_engine_config` before `validate` (the struct as callers compiled before it was appended).
+const CONFIG_SIZE_BEFORE_VALIDATE: usize = std::mem::offset_of!(kvs_engine_config, validate);
+
+/// The caller's config, `struct_size` bytes of it (at least the fields before `validate`); fields it does
+/// not have keep their defaults. Returns it with `validate` decoded (its raw value checked before Rust
+/// reads the enum).
+unsafe fn config_prefix(config: *const kvs_engine_config) -> Result<(kvs_engine_config, crate::config::Validate)> {
+    let size = (*config).struct_size as usize;
+    ensure!(
+        size >= CONFIG_SIZE_BEFORE_VALIDATE,
+        InvalidArgument,
+        "kvs_engine_config.struct_size is {size}, expected at least {CONFIG_SIZE_BEFORE_VALIDATE} (set it to sizeof(kvs_engine_config))"
+    );
+    let full = std::mem::size_of::<kvs_engine_config>();
+    let mut c = std::mem::MaybeUninit::<kvs_engine_config>::zeroed();
+    std::ptr::copy_nonoverlapping(config as *const u8, c.as_mut_ptr() as *mut u8, size.min(full));
+    let raw = (std::ptr::addr_of!((*c.as_ptr()).validate) as *const i32).read_unaligned();
+    let validate = match raw {
+        0 => crate::config::Validate::Deferred,
+        1 => crate::config::Validate::Sync,
+        v => bail!(InvalidArgument, "config.validate {v} is not a kvs_validate (0 = deferred, 1 = sync)"),
+    };
+    // SAFETY: every byte is initialised (zeroes where the caller's struct ended; zero is a valid value of
+    // every field, the enums included) and both enums' raw values were checked.
+    Ok((c.assume_init(), validate))
 }
 
 unsafe fn config_from_c(c: &kvs_engine_config) -> Result<EngineConfig> {
@@ -106,6 +134,7 @@ unsafe fn config_from_c(c: &kvs_engine_config) -> Result<EngineConfig> {
         policy,
         num_threads: c.num_threads as usize,
         max_state_bytes: c.max_state_bytes,
+        validate: crate::config::Validate::Deferred,
     })
 }
 
@@ -116,8 +145,10 @@ unsafe fn config_arg(config: *const kvs_engine_config) -> Result<EngineConfig> {
     let raw_dtype = std::ptr::addr_of!((*config).dtype) as *const i32;
     let dt = raw_dtype.read_unaligned();
     ensure!((0..=2).contains(&dt), InvalidDtype, "config.dtype {dt} is not a kvs_dtype");
-    let c = args_ref("kvs_engine_config", config, |c| c.struct_size)?;
-    config_from_c(c)
+    let (c, validate) = config_prefix(config)?;
+    let mut cfg = config_from_c(&c)?;
+    cfg.validate = validate;
+    Ok(cfg)
 }
 
 /// Checks a configuration as `kvs_engine_create` would (geometry, dtype, policy spec, and for a CUDA device
@@ -157,7 +188,9 @@ pub unsafe extern "C" fn kvs_engine_destroy(engine: *mut kvs_engine) {
 }
 
 /// Writes new K/V rows into the layer's caches by slot mapping. Every slot is validated before any byte
-/// is written. Thread-safe with respect to other sequences' calls.
+/// is written (a CUDA engine checks them on the device first: a bad slot writes nothing and surfaces at
+/// `kvs_engine_check`, or from this call with `validate = KVS_VALIDATE_SYNC`). Thread-safe with respect
+/// to other sequences' calls.
 #[no_mangle]
 pub unsafe extern "C" fn kvs_cache_write(engine: *mut kvs_engine, args: *const kvs_cache_write_args) -> kvs_status {
     guard(|| {
@@ -177,7 +210,12 @@ pub unsafe extern "C" fn kvs_cache_write(engine: *mut kvs_engine, args: *const k
 
 /// Causal paged attention for a varlen batch of one layer; decode rows of non-dense layers go through the
 /// engine's policy. Validates everything (shapes, dtypes, block ids, lengths) before writing `out`/`lse`;
-/// on failure nothing is written. Per-call counters go to `args->call_stats` when it is not NULL.
+/// on failure nothing is written. A CUDA engine checks the host-known parts (shapes, dtypes, devices,
+/// seq_ids for a stateful policy) here and the device-resident contents (block ids, lengths, query
+/// offsets) in its kernels: an offending row's `out` and `lse` are NaN and the fault surfaces at
+/// `kvs_engine_check` (or from this call with `validate = KVS_VALIDATE_SYNC`); see docs/abi.md. Per-call
+/// counters go to `args->call_stats` when it is not NULL (on a CUDA engine: `calls` only, unless
+/// `validate = KVS_VALIDATE_SYNC`, where the call waits and they are read back from the device).
 #[no_mangle]
 pub unsafe extern "C" fn kvs_attention_forward(engine: *mut kvs_engine, args: *const kvs_forward_args) -> kvs_status {
     guard(|| {
@@ -230,7 +268,9 @@ pub unsafe extern "C" fn kvs_merge_states(engine: *mut kvs_engine, args: *const 
 }
 
 /// Frees the per-sequence state of `seq_id` (call when a request finishes or is preempted).
-/// Returns `KVS_ERR_UNKNOWN_SEQUENCE` for an id the engine does not hold.
+/// Returns `KVS_ERR_UNKNOWN_SEQUENCE` for an id the engine does not hold (never named in a forward call's
+/// `seq_ids`, or released already). A CUDA engine registers ids on the device and synchronizes here; one
+/// without per-sequence policy state registers at most 8192 live ids (later ones are not registered).
 #[no_mangle]
 pub unsafe extern "C" fn kvs_sequence_release(engine: *mut kvs_engine, seq_id: u64) -> kvs_status {
     guard(|| engine_ref(engine)?.release_sequence(seq_id))
@@ -282,6 +322,17 @@ pub unsafe extern "C" fn kvs_engine_stats(engine: *const kvs_engine, layer: i32,
     })
 }
 
+/// Returns what the device-side checks of a CUDA engine found since the last check: it waits for the work
+/// enqueued on `stream` (a CUstream; NULL = the legacy default stream), then returns the status and
+/// message (`kvs_last_error`) of the first fault recorded (in the CPU engine's order of checks: the same
+/// status and message a CPU engine gives at the call, naming the field and index) and clears the record;
+/// `KVS_OK` when none. Refused (`KVS_ERR_INVALID_ARGUMENT`) on a stream that is being captured. A CPU
+/// engine checks everything at the call: always `KVS_OK`. See docs/abi.md, "Where each check runs".
+#[no_mangle]
+pub unsafe extern "C" fn kvs_engine_check(engine: *const kvs_engine, stream: *mut std::ffi::c_void) -> kvs_status {
+    guard(|| engine_ref(engine)?.check(stream))
+}
+
 /// Short constant name of a status code ("KVS_OK", ...). Never NULL.
 #[no_mangle]
 pub extern "C" fn kvs_status_name(status: i32) -> *const c_char {
@@ -327,6 +378,7 @@ unsafe fn write_stats(out: *mut kvs_stats, c: &Counters, engine: Option<&crate::
         sequences_released: engine.map_or(0, |s| s.sequences_released),
         state_bytes: engine.map_or(0, |s| s.state_bytes),
         policy_rows_without_state: engine.map_or(0, |s| s.policy_rows_without_state),
+        pending_status: engine.map_or(0, |s| s.pending_status),
     };
     let caller_size = (*out).struct_size as usize;
     let n = caller_size.min(std::mem::size_of::<kvs_stats>());

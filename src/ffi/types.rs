@@ -43,6 +43,16 @@ pub enum kvs_dtype {
 /// Engine configuration. Fill it with `kvs_engine_config_init` and then set the model's fields.
 /// A size above its documented limit fails `kvs_engine_create` with `KVS_ERR_UNSUPPORTED`; an allocation
 /// the machine cannot make fails it with `KVS_ERR_OUT_OF_MEMORY`.
+///
+/// Where checks run (docs/abi.md, "Where each check runs"): a CPU engine checks everything at the call.
+/// A CUDA engine checks shapes, dtypes, strides, devices, scalars and a stateful policy's `seq_ids` at the
+/// call, and the device-resident contents (query_start_loc, seq_lens, block ids, slots) in its kernels:
+/// offending rows are NaN, a bad slot writes nothing, and the fault surfaces at `kvs_engine_check` (or
+/// from the call with `validate = KVS_VALIDATE_SYNC`). A CUDA engine refuses with `KVS_ERR_UNSUPPORTED`:
+/// caches whose head_dim stride is not 1; devices below compute capability 8.0; policies with GQA groups
+/// over 16 or more than 65535 sequences per call; `art` on an f32 cache (it needs the tensor-core
+/// kernel: f16/bf16, 16-byte aligned rows) or behind `snapkv`/`top_p`; a PRR speculation budget table.
+/// It keeps at most 8192 live sequence ids without per-sequence policy state.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvs_engine_config {
@@ -76,6 +86,24 @@ pub struct kvs_engine_config {
     /// NUL-terminated policy spec (docs/policies.md), at most 4096 bytes; NULL or "" = dense. Copied
     /// during the call.
     pub policy: *const c_char,
+    /// CUDA engines: when the device checks of block tables, lengths, query offsets and slots surface
+    /// (docs/abi.md, "Where each check runs"). `KVS_VALIDATE_DEFERRED` (0, default): the kernels write an
+    /// offending row as NaN and record the first fault, which `kvs_engine_check` returns (and
+    /// `kvs_engine_stats` shows); nothing waits, so calls are capturable. `KVS_VALIDATE_SYNC` (1): every
+    /// call waits for its work and returns the fault itself (a call on a capturing stream is refused).
+    /// Ignored by CPU engines, which check everything before writing. Appended in ABI 0: a caller whose
+    /// `struct_size` ends before it gets the default.
+    pub validate: kvs_validate,
+}
+
+/// When a CUDA engine's device checks surface (`kvs_engine_config.validate`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvs_validate {
+    /// Recorded on the device; `kvs_engine_check` returns the fault (default). Capturable.
+    KVS_VALIDATE_DEFERRED = 0,
+    /// Every call waits for its work and returns the fault itself; not capturable.
+    KVS_VALIDATE_SYNC = 1,
 }
 
 /// One attention call over a varlen batch (prefill, chunked prefill and decode rows mixed).
@@ -220,6 +248,9 @@ pub struct kvs_stats {
     /// Engine-wide: decode rows of a CUDA engine whose sequence found no free state slot (option
     /// `max_seqs`) and therefore ran dense attention instead of the policy.
     pub policy_rows_without_state: u64,
+    /// Engine-wide, CUDA engines: the `kvs_status` of the fault the device checks recorded and
+    /// `kvs_engine_check` has not returned yet (0 = none; reading the stats does not clear it).
+    pub pending_status: u64,
 }
 
 /// Opaque engine handle.

@@ -55,6 +55,21 @@ int main(void) {
   bad = cfg;
   bad.struct_size = 8;
   CHECK(kvs_engine_create(&bad, &e) == KVS_ERR_INVALID_ARGUMENT, "struct_size too small");
+  /* `validate` was appended: a caller whose struct ends before it gets the default; a bad value fails. */
+  bad = cfg;
+  bad.struct_size = (uint32_t)offsetof(kvs_engine_config, validate);
+  bad.validate = (kvs_validate)77; /* beyond the caller's struct: never read */
+  CHECK(kvs_engine_create(&bad, &e) == KVS_OK, "config without the validate field");
+  CHECK(kvs_engine_check(e, NULL) == KVS_OK, "a CPU engine has no deferred checks");
+  kvs_engine_destroy(e);
+  bad = cfg;
+  *(int32_t *)&bad.validate = 7;
+  CHECK(kvs_engine_create(&bad, &e) == KVS_ERR_INVALID_ARGUMENT, "validate 7");
+  bad = cfg;
+  bad.validate = KVS_VALIDATE_SYNC;
+  CHECK(kvs_engine_create(&bad, &e) == KVS_OK, "validate = sync on a CPU engine");
+  kvs_engine_destroy(e);
+  CHECK(kvs_engine_check(NULL, NULL) == KVS_ERR_INVALID_ARGUMENT, "check of a NULL engine");
 
   CHECK(kvs_engine_create(&cfg, &e) == KVS_OK && e != NULL, "create");
 
@@ -181,6 +196,9 @@ int main(void) {
   CHECK(kvs_engine_stats(e, -1, &tot) == KVS_OK && tot.calls == 3 && tot.live_sequences == 2, "stats calls %llu live %llu",
         (unsigned long long)tot.calls, (unsigned long long)tot.live_sequences);
   CHECK(kvs_engine_stats(e, 5, &tot) == KVS_ERR_OUT_OF_RANGE, "stats of a missing layer");
+  CHECK(tot.pending_status == 0 && tot.sequences_created == 2, "pending %llu created %llu", (unsigned long long)tot.pending_status,
+        (unsigned long long)tot.sequences_created);
+  CHECK(kvs_engine_check(e, NULL) == KVS_OK, "check of a CPU engine after calls");
   CHECK(kvs_sequence_release(e, 77) == KVS_OK, "release 77");
   CHECK(kvs_sequence_release(e, 77) == KVS_ERR_UNKNOWN_SEQUENCE, "release 77 twice");
   CHECK(kvs_sequence_release(e, 12345) == KVS_ERR_UNKNOWN_SEQUENCE, "release unknown");

@@ -237,6 +237,52 @@ fn engine_sync(_e: &Engine) -> Result<()> {
     check(unsafe { (cuda()?.cuCtxSynchronize)() }, "cuCtxSynchronize")
 }
 
+/// An instantiated CUDA graph (destroyed on drop).
+pub struct Graph {
+    exec: driver::CUgraphExec,
+    graph: driver::CUgraph,
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        if let Ok(api) = cuda() {
+            // SAFETY: handles created by `capture`, destroyed once.
+            unsafe {
+                (api.cuGraphExecDestroy)(self.exec);
+                (api.cuGraphDestroy)(self.graph);
+            }
+        }
+    }
+}
+
+/// Captures what `body` enqueues on `stream` (thread-local mode) and instantiates it. The capture is
+/// ended whatever `body` returns; its error comes first.
+pub fn capture(stream: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
+    let api = cuda()?;
+    // SAFETY: capture on the caller's stream; the graph is instantiated and returned.
+    unsafe {
+        check((api.cuStreamBeginCapture)(stream, driver::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
+        let r = body();
+        let mut graph = std::ptr::null_mut();
+        let end = check((api.cuStreamEndCapture)(stream, &mut graph), "cuStreamEndCapture");
+        r?;
+        end?;
+        let mut exec = std::ptr::null_mut();
+        check((api.cuGraphInstantiateWithFlags)(&mut exec, graph, 0), "cuGraphInstantiate")?;
+        Ok(Graph { exec, graph })
+    }
+}
+
+/// Launches `g` on `stream` and waits for it.
+pub fn replay(g: &Graph, stream: CUstream) -> Result<()> {
+    let api = cuda()?;
+    // SAFETY: an instantiated graph on the caller's stream.
+    unsafe {
+        check((api.cuGraphLaunch)(g.exec, stream), "cuGraphLaunch")?;
+        check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")
+    }
+}
+
 /// Captures the forward call of fixture `spec`/`seed_a` into a CUDA graph on a private stream, then
 /// replays it after overwriting every input with a second fixture (`seed_b`, same geometry); returns the
 /// judgement of the replay against the second fixture's reference (and of the first run).
@@ -254,34 +300,24 @@ pub fn graph_replay(spec: &CaseSpec, seed_a: u64, seed_b: u64) -> Vec<CaseResult
         let fwd = dc.forward_args(&fa, &outs, stream)?;
         dc.write_cache(&engine, &fa, stream)?;
         engine.attention_forward(&fwd)?; // warm-up: loads modules, sizes the workspace
-        // SAFETY: capture / instantiate / launch on our own stream; handles destroyed below.
         let mut results = Vec::new();
-        unsafe {
-            check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
-            dc.out.upload(0, outs.out.as_bytes())?;
-            check((api.cuStreamBeginCapture)(stream, driver::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
-            let r = engine.attention_forward(&fwd);
-            let mut graph = std::ptr::null_mut();
-            let end = check((api.cuStreamEndCapture)(stream, &mut graph), "cuStreamEndCapture");
-            r?;
-            end?;
-            let mut exec = std::ptr::null_mut();
-            check((api.cuGraphInstantiateWithFlags)(&mut exec, graph, 0), "cuGraphInstantiate")?;
-            for (f, tag) in [(&fa, "graph-replay-same-data"), (&fb, "graph-replay-new-data")] {
-                let mut o = Outputs::new(f);
-                dc.refill(f, &o)?;
-                dc.write_cache(&engine, f, stream)?;
-                check((api.cuGraphLaunch)(exec, stream), "cuGraphLaunch")?;
-                check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
-                dc.download(&mut o)?;
-                let mut r = judge(f, &o, if tag.ends_with("new-data") { seed_b } else { seed_a });
-                r.name = format!("{}-{tag}", spec.name);
-                results.push(r);
-            }
-            (api.cuGraphExecDestroy)(exec);
-            (api.cuGraphDestroy)(graph);
-            (api.cuStreamDestroy)(stream);
+        // SAFETY: our own stream.
+        check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
+        dc.out.upload(0, outs.out.as_bytes())?;
+        let g = capture(stream, || engine.attention_forward(&fwd).map(|_| ()))?;
+        for (f, tag) in [(&fa, "graph-replay-same-data"), (&fb, "graph-replay-new-data")] {
+            let mut o = Outputs::new(f);
+            dc.refill(f, &o)?;
+            dc.write_cache(&engine, f, stream)?;
+            replay(&g, stream)?;
+            dc.download(&mut o)?;
+            let mut r = judge(f, &o, if tag.ends_with("new-data") { seed_b } else { seed_a });
+            r.name = format!("{}-{tag}", spec.name);
+            results.push(r);
         }
+        drop(g);
+        // SAFETY: our own stream, no work left on it.
+        unsafe { (api.cuStreamDestroy)(stream) };
         Ok(results)
     };
     run().unwrap_or_else(|e| vec![failed(spec, seed_b, e)])

@@ -135,6 +135,10 @@ impl<'a> LibEngine<'a> {
             num_threads: cfg.num_threads as u32,
             max_state_bytes: cfg.max_state_bytes,
             policy: policy.as_ptr(),
+            validate: match cfg.validate {
+                kvsparse::config::Validate::Deferred => kvsparse::ffi::kvs_validate::KVS_VALIDATE_DEFERRED,
+                kvsparse::config::Validate::Sync => kvsparse::ffi::kvs_validate::KVS_VALIDATE_SYNC,
+            },
         };
         let mut h: Handle = std::ptr::null_mut();
         // SAFETY: valid config and out-pointer; the policy string outlives the call.

@@ -5,7 +5,7 @@
 //! bit-identical key metadata, count the same policy statistics, and produce outputs within the dense
 //! tolerances of the CPU engine's. Also the CUDA-graph replay of a sparse decode step.
 
-use super::cuda::DeviceCase;
+use super::cuda::{capture, replay, DeviceCase};
 use super::fixture::{run_on_engine, Fixture, Outputs};
 use super::reference::{max_abs_err, rel_err};
 use super::{tolerance, CaseSpec};
@@ -299,17 +299,10 @@ pub fn sparse_graph_replay_on(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b
         engine.cache_write(&step)?; // warm-up: modules, metadata, workspaces
         engine.attention_forward(&fwd)?;
         let (step_c, fwd_c) = (step_args(&kg, &vg, &sg, &dc, &fa, cap)?, dc.forward_args(&fa, &outs, cap)?);
-        // SAFETY: capture / instantiate / launch on our own streams; handles destroyed below.
-        unsafe {
-            check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
-            check((api.cuStreamBeginCapture)(cap, driver::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
-            let r = engine.cache_write(&step_c).and_then(|_| engine.attention_forward(&fwd_c));
-            let mut graph = std::ptr::null_mut();
-            let end = check((api.cuStreamEndCapture)(cap, &mut graph), "cuStreamEndCapture");
-            r?;
-            end?;
-            let mut exec = std::ptr::null_mut();
-            check((api.cuGraphInstantiateWithFlags)(&mut exec, graph, 0), "cuGraphInstantiate")?;
+        // SAFETY: our own stream.
+        check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
+        let graph = capture(cap, || engine.cache_write(&step_c).and_then(|_| engine.attention_forward(&fwd_c)).map(|_| ()))?;
+        {
             // Fixture b in a's buffers: cache, queries, table, lengths; b's prefix written eagerly (b's
             // blocks start over, so a's metadata there is replaced); b's new rows and slots in the step's
             // buffers, which the graph reads at replay.
@@ -319,14 +312,13 @@ pub fn sparse_graph_replay_on(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b
             kg.upload(0, sb.k.as_bytes())?;
             vg.upload(0, sb.v.as_bytes())?;
             sg.upload(0, bytes_of(&sb.slots))?;
-            check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
-            check((api.cuGraphLaunch)(exec, stream), "cuGraphLaunch")?;
-            check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
+            // SAFETY: our own stream.
+            check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
+            replay(&graph, stream)?;
             dc.download(&mut o)?;
             let cfg = engine.config().clone();
             let v_replay = sorted(engine.cuda_backend().expect("cuda").visit_records(&cfg, &dc.forward_args(&fb, &o, stream)?)?);
-            (api.cuGraphExecDestroy)(exec);
-            (api.cuGraphDestroy)(graph);
+            drop(graph);
             let mism = compare_visits(&v_eager, &v_replay).or_else(|| {
                 let (a, _) = outs_e.to_f64(&fb);
                 let (b, _) = o.to_f64(&fb);

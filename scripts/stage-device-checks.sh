@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Stages the GPU run of scripts/gpu-device-checks.sh into $1 (default /work/main/.device/h33): this
+# build's CLI and CUDA test binaries, and a baseline CLI ($BASE, default /work/main/target/release/kvsparse)
+# as kvsparse-base, stripped and gzipped (the folder travels to the device: keep it small).
+set -euo pipefail
+dest=${1:-/work/main/.device/h33}
+base=${BASE:-/work/main/target/release/kvsparse}
+cd "$(dirname "$0")/.."
+cargo build --release --bins -q
+cargo test --release --no-run -q 2>/dev/null
+mkdir -p "$dest/bin"
+rm -f "$dest"/bin/*
+newest() { ls -t target/release/deps/$1-* | grep -v '\.d$' | head -1; }
+pack() { # source, name
+  strip --strip-all -o "$dest/bin/$2" "$1"
+  gzip -9 -f "$dest/bin/$2"
+}
+pack target/release/kvsparse kvsparse
+pack "$base" kvsparse-base
+for t in cuda_checks cuda cuda_sparse cuda_refresh cuda_prr cuda_predictor; do
+  pack "$(newest $t)" "${t}_tests"
+done
+cp scripts/gpu-device-checks.sh "$dest/"
+du -sh "$dest"
