@@ -143,7 +143,9 @@ __device__ __forceinline__ TopCut topk32(int lo, int hi, int m, KeyOf key_of, un
             const bool t = i >= lo && key_of(i) == prefix;
             const unsigned bal = __ballot_sync(0xffffffffu, t);
             int total;
-            const int before = block_excl_scan(lane == 0 ? __popc(bal) : 0, wsum, total);
+            // The warps before this one: lane 0 carries the warp's count, so lane 0's exclusive prefix is
+            // theirs (the other lanes' prefix would include their own warp's count).
+            const int before = __shfl_sync(0xffffffffu, block_excl_scan(lane == 0 ? __popc(bal) : 0, wsum, total), 0);
             const int rank = acc + before + __popc(bal & ((2u << lane) - 1u));
             if (t && rank == left) sel[3] = (unsigned)i;
             acc += total;

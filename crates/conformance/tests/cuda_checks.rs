@@ -313,6 +313,9 @@ fn graph_replay_with_bad_metadata() {
     let seed = Rng::fresh_seed();
     println!("seed {seed}");
     let api = cuda().unwrap();
+    // The primary context, current on this thread and retained until the end (the engines of earlier tests
+    // released it; a stream needs a context).
+    let _ctx = kvsparse::cuda::context::Gpu::open(0).unwrap();
     let mut stream: CUstream = std::ptr::null_mut();
     // SAFETY: out-parameter; destroyed at the end.
     check(unsafe { (api.cuStreamCreate)(&mut stream, driver::CU_STREAM_NON_BLOCKING) }, "cuStreamCreate").unwrap();
