@@ -184,7 +184,12 @@ pub fn dense_forward(io: &ForwardIo, seqs: &[usize], pool: &SpinPool) {
         }
     }
     let slots: Vec<parking_lot::Mutex<Option<Vec<RowsState>>>> = items.iter().map(|_| parking_lot::Mutex::new(None)).collect();
-    pool.run(items.len(), &|i| *slots[i].lock() = Some(attend_item(io, &items[i], &mut Vec::new(), &mut Vec::new())));
+    let run = |i: usize| *slots[i].lock() = Some(attend_item(io, &items[i], &mut Vec::new(), &mut Vec::new()));
+    if small {
+        (0..items.len()).for_each(run);
+    } else {
+        pool.run(items.len(), &run);
+    }
     let partials = slots.into_iter().map(|s| s.into_inner().expect("every item ran"));
     let mut merged: Vec<Option<Vec<RowsState>>> = vec![None; units.len()];
     for (p, &u) in partials.into_iter().zip(&unit_of) {
