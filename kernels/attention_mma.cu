@@ -1,7 +1,8 @@
 // Paged varlen attention on tensor cores (f16/bf16 caches), split-KV, for decode and prefill rows alike.
 //
 // Grid: (token, query-head group, split), as kvs_attn_split. A CTA owns the GQ query heads of one KV head
-// (GQ <= 16) for one token and the key positions [split*chunk, (split+1)*chunk) of its visible range.
+// (GQ <= 16) for one token and one of `nsplit` equal parts of its visible range (plan keys
+// [split*chunk, (split+1)*chunk) in plan mode).
 // The GQ query rows form the M = 16 side of mma.sync.m16n8k16 tiles (rows GQ..15 are zero padding), so
 // one decode token costs per 16 keys 2*HEAD_DIM/16 MMAs for S = Q K^T and HEAD_DIM/8 for O += P V,
 // instead of per-key FMAs and shuffle reductions.
@@ -19,7 +20,8 @@
 // masked; no index derived from metadata is used unchecked; a row with a bad batch description or that
 // read a bad block id finishes as NaN and the fault goes to `kerr`, common.cuh). Needs: 16-byte aligned K/V rows and strides, HEAD_DIM % 16 == 0.
 //
-// Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT, PLAN.
+// Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT, PLAN,
+// ROW_SPLIT (dense rows: 1 = each row splits its own span, 0 = the plan's fixed chunks).
 // PLAN=1: decode rows read their visit plan (src/policy/plan.rs, kernels/select.cu) instead of the
 // sequence's positions; a split is a range of plan keys; the visible range still masks every key.
 // ART=1 (with PLAN=1, NWARPS=4, GQ=GROUP): run-time termination (src/policy/termination.rs,
@@ -48,6 +50,9 @@
 
 #ifndef ART
 #define ART 0
+#endif
+#ifndef ROW_SPLIT
+#define ROW_SPLIT 1
 #endif
 #ifndef ART_NOPROBE
 #define ART_NOPROBE 0  // benchmarks only: ART's order and single split without the detector
@@ -168,7 +173,20 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #define PLAN_E(i) pe[i]
 #endif
 #else
-    int s_lo = split * chunk, s_hi = (split == nsplit - 1) ? 0x7fffffff : (split + 1) * chunk - 1;
+    // The host sized the grid (nsplit, chunk) for the longest row it knows of; with max_seq_len = 0 (a
+    // CUDA graph captured once for every length) that is the block table's width, often far beyond the
+    // rows of a replay. So each row cuts its own visible span into the grid's splits (whole CTA tiles,
+    // at least min(chunk, 4 tiles)): a short row still spreads over the device, a row as long as the
+    // plan gets exactly the host's chunks, and a sliding window's span is split, not its absolute range.
+#if ROW_SPLIT
+    const int base = row.lo & ~15;
+    int rc = (row.hi - base + nsplit) / nsplit;  // ceil(span / nsplit), span = hi - base + 1
+    rc = (rc + 16 * NWARPS - 1) / (16 * NWARPS) * (16 * NWARPS);
+    rc = max(rc, min(chunk, 4 * 16 * NWARPS));
+#else
+    const int base = 0, rc = chunk;  // KVS_CUDA_ROW_SPLIT=0: the plan's fixed chunks (measurements only)
+#endif
+    int s_lo = base + split * rc, s_hi = (split == nsplit - 1) ? row.hi : base + (split + 1) * rc - 1;
     s_lo = max(s_lo, row.lo);
     s_hi = min(s_hi, row.hi);
 #endif

@@ -284,6 +284,7 @@ impl CudaBackend {
                 format!("NWARPS={}", ms.warps),
                 format!("NSTAGE={}", ms.stages),
                 format!("L2_HINT={}", ms.l2_hint),
+                format!("ROW_SPLIT={}", tun.row_split as i32),
                 plan_define,
                 format!("ART={}", art.is_some() as i32),
                 // Benchmarks only: KVS_ART_NOPROBE=1 compiles ART's launch without the detector (the same
