@@ -1,6 +1,11 @@
 //! RefreshKV on the CUDA backend (kernels/refresh.cu): the schedule, the full step's scores and the token
 //! sets on the device, per sequence slot (src/cuda/slots.rs), so a decode step has no host decision and
-//! stays capturable. Same decisions as the CPU engine (`policy::refresh`, `cpu::sparse::run_refresh`).
+//! stays capturable. The schedule and the prefill's seed are the CPU engine's decisions bit for bit
+//! (`policy::refresh`, `cpu::sparse::run_refresh`); a full decode step's weights come out of its own
+//! attention on tensor cores (the kernel writes the logits, `Rows::PlanLogits`; two small kernels turn
+//! them into weights; the set is rebuilt after the attention) and agree with the CPU's within the margin
+//! docs/policies.md states. Where the tensor-core kernel does not apply (f32 caches, unaligned rows), the
+//! full step scores in the CPU's arithmetic before the attention, as the prefill's seed does.
 //!
 //! Plans: token-granular (unit_log2 = 0) with a capacity of the block table's width, because a full step
 //! (which the host cannot foresee) visits every visible position; the attention launch is therefore sized
@@ -66,6 +71,19 @@ pub(super) struct RefreshWs {
     agg: usize,
     pooled: usize,
     tmp: usize,
+    /// The full rows' logits from their attention ([ns, hk, max_pos, group] f32) and the weights pass's
+    /// per-chunk row statistics ([ns, hk, group, chunks] f32 pairs); empty without the tensor-core path.
+    lg: usize,
+    parts: usize,
+    /// Whether the full step's weights come from its attention (the tensor-core kernel applies).
+    pub(super) logits: bool,
+}
+
+/// Positions per chunk of the weights pass (kernels/refresh.cu RF_CH).
+const WEIGHT_CHUNK: usize = 4096;
+
+fn weight_chunks(max_pos: usize) -> usize {
+    max_pos.max(1).div_ceil(WEIGHT_CHUNK)
 }
 
 fn checked(parts: &[usize]) -> Result<usize> {
@@ -74,9 +92,14 @@ fn checked(parts: &[usize]) -> Result<usize> {
 
 impl RefreshWs {
     /// Reserves the regions of a call of `ns` sequences through `take` (bytes -> offset).
-    pub(super) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize) -> Result<Self> {
+    /// `logits`: the full step's weights come from its attention (reserves the logits and statistics).
+    pub(super) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize, logits: bool) -> Result<Self> {
         let rows = checked(&[ns, hk, group])?;
+        let (lg, parts) = if logits { (take(checked(&[rows, max_pos.max(1), 4])?), take(checked(&[rows, weight_chunks(max_pos), 8])?)) } else { (0, 0) };
         Ok(RefreshWs {
+            lg,
+            parts,
+            logits,
             mode: take(checked(&[ns, 4])?),
             rmax: take(checked(&[rows, 4])?),
             z: take(checked(&[rows, 8])?),
@@ -181,46 +204,9 @@ impl CudaBackend {
         ctr: i64,
     ) -> Result<()> {
         let (hk, d, ns) = (cache.num_kv_heads, cache.head_dim, geo.num_seqs);
-        let Some(slots) = self.slots.as_ref() else { bail!(Internal, "RefreshKV needs the sequence slot map") };
         let stream = a.stream;
         ensure!(r.k < i32::MAX as usize && r.pool < i32::MAX as usize, Unsupported, "refresh(k, pool) too large for 32-bit indices");
-        // The layer's state, allocated once (never inside a capture).
-        let state = {
-            let mut layers = self.refresh.layers.lock();
-            let entry = layers.get_mut(a.layer).ok_or_else(|| Error::new(ErrorKind::OutOfRange, "layer outside the engine"))?;
-            let lay = StateLayout::new(slots.max_seqs(), hk, d, r.k)?;
-            if entry.is_none() {
-                if self.gpu.is_capturing(stream)? {
-                    bail!(InvalidArgument, "RefreshKV's state for layer {} is allocated by the layer's first call, which must not be captured; run one step eagerly first", a.layer);
-                }
-                let buf = DevBuf::alloc(lay.total)?;
-                buf.upload(0, &vec![0u8; lay.total])?;
-                *entry = Some(buf);
-            }
-            (entry.as_ref().expect("allocated above").ptr, lay)
-        };
-        let (base, sl) = state;
-        let at = |o: usize| base + o as u64;
-        let ra = RefreshArgs {
-            qref: at(sl.qref),
-            since: at(sl.since),
-            lstamp: at(sl.lstamp),
-            tok: at(sl.tok),
-            sc: at(sl.sc),
-            cnt: at(sl.cnt),
-            last: at(sl.last),
-            hstamp: at(sl.hstamp),
-            slot,
-            gen: slot_gen,
-            mode: ws + rw.mode as u64,
-            rctr: self.refresh.counters.ptr + (a.layer * 16) as u64,
-            k: r.k as i32,
-            stride: r.stride.min(i32::MAX as usize) as i32,
-            every: r.every.map_or(0, |v| v.min(i32::MAX as usize) as i32),
-            pool: r.pool as i32,
-            s: r.s,
-            hk: hk as i32,
-        };
+        let ra = self.refresh_args(a, hk, d, ws, rw, (slot, slot_gen), r)?;
         let rows = ns * hk * group;
         let api = cuda()?;
         // SAFETY: each region holds `rows` elements of its width (RefreshWs, sized by the caller).
@@ -240,18 +226,107 @@ impl CudaBackend {
         let maxpos = geo.max_pos.max(1);
         let ctas = score_ctas(self.gpu.num_sms as usize, hk, maxpos, tp);
         let kc = &cache.k;
-        for phase in 0..3 {
+        // The CPU's arithmetic: the prefill's seed, and the full decode rows without the tensor-core path.
+        let scalar_phases = if a.max_query_len != 1 || !rw.logits { 0..3 } else { 0..0 };
+        for phase in scalar_phases {
             let mut k = KArgs::new();
             k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
             k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk as i32).i64((ws + rw.mode as u64) as i64);
             k.i32(phase).i64((ws + rw.rmax as u64) as i64).i64((ws + rw.z as u64) as i64).i64((ws + rw.bad as u64) as i64);
-            k.i64((ws + rw.agg as u64) as i64).i32(maxpos as i32);
+            k.i64((ws + rw.agg as u64) as i64).i32(maxpos as i32).i32(rw.logits as i32);
             launch::launch(f("kvs_refresh_scores")?, (ctas as u32, hk as u32, 1), threads as u32, &mut k, stream, "kvs_refresh_scores launch")?;
         }
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&ra).i64((ws + rw.agg as u64) as i64).i64((ws + rw.pooled as u64) as i64).i32(maxpos as i32);
         k.i64(plan.e as i64).i64(plan.p_s).i64(plan.p_h).i64(plan.len as i64).i32(plan.cap).i64((ws + rw.tmp as u64) as i64);
-        k.i64(row_bytes).i64((d * cache.dtype.size_bytes()) as i64).i64(ctr);
+        k.i64(row_bytes).i64((d * cache.dtype.size_bytes()) as i64).i64(ctr).i32(0).i32(rw.logits as i32);
         launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_refresh_plan launch")
+    }
+
+    /// After the attention of a call whose full rows wrote their logits (`RefreshWs::logits`): the weights
+    /// of those rows and their sets rebuilt (kvs_refresh_lse_parts, kvs_refresh_weights, kvs_refresh_plan
+    /// stage 1). The same arguments as `refresh_select`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn refresh_rebuild(
+        &self,
+        a: &ForwardArgs,
+        cache: &KvCache,
+        geo: &Geometry,
+        batch: &BatchArg,
+        f: impl Fn(&'static str) -> Result<CUfunction>,
+        ws: u64,
+        rw: &RefreshWs,
+        (slot, slot_gen): (u64, u64),
+        r: &Refresh,
+        plan: PlanRef,
+        row_bytes: i64,
+        ctr: i64,
+    ) -> Result<()> {
+        let (hk, d, ns) = (cache.num_kv_heads, cache.head_dim, geo.num_seqs);
+        let maxpos = geo.max_pos.max(1);
+        let chunks = weight_chunks(maxpos);
+        let stream = a.stream;
+        let mode = (ws + rw.mode as u64) as i64;
+        let (lg, parts) = ((ws + rw.lg as u64) as i64, (ws + rw.parts as u64) as i64);
+        let grid = (chunks as u32, hk as u32, ns as u32);
+        let mut k = KArgs::new();
+        k.by_value(batch).i64(mode).i64(lg).i32(maxpos as i32).i32(hk as i32).i64(parts).i32(chunks as i32);
+        launch::launch(f("kvs_refresh_lse_parts")?, grid, 256, &mut k, stream, "kvs_refresh_lse_parts launch")?;
+        let mut k = KArgs::new();
+        k.by_value(batch).i64(mode).i64(lg).i32(maxpos as i32).i32(hk as i32).i64(parts).i32(chunks as i32).i64((ws + rw.agg as u64) as i64);
+        launch::launch(f("kvs_refresh_weights")?, grid, 256, &mut k, stream, "kvs_refresh_weights launch")?;
+        let ra = self.refresh_args(a, hk, d, ws, rw, (slot, slot_gen), r)?;
+        let mut k = KArgs::new();
+        k.by_value(batch).by_value(&ra).i64((ws + rw.agg as u64) as i64).i64((ws + rw.pooled as u64) as i64).i32(maxpos as i32);
+        k.i64(plan.e as i64).i64(plan.p_s).i64(plan.p_h).i64(plan.len as i64).i32(plan.cap).i64((ws + rw.tmp as u64) as i64);
+        k.i64(row_bytes).i64((d * cache.dtype.size_bytes()) as i64).i64(ctr).i32(1).i32(1);
+        launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_refresh_plan launch")
+    }
+
+    /// The kernels' arguments for the call's layer: its state (allocated by the layer's first call, which
+    /// must not be captured), this call's slots and workspace, the policy's parameters.
+    #[allow(clippy::too_many_arguments)]
+    fn refresh_args(&self, a: &ForwardArgs, hk: usize, d: usize, ws: u64, rw: &RefreshWs, (slot, slot_gen): (u64, u64), r: &Refresh) -> Result<RefreshArgs> {
+        let Some(slots) = self.slots.as_ref() else { bail!(Internal, "RefreshKV needs the sequence slot map") };
+        let (base, sl) = {
+            let mut layers = self.refresh.layers.lock();
+            let entry = layers.get_mut(a.layer).ok_or_else(|| Error::new(ErrorKind::OutOfRange, "layer outside the engine"))?;
+            let lay = StateLayout::new(slots.max_seqs(), hk, d, r.k)?;
+            if entry.is_none() {
+                if self.gpu.is_capturing(a.stream)? {
+                    bail!(InvalidArgument, "RefreshKV's state for layer {} is allocated by the layer's first call, which must not be captured; run one step eagerly first", a.layer);
+                }
+                let buf = DevBuf::alloc(lay.total)?;
+                buf.upload(0, &vec![0u8; lay.total])?;
+                *entry = Some(buf);
+            }
+            (entry.as_ref().expect("allocated above").ptr, lay)
+        };
+        let at = |o: usize| base + o as u64;
+        Ok(RefreshArgs {
+            qref: at(sl.qref),
+            since: at(sl.since),
+            lstamp: at(sl.lstamp),
+            tok: at(sl.tok),
+            sc: at(sl.sc),
+            cnt: at(sl.cnt),
+            last: at(sl.last),
+            hstamp: at(sl.hstamp),
+            slot,
+            gen: slot_gen,
+            mode: ws + rw.mode as u64,
+            rctr: self.refresh.counters.ptr + (a.layer * 16) as u64,
+            k: r.k as i32,
+            stride: r.stride.min(i32::MAX as usize) as i32,
+            every: r.every.map_or(0, |v| v.min(i32::MAX as usize) as i32),
+            pool: r.pool as i32,
+            s: r.s,
+            hk: hk as i32,
+        })
+    }
+
+    /// Where the full rows' logits go (`Rows::PlanLogits`).
+    pub(super) fn refresh_logits_out(&self, geo: &Geometry, ws: u64, rw: &RefreshWs) -> super::backend::LogitsOut {
+        super::backend::LogitsOut { lg: ws + rw.lg as u64, maxpos: geo.max_pos.max(1) as i32 }
     }
 }
