@@ -35,6 +35,9 @@
 // logit (the value the online softmax uses: after the softcap, times log2(e) and the scale) of each of the
 // CTA's query heads goes to lg[((seq * hk + kvh) * lg_maxpos + pos) * GROUP + (head - kvh * GROUP)], so K
 // is read once for the attention and the weights. Positions at or past lg_maxpos are not written.
+// It also spreads a row whose plan is shorter than the launch's bound over every split (a per-row chunk,
+// the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
+// (k positions) share the launch of its full rows (every position).
 // Dynamic shared memory: kvs_mma_smem_bytes() below (the host computes the same formula).
 
 #include "common.cuh"
@@ -171,8 +174,13 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int nkeys = pl << plan.ulog2;
     const unsigned* pe = plan.e + row.seq * plan.p_s + kvh * plan.p_h;
     const int umask = (1 << plan.ulog2) - 1;
-    const int s_lo = split * chunk;
-    const int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * chunk, nkeys) - 1;
+#if LOGITS
+    const int rchunk = min(chunk, max(16 * NWARPS, ((nkeys + nsplit - 1) / nsplit + 16 * NWARPS - 1) / (16 * NWARPS) * (16 * NWARPS)));
+#else
+    const int rchunk = chunk;
+#endif
+    const int s_lo = split * rchunk;
+    const int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * rchunk, nkeys) - 1;
 #if ART
     // ART's order: plan entries [0, nsink) hold sink positions (the plan is in position order), then the
     // others newest first. Visit index i -> entry index.

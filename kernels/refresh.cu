@@ -16,7 +16,7 @@
 //                        calls that hold a prefill chunk (or on that fallback): the row's logits per query
 //                        head, its maximum, its fixed-point normaliser, then w = e / z, max over the
 //                        group, per position (the CPU's bits).
-//   kvs_refresh_plan     stage 0, one CTA per (KV head, sequence), before the attention: SEED (and FULL
+//   kvs_refresh_plan     one CTA per (KV head, sequence), before the attention: SEED (and FULL
 //                        when not deferred) rebuild the set (max-pool, top k, ties: the earlier
 //                        position); PARTIAL advances it (positions outside the range dropped, new ones
 //                        appended at +inf, the k best kept, ties: the newer); the row's plan (FULL: every
@@ -26,7 +26,8 @@
 //   kvs_refresh_lse_parts / kvs_refresh_weights   FULL rows only: per chunk of RF_CH positions the rows'
 //                        (max, sum of 2^(l - max)) from `lg`; then the row's LSE from the chunks (in chunk
 //                        order: deterministic) and w = max over the group of 2^(l - lse) per position.
-//   kvs_refresh_plan     stage 1 (FULL rows, deferred): the set rebuilt from those weights.
+//   kvs_refresh_top_*    FULL rows: the set rebuilt from those weights across CTAs (pool, a three-pass
+//                        radix select of the k-th key, per-chunk counts, the chunks' kept positions).
 //
 // State per layer, indexed by the sequence's slot (kernels/slots.cu) and stamped with its generation (a
 // stamp different from the slot's generation reads as "no state": a new or reused slot): the reference
@@ -214,10 +215,10 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Ba
 
 // Per (KV head, sequence): the set and the plan (see the top of this file). `pooled` [maxpos] and `tmp`
 // [k] per (seq, head) are workspace; the plan is token-granular with `cap` entries per row. `deferred`: a
-// FULL row's set is rebuilt by stage 1, after its attention wrote the weights (stage 0 writes its plan).
+// FULL row's set is rebuilt after its attention wrote the weights (kvs_refresh_top_*; here only its plan).
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batch b, RefreshArgs ra, const float* agg, float* pooled, int maxpos,
                                                                             unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, float* tmp,
-                                                                            i64 row_bytes, i64 k_bytes, unsigned long long* ctr, int stage, int deferred) {
+                                                                            i64 row_bytes, i64 k_bytes, unsigned long long* ctr, int deferred) {
     __shared__ unsigned hist[256];
     __shared__ unsigned wtot[8];
     __shared__ unsigned long long sel_prefix;
@@ -228,7 +229,6 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
     const int s = blockIdx.y, h = blockIdx.x, hk = ra.hk;
     const SeqRow r = seq_row(b, s);
     const int mode = ra.mode[s];
-    if (stage == 1 && (mode != RF_FULL || !deferred || !r.decode)) return;
     unsigned* e = plan + s * p_s + h * p_h;
     const int lo = r.lo, hi = min(r.hi, maxpos - 1);
     const int slot = ra.slot[s];
@@ -255,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
     int n_plan;
     if (mode == RF_FULL || mode == RF_SEED) {
         const int n = hi - lo + 1;
-        if (mode == RF_SEED || !deferred || stage == 1) {
+        if (mode == RF_SEED || !deferred) {
             // RefreshHead::rebuild over max_pool(weights, pool) of positions lo..=hi.
             const float* ag = agg + (i64)(s * hk + h) * maxpos + lo;
             float* pl = pooled + (i64)(s * hk + h) * maxpos;
@@ -284,7 +284,6 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
                 ra.hstamp[sh] = gen;
             }
         }
-        if (stage == 1) return;
         if (mode == RF_SEED) {
             if (threadIdx.x == 0) plan_len[s * hk + h] = -1;  // the chunk itself is attended densely
             return;
@@ -403,5 +402,179 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_weights(Ba
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) a = fmaxf(a, exp2f(L[(i64)pos * GROUP + g] - lse[g]));
         out[pos] = a;
+    }
+}
+
+// The full rows' sets rebuilt across CTAs (RefreshHead::rebuild: max_pool(weights, pool), the top k by
+// (score, earlier position)), so that a row of 128K positions is not one CTA's serial work. Grids
+// (chunks of RF_CH positions, hk, sequences) or (hk, sequences); FULL rows only. The k-th largest pooled
+// key is found by a radix select over the 32-bit order keys in three passes (bits 31..20, 19..8, 7..0):
+// per pass the chunks add their histograms of the keys under the prefix chosen so far (global atomics:
+// counts, so any order gives the same result), then one CTA per row descends into the bin that holds the
+// k-th key. `hist` [rows][3][4096] is zeroed by the host before the first pass; `sel` [rows][2] holds
+// (prefix, keys still needed in it); `ccnt` [rows][chunks][2] the chunks' counts above and at the threshold.
+#define RF_BINS 4096
+
+__device__ __forceinline__ void rf_pass_bits(int pass, int& shift, int& bits) {
+    shift = pass == 0 ? 20 : (pass == 1 ? 8 : 0);
+    bits = pass == 2 ? 8 : 12;
+}
+
+// Pass 0 also max-pools the chunk's weights into `pooled` (positions relative to lo).
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(Batch b, RefreshArgs ra, const float* agg, float* pooled, int maxpos,
+                                                                               unsigned* hist, const unsigned* sel, int pass) {
+    __shared__ unsigned sh[RF_BINS];
+    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
+    if (ra.mode[s] != RF_FULL) return;
+    const SeqRow r = seq_row(b, s);
+    const int lo = r.lo, hi = min(r.hi, maxpos - 1), n = hi - lo + 1;
+    const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
+    if (i0 >= n) return;
+    const i64 row = (i64)s * hk + h;
+    float* pl = pooled + row * maxpos;
+    if (pass == 0) {
+        const float* ag = agg + row * maxpos + lo;
+        const int rad = ra.pool / 2;
+        for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+            float v = -INFINITY;
+            for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, ag[x]);
+            pl[i] = v;
+        }
+    }
+    if (n <= ra.k) return;  // every position kept: no threshold
+    int shift, bits;
+    rf_pass_bits(pass, shift, bits);
+    const unsigned nb = 1u << bits, himask = pass == 0 ? 0u : (0xffffffffu << (shift + bits));
+    const unsigned prefix = pass == 0 ? 0u : sel[row * 2];
+    for (int i = threadIdx.x; i < (int)nb; i += blockDim.x) sh[i] = 0u;
+    __syncthreads();
+    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        const unsigned k = kvs_order_key(pl[i]);
+        if ((k & himask) == (prefix & himask)) {
+            const unsigned bin = (k >> shift) & (nb - 1);
+            const unsigned peers = __match_any_sync(__activemask(), bin);
+            if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&sh[bin], (unsigned)__popc(peers));
+        }
+    }
+    __syncthreads();
+    unsigned* gh = hist + (row * 3 + pass) * RF_BINS;
+    for (int i = threadIdx.x; i < (int)nb; i += blockDim.x)
+        if (sh[i]) atomicAdd(&gh[i], sh[i]);
+}
+
+// One CTA per (KV head, sequence): the bin of this pass that holds the k-th largest key; sel = (prefix,
+// keys still needed among those equal to it so far).
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_select(Batch b, RefreshArgs ra, int maxpos, const unsigned* hist, unsigned* sel, int pass) {
+    __shared__ int wsum[RF_WTHREADS / 32];
+    const int h = blockIdx.x, s = blockIdx.y, hk = ra.hk;
+    if (ra.mode[s] != RF_FULL) return;
+    const SeqRow r = seq_row(b, s);
+    const int n = min(r.hi, maxpos - 1) - r.lo + 1;
+    if (n <= ra.k) return;
+    const i64 row = (i64)s * hk + h;
+    int shift, bits;
+    rf_pass_bits(pass, shift, bits);
+    const int nb = 1 << bits, per = nb / RF_WTHREADS;  // bins per thread, from the top
+    const unsigned prefix = pass == 0 ? 0u : sel[row * 2];
+    const int left = pass == 0 ? ra.k : (int)sel[row * 2 + 1];
+    __syncthreads();  // sel is read by every thread before thread `hit` rewrites it
+    const unsigned* gh = hist + (row * 3 + pass) * RF_BINS;
+    const int top = nb - 1 - threadIdx.x * per;  // this thread's bins: top, top - 1, ..., top - per + 1
+    int mine = 0;
+    for (int j = 0; j < per; ++j) mine += (int)gh[top - j];
+    int total;
+    int acc = block_excl_scan(mine, wsum, total);
+    if (acc < left && acc + mine >= left) {
+        for (int j = 0; j < per; ++j) {
+            const int cnt = (int)gh[top - j];
+            if (acc + cnt >= left) {
+                sel[row * 2] = prefix | ((unsigned)(top - j) << shift);
+                sel[row * 2 + 1] = (unsigned)(left - acc);
+                break;
+            }
+            acc += cnt;
+        }
+    }
+}
+
+// Per chunk: how many pooled keys lie above the threshold (the k-th largest key, sel's final prefix) and
+// how many equal it.
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_count(Batch b, RefreshArgs ra, const float* pooled, int maxpos, const unsigned* sel, unsigned* ccnt,
+                                                                                int nchunk) {
+    __shared__ unsigned red[32];
+    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
+    if (ra.mode[s] != RF_FULL) return;
+    const SeqRow r = seq_row(b, s);
+    const int n = min(r.hi, maxpos - 1) - r.lo + 1;
+    if (n <= ra.k) return;
+    const i64 row = (i64)s * hk + h;
+    const float* pl = pooled + row * maxpos;
+    const unsigned thr = sel[row * 2];
+    const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
+    unsigned gt = 0, eq = 0;
+    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        const unsigned k = kvs_order_key(pl[i]);
+        gt += k > thr;
+        eq += k == thr;
+    }
+    gt = block_sum(gt, red);
+    eq = block_sum(eq, red);
+    if (threadIdx.x == 0) {
+        ccnt[(row * nchunk + c) * 2] = gt;
+        ccnt[(row * nchunk + c) * 2 + 1] = eq;
+    }
+}
+
+// Per chunk: its kept positions (above the threshold, or at it among the first `left` of the row) written
+// in position order at their rank in the row's set, with their pooled scores; chunk 0 writes the set's
+// size, last position and stamp.
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(Batch b, RefreshArgs ra, const float* pooled, int maxpos, const unsigned* sel,
+                                                                                const unsigned* ccnt, int nchunk) {
+    __shared__ int wsum[RF_WTHREADS / 32];
+    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
+    if (ra.mode[s] != RF_FULL) return;
+    const SeqRow r = seq_row(b, s);
+    const int lo = r.lo, hi = min(r.hi, maxpos - 1), n = hi - lo + 1, K = ra.k;
+    const i64 row = (i64)s * hk + h;
+    const i64 sh = (i64)ra.slot[s] * hk + h;
+    const bool all = n <= K;
+    if (c == 0 && threadIdx.x == 0) {
+        ra.cnt[sh] = all ? n : K;
+        ra.last[sh] = hi;
+        ra.hstamp[sh] = ra.gen[s];
+    }
+    const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
+    if (i0 >= n) return;
+    const float* pl = pooled + row * maxpos;
+    unsigned* tok = ra.tok + sh * K;
+    float* sc = ra.sc + sh * K;
+    unsigned thr = 0, left = 0, base = 0, eq_before = 0;
+    if (!all) {
+        thr = sel[row * 2];
+        left = sel[row * 2 + 1];
+        for (int j = 0; j < c; ++j) {
+            base += ccnt[(row * nchunk + j) * 2];
+            eq_before += ccnt[(row * nchunk + j) * 2 + 1];
+        }
+    }
+    // Kept before this chunk: the ones above the threshold, and min(eq_before, left) of those at it.
+    int out = all ? i0 : (int)(base + min(eq_before, left));
+    int eq_seen = (int)eq_before;
+    for (int i00 = i0; i00 < i1; i00 += blockDim.x) {
+        const int i = i00 + threadIdx.x;
+        const bool in = i < i1;
+        const float v = in ? pl[i] : 0.0f;
+        const unsigned k = kvs_order_key(v);
+        int eq_total;
+        const int eq_rank = eq_seen + block_excl_scan(in && !all && k == thr ? 1 : 0, wsum, eq_total);
+        const bool keep = in && (all || k > thr || (k == thr && eq_rank < (int)left));
+        int kept_total;
+        const int at = out + block_excl_scan(keep ? 1 : 0, wsum, kept_total);
+        if (keep && at < K) {
+            tok[at] = (unsigned)(lo + i);
+            sc[at] = v;
+        }
+        out += kept_total;
+        eq_seen += eq_total;
     }
 }

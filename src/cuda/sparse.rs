@@ -454,7 +454,7 @@ impl CudaBackend {
             }
             Selector::Refresh(r) => {
                 let slots = (ws + lay.slot as u64, ws + lay.slot_gen as u64);
-                self.refresh_select(a, cache, geo, g, &batch, f, ws, &lay.refresh, slots, &r, fin_ref, row_bytes, ctr)?;
+                self.refresh_select(a, cache, geo, g, &batch, f, ws, &lay.refresh, slots, &r, fin_ref, row_bytes, ctr, false)?;
             }
             Selector::Predictor(_) => {
                 let pw = pred_ws.as_ref().expect("predictor workspace");
@@ -511,7 +511,7 @@ impl CudaBackend {
             }
             if let (Selector::Refresh(r), true, true) = (&p.selector, lay.refresh.logits, do_select) {
                 let slots = (ws + lay.slot as u64, ws + lay.slot_gen as u64);
-                self.refresh_rebuild(a, cache, geo, &batch, f, ws, &lay.refresh, slots, r, fin_ref, row_bytes, ctr)?;
+                self.refresh_select(a, cache, geo, g, &batch, f, ws, &lay.refresh, slots, r, fin_ref, row_bytes, ctr, true)?;
             }
             if let Some(art) = p.art {
                 // Blocks no visited tile reached, once every split has run (kernels/select.cu).
