@@ -32,6 +32,14 @@
 // sums in the xor-butterfly order, each operation rounded on its own), so the CTA stops as a whole.
 // A split is one of ART's segments (art(segment=...), a whole number of tiles; one split without it):
 // each terminates on its own from x(0) = 0, and the combine merges them by LSE, as the CPU engine does.
+// LOGITS=1 (with PLAN=1): the decode rows' logits are also written out, for a policy that decides from
+// this attention's own weights (RefreshKV's full step, kernels/refresh.cu): every visible key's base-2
+// logit (the value the online softmax uses: after the softcap, times log2(e) and the scale) of each of the
+// CTA's query heads goes to lg[((seq * hk + kvh) * lg_maxpos + pos) * GROUP + (head - kvh * GROUP)], so K
+// is read once for the attention and the weights. Positions at or past lg_maxpos are not written.
+// It also spreads a row whose plan is shorter than the launch's bound over every split (a per-row chunk,
+// the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
+// (k positions) share the launch of its full rows (every position).
 // Dynamic shared memory: kvs_mma_smem_bytes() below (the host computes the same formula).
 
 #include "common.cuh"
@@ -53,6 +61,12 @@
 #endif
 #ifndef ROW_SPLIT
 #define ROW_SPLIT 1
+#endif
+#ifndef LOGITS
+#define LOGITS 0
+#endif
+#if LOGITS && !PLAN
+#error "LOGITS needs PLAN"
 #endif
 #ifndef ART_NOPROBE
 #define ART_NOPROBE 0  // benchmarks only: ART's order and single split without the detector
@@ -141,9 +155,15 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #if ART
              , ArtArgs art
 #endif
+#if LOGITS
+             , float* __restrict__ lg, int lg_maxpos
+#endif
              ) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ unsigned sm_mask[NWARPS][NSTAGE];
+#if LOGITS
+    __shared__ int sm_pos[NWARPS][NSTAGE][16];  // each stage's key positions (-1: masked)
+#endif
     const int t = blockIdx.x, hg = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = lane >> 2, qd = lane & 3;  // fragment row (query head) and column pair
@@ -159,8 +179,13 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int nkeys = pl << plan.ulog2;
     const unsigned* pe = plan.e + row.seq * plan.p_s + kvh * plan.p_h;
     const int umask = (1 << plan.ulog2) - 1;
-    const int s_lo = split * chunk;
-    const int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * chunk, nkeys) - 1;
+#if LOGITS
+    const int rchunk = min(chunk, max(16 * NWARPS, ((nkeys + nsplit - 1) / nsplit + 16 * NWARPS - 1) / (16 * NWARPS) * (16 * NWARPS)));
+#else
+    const int rchunk = chunk;
+#endif
+    const int s_lo = split * rchunk;
+    const int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * rchunk, nkeys) - 1;
 #if ART
     // ART's order: plan entries [0, nsink) hold sink positions (the plan is in position order), then the
     // others newest first. Visit index i -> entry index.
@@ -246,6 +271,9 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             }
             const unsigned msk = __ballot_sync(0xffffffffu, ok) & 0xffffu;
             if (lane == 0) sm_mask[warp][st] = msk;
+#if LOGITS
+            if (lane < 16) sm_pos[warp][st][lane] = ok ? p : -1;
+#endif
             const unsigned kdst = wbase + st * (2 * TILEB), vdst = kdst + TILEB;
 #pragma unroll
             for (int i = 0; i < CPR / 2; ++i) {
@@ -314,6 +342,18 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                 x = softcap > 0.f ? softcap * tanhf(x * scale / softcap) * KVS_LOG2E : x * sl2;
                 s[n][e] = vis ? x : -INFINITY;
             }
+#if LOGITS
+        {
+            float* lgh = lg + (i64)(row.seq * plan.hk + kvh) * lg_maxpos * GROUP + (h0 - kvh * GROUP);
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int hr = r + (e >> 1) * 8, pos = sm_pos[warp][st][n * 8 + qd * 2 + (e & 1)];
+                    if (hr < GQ && pos >= 0 && pos < lg_maxpos) lgh[(i64)pos * GROUP + hr] = s[n][e];
+                }
+        }
+#endif
         unsigned pa[4];
         {
             float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));

@@ -60,6 +60,16 @@ pub(super) enum Rows {
     /// Decode rows through their plans; the second field bounds a row's plan keys; the third runs ART
     /// inside the kernel.
     Plan(PlanRef, usize, Option<super::sparse::ArtLaunch>),
+    /// As `Plan` (no ART), the tensor-core kernel also writing the rows' logits (kernels/attention_mma.cu
+    /// LOGITS=1): to `lg` (device address), `maxpos` positions per (sequence, KV head).
+    PlanLogits(PlanRef, usize, LogitsOut),
+}
+
+/// Where `Rows::PlanLogits` writes the logits (see kernels/attention_mma.cu, LOGITS).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LogitsOut {
+    pub lg: u64,
+    pub maxpos: i32,
 }
 
 pub struct CudaBackend {
@@ -254,24 +264,37 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The tensor-core kernel's shape for these caches (ART's launch: 4 warps), or None where the
+    /// lane-group kernel runs.
+    pub(super) fn mma_for(&self, cfg: &EngineConfig, cache: &KvCache, art: bool) -> Option<plan::MmaShape> {
+        let es = cfg.dtype.size_bytes();
+        let aligned = aligned16(cache, es);
+        let tun = if art { plan::MmaTunables { warps: 4, ..self.mma } } else { self.mma };
+        plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(if art { 4096 } else { 1024 }))
+    }
+
     /// One attention launch (plus its split combine) over the rows `rows` selects.
     pub(super) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
         let num_tokens = geo.num_tokens;
         let es = cfg.dtype.size_bytes();
-        let vec = 16 / es;
-        let aligned = [&cache.k, &cache.v].iter().all(|t| (t.data as usize) % 16 == 0 && t.strides()[..3].iter().all(|&s| s as usize % vec == 0));
+        let aligned = aligned16(cache, es);
         let (mode, plan_ref, keys, art) = match rows {
             Rows::All => (0, PlanRef::none(), geo.max_len, None),
             Rows::DenseRest => (2, PlanRef::none(), geo.max_len, None),
             Rows::Plan(pr, keys, art) => (1, pr, keys, art),
+            Rows::PlanLogits(pr, keys, _) => (1, pr, keys, None),
+        };
+        let logits = match rows {
+            Rows::PlanLogits(_, _, lo) => Some(lo),
+            _ => None,
         };
         let plan_define = format!("PLAN={}", (mode == 1) as i32);
         // Kernel variant: tensor cores where they apply, else the lane-group kernel.
         let (f_split, defines, head_groups, threads, smem, nsplit, chunk);
         // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile), one CTA per KV head
         // (GQ = GROUP) and one split per row (the traversal is sequential; docs/policies.md).
-        let tun = if art.is_some() { plan::MmaTunables { warps: 4, ..self.mma } } else { self.mma };
-        let mma = plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(if art.is_some() { 4096 } else { 1024 }));
+        let mma = self.mma_for(cfg, cache, art.is_some());
+        ensure!(logits.is_none() || mma.is_some(), Internal, "the logits of a plan's attention need the tensor-core kernel (checked by the caller)");
         if art.is_some() {
             ensure!(matches!(mma, Some(ms) if ms.warps == 4 && ms.gq == cfg.group_size()), Unsupported, "`art` on the CUDA backend needs the tensor-core kernel (f16/bf16 cache, 16-byte aligned rows, head size a multiple of 16, GQA group <= 16) with 4 warps");
         }
@@ -284,9 +307,10 @@ impl CudaBackend {
                 format!("NWARPS={}", ms.warps),
                 format!("NSTAGE={}", ms.stages),
                 format!("L2_HINT={}", ms.l2_hint),
-                format!("ROW_SPLIT={}", tun.row_split as i32),
+                format!("ROW_SPLIT={}", self.mma.row_split as i32),
                 plan_define,
                 format!("ART={}", art.is_some() as i32),
+                format!("LOGITS={}", logits.is_some() as i32),
                 // Benchmarks only: KVS_ART_NOPROBE=1 compiles ART's launch without the detector (the same
                 // order and single split), the baseline of the detector's cost.
                 format!("ART_NOPROBE={}", (art.is_some() && std::env::var("KVS_ART_NOPROBE").is_ok_and(|v| v == "1")) as i32),
@@ -348,6 +372,9 @@ impl CudaBackend {
         k.by_value(&plan_ref).i32(mode);
         if let Some(art) = &art {
             k.by_value(art);
+        }
+        if let (Some(lo), true) = (logits, mma.is_some()) {
+            k.i64(lo.lg as i64).i32(lo.maxpos);
         }
         launch::launch_smem(f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
         if nsplit > 1 {
@@ -438,4 +465,10 @@ impl CudaBackend {
         k.i64(ptr as i64).i64(n as i64).i32(seed as i32).f32(amp);
         launch::launch(f, (((n.div_ceil(256)).min(1 << 16)) as u32, 1, 1), 256, &mut k, stream, "kvs_fill_random launch")
     }
+}
+
+/// Whether the K/V caches' rows and strides are 16-byte aligned (the tensor-core kernel's 16-byte copies).
+fn aligned16(cache: &KvCache, es: usize) -> bool {
+    let vec = 16 / es;
+    [&cache.k, &cache.v].iter().all(|t| (t.data as usize) % 16 == 0 && t.strides()[..3].iter().all(|&s| s as usize % vec == 0))
 }

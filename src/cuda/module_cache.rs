@@ -225,6 +225,9 @@ mod compile_tests {
                     let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();
                     defs.push("ART_NOPROBE=1".into());
                     build("attention_mma", ATTENTION_MMA, &defs);
+                    // RefreshKV's full step: the plan's attention writing its logits.
+                    let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=0".into(), "LOGITS=1".into()].to_vec();
+                    build("attention_mma", ATTENTION_MMA, &defs);
                 }
             }
             build("meta", META, &[format!("KVS_DTYPE={dt}"), "--fmad=false".into()]);

@@ -97,7 +97,9 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                         step_x
                     );
                     if r.refresh_full.is_finite() {
-                        println!("{:<40} RefreshKV: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them full", "", 60 * r.rotation, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
+                        // The predictor counts its calibration steps as the full ones (Counters::refresh_full_steps).
+                        let (who, kind) = if spec.starts_with("predictor") { ("AttentionPredictor", "calibration") } else { ("RefreshKV", "full") };
+                        println!("{:<40} {who}: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them {kind}", "", 60 * r.rotation, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
                     }
                     if r.serial_us.is_finite() {
                         println!("{:<40} PRR step {:.1} us vs serial quest (select, then attend) {:.1} us: {:.2}x; speculation hit {:.1}% of true pages", "", r.forward_us, r.serial_us, r.serial_us / r.forward_us, 100.0 * r.spec_hit);
