@@ -284,19 +284,37 @@ kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             // Logits (base 2); keys a row does not see at -inf. A visible key whose raw score is not finite
             // poisons its row (the row finishes as NaN).
             const bool full = pb >= wmax_lo && pb + BN - 1 <= wmin_hi;  // every active row of the warp sees every key
+            if (full && softcap <= 0.f) {
+                // x * 0 is NaN exactly when x is not finite: one FMA per element flags the rows.
 #pragma unroll
-            for (int mb = 0; mb < MW; ++mb)
+                for (int mb = 0; mb < MW; ++mb)
 #pragma unroll
-                for (int n = 0; n < NS; ++n)
+                    for (int hf = 0; hf < 2; ++hf) {
+                        float chk = 0.f;
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float x = s[mb][n][e];
-                        const int hf = e >> 1, kp = pb + n * 8 + qd * 2 + (e & 1);
-                        const bool vis = full || (kp >= rlo[mb][hf] && kp <= rhi[mb][hf]);
-                        if (vis && !isfinite(x)) bad[mb][hf] = true;
-                        x = softcap > 0.f ? softcap * tanhf(x * scale / softcap) * KVS_LOG2E : x * sl2;
-                        s[mb][n][e] = vis ? x : -INFINITY;
+                        for (int n = 0; n < NS; ++n) {
+                            chk = fmaf(s[mb][n][2 * hf], 0.f, chk);
+                            chk = fmaf(s[mb][n][2 * hf + 1], 0.f, chk);
+                            s[mb][n][2 * hf] *= sl2;
+                            s[mb][n][2 * hf + 1] *= sl2;
+                        }
+                        if (chk != 0.f) bad[mb][hf] = true;
                     }
+            } else {
+#pragma unroll
+                for (int mb = 0; mb < MW; ++mb)
+#pragma unroll
+                    for (int n = 0; n < NS; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float x = s[mb][n][e];
+                            const int hf = e >> 1, kp = pb + n * 8 + qd * 2 + (e & 1);
+                            const bool vis = full || (kp >= rlo[mb][hf] && kp <= rhi[mb][hf]);
+                            if (vis && !isfinite(x)) bad[mb][hf] = true;
+                            x = softcap > 0.f ? softcap * tanhf(x * scale / softcap) * KVS_LOG2E : x * sl2;
+                            s[mb][n][e] = vis ? x : -INFINITY;
+                        }
+            }
             // Online softmax per row: new maxima and the rescale of O and of the row sums.
             float mu[MW][2], sum[MW][2];
 #pragma unroll

@@ -67,9 +67,10 @@ pub fn prefill_shape(group: usize, head_dim: usize, elem_bytes: usize, aligned16
         return None;
     }
     let gq = 1usize << group.trailing_zeros().min(4);
-    // Head sizes up to 128: 4 warps of 32 rows (128 rows), 64-key tiles, two stages (104 KiB at 128, two
-    // CTAs per SM). Larger heads: 4 warps of 16 rows and 32-key tiles (the accumulators take the registers).
-    let s = if head_dim <= 128 { PrefillShape { gq, warps: 4, mw: 2, bn: 64, stages: 2 } } else { PrefillShape { gq, warps: 4, mw: 1, bn: 32, stages: 2 } };
+    // Head sizes up to 128: 4 warps of 32 rows (128 rows), 32-key tiles, three stages (87 KiB at 128, two
+    // CTAs per SM; the fastest of five shapes on an H200, docs/perf.md). Larger heads: 4 warps of 16 rows
+    // and two stages (the accumulators take the registers).
+    let s = if head_dim <= 128 { PrefillShape { gq, warps: 4, mw: 2, bn: 32, stages: 3 } } else { PrefillShape { gq, warps: 4, mw: 1, bn: 32, stages: 2 } };
     (s.smem_bytes(head_dim) <= smem_max).then_some(s)
 }
 
