@@ -10,7 +10,8 @@
 use kvsparse::rng::Rng;
 use kvsparse::DType;
 use kvsparse_conformance::cuda::{cuda_required, run_case_cuda};
-use kvsparse_conformance::{CaseSpec, Poison};
+use kvsparse_conformance::fixture::Poison;
+use kvsparse_conformance::CaseSpec;
 
 /// A random batch: `n` sequences, each a whole prompt, a chunk over a cached prefix, an extend of 2..8
 /// tokens or a decode row; at least one of each of the first three.
@@ -53,7 +54,8 @@ fn specs(seed: u64) -> Vec<CaseSpec> {
         if quick && i % 2 == 1 {
             continue;
         }
-        let seqs = random_seqs(&mut rng, 3 + rng.below(5), if quick { 200 } else { 1500 });
+        let n = 3 + rng.below(5);
+        let seqs = random_seqs(&mut rng, n, if quick { 200 } else { 1500 });
         let mut c = CaseSpec::new(format!("prefill-h{hd}-{hq}x{hk}-{dt:?}-bs{bs}-w{win}-cap{cap}"), dt, hd, hq, hk, bs, seqs);
         c.window = win;
         c.softcap = cap;
