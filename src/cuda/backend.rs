@@ -117,6 +117,28 @@ pub(super) fn p(t: &TensorRef) -> *const u8 {
     t.data
 }
 
+/// The arguments every attention kernel starts with: query, caches, block size, block table, lengths
+/// and query starts with the sequence count.
+pub(super) fn batch_args(cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry) -> KArgs {
+    let mut k = KArgs::new();
+    k.ptr(p(&a.query)).i64(a.query.stride(0) as i64).i64(a.query.stride(1) as i64).i64(a.query.stride(2) as i64);
+    k.ptr(p(&cache.k)).i64(cache.k.stride(0) as i64).i64(cache.k.stride(1) as i64).i64(cache.k.stride(2) as i64);
+    k.ptr(p(&cache.v)).i64(cache.v.stride(0) as i64).i64(cache.v.stride(1) as i64).i64(cache.v.stride(2) as i64);
+    k.i64(cache.num_blocks as i64).i32(cfg.block_size.trailing_zeros() as i32);
+    k.ptr(p(&a.block_table)).i64(a.block_table.stride(0) as i64).i64(a.block_table.stride(1) as i64).i32(geo.cols as i32);
+    k.ptr(p(&a.seq_lens)).i64(a.seq_lens.stride(0) as i64);
+    k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(geo.num_seqs as i32);
+    k
+}
+
+/// The optional LSE output as (pointer or NULL, token stride, head stride).
+pub(super) fn lse_arg(a: &ForwardArgs) -> (*const u8, i64, i64) {
+    match &a.lse {
+        Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
+        None => (std::ptr::null(), 0, 0),
+    }
+}
+
 impl CudaBackend {
     /// Opens the engine's device. Fails with Unsupported when there is no driver or no such device.
     /// `max_seqs`: the size of the per-sequence state slot map, for policies that keep such state.
@@ -334,19 +356,8 @@ impl CudaBackend {
             ws_guard = Some(map);
         }
 
-        let (lse_ptr, l0, l1) = match &a.lse {
-            Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
-            None => (std::ptr::null(), 0, 0),
-        };
-        let num_seqs = geo.num_seqs;
-        let mut k = KArgs::new();
-        k.ptr(p(&a.query)).i64(a.query.stride(0) as i64).i64(a.query.stride(1) as i64).i64(a.query.stride(2) as i64);
-        k.ptr(p(&cache.k)).i64(cache.k.stride(0) as i64).i64(cache.k.stride(1) as i64).i64(cache.k.stride(2) as i64);
-        k.ptr(p(&cache.v)).i64(cache.v.stride(0) as i64).i64(cache.v.stride(1) as i64).i64(cache.v.stride(2) as i64);
-        k.i64(cache.num_blocks as i64).i32(cfg.block_size.trailing_zeros() as i32);
-        k.ptr(p(&a.block_table)).i64(a.block_table.stride(0) as i64).i64(a.block_table.stride(1) as i64).i32(geo.cols as i32);
-        k.ptr(p(&a.seq_lens)).i64(a.seq_lens.stride(0) as i64);
-        k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(num_seqs as i32);
+        let (lse_ptr, l0, l1) = lse_arg(a);
+        let mut k = batch_args(cfg, a, cache, geo);
         k.f32(a.scale).f32(a.softcap).i32(a.sliding_window).i32(chunk as i32);
         k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
         k.ptr(lse_ptr).i64(l0).i64(l1);
@@ -374,10 +385,7 @@ impl CudaBackend {
     /// compiled with `defines`) into the call's output and LSE.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &str)) -> Result<()> {
-        let (lse_ptr, l0, l1) = match &a.lse {
-            Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
-            None => (std::ptr::null(), 0, 0),
-        };
+        let (lse_ptr, l0, l1) = lse_arg(a);
         let f_comb = self.modules.function(&self.gpu, module.0, module.1, defines, "kvs_attn_combine")?;
         let mut k = KArgs::new();
         k.i64(ws.0 as i64).i64(ws.1 as i64).i32(nsplit as i32).i32(cfg.num_q_heads as i32);

@@ -5,8 +5,8 @@
 //! before. Why: the decode kernel runs one CTA per query token, so a prompt's K/V is read once per token;
 //! here a CTA serves up to 128 query rows (tokens x the GQA group's heads) per K/V tile.
 
-use super::backend::{p, CudaBackend, Geometry};
-use super::launch::{self, KArgs};
+use super::backend::{batch_args, lse_arg, p, CudaBackend, Geometry};
+use super::launch;
 use crate::config::EngineConfig;
 use crate::engine::ForwardArgs;
 use crate::error::Result;
@@ -128,18 +128,9 @@ impl CudaBackend {
             ws_lse = ws_o + (slots * cfg.head_dim * 4) as u64;
             ws_guard = Some(map);
         }
-        let (lse_ptr, l0, l1) = match &a.lse {
-            Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
-            None => (std::ptr::null(), 0, 0),
-        };
-        let mut k = KArgs::new();
-        k.ptr(p(&a.query)).i64(a.query.stride(0) as i64).i64(a.query.stride(1) as i64).i64(a.query.stride(2) as i64);
-        k.ptr(p(&cache.k)).i64(cache.k.stride(0) as i64).i64(cache.k.stride(1) as i64).i64(cache.k.stride(2) as i64);
-        k.ptr(p(&cache.v)).i64(cache.v.stride(0) as i64).i64(cache.v.stride(1) as i64).i64(cache.v.stride(2) as i64);
-        k.i64(cache.num_blocks as i64).i32(cfg.block_size.trailing_zeros() as i32);
-        k.ptr(p(&a.block_table)).i64(a.block_table.stride(0) as i64).i64(a.block_table.stride(1) as i64).i32(geo.cols as i32);
-        k.ptr(p(&a.seq_lens)).i64(a.seq_lens.stride(0) as i64);
-        k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(geo.num_seqs as i32).i32(geo.num_tokens as i32);
+        let (lse_ptr, l0, l1) = lse_arg(a);
+        let mut k = batch_args(cfg, a, cache, geo);
+        k.i32(geo.num_tokens as i32);
         k.f32(a.scale).f32(a.softcap).i32(a.sliding_window).i32(chunk.min(i32::MAX as usize) as i32);
         k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
         k.ptr(lse_ptr).i64(l0).i64(l1);
