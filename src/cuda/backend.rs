@@ -76,7 +76,7 @@ pub struct CudaBackend {
     pub gpu: Gpu,
     pub(super) modules: Modules,
     /// Split-KV workspace per stream handle.
-    workspaces: Mutex<HashMap<usize, DevBuf>>,
+    pub(super) workspaces: Mutex<HashMap<usize, DevBuf>>,
     /// Workspaces replaced by larger ones: kept until the engine is destroyed, because CUDA graphs
     /// captured before the growth still read and write them (at most as much again as the live ones).
     pub(super) retired: Mutex<Vec<DevBuf>>,
@@ -125,6 +125,28 @@ pub(super) fn dtype_code(d: DType) -> i32 {
 
 pub(super) fn p(t: &TensorRef) -> *const u8 {
     t.data
+}
+
+/// The arguments every attention kernel starts with: query, caches, block size, block table, lengths
+/// and query starts with the sequence count.
+pub(super) fn batch_args(cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry) -> KArgs {
+    let mut k = KArgs::new();
+    k.ptr(p(&a.query)).i64(a.query.stride(0) as i64).i64(a.query.stride(1) as i64).i64(a.query.stride(2) as i64);
+    k.ptr(p(&cache.k)).i64(cache.k.stride(0) as i64).i64(cache.k.stride(1) as i64).i64(cache.k.stride(2) as i64);
+    k.ptr(p(&cache.v)).i64(cache.v.stride(0) as i64).i64(cache.v.stride(1) as i64).i64(cache.v.stride(2) as i64);
+    k.i64(cache.num_blocks as i64).i32(cfg.block_size.trailing_zeros() as i32);
+    k.ptr(p(&a.block_table)).i64(a.block_table.stride(0) as i64).i64(a.block_table.stride(1) as i64).i32(geo.cols as i32);
+    k.ptr(p(&a.seq_lens)).i64(a.seq_lens.stride(0) as i64);
+    k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(geo.num_seqs as i32);
+    k
+}
+
+/// The optional LSE output as (pointer or NULL, token stride, head stride).
+pub(super) fn lse_arg(a: &ForwardArgs) -> (*const u8, i64, i64) {
+    match &a.lse {
+        Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
+        None => (std::ptr::null(), 0, 0),
+    }
 }
 
 impl CudaBackend {
@@ -278,8 +300,19 @@ impl CudaBackend {
         let num_tokens = geo.num_tokens;
         let es = cfg.dtype.size_bytes();
         let aligned = aligned16(cache, es);
+        // Rows of query length != 1 go to the prefill kernel where it applies (src/cuda/prefill.rs): a
+        // policy layer's dense rest entirely; in a call that may hold prefill rows, the decode kernel then
+        // serves the decode rows only (mode 1 without a plan). A decode-only call is unchanged.
+        let prefill = match rows {
+            Rows::All if a.max_query_len != 1 => self.prefill_kernel(cfg, aligned),
+            Rows::DenseRest => self.prefill_kernel(cfg, aligned),
+            _ => None,
+        };
+        if let (Rows::DenseRest, Some(ps)) = (rows, prefill) {
+            return self.attend_prefill(cfg, a, cache, geo, &ps);
+        }
         let (mode, plan_ref, keys, art) = match rows {
-            Rows::All => (0, PlanRef::none(), geo.max_len, None),
+            Rows::All => (if prefill.is_some() { 1 } else { 0 }, PlanRef::none(), geo.max_len, None),
             Rows::DenseRest => (2, PlanRef::none(), geo.max_len, None),
             Rows::Plan(pr, keys, art) => (1, pr, keys, art),
             Rows::PlanLogits(pr, keys, _) => (1, pr, keys, None),
@@ -288,7 +321,7 @@ impl CudaBackend {
             Rows::PlanLogits(_, _, lo) => Some(lo),
             _ => None,
         };
-        let plan_define = format!("PLAN={}", (mode == 1) as i32);
+        let plan_define = format!("PLAN={}", matches!(rows, Rows::Plan(..)) as i32);
         // Kernel variant: tensor cores where they apply, else the lane-group kernel.
         let (f_split, defines, head_groups, threads, smem, nsplit, chunk);
         // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile), one CTA per KV head
@@ -348,19 +381,8 @@ impl CudaBackend {
             ws_guard = Some(map);
         }
 
-        let (lse_ptr, l0, l1) = match &a.lse {
-            Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
-            None => (std::ptr::null(), 0, 0),
-        };
-        let num_seqs = geo.num_seqs;
-        let mut k = KArgs::new();
-        k.ptr(p(&a.query)).i64(a.query.stride(0) as i64).i64(a.query.stride(1) as i64).i64(a.query.stride(2) as i64);
-        k.ptr(p(&cache.k)).i64(cache.k.stride(0) as i64).i64(cache.k.stride(1) as i64).i64(cache.k.stride(2) as i64);
-        k.ptr(p(&cache.v)).i64(cache.v.stride(0) as i64).i64(cache.v.stride(1) as i64).i64(cache.v.stride(2) as i64);
-        k.i64(cache.num_blocks as i64).i32(cfg.block_size.trailing_zeros() as i32);
-        k.ptr(p(&a.block_table)).i64(a.block_table.stride(0) as i64).i64(a.block_table.stride(1) as i64).i32(geo.cols as i32);
-        k.ptr(p(&a.seq_lens)).i64(a.seq_lens.stride(0) as i64);
-        k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(num_seqs as i32);
+        let (lse_ptr, l0, l1) = lse_arg(a);
+        let mut k = batch_args(cfg, a, cache, geo);
         k.f32(a.scale).f32(a.softcap).i32(a.sliding_window).i32(chunk as i32);
         k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
         k.ptr(lse_ptr).i64(l0).i64(l1);
@@ -378,19 +400,30 @@ impl CudaBackend {
         }
         launch::launch_smem(f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
         if nsplit > 1 {
-            let f_comb = self.modules.function(&self.gpu, module.0, module.1, &defines, "kvs_attn_combine")?;
-            let mut k = KArgs::new();
-            k.i64(ws_o as i64).i64(ws_lse as i64).i32(nsplit as i32).i32(cfg.num_q_heads as i32);
-            k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
-            k.ptr(lse_ptr).i64(l0).i64(l1);
-            k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(num_seqs as i32).i32(mode);
-            // Splits spread over the CTA: HEAD_DIM threads per group of splits, up to 512 threads.
-            let parts = (512 / cfg.head_dim).clamp(1, nsplit);
-            let threads = (cfg.head_dim * parts) as u32;
-            launch::launch(f_comb, (num_tokens as u32, cfg.num_q_heads as u32, 1), threads, &mut k, stream, "kvs_attn_combine launch")?;
+            self.combine_splits(cfg, a, geo, &defines, (ws_o, ws_lse), nsplit, mode, module)?;
         }
         drop(ws_guard);
+        if let Some(ps) = prefill {
+            self.attend_prefill(cfg, a, cache, geo, &ps)?;
+        }
         Ok(())
+    }
+
+    /// Merges the `nsplit` partial states of every row `mode` serves (kvs_attn_combine of `module`,
+    /// compiled with `defines`) into the call's output and LSE.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &str)) -> Result<()> {
+        let (lse_ptr, l0, l1) = lse_arg(a);
+        let f_comb = self.modules.function(&self.gpu, module.0, module.1, defines, "kvs_attn_combine")?;
+        let mut k = KArgs::new();
+        k.i64(ws.0 as i64).i64(ws.1 as i64).i32(nsplit as i32).i32(cfg.num_q_heads as i32);
+        k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
+        k.ptr(lse_ptr).i64(l0).i64(l1);
+        k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(geo.num_seqs as i32).i32(mode);
+        // Splits spread over the CTA: HEAD_DIM threads per group of splits, up to 512 threads.
+        let parts = (512 / cfg.head_dim).clamp(1, nsplit);
+        let threads = (cfg.head_dim * parts) as u32;
+        launch::launch(f_comb, (geo.num_tokens as u32, cfg.num_q_heads as u32, 1), threads, &mut k, a.stream, "kvs_attn_combine launch")
     }
 
     /// Cache write by slot mapping on the device (validated shapes; every slot is checked on the device

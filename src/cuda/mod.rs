@@ -1,6 +1,6 @@
 //! CUDA backend: the driver and NVRTC loaded at run time ([`driver`]), the device context ([`context`]),
 //! NVRTC compilation with an on-disk module cache ([`module_cache`]), launches ([`launch`]), split-KV
-//! planning ([`plan`]), the device checks of the metadata ([`checks`]), the policies' device path ([`sparse`], [`snapkv`], [`refresh`], [`prr`], [`predictor`], per-sequence state slots [`slots`]) and the backend the engine dispatches to ([`backend`]). Kernels: `kernels/*.cu`.
+//! planning ([`plan`]), prefill rows on their own kernel ([`prefill`]), the device checks of the metadata ([`checks`]), the policies' device path ([`sparse`], [`snapkv`], [`refresh`], [`prr`], [`predictor`], per-sequence state slots [`slots`]) and the backend the engine dispatches to ([`backend`]). Kernels: `kernels/*.cu`.
 //! Nothing here is needed at build time, and every entry point fails cleanly when no driver is present.
 
 pub mod backend;
@@ -13,6 +13,7 @@ pub mod meta;
 pub mod module_cache;
 pub mod plan;
 pub mod predictor;
+pub mod prefill;
 pub mod prr;
 pub mod refresh;
 pub mod slots;

@@ -26,7 +26,12 @@ same cache, and the speedups; Quest's selection is also shown against the time t
 at the measured copy bandwidth. SnapKV first chooses at a prefill chunk of its window's tokens per
 sequence (queries: the decode query repeated); the choice kernels' time is printed below its row.
 PRR (`speculate(over=quest(...), ...)`) is timed against the serial `quest` path with the same budget,
-page and sink on the same inputs, with the step's timeline on both streams printed below its row.";
+page and sink on the same inputs, with the step's timeline on both streams printed below its row.
+
+With --prefill, times causal prefill attention (one layer's call, head 128, bf16, block 16) at --points
+BxQ[+P] (B sequences of Q new tokens after a cached prefix of P; default 1x4096,1x32768,8x4096,
+1x2048+30720) on the prefill kernel and on the decode kernel that served prefill rows before it
+(KVS_CUDA_PREFILL=decode; median of --old-reps calls, default 3, 0 = not timed), in TFLOP/s of the causal FLOPs.";
 
 /// Replaces every `L/<n>` in a spec by `ctx / n`.
 fn expand(spec: &str, ctx: usize) -> Result<String, String> {
@@ -137,12 +142,15 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
 }
 
 pub fn run(argv: &[String]) -> Result<(), String> {
-    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy", "table-width"], &[], HELP)?;
+    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy", "table-width", "points", "old-reps"], &["prefill"], HELP)?;
     if a.str("device") != Some("cuda") {
         return Err(format!("this module serves --device cuda only\n\n{HELP}"));
     }
     if !kvsparse::cuda::device_available() {
         return Err("no CUDA driver/device available".into());
+    }
+    if a.flag("prefill") {
+        return run_prefill(&a);
     }
     let policies = crate::args::policies(&a)?;
     if !policies.is_empty() {
@@ -205,4 +213,36 @@ fn list<T: std::str::FromStr + Clone>(a: &Args, name: &str, default: &[T]) -> Re
         None => Ok(default.to_vec()),
         Some(s) => s.split(',').map(|x| x.trim().parse().map_err(|_| format!("--{name}: cannot parse {x:?}"))).collect(),
     }
+}
+
+/// `--prefill`: the prefill kernel against the decode kernel on prefill rows, per point.
+fn run_prefill(a: &Args) -> Result<(), String> {
+    use crate::cuda_prefill_bench::{bench_prefill_point, PrefillPoint};
+    let points: Vec<String> = list(a, "points", &["1x4096".to_string(), "1x32768".into(), "8x4096".into(), "1x2048+30720".into()])?;
+    let heads: Vec<String> = list(a, "heads", &["32/8".to_string()])?;
+    let old_reps: usize = a.get("old-reps", 3)?;
+    let _gpu = kvsparse::cuda::context::Gpu::open(0).map_err(|e| e.to_string())?;
+    let mut csv = match a.str("csv") {
+        Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{p}: {e}"))?),
+        None => None,
+    };
+    if let Some(f) = csv.as_mut() {
+        writeln!(f, "point,hq,hk,tflop,prefill_ms,prefill_tflops,decode_kernel_ms,decode_kernel_tflops,speedup,max_rel_diff").map_err(|e| e.to_string())?;
+    }
+    println!("{:<14} {:>6} {:>8} {:>11} {:>9} {:>12} {:>9} {:>8} {:>10}", "point", "heads", "TFLOP", "prefill ms", "TFLOP/s", "decode-k ms", "TFLOP/s", "speedup", "max diff");
+    for h in &heads {
+        let (hq, hk) = h.split_once('/').ok_or_else(|| format!("--heads wants Q/KV pairs like 32/8, got {h:?}"))?;
+        let (hq, hk): (usize, usize) = (hq.parse().map_err(|_| "bad --heads")?, hk.parse().map_err(|_| "bad --heads")?);
+        for (i, s) in points.iter().enumerate() {
+            let p = PrefillPoint::parse(s)?;
+            let fl = p.flops(hq);
+            let r = bench_prefill_point(&p, hq, hk, old_reps, 0x5eed + i as u64).map_err(|e| format!("{s}: {e}"))?;
+            let (tn, to) = (fl / (r.new_ms * 1e-3) / 1e12, fl / (r.old_ms * 1e-3) / 1e12);
+            println!("{s:<14} {hq:>3}/{hk:<2} {:>8.2} {:>11.3} {tn:>9.1} {:>12.3} {to:>9.1} {:>7.1}x {:>10.2e}", fl / 1e12, r.new_ms, r.old_ms, r.old_ms / r.new_ms, r.diff);
+            if let Some(f) = csv.as_mut() {
+                writeln!(f, "{s},{hq},{hk},{:.4},{:.4},{tn:.2},{:.4},{to:.2},{:.3},{:.3e}", fl / 1e12, r.new_ms, r.old_ms, r.old_ms / r.new_ms, r.diff).map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    Ok(())
 }

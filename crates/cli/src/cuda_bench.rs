@@ -53,9 +53,9 @@ pub fn kv_bytes(p: &Point) -> usize {
     p.batch * p.ctx * p.hk * HEAD_DIM * 2 * 2
 }
 
-struct Events(CUevent, CUevent);
+pub(crate) struct Events(CUevent, CUevent);
 impl Events {
-    fn new() -> Result<Events> {
+    pub(crate) fn new() -> Result<Events> {
         let api = cuda()?;
         let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: out-parameters; destroyed in Drop.
@@ -66,7 +66,7 @@ impl Events {
         Ok(Events(a, b))
     }
     /// Milliseconds taken by `f` (which enqueues work on `stream`).
-    fn time(&self, stream: CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    pub(crate) fn time(&self, stream: CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
         let api = cuda()?;
         let mut ms = 0f32;
         // SAFETY: valid events and stream.
@@ -92,7 +92,7 @@ impl Drop for Events {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
 }
@@ -208,7 +208,7 @@ pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_
     Ok(Row { us: ms * 1e3, bytes, gbps, frac_copy: gbps / copy_gbps, rotation })
 }
 
-fn bytes<T>(v: &[T]) -> &[u8] {
+pub(crate) fn bytes<T>(v: &[T]) -> &[u8] {
     // SAFETY: plain-old-data slice viewed as bytes.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
