@@ -149,6 +149,13 @@ pub fn decode(f: Fault, block_size: usize) -> Error {
     Error::new(kind, format!("{msg} (found by the device checks)"))
 }
 
+/// The attention kernels' define that compiles the checks in (`KVS_CHECKS=1`, always) or out.
+/// Benchmarks only: `KVS_BENCH_NO_DEVICE_CHECKS=1` compiles them out (no NaN rows, no fault record, no
+/// dense row counters), the baseline of their cost in the same binary.
+pub fn kernel_define() -> String {
+    format!("KVS_CHECKS={}", !std::env::var("KVS_BENCH_NO_DEVICE_CHECKS").is_ok_and(|v| v == "1") as i32)
+}
+
 /// Refuses `validate = sync` on a stream that is being captured (a captured call cannot wait).
 pub fn refuse_sync_in_capture(gpu: &Gpu, stream: CUstream) -> Result<()> {
     gpu.make_current()?;
