@@ -41,12 +41,20 @@ if want tests; then
 fi
 if want bench; then
   # Dense decode step; the variants interleaved (ROUNDS rounds) so clock drift hits all alike.
-  variants=(new off base)
-  [[ -x $BIN/kvsparse-main ]] && variants+=(main)
+  # VARIANTS: new, off (KVS_BENCH_NO_DEVICE_CHECKS=1), norows / noseqs (=rows / =seqs: one part compiled
+  # out), base, main.
+  read -r -a variants <<<"${VARIANTS:-new off base}"
+  [[ -x $BIN/kvsparse-main && -z ${VARIANTS:-} ]] && variants+=(main)
   for r in $(seq 1 "${ROUNDS:-3}"); do
     for v in "${variants[@]}"; do
       exe=$BIN/kvsparse; env=()
-      case $v in base) exe=$BIN/kvsparse-base ;; main) exe=$BIN/kvsparse-main ;; off) env=(KVS_BENCH_NO_DEVICE_CHECKS=1) ;; esac
+      case $v in
+        base) exe=$BIN/kvsparse-base ;;
+        main) exe=$BIN/kvsparse-main ;;
+        off) env=(KVS_BENCH_NO_DEVICE_CHECKS=1) ;;
+        norows) env=(KVS_BENCH_NO_DEVICE_CHECKS=rows) ;;
+        noseqs) env=(KVS_BENCH_NO_DEVICE_CHECKS=seqs) ;;
+      esac
       step "bench-$v-$r" 'copy' env "${env[@]}" "$exe" bench --device cuda --batch "${BATCH:-1,32}" --ctx "${CTX:-8192,32768}" --heads 32/8 --max-kv-gib "${MAX_KV_GIB:-40}" --csv "$OUT/bench-$v-$r.csv"
     done
   done
@@ -58,14 +66,15 @@ for path in sorted(glob.glob(os.path.join(out, "bench-*-*.csv"))):
     v = os.path.basename(path).split("-")[1]
     for r in csv.DictReader(open(path)):
         rows.setdefault((int(r["batch"]), int(r["ctx"])), {}).setdefault(v, []).append(float(r["us"]))
-names = {"base": "before the checks (kvsparse-base)", "main": "kvsparse-main", "off": "this build, checks compiled out", "new": "this build"}
+names = {"base": "before the checks (kvsparse-base)", "main": "kvsparse-main", "off": "this build, checks compiled out",
+         "norows": "this build without the rows' checks", "noseqs": "this build without the sequences' checks and counters", "new": "this build"}
 print("dense decode step, heads 32/8, head 128, bf16, block 16: median of the rounds' medians [min-max], us; change vs base")
 for (b, c), d in sorted(rows.items()):
     if "base" not in d:
         continue
     mb = statistics.median(d["base"])
     cells = []
-    for v in ("base", "main", "off", "new"):
+    for v in ("base", "main", "off", "norows", "noseqs", "new"):
         if v in d:
             m = statistics.median(d[v])
             cells.append(f"{v} {m:.1f} [{min(d[v]):.1f}-{max(d[v]):.1f}] {100 * (m - mb) / mb:+.2f}%")

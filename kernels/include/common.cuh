@@ -100,11 +100,18 @@ __device__ __forceinline__ int kvs_token_qlen(int t, const int* qsl, i64 qsl0, i
 // (query_start_loc[0]; then per sequence: its query_start_loc pair, seq_len, query length, table
 // capacity, block ids; then the end of query_start_loc; slot_mapping), so the record keeps the smallest
 // key: the fault the CPU engine would report, whatever order the CTAs ran in.
-// KVS_CHECKS=0 (benchmarks only: KVS_BENCH_NO_DEVICE_CHECKS=1) compiles the attention kernels without
-// them, the baseline of their cost.
+// KVS_CHECKS: which checks the attention kernels compile in, bit 0 the rows' (kvs_serve_row,
+// kvs_finish_row_checks), bit 1 the sequences' with their counters (kvs_check_seqs); 3 always, other values
+// for benchmarks only (KVS_BENCH_NO_DEVICE_CHECKS, src/cuda/checks.rs), the baselines of their cost.
 #ifndef KVS_CHECKS
-#define KVS_CHECKS 1
+#define KVS_CHECKS 3
 #endif
+
+// Fire-and-forget add to a device counter (a reduction: nothing waits for it, unlike an atomic whose
+// result the hardware returns).
+__device__ __forceinline__ void kvs_red_add(unsigned long long* p, unsigned long long v) {
+    asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 #define KVS_FAULT_QSL_FIRST 1
 #define KVS_FAULT_SEQ 2
 #define KVS_FAULT_QSL_LAST 3
@@ -223,18 +230,19 @@ __device__ __noinline__ void kvs_check_seqs_body(unsigned long long* err, unsign
             bytes += (unsigned long long)(len - vis) * (unsigned long long)row_bytes;
         }
     }
-    if (bk != 0 && (dec | pre | bytes) != 0ull) {
-        atomicAdd(&bk[KVS_BK_DECODE_ROWS], dec);
-        atomicAdd(&bk[KVS_BK_PREFILL_TOKENS], pre);
-        atomicAdd(&bk[KVS_BK_KV_BYTES], bytes);
+    if (bk != 0) {
+        if (dec != 0ull) kvs_red_add(&bk[KVS_BK_DECODE_ROWS], dec);
+        if (pre != 0ull) kvs_red_add(&bk[KVS_BK_PREFILL_TOKENS], pre);
+        if (bytes != 0ull) kvs_red_add(&bk[KVS_BK_KV_BYTES], bytes);
     }
 }
 __device__ __forceinline__ void kvs_check_seqs(unsigned long long* err, unsigned long long* bk, const int* qsl, i64 qsl0, const int* seq_lens,
                                                i64 sl0, int num_seqs, int num_tokens, int cols, int bs_log2, int window, i64 row_bytes,
                                                const RowCheck* rc, int rc_seq) {
-#if KVS_CHECKS
+#if KVS_CHECKS & 2
     if (blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
-        kvs_check_seqs_body(err, bk, qsl, qsl0, seq_lens, sl0, num_seqs, num_tokens, cols, bs_log2, window, row_bytes, rc != 0, rc ? *rc : RowCheck(),
+        kvs_check_seqs_body(err, bk, qsl, qsl0, seq_lens, sl0, num_seqs, num_tokens, cols, bs_log2, window, row_bytes, (KVS_CHECKS & 1) && rc != 0,
+                            (KVS_CHECKS & 1) && rc != 0 ? *rc : RowCheck(),
                             rc_seq);
 #endif
 }
@@ -267,7 +275,7 @@ __device__ __forceinline__ bool kvs_serve_row(int mode, const RowInfo& row, unsi
         kvs_check_seqs(err, bk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2, window, row_bytes, nullptr, -1);
         return false;
     }
-#if KVS_CHECKS
+#if KVS_CHECKS & 1
     *rc = kvs_row_check_load(row.seq, qsl, qsl0, seq_lens, sl0, num_seqs);
 #endif
     return true;
@@ -278,7 +286,7 @@ __device__ __forceinline__ bool kvs_serve_row(int mode, const RowInfo& row, unsi
 // uniform), the sequence's first bad block id. Returns whether the row finishes as NaN.
 __device__ __forceinline__ bool kvs_finish_row_checks(unsigned long long* err, const RowCheck& rc, bool cta_bt_bad, int t, int seq, const int* bt_row,
                                                       i64 bt1, i64 num_blocks, int cols, int bs_log2, int* sm_col) {
-#if KVS_CHECKS
+#if KVS_CHECKS & 1
     long long fa, fb;
     const unsigned long long key = kvs_row_fault(rc, t, seq, gridDim.x, cols, bs_log2, &fa, &fb);
     if (cta_bt_bad) kvs_record_block_fault(err, seq, bt_row, bt1, cols, bs_log2, rc.len, num_blocks, sm_col);
