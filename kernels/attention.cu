@@ -79,8 +79,8 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
     // K and V bytes of one position over all KV heads (the counters' unit of dense reads).
     const i64 kv_row_bytes = (i64)HEAD_DIM * (i64)sizeof(elem_t) * 2 * (num_q_heads / GROUP);
-    RowCheck rc;  // the row's check words, judged at the end (kvs_finish_row_checks)
-    if (!kvs_serve_row(mode, row, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, window, kv_row_bytes, &rc)) return;  // another launch serves it
+    __shared__ int sm_rc[KVS_RC_WORDS];  // the row's check words, judged at the end (kvs_finish_row_checks)
+    if (!kvs_serve_row(mode, row, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, window, kv_row_bytes, sm_rc)) return;  // another launch serves it
     bool bt_bad = false;  // this thread read a block id outside [0, num_blocks)
 #if PLAN
     const int pl = min(max(plan.len[row.seq * plan.hk + kvh], 0), plan.cap);
@@ -210,6 +210,7 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     __shared__ int sm_bad[GQ];
     __shared__ int sm_col;
     if (threadIdx.x < GQ) sm_bad[threadIdx.x] = 0;
+    kvs_row_check_wait();
     const bool cta_bt_bad = __syncthreads_or((int)bt_bad) != 0;
 #pragma unroll
     for (int g = 0; g < GQ; ++g)
@@ -226,7 +227,8 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
     }
     __syncthreads();
-    const bool row_bad = kvs_finish_row_checks(kerr, rc, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, bt_cols, bs_log2, &sm_col);
+    RowCheck rc;
+    const bool row_bad = kvs_finish_row_checks(kerr, sm_rc, num_seqs, &rc, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, bt_cols, bs_log2, &sm_col);
     kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2, window, kv_row_bytes, &rc, row.seq);
     for (int idx = threadIdx.x; idx < GQ * HEAD_DIM; idx += NTHREADS) {
         const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;

@@ -147,8 +147,8 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
     // K and V bytes of one position over all KV heads (the counters' unit of dense reads).
     const i64 kv_row_bytes = (i64)HEAD_DIM * (i64)sizeof(elem_t) * 2 * (num_q_heads / GROUP);
-    RowCheck rc;  // the row's check words, judged at the end (kvs_finish_row_checks)
-    if (!kvs_serve_row(mode, row, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, window, kv_row_bytes, &rc)) return;  // another launch serves it
+    __shared__ int sm_rc[KVS_RC_WORDS];  // the row's check words, judged at the end (kvs_finish_row_checks)
+    if (!kvs_serve_row(mode, row, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, window, kv_row_bytes, sm_rc)) return;  // another launch serves it
     bool bt_bad = false;  // this thread read a block id outside [0, num_blocks)
 #if PLAN
     // Plan mode: this split walks plan keys [s_lo, s_hi] (key g = position (e[g >> ulog2] << ulog2) | low bits).
@@ -410,6 +410,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     if (threadIdx.x < GQ) sm_bad[threadIdx.x] = 0;
 
     // Merge the warps of this CTA in shared memory (the stage buffers are free once every warp is here).
+    kvs_row_check_wait();
     const bool cta_bt_bad = __syncthreads_or((int)bt_bad) != 0;
     if (qd == 0) {
         if (bad0 && r < GQ) sm_bad[r] = 1;
@@ -435,7 +436,8 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
     }
     __syncthreads();
-    const bool row_bad = kvs_finish_row_checks(kerr, rc, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, bt_cols, bs_log2, &sm_col);
+    RowCheck rc;
+    const bool row_bad = kvs_finish_row_checks(kerr, sm_rc, num_seqs, &rc, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, bt_cols, bs_log2, &sm_col);
     kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2, window, kv_row_bytes, &rc, row.seq);
     for (int idx = threadIdx.x; idx < GQ * HEAD_DIM; idx += NTHREADS) {
         const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;

@@ -151,21 +151,46 @@ __device__ __noinline__ void kvs_fail(unsigned long long* err, unsigned long lon
 }
 
 // What a row's checks read of the batch description: its sequence's query_start_loc pair and seq_len,
-// the pairs on either side, and the ends of query_start_loc. Loaded when the CTA starts and judged only
-// when it ends (kvs_row_fault), so the loads' latency hides behind the main loop instead of adding a
-// round trip to every CTA's start (issue 33: the checks cost <= 1% of a decode step).
+// the pairs on either side, and the ends of query_start_loc. Copied into shared memory by cp.async when
+// the CTA starts (kvs_row_check_issue) and judged only after its main loop (kvs_finish_row_checks), so
+// nothing waits for them in between (issue 33: the checks cost <= 1% of a decode step). Loads into
+// registers would not do: the compiler moves such warp-uniform values into uniform registers at once,
+// which waits for the loads before the main loop starts (measured: ~2 us per dense decode step).
 struct RowCheck {
     int q0, q1, qprev, qnext, qfirst, qlast, len;
 };
-__device__ __forceinline__ RowCheck kvs_row_check_load(int seq, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs) {
+#define KVS_RC_WORDS 7
+// Threads 0..6 each issue one 4-byte cp.async into sm_rc (the caller commits and waits: the tensor-core
+// kernel's first pipeline group carries them, kvs_row_check_wait waits for them).
+__device__ __forceinline__ void kvs_row_check_issue(int seq, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs, int* sm_rc) {
+    const int i = threadIdx.x;
+    if (i >= KVS_RC_WORDS) return;
+    const int* src = qsl + seq * qsl0;  // word 0, and the stand-in for a neighbour that does not exist
+    if (i == 1) src = qsl + (seq + 1) * qsl0;
+    if (i == 2 && seq > 0) src = qsl + (seq - 1) * qsl0;
+    if (i == 3 && seq + 2 <= num_seqs) src = qsl + (seq + 2) * qsl0;
+    if (i == 4) src = qsl;
+    if (i == 5) src = qsl + num_seqs * qsl0;
+    if (i == 6) src = seq_lens + seq * sl0;
+    unsigned dst;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(dst) : "l"(sm_rc + i));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+// Every thread, before the barrier that precedes kvs_finish_row_checks: this thread's copies have landed.
+__device__ __forceinline__ void kvs_row_check_wait() {
+#if KVS_CHECKS & 1
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ RowCheck kvs_row_check_read(const int* sm_rc, int seq, int num_seqs) {
     RowCheck c;
-    c.q0 = qsl[seq * qsl0];
-    c.q1 = qsl[(seq + 1) * qsl0];
-    c.qprev = seq > 0 ? qsl[(seq - 1) * qsl0] : c.q0;
-    c.qnext = seq + 2 <= num_seqs ? qsl[(seq + 2) * qsl0] : c.q1;
-    c.qfirst = qsl[0];
-    c.qlast = qsl[num_seqs * qsl0];
-    c.len = seq_lens[seq * sl0];
+    c.q0 = sm_rc[0];
+    c.q1 = sm_rc[1];
+    c.qprev = seq > 0 ? sm_rc[2] : c.q0;
+    c.qnext = seq + 2 <= num_seqs ? sm_rc[3] : c.q1;
+    c.qfirst = sm_rc[4];
+    c.qlast = sm_rc[5];
+    c.len = sm_rc[6];
     return c;
 }
 
@@ -266,30 +291,32 @@ __device__ __noinline__ void kvs_record_block_fault(unsigned long long* err, int
 }
 
 // An attention CTA's checks, start: false when another launch of the call serves the row (the CTA has
-// then checked its share of the batch description and must return); else the row's check words are
-// loaded into *rc, for kvs_finish_row_checks.
+// then checked its share of the batch description and must return); else the row's check words are on
+// their way into sm_rc (kvs_row_check_issue).
 __device__ __forceinline__ bool kvs_serve_row(int mode, const RowInfo& row, unsigned long long* err, unsigned long long* bk, const int* qsl, i64 qsl0,
                                               const int* seq_lens, i64 sl0, int num_seqs, int cols, int bs_log2, int window, i64 row_bytes,
-                                              RowCheck* rc) {
+                                              int* sm_rc) {
     if (!kvs_row_served(mode, row.qlen)) {
         kvs_check_seqs(err, bk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2, window, row_bytes, nullptr, -1);
         return false;
     }
 #if KVS_CHECKS & 1
-    *rc = kvs_row_check_load(row.seq, qsl, qsl0, seq_lens, sl0, num_seqs);
+    kvs_row_check_issue(row.seq, qsl, qsl0, seq_lens, sl0, num_seqs, sm_rc);
 #endif
     return true;
 }
 
-// An attention CTA's checks, end (every thread calls it, after the CTA's last read of the caches): judges
-// the row's check words, records the row's fault and, when any thread read a bad block id (`cta_bt_bad`,
-// uniform), the sequence's first bad block id. Returns whether the row finishes as NaN.
-__device__ __forceinline__ bool kvs_finish_row_checks(unsigned long long* err, const RowCheck& rc, bool cta_bt_bad, int t, int seq, const int* bt_row,
-                                                      i64 bt1, i64 num_blocks, int cols, int bs_log2, int* sm_col) {
+// An attention CTA's checks, end (every thread calls it, after the CTA's last read of the caches and a
+// barrier after kvs_row_check_wait): judges the row's check words (left in *rc for kvs_check_seqs),
+// records the row's fault and, when any thread read a bad block id (`cta_bt_bad`, uniform), the
+// sequence's first bad block id. Returns whether the row finishes as NaN.
+__device__ __forceinline__ bool kvs_finish_row_checks(unsigned long long* err, const int* sm_rc, int num_seqs, RowCheck* rc, bool cta_bt_bad, int t,
+                                                      int seq, const int* bt_row, i64 bt1, i64 num_blocks, int cols, int bs_log2, int* sm_col) {
 #if KVS_CHECKS & 1
+    *rc = kvs_row_check_read(sm_rc, seq, num_seqs);
     long long fa, fb;
-    const unsigned long long key = kvs_row_fault(rc, t, seq, gridDim.x, cols, bs_log2, &fa, &fb);
-    if (cta_bt_bad) kvs_record_block_fault(err, seq, bt_row, bt1, cols, bs_log2, rc.len, num_blocks, sm_col);
+    const unsigned long long key = kvs_row_fault(*rc, t, seq, gridDim.x, cols, bs_log2, &fa, &fb);
+    if (cta_bt_bad) kvs_record_block_fault(err, seq, bt_row, bt1, cols, bs_log2, rc->len, num_blocks, sm_col);
     if (key != 0ull && threadIdx.x == 0) kvs_fail(err, key, fa, fb);
     return key != 0ull || cta_bt_bad;
 #else
