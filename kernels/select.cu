@@ -99,13 +99,15 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores(Batch 
     quest_count_units(units, red, ctr);
 }
 
-// Quest, selection (two launches, after a memset of the histograms): kvs_quest_scores_hist scores the
-// row's pages over many CTAs (as kvs_quest_scores) and adds each candidate page (forced <= i < last) to
-// the row's histogram of the top QSEL_BITS bits of its order key (`hist`, [seqs * hk][QSEL_BINS] u32,
-// merged in global memory: each CTA adds its tile's counts, one atomic per distinct bin); kvs_quest_topk
-// then reads the histogram, finds the bin B where the count from the top reaches the m pages needed, and
-// cuts B's pages exactly by topk32 (ties: the later page). Counts are exact integers and the cut reads
-// the scores themselves, so the set is the CPU's quest_pages whatever order the atomics land in.
+// Quest, selection in two launches: kvs_quest_scores_hist scores the row's pages over many CTAs (as
+// kvs_quest_scores) and adds each candidate page (forced <= i < last) to the row's histogram of the top
+// QSEL_BITS bits of its order key (`hist`, [seqs * hk][QSEL_BINS] u32, merged in global memory: each CTA
+// adds its tile's counts, one atomic per distinct bin); kvs_quest_topk then reads the histogram, finds
+// the bin B where the count from the top reaches the m pages needed, checks the counts above and in B
+// against the keys, cuts B's pages exactly by topk32 (ties: the later page), and zeroes the histogram for
+// the next call. Counts are exact integers and the cut reads the scores themselves, so the set is the
+// CPU's quest_pages whatever order the atomics land in; a histogram that does not match the keys (the
+// workspace's first use, or bytes another call left there) takes the whole-row path: same set.
 #define QSEL_BITS 11
 #define QSEL_BINS (1 << QSEL_BITS)
 #define QSEL_GATHER 2048
@@ -162,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist(B
 // Block-wide.
 template <typename KeyOf>
 __device__ __forceinline__ TopCut quest_hist_cut(const unsigned* rh, const QuestRow& qr, KeyOf key_of, unsigned* gkey, unsigned* gidx, unsigned* thist,
-                                                 int* cnt, unsigned* sel) {
+                                                 int* cnt, unsigned* sel, unsigned long long* red) {
     const int per = QSEL_BINS / blockDim.x;  // bins per thread, thread t holds the t-th group from the top
     int sum = 0;
     for (int j = 0; j < per; ++j) sum += (int)rh[QSEL_BINS - 1 - (threadIdx.x * per + j)];
@@ -182,8 +184,17 @@ __device__ __forceinline__ TopCut quest_hist_cut(const unsigned* rh, const Quest
     __syncthreads();
     const unsigned B = sel[0];
     const int need = (int)sel[1], nb = (int)sel[2];
-    __syncthreads();
-    if (B >= QSEL_BINS || nb > QSEL_GATHER) return topk32(qr.forced, qr.last, qr.m, key_of, thist, cnt, sel);
+    // The histogram's word is checked against the keys: candidates above B and in B.
+    unsigned long long above = 0, in = 0;
+    for (int i = qr.forced + threadIdx.x; i < qr.last; i += blockDim.x) {
+        const unsigned bin = key_of(i) >> (32 - QSEL_BITS);
+        above += bin > B;
+        in += bin == B;
+    }
+    above = block_sum(above, red);
+    in = block_sum(in, red);
+    if (B >= QSEL_BINS || nb > QSEL_GATHER || above != (unsigned long long)(qr.m - need) || in != (unsigned long long)nb)
+        return topk32(qr.forced, qr.last, qr.m, key_of, thist, cnt, sel);
     const int got = compact(qr.last - qr.forced, [&](int i) { return (key_of(qr.forced + i) >> (32 - QSEL_BITS)) == B; },
                             [&](int i) { return (unsigned)(qr.forced + i); }, gidx, QSEL_GATHER, cnt);
     for (int j = threadIdx.x; j < got; j += blockDim.x) gkey[j] = key_of((int)gidx[j]);
@@ -200,7 +211,7 @@ __device__ __forceinline__ TopCut quest_hist_cut(const unsigned* rh, const Quest
 // the scores from global memory), the cut found from the histogram (quest_hist_cut). One CTA per (KV head,
 // sequence).
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch b, int hk, int budget, int page, int sink, const float* scores, int maxp,
-                                                                          const unsigned* hist, unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap,
+                                                                          unsigned* hist, unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap,
                                                                           i64 row_bytes, int count, int smem_keys, unsigned long long* ctr) {
     extern __shared__ unsigned skey[];
     __shared__ unsigned gkey[QSEL_GATHER], gidx[QSEL_GATHER];
@@ -217,6 +228,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
     }
     const QuestRow qr = quest_row(r, budget, page, sink, maxp);
     const float* sc = scores + ((i64)s * hk + h) * maxp;
+    unsigned* rh = hist + ((i64)s * hk + h) * QSEL_BINS;
     int n;
     if (qr.np <= qr.k) {
         n = min(qr.np, cap);
@@ -242,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
         __syncthreads();
         auto key_of = [&](int i) { return staged ? skey[i] : kvs_order_key(sc[i]); };
         TopCut tc{0u, qr.last};
-        if (qr.m > 0) tc = quest_hist_cut(hist + ((i64)s * hk + h) * QSEL_BINS, qr, key_of, gkey, gidx, thist, cnt, sel);
+        if (qr.m > 0) tc = quest_hist_cut(rh, qr, key_of, gkey, gidx, thist, cnt, sel, red);
         auto keep = [&](int i) {
             if (i < qr.forced || i == qr.last) return true;
             if (qr.m == 0) return false;
@@ -251,6 +263,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
         };
         n = compact(qr.np, keep, [&](int i) { return (unsigned)(qr.fp + i); }, e, cap, cnt);
     }
+    for (int i = threadIdx.x; i < QSEL_BINS; i += blockDim.x) rh[i] = 0u;  // read above (compact synced)
     if (threadIdx.x == 0) plan_len[s * hk + h] = n;
     if (!count) return;  // a later stage (top-p) makes the final plan and counts it
     if (threadIdx.x == 0) {

@@ -212,7 +212,8 @@ pub(super) struct WsLayout {
     base_len: usize,
     scores: usize,
     /// Quest's per-row histograms of the page keys' top bits (kvs_quest_scores_hist, kvs_quest_topk),
-    /// `[seqs * kv_heads][QSEL_BINS]` u32, zeroed before each selection.
+    /// `[seqs * kv_heads][QSEL_BINS]` u32, left zeroed by each selection (a histogram that does not match
+    /// the keys, e.g. the region's first use or another call's data, only costs the slow path).
     qhist: usize,
     art_tiles: usize,
     /// ART's priority order (behind Quest): the ordered entries and their inverse, in the plan's layout.
@@ -420,11 +421,9 @@ impl CudaBackend {
                 let (_, maxp) = quest_pages.expect("quest");
                 let scores = ws + lay.scores as u64;
                 // Scores with the first pass of the top-k folded in (per-row key histograms merged over the
-                // row's CTAs), then the top-k per row (kernels/select.cu); the histograms start at zero (a
-                // memset node under capture).
+                // row's CTAs), then the top-k per row, which checks the histogram against the keys and
+                // zeroes it for the next call (kernels/select.cu).
                 let qhist = ws + lay.qhist as u64;
-                // SAFETY: the region holds ns * hk * QSEL_BINS u32 (reserved above).
-                unsafe { check((cuda()?.cuMemsetD32Async)(qhist, 0, ns * hk * QSEL_BINS, stream), "cuMemsetD32Async")? };
                 let mut k = KArgs::new();
                 k.by_value(&batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
                 k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
