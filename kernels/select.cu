@@ -184,7 +184,8 @@ __device__ __forceinline__ TopCut quest_hist_cut(const unsigned* rh, const Quest
     __syncthreads();
     const unsigned B = sel[0];
     const int need = (int)sel[1], nb = (int)sel[2];
-    // The histogram's word is checked against the keys: candidates above B and in B.
+    // The histogram's counts checked against the keys (candidates above B and in B), and the crossing
+    // itself: a stale or foreign histogram takes the whole-row path.
     unsigned long long above = 0, in = 0;
     for (int i = qr.forced + threadIdx.x; i < qr.last; i += blockDim.x) {
         const unsigned bin = key_of(i) >> (32 - QSEL_BITS);
@@ -193,7 +194,7 @@ __device__ __forceinline__ TopCut quest_hist_cut(const unsigned* rh, const Quest
     }
     above = block_sum(above, red);
     in = block_sum(in, red);
-    if (B >= QSEL_BINS || nb > QSEL_GATHER || above != (unsigned long long)(qr.m - need) || in != (unsigned long long)nb)
+    if (B >= QSEL_BINS || nb > QSEL_GATHER || need < 1 || need > nb || above != (unsigned long long)(qr.m - need) || in != (unsigned long long)nb)
         return topk32(qr.forced, qr.last, qr.m, key_of, thist, cnt, sel);
     const int got = compact(qr.last - qr.forced, [&](int i) { return (key_of(qr.forced + i) >> (32 - QSEL_BITS)) == B; },
                             [&](int i) { return (unsigned)(qr.forced + i); }, gidx, QSEL_GATHER, cnt);
