@@ -324,7 +324,7 @@ impl CudaBackend {
             Rows::PlanLogits(_, _, lo) => Some(lo),
             _ => None,
         };
-        let plan_define = format!("PLAN={}", matches!(rows, Rows::Plan(..)) as i32);
+        let plan_define = format!("PLAN={}", matches!(rows, Rows::Plan(..) | Rows::PlanLogits(..)) as i32);
         // Kernel variant: tensor cores where they apply, else the lane-group kernel.
         let (f_split, defines, head_groups, threads, smem, nsplit, chunk);
         // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile), one CTA per KV head
