@@ -199,7 +199,7 @@ fn snapkv_prefill(e: &CallCtx, io: &ForwardIo, budget: usize, window: usize, poo
         return Ok(Vec::new());
     }
     let items: Vec<(usize, usize)> = seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
-    let mut sels: Vec<SnapSelection> = e.pool.install(|| items.par_iter().map(|&(s, h)| cpu::snapkv::choose(io, s, h, budget, window, pool)).collect());
+    let mut sels: Vec<SnapSelection> = e.pool.install(|| items.par_iter().map(|&(s, h)| crate::policy::snapkv::cpu::choose(io, s, h, budget, window, pool)).collect());
     if e.cfg.max_state_bytes > 0 {
         let new: u64 = sels.iter().map(|s| (s.keep.len() * 8 + std::mem::size_of::<SnapSelection>()) as u64).sum();
         let held = e.sequences.state_bytes();

@@ -16,6 +16,5 @@ pub mod merge;
 pub mod metadata;
 pub mod prefill;
 pub mod quantize;
-pub mod snapkv;
 pub mod sparse;
 pub mod spin_pool;

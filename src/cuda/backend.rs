@@ -40,7 +40,7 @@ const PLAN_MIN_CHUNK: usize = 256;
 
 /// What the host knows of a call's batch before launching anything.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Geometry {
+pub(crate) struct Geometry {
     pub num_tokens: usize,
     pub num_seqs: usize,
     /// Block-table columns, and the positions they can address.
@@ -52,7 +52,7 @@ pub(super) struct Geometry {
 
 /// Which rows an attention launch serves.
 #[derive(Clone, Copy, Debug)]
-pub(super) enum Rows {
+pub(crate) enum Rows {
     /// Every row, densely (dense layers).
     All,
     /// The rows that are not decode rows (query length != 1), densely: a policy layer's prefill rows.
@@ -64,12 +64,12 @@ pub(super) enum Rows {
 
 pub struct CudaBackend {
     pub gpu: Gpu,
-    pub(super) modules: Modules,
+    pub(crate) modules: Modules,
     /// Split-KV workspace per stream handle.
     workspaces: Mutex<HashMap<usize, DevBuf>>,
     /// Workspaces replaced by larger ones: kept until the engine is destroyed, because CUDA graphs
     /// captured before the growth still read and write them (at most as much again as the live ones).
-    pub(super) retired: Mutex<Vec<DevBuf>>,
+    pub(crate) retired: Mutex<Vec<DevBuf>>,
     policy: SplitPolicy,
     mma: plan::MmaTunables,
     /// Functions whose dynamic shared-memory limit was raised already.
@@ -77,7 +77,7 @@ pub struct CudaBackend {
     /// Key metadata the policy needs, kept by cache writes.
     pub meta: DeviceMeta,
     /// Policy state on the device: plans, scores and counters (see `sparse`).
-    pub(super) sparse: SparseState,
+    pub(crate) sparse: SparseState,
     /// Sequence id -> state slot map, for policies with per-sequence device state (see `slots`).
     pub slots: Option<super::slots::SeqSlots>,
     /// Without such a map: a slot map used only as the registry of sequence ids (created on first use in
@@ -85,11 +85,11 @@ pub struct CudaBackend {
     /// lookup writes the (unused) slots into.
     ids: Option<(super::slots::SeqSlots, DevBuf)>,
     /// AttentionPredictor's weights and per-layer history on the device (see `predictor`).
-    pub(super) predictor: Option<super::predictor::PredictorDev>,
+    pub(crate) predictor: Option<crate::policy::predictor::cuda::PredictorDev>,
     /// RefreshKV's per-layer state and step counters (see `refresh`).
-    pub(super) refresh: super::refresh::RefreshDevice,
+    pub(crate) refresh: crate::policy::refresh::cuda::RefreshDevice,
     /// PRR's block-keyed state, side streams and events (see `prr`).
-    pub(super) prr: super::prr::PrrDevice,
+    pub(crate) prr: crate::policy::speculate::cuda::PrrDevice,
     /// The device checks' error record and the cache writes' checked slot buffers (see `checks`).
     pub checks: super::checks::DeviceChecks,
     /// `validate = sync`: every eager call waits and returns what the device checks found.
@@ -105,7 +105,7 @@ impl Drop for CudaBackend {
     }
 }
 
-pub(super) fn dtype_code(d: DType) -> i32 {
+pub(crate) fn dtype_code(d: DType) -> i32 {
     match d {
         DType::F32 => 0,
         DType::F16 => 1,
@@ -113,7 +113,7 @@ pub(super) fn dtype_code(d: DType) -> i32 {
     }
 }
 
-pub(super) fn p(t: &TensorRef) -> *const u8 {
+pub(crate) fn p(t: &TensorRef) -> *const u8 {
     t.data
 }
 
@@ -140,8 +140,8 @@ impl CudaBackend {
             sparse,
             slots,
             ids,
-            refresh: super::refresh::RefreshDevice::new(cfg.num_layers)?,
-            prr: super::prr::PrrDevice::new(cfg),
+            refresh: crate::policy::refresh::cuda::RefreshDevice::new(cfg.num_layers)?,
+            prr: crate::policy::speculate::cuda::PrrDevice::new(cfg),
             predictor: None,
             checks: super::checks::DeviceChecks::new(cfg.num_layers, cfg.block_size)?,
             validate_sync: cfg.validate == crate::config::Validate::Sync,
@@ -245,7 +245,7 @@ impl CudaBackend {
 
     /// Raises `f`'s dynamic shared-memory limit to `bytes`, once per function (every launch site of a
     /// function asks for the same limit).
-    pub(super) fn allow_smem_once(&self, f: super::driver::CUfunction, bytes: usize) -> Result<()> {
+    pub(crate) fn allow_smem_once(&self, f: super::driver::CUfunction, bytes: usize) -> Result<()> {
         let mut ready = self.smem_ready.lock();
         if !ready.contains(&(f as usize)) {
             launch::allow_dynamic_smem(f, bytes)?;
@@ -255,7 +255,7 @@ impl CudaBackend {
     }
 
     /// One attention launch (plus its split combine) over the rows `rows` selects.
-    pub(super) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
+    pub(crate) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
         let num_tokens = geo.num_tokens;
         let es = cfg.dtype.size_bytes();
         let vec = 16 / es;

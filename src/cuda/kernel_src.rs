@@ -35,10 +35,10 @@ kernel_files! {
     "fill.cu" => "fill.cu",
     "meta.cu" => "meta.cu",
     "select.cu" => "select.cu",
-    "snapkv.cu" => "snapkv.cu",
-    "refresh.cu" => "refresh.cu",
-    "prr.cu" => "prr.cu",
-    "predictor.cu" => "predictor.cu",
+    "snapkv.cu" => "policy/snapkv.cu",
+    "refresh.cu" => "policy/refresh.cu",
+    "prr.cu" => "policy/speculate.cu",
+    "predictor.cu" => "policy/predictor.cu",
     "slots.cu" => "slots.cu",
 }
 
@@ -211,7 +211,7 @@ mod tests {
     /// pointers and the host's are both 64-bit) and its offsetof values compared with offset_of!.
     #[test]
     fn kernel_param_structs_match_their_rust_mirrors() {
-        let rust: Vec<CLayout> = [super::super::sparse::c_layouts(), super::super::refresh::c_layouts(), super::super::predictor::c_layouts()].into_iter().flatten().collect();
+        let rust: Vec<CLayout> = [super::super::sparse::c_layouts(), crate::policy::refresh::cuda::c_layouts(), crate::policy::predictor::cuda::c_layouts()].into_iter().flatten().collect();
         let header = file("params.cuh").unwrap().lines().filter(|l| !l.starts_with("#pragma") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n");
         let structs = c_structs(&header);
         assert_eq!(structs.len(), rust.len(), "params.cuh has {} structs, Rust mirrors {}", structs.len(), rust.len());

@@ -8,13 +8,14 @@
 //! Stateful stages keep per-(sequence, layer, KV head) state in [`SequencePolicyState`], owned by the
 //! engine's sequence registry: created on first use, freed by `kvs_sequence_release`.
 
+pub mod art;
 pub mod plan;
 pub mod predictor;
 pub mod refresh;
 pub mod select;
+pub mod snapkv;
 pub mod spec;
 pub mod speculate;
-pub mod termination;
 pub mod top_p;
 
 use std::collections::HashMap;

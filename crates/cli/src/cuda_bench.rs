@@ -520,7 +520,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         let before = engine.stats().total;
         backend.set_prr_timeline(true);
         let n = 30usize;
-        let mut per: Vec<Vec<f64>> = vec![Vec::new(); kvsparse::cuda::prr::TIMELINE.len()];
+        let mut per: Vec<Vec<f64>> = vec![Vec::new(); kvsparse::policy::speculate::cuda::TIMELINE.len()];
         for i in 0..n {
             engine.attention_forward(&args[i % rotation])?;
             for (j, (_, ms)) in backend.prr_timeline(s)?.into_iter().enumerate() {
@@ -531,7 +531,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         let after = engine.stats().total;
         let (hit, tru) = (after.spec_hit_blocks - before.spec_hit_blocks, after.spec_true_blocks - before.spec_true_blocks);
         spec_hit = if tru > 0 { hit as f64 / tru as f64 } else { f64::NAN };
-        timeline = kvsparse::cuda::prr::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect();
+        timeline = kvsparse::policy::speculate::cuda::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect();
         let (g, sg, gt) = prr_graph_times(&engine, se, &args, rotation)?;
         graph_us = g;
         serial_graph_us = sg;
@@ -684,7 +684,7 @@ fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotat
         let tl = (|| -> Result<Vec<(&'static str, f64)>> {
             engine.attention_forward(&gargs[0])?; // creates the timing events outside capture
             let exec = capture(engine, &gargs[..1])?;
-            let mut per: Vec<Vec<f64>> = vec![Vec::new(); kvsparse::cuda::prr::TIMELINE.len()];
+            let mut per: Vec<Vec<f64>> = vec![Vec::new(); kvsparse::policy::speculate::cuda::TIMELINE.len()];
             for _ in 0..30 {
                 // SAFETY: a live graph and stream.
                 check(unsafe { (api.cuGraphLaunch)(exec, gs) }, "cuGraphLaunch")?;
@@ -694,7 +694,7 @@ fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotat
             }
             // SAFETY: instantiated above.
             unsafe { (api.cuGraphExecDestroy)(exec) };
-            Ok(kvsparse::cuda::prr::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect())
+            Ok(kvsparse::policy::speculate::cuda::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect())
         })();
         backend.set_prr_timeline(false);
         Ok((g, sg, tl.map_err(|e| e.to_string())))

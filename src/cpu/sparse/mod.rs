@@ -28,7 +28,7 @@ use super::spin_pool::SpinPool;
 use super::convert::load_row;
 use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
 use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
-use crate::policy::termination::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};
+use crate::policy::art::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};
 use crate::policy::Probe;
 use crate::policy::predictor::{self, PredictorHead, PredictorWeights};
 use crate::policy::refresh::RefreshHead;

@@ -11,10 +11,10 @@
 //! the order-free normaliser `softmax_norm`) and sum the window's weights in token order, so that the
 //! CUDA kernels (kernels/snapkv.cu) make the same choice bit for bit.
 
-use super::attention::RowLimits;
-use super::convert::{load_row, Portable};
-use super::forward::ForwardIo;
-use super::math::{decision_dot, decision_softcap, fast_exp, softmax_norm};
+use crate::cpu::attention::RowLimits;
+use crate::cpu::convert::{load_row, Portable};
+use crate::cpu::forward::ForwardIo;
+use crate::cpu::math::{decision_dot, decision_softcap, fast_exp, softmax_norm};
 use crate::policy::select::{max_pool, top_k_positions};
 use crate::policy::SnapSelection;
 

@@ -13,11 +13,11 @@
 
 use parking_lot::Mutex;
 
-use super::backend::{CudaBackend, Geometry};
-use super::context::DevBuf;
-use super::driver::{check, cuda, CUfunction};
-use super::launch::{self, KArgs};
-use super::sparse::{BatchArg, PlanRef};
+use crate::cuda::backend::{CudaBackend, Geometry};
+use crate::cuda::context::DevBuf;
+use crate::cuda::driver::{check, cuda, CUfunction};
+use crate::cuda::launch::{self, KArgs};
+use crate::cuda::sparse::{BatchArg, PlanRef};
 use crate::engine::ForwardArgs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvCache;
@@ -51,14 +51,14 @@ struct RefreshArgs {
 
 /// The layout a test compares with kernels/include/params.cuh.
 #[cfg(test)]
-pub(super) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
-    use super::kernel_src::c_layout;
+pub(crate) fn c_layouts() -> Vec<crate::cuda::kernel_src::CLayout> {
+    use crate::cuda::kernel_src::c_layout;
     vec![c_layout!(RefreshArgs as "RefreshArgs" { qref, since, lstamp, tok, sc, cnt, last, hstamp, slot, gen, mode, rctr, k, stride, every, pool, s, hk })]
 }
 
 /// Byte offsets of RefreshKV's regions in a call's policy workspace (see `sparse::WsLayout`).
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct RefreshWs {
+pub(crate) struct RefreshWs {
     mode: usize,
     rmax: usize,
     z: usize,
@@ -74,7 +74,7 @@ fn checked(parts: &[usize]) -> Result<usize> {
 
 impl RefreshWs {
     /// Reserves the regions of a call of `ns` sequences through `take` (bytes -> offset).
-    pub(super) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize) -> Result<Self> {
+    pub(crate) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize) -> Result<Self> {
         let rows = checked(&[ns, hk, group])?;
         Ok(RefreshWs {
             mode: take(checked(&[ns, 4])?),
@@ -110,7 +110,7 @@ impl StateLayout {
             off = (off + bytes).next_multiple_of(256);
             at
         };
-        let per = |n: usize| super::slots::state_bytes(max_seqs, n);
+        let per = |n: usize| crate::cuda::slots::state_bytes(max_seqs, n);
         let l = StateLayout {
             qref: take(per(checked(&[d, 4])?)?),
             since: take(per(4)?),
@@ -143,7 +143,7 @@ impl RefreshDevice {
     }
 
     /// Adds the per-layer step counters to `per_layer` (the caller synchronized the device).
-    pub(super) fn add_counters(&self, per_layer: &mut [Counters]) -> Result<()> {
+    pub(crate) fn add_counters(&self, per_layer: &mut [Counters]) -> Result<()> {
         let mut raw = vec![0u8; self.num_layers * 16];
         self.counters.download(0, &mut raw)?;
         for (l, c) in per_layer.iter_mut().enumerate().take(self.num_layers) {
@@ -164,7 +164,7 @@ impl CudaBackend {
     /// Enqueues RefreshKV's decision for a policy call: schedule, scores of the full (and prefill) rows,
     /// the sets and every decode row's plan `plan` (token-granular, `plan.cap` entries per row).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn refresh_select(
+    pub(crate) fn refresh_select(
         &self,
         a: &ForwardArgs,
         cache: &KvCache,
@@ -236,7 +236,7 @@ impl CudaBackend {
         k.by_value(&ra).i64(row_bytes).i64(ctr);
         launch::launch(f("kvs_refresh_decide")?, (ns as u32, 1, 1), 128, &mut k, stream, "kvs_refresh_decide launch")?;
 
-        let (tp, threads) = super::snapkv::scores_shape(d, group);
+        let (tp, threads) = crate::policy::snapkv::cuda::scores_shape(d, group);
         let maxpos = geo.max_pos.max(1);
         let ctas = score_ctas(self.gpu.num_sms as usize, hk, maxpos, tp);
         let kc = &cache.k;
