@@ -11,7 +11,7 @@ use super::metadata::CacheMeta;
 use super::sparse::{sparse_forward, SparseCtx};
 use crate::config::EngineConfig;
 use crate::cpu;
-use crate::engine::ForwardArgs;
+use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::{Batch, KvCache};
 use crate::policy::speculate::SpecBudgetTable;

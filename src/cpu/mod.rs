@@ -6,6 +6,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod cache_write;
+pub mod backend;
 pub mod call;
 pub mod convert;
 pub mod forward;

@@ -20,7 +20,7 @@ use super::meta::DeviceMeta;
 use super::sparse::{PlanRef, SparseState};
 use crate::cpu::metadata::MetaNeeds;
 use crate::config::EngineConfig;
-use crate::engine::{CacheWriteArgs, ForwardArgs, MergeArgs};
+use crate::args::{CacheWriteArgs, ForwardArgs, MergeArgs};
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::Pipeline;

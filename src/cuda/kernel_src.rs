@@ -15,6 +15,9 @@ macro_rules! kernel_files {
     ($($name:literal => $path:literal),* $(,)?) => {
         /// Every kernel source by the name `#include` uses.
         pub const FILES: &[(&str, &str)] = &[$(($name, include_str!(concat!("../../kernels/", $path)))),*];
+        /// Where each file of [`FILES`] lives under kernels/ (same order).
+        #[cfg(test)]
+        const PATHS: &[&str] = &[$($path),*];
     };
 }
 
@@ -147,16 +150,16 @@ mod tests {
     fn registry_covers_the_kernels_and_every_module_expands() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
         let mut on_disk = Vec::new();
-        for sub in ["", "include"] {
+        for sub in ["", "include", "policy"] {
             for e in std::fs::read_dir(dir.join(sub)).unwrap() {
                 let p = e.unwrap().path();
                 if matches!(p.extension().and_then(|x| x.to_str()), Some("cu" | "cuh")) {
-                    on_disk.push(p.file_name().unwrap().to_str().unwrap().to_string());
+                    on_disk.push(p.strip_prefix(&dir).unwrap().to_str().unwrap().to_string());
                 }
             }
         }
         on_disk.sort();
-        let mut registered: Vec<String> = FILES.iter().map(|(n, _)| n.to_string()).collect();
+        let mut registered: Vec<String> = PATHS.iter().map(|p| p.to_string()).collect();
         registered.sort();
         assert_eq!(on_disk, registered, "kernels/ and the registry differ");
         for (name, text) in FILES {

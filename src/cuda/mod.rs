@@ -7,6 +7,7 @@ pub mod backend;
 pub mod checks;
 pub mod context;
 pub mod driver;
+pub mod engine_backend;
 pub mod kernel_src;
 pub mod launch;
 pub mod meta;

@@ -21,7 +21,7 @@ use super::context::DevBuf;
 use super::driver::{check, cuda};
 use super::launch::{self, KArgs};
 use crate::config::EngineConfig;
-use crate::engine::ForwardArgs;
+use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::plan::{plan_capacity, plan_unit_log2, selector_capacity, selector_unit_log2, HeadPlan};

@@ -12,7 +12,8 @@ mod stateful;
 
 pub use predictor_row::history_row;
 pub use scoring::{estimate_weights, quest_bound, quest_page_scores, token_weights, weights_at};
-pub use stateful::{calib_rows, mean_query, predictor_seed, prr_calibrate, refresh_seed, refresh_weights, CALIB_ROWS};
+pub use crate::policy::speculate::{calib_rows, CALIB_ROWS};
+pub use stateful::{mean_query, predictor_seed, prr_calibrate, refresh_seed, refresh_weights};
 use stateful::{run_predictor, run_refresh, run_speculate};
 
 use std::sync::Arc;

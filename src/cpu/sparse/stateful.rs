@@ -289,19 +289,6 @@ pub(super) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
     c
 }
 
-/// Query rows of a prefill chunk PRR calibrates on (a strided sample of the chunk).
-pub const CALIB_ROWS: usize = 64;
-
-/// At most `max` row indices of the chunk `start .. start + len`, evenly strided, ascending, the last row
-/// always included (the decode steps continue from it).
-pub fn calib_rows(start: usize, len: usize, max: usize) -> Vec<usize> {
-    if len <= max {
-        return (start..start + len).collect();
-    }
-    // Row j of max: start + len - 1 - (max - 1 - j) * len / max (exact integer stride, distinct rows).
-    (0..max).map(|j| start + len - 1 - (max - 1 - j) * len / max).collect()
-}
-
 /// RefreshKV for the heads of one item: a full step attends everything, scores every position and
 /// rebuilds the set; a partial step attends the set only.
 #[allow(clippy::too_many_arguments)]
@@ -366,7 +353,7 @@ pub(super) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
 
 #[cfg(test)]
 mod tests {
-    use super::calib_rows;
+    use crate::policy::speculate::calib_rows;
 
     #[test]
     fn calibration_rows_are_strided_over_the_whole_chunk() {

@@ -25,7 +25,7 @@ use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUfunction};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::sparse::{BatchArg, PlanRef, WsLayout};
-use crate::engine::ForwardArgs;
+use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::predictor::PredictorWeights;

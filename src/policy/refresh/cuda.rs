@@ -18,7 +18,7 @@ use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUfunction};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::sparse::{BatchArg, PlanRef};
-use crate::engine::ForwardArgs;
+use crate::args::ForwardArgs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvCache;
 use crate::policy::Refresh;

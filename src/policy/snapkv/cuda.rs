@@ -8,7 +8,7 @@ use crate::cuda::backend::{CudaBackend, Geometry};
 use crate::cuda::driver::{check, cuda, CUfunction};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::sparse::{BatchArg, WsLayout};
-use crate::engine::ForwardArgs;
+use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 

@@ -34,8 +34,8 @@ use crate::cuda::driver::{check, cuda, CUevent, CUstream, CU_STREAM_NON_BLOCKING
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::sparse::{download_ints, BatchArg, PlanRef};
 use crate::config::EngineConfig;
-use crate::cpu::sparse::{calib_rows, CALIB_ROWS};
-use crate::engine::ForwardArgs;
+use crate::policy::speculate::{calib_rows, CALIB_ROWS};
+use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::plan::selector_capacity;
@@ -99,18 +99,20 @@ pub struct PrrDevice {
 }
 
 impl PrrDevice {
+    /// Empty state; [`PrrDevice::set_spec`] arms it when the engine's policy is `speculate`.
     pub fn new(cfg: &EngineConfig) -> Self {
-        let spec = crate::policy::Policy::parse(&cfg.policy).ok().and_then(|p| match p.pipeline().map(|p| &p.selector) {
-            Some(Selector::Speculate(s)) => Some(*s),
-            _ => None,
-        });
         PrrDevice {
-            spec,
+            spec: None,
             layers: (0..cfg.num_layers).map(|_| Mutex::new(None)).collect(),
             streams: Mutex::new(HashMap::new()),
             host: (0..cfg.num_layers).map(|_| Mutex::new(Counters::default())).collect(),
             timeline: AtomicBool::new(false),
         }
+    }
+
+    /// The engine's parsed `speculate` stage (set once, when the backend is made).
+    pub fn set_spec(&mut self, spec: Speculate) {
+        self.spec = Some(spec);
     }
 
     /// Host-side counters of `layer` (calibrations), added to the device counters by the stats call.

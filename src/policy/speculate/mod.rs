@@ -244,6 +244,19 @@ impl SpecBudgetTable {
     }
 }
 
+/// Query rows of a prefill chunk PRR calibrates on (a strided sample of the chunk).
+pub const CALIB_ROWS: usize = 64;
+
+/// At most `max` row indices of the chunk `start .. start + len`, evenly strided, ascending, the last row
+/// always included (the decode steps continue from it).
+pub fn calib_rows(start: usize, len: usize, max: usize) -> Vec<usize> {
+    if len <= max {
+        return (start..start + len).collect();
+    }
+    // Row j of max: start + len - 1 - (max - 1 - j) * len / max (exact integer stride, distinct rows).
+    (0..max).map(|j| start + len - 1 - (max - 1 - j) * len / max).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
