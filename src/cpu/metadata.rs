@@ -20,6 +20,7 @@ use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::convert::{load_row, Portable};
 use super::quantize::{code_bytes, quantize_row};
+pub use super::math::{f16_down, f16_up};
 pub use crate::meta::{MetaNeeds, MetaSnapshot};
 use crate::error::Result;
 use crate::layout::KvCache;
@@ -213,26 +214,6 @@ impl LayerMeta {
 const F16_POS_INF: u16 = 0x7C00;
 const F16_NEG_INF: u16 = 0xFC00;
 
-/// The largest fp16 value `<= x` (as bits).
-pub fn f16_down(x: f32) -> u16 {
-    let h = half::f16::from_f32(x);
-    if h.is_nan() || h.to_f32() <= x {
-        return h.to_bits();
-    }
-    let b = h.to_bits();
-    if b & 0x7fff == 0 {
-        0x8001 // ±0 above a tiny negative x: the smallest negative subnormal
-    } else if b & 0x8000 == 0 {
-        b - 1
-    } else {
-        b + 1
-    }
-}
-
-/// The smallest fp16 value `>= x` (as bits).
-pub fn f16_up(x: f32) -> u16 {
-    f16_down(-x) ^ 0x8000
-}
 
 
 /// The engine's metadata for all layers.

@@ -12,11 +12,14 @@ pub mod art;
 pub mod device;
 pub mod plan;
 pub mod predictor;
+pub mod quest;
 pub mod refresh;
+mod registry;
 pub mod select;
 pub mod snapkv;
 pub mod spec;
 pub mod speculate;
+pub mod streaming;
 pub mod top_p;
 
 use std::collections::HashMap;

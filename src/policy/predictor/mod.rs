@@ -16,6 +16,7 @@
 //! the full attention row (a scoring pass over every key); other steps append the row of the attended
 //! tokens' weights (normalised over them; 0 for blocks not attended).
 
+pub mod cpu;
 pub mod cuda;
 
 use std::collections::VecDeque;

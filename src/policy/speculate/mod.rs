@@ -14,6 +14,7 @@
 //! (α, β, γ) ([`grid`]); the candidate with the best score-weighted hit rate on the top-k selections
 //! wins (weight of a true page: `exp(score - max score of the step)`).
 
+pub mod cpu;
 pub mod cuda;
 
 use super::select::quest_pages;
