@@ -1,7 +1,8 @@
 // Paged varlen attention on tensor cores (f16/bf16 caches), split-KV, for decode and prefill rows alike.
 //
 // Grid: (token, query-head group, split), as kvs_attn_split. A CTA owns the GQ query heads of one KV head
-// (GQ <= 16) for one token and the key positions [split*chunk, (split+1)*chunk) of its visible range.
+// (GQ <= 16) for one token and one of `nsplit` equal parts of its visible range (plan keys
+// [split*chunk, (split+1)*chunk) in plan mode).
 // The GQ query rows form the M = 16 side of mma.sync.m16n8k16 tiles (rows GQ..15 are zero padding), so
 // one decode token costs per 16 keys 2*HEAD_DIM/16 MMAs for S = Q K^T and HEAD_DIM/8 for O += P V,
 // instead of per-key FMAs and shuffle reductions.
@@ -19,7 +20,8 @@
 // masked; no index derived from metadata is used unchecked; a row with a bad batch description or that
 // read a bad block id finishes as NaN and the fault goes to `kerr`, common.cuh). Needs: 16-byte aligned K/V rows and strides, HEAD_DIM % 16 == 0.
 //
-// Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT, PLAN.
+// Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT, PLAN,
+// ROW_SPLIT (dense rows: 1 = each row splits its own span, 0 = the plan's fixed chunks).
 // PLAN=1: decode rows read their visit plan (src/policy/plan.rs, kernels/select.cu) instead of the
 // sequence's positions; a split is a range of plan keys; the visible range still masks every key.
 // ART=1 (with PLAN=1, NWARPS=4, GQ=GROUP): run-time termination (src/policy/termination.rs,
@@ -30,11 +32,20 @@
 // sums in the xor-butterfly order, each operation rounded on its own), so the CTA stops as a whole.
 // A split is one of ART's segments (art(segment=...), a whole number of tiles; one split without it):
 // each terminates on its own from x(0) = 0, and the combine merges them by LSE, as the CPU engine does.
+// LOGITS=1 (with PLAN=1): the decode rows' logits are also written out, for a policy that decides from
+// this attention's own weights (RefreshKV's full step, kernels/refresh.cu): every visible key's base-2
+// logit (the value the online softmax uses: after the softcap, times log2(e) and the scale) of each of the
+// CTA's query heads goes to lg[((seq * hk + kvh) * lg_maxpos + pos) * GROUP + (head - kvh * GROUP)], so K
+// is read once for the attention and the weights. Positions at or past lg_maxpos are not written.
+// It also spreads a row whose plan is shorter than the launch's bound over every split (a per-row chunk,
+// the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
+// (k positions) share the launch of its full rows (every position).
 // Dynamic shared memory: kvs_mma_smem_bytes() below (the host computes the same formula).
 
 #include "common.cuh"
 #include "params.cuh"
 #include "combine.cuh"
+#include "mma.cuh"
 
 #define NTHREADS (NWARPS * 32)
 #define CPR (HEAD_DIM / 8)          // 16-byte chunks per K/V row
@@ -49,6 +60,15 @@
 #ifndef ART
 #define ART 0
 #endif
+#ifndef ROW_SPLIT
+#define ROW_SPLIT 1
+#endif
+#ifndef LOGITS
+#define LOGITS 0
+#endif
+#if LOGITS && !PLAN
+#error "LOGITS needs PLAN"
+#endif
 #ifndef ART_NOPROBE
 #define ART_NOPROBE 0  // benchmarks only: ART's order and single split without the detector
 #endif
@@ -60,64 +80,6 @@ __device__ __forceinline__ float art_lane_sum(float v) {
     return v;
 }
 #endif
-
-#if KVS_DTYPE == 1
-#define MMA_T "f16"
-#else
-#define MMA_T "bf16"
-#endif
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-// L2_HINT (0, 64, 128 or 256): L2 prefetch-size hint of the copies (0 = none).
-#ifndef L2_HINT
-#define L2_HINT 0
-#endif
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int bytes) {
-#if L2_HINT == 256
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-#elif L2_HINT == 128
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-#elif L2_HINT == 64
-    asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-#else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void mma16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
-                                         unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_T "." MMA_T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// Two f32 -> one register of two cache-type values (lo in the low half); *sum += the f32 values (the
-// softmax denominator and the LSE stay exact; only the PV weights are rounded).
-__device__ __forceinline__ unsigned pack2(float lo, float hi, float* sum) {
-    unsigned r;
-#if KVS_DTYPE == 1
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    *sum += lo + hi;
-    return r;
-}
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
@@ -136,9 +98,15 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #if ART
              , ArtArgs art
 #endif
+#if LOGITS
+             , float* __restrict__ lg, int lg_maxpos
+#endif
              ) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ unsigned sm_mask[NWARPS][NSTAGE];
+#if LOGITS
+    __shared__ int sm_pos[NWARPS][NSTAGE][16];  // each stage's key positions (-1: masked)
+#endif
     const int t = blockIdx.x, hg = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = lane >> 2, qd = lane & 3;  // fragment row (query head) and column pair
@@ -154,8 +122,13 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int nkeys = pl << plan.ulog2;
     const unsigned* pe = plan.e + row.seq * plan.p_s + kvh * plan.p_h;
     const int umask = (1 << plan.ulog2) - 1;
-    const int s_lo = split * chunk;
-    const int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * chunk, nkeys) - 1;
+#if LOGITS
+    const int rchunk = min(chunk, max(16 * NWARPS, ((nkeys + nsplit - 1) / nsplit + 16 * NWARPS - 1) / (16 * NWARPS) * (16 * NWARPS)));
+#else
+    const int rchunk = chunk;
+#endif
+    const int s_lo = split * rchunk;
+    const int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * rchunk, nkeys) - 1;
 #if ART
     // ART's order: plan entries [0, nsink) hold sink positions (the plan is in position order), then the
     // others newest first. Visit index i -> entry index.
@@ -168,7 +141,20 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #define PLAN_E(i) pe[i]
 #endif
 #else
-    int s_lo = split * chunk, s_hi = (split == nsplit - 1) ? 0x7fffffff : (split + 1) * chunk - 1;
+    // The host sized the grid (nsplit, chunk) for the longest row it knows of; with max_seq_len = 0 (a
+    // CUDA graph captured once for every length) that is the block table's width, often far beyond the
+    // rows of a replay. So each row cuts its own visible span into the grid's splits (whole CTA tiles,
+    // at least min(chunk, 4 tiles)): a short row still spreads over the device, a row as long as the
+    // plan gets exactly the host's chunks, and a sliding window's span is split, not its absolute range.
+#if ROW_SPLIT
+    const int base = row.lo & ~15;
+    int rc = (row.hi - base + nsplit) / nsplit;  // ceil(span / nsplit), span = hi - base + 1
+    rc = (rc + 16 * NWARPS - 1) / (16 * NWARPS) * (16 * NWARPS);
+    rc = max(rc, min(chunk, 4 * 16 * NWARPS));
+#else
+    const int base = 0, rc = chunk;  // KVS_CUDA_ROW_SPLIT=0: the plan's fixed chunks (measurements only)
+#endif
+    int s_lo = base + split * rc, s_hi = (split == nsplit - 1) ? row.hi : base + (split + 1) * rc - 1;
     s_lo = max(s_lo, row.lo);
     s_hi = min(s_hi, row.hi);
 #endif
@@ -228,6 +214,9 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             }
             const unsigned msk = __ballot_sync(0xffffffffu, ok) & 0xffffu;
             if (lane == 0) sm_mask[warp][st] = msk;
+#if LOGITS
+            if (lane < 16) sm_pos[warp][st][lane] = ok ? p : -1;
+#endif
             const unsigned kdst = wbase + st * (2 * TILEB), vdst = kdst + TILEB;
 #pragma unroll
             for (int i = 0; i < CPR / 2; ++i) {
@@ -296,6 +285,18 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                 x = softcap > 0.f ? softcap * tanhf(x * scale / softcap) * KVS_LOG2E : x * sl2;
                 s[n][e] = vis ? x : -INFINITY;
             }
+#if LOGITS
+        {
+            float* lgh = lg + (i64)(row.seq * plan.hk + kvh) * lg_maxpos * GROUP + (h0 - kvh * GROUP);
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int hr = r + (e >> 1) * 8, pos = sm_pos[warp][st][n * 8 + qd * 2 + (e & 1)];
+                    if (hr < GQ && pos >= 0 && pos < lg_maxpos) lgh[(i64)pos * GROUP + hr] = s[n][e];
+                }
+        }
+#endif
         unsigned pa[4];
         {
             float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));

@@ -1,6 +1,8 @@
-// RefreshKV on the device: the schedule, the full step's scores and the token sets, the same decisions as
-// the CPU engine (src/policy/refresh.rs, src/cpu/sparse/stateful.rs) in the same arithmetic (decide.cuh,
-// --fmad=false). Batch helpers (seq_row, phys_block, rows_count, account, compact, radix_kth) and SnapKV's
+// RefreshKV on the device: the schedule, the full step's scores and the token sets. The schedule and the
+// prefill's seed are the CPU engine's decisions in the same arithmetic (src/policy/refresh.rs,
+// src/cpu/sparse/stateful.rs; decide.cuh, --fmad=false); a full decode step's weights come out of its own
+// attention on tensor cores and agree with the CPU's within a stated margin (docs/policies.md, "refresh").
+// Batch helpers (seq_row, phys_block, rows_count, account, compact, radix_kth) and SnapKV's
 // scoring arithmetic (snap_dot, snap_unkey, the SNAP_* CTA shape, the fixed-point normaliser) come from
 // kernels/include/.
 //
@@ -9,14 +11,23 @@
 //                        decode row, or of a prefill chunk's last row; the schedule (first step, every `N`
 //                        steps, or the cosine check every `stride` steps, f64 summed in channel order as
 //                        refresh::cosine); the per-sequence mode below; the layer state updated.
-//   kvs_refresh_scores   phases 0/1/2 over the FULL and SEED sequences only (a grid-stride loop, so a
-//                        partial step costs a few idle CTAs): the row's logits per query head, its maximum,
-//                        its fixed-point normaliser, then w = e / z, max over the group, per position.
-//   kvs_refresh_plan     one CTA per (KV head, sequence): FULL and SEED rebuild the set (max-pool, radix
-//                        top k, ties: the earlier position); PARTIAL advances it (positions outside the
-//                        range dropped, new ones appended at +inf, the k best kept, ties: the newer);
-//                        the row's plan (FULL: every visible position; PARTIAL: the set; DENSE: every
-//                        visible position) and the counters.
+//   kvs_refresh_scores   phases 0/1/2 over the SEED sequences (and the FULL ones where the tensor-core
+//                        attention does not apply: `seed_only` = 0), a grid-stride loop launched only by
+//                        calls that hold a prefill chunk (or on that fallback): the row's logits per query
+//                        head, its maximum, its fixed-point normaliser, then w = e / z, max over the
+//                        group, per position (the CPU's bits).
+//   kvs_refresh_plan     one CTA per (KV head, sequence), before the attention: SEED (and FULL
+//                        when not deferred) rebuild the set (max-pool, top k, ties: the earlier
+//                        position); PARTIAL advances it (positions outside the range dropped, new ones
+//                        appended at +inf, the k best kept, ties: the newer); the row's plan (FULL: every
+//                        visible position; PARTIAL: the set; DENSE: every visible position), counters.
+//   (attention)          the decode rows through their plans on tensor cores (attention_mma.cu, LOGITS=1),
+//                        writing every visited key's base-2 logit per query head to `lg`.
+//   kvs_refresh_lse_parts / kvs_refresh_weights   FULL rows only: per chunk of RF_CH positions the rows'
+//                        (max, sum of 2^(l - max)) from `lg`; then the row's LSE from the chunks (in chunk
+//                        order: deterministic) and w = max over the group of 2^(l - lse) per position.
+//   kvs_refresh_top_*    FULL rows: the set rebuilt from those weights across CTAs (pool, a three-pass
+//                        radix select of the k-th key, per-chunk counts, the chunks' kept positions).
 //
 // State per layer, indexed by the sequence's slot (kernels/slots.cu) and stamped with its generation (a
 // stamp different from the slot's generation reads as "no state": a new or reused slot): the reference
@@ -117,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(128) kvs_refresh_decide(Batch b, co
 extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
                                                                               const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, const int* mode,
                                                                               int phase, unsigned* rmax, unsigned long long* zfix, unsigned* zbad,
-                                                                              float* agg, int maxpos) {
+                                                                              float* agg, int maxpos, int seed_only) {
     __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
     __shared__ float accs[GROUP][SNAP_TP];
@@ -126,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Ba
     const int p = threadIdx.x % SNAP_TP, j = threadIdx.x / SNAP_TP;
     for (int s = 0; s < b.num_seqs; ++s) {
         const int m_s = mode[s];
-        if (m_s != RF_FULL && m_s != RF_SEED) continue;
+        if (m_s != RF_SEED && (seed_only || m_s != RF_FULL)) continue;
         const SeqRow r = seq_row(b, s);
         const int lo = r.lo, hi = min(r.hi, maxpos - 1);
         const int first = (lo / SNAP_TP) * SNAP_TP;
@@ -203,16 +214,18 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Ba
 }
 
 // Per (KV head, sequence): the set and the plan (see the top of this file). `pooled` [maxpos] and `tmp`
-// [k] per (seq, head) are workspace; the plan is token-granular with `cap` entries per row.
+// [k] per (seq, head) are workspace; the plan is token-granular with `cap` entries per row. `deferred`: a
+// FULL row's set is rebuilt after its attention wrote the weights (kvs_refresh_top_*; here only its plan).
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batch b, RefreshArgs ra, const float* agg, float* pooled, int maxpos,
                                                                             unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, float* tmp,
-                                                                            i64 row_bytes, i64 k_bytes, unsigned long long* ctr) {
+                                                                            i64 row_bytes, i64 k_bytes, unsigned long long* ctr, int deferred) {
     __shared__ unsigned hist[256];
     __shared__ unsigned wtot[8];
     __shared__ unsigned long long sel_prefix;
     __shared__ int sel_left;
     __shared__ int cnt[TOPK_THREADS / 32 + 1];
     __shared__ unsigned long long red[32];
+    __shared__ unsigned sel[4];
     const int s = blockIdx.y, h = blockIdx.x, hk = ra.hk;
     const SeqRow r = seq_row(b, s);
     const int mode = ra.mode[s];
@@ -241,30 +254,35 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
     float* sc = ra.sc + sh * K;
     int n_plan;
     if (mode == RF_FULL || mode == RF_SEED) {
-        // RefreshHead::rebuild over max_pool(weights, pool) of positions lo..=hi.
         const int n = hi - lo + 1;
-        const float* ag = agg + (i64)(s * hk + h) * maxpos + lo;
-        float* pl = pooled + (i64)(s * hk + h) * maxpos;
-        const int rad = ra.pool / 2;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            float v = -INFINITY;
-            for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, ag[x]);
-            pl[i] = v;
-        }
-        __syncthreads();
-        int ibits = 1;
-        while ((1 << ibits) < n) ++ibits;
-        // Larger key = kept first: higher pooled score, then the earlier position (top_k_positions).
-        auto key_of = [&](int i) { return ((unsigned long long)kvs_order_key(pl[i]) << ibits) | (unsigned)(n - 1 - i); };
-        const int m = n > K ? K : 0;
-        const unsigned long long thr = radix_kth(0, n, m, (32 + ibits + 7) / 8, key_of, hist, wtot, sel_prefix, sel_left);
-        auto keep = [&](int i) { return n <= K || key_of(i) >= thr; };
-        const int nk = compact(n, keep, [&](int i) { return (unsigned)(lo + i); }, tok, K, cnt);
-        compact(n, keep, [&](int i) { return __float_as_uint(pl[i]); }, reinterpret_cast<unsigned*>(sc), K, cnt);
-        if (threadIdx.x == 0) {
-            ra.cnt[sh] = nk;
-            ra.last[sh] = hi;
-            ra.hstamp[sh] = gen;
+        if (mode == RF_SEED || !deferred) {
+            // RefreshHead::rebuild over max_pool(weights, pool) of positions lo..=hi.
+            const float* ag = agg + (i64)(s * hk + h) * maxpos + lo;
+            float* pl = pooled + (i64)(s * hk + h) * maxpos;
+            const int rad = ra.pool / 2;
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                float v = -INFINITY;
+                for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, ag[x]);
+                pl[i] = v;
+            }
+            __syncthreads();
+            // The K highest pooled scores, ties: the earlier position (top_k_positions). topk32 breaks ties
+            // towards the larger index, so it ranks j = n - 1 - i.
+            auto key_of = [&](int j) { return kvs_order_key(pl[n - 1 - j]); };
+            TopCut cut{0u, 0};
+            if (n > K) cut = topk32(0, n, K, key_of, hist, cnt, sel);
+            auto keep = [&](int i) {
+                if (n <= K) return true;
+                const unsigned k = kvs_order_key(pl[i]);
+                return k > cut.thr || (k == cut.thr && n - 1 - i >= cut.cut);
+            };
+            const int nk = compact(n, keep, [&](int i) { return (unsigned)(lo + i); }, tok, K, cnt);
+            compact(n, keep, [&](int i) { return __float_as_uint(pl[i]); }, reinterpret_cast<unsigned*>(sc), K, cnt);
+            if (threadIdx.x == 0) {
+                ra.cnt[sh] = nk;
+                ra.last[sh] = hi;
+                ra.hstamp[sh] = gen;
+            }
         }
         if (mode == RF_SEED) {
             if (threadIdx.x == 0) plan_len[s * hk + h] = -1;  // the chunk itself is attended densely
@@ -317,4 +335,246 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
     }
     __syncthreads();  // the plan's entries are read back by account
     account(e, n_plan, 0, lo, hi, b.bs_log2, 1, row_bytes, ctr, red);
+}
+
+// The weights of the FULL rows from the logits their attention wrote (attention_mma.cu, LOGITS=1):
+// lg[((s * hk + h) * maxpos + pos) * GROUP + g] holds query head g's base-2 logit of position pos. Grid
+// (chunks of RF_CH positions, hk, sequences), RF_WTHREADS threads; chunk c covers lo + c * RF_CH ...
+#define RF_CH 4096      // src/cuda/refresh.rs WEIGHT_CHUNK
+#define RF_WTHREADS 256
+
+// Per (seq, head, query head, chunk): the chunk's maximum logit and sum of 2^(l - max) (fmaxf drops NaN;
+// a NaN logit makes the sum NaN, and every weight of the row then reads 0, as the CPU's max from 0 does).
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_lse_parts(Batch b, const int* mode, const float* lg, int maxpos, int hk,
+                                                                                float2* parts, int nchunk) {
+    __shared__ float red[32];
+    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    if (mode[s] != RF_FULL) return;
+    const SeqRow r = seq_row(b, s);
+    const int lo = r.lo, hi = min(r.hi, maxpos - 1);
+    const int p0 = lo + c * RF_CH, p1 = min(hi, p0 + RF_CH - 1);
+    const float* L = lg + (i64)(s * hk + h) * maxpos * GROUP;
+    float2* out = parts + (i64)(s * hk + h) * GROUP * nchunk + c;
+    float m[GROUP], z[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) m[g] = -INFINITY, z[g] = 0.0f;
+    for (int pos = p0 + threadIdx.x; pos <= p1; pos += blockDim.x)
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) m[g] = fmaxf(m[g], L[(i64)pos * GROUP + g]);
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) m[g] = block_max(m[g], red);
+    for (int pos = p0 + threadIdx.x; pos <= p1; pos += blockDim.x)
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+            if (m[g] > -INFINITY) z[g] += exp2f(L[(i64)pos * GROUP + g] - m[g]);
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) z[g] = block_sum(z[g], red);
+    if (threadIdx.x == 0)
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) out[(i64)g * nchunk] = make_float2(m[g], z[g]);
+}
+
+// agg[(s * hk + h) * maxpos + pos] = max(0, max over the group of 2^(l - lse)), lse = the row's base-2 LSE
+// merged from the chunks in chunk order (so the same inputs give the same bits).
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_weights(Batch b, const int* mode, const float* lg, int maxpos, int hk,
+                                                                              const float2* parts, int nchunk, float* agg) {
+    __shared__ float lse[GROUP];
+    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    if (mode[s] != RF_FULL) return;
+    const SeqRow r = seq_row(b, s);
+    const int lo = r.lo, hi = min(r.hi, maxpos - 1);
+    const int p0 = lo + c * RF_CH, p1 = min(hi, p0 + RF_CH - 1);
+    if (threadIdx.x < GROUP) {
+        const float2* pr = parts + ((i64)(s * hk + h) * GROUP + threadIdx.x) * nchunk;
+        float m = -INFINITY;
+        for (int i = 0; i < nchunk; ++i) m = fmaxf(m, pr[i].x);
+        float z = 0.0f;
+        if (m > -INFINITY)
+            for (int i = 0; i < nchunk; ++i)
+                if (pr[i].x > -INFINITY) z += pr[i].y * exp2f(pr[i].x - m);
+        lse[threadIdx.x] = m > -INFINITY ? m + log2f(z) : INFINITY;  // no finite logit: every weight 0
+    }
+    __syncthreads();
+    const float* L = lg + (i64)(s * hk + h) * maxpos * GROUP;
+    float* out = agg + (i64)(s * hk + h) * maxpos;
+    for (int pos = p0 + threadIdx.x; pos <= p1; pos += blockDim.x) {
+        float a = 0.0f;
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) a = fmaxf(a, exp2f(L[(i64)pos * GROUP + g] - lse[g]));
+        out[pos] = a;
+    }
+}
+
+// The full rows' sets rebuilt across CTAs (RefreshHead::rebuild: max_pool(weights, pool), the top k by
+// (score, earlier position)), so that a row of 128K positions is not one CTA's serial work. Grids
+// (chunks of RF_CH positions, hk, sequences) or (hk, sequences); FULL rows only. The k-th largest pooled
+// key is found by a radix select over the 32-bit order keys in three passes (bits 31..20, 19..8, 7..0):
+// per pass the chunks add their histograms of the keys under the prefix chosen so far (global atomics:
+// counts, so any order gives the same result), then one CTA per row descends into the bin that holds the
+// k-th key. `hist` [rows][3][4096] is zeroed by the host before the first pass; `sel` [rows][2] holds
+// (prefix, keys still needed in it); `ccnt` [rows][chunks][2] the chunks' counts above and at the threshold.
+#define RF_BINS 4096
+
+__device__ __forceinline__ void rf_pass_bits(int pass, int& shift, int& bits) {
+    shift = pass == 0 ? 20 : (pass == 1 ? 8 : 0);
+    bits = pass == 2 ? 8 : 12;
+}
+
+// Pass 0 also max-pools the chunk's weights into `pooled` (positions relative to lo).
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(Batch b, RefreshArgs ra, const float* agg, float* pooled, int maxpos,
+                                                                               unsigned* hist, const unsigned* sel, int pass) {
+    __shared__ unsigned sh[RF_BINS];
+    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
+    if (ra.mode[s] != RF_FULL) return;
+    const SeqRow r = seq_row(b, s);
+    const int lo = r.lo, hi = min(r.hi, maxpos - 1), n = hi - lo + 1;
+    const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
+    if (i0 >= n) return;
+    const i64 row = (i64)s * hk + h;
+    float* pl = pooled + row * maxpos;
+    if (pass == 0) {
+        const float* ag = agg + row * maxpos + lo;
+        const int rad = ra.pool / 2;
+        for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+            float v = -INFINITY;
+            for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, ag[x]);
+            pl[i] = v;
+        }
+    }
+    if (n <= ra.k) return;  // every position kept: no threshold
+    int shift, bits;
+    rf_pass_bits(pass, shift, bits);
+    const unsigned nb = 1u << bits, himask = pass == 0 ? 0u : (0xffffffffu << (shift + bits));
+    const unsigned prefix = pass == 0 ? 0u : sel[row * 2];
+    for (int i = threadIdx.x; i < (int)nb; i += blockDim.x) sh[i] = 0u;
+    __syncthreads();
+    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        const unsigned k = kvs_order_key(pl[i]);
+        if ((k & himask) == (prefix & himask)) {
+            const unsigned bin = (k >> shift) & (nb - 1);
+            const unsigned peers = __match_any_sync(__activemask(), bin);
+            if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&sh[bin], (unsigned)__popc(peers));
+        }
+    }
+    __syncthreads();
+    unsigned* gh = hist + (row * 3 + pass) * RF_BINS;
+    for (int i = threadIdx.x; i < (int)nb; i += blockDim.x)
+        if (sh[i]) atomicAdd(&gh[i], sh[i]);
+}
+
+// One CTA per (KV head, sequence): the bin of this pass that holds the k-th largest key; sel = (prefix,
+// keys still needed among those equal to it so far).
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_select(Batch b, RefreshArgs ra, int maxpos, const unsigned* hist, unsigned* sel, int pass) {
+    __shared__ int wsum[RF_WTHREADS / 32];
+    const int h = blockIdx.x, s = blockIdx.y, hk = ra.hk;
+    if (ra.mode[s] != RF_FULL) return;
+    const SeqRow r = seq_row(b, s);
+    const int n = min(r.hi, maxpos - 1) - r.lo + 1;
+    if (n <= ra.k) return;
+    const i64 row = (i64)s * hk + h;
+    int shift, bits;
+    rf_pass_bits(pass, shift, bits);
+    const int nb = 1 << bits, per = nb / RF_WTHREADS;  // bins per thread, from the top
+    const unsigned prefix = pass == 0 ? 0u : sel[row * 2];
+    const int left = pass == 0 ? ra.k : (int)sel[row * 2 + 1];
+    __syncthreads();  // sel is read by every thread before thread `hit` rewrites it
+    const unsigned* gh = hist + (row * 3 + pass) * RF_BINS;
+    const int top = nb - 1 - threadIdx.x * per;  // this thread's bins: top, top - 1, ..., top - per + 1
+    int mine = 0;
+    for (int j = 0; j < per; ++j) mine += (int)gh[top - j];
+    int total;
+    int acc = block_excl_scan(mine, wsum, total);
+    if (acc < left && acc + mine >= left) {
+        for (int j = 0; j < per; ++j) {
+            const int cnt = (int)gh[top - j];
+            if (acc + cnt >= left) {
+                sel[row * 2] = prefix | ((unsigned)(top - j) << shift);
+                sel[row * 2 + 1] = (unsigned)(left - acc);
+                break;
+            }
+            acc += cnt;
+        }
+    }
+}
+
+// Per chunk: how many pooled keys lie above the threshold (the k-th largest key, sel's final prefix) and
+// how many equal it.
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_count(Batch b, RefreshArgs ra, const float* pooled, int maxpos, const unsigned* sel, unsigned* ccnt,
+                                                                                int nchunk) {
+    __shared__ unsigned red[32];
+    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
+    if (ra.mode[s] != RF_FULL) return;
+    const SeqRow r = seq_row(b, s);
+    const int n = min(r.hi, maxpos - 1) - r.lo + 1;
+    if (n <= ra.k) return;
+    const i64 row = (i64)s * hk + h;
+    const float* pl = pooled + row * maxpos;
+    const unsigned thr = sel[row * 2];
+    const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
+    unsigned gt = 0, eq = 0;
+    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        const unsigned k = kvs_order_key(pl[i]);
+        gt += k > thr;
+        eq += k == thr;
+    }
+    gt = block_sum(gt, red);
+    eq = block_sum(eq, red);
+    if (threadIdx.x == 0) {
+        ccnt[(row * nchunk + c) * 2] = gt;
+        ccnt[(row * nchunk + c) * 2 + 1] = eq;
+    }
+}
+
+// Per chunk: its kept positions (above the threshold, or at it among the first `left` of the row) written
+// in position order at their rank in the row's set, with their pooled scores; chunk 0 writes the set's
+// size, last position and stamp.
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(Batch b, RefreshArgs ra, const float* pooled, int maxpos, const unsigned* sel,
+                                                                                const unsigned* ccnt, int nchunk) {
+    __shared__ int wsum[RF_WTHREADS / 32];
+    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
+    if (ra.mode[s] != RF_FULL) return;
+    const SeqRow r = seq_row(b, s);
+    const int lo = r.lo, hi = min(r.hi, maxpos - 1), n = hi - lo + 1, K = ra.k;
+    const i64 row = (i64)s * hk + h;
+    const i64 sh = (i64)ra.slot[s] * hk + h;
+    const bool all = n <= K;
+    if (c == 0 && threadIdx.x == 0) {
+        ra.cnt[sh] = all ? n : K;
+        ra.last[sh] = hi;
+        ra.hstamp[sh] = ra.gen[s];
+    }
+    const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
+    if (i0 >= n) return;
+    const float* pl = pooled + row * maxpos;
+    unsigned* tok = ra.tok + sh * K;
+    float* sc = ra.sc + sh * K;
+    unsigned thr = 0, left = 0, base = 0, eq_before = 0;
+    if (!all) {
+        thr = sel[row * 2];
+        left = sel[row * 2 + 1];
+        for (int j = 0; j < c; ++j) {
+            base += ccnt[(row * nchunk + j) * 2];
+            eq_before += ccnt[(row * nchunk + j) * 2 + 1];
+        }
+    }
+    // Kept before this chunk: the ones above the threshold, and min(eq_before, left) of those at it.
+    int out = all ? i0 : (int)(base + min(eq_before, left));
+    int eq_seen = (int)eq_before;
+    for (int i00 = i0; i00 < i1; i00 += blockDim.x) {
+        const int i = i00 + threadIdx.x;
+        const bool in = i < i1;
+        const float v = in ? pl[i] : 0.0f;
+        const unsigned k = kvs_order_key(v);
+        int eq_total;
+        const int eq_rank = eq_seen + block_excl_scan(in && !all && k == thr ? 1 : 0, wsum, eq_total);
+        const bool keep = in && (all || k > thr || (k == thr && eq_rank < (int)left));
+        int kept_total;
+        const int at = out + block_excl_scan(keep ? 1 : 0, wsum, kept_total);
+        if (keep && at < K) {
+            tok[at] = (unsigned)(lo + i);
+            sc[at] = v;
+        }
+        out += kept_total;
+        eq_seen += eq_total;
+    }
 }

@@ -60,13 +60,23 @@ pub(crate) enum Rows {
     /// Decode rows through their plans; the second field bounds a row's plan keys; the third runs ART
     /// inside the kernel.
     Plan(PlanRef, usize, Option<super::sparse::ArtLaunch>),
+    /// As `Plan` (no ART), the tensor-core kernel also writing the rows' logits (kernels/attention_mma.cu
+    /// LOGITS=1): to `lg` (device address), `maxpos` positions per (sequence, KV head).
+    PlanLogits(PlanRef, usize, LogitsOut),
+}
+
+/// Where `Rows::PlanLogits` writes the logits (see kernels/attention_mma.cu, LOGITS).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LogitsOut {
+    pub lg: u64,
+    pub maxpos: i32,
 }
 
 pub struct CudaBackend {
     pub gpu: Gpu,
     pub(crate) modules: Modules,
     /// Split-KV workspace per stream handle.
-    workspaces: Mutex<HashMap<usize, DevBuf>>,
+    pub(crate) workspaces: Mutex<HashMap<usize, DevBuf>>,
     /// Workspaces replaced by larger ones: kept until the engine is destroyed, because CUDA graphs
     /// captured before the growth still read and write them (at most as much again as the live ones).
     pub(crate) retired: Mutex<Vec<DevBuf>>,
@@ -115,6 +125,28 @@ pub(crate) fn dtype_code(d: DType) -> i32 {
 
 pub(crate) fn p(t: &TensorRef) -> *const u8 {
     t.data
+}
+
+/// The arguments every attention kernel starts with: query, caches, block size, block table, lengths
+/// and query starts with the sequence count.
+pub(crate) fn batch_args(cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry) -> KArgs {
+    let mut k = KArgs::new();
+    k.ptr(p(&a.query)).i64(a.query.stride(0) as i64).i64(a.query.stride(1) as i64).i64(a.query.stride(2) as i64);
+    k.ptr(p(&cache.k)).i64(cache.k.stride(0) as i64).i64(cache.k.stride(1) as i64).i64(cache.k.stride(2) as i64);
+    k.ptr(p(&cache.v)).i64(cache.v.stride(0) as i64).i64(cache.v.stride(1) as i64).i64(cache.v.stride(2) as i64);
+    k.i64(cache.num_blocks as i64).i32(cfg.block_size.trailing_zeros() as i32);
+    k.ptr(p(&a.block_table)).i64(a.block_table.stride(0) as i64).i64(a.block_table.stride(1) as i64).i32(geo.cols as i32);
+    k.ptr(p(&a.seq_lens)).i64(a.seq_lens.stride(0) as i64);
+    k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(geo.num_seqs as i32);
+    k
+}
+
+/// The optional LSE output as (pointer or NULL, token stride, head stride).
+pub(crate) fn lse_arg(a: &ForwardArgs) -> (*const u8, i64, i64) {
+    match &a.lse {
+        Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
+        None => (std::ptr::null(), 0, 0),
+    }
 }
 
 impl CudaBackend {
@@ -254,24 +286,48 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The tensor-core kernel's shape for these caches (ART's launch: 4 warps), or None where the
+    /// lane-group kernel runs.
+    pub(crate) fn mma_for(&self, cfg: &EngineConfig, cache: &KvCache, art: bool) -> Option<plan::MmaShape> {
+        let es = cfg.dtype.size_bytes();
+        let aligned = aligned16(cache, es);
+        let tun = if art { plan::MmaTunables { warps: 4, ..self.mma } } else { self.mma };
+        plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(if art { 4096 } else { 1024 }))
+    }
+
     /// One attention launch (plus its split combine) over the rows `rows` selects.
     pub(crate) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
         let num_tokens = geo.num_tokens;
         let es = cfg.dtype.size_bytes();
-        let vec = 16 / es;
-        let aligned = [&cache.k, &cache.v].iter().all(|t| (t.data as usize) % 16 == 0 && t.strides()[..3].iter().all(|&s| s as usize % vec == 0));
+        let aligned = aligned16(cache, es);
+        // Rows of query length != 1 go to the prefill kernel where it applies (src/cuda/prefill.rs): a
+        // policy layer's dense rest entirely; in a call that may hold prefill rows, the decode kernel then
+        // serves the decode rows only (mode 1 without a plan). A decode-only call is unchanged.
+        let prefill = match rows {
+            Rows::All if a.max_query_len != 1 => self.prefill_kernel(cfg, aligned),
+            Rows::DenseRest => self.prefill_kernel(cfg, aligned),
+            _ => None,
+        };
+        if let (Rows::DenseRest, Some(ps)) = (rows, prefill) {
+            return self.attend_prefill(cfg, a, cache, geo, &ps);
+        }
         let (mode, plan_ref, keys, art) = match rows {
-            Rows::All => (0, PlanRef::none(), geo.max_len, None),
+            Rows::All => (if prefill.is_some() { 1 } else { 0 }, PlanRef::none(), geo.max_len, None),
             Rows::DenseRest => (2, PlanRef::none(), geo.max_len, None),
             Rows::Plan(pr, keys, art) => (1, pr, keys, art),
+            Rows::PlanLogits(pr, keys, _) => (1, pr, keys, None),
         };
-        let plan_define = format!("PLAN={}", (mode == 1) as i32);
+        let logits = match rows {
+            Rows::PlanLogits(_, _, lo) => Some(lo),
+            _ => None,
+        };
+        let plan_define = format!("PLAN={}", matches!(rows, Rows::Plan(..)) as i32);
         // Kernel variant: tensor cores where they apply, else the lane-group kernel.
         let (f_split, defines, head_groups, threads, smem, nsplit, chunk);
         // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile), one CTA per KV head
         // (GQ = GROUP) and one split per row (the traversal is sequential; docs/policies.md).
-        let tun = if art.is_some() { plan::MmaTunables { warps: 4, ..self.mma } } else { self.mma };
-        let mma = plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(if art.is_some() { 4096 } else { 1024 }));
+        let mma = self.mma_for(cfg, cache, art.is_some());
+        ensure!(logits.is_none() || mma.is_some(), Internal, "the logits of a plan's attention need the tensor-core kernel (checked by the caller)");
         if art.is_some() {
             ensure!(matches!(mma, Some(ms) if ms.warps == 4 && ms.gq == cfg.group_size()), Unsupported, "`art` on the CUDA backend needs the tensor-core kernel (f16/bf16 cache, 16-byte aligned rows, head size a multiple of 16, GQA group <= 16) with 4 warps");
         }
@@ -284,8 +340,10 @@ impl CudaBackend {
                 format!("NWARPS={}", ms.warps),
                 format!("NSTAGE={}", ms.stages),
                 format!("L2_HINT={}", ms.l2_hint),
+                format!("ROW_SPLIT={}", self.mma.row_split as i32),
                 plan_define,
                 format!("ART={}", art.is_some() as i32),
+                format!("LOGITS={}", logits.is_some() as i32),
                 // Benchmarks only: KVS_ART_NOPROBE=1 compiles ART's launch without the detector (the same
                 // order and single split), the baseline of the detector's cost.
                 format!("ART_NOPROBE={}", (art.is_some() && std::env::var("KVS_ART_NOPROBE").is_ok_and(|v| v == "1")) as i32),
@@ -323,19 +381,8 @@ impl CudaBackend {
             ws_guard = Some(map);
         }
 
-        let (lse_ptr, l0, l1) = match &a.lse {
-            Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
-            None => (std::ptr::null(), 0, 0),
-        };
-        let num_seqs = geo.num_seqs;
-        let mut k = KArgs::new();
-        k.ptr(p(&a.query)).i64(a.query.stride(0) as i64).i64(a.query.stride(1) as i64).i64(a.query.stride(2) as i64);
-        k.ptr(p(&cache.k)).i64(cache.k.stride(0) as i64).i64(cache.k.stride(1) as i64).i64(cache.k.stride(2) as i64);
-        k.ptr(p(&cache.v)).i64(cache.v.stride(0) as i64).i64(cache.v.stride(1) as i64).i64(cache.v.stride(2) as i64);
-        k.i64(cache.num_blocks as i64).i32(cfg.block_size.trailing_zeros() as i32);
-        k.ptr(p(&a.block_table)).i64(a.block_table.stride(0) as i64).i64(a.block_table.stride(1) as i64).i32(geo.cols as i32);
-        k.ptr(p(&a.seq_lens)).i64(a.seq_lens.stride(0) as i64);
-        k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(num_seqs as i32);
+        let (lse_ptr, l0, l1) = lse_arg(a);
+        let mut k = batch_args(cfg, a, cache, geo);
         k.f32(a.scale).f32(a.softcap).i32(a.sliding_window).i32(chunk as i32);
         k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
         k.ptr(lse_ptr).i64(l0).i64(l1);
@@ -348,21 +395,35 @@ impl CudaBackend {
         if let Some(art) = &art {
             k.by_value(art);
         }
+        if let (Some(lo), true) = (logits, mma.is_some()) {
+            k.i64(lo.lg as i64).i32(lo.maxpos);
+        }
         launch::launch_smem(f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
         if nsplit > 1 {
-            let f_comb = self.modules.function(&self.gpu, module.0, module.1, &defines, "kvs_attn_combine")?;
-            let mut k = KArgs::new();
-            k.i64(ws_o as i64).i64(ws_lse as i64).i32(nsplit as i32).i32(cfg.num_q_heads as i32);
-            k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
-            k.ptr(lse_ptr).i64(l0).i64(l1);
-            k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(num_seqs as i32).i32(mode);
-            // Splits spread over the CTA: HEAD_DIM threads per group of splits, up to 512 threads.
-            let parts = (512 / cfg.head_dim).clamp(1, nsplit);
-            let threads = (cfg.head_dim * parts) as u32;
-            launch::launch(f_comb, (num_tokens as u32, cfg.num_q_heads as u32, 1), threads, &mut k, stream, "kvs_attn_combine launch")?;
+            self.combine_splits(cfg, a, geo, &defines, (ws_o, ws_lse), nsplit, mode, module)?;
         }
         drop(ws_guard);
+        if let Some(ps) = prefill {
+            self.attend_prefill(cfg, a, cache, geo, &ps)?;
+        }
         Ok(())
+    }
+
+    /// Merges the `nsplit` partial states of every row `mode` serves (kvs_attn_combine of `module`,
+    /// compiled with `defines`) into the call's output and LSE.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &str)) -> Result<()> {
+        let (lse_ptr, l0, l1) = lse_arg(a);
+        let f_comb = self.modules.function(&self.gpu, module.0, module.1, defines, "kvs_attn_combine")?;
+        let mut k = KArgs::new();
+        k.i64(ws.0 as i64).i64(ws.1 as i64).i32(nsplit as i32).i32(cfg.num_q_heads as i32);
+        k.ptr(p(&a.out)).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64);
+        k.ptr(lse_ptr).i64(l0).i64(l1);
+        k.ptr(p(&a.query_start_loc)).i64(a.query_start_loc.stride(0) as i64).i32(geo.num_seqs as i32).i32(mode);
+        // Splits spread over the CTA: HEAD_DIM threads per group of splits, up to 512 threads.
+        let parts = (512 / cfg.head_dim).clamp(1, nsplit);
+        let threads = (cfg.head_dim * parts) as u32;
+        launch::launch(f_comb, (geo.num_tokens as u32, cfg.num_q_heads as u32, 1), threads, &mut k, a.stream, "kvs_attn_combine launch")
     }
 
     /// Cache write by slot mapping on the device (validated shapes; every slot is checked on the device
@@ -437,4 +498,10 @@ impl CudaBackend {
         k.i64(ptr as i64).i64(n as i64).i32(seed as i32).f32(amp);
         launch::launch(f, (((n.div_ceil(256)).min(1 << 16)) as u32, 1, 1), 256, &mut k, stream, "kvs_fill_random launch")
     }
+}
+
+/// Whether the K/V caches' rows and strides are 16-byte aligned (the tensor-core kernel's 16-byte copies).
+fn aligned16(cache: &KvCache, es: usize) -> bool {
+    let vec = 16 / es;
+    [&cache.k, &cache.v].iter().all(|t| (t.data as usize) % 16 == 0 && t.strides()[..3].iter().all(|&s| s as usize % vec == 0))
 }

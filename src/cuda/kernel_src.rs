@@ -26,6 +26,7 @@ kernel_files! {
     "decide.cuh" => "include/decide.cuh",
     "params.cuh" => "include/params.cuh",
     "combine.cuh" => "include/combine.cuh",
+    "mma.cuh" => "include/mma.cuh",
     "block_reduce.cuh" => "include/block_reduce.cuh",
     "batch.cuh" => "include/batch.cuh",
     "topk.cuh" => "include/topk.cuh",
@@ -33,6 +34,7 @@ kernel_files! {
     "snap_score.cuh" => "include/snap_score.cuh",
     "attention.cu" => "attention.cu",
     "attention_mma.cu" => "attention_mma.cu",
+    "attention_prefill.cu" => "attention_prefill.cu",
     "cache_write.cu" => "cache_write.cu",
     "merge.cu" => "merge.cu",
     "fill.cu" => "fill.cu",
@@ -48,6 +50,7 @@ kernel_files! {
 /// The modules (what `Modules::function` compiles, by name), each a list of the files it holds.
 pub const ATTENTION: &str = "#include \"attention.cu\"";
 pub const ATTENTION_MMA: &str = "#include \"attention_mma.cu\"";
+pub const ATTENTION_PREFILL: &str = "#include \"attention_prefill.cu\"";
 pub const CACHE_WRITE: &str = "#include \"cache_write.cu\"";
 pub const MERGE: &str = "#include \"merge.cu\"";
 pub const FILL: &str = "#include \"fill.cu\"";
@@ -175,7 +178,7 @@ mod tests {
                 }
             }
         }
-        for m in [ATTENTION, ATTENTION_MMA, CACHE_WRITE, MERGE, FILL, META, SELECT, PREDICTOR, SLOTS] {
+        for m in [ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, MERGE, FILL, META, SELECT, PREDICTOR, SLOTS] {
             let text = expand(m).unwrap();
             assert!(!text.contains("#include") && !text.contains("#pragma once"), "{m}");
             // common.cuh's typedefs appear exactly once however many files include it.

@@ -164,7 +164,7 @@ mod tests {
 /// GPU (NVRTC only; skipped when NVRTC is not installed). Catches source errors before a device run.
 #[cfg(test)]
 mod compile_tests {
-    use super::super::kernel_src::{expand, ATTENTION, ATTENTION_MMA, CACHE_WRITE, FILL, MERGE, META, PREDICTOR, SELECT, SLOTS};
+    use super::super::kernel_src::{expand, ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, PREDICTOR, SELECT, SLOTS};
     use super::*;
 
     #[test]
@@ -225,11 +225,22 @@ mod compile_tests {
                     let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();
                     defs.push("ART_NOPROBE=1".into());
                     build("attention_mma", ATTENTION_MMA, &defs);
+                    // RefreshKV's full step: the plan's attention writing its logits.
+                    let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=0".into(), "LOGITS=1".into()].to_vec();
+                    build("attention_mma", ATTENTION_MMA, &defs);
+                    if let Some(ps) = super::super::prefill::prefill_shape(g, d, 2, true, 225 * 1024) {
+                        build("attention_prefill", ATTENTION_PREFILL, &ps.defines_for(dt as i32, d, g));
+                    }
                 }
             }
             build("meta", META, &[format!("KVS_DTYPE={dt}"), "--fmad=false".into()]);
         }
         build("select", SELECT, &["KVS_DTYPE=2".into(), "HEAD_DIM=128".into(), "GROUP=16".into(), "--fmad=false".into()]);
+        // The prefill kernel at the Llama-8B shape (and GQA 8, f16).
+        for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 128, 8)] {
+            let ps = super::super::prefill::prefill_shape(g, d, 2, true, 225 * 1024).expect("prefill shape");
+            build("attention_prefill", ATTENTION_PREFILL, &ps.defines_for(dt, d, g));
+        }
         // AttentionPredictor (the built-in network's widths; PT as PredictorDev picks it).
         for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 64, 8), (0, 128, 4), (2, 96, 16), (1, 80, 1), (2, 256, 8), (0, 192, 4)] {
             let defs = vec![format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), "--fmad=false".into(), "PRED_C1=16".into(), "PRED_C2=32".into(), "PRED_PT=128".into()];

@@ -102,13 +102,17 @@ pub fn mma_shape(group: usize, head_dim: usize, elem_bytes: usize, aligned16: bo
 }
 
 /// Tensor-core kernel switches: `KVS_CUDA_KERNEL=simt` forces the lane-group kernel everywhere;
-/// `KVS_MMA_WARPS` / `KVS_MMA_STAGES` override warps per CTA and stages per warp (experiments).
+/// `KVS_MMA_WARPS` / `KVS_MMA_STAGES` override warps per CTA and stages per warp (experiments);
+/// `KVS_CUDA_ROW_SPLIT=0` splits dense rows at the plan's fixed chunks instead of each row's own span
+/// (the behaviour before 2026-11-26, kept to measure the difference).
 #[derive(Clone, Copy, Debug)]
 pub struct MmaTunables {
     pub enabled: bool,
     pub warps: usize,
     pub stages: usize,
     pub l2_hint: usize,
+    /// Dense rows cut their own visible span into the grid's splits (kernels/attention_mma.cu, ROW_SPLIT).
+    pub row_split: bool,
 }
 
 impl MmaTunables {
@@ -119,6 +123,7 @@ impl MmaTunables {
             warps: get("KVS_MMA_WARPS", 4).clamp(1, 16),
             stages: get("KVS_MMA_STAGES", 3).clamp(2, 8),
             l2_hint: match std::env::var("KVS_MMA_L2").ok().and_then(|v| v.parse().ok()) { Some(v @ (0 | 64 | 128 | 256)) => v, _ => 128 },
+            row_split: std::env::var("KVS_CUDA_ROW_SPLIT").map(|v| v != "0").unwrap_or(true),
         }
     }
 }
@@ -200,7 +205,7 @@ mod tests {
 
     #[test]
     fn mma_variant_applies_to_half_types_only() {
-        let tun = MmaTunables { enabled: true, warps: 4, stages: 3, l2_hint: 0 };
+        let tun = MmaTunables { enabled: true, warps: 4, stages: 3, l2_hint: 0, row_split: true };
         let m = mma_shape(4, 128, 2, true, &tun, 227 << 10).unwrap();
         assert_eq!((m.gq, m.warps, m.stages, m.tile()), (4, 4, 3, 64));
         assert_eq!(m.smem_bytes(128), 4 * 3 * 2 * 16 * 272);
@@ -209,7 +214,7 @@ mod tests {
         assert!(mma_shape(4, 128, 4, true, &tun, 227 << 10).is_none(), "f32 stays on the lane-group kernel");
         assert!(mma_shape(4, 128, 2, false, &tun, 227 << 10).is_none());
         assert!(mma_shape(4, 128, 2, true, &MmaTunables { enabled: false, ..tun }, 227 << 10).is_none());
-        let big = mma_shape(16, 256, 2, true, &MmaTunables { enabled: true, warps: 8, stages: 4, l2_hint: 0 }, 227 << 10).unwrap();
+        let big = mma_shape(16, 256, 2, true, &MmaTunables { enabled: true, warps: 8, stages: 4, l2_hint: 0, row_split: true }, 227 << 10).unwrap();
         assert!(big.smem_bytes(256) <= 227 << 10 && big.stages >= 2);
         let pol = SplitPolicy { waves: 8, min_chunk: 512, max_splits: 64, cta_cost: 256 };
         let (n, chunk) = splits_tile(8, 131072, 264, 64, &pol);

@@ -321,7 +321,9 @@ impl CudaBackend {
             lay.slot_gen = take(checked(&[ns, 4])?);
         }
         if let Selector::Refresh(r) = p.selector {
-            lay.refresh = crate::policy::refresh::cuda::RefreshWs::reserve(&mut take, ns, hk, g, geo.max_pos, r.k)?;
+            // The full step's weights from its own attention where the tensor-core kernel runs it.
+            let logits = self.mma_for(cfg, cache, false).is_some();
+            lay.refresh = crate::policy::refresh::cuda::RefreshWs::reserve(&mut take, ns, hk, g, geo.max_pos, r.k, logits)?;
         }
         let pred_ws = match p.selector {
             Selector::Predictor(ps) => Some(crate::policy::predictor::cuda::PredWs::new(&ps, geo, g, a.max_query_len)?),
@@ -452,7 +454,7 @@ impl CudaBackend {
             }
             Selector::Refresh(r) => {
                 let slots = (ws + lay.slot as u64, ws + lay.slot_gen as u64);
-                self.refresh_select(a, cache, geo, g, &batch, f, ws, &lay.refresh, slots, &r, fin_ref, row_bytes, ctr)?;
+                self.refresh_select(a, cache, geo, g, &batch, f, ws, &lay.refresh, slots, &r, fin_ref, row_bytes, ctr, false)?;
             }
             Selector::Predictor(_) => {
                 let pw = pred_ws.as_ref().expect("predictor workspace");
@@ -500,7 +502,17 @@ impl CudaBackend {
             });
             // ART walks the plan in its segments (art_splits): the key bound is the plan's capacity.
             let keys = if art.is_some() { fin.cap << fin.ulog2 } else { keys };
-            self.attend(cfg, a, cache, geo, Rows::Plan(fin_ref, keys, art))?;
+            match p.selector {
+                Selector::Refresh(_) if lay.refresh.logits => {
+                    let lo = self.refresh_logits_out(geo, ws, &lay.refresh);
+                    self.attend(cfg, a, cache, geo, Rows::PlanLogits(fin_ref, keys, lo))?
+                }
+                _ => self.attend(cfg, a, cache, geo, Rows::Plan(fin_ref, keys, art))?,
+            }
+            if let (Selector::Refresh(r), true, true) = (&p.selector, lay.refresh.logits, do_select) {
+                let slots = (ws + lay.slot as u64, ws + lay.slot_gen as u64);
+                self.refresh_select(a, cache, geo, g, &batch, f, ws, &lay.refresh, slots, r, fin_ref, row_bytes, ctr, true)?;
+            }
             if let Some(art) = p.art {
                 // Blocks no visited tile reached, once every split has run (kernels/select.cu).
                 let (nsplit, chunk) = super::plan::art_splits(keys, art.segment);

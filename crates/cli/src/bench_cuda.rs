@@ -9,12 +9,14 @@ use crate::cuda_bench::{bench_point, bench_sparse_point, copy_bandwidth, default
 use crate::args::Args;
 
 const HELP: &str = "kvsparse bench --device cuda [--batch 1,4,...] [--ctx 1024,...] [--heads 32/8,64/8]
-                    [--max-kv-gib N] [--csv PATH] [--policy SPEC ...]
+                    [--max-kv-gib N] [--csv PATH] [--table-width TOKENS] [--policy SPEC ...]
 
 Times one dense decode step (query length 1, head 128, bf16, block 16, shuffled block tables) per grid
 point with CUDA events (median of 15 groups of 10 steps, inputs rotated so that the set touched is at
 least 4x the L2 cache) and prints achieved GB/s and its fraction of the measured copy bandwidth.
 Points whose KV cache would exceed --max-kv-gib (default 40) or free memory are listed as skipped.
+--table-width T times the step as a serving engine's CUDA graph runs it: block tables T tokens wide
+(at least the context) and max_seq_len = 0, so the launch is planned for T keys per row, not the context.
 
 With --policy (repeatable; `L/16` in a spec stands for the context length over 16 at each point), times
 one sparse decode step per policy and point instead (default grid: batch 1,8,32 x context 16K,32K,128K,
@@ -24,7 +26,12 @@ same cache, and the speedups; Quest's selection is also shown against the time t
 at the measured copy bandwidth. SnapKV first chooses at a prefill chunk of its window's tokens per
 sequence (queries: the decode query repeated); the choice kernels' time is printed below its row.
 PRR (`speculate(over=quest(...), ...)`) is timed against the serial `quest` path with the same budget,
-page and sink on the same inputs, with the step's timeline on both streams printed below its row.";
+page and sink on the same inputs, with the step's timeline on both streams printed below its row.
+
+With --prefill, times causal prefill attention (one layer's call, head 128, bf16, block 16) at --points
+BxQ[+P] (B sequences of Q new tokens after a cached prefix of P; default 1x4096,1x32768,8x4096,
+1x2048+30720) on the prefill kernel and on the decode kernel that served prefill rows before it
+(KVS_CUDA_PREFILL=decode; median of --old-reps calls, default 3, 0 = not timed), in TFLOP/s of the causal FLOPs.";
 
 /// Replaces every `L/<n>` in a spec by `ctx / n`.
 fn expand(spec: &str, ctx: usize) -> Result<String, String> {
@@ -95,7 +102,9 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                         step_x
                     );
                     if r.refresh_full.is_finite() {
-                        println!("{:<40} RefreshKV: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them full", "", 60 * r.rotation, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
+                        // The predictor counts its calibration steps as the full ones (Counters::refresh_full_steps).
+                        let (who, kind) = if spec.starts_with("predictor") { ("AttentionPredictor", "calibration") } else { ("RefreshKV", "full") };
+                        println!("{:<40} {who}: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them {kind}", "", 60 * r.rotation, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
                     }
                     if r.serial_us.is_finite() {
                         println!("{:<40} PRR step {:.1} us vs serial quest (select, then attend) {:.1} us: {:.2}x; speculation hit {:.1}% of true pages", "", r.forward_us, r.serial_us, r.serial_us / r.forward_us, 100.0 * r.spec_hit);
@@ -133,12 +142,15 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
 }
 
 pub fn run(argv: &[String]) -> Result<(), String> {
-    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy"], &[], HELP)?;
+    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy", "table-width", "points", "old-reps"], &["prefill"], HELP)?;
     if a.str("device") != Some("cuda") {
         return Err(format!("this module serves --device cuda only\n\n{HELP}"));
     }
     if !kvsparse::cuda::device_available() {
         return Err("no CUDA driver/device available".into());
+    }
+    if a.flag("prefill") {
+        return run_prefill(&a);
     }
     let policies = crate::args::policies(&a)?;
     if !policies.is_empty() {
@@ -149,6 +161,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     let ctxs: Vec<usize> = list(&a, "ctx", &[1024, 4096, 16384, 32768, 131072])?;
     let heads: Vec<String> = list(&a, "heads", &["32/8".to_string(), "64/8".to_string()])?;
     let max_kv = (a.get("max-kv-gib", 40.0f64)? * (1u64 << 30) as f64) as usize;
+    let table_width: usize = a.get("table-width", 0usize)?;
     let mut grid: Vec<Point> = Vec::new();
     for h in &heads {
         let (hq, hk) = h.split_once('/').ok_or_else(|| format!("--heads wants Q/KV pairs like 32/8, got {h:?}"))?;
@@ -174,6 +187,9 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     if let Some(f) = csv.as_mut() {
         writeln!(f, "batch,ctx,hq,hk,us,bytes,gbps,frac_copy,copy_gbps,rotation").map_err(|e| e.to_string())?;
     }
+    if table_width > 0 {
+        println!("block tables {table_width} tokens wide, max_seq_len = 0 (as a captured CUDA graph plans)");
+    }
     println!("{:>5} {:>7} {:>6} {:>10} {:>9} {:>6}  {:>4}", "batch", "ctx", "heads", "time_us", "GB/s", "copy%", "rot");
     for (i, p) in grid.iter().enumerate() {
         let kv = kv_bytes(p);
@@ -182,7 +198,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
             println!("{:>5} {:>7} {:>3}/{:<2} skipped: {:.1} GiB of KV (limit {:.1}, free {:.1})", p.batch, p.ctx, p.hq, p.hk, kv as f64 / (1u64 << 30) as f64, max_kv as f64 / (1u64 << 30) as f64, free as f64 / (1u64 << 30) as f64);
             continue;
         }
-        let r = bench_point(p, copy, l2, 1234 + i as u64).map_err(|e| format!("point {p:?}: {e}"))?;
+        let r = bench_point(p, copy, l2, 1234 + i as u64, table_width).map_err(|e| format!("point {p:?}: {e}"))?;
         println!("{:>5} {:>7} {:>3}/{:<2} {:>10.1} {:>9.0} {:>5.1}%  {:>4}", p.batch, p.ctx, p.hq, p.hk, r.us, r.gbps, 100.0 * r.frac_copy, r.rotation);
         if let Some(f) = csv.as_mut() {
             writeln!(f, "{},{},{},{},{:.3},{:.0},{:.1},{:.4},{:.1},{}", p.batch, p.ctx, p.hq, p.hk, r.us, r.bytes, r.gbps, r.frac_copy, copy, r.rotation).map_err(|e| e.to_string())?;
@@ -197,4 +213,36 @@ fn list<T: std::str::FromStr + Clone>(a: &Args, name: &str, default: &[T]) -> Re
         None => Ok(default.to_vec()),
         Some(s) => s.split(',').map(|x| x.trim().parse().map_err(|_| format!("--{name}: cannot parse {x:?}"))).collect(),
     }
+}
+
+/// `--prefill`: the prefill kernel against the decode kernel on prefill rows, per point.
+fn run_prefill(a: &Args) -> Result<(), String> {
+    use crate::cuda_prefill_bench::{bench_prefill_point, PrefillPoint};
+    let points: Vec<String> = list(a, "points", &["1x4096".to_string(), "1x32768".into(), "8x4096".into(), "1x2048+30720".into()])?;
+    let heads: Vec<String> = list(a, "heads", &["32/8".to_string()])?;
+    let old_reps: usize = a.get("old-reps", 3)?;
+    let _gpu = kvsparse::cuda::context::Gpu::open(0).map_err(|e| e.to_string())?;
+    let mut csv = match a.str("csv") {
+        Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{p}: {e}"))?),
+        None => None,
+    };
+    if let Some(f) = csv.as_mut() {
+        writeln!(f, "point,hq,hk,tflop,prefill_ms,prefill_tflops,decode_kernel_ms,decode_kernel_tflops,speedup,max_rel_diff").map_err(|e| e.to_string())?;
+    }
+    println!("{:<14} {:>6} {:>8} {:>11} {:>9} {:>12} {:>9} {:>8} {:>10}", "point", "heads", "TFLOP", "prefill ms", "TFLOP/s", "decode-k ms", "TFLOP/s", "speedup", "max diff");
+    for h in &heads {
+        let (hq, hk) = h.split_once('/').ok_or_else(|| format!("--heads wants Q/KV pairs like 32/8, got {h:?}"))?;
+        let (hq, hk): (usize, usize) = (hq.parse().map_err(|_| "bad --heads")?, hk.parse().map_err(|_| "bad --heads")?);
+        for (i, s) in points.iter().enumerate() {
+            let p = PrefillPoint::parse(s)?;
+            let fl = p.flops(hq);
+            let r = bench_prefill_point(&p, hq, hk, old_reps, 0x5eed + i as u64).map_err(|e| format!("{s}: {e}"))?;
+            let (tn, to) = (fl / (r.new_ms * 1e-3) / 1e12, fl / (r.old_ms * 1e-3) / 1e12);
+            println!("{s:<14} {hq:>3}/{hk:<2} {:>8.2} {:>11.3} {tn:>9.1} {:>12.3} {to:>9.1} {:>7.1}x {:>10.2e}", fl / 1e12, r.new_ms, r.old_ms, r.old_ms / r.new_ms, r.diff);
+            if let Some(f) = csv.as_mut() {
+                writeln!(f, "{s},{hq},{hk},{:.4},{:.4},{tn:.2},{:.4},{to:.2},{:.3},{:.3e}", fl / 1e12, r.new_ms, r.old_ms, r.old_ms / r.new_ms, r.diff).map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    Ok(())
 }

@@ -53,9 +53,9 @@ pub fn kv_bytes(p: &Point) -> usize {
     p.batch * p.ctx * p.hk * HEAD_DIM * 2 * 2
 }
 
-struct Events(CUevent, CUevent);
+pub(crate) struct Events(CUevent, CUevent);
 impl Events {
-    fn new() -> Result<Events> {
+    pub(crate) fn new() -> Result<Events> {
         let api = cuda()?;
         let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: out-parameters; destroyed in Drop.
@@ -66,7 +66,7 @@ impl Events {
         Ok(Events(a, b))
     }
     /// Milliseconds taken by `f` (which enqueues work on `stream`).
-    fn time(&self, stream: CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    pub(crate) fn time(&self, stream: CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
         let api = cuda()?;
         let mut ms = 0f32;
         // SAFETY: valid events and stream.
@@ -92,7 +92,7 @@ impl Drop for Events {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
 }
@@ -117,10 +117,13 @@ pub fn copy_bandwidth() -> Result<f64> {
     Ok(2.0 * n as f64 / (median(t) * 1e-3) / 1e9)
 }
 
-/// Times dense decode at `p`; `copy_gbps` is the reference bandwidth. `max_kv_bytes` bounds memory.
-pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64) -> Result<Row> {
+/// Times dense decode at `p`; `copy_gbps` is the reference bandwidth. `table_width` > 0: block tables of
+/// that many tokens (at least the context; the columns past it hold valid, unread ids) and
+/// max_seq_len = 0, as a CUDA graph captured for any length is launched.
+pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_width: usize) -> Result<Row> {
     let d = HEAD_DIM;
     let blocks_per_seq = p.ctx.div_ceil(BLOCK);
+    let cols = table_width.div_ceil(BLOCK).max(blocks_per_seq);
     let kv = kv_bytes(p);
     let rotation = (4 * l2_bytes).div_ceil(kv).clamp(1, 16);
     let nb = rotation * p.batch * blocks_per_seq;
@@ -149,6 +152,8 @@ pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64) -> Res
             table[base + i] = id as i32;
         }
     }
+    // Rows of `cols` entries: the sequence's blocks, then (past its length) its first block again.
+    let table: Vec<i32> = table.chunks(blocks_per_seq).flat_map(|row| row.iter().copied().chain(std::iter::repeat(row[0]).take(cols - blocks_per_seq))).collect();
     let bt = DevBuf::from_host(bytes(&table))?;
     let seq_lens = DevBuf::from_host(bytes(&vec![p.ctx as i32; p.batch]))?;
     let qsl = DevBuf::from_host(bytes(&(0..=p.batch as i32).collect::<Vec<i32>>()))?;
@@ -166,7 +171,7 @@ pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64) -> Res
             query: v(unsafe { q.as_ptr().add(qoff) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
             key_cache: v(kc.as_ptr(), DType::BF16, &cshape)?,
             value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
-            block_table: v(unsafe { bt.as_ptr().add(r * p.batch * blocks_per_seq * 4) }, DType::I32, &[p.batch as i64, blocks_per_seq as i64])?,
+            block_table: v(unsafe { bt.as_ptr().add(r * p.batch * cols * 4) }, DType::I32, &[p.batch as i64, cols as i64])?,
             seq_lens: v(seq_lens.as_ptr(), DType::I32, &[p.batch as i64])?,
             query_start_loc: v(qsl.as_ptr(), DType::I32, &[p.batch as i64 + 1])?,
             seq_ids: None,
@@ -176,7 +181,7 @@ pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64) -> Res
             sliding_window: 0,
             softcap: 0.0,
             max_query_len: 1,
-            max_seq_len: p.ctx as i32,
+            max_seq_len: if table_width > 0 { 0 } else { p.ctx as i32 },
             stream: s,
         });
     }
@@ -203,7 +208,7 @@ pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64) -> Res
     Ok(Row { us: ms * 1e3, bytes, gbps, frac_copy: gbps / copy_gbps, rotation })
 }
 
-fn bytes<T>(v: &[T]) -> &[u8] {
+pub(crate) fn bytes<T>(v: &[T]) -> &[u8] {
     // SAFETY: plain-old-data slice viewed as bytes.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }

@@ -6,6 +6,7 @@ mod bench;
 mod bench_cuda;
 mod bench_prefill;
 mod cuda_bench;
+mod cuda_prefill_bench;
 mod conformance;
 mod conformance_cuda;
 mod demo;

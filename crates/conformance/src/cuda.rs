@@ -180,11 +180,21 @@ fn failed(spec: &CaseSpec, seed: u64, e: kvsparse::Error) -> CaseResult {
 /// Cache write + forward of a fixture on CUDA device 0 (default stream); the outputs come back to the
 /// host. Also the CUDA backend for `nonfinite::check_attention`.
 pub fn run_fixture_cuda(f: &Fixture) -> Result<Outputs> {
+    run_fixture_cuda_planned(f, true)
+}
+
+/// As `run_fixture_cuda`; `known_len = false` passes max_seq_len = 0, as a captured CUDA graph does:
+/// the launch is planned for the block table's width and each row splits its own span.
+pub fn run_fixture_cuda_planned(f: &Fixture, known_len: bool) -> Result<Outputs> {
     let engine = cuda_engine(f)?;
     let mut outs = Outputs::new(f);
     let dc = DeviceCase::upload(f, &outs)?;
     dc.write_cache(&engine, f, std::ptr::null_mut())?;
-    engine.attention_forward(&dc.forward_args(f, &outs, std::ptr::null_mut())?)?;
+    let mut args = dc.forward_args(f, &outs, std::ptr::null_mut())?;
+    if !known_len {
+        args.max_seq_len = 0;
+    }
+    engine.attention_forward(&args)?;
     engine_sync(&engine)?;
     dc.download(&mut outs)?;
     Ok(outs)
@@ -192,8 +202,13 @@ pub fn run_fixture_cuda(f: &Fixture) -> Result<Outputs> {
 
 /// One conformance case on CUDA device 0 (default stream).
 pub fn run_case_cuda(spec: &CaseSpec, seed: u64) -> CaseResult {
+    run_case_cuda_planned(spec, seed, true)
+}
+
+/// As `run_case_cuda`, with max_seq_len = 0 when `known_len` is false (see `run_fixture_cuda_planned`).
+pub fn run_case_cuda_planned(spec: &CaseSpec, seed: u64, known_len: bool) -> CaseResult {
     let f = Fixture::new(spec, seed);
-    match run_fixture_cuda(&f) {
+    match run_fixture_cuda_planned(&f, known_len) {
         Ok(outs) => judge(&f, &outs, seed),
         Err(e) => failed(spec, seed, e),
     }

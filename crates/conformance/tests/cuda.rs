@@ -4,7 +4,7 @@
 //! instead when KVS_REQUIRE_CUDA=1. KVS_QUICK=1 runs the reduced matrix (for compute-sanitizer). Fresh
 //! random data each run; the seed is printed.
 
-use kvsparse_conformance::cuda::{cuda_required, graph_replay, merge_on_cuda, run_case_cuda, run_fixture_cuda, DeviceCase};
+use kvsparse_conformance::cuda::{cuda_required, graph_replay, merge_on_cuda, run_case_cuda, run_case_cuda_planned, run_fixture_cuda, DeviceCase};
 use kvsparse_conformance::nonfinite::{check_all_attention, check_merge};
 use kvsparse_conformance::{matrix, CaseSpec, Fixture, Outputs};
 use kvsparse::rng::Rng;
@@ -32,6 +32,32 @@ fn cuda_matches_float64_reference_on_the_matrix() {
     let mut failures = Vec::new();
     for (i, spec) in matrix(quick()).iter().enumerate() {
         let r = run_case_cuda(spec, seed.wrapping_add(i as u64));
+        println!("cuda {:<40} rel_err {:.2e} lse_err {:.2e} {}", r.name, r.rel_err, r.lse_err, if r.pass { "ok" } else { "FAIL" });
+        if !r.pass {
+            failures.push(format!("{} (seed {}): rel {:.3e} lse {:.3e} {:?}", r.name, r.seed, r.rel_err, r.lse_err, r.error));
+        }
+    }
+    assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
+}
+
+/// The matrix again with max_seq_len = 0, as a captured CUDA graph launches: the grid is planned for the
+/// block table's width and every row cuts its own visible span (sliding windows, short rows beside long
+/// ones, prefill rows) into the grid's splits; the results must meet the same tolerances.
+fn cuda_matches_float64_reference_planned_for_the_table_width() {
+    if !have_cuda("cuda_matrix_table_width") {
+        return;
+    }
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let mut failures = Vec::new();
+    let mut specs = matrix(quick());
+    // Rows far shorter than the table (one long sequence sizes the plan) and a window inside a long row.
+    specs.push(CaseSpec::new("table-width-short-rows", DType::BF16, 128, 32, 8, 16, vec![(1, 40000), (1, 1), (1, 700), (1, 3000), (3, 5000)]));
+    let mut w = CaseSpec::new("table-width-window", DType::F16, 64, 8, 2, 16, vec![(1, 30000), (1, 9000), (2, 2500)]);
+    w.window = 1500;
+    specs.push(w);
+    for (i, spec) in specs.iter().enumerate() {
+        let r = run_case_cuda_planned(spec, seed.wrapping_add(i as u64), false);
         println!("cuda {:<40} rel_err {:.2e} lse_err {:.2e} {}", r.name, r.rel_err, r.lse_err, if r.pass { "ok" } else { "FAIL" });
         if !r.pass {
             failures.push(format!("{} (seed {}): rel {:.3e} lse {:.3e} {:?}", r.name, r.seed, r.rel_err, r.lse_err, r.error));
@@ -275,6 +301,7 @@ fn main() {
     };
     let tests = vec![
         test("cuda_matches_float64_reference_on_the_matrix", cuda_matches_float64_reference_on_the_matrix).with_ignored_flag(skip),
+        test("cuda_matches_float64_reference_planned_for_the_table_width", cuda_matches_float64_reference_planned_for_the_table_width).with_ignored_flag(skip),
         test("cuda_graph_capture_of_a_decode_step_replays_on_new_data", cuda_graph_capture_of_a_decode_step_replays_on_new_data).with_ignored_flag(skip),
         test("cuda_bad_device_metadata_stays_in_bounds", cuda_bad_device_metadata_stays_in_bounds).with_ignored_flag(skip),
         test("cuda_merge_states_matches_cpu", cuda_merge_states_matches_cpu).with_ignored_flag(skip),

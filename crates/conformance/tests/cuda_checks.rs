@@ -22,13 +22,15 @@ fn bytes<T>(v: &[T]) -> &[u8] {
 }
 
 /// Decode rows of five sequences (lengths 1 to 4000) on the tensor-core kernel (bf16) or the lane-group
-/// kernel (f32); and a batch mixing prefill chunks with decode rows.
+/// kernel (f32); batches mixing prefill chunks with decode rows.
 fn specs() -> Vec<CaseSpec> {
     let decode = vec![(1, 4000), (1, 1), (1, 17), (1, 1500), (1, 777)];
     vec![
         CaseSpec::new("decode-bf16", DType::BF16, 128, 32, 8, 16, decode.clone()),
         CaseSpec::new("decode-f32", DType::F32, 128, 32, 8, 16, decode),
         CaseSpec::new("mixed-f16", DType::F16, 128, 8, 2, 16, vec![(5, 40), (1, 33), (3, 3), (1, 300)]),
+        // Prefill rows on the prefill kernel (kernels/attention_prefill.cu), tiles straddling sequences.
+        CaseSpec::new("prefill-bf16-gqa8", DType::BF16, 64, 16, 2, 16, vec![(40, 300), (1, 50), (100, 100), (7, 2000), (1, 1)]),
     ]
 }
 

@@ -1,6 +1,11 @@
 //! RefreshKV on the CUDA backend (kernels/refresh.cu): the schedule, the full step's scores and the token
 //! sets on the device, per sequence slot (src/cuda/slots.rs), so a decode step has no host decision and
-//! stays capturable. Same decisions as the CPU engine (`policy::refresh`, `cpu::sparse::run_refresh`).
+//! stays capturable. The schedule and the prefill's seed are the CPU engine's decisions bit for bit
+//! (`policy::refresh`, `cpu::sparse::run_refresh`); a full decode step's weights come out of its own
+//! attention on tensor cores (the kernel writes the logits, `Rows::PlanLogits`; two small kernels turn
+//! them into weights; the set is rebuilt after the attention) and agree with the CPU's within the margin
+//! docs/policies.md states. Where the tensor-core kernel does not apply (f32 caches, unaligned rows), the
+//! full step scores in the CPU's arithmetic before the attention, as the prefill's seed does.
 //!
 //! Plans: token-granular (unit_log2 = 0) with a capacity of the block table's width, because a full step
 //! (which the host cannot foresee) visits every visible position; the attention launch is therefore sized
@@ -66,6 +71,26 @@ pub(crate) struct RefreshWs {
     agg: usize,
     pooled: usize,
     tmp: usize,
+    /// The full rows' logits from their attention ([ns, hk, max_pos, group] f32) and the weights pass's
+    /// per-chunk row statistics ([ns, hk, group, chunks] f32 pairs); empty without the tensor-core path.
+    lg: usize,
+    parts: usize,
+    /// The multi-CTA rebuild's radix histograms ([ns, hk, 3, 4096] u32), selections ([ns, hk, 2] u32)
+    /// and per-chunk counts ([ns, hk, chunks, 2] u32).
+    hist: usize,
+    sel: usize,
+    ccnt: usize,
+    /// Whether the full step's weights come from its attention (the tensor-core kernel applies).
+    pub(crate) logits: bool,
+}
+
+/// Positions per chunk of the weights pass and the rebuild (kernels/refresh.cu RF_CH).
+const WEIGHT_CHUNK: usize = 4096;
+/// Bins of the rebuild's radix histograms (kernels/refresh.cu RF_BINS).
+const HIST_BINS: usize = 4096;
+
+fn weight_chunks(max_pos: usize) -> usize {
+    max_pos.max(1).div_ceil(WEIGHT_CHUNK)
 }
 
 fn checked(parts: &[usize]) -> Result<usize> {
@@ -74,9 +99,19 @@ fn checked(parts: &[usize]) -> Result<usize> {
 
 impl RefreshWs {
     /// Reserves the regions of a call of `ns` sequences through `take` (bytes -> offset).
-    pub(crate) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize) -> Result<Self> {
+    /// `logits`: the full step's weights come from its attention (reserves the logits and statistics).
+    pub(crate) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize, logits: bool) -> Result<Self> {
         let rows = checked(&[ns, hk, group])?;
+        let heads = checked(&[ns, hk])?;
+        let (lg, parts) = if logits { (take(checked(&[rows, max_pos.max(1), 4])?), take(checked(&[rows, weight_chunks(max_pos), 8])?)) } else { (0, 0) };
+        let (hist, sel, ccnt) = if logits { (take(checked(&[heads, 3 * HIST_BINS, 4])?), take(checked(&[heads, 8])?), take(checked(&[heads, weight_chunks(max_pos), 8])?)) } else { (0, 0, 0) };
         Ok(RefreshWs {
+            lg,
+            parts,
+            hist,
+            sel,
+            ccnt,
+            logits,
             mode: take(checked(&[ns, 4])?),
             rmax: take(checked(&[rows, 4])?),
             z: take(checked(&[rows, 8])?),
@@ -161,8 +196,11 @@ fn score_ctas(num_sms: usize, hk: usize, max_pos: usize, tp: usize) -> usize {
 }
 
 impl CudaBackend {
-    /// Enqueues RefreshKV's decision for a policy call: schedule, scores of the full (and prefill) rows,
-    /// the sets and every decode row's plan `plan` (token-granular, `plan.cap` entries per row).
+    /// Enqueues RefreshKV's decision for a policy call: schedule, scores of the prefill (and, without the
+    /// tensor-core path, the full) rows, the sets and every decode row's plan `plan` (token-granular,
+    /// `plan.cap` entries per row). With `after_attention`, called after the attention of a call whose
+    /// full rows wrote their logits (`RefreshWs::logits`): those rows' weights and their sets rebuilt
+    /// across CTAs (kvs_refresh_lse_parts, kvs_refresh_weights, kvs_refresh_top_*).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn refresh_select(
         &self,
@@ -179,18 +217,95 @@ impl CudaBackend {
         plan: PlanRef,
         row_bytes: i64,
         ctr: i64,
+        after_attention: bool,
     ) -> Result<()> {
         let (hk, d, ns) = (cache.num_kv_heads, cache.head_dim, geo.num_seqs);
-        let Some(slots) = self.slots.as_ref() else { bail!(Internal, "RefreshKV needs the sequence slot map") };
         let stream = a.stream;
         ensure!(r.k < i32::MAX as usize && r.pool < i32::MAX as usize, Unsupported, "refresh(k, pool) too large for 32-bit indices");
-        // The layer's state, allocated once (never inside a capture).
-        let state = {
+        let ra = self.refresh_args(a, hk, d, ws, rw, (slot, slot_gen), r)?;
+        let maxpos = geo.max_pos.max(1);
+        let plan_launch = || -> Result<()> {
+            let mut k = KArgs::new();
+            k.by_value(batch).by_value(&ra).i64((ws + rw.agg as u64) as i64).i64((ws + rw.pooled as u64) as i64).i32(maxpos as i32);
+            k.i64(plan.e as i64).i64(plan.p_s).i64(plan.p_h).i64(plan.len as i64).i32(plan.cap).i64((ws + rw.tmp as u64) as i64);
+            k.i64(row_bytes).i64((d * cache.dtype.size_bytes()) as i64).i64(ctr).i32(rw.logits as i32);
+            launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_refresh_plan launch")
+        };
+        if after_attention {
+            let chunks = weight_chunks(maxpos);
+            let mode = (ws + rw.mode as u64) as i64;
+            let (lg, parts) = ((ws + rw.lg as u64) as i64, (ws + rw.parts as u64) as i64);
+            let grid = (chunks as u32, hk as u32, ns as u32);
+            for (name, with_agg) in [("kvs_refresh_lse_parts", false), ("kvs_refresh_weights", true)] {
+                let mut k = KArgs::new();
+                k.by_value(batch).i64(mode).i64(lg).i32(maxpos as i32).i32(hk as i32).i64(parts).i32(chunks as i32);
+                if with_agg {
+                    k.i64((ws + rw.agg as u64) as i64);
+                }
+                launch::launch(f(name)?, grid, 256, &mut k, stream, name)?;
+            }
+            // The sets rebuilt across CTAs: pool + histogram, select, twice more, count, write.
+            let (agg, pooled) = ((ws + rw.agg as u64) as i64, (ws + rw.pooled as u64) as i64);
+            let (hist, sel, ccnt) = ((ws + rw.hist as u64) as i64, (ws + rw.sel as u64) as i64, (ws + rw.ccnt as u64) as i64);
+            // SAFETY: the histogram region holds ns * hk * 3 * HIST_BINS u32 (RefreshWs::reserve).
+            unsafe { check((cuda()?.cuMemsetD8Async)(hist as u64, 0, ns * hk * 3 * HIST_BINS * 4, stream), "cuMemsetD8Async")? };
+            for pass in 0..3 {
+                let mut k = KArgs::new();
+                k.by_value(batch).by_value(&ra).i64(agg).i64(pooled).i32(maxpos as i32).i64(hist).i64(sel).i32(pass);
+                launch::launch(f("kvs_refresh_top_hist")?, grid, 256, &mut k, stream, "kvs_refresh_top_hist launch")?;
+                let mut k = KArgs::new();
+                k.by_value(batch).by_value(&ra).i32(maxpos as i32).i64(hist).i64(sel).i32(pass);
+                launch::launch(f("kvs_refresh_top_select")?, (hk as u32, ns as u32, 1), 256, &mut k, stream, "kvs_refresh_top_select launch")?;
+            }
+            for name in ["kvs_refresh_top_count", "kvs_refresh_top_write"] {
+                let mut k = KArgs::new();
+                k.by_value(batch).by_value(&ra).i64(pooled).i32(maxpos as i32).i64(sel).i64(ccnt).i32(chunks as i32);
+                launch::launch(f(name)?, grid, 256, &mut k, stream, name)?;
+            }
+            return Ok(());
+        }
+        let rows = ns * hk * group;
+        let api = cuda()?;
+        // SAFETY: each region holds `rows` elements of its width (RefreshWs, sized by the caller).
+        unsafe {
+            // -inf's order key (kernels/include/decide.cuh kvs_order_key).
+            check((api.cuMemsetD32Async)(ws + rw.rmax as u64, 0x007f_ffff, rows, stream), "cuMemsetD32Async")?;
+            check((api.cuMemsetD8Async)(ws + rw.z as u64, 0, rows * 8, stream), "cuMemsetD8Async")?;
+            check((api.cuMemsetD8Async)(ws + rw.bad as u64, 0, rows * 4, stream), "cuMemsetD8Async")?;
+        }
+        let q = &a.query;
+        let mut k = KArgs::new();
+        k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32((hk * group) as i32);
+        k.by_value(&ra).i64(row_bytes).i64(ctr);
+        launch::launch(f("kvs_refresh_decide")?, (ns as u32, 1, 1), 128, &mut k, stream, "kvs_refresh_decide launch")?;
+
+        let (tp, threads) = crate::policy::snapkv::cuda::scores_shape(d, group);
+        let ctas = score_ctas(self.gpu.num_sms as usize, hk, maxpos, tp);
+        let kc = &cache.k;
+        // The CPU's arithmetic: the prefill's seed, and the full decode rows without the tensor-core path.
+        let scalar_phases = if a.max_query_len != 1 || !rw.logits { 0..3 } else { 0..0 };
+        for phase in scalar_phases {
+            let mut k = KArgs::new();
+            k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
+            k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk as i32).i64((ws + rw.mode as u64) as i64);
+            k.i32(phase).i64((ws + rw.rmax as u64) as i64).i64((ws + rw.z as u64) as i64).i64((ws + rw.bad as u64) as i64);
+            k.i64((ws + rw.agg as u64) as i64).i32(maxpos as i32).i32(rw.logits as i32);
+            launch::launch(f("kvs_refresh_scores")?, (ctas as u32, hk as u32, 1), threads as u32, &mut k, stream, "kvs_refresh_scores launch")?;
+        }
+        plan_launch()
+    }
+
+    /// The kernels' arguments for the call's layer: its state (allocated by the layer's first call, which
+    /// must not be captured), this call's slots and workspace, the policy's parameters.
+    #[allow(clippy::too_many_arguments)]
+    fn refresh_args(&self, a: &ForwardArgs, hk: usize, d: usize, ws: u64, rw: &RefreshWs, (slot, slot_gen): (u64, u64), r: &Refresh) -> Result<RefreshArgs> {
+        let Some(slots) = self.slots.as_ref() else { bail!(Internal, "RefreshKV needs the sequence slot map") };
+        let (base, sl) = {
             let mut layers = self.refresh.layers.lock();
             let entry = layers.get_mut(a.layer).ok_or_else(|| Error::new(ErrorKind::OutOfRange, "layer outside the engine"))?;
             let lay = StateLayout::new(slots.max_seqs(), hk, d, r.k)?;
             if entry.is_none() {
-                if self.gpu.is_capturing(stream)? {
+                if self.gpu.is_capturing(a.stream)? {
                     bail!(InvalidArgument, "RefreshKV's state for layer {} is allocated by the layer's first call, which must not be captured; run one step eagerly first", a.layer);
                 }
                 let buf = DevBuf::alloc(lay.total)?;
@@ -199,9 +314,8 @@ impl CudaBackend {
             }
             (entry.as_ref().expect("allocated above").ptr, lay)
         };
-        let (base, sl) = state;
         let at = |o: usize| base + o as u64;
-        let ra = RefreshArgs {
+        Ok(RefreshArgs {
             qref: at(sl.qref),
             since: at(sl.since),
             lstamp: at(sl.lstamp),
@@ -220,38 +334,11 @@ impl CudaBackend {
             pool: r.pool as i32,
             s: r.s,
             hk: hk as i32,
-        };
-        let rows = ns * hk * group;
-        let api = cuda()?;
-        // SAFETY: each region holds `rows` elements of its width (RefreshWs, sized by the caller).
-        unsafe {
-            // -inf's order key (kernels/include/decide.cuh kvs_order_key).
-            check((api.cuMemsetD32Async)(ws + rw.rmax as u64, 0x007f_ffff, rows, stream), "cuMemsetD32Async")?;
-            check((api.cuMemsetD8Async)(ws + rw.z as u64, 0, rows * 8, stream), "cuMemsetD8Async")?;
-            check((api.cuMemsetD8Async)(ws + rw.bad as u64, 0, rows * 4, stream), "cuMemsetD8Async")?;
-        }
-        let q = &a.query;
-        let mut k = KArgs::new();
-        k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32((hk * group) as i32);
-        k.by_value(&ra).i64(row_bytes).i64(ctr);
-        launch::launch(f("kvs_refresh_decide")?, (ns as u32, 1, 1), 128, &mut k, stream, "kvs_refresh_decide launch")?;
+        })
+    }
 
-        let (tp, threads) = crate::policy::snapkv::cuda::scores_shape(d, group);
-        let maxpos = geo.max_pos.max(1);
-        let ctas = score_ctas(self.gpu.num_sms as usize, hk, maxpos, tp);
-        let kc = &cache.k;
-        for phase in 0..3 {
-            let mut k = KArgs::new();
-            k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
-            k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk as i32).i64((ws + rw.mode as u64) as i64);
-            k.i32(phase).i64((ws + rw.rmax as u64) as i64).i64((ws + rw.z as u64) as i64).i64((ws + rw.bad as u64) as i64);
-            k.i64((ws + rw.agg as u64) as i64).i32(maxpos as i32);
-            launch::launch(f("kvs_refresh_scores")?, (ctas as u32, hk as u32, 1), threads as u32, &mut k, stream, "kvs_refresh_scores launch")?;
-        }
-        let mut k = KArgs::new();
-        k.by_value(batch).by_value(&ra).i64((ws + rw.agg as u64) as i64).i64((ws + rw.pooled as u64) as i64).i32(maxpos as i32);
-        k.i64(plan.e as i64).i64(plan.p_s).i64(plan.p_h).i64(plan.len as i64).i32(plan.cap).i64((ws + rw.tmp as u64) as i64);
-        k.i64(row_bytes).i64((d * cache.dtype.size_bytes()) as i64).i64(ctr);
-        launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_refresh_plan launch")
+    /// Where the full rows' logits go (`Rows::PlanLogits`).
+    pub(crate) fn refresh_logits_out(&self, geo: &Geometry, ws: u64, rw: &RefreshWs) -> crate::cuda::backend::LogitsOut {
+        crate::cuda::backend::LogitsOut { lg: ws + rw.lg as u64, maxpos: geo.max_pos.max(1) as i32 }
     }
 }
