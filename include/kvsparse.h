@@ -195,12 +195,15 @@ typedef struct {
   uint64_t spec_repaired_blocks;
   uint64_t refresh_full_steps;
   uint64_t refresh_partial_steps;
+  // K and V bytes attention read (and a policy's selection, of key metadata); a sequence attended
+  // densely counts every position visible to its first query row, on both engines.
   uint64_t kv_bytes_read;
   // Engine-wide (not per layer, not per call): sequences with live state, created, released.
   uint64_t live_sequences;
   uint64_t sequences_created;
   uint64_t sequences_released;
-  // Bytes of per-sequence policy state held now.
+  // Bytes of per-sequence policy state held now on the host (a CUDA engine preallocates its
+  // per-sequence state on the device at creation and reports 0).
   uint64_t state_bytes;
   // Engine-wide: decode rows of a CUDA engine whose sequence found no free state slot (option
   // `max_seqs`) and therefore ran dense attention instead of the policy.
@@ -237,7 +240,9 @@ typedef struct {
   // `[num_blocks, block_size, num_kv_heads, head_dim]` each, any strides (vLLM flash layout).
   const DLTensor *key_cache;
   const DLTensor *value_cache;
-  // `[num_seqs, max_blocks_per_seq]` int32.
+  // `[num_seqs, max_blocks_per_seq]` int32. Entries `j < ceil(seq_len / block_size)` must lie in
+  // `[0, num_blocks)`: a CPU engine checks each of them, a CUDA engine those its kernels read (an entry
+  // no row visits, outside a window or a page a policy skips, is not read and not checked).
   const DLTensor *block_table;
   // `[num_seqs]` int32: total length of each sequence including its new tokens.
   const DLTensor *seq_lens;

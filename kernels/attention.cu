@@ -77,8 +77,10 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int h0 = hg * GQ, kvh = h0 / GROUP;
 
     const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
-    bool row_bad = false;  // another launch of this call may serve the row
-    if (!kvs_serve_row(mode, row, t, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, &row_bad)) return;
+    // K and V bytes of one position over all KV heads (the counters' unit of dense reads).
+    const i64 kv_row_bytes = (i64)HEAD_DIM * (i64)sizeof(elem_t) * 2 * (num_q_heads / GROUP);
+    __shared__ int sm_rc[KVS_RC_WORDS];  // the row's check words, judged at the end (kvs_finish_row_checks)
+    if (!kvs_serve_row(mode, row, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, window, kv_row_bytes, sm_rc)) return;  // another launch serves it
     bool bt_bad = false;  // this thread read a block id outside [0, num_blocks)
 #if PLAN
     const int pl = min(max(plan.len[row.seq * plan.hk + kvh], 0), plan.cap);
@@ -208,6 +210,7 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     __shared__ int sm_bad[GQ];
     __shared__ int sm_col;
     if (threadIdx.x < GQ) sm_bad[threadIdx.x] = 0;
+    kvs_row_check_wait();
     const bool cta_bt_bad = __syncthreads_or((int)bt_bad) != 0;
 #pragma unroll
     for (int g = 0; g < GQ; ++g)
@@ -224,7 +227,9 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
     }
     __syncthreads();
-    kvs_record_row_faults(kerr, row_bad, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, &sm_col);
+    RowCheck rc;
+    const bool row_bad = kvs_finish_row_checks(kerr, sm_rc, num_seqs, &rc, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, bt_cols, bs_log2, &sm_col);
+    kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2, window, kv_row_bytes, &rc, row.seq);
     for (int idx = threadIdx.x; idx < GQ * HEAD_DIM; idx += NTHREADS) {
         const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
         float M = -INFINITY;
@@ -241,7 +246,7 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
         const bool any = L > 0.f;
         const float nan = __int_as_float(0x7fffffff);
-        const bool poisoned = sm_bad[g] != 0 || row_bad || cta_bt_bad;
+        const bool poisoned = sm_bad[g] != 0 || row_bad;
         const float o = poisoned ? nan : (any ? O / L : 0.f);
         const float lse_nat = poisoned ? nan : (any ? (M + log2f(L)) * KVS_LN2 : -INFINITY);
         const int h = h0 + g;
@@ -254,5 +259,4 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             if (d == 0) ws_lse[slot] = lse_nat;
         }
     }
-    kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2);
 }

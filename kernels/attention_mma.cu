@@ -113,8 +113,10 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int h0 = hg * GQ, kvh = h0 / GROUP;
 
     const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
-    bool row_bad = false;  // another launch of this call may serve the row
-    if (!kvs_serve_row(mode, row, t, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, &row_bad)) return;
+    // K and V bytes of one position over all KV heads (the counters' unit of dense reads).
+    const i64 kv_row_bytes = (i64)HEAD_DIM * (i64)sizeof(elem_t) * 2 * (num_q_heads / GROUP);
+    __shared__ int sm_rc[KVS_RC_WORDS];  // the row's check words, judged at the end (kvs_finish_row_checks)
+    if (!kvs_serve_row(mode, row, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, window, kv_row_bytes, sm_rc)) return;  // another launch serves it
     bool bt_bad = false;  // this thread read a block id outside [0, num_blocks)
 #if PLAN
     // Plan mode: this split walks plan keys [s_lo, s_hi] (key g = position (e[g >> ulog2] << ulog2) | low bits).
@@ -148,13 +150,13 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     // plan gets exactly the host's chunks, and a sliding window's span is split, not its absolute range.
 #if ROW_SPLIT
     const int base = row.lo & ~15;
-    int rc = (row.hi - base + nsplit) / nsplit;  // ceil(span / nsplit), span = hi - base + 1
-    rc = (rc + 16 * NWARPS - 1) / (16 * NWARPS) * (16 * NWARPS);
-    rc = max(rc, min(chunk, 4 * 16 * NWARPS));
+    int span_chunk = (row.hi - base + nsplit) / nsplit;  // ceil(span / nsplit), span = hi - base + 1
+    span_chunk = (span_chunk + 16 * NWARPS - 1) / (16 * NWARPS) * (16 * NWARPS);
+    span_chunk = max(span_chunk, min(chunk, 4 * 16 * NWARPS));
 #else
-    const int base = 0, rc = chunk;  // KVS_CUDA_ROW_SPLIT=0: the plan's fixed chunks (measurements only)
+    const int base = 0, span_chunk = chunk;  // KVS_CUDA_ROW_SPLIT=0: the plan's fixed chunks (measurements only)
 #endif
-    int s_lo = base + split * rc, s_hi = (split == nsplit - 1) ? row.hi : base + (split + 1) * rc - 1;
+    int s_lo = base + split * span_chunk, s_hi = (split == nsplit - 1) ? row.hi : base + (split + 1) * span_chunk - 1;
     s_lo = max(s_lo, row.lo);
     s_hi = min(s_hi, row.hi);
 #endif
@@ -409,6 +411,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     if (threadIdx.x < GQ) sm_bad[threadIdx.x] = 0;
 
     // Merge the warps of this CTA in shared memory (the stage buffers are free once every warp is here).
+    kvs_row_check_wait();
     const bool cta_bt_bad = __syncthreads_or((int)bt_bad) != 0;
     if (qd == 0) {
         if (bad0 && r < GQ) sm_bad[r] = 1;
@@ -434,7 +437,9 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
     }
     __syncthreads();
-    kvs_record_row_faults(kerr, row_bad, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, &sm_col);
+    RowCheck rc;
+    const bool row_bad = kvs_finish_row_checks(kerr, sm_rc, num_seqs, &rc, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, bt_cols, bs_log2, &sm_col);
+    kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2, window, kv_row_bytes, &rc, row.seq);
     for (int idx = threadIdx.x; idx < GQ * HEAD_DIM; idx += NTHREADS) {
         const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
         float M = -INFINITY;
@@ -451,7 +456,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
         const bool any = L > 0.f;
         const float nan = __int_as_float(0x7fffffff);
-        const bool bad = sm_bad[g] != 0 || row_bad || cta_bt_bad;
+        const bool bad = sm_bad[g] != 0 || row_bad;
         const float ov = bad ? nan : (any ? O / L : 0.f);
         const float lse_nat = bad ? nan : (any ? (M + log2f(L)) * KVS_LN2 : -INFINITY);
         const int h = h0 + g;
@@ -464,5 +469,4 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             if (d == 0) ws_lse[slot] = lse_nat;
         }
     }
-    kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2);
 }

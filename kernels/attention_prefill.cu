@@ -93,7 +93,8 @@ kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             seq = row.seq;
             if (kvs_row_served(MODE_DENSE_REST, row.qlen)) {
                 long long fa, fb;
-                const unsigned long long key = kvs_row_fault(t, row.seq, qsl, qsl0, seq_lens, sl0, num_seqs, num_tokens, bt_cols, bs_log2, &fa, &fb);
+                const RowCheck c = kvs_row_check_load(row.seq, qsl, qsl0, seq_lens, sl0, num_seqs);
+                const unsigned long long key = kvs_row_fault(c, t, row.seq, num_tokens, bt_cols, bs_log2, &fa, &fb);
                 st = key != 0ull ? PF_BAD : PF_CLEAN;
                 if (key != 0ull && hg == 0 && split == 0) kvs_fail(kerr, key, fa, fb);
                 lo = row.lo;
@@ -384,7 +385,7 @@ kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                                 break;
                             }
                         }
-            kvs_record_block_fault(kerr, seq, bt_row, bt1, bt_cols, bs_log2, seq_lens, sl0, num_blocks, &sm_col);
+            kvs_record_block_fault(kerr, seq, bt_row, bt1, bt_cols, bs_log2, seq_lens[seq * sl0], num_blocks, &sm_col);
         }
 
         // Write the segment's rows.

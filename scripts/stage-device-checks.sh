@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Stages the GPU run of scripts/gpu-device-checks.sh into $1 (default /work/main/.device/h33): this
 # build's CLI and CUDA test binaries, and a baseline CLI ($BASE, default /work/main/target/release/kvsparse)
-# as kvsparse-base, stripped and gzipped (the folder travels to the device: keep it small).
+# as kvsparse-base (and $MAIN, when set, as kvsparse-main), stripped and gzipped (the folder travels to
+# the device: keep it small). TESTS (default: every CUDA test binary) names the test binaries to stage.
 set -euo pipefail
 dest=${1:-/work/main/.device/h33}
 base=${BASE:-/work/main/target/release/kvsparse}
+tests=${TESTS:-cuda_checks cuda cuda_sparse cuda_refresh cuda_prr cuda_predictor}
 cd "$(dirname "$0")/.."
 cargo build --release --bins -q
-cargo test --release --no-run -q 2>/dev/null
+for t in $tests; do cargo test --release --no-run -q -p kvsparse-conformance --test "$t" 2>/dev/null; done
 mkdir -p "$dest/bin"
 rm -f "$dest"/bin/*
 newest() { ls -t target/release/deps/$1-* | grep -v '\.d$' | head -1; }
@@ -17,7 +19,8 @@ pack() { # source, name
 }
 pack target/release/kvsparse kvsparse
 pack "$base" kvsparse-base
-for t in cuda_checks cuda cuda_sparse cuda_refresh cuda_prr cuda_predictor; do
+[[ -n ${MAIN:-} ]] && pack "$MAIN" kvsparse-main
+for t in $tests; do
   pack "$(newest $t)" "${t}_tests"
 done
 cp scripts/gpu-device-checks.sh "$dest/"

@@ -100,6 +100,18 @@ __device__ __forceinline__ int kvs_token_qlen(int t, const int* qsl, i64 qsl0, i
 // (query_start_loc[0]; then per sequence: its query_start_loc pair, seq_len, query length, table
 // capacity, block ids; then the end of query_start_loc; slot_mapping), so the record keeps the smallest
 // key: the fault the CPU engine would report, whatever order the CTAs ran in.
+// KVS_CHECKS: which checks the attention kernels compile in, bit 0 the rows' (kvs_serve_row,
+// kvs_finish_row_checks), bit 1 the sequences' with their counters (kvs_check_seqs); 3 always, other values
+// for benchmarks only (KVS_BENCH_NO_DEVICE_CHECKS, src/cuda/checks.rs), the baselines of their cost.
+#ifndef KVS_CHECKS
+#define KVS_CHECKS 3
+#endif
+
+// Fire-and-forget add to a device counter (a reduction: nothing waits for it, unlike an atomic whose
+// result the hardware returns).
+__device__ __forceinline__ void kvs_red_add(unsigned long long* p, unsigned long long v) {
+    asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 #define KVS_FAULT_QSL_FIRST 1
 #define KVS_FAULT_SEQ 2
 #define KVS_FAULT_QSL_LAST 3
@@ -138,72 +150,149 @@ __device__ __noinline__ void kvs_fail(unsigned long long* err, unsigned long lon
     atomicExch(lock, 0u);
 }
 
+// What a row's checks read of the batch description: its sequence's query_start_loc pair and seq_len,
+// the pairs on either side, and the ends of query_start_loc. Copied into shared memory by cp.async when
+// the CTA starts (kvs_row_check_issue) and judged only after its main loop (kvs_finish_row_checks), so
+// nothing waits for them in between (issue 33: the checks cost <= 1% of a decode step). Loads into
+// registers would not do: the compiler moves such warp-uniform values into uniform registers at once,
+// which waits for the loads before the main loop starts (measured: ~2 us per dense decode step).
+struct RowCheck {
+    int q0, q1, qprev, qnext, qfirst, qlast, len;
+};
+#define KVS_RC_WORDS 7
+// Threads 0..6 each issue one 4-byte cp.async into sm_rc (the caller commits and waits: the tensor-core
+// kernel's first pipeline group carries them, kvs_row_check_wait waits for them).
+__device__ __forceinline__ void kvs_row_check_issue(int seq, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs, int* sm_rc) {
+    const int i = threadIdx.x;
+    if (i >= KVS_RC_WORDS) return;
+    const int* src = qsl + seq * qsl0;  // word 0, and the stand-in for a neighbour that does not exist
+    if (i == 1) src = qsl + (seq + 1) * qsl0;
+    if (i == 2 && seq > 0) src = qsl + (seq - 1) * qsl0;
+    if (i == 3 && seq + 2 <= num_seqs) src = qsl + (seq + 2) * qsl0;
+    if (i == 4) src = qsl;
+    if (i == 5) src = qsl + num_seqs * qsl0;
+    if (i == 6) src = seq_lens + seq * sl0;
+    unsigned dst;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(dst) : "l"(sm_rc + i));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+// Every thread, before the barrier that precedes kvs_finish_row_checks: this thread's copies have landed.
+__device__ __forceinline__ void kvs_row_check_wait() {
+#if KVS_CHECKS & 1
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ RowCheck kvs_row_check_read(const int* sm_rc, int seq, int num_seqs) {
+    RowCheck c;
+    c.q0 = sm_rc[0];
+    c.q1 = sm_rc[1];
+    c.qprev = seq > 0 ? sm_rc[2] : c.q0;
+    c.qnext = seq + 2 <= num_seqs ? sm_rc[3] : c.q1;
+    c.qfirst = sm_rc[4];
+    c.qlast = sm_rc[5];
+    c.len = sm_rc[6];
+    return c;
+}
+
+// The same words loaded directly (kernels for which a wait before the main loop costs nothing
+// measurable, e.g. the prefill kernel, whose CTAs run far longer than one L2 round trip).
+__device__ __forceinline__ RowCheck kvs_row_check_load(int seq, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs) {
+    RowCheck c;
+    c.q0 = qsl[seq * qsl0];
+    c.q1 = qsl[(seq + 1) * qsl0];
+    c.qprev = seq > 0 ? qsl[(seq - 1) * qsl0] : c.q0;
+    c.qnext = seq + 2 <= num_seqs ? qsl[(seq + 2) * qsl0] : c.q1;
+    c.qfirst = qsl[0];
+    c.qlast = qsl[num_seqs * qsl0];
+    c.len = seq_lens[seq * sl0];
+    return c;
+}
+
 // The first fault of the batch description that the row of token t (in sequence `seq`, as locate()
 // found it) depends on: its sequence's query_start_loc pair and the pairs on either side, its seq_len
 // (sign, capacity of the table's `cols` columns, at least the query length), the ends of
 // query_start_loc, and t inside its sequence's rows. 0 = none; such a row finishes as NaN.
-__device__ __forceinline__ unsigned long long kvs_row_fault(int t, int seq, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0,
-                                                            int num_seqs, int num_tokens, int cols, int bs_log2, long long* a, long long* b) {
-    const int q0 = qsl[seq * qsl0], q1 = qsl[(seq + 1) * qsl0];
-    const int qprev = seq > 0 ? qsl[(seq - 1) * qsl0] : q0;
-    const int qnext = seq + 2 <= num_seqs ? qsl[(seq + 2) * qsl0] : q1;
-    const int qfirst = qsl[0], qlast = qsl[num_seqs * qsl0];
-    const int len = seq_lens[seq * sl0];
-    const long long qlen = (long long)q1 - q0;
+__device__ __forceinline__ unsigned long long kvs_row_fault(const RowCheck& c, int t, int seq, int num_tokens, int cols, int bs_log2, long long* a,
+                                                            long long* b) {
+    const long long qlen = (long long)c.q1 - c.q0;
     *a = 0;
     *b = 0;
-    if (qfirst != 0) { *a = qfirst; return kvs_fault_key(KVS_FAULT_QSL_FIRST, 0, 0, 0); }
-    if (qprev > q0) { *a = qprev; *b = q0; return kvs_fault_key(KVS_FAULT_SEQ, seq - 1, KVS_SUB_QSL_ORDER, 0); }
-    if (q1 < q0) { *a = q0; *b = q1; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_QSL_ORDER, 0); }
-    if (q1 > num_tokens) { *a = q1; *b = num_tokens; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_QSL_BEYOND, 0); }
-    if (len < 0) { *a = len; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_LEN_NEG, 0); }
-    if (qlen > len) { *a = qlen; *b = len; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_QLEN, 0); }
-    if ((long long)len > ((long long)cols << bs_log2)) { *a = len; *b = cols; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_LEN_TABLE, 0); }
-    if (qnext < q1) { *a = q1; *b = qnext; return kvs_fault_key(KVS_FAULT_SEQ, seq + 1, KVS_SUB_QSL_ORDER, 0); }
-    if (qlast != num_tokens) { *a = qlast; *b = num_tokens; return kvs_fault_key(KVS_FAULT_QSL_LAST, 0, 0, 0); }
-    if (t < q0 || t >= q1) return KVS_FAULT_POISON_ONLY;
+    if (c.qfirst != 0) { *a = c.qfirst; return kvs_fault_key(KVS_FAULT_QSL_FIRST, 0, 0, 0); }
+    if (c.qprev > c.q0) { *a = c.qprev; *b = c.q0; return kvs_fault_key(KVS_FAULT_SEQ, seq - 1, KVS_SUB_QSL_ORDER, 0); }
+    if (c.q1 < c.q0) { *a = c.q0; *b = c.q1; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_QSL_ORDER, 0); }
+    if (c.q1 > num_tokens) { *a = c.q1; *b = num_tokens; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_QSL_BEYOND, 0); }
+    if (c.len < 0) { *a = c.len; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_LEN_NEG, 0); }
+    if (qlen > c.len) { *a = qlen; *b = c.len; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_QLEN, 0); }
+    if ((long long)c.len > ((long long)cols << bs_log2)) { *a = c.len; *b = cols; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_LEN_TABLE, 0); }
+    if (c.qnext < c.q1) { *a = c.q1; *b = c.qnext; return kvs_fault_key(KVS_FAULT_SEQ, seq + 1, KVS_SUB_QSL_ORDER, 0); }
+    if (c.qlast != num_tokens) { *a = c.qlast; *b = num_tokens; return kvs_fault_key(KVS_FAULT_QSL_LAST, 0, 0, 0); }
+    if (t < c.q0 || t >= c.q1) return KVS_FAULT_POISON_ONLY;
     return 0ull;
 }
 
 // Every sequence's part of the batch description, checked once per launch whether or not it has rows:
 // the CTA (t, 0, 0) of the attention grid checks sequences t, t + num_tokens, ... (thread 0), and counts
-// decode rows and prefill tokens of the valid ones into bk[0], bk[1] (the layer's CTR_DECODE_ROWS and
-// CTR_PREFILL_TOKENS) when bk is not NULL. Records faults; poisons nothing (kvs_row_fault does).
-__device__ __noinline__ void kvs_check_seqs(unsigned long long* err, unsigned long long* bk, const int* qsl, i64 qsl0, const int* seq_lens,
-                                            i64 sl0, int num_seqs, int num_tokens, int cols, int bs_log2) {
-    if (blockIdx.y != 0 || blockIdx.z != 0 || threadIdx.x != 0) return;
+// the valid ones' decode rows, prefill tokens and the K/V bytes dense attention reads for them (as the
+// CPU engine counts: the visible keys of the first query row times `row_bytes`) into the layer's
+// counters `bk` (decide.cuh CTR_*) when bk is not NULL. Records faults; poisons nothing (kvs_row_fault
+// does). Called once per CTA after its main loop; its counters fire and forget.
+#define KVS_BK_DECODE_ROWS 0     // decide.cuh CTR_DECODE_ROWS
+#define KVS_BK_PREFILL_TOKENS 1  // decide.cuh CTR_PREFILL_TOKENS
+#define KVS_BK_KV_BYTES 7        // decide.cuh CTR_KV_BYTES
+// `rc` (NULL when the CTA serves no row): the row's check words for sequence `rc_seq`, used instead of
+// loads (a decode batch's CTA checks exactly its row's sequence, so its tail loads nothing). The body is
+// not inlined (it would hold registers in the main loop) and takes those words by value.
+__device__ __noinline__ void kvs_check_seqs_body(unsigned long long* err, unsigned long long* bk, const int* qsl, i64 qsl0, const int* seq_lens,
+                                                 i64 sl0, int num_seqs, int num_tokens, int cols, int bs_log2, int window, i64 row_bytes,
+                                                 bool have, RowCheck rc, int rc_seq) {
     const int t = blockIdx.x;
     if (t == 0) {
-        const int f = qsl[0], l = qsl[num_seqs * qsl0];
+        const int f = have ? rc.qfirst : qsl[0], l = have ? rc.qlast : qsl[num_seqs * qsl0];
         if (f != 0) kvs_fail(err, kvs_fault_key(KVS_FAULT_QSL_FIRST, 0, 0, 0), f, 0);
         if (l != num_tokens) kvs_fail(err, kvs_fault_key(KVS_FAULT_QSL_LAST, 0, 0, 0), l, num_tokens);
     }
-    unsigned long long dec = 0ull, pre = 0ull;
+    unsigned long long dec = 0ull, pre = 0ull, bytes = 0ull;
     for (int s = t; s < num_seqs; s += gridDim.x) {
-        const int a = qsl[s * qsl0], b = qsl[(s + 1) * qsl0], len = seq_lens[s * sl0];
+        const bool mine = have && s == rc_seq;
+        const int a = mine ? rc.q0 : qsl[s * qsl0], b = mine ? rc.q1 : qsl[(s + 1) * qsl0], len = mine ? rc.len : seq_lens[s * sl0];
         const long long qlen = (long long)b - a;
         if (b < a) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, s, KVS_SUB_QSL_ORDER, 0), a, b);
         else if (b > num_tokens) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, s, KVS_SUB_QSL_BEYOND, 0), b, num_tokens);
         else if (len < 0) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, s, KVS_SUB_LEN_NEG, 0), len, 0);
         else if (qlen > len) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, s, KVS_SUB_QLEN, 0), qlen, len);
         else if ((long long)len > ((long long)cols << bs_log2)) kvs_fail(err, kvs_fault_key(KVS_FAULT_SEQ, s, KVS_SUB_LEN_TABLE, 0), len, cols);
-        else if (qlen == 1) dec += 1ull;
-        else pre += (unsigned long long)qlen;
+        else {
+            if (qlen == 1) dec += 1ull;
+            else pre += (unsigned long long)qlen;
+            const long long first = (long long)len - qlen;  // the first query row's position
+            const long long vis = (window > 0 && first + 1 - window > 0) ? first + 1 - window : 0;
+            bytes += (unsigned long long)(len - vis) * (unsigned long long)row_bytes;
+        }
     }
-    if (bk != 0 && (dec | pre) != 0ull) {
-        atomicAdd(&bk[0], dec);
-        atomicAdd(&bk[1], pre);
+    if (bk != 0) {
+        if (dec != 0ull) kvs_red_add(&bk[KVS_BK_DECODE_ROWS], dec);
+        if (pre != 0ull) kvs_red_add(&bk[KVS_BK_PREFILL_TOKENS], pre);
+        if (bytes != 0ull) kvs_red_add(&bk[KVS_BK_KV_BYTES], bytes);
     }
 }
+__device__ __forceinline__ void kvs_check_seqs(unsigned long long* err, unsigned long long* bk, const int* qsl, i64 qsl0, const int* seq_lens,
+                                               i64 sl0, int num_seqs, int num_tokens, int cols, int bs_log2, int window, i64 row_bytes,
+                                               const RowCheck* rc, int rc_seq) {
+#if KVS_CHECKS & 2
+    if (blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+        kvs_check_seqs_body(err, bk, qsl, qsl0, seq_lens, sl0, num_seqs, num_tokens, cols, bs_log2, window, row_bytes, (KVS_CHECKS & 1) && rc != 0,
+                            (KVS_CHECKS & 1) && rc != 0 ? *rc : RowCheck(),
+                            rc_seq);
+#endif
+}
 
-// The first block-table entry of `seq` (columns below ceil(seq_len / block size), as the CPU engine
-// checks them) outside [0, num_blocks), found by the whole CTA and recorded by thread 0. Called (by every
+// The first block-table entry of `seq` (columns below ceil(len / block size), as the CPU engine checks
+// them) outside [0, num_blocks), found by the whole CTA and recorded by thread 0. Called (by every
 // thread) only by a CTA that read a bad entry: the fault path.
-__device__ __noinline__ void kvs_record_block_fault(unsigned long long* err, int seq, const int* bt_row, i64 bt1, int cols, int bs_log2,
-                                                    const int* seq_lens, i64 sl0, i64 num_blocks, int* sm_col) {
+__device__ __noinline__ void kvs_record_block_fault(unsigned long long* err, int seq, const int* bt_row, i64 bt1, int cols, int bs_log2, int len,
+                                                    i64 num_blocks, int* sm_col) {
     if (threadIdx.x == 0) *sm_col = 0x7fffffff;
     __syncthreads();
-    int len = seq_lens[seq * sl0];
     len = len < 0 ? 0 : (len > (cols << bs_log2) ? (cols << bs_log2) : len);
     const int need = (len + (1 << bs_log2) - 1) >> bs_log2;
     for (int c = threadIdx.x; c < need; c += blockDim.x) {
@@ -216,29 +305,35 @@ __device__ __noinline__ void kvs_record_block_fault(unsigned long long* err, int
 }
 
 // An attention CTA's checks, start: false when another launch of the call serves the row (the CTA has
-// then checked its share of the batch description and must return); else *row_bad tells whether the
-// row's part of the batch description is bad (kvs_row_fault): the row then finishes as NaN.
-__device__ __forceinline__ bool kvs_serve_row(int mode, const RowInfo& row, int t, unsigned long long* err, unsigned long long* bk, const int* qsl,
-                                              i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs, int cols, int bs_log2, bool* row_bad) {
+// then checked its share of the batch description and must return); else the row's check words are on
+// their way into sm_rc (kvs_row_check_issue).
+__device__ __forceinline__ bool kvs_serve_row(int mode, const RowInfo& row, unsigned long long* err, unsigned long long* bk, const int* qsl, i64 qsl0,
+                                              const int* seq_lens, i64 sl0, int num_seqs, int cols, int bs_log2, int window, i64 row_bytes,
+                                              int* sm_rc) {
     if (!kvs_row_served(mode, row.qlen)) {
-        kvs_check_seqs(err, bk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2);
+        kvs_check_seqs(err, bk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2, window, row_bytes, nullptr, -1);
         return false;
     }
-    long long fa, fb;
-    *row_bad = kvs_row_fault(t, row.seq, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2, &fa, &fb) != 0ull;
+#if KVS_CHECKS & 1
+    kvs_row_check_issue(row.seq, qsl, qsl0, seq_lens, sl0, num_seqs, sm_rc);
+#endif
     return true;
 }
 
-// An attention CTA's checks, end (every thread calls it, after the CTA's last read of the caches):
-// records the row's fault and, when any thread read a bad block id (`cta_bt_bad`, uniform), the sequence's
-// first bad block id.
-__device__ __forceinline__ void kvs_record_row_faults(unsigned long long* err, bool row_bad, bool cta_bt_bad, int t, int seq, const int* bt_row, i64 bt1,
-                                                      i64 num_blocks, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs,
-                                                      int cols, int bs_log2, int* sm_col) {
-    if (cta_bt_bad) kvs_record_block_fault(err, seq, bt_row, bt1, cols, bs_log2, seq_lens, sl0, num_blocks, sm_col);
-    if (row_bad && threadIdx.x == 0) {
-        long long fa, fb;
-        const unsigned long long key = kvs_row_fault(t, seq, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2, &fa, &fb);
-        kvs_fail(err, key, fa, fb);
-    }
+// An attention CTA's checks, end (every thread calls it, after the CTA's last read of the caches and a
+// barrier after kvs_row_check_wait): judges the row's check words (left in *rc for kvs_check_seqs),
+// records the row's fault and, when any thread read a bad block id (`cta_bt_bad`, uniform), the
+// sequence's first bad block id. Returns whether the row finishes as NaN.
+__device__ __forceinline__ bool kvs_finish_row_checks(unsigned long long* err, const int* sm_rc, int num_seqs, RowCheck* rc, bool cta_bt_bad, int t,
+                                                      int seq, const int* bt_row, i64 bt1, i64 num_blocks, int cols, int bs_log2, int* sm_col) {
+#if KVS_CHECKS & 1
+    *rc = kvs_row_check_read(sm_rc, seq, num_seqs);
+    long long fa, fb;
+    const unsigned long long key = kvs_row_fault(*rc, t, seq, gridDim.x, cols, bs_log2, &fa, &fb);
+    if (cta_bt_bad) kvs_record_block_fault(err, seq, bt_row, bt1, cols, bs_log2, rc->len, num_blocks, sm_col);
+    if (key != 0ull && threadIdx.x == 0) kvs_fail(err, key, fa, fb);
+    return key != 0ull || cta_bt_bad;
+#else
+    return false;
+#endif
 }

@@ -42,6 +42,60 @@ __device__ __forceinline__ void load_lane_bounds(const u16* p, float* v) {
 #endif
 }
 
+// One CTA's tile of QS_PAGES pages of row (s, h) (tile blockIdx.x), scored as the CPU's quest_page_scores
+// (select.cu, kvs_quest_scores, says how): `put(i, score)` is called once per page i of the tile inside
+// the row, by one lane. `qs` is shared scratch of GROUP * 16 * (QC + 1) floats. Returns the units this
+// thread read (for CTR_KV_BYTES). All threads of the CTA call this.
+template <typename Put>
+__device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, const SeqRow& r, int s, int h, const elem_t* q, i64 q0, i64 q1, i64 q2,
+                                                               float scale, int hk, const u16* qmin, const u16* qmax, int unit, int upb, int page,
+                                                               int maxp, float* qs, Put put) {
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
+        const int g = i / HEAD_DIM, c = i % HEAD_DIM;
+        qs[g * 16 * (QC + 1) + (c % 16) * (QC + 1) + c / 16] = ET::ld(q[(i64)r.t * q0 + (i64)(h * GROUP + g) * q1 + (i64)c * q2]) * scale;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 15, hw = threadIdx.x >> 4;
+    const unsigned hmask = 0xffffu << (16 * (hw & 1));
+    const int fp = r.lo / page, np = r.hi / page - fp + 1;
+    unsigned long long units = 0;
+    for (int pi = 0; pi < QS_PAGES / 16; ++pi) {
+        const int i = blockIdx.x * QS_PAGES + pi * 16 + hw;
+        const bool active = i < np && i < maxp;
+        const int pg = fp + i;
+        const int a = max(pg * page, r.lo), z = active ? min((pg + 1) * page, r.hi + 1) : 0;
+        float best = -INFINITY;
+        for (int u0 = a / unit; u0 * unit < z; ++u0) {
+            units += lane == 0;
+            const i64 pb = phys_block(b, s, u0 / upb);
+            if (pb < 0) continue;
+            const i64 base = ((pb * upb + u0 % upb) * hk + h) * (i64)HEAD_DIM + lane * QC;
+            float lo_[QC], hi_[QC];
+            load_lane_bounds(qmin + base, lo_);
+            load_lane_bounds(qmax + base, hi_);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const float* qr = qs + g * 16 * (QC + 1) + lane * (QC + 1);
+                float acc = 0.f;
+#pragma unroll
+                for (int k = 0; k < QC; ++k) acc += fmaxf(qr[k] * lo_[k], qr[k] * hi_[k]);
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(hmask, acc, o);
+                best = fmaxf(best, acc);
+            }
+        }
+        if (active && lane == 0) put(i, best);
+    }
+    return units;
+}
+
+// The units a CTA read, into CTR_KV_BYTES once per CTA (same-address atomics from every thread would
+// serialize in L2). Block-wide.
+__device__ __forceinline__ void quest_count_units(unsigned long long units, unsigned long long* red, unsigned long long* ctr) {
+    units = block_sum(units, red);
+    if (threadIdx.x == 0) atomicAdd(&ctr[CTR_KV_BYTES], units * (2 * HEAD_DIM * 2));
+}
+
 // One row's Quest plan (the body of kvs_quest_topk, shared with PRR's kvs_prr_select): writes the plan
 // entries to e and returns their count, or -1 for a sequence that is not a decode row. Block-wide.
 __device__ __forceinline__ int quest_topk_row(const Batch& b, const SeqRow& r, int s, int h, int hk, int budget, int page, int sink, const float* scores,

@@ -104,6 +104,8 @@ pub struct CudaBackend {
     pub checks: super::checks::DeviceChecks,
     /// `validate = sync`: every eager call waits and returns what the device checks found.
     validate_sync: bool,
+    /// The attention modules' `KVS_CHECKS` define (`checks::kernel_define`, read once).
+    checks_define: String,
 }
 
 impl Drop for CudaBackend {
@@ -177,6 +179,7 @@ impl CudaBackend {
             predictor: None,
             checks: super::checks::DeviceChecks::new(cfg.num_layers, cfg.block_size)?,
             validate_sync: cfg.validate == crate::config::Validate::Sync,
+            checks_define: super::checks::kernel_define(),
         })
     }
 
@@ -347,6 +350,7 @@ impl CudaBackend {
                 // Benchmarks only: KVS_ART_NOPROBE=1 compiles ART's launch without the detector (the same
                 // order and single split), the baseline of the detector's cost.
                 format!("ART_NOPROBE={}", (art.is_some() && std::env::var("KVS_ART_NOPROBE").is_ok_and(|v| v == "1")) as i32),
+                self.checks_define.clone(),
             ];
             f_split = self.modules.function(&self.gpu, "attention_mma", launch::ATTENTION_MMA, &defines, "kvs_attn_mma")?;
             smem = ms.smem_bytes(cfg.head_dim);
@@ -359,6 +363,7 @@ impl CudaBackend {
             let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
             let mut d = Self::attn_defines(cfg, &shape);
             d.push(plan_define);
+            d.push(self.checks_define.clone());
             defines = d;
             f_split = self.modules.function(&self.gpu, "attention", launch::ATTENTION, &defines, "kvs_attn_split")?;
             smem = 0;

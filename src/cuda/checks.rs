@@ -149,6 +149,20 @@ pub fn decode(f: Fault, block_size: usize) -> Error {
     Error::new(kind, format!("{msg} (found by the device checks)"))
 }
 
+/// The attention kernels' define that compiles the checks in (`KVS_CHECKS=3`, always) or out.
+/// Benchmarks only, the baselines of their cost in the same binary: `KVS_BENCH_NO_DEVICE_CHECKS=1`
+/// compiles them all out (no NaN rows, no fault record, no dense row counters), `=rows` the rows'
+/// checks only, `=seqs` the sequences' checks and counters only.
+pub fn kernel_define() -> String {
+    let bits = match std::env::var("KVS_BENCH_NO_DEVICE_CHECKS").as_deref() {
+        Ok("1") => 0,
+        Ok("rows") => 2,
+        Ok("seqs") => 1,
+        _ => 3,
+    };
+    format!("KVS_CHECKS={bits}")
+}
+
 /// Refuses `validate = sync` on a stream that is being captured (a captured call cannot wait).
 pub fn refuse_sync_in_capture(gpu: &Gpu, stream: CUstream) -> Result<()> {
     gpu.make_current()?;

@@ -18,6 +18,10 @@ use crate::layout::KvCache;
 use crate::tensor::{DType, TensorRef};
 use crate::{bail, ensure};
 
+/// Calls of at most this many tokens keep the metadata in one launch (kvs_meta_step: each CTA reads every
+/// slot of the call, so its cost grows with the square of the tokens); longer ones in four.
+const META_STEP_MAX_TOKENS: usize = 1024;
+
 /// One layer's device metadata.
 pub struct LayerDevMeta {
     pub num_blocks: usize,
@@ -181,6 +185,16 @@ impl DeviceMeta {
         // Only SnapKV's bits (no Quest bounds, no INT4 copy): nothing on the device reads the fill mask's
         // cleared tail, so one launch (set) instead of four; a decode step's write pays one launch.
         let bits_only = m.unit == 0 && m.codes.is_none();
+        let kc = &cache.k;
+        if !bits_only && n <= META_STEP_MAX_TOKENS {
+            // A decode step's few tokens: the four steps in one launch (kernels/meta.cu, kvs_meta_step).
+            let mut k = KArgs::new();
+            slots(&mut k);
+            k.i64(m.fill.ptr as i64).ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk).i32(d);
+            k.i32(m.unit as i32).i32(m.units_per_block as i32).i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64);
+            k.i64(m.codes.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qparams.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.keep.as_ref().map_or(0, |b| b.ptr) as i64);
+            return launch::launch(f("kvs_meta_step")?, (n as u32, 1, 1), 1024, &mut k, stream, "kvs_meta_step launch");
+        }
         if !bits_only {
             let mut k = KArgs::new();
             slots(&mut k);
@@ -191,7 +205,6 @@ impl DeviceMeta {
             k.i64(m.first.ptr as i64).i64(m.fill.ptr as i64);
             launch::launch(f("kvs_meta_clear")?, grid, 256, &mut k, stream, "kvs_meta_clear launch")?;
         }
-        let kc = &cache.k;
         let mut k = KArgs::new();
         slots(&mut k);
         k.i64(m.fill.ptr as i64).ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk).i32(d);

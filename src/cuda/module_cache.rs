@@ -214,6 +214,11 @@ mod compile_tests {
                         ];
                         build("attention", ATTENTION, &defs);
                     }
+                    if d == 128 && aligned {
+                        // Benchmarks' baseline without the device checks (KVS_BENCH_NO_DEVICE_CHECKS=1).
+                        let defs = vec![format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={}", s.gq), format!("GROUP={g}"), format!("LOAD_BYTES={}", s.load_bytes), format!("KB={}", s.kb), "PLAN=0".into(), "KVS_CHECKS=0".into()];
+                        build("attention", ATTENTION, &defs);
+                    }
                 }
                 let fm = "--fmad=false".to_string();
                 build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), fm.clone()]);
@@ -225,6 +230,11 @@ mod compile_tests {
                     let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();
                     defs.push("ART_NOPROBE=1".into());
                     build("attention_mma", ATTENTION_MMA, &defs);
+                    if d == 128 {
+                        // Benchmarks' baseline without the device checks (KVS_BENCH_NO_DEVICE_CHECKS=1).
+                        defs.push("KVS_CHECKS=0".into());
+                        build("attention_mma", ATTENTION_MMA, &defs);
+                    }
                     // RefreshKV's full step: the plan's attention writing its logits.
                     let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=0".into(), "LOGITS=1".into()].to_vec();
                     build("attention_mma", ATTENTION_MMA, &defs);

@@ -94,6 +94,11 @@ impl BatchArg {
 
 /// Counter slots on the device (kernels/include/decide.cuh CTR_*).
 const CTR_COUNT: usize = 16;
+/// Bins of Quest's per-row key histogram: kernels/select.cu QSEL_BINS.
+const QSEL_BINS: usize = 2048;
+/// Static shared memory of kvs_quest_topk and a margin (its gathered bin is 16 KiB), kept out of the
+/// dynamic shared memory its page keys may take.
+const TOPK_STATIC_SMEM: usize = 24 << 10;
 
 /// ART's parameters as the tensor-core kernel reads them (kernels/include/params.cuh `ArtArgs`; a test compares the layouts).
 #[repr(C)]
@@ -206,6 +211,10 @@ pub(crate) struct WsLayout {
     base: usize,
     base_len: usize,
     scores: usize,
+    /// Quest's per-row histograms of the page keys' top bits (kvs_quest_scores_hist, kvs_quest_topk),
+    /// `[seqs * kv_heads][QSEL_BINS]` u32, left zeroed by each selection (a histogram that does not match
+    /// the keys, e.g. the region's first use or another call's data, only costs the slow path).
+    qhist: usize,
     art_tiles: usize,
     /// ART's priority order (behind Quest): the ordered entries and their inverse, in the plan's layout.
     art_order: usize,
@@ -300,6 +309,7 @@ impl CudaBackend {
         }
         if let Some((_, maxp)) = quest_pages {
             lay.scores = take(checked(&[ns, hk, maxp, 4])?);
+            lay.qhist = take(checked(&[ns, hk, QSEL_BINS, 4])?);
         }
         // SnapKV's observation rows per (seq, head): the window's tokens of the longest chunk, times the group.
         let snap_rows = match p.selector {
@@ -412,19 +422,24 @@ impl CudaBackend {
                 let m = meta.expect("quest metadata checked above");
                 let (_, maxp) = quest_pages.expect("quest");
                 let scores = ws + lay.scores as u64;
+                // Scores with the first pass of the top-k folded in (per-row key histograms merged over the
+                // row's CTAs), then the top-k per row, which checks the histogram against the keys and
+                // zeroes it for the next call (kernels/select.cu).
+                let qhist = ws + lay.qhist as u64;
                 let mut k = KArgs::new();
                 k.by_value(&batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
                 k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
-                k.i64(scores as i64).i32(maxp as i32).i32(1).i64(row_bytes).i64(ctr);
-                launch::launch(f("kvs_quest_scores")?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores launch")?;
+                k.i32(budget.min(i32::MAX as usize) as i32).i32(sink.min(i32::MAX as usize) as i32).i64(scores as i64).i32(maxp as i32).i64(qhist as i64).i64(row_bytes).i64(ctr);
+                launch::launch(f("kvs_quest_scores_hist")?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores_hist launch")?;
                 // The page keys in dynamic shared memory when they fit (the device's opt-in limit less the
-                // kernel's own static shared memory).
-                let smem_keys = maxp.min((self.gpu.smem_optin as usize).saturating_sub(4096) / 4);
+                // kernel's own static shared memory, ~18 KiB: the gathered bin and scratch).
+                let dyn_max = (self.gpu.smem_optin as usize).saturating_sub(TOPK_STATIC_SMEM);
+                let smem_keys = maxp.min(dyn_max / 4);
                 let f_topk = f("kvs_quest_topk")?;
-                self.allow_smem_once(f_topk, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
+                self.allow_smem_once(f_topk, dyn_max)?;
                 let mut k = KArgs::new();
                 k.by_value(&batch).i32(hk as i32).i32(budget.min(i32::MAX as usize) as i32).i32(page as i32).i32(sink.min(i32::MAX as usize) as i32);
-                k.i64(scores as i64).i32(maxp as i32).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base);
+                k.i64(scores as i64).i32(maxp as i32).i64(qhist as i64).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.cap).i64(row_bytes).i32(count_base);
                 k.i32(smem_keys as i32).i64(ctr);
                 launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")?;
                 if art_priority {

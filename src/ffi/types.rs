@@ -135,7 +135,9 @@ pub struct kvs_forward_args {
     /// `[num_blocks, block_size, num_kv_heads, head_dim]` each, any strides (vLLM flash layout).
     pub key_cache: *const DLTensor,
     pub value_cache: *const DLTensor,
-    /// `[num_seqs, max_blocks_per_seq]` int32.
+    /// `[num_seqs, max_blocks_per_seq]` int32. Entries `j < ceil(seq_len / block_size)` must lie in
+    /// `[0, num_blocks)`: a CPU engine checks each of them, a CUDA engine those its kernels read (an entry
+    /// no row visits, outside a window or a page a policy skips, is not read and not checked).
     pub block_table: *const DLTensor,
     /// `[num_seqs]` int32: total length of each sequence including its new tokens.
     pub seq_lens: *const DLTensor,
@@ -238,12 +240,15 @@ pub struct kvs_stats {
     pub spec_repaired_blocks: u64,
     pub refresh_full_steps: u64,
     pub refresh_partial_steps: u64,
+    /// K and V bytes attention read (and a policy's selection, of key metadata); a sequence attended
+    /// densely counts every position visible to its first query row, on both engines.
     pub kv_bytes_read: u64,
     /// Engine-wide (not per layer, not per call): sequences with live state, created, released.
     pub live_sequences: u64,
     pub sequences_created: u64,
     pub sequences_released: u64,
-    /// Bytes of per-sequence policy state held now.
+    /// Bytes of per-sequence policy state held now on the host (a CUDA engine preallocates its
+    /// per-sequence state on the device at creation and reports 0).
     pub state_bytes: u64,
     /// Engine-wide: decode rows of a CUDA engine whose sequence found no free state slot (option
     /// `max_seqs`) and therefore ran dense attention instead of the policy.

@@ -490,7 +490,7 @@ impl Outputs {
 
 /// Writes `k`/`v` rows `[n, kv_heads, dim]` to `slots` of the caches through `engine.cache_write` (no call
 /// when there are none).
-fn write_rows(engine: &dyn Api, caches: (TensorRef, TensorRef), k: &mut HostBuf, v: &mut HostBuf, slots: &[i64], hk: i64, d: i64) -> kvsparse::Result<()> {
+pub(crate) fn write_rows(engine: &dyn Api, caches: (TensorRef, TensorRef), k: &mut HostBuf, v: &mut HostBuf, slots: &[i64], hk: i64, d: i64) -> kvsparse::Result<()> {
     if slots.is_empty() {
         return Ok(());
     }

@@ -6,7 +6,7 @@
 //! tolerances of the CPU engine's. Also the CUDA-graph replay of a sparse decode step.
 
 use super::cuda::{capture, replay, DeviceCase};
-use super::fixture::{run_on_engine, Fixture, Outputs};
+use super::fixture::{run_on_engine, write_rows, Fixture, Outputs};
 use super::reference::{max_abs_err, rel_err};
 use super::{tolerance, CaseSpec};
 use kvsparse::cuda::driver::{self, check, cuda, CUstream};
@@ -167,8 +167,24 @@ pub(super) fn sync() -> Result<()> {
 
 /// Runs `policy` on fixture `spec`/`seed` on the CPU and on CUDA device 0 and compares them.
 pub fn run_sparse_case(spec: &CaseSpec, policy: &str, seed: u64) -> SparseResult {
+    run_sparse_case_keys(spec, policy, seed, None)
+}
+
+/// As `run_sparse_case`, with every key written replaced by `key(row)` (row = the index of the written row,
+/// prior rows first), when given: keys that make many pages score the same.
+pub fn run_sparse_case_keys(spec: &CaseSpec, policy: &str, seed: u64, key: Option<&dyn Fn(usize) -> f64>) -> SparseResult {
     let mut res = SparseResult::new(spec, policy, seed);
     let mut f = Fixture::new(spec, seed);
+    if let Some(key) = key {
+        let per = spec.num_kv_heads * spec.head_dim;
+        let np = f.prior.k.len() / per;
+        for i in 0..f.prior.k.len() {
+            f.prior.k.set(i, key(i / per));
+        }
+        for i in 0..f.new_k.len() {
+            f.new_k.set(i, key(np + i / per));
+        }
+    }
     let mut run = |res: &mut SparseResult| -> Result<()> {
         let cpu = Engine::new(cfg_for(&f, policy, Device::Cpu))?;
         cpu.record_visits(true);
@@ -233,6 +249,38 @@ fn split_last_rows(f: &mut Fixture) -> StepRows {
 fn bytes_of<T>(v: &[T]) -> &[u8] {
     // SAFETY: plain-old-data slice viewed as bytes.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// A decode step's cache write (one row per sequence, the one-launch metadata path on CUDA) after the
+/// fixture's prefix write, on the CPU and on CUDA: whether the key metadata (fill mask, Quest bounds,
+/// INT4 copy) is the same bit for bit afterwards. `spec` must be decode-only.
+pub fn decode_step_meta_equal(spec: &CaseSpec, policy: &str, seed: u64) -> Result<bool> {
+    use kvsparse::cuda::context::DevBuf;
+    use kvsparse::tensor::TensorRef;
+    kvsparse::ensure!(spec.seqs.iter().all(|&(q, _)| q == 1), InvalidArgument, "decode_step_meta_equal needs a decode-only spec");
+    let mut f = Fixture::new(spec, seed);
+    let mut st = split_last_rows(&mut f);
+    let (hk, d, ns) = (spec.num_kv_heads as i64, spec.head_dim as i64, spec.seqs.len() as i64);
+    let cpu = Engine::new(cfg_for(&f, policy, Device::Cpu))?;
+    let (kc, vc) = (f.k_cache_view(), f.v_cache_view());
+    write_rows(&cpu, (kc, vc), &mut f.prior.k, &mut f.prior.v, &f.prior.slots, hk, d)?;
+    write_rows(&cpu, (kc, vc), &mut f.new_k, &mut f.new_v, &f.slots, hk, d)?;
+    write_rows(&cpu, (kc, vc), &mut st.k, &mut st.v, &st.slots, hk, d)?;
+    let meta_cpu = cpu.metadata_snapshot(0)?;
+
+    let gpu = Engine::new(cfg_for(&f, policy, Device::Cuda(0)))?;
+    let outs = Outputs::new(&f);
+    let dc = DeviceCase::upload(&f, &outs)?;
+    gpu.cache_write(&dc.cache_write_args(&f, std::ptr::null_mut())?)?;
+    let (k, v, sl) = (DevBuf::from_host(st.k.as_bytes())?, DevBuf::from_host(st.v.as_bytes())?, DevBuf::from_host(bytes_of(&st.slots))?);
+    let mut a = dc.cache_write_args(&f, std::ptr::null_mut())?;
+    let view = |b: &DevBuf, dt, shape: &[i64], str: &[i64]| unsafe { TensorRef::from_raw(b.as_ptr(), dt, Device::Cuda(0), shape, Some(str)) };
+    a.key = view(&k, spec.dtype, &[ns, hk, d], &[hk * d, d, 1])?;
+    a.value = view(&v, spec.dtype, &[ns, hk, d], &[hk * d, d, 1])?;
+    a.slot_mapping = view(&sl, DType::I64, &[ns], &[1])?;
+    gpu.cache_write(&a)?;
+    sync()?;
+    Ok(meta_cpu == gpu.metadata_snapshot(0)?)
 }
 
 /// Captures a whole sparse decode step (the cache write of each sequence's new row, which also updates

@@ -391,6 +391,9 @@ struct Book {
     calls: u64,
     decode_rows: u64,
     prefill_tokens: u64,
+    /// K/V bytes dense attention read (the CPU engine's count: each sequence's positions visible to its
+    /// first query row).
+    kv_bytes_read: u64,
     null_ids_stateful: Option<ErrorKind>,
 }
 
@@ -453,13 +456,24 @@ fn bookkeeping(device: Device, spec: &CaseSpec, seed: u64) -> Book {
             pe.attention_forward(&a).err().map(|x| x.kind)
         }
     };
-    Book { releases, live: s.live_sequences, created: s.sequences_created, released: s.sequences_released, calls: s.total.calls, decode_rows: s.total.decode_rows, prefill_tokens: s.total.prefill_tokens, null_ids_stateful }
+    Book { releases, live: s.live_sequences, created: s.sequences_created, released: s.sequences_released, calls: s.total.calls, decode_rows: s.total.decode_rows, prefill_tokens: s.total.prefill_tokens, kv_bytes_read: s.total.kv_bytes_read, null_ids_stateful }
+}
+
+/// The bookkeeping cases: `specs()`, and the mixed batch under a sliding window (which bounds the dense
+/// bytes read).
+fn bookkeeping_specs() -> Vec<CaseSpec> {
+    let mut v = specs();
+    let mut w = v[2].clone();
+    w.name = "mixed-f16-window".into();
+    w.window = 20;
+    v.push(w);
+    v
 }
 
 fn bookkeeping_matches_the_cpu_engine() {
     let seed = Rng::fresh_seed();
     println!("seed {seed}");
-    for spec in specs() {
+    for spec in bookkeeping_specs() {
         let cpu = bookkeeping(Device::Cpu, &spec, seed);
         let gpu = bookkeeping(Device::Cuda(0), &spec, seed);
         println!("{}: cpu {cpu:?}\n{}: cuda {gpu:?}", spec.name, spec.name);
@@ -524,13 +538,17 @@ fn every_corruption_is_refused_by_the_cpu_engine() {
 /// Runs everywhere: the CPU engine's side of the bookkeeping comparison.
 fn cpu_bookkeeping_is_what_the_cuda_test_compares_with() {
     let seed = Rng::fresh_seed();
-    for spec in specs() {
+    for spec in bookkeeping_specs() {
         let b = bookkeeping(Device::Cpu, &spec, seed);
         assert_eq!(b.releases, vec![None, Some(ErrorKind::UnknownSequence), Some(ErrorKind::UnknownSequence), None]);
         let n = spec.seqs.len() as u64;
         let dec = spec.seqs.iter().filter(|s| s.0 == 1).count() as u64;
         let pre: u64 = spec.seqs.iter().filter(|s| s.0 != 1).map(|s| s.0 as u64).sum();
+        // Positions the first query row of each sequence sees (the window counts back from it).
+        let visible: u64 = spec.seqs.iter().map(|&(q, l)| (if spec.window > 0 { (l - q + 1).min(spec.window) + q - 1 } else { l }) as u64).sum();
+        let row_bytes = (spec.head_dim * spec.dtype.size_bytes() * 2 * spec.num_kv_heads) as u64;
         assert_eq!((b.live, b.created, b.released, b.calls, b.decode_rows, b.prefill_tokens), (n - 2, n, 2, 2, 2 * dec, 2 * pre), "{b:?}");
+        assert_eq!(b.kv_bytes_read, 2 * visible * row_bytes, "{}: {b:?}", spec.name);
         assert_eq!(b.null_ids_stateful, Some(ErrorKind::InvalidArgument));
     }
 }

@@ -5,7 +5,7 @@
 //! KVS_REQUIRE_CUDA=1. KVS_QUICK=1 runs a reduced matrix (for compute-sanitizer).
 
 use kvsparse_conformance::prr_cuda::{prr_policies, run_prr_case, run_prr_case_with};
-use kvsparse_conformance::sparse_cuda::{sparse_graph_replay, sparse_specs};
+use kvsparse_conformance::sparse_cuda::{sparse_graph_replay, sparse_graph_replay_on, sparse_specs};
 use kvsparse_conformance::CaseSpec;
 use kvsparse::rng::Rng;
 use kvsparse::DType;
@@ -104,6 +104,21 @@ fn cuda_prr_decode_step_graph_replays_on_new_data() {
     }
 }
 
+/// The same step captured on a stream that made no eager PRR call (the eager warm-up ran on another
+/// stream, as vLLM and `torch.cuda.graph` do): the capture takes over the warm stream's side stream,
+/// events and workspace instead of refusing, and replays as the eager step.
+fn cuda_prr_graph_captured_on_a_stream_without_eager_calls() {
+    if !have_cuda("cuda_prr_graph_other_stream") {
+        return;
+    }
+    let seed = Rng::fresh_seed();
+    let spec = CaseSpec::new("graph-prr-other-stream", DType::BF16, 128, 32, 8, 16, vec![(1, 4000), (1, 1), (1, 17), (1, 1500), (1, 2777)]);
+    let pol = "speculate(over=quest(budget=256, sink=16), alpha=0.5, beta=0.1, gamma=1)";
+    let (rows, mism) = sparse_graph_replay_on(&spec, pol, seed, seed.wrapping_add(7919), true).unwrap_or_else(|e| panic!("{pol}: {e}"));
+    println!("graph on another stream {pol:<70} rows {rows} {}", if mism.is_none() { "replay == eager" } else { "DIFF" });
+    assert!(rows > 0 && mism.is_none(), "{pol} (seed {seed}): {mism:?}");
+}
+
 /// Settings the CUDA backend refuses, with the reason.
 fn cuda_prr_refuses_what_it_does_not_run() {
     for pol in ["speculate(over=quest(budget=64), extra=drop)", "speculate(over=quest(budget=64), predict=previous)"] {
@@ -120,6 +135,7 @@ fn main() {
         ("cuda_prr_decisions_equal_the_cpu_engine", cuda_prr_decisions_equal_the_cpu_engine as fn(), true),
         ("cuda_prr_first_decode_steps_without_prefill_equal_the_cpu_engine", cuda_prr_first_decode_steps_without_prefill_equal_the_cpu_engine as fn(), true),
         ("cuda_prr_decode_step_graph_replays_on_new_data", cuda_prr_decode_step_graph_replays_on_new_data as fn(), true),
+        ("cuda_prr_graph_captured_on_a_stream_without_eager_calls", cuda_prr_graph_captured_on_a_stream_without_eager_calls as fn(), true),
         ("cuda_prr_refuses_what_it_does_not_run", cuda_prr_refuses_what_it_does_not_run as fn(), false),
     ]);
 }

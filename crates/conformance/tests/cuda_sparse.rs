@@ -7,7 +7,7 @@
 
 use kvsparse_conformance::cuda::DeviceCase;
 use kvsparse_conformance::snapkv_cuda::{run_snapkv_case, snapkv_policies, snapkv_spec};
-use kvsparse_conformance::sparse_cuda::{art_stop_tiles, run_sparse_case, sparse_graph_replay, sparse_graph_replay_on, sparse_policies, sparse_specs};
+use kvsparse_conformance::sparse_cuda::{art_stop_tiles, decode_step_meta_equal, run_sparse_case, run_sparse_case_keys, sparse_graph_replay, sparse_graph_replay_on, sparse_policies, sparse_specs};
 use kvsparse_conformance::{judge, CaseSpec, Fixture, Outputs};
 use kvsparse::rng::Rng;
 use kvsparse::{DType, Device, Engine};
@@ -47,6 +47,55 @@ fn cuda_sparse_decisions_equal_the_cpu_engine() {
         }
     }
     assert!(failures.is_empty(), "failing sparse cases:\n{}", failures.join("\n"));
+}
+
+/// Quest's top-k at ties: keys that make every page score the same (one value) or few values, on rows
+/// short enough for the selection's gathered bin (250 pages) and long enough to overflow it (2,500 pages,
+/// the whole-row fallback). The GPU must visit exactly the CPU engine's pages (ties go to the later page).
+fn cuda_quest_ties_equal_the_cpu_engine() {
+    if !have_cuda("cuda_quest_ties") {
+        return;
+    }
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let spec = CaseSpec::new("h128-bf16-gqa4-bs16-ties", DType::BF16, 128, 8, 2, 16, vec![(1, 4000), (1, 40000), (1, 1500)]);
+    let one = |_row: usize| 0.25;
+    let few = |row: usize| [0.5, -0.25, 0.125][(row / 16) % 3];
+    let mut failures = Vec::new();
+    for (name, key) in [("one value", &one as &dyn Fn(usize) -> f64), ("three values", &few)] {
+        for pol in ["quest(budget=512)", "quest(budget=4096, sink=64)", "quest(budget=1000, page=8)"] {
+            let r = run_sparse_case_keys(&spec, pol, seed, Some(key));
+            println!("ties {name:<12} {pol:<32} rows {:>3} decisions {} counters {} rel {:.2e} {}", r.rows, if r.decision_mismatch.is_none() { "same" } else { "DIFF" },
+                if r.counters_mismatch.is_none() { "same" } else { "DIFF" }, r.rel_err, if r.pass { "ok" } else { "FAIL" });
+            if !r.pass {
+                failures.push(format!("{name} / {pol} (seed {seed}): {:?} {:?} meta_equal={} error {:?}", r.decision_mismatch, r.counters_mismatch, r.meta_equal, r.error));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "failing tie cases:\n{}", failures.join("\n"));
+}
+
+/// A decode step's write keeps the key metadata in one launch on CUDA (kvs_meta_step): after it, the
+/// fill mask, Quest's bounds and the INT4 copy equal the CPU engine's bit for bit (block sizes 1..256).
+fn cuda_decode_step_write_keeps_the_cpu_metadata() {
+    if !have_cuda("cuda_decode_step_meta") {
+        return;
+    }
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let seqs = vec![(1, 4000), (1, 1), (1, 17), (1, 1500), (1, 2777), (1, 64), (1, 257)];
+    let mut failures = Vec::new();
+    for (i, (dt, d, hq, hk, bs)) in [(DType::BF16, 128, 32, 8, 16), (DType::F16, 64, 16, 2, 8), (DType::BF16, 112, 4, 2, 256), (DType::F32, 80, 4, 4, 1)].into_iter().enumerate() {
+        let spec = CaseSpec::new(format!("step-meta-h{d}-bs{bs}"), dt, d, hq, hk, bs, seqs.clone());
+        for pol in ["quest(budget=256, sink=4) > top_p(p=0.95)", "quest(budget=96, page=8, sink=16)"] {
+            let same = decode_step_meta_equal(&spec, pol, seed.wrapping_add(i as u64)).unwrap_or_else(|e| panic!("{} / {pol}: {e}", spec.name));
+            println!("step meta {:<24} {pol:<44} {}", spec.name, if same { "same" } else { "DIFF" });
+            if !same {
+                failures.push(format!("{} / {pol} (seed {seed})", spec.name));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "metadata differs after a decode step's write:\n{}", failures.join("\n"));
 }
 
 /// SnapKV: a prefill call (the choice) then a decode call (the plan) on the same cache, over the sparse
@@ -261,6 +310,8 @@ fn cuda_refuses_policies_it_cannot_run_at_engine_creation() {
 fn main() {
     common::run("sparse", vec![
         ("cuda_sparse_decisions_equal_the_cpu_engine", cuda_sparse_decisions_equal_the_cpu_engine as fn(), true),
+        ("cuda_quest_ties_equal_the_cpu_engine", cuda_quest_ties_equal_the_cpu_engine as fn(), true),
+        ("cuda_decode_step_write_keeps_the_cpu_metadata", cuda_decode_step_write_keeps_the_cpu_metadata as fn(), true),
         ("cuda_snapkv_decisions_equal_the_cpu_engine", cuda_snapkv_decisions_equal_the_cpu_engine as fn(), true),
         ("cuda_lossless_policies_equal_dense", cuda_lossless_policies_equal_dense as fn(), true),
         ("cuda_sparse_decode_step_graph_replays_on_new_data", cuda_sparse_decode_step_graph_replays_on_new_data as fn(), true),

@@ -136,6 +136,23 @@ impl PrrDevice {
     }
 }
 
+/// A capture on a stream that made no eager PRR call takes over the set (side stream, events, workspace)
+/// of a stream that did, as `workspace::for_stream` does with split-KV workspaces: serving engines warm
+/// up eagerly on one stream and capture on another (vLLM, `torch.cuda.graph`). The smallest set whose
+/// workspace holds `need` bytes (and that has timing events when the timeline is on) moves to `key`; its
+/// old stream makes a new set at its next eager call. Nothing is allocated, so the capture stays valid.
+fn take_over_set(streams: &mut HashMap<usize, StreamSet>, key: usize, need: usize, timeline: bool) {
+    let donor = streams
+        .iter()
+        .filter(|(k, s)| **k != key && s.ws.as_ref().is_some_and(|b| b.bytes >= need) && (!timeline || s.timing.is_some()))
+        .min_by_key(|(_, s)| s.ws.as_ref().map_or(0, |b| b.bytes))
+        .map(|(k, _)| *k);
+    if let Some(d) = donor {
+        let set = streams.remove(&d).expect("found above");
+        streams.insert(key, set);
+    }
+}
+
 /// Which `speculate` settings the CUDA backend runs.
 pub fn supported(s: &Speculate) -> std::result::Result<(), String> {
     if s.predict != crate::policy::Predict::Holt {
@@ -326,8 +343,11 @@ impl CudaBackend {
         let mut streams = self.prr.streams.lock();
         let key = stream as usize;
         let timeline = self.prr.timeline.load(Ordering::Relaxed);
+        if capturing && !streams.contains_key(&key) {
+            take_over_set(&mut streams, key, lay.total, timeline);
+        }
         if !streams.contains_key(&key) || (timeline && streams[&key].timing.is_none()) {
-            ensure!(!capturing, InvalidArgument, "PRR's side stream and events for this stream would be created inside a CUDA graph capture; run one PRR call on this stream before capturing");
+            ensure!(!capturing, InvalidArgument, "PRR's side stream and events for this stream would be created inside a CUDA graph capture, and no stream of this engine holds a set large enough to hand over; run one PRR call of the largest shape (on any stream) before capturing");
             let mk_event = |flags: u32| -> Result<CUevent> {
                 let mut e = std::ptr::null_mut();
                 // SAFETY: out-parameter; destroyed with the set.
