@@ -292,6 +292,23 @@ typedef struct {
   void *stream;
 } kvs_merge_args;
 
+// What the library says about a policy (`kvs_policy_query`, `kvs_engine_policy`): what a serving plugin
+// needs to decide without parsing the spec itself.
+typedef struct {
+  // Set by the caller to `sizeof(kvs_policy_info)`; the library writes up to it.
+  uint32_t struct_size;
+  // Stages of the pipeline (selector, top-p, ART); 0 = dense attention everywhere.
+  uint32_t num_stages;
+  // Leading layers kept dense (the spec's `dense_layers`).
+  uint32_t dense_layers;
+  // 1 when the policy keeps per-sequence state, so forward calls must pass `seq_ids`; else 0.
+  uint32_t stateful;
+  // 1 when a CUDA engine's decode steps under this policy may be captured in a CUDA graph by a serving
+  // plugin (every stage's step is a fixed launch sequence, checked replay == eager; docs/abi.md); else 0.
+  uint32_t graph_capturable;
+  uint32_t reserved;
+} kvs_policy_info;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -376,6 +393,16 @@ kvs_status kvs_engine_stats(const kvs_engine *engine, int32_t layer, kvs_stats *
 // engine checks everything at the call: always `KVS_OK`. See docs/abi.md, "Where each check runs".
 kvs_status kvs_engine_check(const kvs_engine *engine,
                             void *stream);
+
+// Describes the policy spec `policy` (a NUL-terminated string, as `kvs_engine_config.policy`; NULL or
+// empty = dense) into `*info`, written up to `info->struct_size`: its stages, dense layers, whether it keeps
+// per-sequence state and whether its decode steps may be captured in a CUDA graph. A malformed spec is
+// `KVS_ERR_INVALID_ARGUMENT` (the message says where), `*info` untouched. Creates nothing, touches no device.
+kvs_status kvs_policy_query(const char *policy,
+                            kvs_policy_info *info);
+
+// `kvs_policy_query` for the policy an engine runs.
+kvs_status kvs_engine_policy(const kvs_engine *engine, kvs_policy_info *info);
 
 // Short constant name of a status code ("KVS_OK", ...). Never NULL.
 const char *kvs_status_name(int32_t status);

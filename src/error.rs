@@ -26,6 +26,23 @@ pub enum ErrorKind {
     Internal,
 }
 
+impl ErrorKind {
+    /// The C ABI's `kvs_status` value of this kind (`ffi::guard::status_of` returns the same, as the enum).
+    pub fn status_code(self) -> u32 {
+        match self {
+            ErrorKind::InvalidArgument => 1,
+            ErrorKind::InvalidShape => 2,
+            ErrorKind::InvalidDtype => 3,
+            ErrorKind::OutOfRange => 4,
+            ErrorKind::Unsupported => 5,
+            ErrorKind::UnknownSequence => 6,
+            ErrorKind::OutOfMemory => 7,
+            ErrorKind::Device => 8,
+            ErrorKind::Internal => 9,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Error {
     pub kind: ErrorKind,

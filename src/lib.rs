@@ -11,6 +11,8 @@
 //! [`synthetic`] (LLM-like decode batches for benchmarks and policy tests).
 
 pub mod alloc;
+pub mod args;
+pub mod backend;
 pub mod config;
 pub mod cpu;
 pub mod cuda;
@@ -18,6 +20,7 @@ pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod layout;
+pub mod meta;
 pub mod policy;
 pub mod rng;
 pub mod sequences;
@@ -26,7 +29,8 @@ pub mod tensor;
 pub mod validate;
 
 pub use config::EngineConfig;
-pub use engine::{CacheWriteArgs, Engine, ForwardArgs, MergeArgs};
+pub use args::{CacheWriteArgs, ForwardArgs, MergeArgs};
+pub use engine::Engine;
 pub use error::{Error, ErrorKind, Result};
 pub use tensor::{DType, Device, TensorRef};
 

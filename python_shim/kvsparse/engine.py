@@ -84,6 +84,23 @@ def check_config(**config):
     _check(lib.kvs_engine_config_check(cfg), "engine_create")
 
 
+_POLICY_FIELDS = ("num_stages", "dense_layers", "stateful", "graph_capturable")
+
+
+def _policy_dict(info) -> dict:
+    return {f: (bool(getattr(info, f)) if f in ("stateful", "graph_capturable") else getattr(info, f)) for f in _POLICY_FIELDS}
+
+
+def policy_info(spec: str) -> dict:
+    """What the library says about a policy spec (`kvs_policy_query`): `num_stages` (0 = dense),
+    `dense_layers`, `stateful` (forward calls need seq_ids) and `graph_capturable` (a CUDA engine's decode
+    steps may be captured in a CUDA graph). A malformed spec raises the parser's error. No device is touched."""
+    info = ffi.new("kvs_policy_info *")
+    info.struct_size = ffi.sizeof("kvs_policy_info")
+    _check(lib.kvs_policy_query((spec or "").encode(), info), "policy_query")
+    return _policy_dict(info)
+
+
 class Engine:
     """One kvsparse engine (all attention layers of one model on one device)."""
 
@@ -154,6 +171,13 @@ class Engine:
             return False
         _check(st, "sequence_release")
         return True
+
+    def policy_info(self) -> dict:
+        """`policy_info` of the engine's policy (`kvs_engine_policy`)."""
+        info = ffi.new("kvs_policy_info *")
+        info.struct_size = ffi.sizeof("kvs_policy_info")
+        _check(lib.kvs_engine_policy(self._h, info), "engine_policy")
+        return _policy_dict(info)
 
     def stats(self, layer: int = -1) -> dict:
         st = ffi.new("kvs_stats *")

@@ -14,8 +14,8 @@ layer, `KvSparseImpl` makes one C call for the cache write and one for attention
 built on the layer's first use, on vLLM's current stream. Nothing reads a device tensor on the host.
 
 CUDA graphs: the builder declares `UNIFORM_SINGLE_TOKEN_DECODE` (FULL graphs of decode-only batches) for
-dense engines on CUDA (and policies made of GRAPH_POLICY_STAGES), the case scripts/gpu_shim_check.py
-captures and replays; `NEVER` otherwise (vLLM then
+dense engines on CUDA (and policies the library reports graph-capturable, `kvs_policy_query`), the case
+scripts/gpu_shim_check.py captures and replays; `NEVER` otherwise (vLLM then
 runs attention eagerly between piecewise graphs). The builder never waits for the device: it reads no
 metadata tensor on the host, and the periodic stats line (which reads device counters) is off on CUDA unless
 KVSPARSE_LOG_EVERY asks for it, and never in a capture build. Decode metadata built where graphs are on asks the engine
@@ -24,7 +24,6 @@ grow and its split-KV workspace is the largest a decode step of that batch size 
 """
 
 import os
-import re
 import threading
 from dataclasses import dataclass
 from typing import ClassVar
@@ -46,7 +45,7 @@ from . import vllm_compat
 from . import vllm_config as kcfg
 from .vllm_config import BLOCK_SIZES, kernel_block_size  # noqa: F401 - part of the backend's declarations
 from . import vllm_runner
-from .engine import Engine
+from .engine import Engine, policy_info
 from .step import IdBuffer, LayerCall, StepMeta, raw_stream
 from .vllm_runner import TRACKER
 
@@ -64,16 +63,6 @@ def log_every(device) -> int:
 
 # What kvs_engine_create accepts (include/kvsparse.h), declared to vLLM so it can choose or refuse up front.
 HEAD_SIZES = [64, 80, 96, 112, 128, 192, 256]
-# Policy stages (spec names, docs/policies.md) whose decode steps the CUDA engine runs inside a CUDA graph,
-# as checked on the GPU by scripts/gpu_shim_check.py --policy SPEC (the shared step module, every layer's cache
-# write + attention captured and replayed == eager) or scripts/gpu_e2e.py's graph == eager check of a whole
-# model step. Dense needs none; add a name only after such a check passed for it on the GPU.
-# quest: gpu_shim_check.py's default policy, quest(budget=256), passed on an H100 (issue 19); all, streaming,
-# quest, top_p: gpu_e2e.py's graph == eager for streaming, quest, quest > top_p and top_p at four batch x
-# context points, H100, 2026-11-23 (docs/perf.md). art: gpu_shim_check.py with quest(budget=256, sink=16) >
-# art(...), H100, 2026-11-25. The stateful policies (refresh, predictor, speculate, snapkv) replay == eager in
-# the C-level graph tests but not yet in gpu_shim_check.py's twin-engine check (docs/vllm.md): not listed.
-GRAPH_POLICY_STAGES = frozenset({"all", "streaming", "quest", "top_p", "art"})
 
 
 def engine_device(vllm_config):
@@ -254,10 +243,10 @@ def kv_views(kv_cache: torch.Tensor, head_size: int):
 
 
 def graph_capturable(spec: str) -> bool:
-    """Whether every stage of the policy spec is in GRAPH_POLICY_STAGES (dense: always)."""
-    # A stage is `name(args)` or a bare `name`; nested specs (`speculate(over=quest(...))`) name their outer stage.
-    stages = re.findall(r"(?:^|>)\s*([A-Za-z_]\w*)", spec.split(";")[0])
-    return all(name in GRAPH_POLICY_STAGES for name in stages)
+    """Whether a CUDA engine's decode steps under the policy spec may be captured in a CUDA graph, as the
+    library decides it (`kvs_policy_query`; dense: always). Which stages qualify, and the GPU checks behind
+    them, are the library's (docs/abi.md, `kvs_policy_info.graph_capturable`). A malformed spec raises."""
+    return policy_info(spec)["graph_capturable"]
 
 
 def graphs_supported(vllm_config) -> bool:

@@ -14,6 +14,22 @@ def test_abi_version_matches_header():
     assert f"#define KVS_ABI_VERSION {kvsparse.abi_version()}" in text
 
 
+def test_policy_info_is_the_librarys_reading_of_the_spec():
+    """kvs_policy_query / kvs_engine_policy: stages, dense layers, state and graph capture as the library
+    parses them (the shim decides nothing about a spec by itself)."""
+    from kvsparse.engine import policy_info
+    assert policy_info("") == {"num_stages": 0, "dense_layers": 2, "stateful": False, "graph_capturable": True}
+    q = policy_info("quest(budget=256) > top_p(p=0.9) > art; dense_layers=1")
+    assert q == {"num_stages": 3, "dense_layers": 1, "stateful": False, "graph_capturable": True}
+    for spec in ("snapkv(budget=64)", "speculate(over=quest(budget=64))", "refresh(k=64)", "predictor(budget=64)"):
+        info = policy_info(spec)
+        assert info["stateful"] and not info["graph_capturable"], spec
+    with pytest.raises(KvsError, match="policy_query"):
+        policy_info("quest(budget=")
+    e = Engine(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, policy="streaming(sink=4, recent=64)")
+    assert e.policy_info() == policy_info("streaming(sink=4, recent=64)")
+
+
 def test_struct_sizes_come_from_header():
     # Every config/args struct starts with struct_size; the layout is cffi's reading of the header.
     assert ffi.offsetof("kvs_forward_args", "struct_size") == 0

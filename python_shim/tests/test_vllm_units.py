@@ -12,6 +12,7 @@ pytest.importorskip("vllm")
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
 
 from kvsparse import Engine  # noqa: E402
+from kvsparse.engine import KvsError  # noqa: E402
 from kvsparse import vllm_backend, vllm_runner  # noqa: E402
 from kvsparse.step import LayerCall  # noqa: E402
 from conftest import NoHostRead  # noqa: E402
@@ -90,9 +91,8 @@ def test_backend_declarations(engine):
     assert vllm_backend.preferred_layouts(cpu=False)[0] == KVCacheLayout.LBNHC
     cg = vllm_backend.KvSparseMetadataBuilder.get_cudagraph_support
     assert cg(_vllm_config(device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    # The stages that passed a GPU graph check (GRAPH_POLICY_STAGES) join vLLM's decode graphs; stages not
-    # checked on the GPU keep attention out of them.
-    assert vllm_backend.GRAPH_POLICY_STAGES == frozenset({"all", "streaming", "quest", "top_p", "art"})
+    # The policies the library reports graph-capturable (kvs_policy_query: the stages that passed a GPU graph
+    # check) join vLLM's decode graphs; stages not checked on the GPU keep attention out of them.
     for spec in ("quest(budget=256)", "quest(budget=256) > top_p(p=0.9)", "streaming(sink=4, recent=256)", "quest(budget=256) > art(tau=1e-5)"):
         assert cg(_vllm_config(spec, device="cuda"), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, spec
     for spec in ("refresh(k=64, every=4)", "predictor(budget=64)", "speculate(over=quest(budget=64))", "snapkv(budget=256)"):
@@ -104,14 +104,12 @@ def test_backend_declarations(engine):
     levels = {cg(_vllm_config(p, device=d), None) for p in (None, "quest(budget=8)", "top_p(p=0.9)") for d in ("cpu", "cuda")}
     assert levels <= {AttentionCGSupport.NEVER, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE}
     assert vllm_backend.graph_capturable("") and vllm_backend.graph_capturable("   ")
-    stages = vllm_backend.GRAPH_POLICY_STAGES
-    try:  # the gate follows the stage names, not the whole spec
-        vllm_backend.GRAPH_POLICY_STAGES = frozenset({"quest"})
-        assert vllm_backend.graph_capturable("quest(budget=1024); dense_layers=0")
-        assert not vllm_backend.graph_capturable("quest(budget=1024) > top_p(p=0.9)")
-        assert not vllm_backend.graph_capturable("quest(budget=1024) > art")  # a bare stage name counts too
-    finally:
-        vllm_backend.GRAPH_POLICY_STAGES = stages
+    # The decision is the library's, by the parsed pipeline: options, nesting and bare stage names alike.
+    assert vllm_backend.graph_capturable("quest(budget=1024); dense_layers=0")
+    assert vllm_backend.graph_capturable("quest(budget=1024) > top_p(p=0.9) > art")
+    assert not vllm_backend.graph_capturable("speculate(over=quest(budget=64))")
+    with pytest.raises(KvsError):  # a malformed spec is the parser's error, not a guess
+        vllm_backend.graph_capturable("quest(budget=")
 
 
 def test_v2_runner_request_ids_follow_req_idx_slots(monkeypatch):

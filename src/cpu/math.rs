@@ -99,6 +99,27 @@ pub fn ordered_sum(a: &[f32]) -> f32 {
     s
 }
 
+/// The largest fp16 value `<= x` (as bits).
+pub fn f16_down(x: f32) -> u16 {
+    let h = half::f16::from_f32(x);
+    if h.is_nan() || h.to_f32() <= x {
+        return h.to_bits();
+    }
+    let b = h.to_bits();
+    if b & 0x7fff == 0 {
+        0x8001 // ±0 above a tiny negative x: the smallest negative subnormal
+    } else if b & 0x8000 == 0 {
+        b - 1
+    } else {
+        b + 1
+    }
+}
+
+/// The smallest fp16 value `>= x` (as bits).
+pub fn f16_up(x: f32) -> u16 {
+    f16_down(-x) ^ 0x8000
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

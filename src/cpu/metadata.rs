@@ -20,25 +20,12 @@ use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::convert::{load_row, Portable};
 use super::quantize::{code_bytes, quantize_row};
+pub use super::math::{f16_down, f16_up};
+pub use crate::meta::{MetaNeeds, MetaSnapshot};
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::{alloc, bail, ensure};
 
-/// What the configured policy needs maintained.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct MetaNeeds {
-    /// Quest page size in tokens (the unit kept is `min(page, block_size)`).
-    pub quest_page: Option<usize>,
-    pub int4: bool,
-    /// SnapKV's kept-slot bits (CUDA engines only: the CPU keeps its choice per sequence id).
-    pub snap_keep: bool,
-}
-
-impl MetaNeeds {
-    pub fn any(&self) -> bool {
-        self.quest_page.is_some() || self.int4 || self.snap_keep
-    }
-}
 
 /// Metadata of one layer's cache.
 pub struct LayerMeta {
@@ -227,38 +214,7 @@ impl LayerMeta {
 const F16_POS_INF: u16 = 0x7C00;
 const F16_NEG_INF: u16 = 0xFC00;
 
-/// The largest fp16 value `<= x` (as bits).
-pub fn f16_down(x: f32) -> u16 {
-    let h = half::f16::from_f32(x);
-    if h.is_nan() || h.to_f32() <= x {
-        return h.to_bits();
-    }
-    let b = h.to_bits();
-    if b & 0x7fff == 0 {
-        0x8001 // ±0 above a tiny negative x: the smallest negative subnormal
-    } else if b & 0x8000 == 0 {
-        b - 1
-    } else {
-        b + 1
-    }
-}
 
-/// The smallest fp16 value `>= x` (as bits).
-pub fn f16_up(x: f32) -> u16 {
-    f16_down(-x) ^ 0x8000
-}
-
-/// One layer's metadata as plain arrays: `fill[num_blocks * 4]` (bit `off` of word `off / 64` of block
-/// `b` at `b * 4 + off / 64`), Quest bounds `[num_blocks][units_per_block][kv_heads][dim]` fp16 bits,
-/// INT4 codes `[num_blocks * block_size * kv_heads][dim / 2]` and fp16 (min, scale) pairs per row.
-#[derive(Clone, Debug, PartialEq)]
-pub struct MetaSnapshot {
-    pub fill: Vec<u64>,
-    pub qmin: Option<Vec<u16>>,
-    pub qmax: Option<Vec<u16>>,
-    pub codes: Option<Vec<u8>>,
-    pub qparams: Option<Vec<u16>>,
-}
 
 /// The engine's metadata for all layers.
 pub struct CacheMeta {

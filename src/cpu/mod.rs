@@ -6,6 +6,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod cache_write;
+pub mod backend;
 pub mod call;
 pub mod convert;
 pub mod forward;
@@ -16,6 +17,5 @@ pub mod merge;
 pub mod metadata;
 pub mod prefill;
 pub mod quantize;
-pub mod snapkv;
 pub mod sparse;
 pub mod spin_pool;

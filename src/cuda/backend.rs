@@ -20,7 +20,7 @@ use super::meta::DeviceMeta;
 use super::sparse::{PlanRef, SparseState};
 use crate::cpu::metadata::MetaNeeds;
 use crate::config::EngineConfig;
-use crate::engine::{CacheWriteArgs, ForwardArgs, MergeArgs};
+use crate::args::{CacheWriteArgs, ForwardArgs, MergeArgs};
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::Pipeline;
@@ -40,7 +40,7 @@ const PLAN_MIN_CHUNK: usize = 256;
 
 /// What the host knows of a call's batch before launching anything.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Geometry {
+pub(crate) struct Geometry {
     pub num_tokens: usize,
     pub num_seqs: usize,
     /// Block-table columns, and the positions they can address.
@@ -52,7 +52,7 @@ pub(super) struct Geometry {
 
 /// Which rows an attention launch serves.
 #[derive(Clone, Copy, Debug)]
-pub(super) enum Rows {
+pub(crate) enum Rows {
     /// Every row, densely (dense layers).
     All,
     /// The rows that are not decode rows (query length != 1), densely: a policy layer's prefill rows.
@@ -67,19 +67,19 @@ pub(super) enum Rows {
 
 /// Where `Rows::PlanLogits` writes the logits (see kernels/attention_mma.cu, LOGITS).
 #[derive(Clone, Copy, Debug)]
-pub(super) struct LogitsOut {
+pub(crate) struct LogitsOut {
     pub lg: u64,
     pub maxpos: i32,
 }
 
 pub struct CudaBackend {
     pub gpu: Gpu,
-    pub(super) modules: Modules,
+    pub(crate) modules: Modules,
     /// Split-KV workspace per stream handle.
-    pub(super) workspaces: Mutex<HashMap<usize, DevBuf>>,
+    pub(crate) workspaces: Mutex<HashMap<usize, DevBuf>>,
     /// Workspaces replaced by larger ones: kept until the engine is destroyed, because CUDA graphs
     /// captured before the growth still read and write them (at most as much again as the live ones).
-    pub(super) retired: Mutex<Vec<DevBuf>>,
+    pub(crate) retired: Mutex<Vec<DevBuf>>,
     policy: SplitPolicy,
     mma: plan::MmaTunables,
     /// Functions whose dynamic shared-memory limit was raised already.
@@ -87,7 +87,7 @@ pub struct CudaBackend {
     /// Key metadata the policy needs, kept by cache writes.
     pub meta: DeviceMeta,
     /// Policy state on the device: plans, scores and counters (see `sparse`).
-    pub(super) sparse: SparseState,
+    pub(crate) sparse: SparseState,
     /// Sequence id -> state slot map, for policies with per-sequence device state (see `slots`).
     pub slots: Option<super::slots::SeqSlots>,
     /// Without such a map: a slot map used only as the registry of sequence ids (created on first use in
@@ -95,11 +95,11 @@ pub struct CudaBackend {
     /// lookup writes the (unused) slots into.
     ids: Option<(super::slots::SeqSlots, DevBuf)>,
     /// AttentionPredictor's weights and per-layer history on the device (see `predictor`).
-    pub(super) predictor: Option<super::predictor::PredictorDev>,
+    pub(crate) predictor: Option<crate::policy::predictor::cuda::PredictorDev>,
     /// RefreshKV's per-layer state and step counters (see `refresh`).
-    pub(super) refresh: super::refresh::RefreshDevice,
+    pub(crate) refresh: crate::policy::refresh::cuda::RefreshDevice,
     /// PRR's block-keyed state, side streams and events (see `prr`).
-    pub(super) prr: super::prr::PrrDevice,
+    pub(crate) prr: crate::policy::speculate::cuda::PrrDevice,
     /// The device checks' error record and the cache writes' checked slot buffers (see `checks`).
     pub checks: super::checks::DeviceChecks,
     /// `validate = sync`: every eager call waits and returns what the device checks found.
@@ -117,7 +117,7 @@ impl Drop for CudaBackend {
     }
 }
 
-pub(super) fn dtype_code(d: DType) -> i32 {
+pub(crate) fn dtype_code(d: DType) -> i32 {
     match d {
         DType::F32 => 0,
         DType::F16 => 1,
@@ -125,13 +125,13 @@ pub(super) fn dtype_code(d: DType) -> i32 {
     }
 }
 
-pub(super) fn p(t: &TensorRef) -> *const u8 {
+pub(crate) fn p(t: &TensorRef) -> *const u8 {
     t.data
 }
 
 /// The arguments every attention kernel starts with: query, caches, block size, block table, lengths
 /// and query starts with the sequence count.
-pub(super) fn batch_args(cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry) -> KArgs {
+pub(crate) fn batch_args(cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry) -> KArgs {
     let mut k = KArgs::new();
     k.ptr(p(&a.query)).i64(a.query.stride(0) as i64).i64(a.query.stride(1) as i64).i64(a.query.stride(2) as i64);
     k.ptr(p(&cache.k)).i64(cache.k.stride(0) as i64).i64(cache.k.stride(1) as i64).i64(cache.k.stride(2) as i64);
@@ -144,7 +144,7 @@ pub(super) fn batch_args(cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, g
 }
 
 /// The optional LSE output as (pointer or NULL, token stride, head stride).
-pub(super) fn lse_arg(a: &ForwardArgs) -> (*const u8, i64, i64) {
+pub(crate) fn lse_arg(a: &ForwardArgs) -> (*const u8, i64, i64) {
     match &a.lse {
         Some(l) => (l.data as *const u8, l.stride(0) as i64, l.stride(1) as i64),
         None => (std::ptr::null(), 0, 0),
@@ -174,8 +174,8 @@ impl CudaBackend {
             sparse,
             slots,
             ids,
-            refresh: super::refresh::RefreshDevice::new(cfg.num_layers)?,
-            prr: super::prr::PrrDevice::new(cfg),
+            refresh: crate::policy::refresh::cuda::RefreshDevice::new(cfg.num_layers)?,
+            prr: crate::policy::speculate::cuda::PrrDevice::new(cfg),
             predictor: None,
             checks: super::checks::DeviceChecks::new(cfg.num_layers, cfg.block_size)?,
             validate_sync: cfg.validate == crate::config::Validate::Sync,
@@ -280,7 +280,7 @@ impl CudaBackend {
 
     /// Raises `f`'s dynamic shared-memory limit to `bytes`, once per function (every launch site of a
     /// function asks for the same limit).
-    pub(super) fn allow_smem_once(&self, f: super::driver::CUfunction, bytes: usize) -> Result<()> {
+    pub(crate) fn allow_smem_once(&self, f: super::driver::CUfunction, bytes: usize) -> Result<()> {
         let mut ready = self.smem_ready.lock();
         if !ready.contains(&(f as usize)) {
             launch::allow_dynamic_smem(f, bytes)?;
@@ -291,7 +291,7 @@ impl CudaBackend {
 
     /// The tensor-core kernel's shape for these caches (ART's launch: 4 warps), or None where the
     /// lane-group kernel runs.
-    pub(super) fn mma_for(&self, cfg: &EngineConfig, cache: &KvCache, art: bool) -> Option<plan::MmaShape> {
+    pub(crate) fn mma_for(&self, cfg: &EngineConfig, cache: &KvCache, art: bool) -> Option<plan::MmaShape> {
         let es = cfg.dtype.size_bytes();
         let aligned = aligned16(cache, es);
         let tun = if art { plan::MmaTunables { warps: 4, ..self.mma } } else { self.mma };
@@ -299,7 +299,7 @@ impl CudaBackend {
     }
 
     /// One attention launch (plus its split combine) over the rows `rows` selects.
-    pub(super) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
+    pub(crate) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
         let num_tokens = geo.num_tokens;
         let es = cfg.dtype.size_bytes();
         let aligned = aligned16(cache, es);
@@ -417,7 +417,7 @@ impl CudaBackend {
     /// Merges the `nsplit` partial states of every row `mode` serves (kvs_attn_combine of `module`,
     /// compiled with `defines`) into the call's output and LSE.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &str)) -> Result<()> {
+    pub(crate) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &str)) -> Result<()> {
         let (lse_ptr, l0, l1) = lse_arg(a);
         let f_comb = self.modules.function(&self.gpu, module.0, module.1, defines, "kvs_attn_combine")?;
         let mut k = KArgs::new();

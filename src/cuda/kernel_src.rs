@@ -15,6 +15,9 @@ macro_rules! kernel_files {
     ($($name:literal => $path:literal),* $(,)?) => {
         /// Every kernel source by the name `#include` uses.
         pub const FILES: &[(&str, &str)] = &[$(($name, include_str!(concat!("../../kernels/", $path)))),*];
+        /// Where each file of [`FILES`] lives under kernels/ (same order).
+        #[cfg(test)]
+        const PATHS: &[&str] = &[$($path),*];
     };
 }
 
@@ -37,10 +40,10 @@ kernel_files! {
     "fill.cu" => "fill.cu",
     "meta.cu" => "meta.cu",
     "select.cu" => "select.cu",
-    "snapkv.cu" => "snapkv.cu",
-    "refresh.cu" => "refresh.cu",
-    "prr.cu" => "prr.cu",
-    "predictor.cu" => "predictor.cu",
+    "snapkv.cu" => "policy/snapkv.cu",
+    "refresh.cu" => "policy/refresh.cu",
+    "prr.cu" => "policy/speculate.cu",
+    "predictor.cu" => "policy/predictor.cu",
     "slots.cu" => "slots.cu",
 }
 
@@ -150,16 +153,16 @@ mod tests {
     fn registry_covers_the_kernels_and_every_module_expands() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
         let mut on_disk = Vec::new();
-        for sub in ["", "include"] {
+        for sub in ["", "include", "policy"] {
             for e in std::fs::read_dir(dir.join(sub)).unwrap() {
                 let p = e.unwrap().path();
                 if matches!(p.extension().and_then(|x| x.to_str()), Some("cu" | "cuh")) {
-                    on_disk.push(p.file_name().unwrap().to_str().unwrap().to_string());
+                    on_disk.push(p.strip_prefix(&dir).unwrap().to_str().unwrap().to_string());
                 }
             }
         }
         on_disk.sort();
-        let mut registered: Vec<String> = FILES.iter().map(|(n, _)| n.to_string()).collect();
+        let mut registered: Vec<String> = PATHS.iter().map(|p| p.to_string()).collect();
         registered.sort();
         assert_eq!(on_disk, registered, "kernels/ and the registry differ");
         for (name, text) in FILES {
@@ -214,7 +217,7 @@ mod tests {
     /// pointers and the host's are both 64-bit) and its offsetof values compared with offset_of!.
     #[test]
     fn kernel_param_structs_match_their_rust_mirrors() {
-        let rust: Vec<CLayout> = [super::super::sparse::c_layouts(), super::super::refresh::c_layouts(), super::super::predictor::c_layouts()].into_iter().flatten().collect();
+        let rust: Vec<CLayout> = [super::super::sparse::c_layouts(), crate::policy::refresh::cuda::c_layouts(), crate::policy::predictor::cuda::c_layouts()].into_iter().flatten().collect();
         let header = file("params.cuh").unwrap().lines().filter(|l| !l.starts_with("#pragma") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n");
         let structs = c_structs(&header);
         assert_eq!(structs.len(), rust.len(), "params.cuh has {} structs, Rust mirrors {}", structs.len(), rust.len());

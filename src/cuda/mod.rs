@@ -1,23 +1,20 @@
 //! CUDA backend: the driver and NVRTC loaded at run time ([`driver`]), the device context ([`context`]),
 //! NVRTC compilation with an on-disk module cache ([`module_cache`]), launches ([`launch`]), split-KV
-//! planning ([`plan`]), prefill rows on their own kernel ([`prefill`]), the device checks of the metadata ([`checks`]), the policies' device path ([`sparse`], [`snapkv`], [`refresh`], [`prr`], [`predictor`], per-sequence state slots [`slots`]) and the backend the engine dispatches to ([`backend`]). Kernels: `kernels/*.cu`.
+//! planning ([`plan`]), prefill rows on their own kernel ([`prefill`]), the device checks of the metadata ([`checks`]), the policies' device pipeline ([`sparse`]; each policy's own device code is in `src/policy/<name>/cuda.rs`), per-sequence state slots ([`slots`]) and the backend the engine dispatches to ([`backend`]). Kernels: `kernels/*.cu`, a policy's own in `kernels/policy/`.
 //! Nothing here is needed at build time, and every entry point fails cleanly when no driver is present.
 
 pub mod backend;
 pub mod checks;
 pub mod context;
 pub mod driver;
+pub mod engine_backend;
 pub mod kernel_src;
 pub mod launch;
 pub mod meta;
 pub mod module_cache;
 pub mod plan;
-pub mod predictor;
 pub mod prefill;
-pub mod prr;
-pub mod refresh;
 pub mod slots;
-pub mod snapkv;
 pub mod sparse;
 pub mod workspace;
 

@@ -8,7 +8,7 @@
 use super::backend::{batch_args, lse_arg, p, CudaBackend, Geometry};
 use super::launch;
 use crate::config::EngineConfig;
-use crate::engine::ForwardArgs;
+use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 
@@ -90,7 +90,7 @@ pub fn prefill_splits(ctas: usize, max_len: usize, slots: usize, bn: usize) -> (
 impl CudaBackend {
     /// The prefill kernel's shape for this engine and cache, if it applies (`KVS_CUDA_KERNEL=simt` or
     /// `KVS_CUDA_PREFILL=decode` keep prefill rows on the decode kernels).
-    pub(super) fn prefill_kernel(&self, cfg: &EngineConfig, aligned: bool) -> Option<PrefillShape> {
+    pub(crate) fn prefill_kernel(&self, cfg: &EngineConfig, aligned: bool) -> Option<PrefillShape> {
         if std::env::var("KVS_CUDA_KERNEL").is_ok_and(|v| v == "simt") || std::env::var("KVS_CUDA_PREFILL").is_ok_and(|v| v == "decode") {
             return None;
         }
@@ -108,7 +108,7 @@ impl CudaBackend {
     }
 
     /// Launches the prefill kernel over the call's rows of query length != 1 (and its split combine).
-    pub(super) fn attend_prefill(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, ps: &PrefillShape) -> Result<()> {
+    pub(crate) fn attend_prefill(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, ps: &PrefillShape) -> Result<()> {
         let defines = ps.defines_for(super::backend::dtype_code(cfg.dtype), cfg.head_dim, cfg.group_size());
         let f = self.modules.function(&self.gpu, "attention_prefill", launch::ATTENTION_PREFILL, &defines, "kvs_attn_prefill")?;
         let smem = ps.smem_bytes(cfg.head_dim);

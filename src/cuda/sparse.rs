@@ -21,7 +21,7 @@ use super::context::DevBuf;
 use super::driver::{check, cuda};
 use super::launch::{self, KArgs};
 use crate::config::EngineConfig;
-use crate::engine::ForwardArgs;
+use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::plan::{plan_capacity, plan_unit_log2, selector_capacity, selector_unit_log2, HeadPlan};
@@ -53,7 +53,7 @@ impl PlanRef {
 /// The batch as the selection kernels read it (kernels/include/params.cuh `Batch`; a test compares the layouts).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub(super) struct BatchArg {
+pub(crate) struct BatchArg {
     bt: u64,
     bt0: i64,
     bt1: i64,
@@ -72,7 +72,7 @@ pub(super) struct BatchArg {
 
 impl BatchArg {
     /// The call's batch as the selection kernels read it.
-    pub(super) fn new(a: &ForwardArgs, geo: &Geometry, cache: &KvCache) -> Self {
+    pub(crate) fn new(a: &ForwardArgs, geo: &Geometry, cache: &KvCache) -> Self {
         BatchArg {
             bt: a.block_table.data as u64,
             bt0: a.block_table.stride(0) as i64,
@@ -122,7 +122,7 @@ pub struct ArtLaunch {
 
 /// The layouts a test compares with kernels/include/params.cuh.
 #[cfg(test)]
-pub(super) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
+pub(crate) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
     use super::kernel_src::c_layout;
     vec![
         c_layout!(BatchArg as "Batch" { bt, bt0, bt1, bt_cols, bs_log2, num_blocks, seq_lens, sl0, qsl, qsl0, num_seqs, num_tokens, window, pad }),
@@ -155,7 +155,7 @@ pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> 
     }
     match p.selector {
         Selector::All | Selector::Streaming { .. } | Selector::Quest { .. } | Selector::SnapKv { .. } | Selector::Refresh(_) | Selector::Predictor(_) => Ok(()),
-        Selector::Speculate(s) => super::prr::supported(&s),
+        Selector::Speculate(s) => crate::policy::speculate::cuda::supported(&s),
     }
 }
 
@@ -205,7 +205,7 @@ impl SparseState {
 
 /// Byte offsets of one call's regions in its stream's workspace.
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct WsLayout {
+pub(crate) struct WsLayout {
     plan: usize,
     plan_len: usize,
     base: usize,
@@ -223,24 +223,24 @@ pub(super) struct WsLayout {
     w: usize,
     /// SnapKV's choice (calls that may hold a prefill chunk): per (seq, head) rows' max keys, fixed-point
     /// normalisers, NaN flags, and the aggregated and pooled scores per position.
-    pub(super) snap_rmax: usize,
-    pub(super) snap_z: usize,
-    pub(super) snap_bad: usize,
-    pub(super) snap_agg: usize,
-    pub(super) snap_pool: usize,
+    pub(crate) snap_rmax: usize,
+    pub(crate) snap_z: usize,
+    pub(crate) snap_bad: usize,
+    pub(crate) snap_agg: usize,
+    pub(crate) snap_pool: usize,
     /// Per-sequence state slot (i32, -1 = none) and its generation (u32) of each sequence of the call,
     /// written by the slot lookup (src/cuda/slots.rs) when the policy keeps per-sequence state.
-    pub(super) slot: usize,
-    pub(super) slot_gen: usize,
+    pub(crate) slot: usize,
+    pub(crate) slot_gen: usize,
     /// RefreshKV's regions (src/cuda/refresh.rs).
-    pub(super) refresh: super::refresh::RefreshWs,
+    pub(crate) refresh: crate::policy::refresh::cuda::RefreshWs,
     /// AttentionPredictor (src/cuda/predictor.rs): mode per (seq, head), predicted block scores per
     /// (seq, head, block), and the history rows' maxima, fixed-point normalisers and NaN flags per query row.
-    pub(super) pred_mode: usize,
-    pub(super) pred_scores: usize,
-    pub(super) pred_rmax: usize,
-    pub(super) pred_z: usize,
-    pub(super) pred_bad: usize,
+    pub(crate) pred_mode: usize,
+    pub(crate) pred_scores: usize,
+    pub(crate) pred_rmax: usize,
+    pub(crate) pred_z: usize,
+    pub(crate) pred_bad: usize,
     total: usize,
 }
 
@@ -262,7 +262,7 @@ fn checked(parts: &[usize]) -> Result<usize> {
 
 impl CudaBackend {
     /// A policy layer's call: selection, then attention over the plans (and dense over the other rows).
-    pub(super) fn sparse_forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, p: &Pipeline) -> Result<()> {
+    pub(crate) fn sparse_forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, p: &Pipeline) -> Result<()> {
         if let Selector::Speculate(sp) = &p.selector {
             return self.prr_forward(cfg, a, cache, geo, sp);
         }
@@ -333,10 +333,10 @@ impl CudaBackend {
         if let Selector::Refresh(r) = p.selector {
             // The full step's weights from its own attention where the tensor-core kernel runs it.
             let logits = self.mma_for(cfg, cache, false).is_some();
-            lay.refresh = super::refresh::RefreshWs::reserve(&mut take, ns, hk, g, geo.max_pos, r.k, logits)?;
+            lay.refresh = crate::policy::refresh::cuda::RefreshWs::reserve(&mut take, ns, hk, g, geo.max_pos, r.k, logits)?;
         }
         let pred_ws = match p.selector {
-            Selector::Predictor(ps) => Some(super::predictor::PredWs::new(&ps, geo, g, a.max_query_len)?),
+            Selector::Predictor(ps) => Some(crate::policy::predictor::cuda::PredWs::new(&ps, geo, g, a.max_query_len)?),
             _ => None,
         };
         if let Some(pw) = &pred_ws {
@@ -549,12 +549,12 @@ impl CudaBackend {
         Ok(())
     }
 
-    pub(super) fn sparse_layer_counters(&self, layer: usize) -> u64 {
+    pub(crate) fn sparse_layer_counters(&self, layer: usize) -> u64 {
         self.sparse.layer_counters(layer)
     }
 
     /// Records where a policy call left its final plans (for visit records).
-    pub(super) fn sparse_set_last_plan(&self, plan: PlanRef, num_seqs: usize) {
+    pub(crate) fn sparse_set_last_plan(&self, plan: PlanRef, num_seqs: usize) {
         *self.sparse.last.lock() = Some(LastPlan { plan, num_seqs, art: None, art_order: 0 });
     }
 
@@ -660,11 +660,11 @@ impl CudaBackend {
                             download_raw(last.art_order + ((s as i64 * pr.p_s + h as i64 * pr.p_h) * 4) as u64, &mut entries[..n * 4])?;
                             order.extend(entries[..n * 4].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))));
                         } else {
-                            crate::policy::termination::order_entries(&plan, sink_limit, crate::policy::Order::Recent, |_| f32::NAN, &mut order);
+                            crate::policy::art::order_entries(&plan, sink_limit, crate::policy::Order::Recent, |_| f32::NAN, &mut order);
                         }
-                        let mut tiles = crate::policy::termination::Tiles::default();
+                        let mut tiles = crate::policy::art::Tiles::default();
                         tiles.build(&order, plan.unit_log2, lo, hi);
-                        let seg_tiles = segment.map_or(usize::MAX, |k| k as usize / crate::policy::termination::ART_TILE);
+                        let seg_tiles = segment.map_or(usize::MAX, |k| k as usize / crate::policy::art::ART_TILE);
                         spans.clear();
                         let mut visited = 0usize;
                         for k in 0..nsplit {
@@ -694,7 +694,7 @@ fn download_raw(ptr: u64, dst: &mut [u8]) -> Result<()> {
 }
 
 /// The first `n` elements of a 1-D int32/int64 device tensor (any stride).
-pub(super) fn download_ints(t: &TensorRef, n: usize) -> Result<Vec<i64>> {
+pub(crate) fn download_ints(t: &TensorRef, n: usize) -> Result<Vec<i64>> {
     if n == 0 {
         return Ok(Vec::new());
     }

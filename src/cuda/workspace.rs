@@ -19,7 +19,7 @@ use crate::bail;
 /// The device address of `stream`'s buffer of at least `need` bytes in `map` (keyed by stream handle),
 /// allocated (rounded up to a power of two) or, under capture, taken over from another stream. `what`
 /// names the workspace in the error when neither is possible.
-pub(super) fn for_stream(map: &mut HashMap<usize, DevBuf>, retired: &Mutex<Vec<DevBuf>>, gpu: &Gpu, stream: CUstream, need: usize, what: &str) -> Result<u64> {
+pub(crate) fn for_stream(map: &mut HashMap<usize, DevBuf>, retired: &Mutex<Vec<DevBuf>>, gpu: &Gpu, stream: CUstream, need: usize, what: &str) -> Result<u64> {
     let key = stream as usize;
     if map.get(&key).map_or(true, |b| b.bytes < need) {
         let fresh = if gpu.is_capturing(stream)? {

@@ -57,3 +57,17 @@ pub fn guard(f: impl FnOnce() -> Result<()>) -> kvs_status {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `ErrorKind::status_code` (what layers below the ABI report) is the status `guard` returns.
+    #[test]
+    fn status_codes_agree() {
+        use ErrorKind::*;
+        for k in [InvalidArgument, InvalidShape, InvalidDtype, OutOfRange, Unsupported, UnknownSequence, OutOfMemory, Device, Internal] {
+            assert_eq!(status_of(k) as u32, k.status_code(), "{k:?}");
+        }
+    }
+}

@@ -17,7 +17,8 @@ use guard::guard;
 pub use types::*;
 
 use crate::config::EngineConfig;
-use crate::engine::{CacheWriteArgs, Engine, ForwardArgs, MergeArgs};
+use crate::args::{CacheWriteArgs, ForwardArgs, MergeArgs};
+use crate::engine::Engine;
 use crate::error::Result;
 use crate::stats::Counters;
 use crate::tensor::DType;
@@ -331,6 +332,54 @@ pub unsafe extern "C" fn kvs_engine_stats(engine: *const kvs_engine, layer: i32,
 #[no_mangle]
 pub unsafe extern "C" fn kvs_engine_check(engine: *const kvs_engine, stream: *mut std::ffi::c_void) -> kvs_status {
     guard(|| engine_ref(engine)?.check(stream))
+}
+
+/// Describes the policy spec `policy` (a NUL-terminated string, as `kvs_engine_config.policy`; NULL or
+/// empty = dense) into `*info`, written up to `info->struct_size`: its stages, dense layers, whether it keeps
+/// per-sequence state and whether its decode steps may be captured in a CUDA graph. A malformed spec is
+/// `KVS_ERR_INVALID_ARGUMENT` (the message says where), `*info` untouched. Creates nothing, touches no device.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_policy_query(policy: *const c_char, info: *mut kvs_policy_info) -> kvs_status {
+    guard(|| {
+        let out = info_arg(info)?;
+        let text = if policy.is_null() { "" } else { CStr::from_ptr(policy).to_str().map_err(|_| crate::error::Error::new(crate::error::ErrorKind::InvalidArgument, "policy is not UTF-8"))? };
+        ensure!(text.len() <= crate::config::MAX_POLICY_LEN, InvalidArgument, "the policy spec is {} bytes long, more than the {} accepted", text.len(), crate::config::MAX_POLICY_LEN);
+        write_policy_info(out, &crate::policy::Policy::parse(text)?);
+        Ok(())
+    })
+}
+
+/// `kvs_policy_query` for the policy an engine runs.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_engine_policy(engine: *const kvs_engine, info: *mut kvs_policy_info) -> kvs_status {
+    guard(|| {
+        let e = engine_ref(engine)?;
+        write_policy_info(info_arg(info)?, e.policy());
+        Ok(())
+    })
+}
+
+/// The caller's info struct, its `struct_size` checked (at least the size of the first field).
+unsafe fn info_arg<'a>(info: *mut kvs_policy_info) -> Result<&'a mut kvs_policy_info> {
+    ensure!(!info.is_null(), InvalidArgument, "info is NULL");
+    let have = (*info).struct_size as usize;
+    ensure!(have >= 4, InvalidArgument, "info.struct_size is {have} (set it to sizeof(kvs_policy_info))");
+    Ok(&mut *info)
+}
+
+/// Writes what the library says about `p`, up to the caller's `struct_size`.
+unsafe fn write_policy_info(out: &mut kvs_policy_info, p: &crate::policy::Policy) {
+    let full = kvs_policy_info {
+        struct_size: std::mem::size_of::<kvs_policy_info>() as u32,
+        num_stages: p.num_stages() as u32,
+        dense_layers: p.dense_layers().min(u32::MAX as usize) as u32,
+        stateful: (p.pipeline().is_some() && p.is_stateful()) as u32,
+        graph_capturable: p.graph_capturable() as u32,
+        reserved: 0,
+    };
+    let n = (out.struct_size as usize).min(std::mem::size_of::<kvs_policy_info>());
+    // Keep the caller's struct_size; copy the rest up to what the caller declared.
+    std::ptr::copy_nonoverlapping((&full as *const kvs_policy_info as *const u8).add(4), (out as *mut kvs_policy_info as *mut u8).add(4), n - 4);
 }
 
 /// Short constant name of a status code ("KVS_OK", ...). Never NULL.

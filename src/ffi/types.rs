@@ -258,6 +258,25 @@ pub struct kvs_stats {
     pub pending_status: u64,
 }
 
+/// What the library says about a policy (`kvs_policy_query`, `kvs_engine_policy`): what a serving plugin
+/// needs to decide without parsing the spec itself.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvs_policy_info {
+    /// Set by the caller to `sizeof(kvs_policy_info)`; the library writes up to it.
+    pub struct_size: u32,
+    /// Stages of the pipeline (selector, top-p, ART); 0 = dense attention everywhere.
+    pub num_stages: u32,
+    /// Leading layers kept dense (the spec's `dense_layers`).
+    pub dense_layers: u32,
+    /// 1 when the policy keeps per-sequence state, so forward calls must pass `seq_ids`; else 0.
+    pub stateful: u32,
+    /// 1 when a CUDA engine's decode steps under this policy may be captured in a CUDA graph by a serving
+    /// plugin (every stage's step is a fixed launch sequence, checked replay == eager; docs/abi.md); else 0.
+    pub graph_capturable: u32,
+    pub reserved: u32,
+}
+
 /// Opaque engine handle.
 pub struct kvs_engine {
     pub(crate) inner: crate::engine::Engine,

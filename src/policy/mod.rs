@@ -8,19 +8,24 @@
 //! Stateful stages keep per-(sequence, layer, KV head) state in [`SequencePolicyState`], owned by the
 //! engine's sequence registry: created on first use, freed by `kvs_sequence_release`.
 
+pub mod art;
+pub mod device;
 pub mod plan;
 pub mod predictor;
+pub mod quest;
 pub mod refresh;
+mod registry;
 pub mod select;
+pub mod snapkv;
 pub mod spec;
 pub mod speculate;
-pub mod termination;
+pub mod streaming;
 pub mod top_p;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::cpu::metadata::MetaNeeds;
+use crate::meta::MetaNeeds;
 use crate::error::Result;
 pub use plan::HeadPlan;
 pub use spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
@@ -60,6 +65,24 @@ impl Policy {
         matches!(self.pipeline(), Some(Pipeline { selector: Selector::SnapKv { .. } | Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_), .. }))
     }
 
+    /// Number of stages of the pipeline (selector, then top-p and ART when present); 0 = dense.
+    pub fn num_stages(&self) -> usize {
+        self.pipeline().map_or(0, |p| 1 + p.top_p.is_some() as usize + p.art.is_some() as usize)
+    }
+
+    /// Whether a CUDA engine's decode steps under this policy may be captured in a CUDA graph by a serving
+    /// plugin: every stage's decode step enqueues a fixed launch sequence (no host sync, allocation or
+    /// decision) and was checked replay == eager through the shim's twin-engine check (scripts/
+    /// gpu_shim_check.py) or a whole model step (scripts/gpu_e2e.py). Dense: always. The stateful stages
+    /// (snapkv, speculate, refresh, predictor) replay == eager in the C-level graph tests only, not yet in
+    /// those checks, so they report false until they pass there.
+    pub fn graph_capturable(&self) -> bool {
+        match self.pipeline() {
+            None => true,
+            Some(p) => matches!(p.selector, Selector::All | Selector::Streaming { .. } | Selector::Quest { .. }),
+        }
+    }
+
     /// Key metadata the cache writes must maintain.
     pub fn meta_needs(&self) -> MetaNeeds {
         match self.pipeline() {
@@ -88,6 +111,20 @@ impl Policy {
         let mut n = self.meta_needs();
         n.snap_keep = matches!(self.pipeline(), Some(Pipeline { selector: Selector::SnapKv { .. }, .. }));
         n
+    }
+}
+
+impl Policy {
+    /// AttentionPredictor's CNN for a `predictor` pipeline: the spec's `weights` file, else the built-in
+    /// weights; None for other policies.
+    pub fn predictor_weights(&self) -> Result<Option<Arc<predictor::PredictorWeights>>> {
+        Ok(match self.pipeline().map(|p| &p.selector) {
+            Some(Selector::Predictor(_)) => Some(Arc::new(match &self.spec.predictor_weights {
+                Some(path) => predictor::PredictorWeights::from_file(path)?,
+                None => predictor::PredictorWeights::builtin()?.clone(),
+            })),
+            _ => None,
+        })
     }
 }
 

@@ -45,7 +45,7 @@ impl HeadPlan {
                 out.push((a, b));
             }
         }
-        super::select::normalize_spans(out);
+        normalize_spans(out);
     }
 
     /// Number of positions inside `lo..=hi` the plan visits.
@@ -110,6 +110,20 @@ pub fn plan_capacity(p: &Pipeline, block_size: usize, max_len: usize) -> usize {
     } else {
         base
     }
+}
+
+/// Merges possibly overlapping spans into sorted disjoint ones (empty spans dropped).
+pub fn normalize_spans(spans: &mut Vec<(usize, usize)>) {
+    spans.retain(|(a, b)| a < b);
+    spans.sort_unstable();
+    let mut out: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
+    for &(a, b) in spans.iter() {
+        match out.last_mut() {
+            Some(l) if a <= l.1 => l.1 = l.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    *spans = out;
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! Each selector writes a [`HeadPlan`] (the contract with the kernels); the CPU engine builds its
 //! [`Candidates`] from that plan, so both backends attend exactly what the plan says.
 
+pub use super::plan::normalize_spans;
 use super::plan::HeadPlan;
 
 /// One candidate unit: spans `spans[span_lo..span_hi]` of [`Candidates`], all inside logical block `block`.
@@ -89,20 +90,6 @@ impl Candidates {
     pub fn tokens(&self) -> usize {
         self.spans.iter().map(|(a, b)| b - a).sum()
     }
-}
-
-/// Merges possibly overlapping spans into sorted disjoint ones (empty spans dropped).
-pub fn normalize_spans(spans: &mut Vec<(usize, usize)>) {
-    spans.retain(|(a, b)| a < b);
-    spans.sort_unstable();
-    let mut out: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
-    for &(a, b) in spans.iter() {
-        match out.last_mut() {
-            Some(l) if a <= l.1 => l.1 = l.1.max(b),
-            _ => out.push((a, b)),
-        }
-    }
-    *spans = out;
 }
 
 /// `all`: every position in `lo..=hi`, as the plan of the blocks that hold them.

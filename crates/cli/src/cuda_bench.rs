@@ -131,7 +131,7 @@ pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_
     cfg.device = Device::Cuda(0);
     cfg.num_threads = 1;
     let engine = Engine::new(cfg)?;
-    let backend = engine.cuda_backend().expect("CUDA engine");
+    let backend = engine.backend().as_any().downcast_ref::<kvsparse::cuda::CudaBackend>().expect("CUDA engine");
     let cache_elems = nb * BLOCK * p.hk * d;
     let (kc, vc) = (DevBuf::alloc(cache_elems * 2)?, DevBuf::alloc(cache_elems * 2)?);
     let s: CUstream = std::ptr::null_mut();
@@ -316,6 +316,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let rotation = (4 * l2_bytes).div_ceil(touched).clamp(1, 32).min((max_kv_bytes / kv.max(1)).max(1));
     let nb = rotation * p.batch * bps;
     // Stateful policies (RefreshKV) keep state per sequence: every rotation's sequences have ids of their own.
+    // The one parse of the spec text (the engine's config depends on it); later decisions read the engine's.
     let stateful = kvsparse::policy::Policy::parse(policy)?.device_slots().is_some();
     let n_ids = rotation * p.batch;
     let mk = |pol: &str| -> Result<Engine> {
@@ -331,11 +332,11 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let engine = mk(policy)?;
     let dense = mk("")?;
     // PRR: the serial Quest path it is measured against.
-    let serial = match kvsparse::policy::Policy::parse(policy)?.pipeline().map(|pl| pl.selector.clone()) {
+    let serial = match engine.policy().pipeline().map(|pl| pl.selector.clone()) {
         Some(kvsparse::policy::Selector::Speculate(sp)) => Some(mk(&format!("quest(budget={}, page={}, sink={})", sp.quest_budget, sp.page, sp.quest_sink))?),
         _ => None,
     };
-    let backend = engine.cuda_backend().expect("CUDA engine");
+    let backend = engine.backend().as_any().downcast_ref::<kvsparse::cuda::CudaBackend>().expect("CUDA engine");
     let s: CUstream = std::ptr::null_mut();
     let row = p.hk * d; // elements per token row
     let cache_elems = nb * BLOCK * row;
@@ -437,7 +438,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     // SnapKV chooses at a prefill chunk: the last `window` prompt tokens of every sequence, whose queries
     // are the decode query repeated (the observation window predicts the decode step, which is what the
     // method relies on). One chunk per rotation, so every rotation's blocks hold a choice.
-    let snap_window = match kvsparse::policy::Policy::parse(policy)?.pipeline().map(|pl| pl.selector.clone()) {
+    let snap_window = match engine.policy().pipeline().map(|pl| pl.selector.clone()) {
         Some(kvsparse::policy::Selector::SnapKv { window, .. }) => Some(window.clamp(1, p.ctx)),
         _ => None,
     };
@@ -525,7 +526,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         let before = engine.stats().total;
         backend.set_prr_timeline(true);
         let n = 30usize;
-        let mut per: Vec<Vec<f64>> = vec![Vec::new(); kvsparse::cuda::prr::TIMELINE.len()];
+        let mut per: Vec<Vec<f64>> = vec![Vec::new(); kvsparse::policy::speculate::cuda::TIMELINE.len()];
         for i in 0..n {
             engine.attention_forward(&args[i % rotation])?;
             for (j, (_, ms)) in backend.prr_timeline(s)?.into_iter().enumerate() {
@@ -536,7 +537,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         let after = engine.stats().total;
         let (hit, tru) = (after.spec_hit_blocks - before.spec_hit_blocks, after.spec_true_blocks - before.spec_true_blocks);
         spec_hit = if tru > 0 { hit as f64 / tru as f64 } else { f64::NAN };
-        timeline = kvsparse::cuda::prr::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect();
+        timeline = kvsparse::policy::speculate::cuda::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect();
         let (g, sg, gt) = prr_graph_times(&engine, se, &args, rotation)?;
         graph_us = g;
         serial_graph_us = sg;
@@ -562,7 +563,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     };
     let (select_us, attend_us, choice_us) = (select_us?, attend_us?, choice_us?);
     let mut pred_parts_us = [f64::NAN; 3];
-    if matches!(kvsparse::policy::Policy::parse(policy)?.pipeline().map(|pl| &pl.selector), Some(kvsparse::policy::Selector::Predictor(_))) {
+    if matches!(engine.policy().pipeline().map(|pl| &pl.selector), Some(kvsparse::policy::Selector::Predictor(_))) {
         let api = cuda()?;
         let mut evs = [std::ptr::null_mut(); 4];
         for e in evs.iter_mut() {
@@ -599,7 +600,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let dense_us = time_calls(&|i| dense.attention_forward(&args[i % rotation]).map(|_| ()))?;
     let write_us = time_calls(&|_| engine.cache_write(&step_write))?;
     let write_dense_us = time_calls(&|_| dense.cache_write(&step_write))?;
-    let bound_bytes = match kvsparse::policy::Policy::parse(policy)?.pipeline().map(|pl| pl.selector.clone()) {
+    let bound_bytes = match engine.policy().pipeline().map(|pl| pl.selector.clone()) {
         Some(kvsparse::policy::Selector::Quest { page, .. }) => (p.batch * p.hk * p.ctx.div_ceil(page.min(BLOCK)) * d * 2 * 2) as f64,
         _ => 0.0,
     };
@@ -638,7 +639,7 @@ fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotat
     // SAFETY: out-parameter; destroyed below.
     check(unsafe { (api.cuStreamCreate)(&mut gs, CU_STREAM_NON_BLOCKING) }, "cuStreamCreate")?;
     let gargs: Vec<ForwardArgs> = args.iter().map(|a| ForwardArgs { stream: gs, ..*a }).collect();
-    let backend = engine.cuda_backend().expect("CUDA engine");
+    let backend = engine.backend().as_any().downcast_ref::<kvsparse::cuda::CudaBackend>().expect("CUDA engine");
     let capture = |e: &Engine, steps: &[ForwardArgs]| -> Result<CUgraphExec> {
         // SAFETY: capture on our own stream; the graph is destroyed once instantiated.
         unsafe {
@@ -689,7 +690,7 @@ fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotat
         let tl = (|| -> Result<Vec<(&'static str, f64)>> {
             engine.attention_forward(&gargs[0])?; // creates the timing events outside capture
             let exec = capture(engine, &gargs[..1])?;
-            let mut per: Vec<Vec<f64>> = vec![Vec::new(); kvsparse::cuda::prr::TIMELINE.len()];
+            let mut per: Vec<Vec<f64>> = vec![Vec::new(); kvsparse::policy::speculate::cuda::TIMELINE.len()];
             for _ in 0..30 {
                 // SAFETY: a live graph and stream.
                 check(unsafe { (api.cuGraphLaunch)(exec, gs) }, "cuGraphLaunch")?;
@@ -699,7 +700,7 @@ fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotat
             }
             // SAFETY: instantiated above.
             unsafe { (api.cuGraphExecDestroy)(exec) };
-            Ok(kvsparse::cuda::prr::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect())
+            Ok(kvsparse::policy::speculate::cuda::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect())
         })();
         backend.set_prr_timeline(false);
         Ok((g, sg, tl.map_err(|e| e.to_string())))

@@ -74,7 +74,7 @@ pub fn bench_prefill_point(p: &PrefillPoint, hq: usize, hk: usize, old_reps: usi
     cfg.device = Device::Cuda(0);
     cfg.num_threads = 1;
     let engine = Engine::new(cfg)?;
-    let backend = engine.cuda_backend().expect("CUDA engine");
+    let backend = engine.backend().as_any().downcast_ref::<kvsparse::cuda::CudaBackend>().expect("CUDA engine");
     let s: CUstream = std::ptr::null_mut();
     let cache_elems = nb * BLOCK * hk * d;
     let (kc, vc) = (DevBuf::alloc(cache_elems * 2)?, DevBuf::alloc(cache_elems * 2)?);

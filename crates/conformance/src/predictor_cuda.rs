@@ -326,7 +326,7 @@ fn run_calls_on(
             check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
             if replay {
                 let cfg = engine.config().clone();
-                visits.push(sorted(engine.cuda_backend().expect("cuda").visit_records(&cfg, &args)?));
+                visits.push(sorted(engine.backend().as_any().downcast_ref::<kvsparse::cuda::CudaBackend>().expect("cuda").visit_records(&cfg, &args)?));
             } else {
                 visits.push(sorted(engine.take_visits()));
             }

@@ -715,7 +715,7 @@ pub fn refresh_graph_replay(spec: &CaseSpec, policy: &str, len0: &[usize], steps
                 check((api.cuStreamSynchronize)(stream), "cuStreamSynchronize")?;
                 sync()?;
                 let ve = sorted(ee.take_visits());
-                let vg = sorted(ge.cuda_backend().expect("cuda").visit_records(&cfg, &gfw)?);
+                let vg = sorted(ge.backend().as_any().downcast_ref::<kvsparse::cuda::CudaBackend>().expect("cuda").visit_records(&cfg, &gfw)?);
                 rows += ve.len();
                 let (mut oa, mut ob) = (vec![0u8; n_out], vec![0u8; n_out]);
                 eb.out.download(0, &mut oa)?;

@@ -365,7 +365,7 @@ pub fn sparse_graph_replay_on(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b
             replay(&graph, stream)?;
             dc.download(&mut o)?;
             let cfg = engine.config().clone();
-            let v_replay = sorted(engine.cuda_backend().expect("cuda").visit_records(&cfg, &dc.forward_args(&fb, &o, stream)?)?);
+            let v_replay = sorted(engine.backend().as_any().downcast_ref::<kvsparse::cuda::CudaBackend>().expect("cuda").visit_records(&cfg, &dc.forward_args(&fb, &o, stream)?)?);
             drop(graph);
             let mism = compare_visits(&v_eager, &v_replay).or_else(|| {
                 let (a, _) = outs_e.to_f64(&fb);

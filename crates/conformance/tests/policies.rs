@@ -430,6 +430,71 @@ fn config_check_refuses_what_creation_would_without_a_device() {
     assert_eq!(unsafe { kvs_engine_config_check(std::ptr::null()) }, kvs_status::KVS_ERR_INVALID_ARGUMENT);
 }
 
+/// `kvs_policy_query` and `kvs_engine_policy` report the parsed policy (stages, dense layers, state, graph
+/// capture), honour a short `struct_size`, and refuse a bad spec or NULL with the message and nothing written.
+#[test]
+fn policy_query_reports_the_parsed_policy() {
+    use kvsparse::ffi::types::{kvs_engine, kvs_engine_config, kvs_policy_info, kvs_status};
+    use kvsparse::ffi::{kvs_engine_config_init, kvs_engine_create, kvs_engine_destroy, kvs_engine_policy, kvs_last_error, kvs_policy_query};
+    use std::ffi::{CStr, CString};
+    let query = |spec: &str, size: u32| -> (kvs_status, kvs_policy_info) {
+        let c = CString::new(spec).unwrap();
+        let mut info = kvs_policy_info { struct_size: size, num_stages: 77, dense_layers: 77, stateful: 77, graph_capturable: 77, reserved: 77 };
+        // SAFETY: valid pointers.
+        (unsafe { kvs_policy_query(c.as_ptr(), &mut info) }, info)
+    };
+    let full = std::mem::size_of::<kvs_policy_info>() as u32;
+    let cases = [
+        ("", 0, 2, 0, 1),
+        ("dense", 0, 2, 0, 1),
+        ("streaming(sink=4, recent=64); dense_layers=0", 1, 0, 0, 1),
+        ("quest(budget=256) > top_p(p=0.9) > art", 3, 2, 0, 1),
+        ("snapkv(budget=256) > art", 2, 2, 1, 0),
+        ("speculate(over=quest(budget=64))", 1, 2, 1, 0),
+        ("refresh(k=64, every=4); dense_layers=5", 1, 5, 1, 0),
+        ("predictor(budget=64)", 1, 2, 1, 0),
+    ];
+    for (spec, stages, dense, stateful, capturable) in cases {
+        let (st, info) = query(spec, full);
+        assert_eq!(st, kvs_status::KVS_OK, "{spec}");
+        assert_eq!((info.num_stages, info.dense_layers, info.stateful, info.graph_capturable, info.struct_size), (stages, dense, stateful, capturable, full), "{spec}");
+    }
+    // A caller that knows only the first three fields gets those, nothing past them.
+    let (st, info) = query("refresh(k=64)", 12);
+    assert_eq!(st, kvs_status::KVS_OK);
+    assert_eq!((info.struct_size, info.num_stages, info.dense_layers, info.stateful, info.graph_capturable), (12, 1, 2, 77, 77));
+    let (st, info) = query("quest(budget=", full);
+    assert_eq!(st, kvs_status::KVS_ERR_INVALID_ARGUMENT);
+    assert_eq!(info.num_stages, 77, "nothing written on failure");
+    // SAFETY: the message is a valid C string.
+    assert!(unsafe { CStr::from_ptr(kvs_last_error()) }.to_string_lossy().contains("position"));
+    assert_eq!(query("quest(budget=8)", 0).0, kvs_status::KVS_ERR_INVALID_ARGUMENT);
+    // SAFETY: NULL info is refused, not written; NULL policy is dense.
+    unsafe {
+        assert_eq!(kvs_policy_query(std::ptr::null(), std::ptr::null_mut()), kvs_status::KVS_ERR_INVALID_ARGUMENT);
+        let mut info = kvs_policy_info { struct_size: full, ..Default::default() };
+        assert_eq!(kvs_policy_query(std::ptr::null(), &mut info), kvs_status::KVS_OK);
+        assert_eq!((info.num_stages, info.graph_capturable), (0, 1));
+    }
+    // The engine's policy reads the same as its spec's.
+    let spec = CString::new("quest(budget=64) > top_p(p=0.5); dense_layers=1").unwrap();
+    // SAFETY: plain C calls with valid pointers; the engine is destroyed at the end.
+    unsafe {
+        let mut cfg: kvs_engine_config = std::mem::zeroed();
+        cfg.struct_size = std::mem::size_of::<kvs_engine_config>() as u32;
+        assert_eq!(kvs_engine_config_init(&mut cfg), kvs_status::KVS_OK);
+        (cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size, cfg.num_threads) = (2, 4, 2, 64, 16, 1);
+        cfg.policy = spec.as_ptr();
+        let mut e: *mut kvs_engine = std::ptr::null_mut();
+        assert_eq!(kvs_engine_create(&cfg, &mut e), kvs_status::KVS_OK);
+        let mut info = kvs_policy_info { struct_size: full, ..Default::default() };
+        assert_eq!(kvs_engine_policy(e, &mut info), kvs_status::KVS_OK);
+        assert_eq!((info.num_stages, info.dense_layers, info.stateful, info.graph_capturable), (2, 1, 0, 1));
+        kvs_engine_destroy(e);
+        assert_eq!(kvs_engine_policy(std::ptr::null(), &mut info), kvs_status::KVS_ERR_INVALID_ARGUMENT);
+    }
+}
+
 /// ART's decision (docs/policies.md, "art"): tiles of 64 slots of the visit order, the paper's lane
 /// probe, Eq. 2-3 with patience. The engine's stop tile (its visit records) must equal an independent
 /// float64 simulation of the same definition on the same inputs, except where a tile's d_scale or d_dir

@@ -184,7 +184,7 @@ fn predictor_schedule_and_full_budget() {
     let dir = std::env::temp_dir().join(format!("kvsparse-pred-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("w.safetensors");
-    std::fs::write(&file, include_bytes!("../../../src/policy/predictor_weights.safetensors")).unwrap();
+    std::fs::write(&file, include_bytes!("../../../src/policy/predictor/weights.safetensors")).unwrap();
     let named = replay(&tr, &format!("predictor(budget=256, calib=5, weights=\"{}\")", file.display()), &opts).expect("replay");
     assert_eq!(named.out, r.out);
     std::fs::write(&file, b"not safetensors").unwrap();

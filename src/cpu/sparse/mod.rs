@@ -6,35 +6,36 @@
 //! kernels the decisions need (Quest's page bound, Twilight's INT4 estimate, exact weights for full steps)
 //! in [`scoring`].
 
-mod predictor_row;
 mod scoring;
-mod stateful;
+mod stage;
 
-pub use predictor_row::history_row;
+pub use crate::policy::predictor::cpu::{history_row, predictor_seed};
+pub use crate::policy::refresh::cpu::{mean_query, refresh_seed, refresh_weights};
+pub use crate::policy::speculate::cpu::prr_calibrate;
+pub use crate::policy::speculate::{calib_rows, CALIB_ROWS};
+pub(crate) use stage::{CpuStage, PrefillCx, SelectCx};
 pub use scoring::{estimate_weights, quest_bound, quest_page_scores, token_weights, weights_at};
-pub use stateful::{calib_rows, mean_query, predictor_seed, prr_calibrate, refresh_seed, refresh_weights, CALIB_ROWS};
-use stateful::{run_predictor, run_refresh, run_speculate};
 
-use std::sync::Arc;
+pub(crate) use std::sync::Arc;
 
-use super::attention::{attend_spans_at, attend_tokens_at, RowLimits, RowsState, SeqKv, CHUNK};
-use super::convert::{Isa, Portable};
-use super::isa::{self, IsaLevel};
-use super::forward::ForwardIo;
-use super::math::fast_exp;
-use super::metadata::LayerMeta;
-use super::quantize::code_bytes;
-use super::spin_pool::SpinPool;
-use super::convert::load_row;
-use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
-use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
-use crate::policy::termination::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};
-use crate::policy::Probe;
-use crate::policy::predictor::{self, PredictorHead, PredictorWeights};
-use crate::policy::refresh::RefreshHead;
-use crate::policy::{top_p, HeadPlan, Pipeline, PredictorSpec, Refresh, Selector, SnapSelection, Speculate};
-use crate::sequences::SequenceState;
-use crate::stats::{Counters, VisitRecord};
+pub(crate) use super::attention::{attend_spans_at, attend_tokens_at, RowLimits, RowsState, SeqKv, CHUNK};
+pub(crate) use super::convert::{Isa, Portable};
+pub(crate) use super::isa::{self, IsaLevel};
+pub(crate) use super::forward::ForwardIo;
+pub(crate) use super::math::fast_exp;
+pub(crate) use super::metadata::LayerMeta;
+pub(crate) use super::quantize::code_bytes;
+pub(crate) use super::spin_pool::SpinPool;
+pub(crate) use super::convert::load_row;
+pub(crate) use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
+pub(crate) use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
+pub(crate) use crate::policy::art::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};
+pub(crate) use crate::policy::Probe;
+pub(crate) use crate::policy::predictor::{self, PredictorHead, PredictorWeights};
+pub(crate) use crate::policy::refresh::RefreshHead;
+pub(crate) use crate::policy::{top_p, HeadPlan, Pipeline, PredictorSpec, Refresh, SnapSelection, Speculate};
+pub(crate) use crate::sequences::SequenceState;
+pub(crate) use crate::stats::{Counters, VisitRecord};
 
 /// Per-sequence state handles of the decode sequences (same order as `seqs`).
 pub type SeqStates = Vec<Option<Arc<parking_lot::Mutex<SequenceState>>>>;
@@ -42,6 +43,8 @@ pub type SeqStates = Vec<Option<Arc<parking_lot::Mutex<SequenceState>>>>;
 /// Everything one call's policy rows need besides the caller's tensors.
 pub struct SparseCtx<'a> {
     pub pipeline: &'a Pipeline,
+    /// The pipeline's selector as a CPU stage (the registry's `cpu()`, src/policy/registry.rs).
+    pub(crate) stage: &'a dyn CpuStage,
     /// Layer metadata (Quest min/max, INT4 K), present when the pipeline needs it.
     pub meta: Option<&'a LayerMeta>,
     /// SnapKV choices per decode sequence (same order as `seqs`), one entry per KV head.
@@ -60,52 +63,52 @@ pub struct SparseCtx<'a> {
 
 /// One KV head's work inside an item: its query rows, candidates, accumulators and traversal state.
 #[derive(Default)]
-struct HeadWork {
-    head: usize,
-    q: Vec<f32>,
-    limits: Vec<RowLimits>,
+pub(crate) struct HeadWork {
+    pub(crate) head: usize,
+    pub(crate) q: Vec<f32>,
+    pub(crate) limits: Vec<RowLimits>,
     /// The row's plan (what the selector and top-p chose), and the candidate units built from it.
-    plan: HeadPlan,
-    cand: Candidates,
-    st: Option<RowsState>,
+    pub(crate) plan: HeadPlan,
+    pub(crate) cand: Candidates,
+    pub(crate) st: Option<RowsState>,
     /// ART: a priority per plan entry (NaN: none), the entries in visiting order, and their tiles.
-    entry_score: Vec<f32>,
-    order: Vec<u32>,
-    tiles: Tiles,
-    merged: Vec<(usize, usize)>,
-    art: ArtState,
+    pub(crate) entry_score: Vec<f32>,
+    pub(crate) order: Vec<u32>,
+    pub(crate) tiles: Tiles,
+    pub(crate) merged: Vec<(usize, usize)>,
+    pub(crate) art: ArtState,
     /// ART: per segment of the traversal, (first tile, tiles visited); and the segment's own state.
-    art_segs: Vec<(u32, u32)>,
-    seg: Option<RowsState>,
-    active: bool,
-    visited: usize,
-    attended: usize,
-    cursor: usize,
+    pub(crate) art_segs: Vec<(u32, u32)>,
+    pub(crate) seg: Option<RowsState>,
+    pub(crate) active: bool,
+    pub(crate) visited: usize,
+    pub(crate) attended: usize,
+    pub(crate) cursor: usize,
 }
 
 /// Reusable per-thread buffers, so a steady decode loop allocates little.
 #[derive(Default)]
-struct Scratch {
-    heads: Vec<HeadWork>,
-    row: Vec<f32>,
-    page_scores: Vec<f32>,
-    p_rows: Vec<f32>,
-    w: Vec<f32>,
-    keep: Vec<bool>,
-    tokens: Vec<u32>,
-    part: Vec<(usize, usize)>,
+pub(crate) struct Scratch {
+    pub(crate) heads: Vec<HeadWork>,
+    pub(crate) row: Vec<f32>,
+    pub(crate) page_scores: Vec<f32>,
+    pub(crate) p_rows: Vec<f32>,
+    pub(crate) w: Vec<f32>,
+    pub(crate) keep: Vec<bool>,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) part: Vec<(usize, usize)>,
     /// PRR: one partial state per speculated page.
-    pages: Vec<RowsState>,
-    repair: Option<RowsState>,
+    pub(crate) pages: Vec<RowsState>,
+    pub(crate) repair: Option<RowsState>,
 }
 
 /// Below this many tokens per span on average, a selection is attended as a token list (full chunks).
-const MIN_RUN_FOR_SPANS: usize = 8;
+pub(crate) const MIN_RUN_FOR_SPANS: usize = 8;
 
 /// Selected keys per head per step when the KV heads of an item are interleaved: every head's selected
 /// keys in one position window are consumed before the next window, so the cache is read roughly in
 /// address order while chunks stay full (the window widens for sparse selections).
-const WINDOW: usize = 64;
+pub(crate) const WINDOW: usize = 64;
 
 /// Policy attention for the decode sequences `seqs` (indices into the batch); returns the counters.
 ///
@@ -125,19 +128,11 @@ pub fn sparse_forward(io: &ForwardIo, seqs: &[usize], ctx: &SparseCtx, pool: &Sp
             h0 += per_item;
         }
     }
-    // RefreshKV decides full or partial per (sequence, layer) before the heads run.
+    // Per-sequence decisions the heads share (RefreshKV's full or partial step), before the heads run.
     let mut pre = Counters::default();
-    let full: Vec<bool> = match ctx.pipeline.selector {
-        Selector::Refresh(r) => seqs.iter().enumerate().map(|(i, &s)| refresh_decide(io, s, ctx, i, &r, &mut pre)).collect(),
-        _ => Vec::new(),
-    };
+    let decided: Vec<bool> = seqs.iter().enumerate().map(|(i, &s)| ctx.stage.decide_sequence(io, s, ctx, i, &mut pre)).collect();
     let run = |sc: &mut Scratch, &(i, h0, h1): &(usize, usize, usize)| -> Counters {
-        match ctx.pipeline.selector {
-            Selector::Speculate(sp) => run_speculate(io, seqs[i], i, h0..h1, &sp, ctx, sc),
-            Selector::Refresh(r) => run_refresh(io, seqs[i], i, h0..h1, &r, full[i], ctx, sc),
-            Selector::Predictor(ps) => run_predictor(io, seqs[i], i, h0..h1, &ps, ctx, sc),
-            _ => run_item(io, seqs[i], h0..h1, ctx.snap.get(i), ctx, sc),
-        }
+        ctx.stage.run_item(io, seqs[i], i, h0..h1, decided[i], ctx, sc).unwrap_or_else(|| run_item(io, seqs[i], h0..h1, ctx.snap.get(i), ctx, sc))
     };
     if items.len() <= 1 || threads <= 1 {
         let mut sc = Scratch::default();
@@ -156,24 +151,12 @@ pub fn sparse_forward(io: &ForwardIo, seqs: &[usize], ctx: &SparseCtx, pool: &Sp
     total
 }
 
-fn state_of<'a>(ctx: &'a SparseCtx, i: usize) -> &'a Arc<parking_lot::Mutex<SequenceState>> {
+pub(crate) fn state_of<'a>(ctx: &'a SparseCtx, i: usize) -> &'a Arc<parking_lot::Mutex<SequenceState>> {
     ctx.states.get(i).and_then(|s| s.as_ref()).expect("the engine passes the state of every stateful policy sequence")
 }
 
-/// Mean query of the row over all query heads, compared by RefreshKV's schedule.
-fn refresh_decide(io: &ForwardIo, s: usize, ctx: &SparseCtx, i: usize, r: &Refresh, c: &mut Counters) -> bool {
-    let qm = mean_query(io, io.batch.seqs[s].q_start);
-    let full = state_of(ctx, i).lock().policy.refresh_layers.entry(ctx.layer).or_default().decide(r, &qm);
-    if full {
-        c.refresh_full_steps += 1;
-    } else {
-        c.refresh_partial_steps += 1;
-    }
-    full
-}
-
 /// Loads the decode row's scaled queries and limits of `head` into `hw`, and resets its accumulator.
-fn load_head(io: &ForwardIo, s: usize, head: usize, hw: &mut HeadWork) {
+pub(crate) fn load_head(io: &ForwardIo, s: usize, head: usize, hw: &mut HeadWork) {
     let (d, g) = (io.cache.head_dim, io.group());
     let sd = &io.batch.seqs[s];
     hw.head = head;
@@ -186,7 +169,7 @@ fn load_head(io: &ForwardIo, s: usize, head: usize, hw: &mut HeadWork) {
     }
 }
 
-fn fresh_state(slot: &mut Option<RowsState>, rows: usize, dim: usize) -> &mut RowsState {
+pub(crate) fn fresh_state(slot: &mut Option<RowsState>, rows: usize, dim: usize) -> &mut RowsState {
     match slot {
         Some(st) if st.rows == rows && st.dim == dim => st.reset(),
         _ => *slot = Some(RowsState::new(rows, dim)),
@@ -195,17 +178,17 @@ fn fresh_state(slot: &mut Option<RowsState>, rows: usize, dim: usize) -> &mut Ro
 }
 
 /// Spans of sorted pages clipped to `lo ..= hi`.
-fn page_spans(pages: &[usize], page: usize, lo: usize, hi: usize) -> Vec<(usize, usize)> {
+pub(crate) fn page_spans(pages: &[usize], page: usize, lo: usize, hi: usize) -> Vec<(usize, usize)> {
     let mut v: Vec<(usize, usize)> = pages.iter().map(|&p| ((p * page).max(lo), ((p + 1) * page).min(hi + 1))).collect();
     normalize_spans(&mut v);
     v
 }
 
-fn span_tokens(spans: &[(usize, usize)]) -> usize {
+pub(crate) fn span_tokens(spans: &[(usize, usize)]) -> usize {
     spans.iter().map(|(a, b)| b - a).sum()
 }
 
-fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Option<&Vec<Option<Arc<SnapSelection>>>>, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
+pub(crate) fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Option<&Vec<Option<Arc<SnapSelection>>>>, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
     let cache = io.cache;
     let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
     let sd = &io.batch.seqs[s];
@@ -366,7 +349,7 @@ fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Optio
 }
 
 /// The sorted spans one head attended: all candidates, or under ART the units visited before it stopped.
-fn visited_spans(hw: &HeadWork, art: bool) -> Vec<(usize, usize)> {
+pub(crate) fn visited_spans(hw: &HeadWork, art: bool) -> Vec<(usize, usize)> {
     let mut v: Vec<(usize, usize)> = if art {
         art_visited(hw).copied().collect()
     } else {
@@ -377,7 +360,7 @@ fn visited_spans(hw: &HeadWork, art: bool) -> Vec<(usize, usize)> {
 }
 
 /// Under ART, the spans of the tiles each segment visited before it stopped (in visiting order).
-fn art_visited(hw: &HeadWork) -> impl Iterator<Item = &(usize, usize)> {
+pub(crate) fn art_visited(hw: &HeadWork) -> impl Iterator<Item = &(usize, usize)> {
     hw.art_segs.iter().flat_map(move |&(t0, n)| {
         let (a, b) = (t0 as usize, (t0 + n) as usize);
         let at = |t: usize| hw.tiles.bounds.get(t.min(hw.tiles.len())).copied().unwrap_or(0);
@@ -388,7 +371,7 @@ fn art_visited(hw: &HeadWork) -> impl Iterator<Item = &(usize, usize)> {
 /// Select and prune for one KV head; leaves the candidates (and, under ART, the visiting order) in `hw`.
 /// Returns the counters of these stages (metadata bytes read, top-p counts, eligible blocks).
 #[allow(clippy::too_many_arguments)]
-fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: Option<Arc<SnapSelection>>, ctx: &SparseCtx, hw: &mut HeadWork, sc: &mut Scratch) -> Counters {
+pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: Option<Arc<SnapSelection>>, ctx: &SparseCtx, hw: &mut HeadWork, sc: &mut Scratch) -> Counters {
     let cache = io.cache;
     let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
     let sd = &io.batch.seqs[s];
@@ -412,47 +395,11 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
 
     // 1. Select: the selector writes the row's plan; the candidates are built from it. ART's priority of
     // each plan entry goes to `entry_score` (left empty when the selector has none).
-    let mut sink_limit = 1;
     hw.entry_score.clear();
-    match p.selector {
-        Selector::All => select::all(&mut hw.plan, lim.lo, lim.hi, bs),
-        Selector::Streaming { sink, recent } => {
-            select::streaming(&mut hw.plan, lim.lo, lim.hi, sink, recent);
-            sink_limit = sink.max(1);
-        }
-        Selector::Quest { budget, page, sink } => {
-            let meta = ctx.meta.expect("engine checked quest metadata");
-            let first_page = lim.lo / page;
-            meta_bytes += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
-            let kept = select::quest_pages(&sc.page_scores, first_page, budget, page, sink);
-            select::quest(&mut hw.plan, &kept, page);
-            let scores = &sc.page_scores;
-            hw.entry_score.extend(kept.iter().map(|&pg| scores[pg - first_page]));
-            sink_limit = sink.max(1);
-            hw.cand.from_plan(&hw.plan, lim.lo, lim.hi, bs, sink.max(1), |blk| select::quest_block_score(blk, &kept, scores, first_page, page, bs), &mut sc.part);
-        }
-        Selector::SnapKv { .. } => match &snap {
-            Some(sel) => {
-                // Chosen prompt positions, then everything from the end of the prompt on (generated
-                // tokens); the row's own position is always attended, even if the sequence is now shorter
-                // than the prompt the choice was made for.
-                let cut = sel.prefill_len.min(lim.hi).max(lim.lo);
-                let fixed = sel.keep.iter().copied().filter(|&t| t as usize >= lim.lo && (t as usize) < cut);
-                hw.plan.clear(0);
-                hw.plan.entries.extend(fixed.chain(cut as u32..lim.hi as u32 + 1));
-                // Priority: the pooled score SnapKV chose a prefix position by; the observation window and
-                // the generated tokens (kept unconditionally) rank first.
-                hw.entry_score.extend(hw.plan.entries.iter().map(|&t| match sel.keep.binary_search(&t) {
-                    Ok(i) if (t as usize) < cut => sel.score.get(i).copied().unwrap_or(f32::INFINITY),
-                    _ => f32::INFINITY,
-                }));
-            }
-            // No prefill was seen for this sequence and layer: nothing to choose from, attend everything.
-            None => select::all(&mut hw.plan, lim.lo, lim.hi, bs),
-        },
-        Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_) => unreachable!("stateful selectors run in their own item functions"),
-    }
-    if !matches!(p.selector, Selector::Quest { .. }) {
+    let cx = SelectCx { io, lim, blocks, snap: snap.as_ref(), ctx };
+    let (sink_limit, bytes, built) = ctx.stage.select(&cx, hw, sc);
+    meta_bytes += bytes;
+    if !built {
         hw.cand.from_plan(&hw.plan, lim.lo, lim.hi, bs, sink_limit, |_| f32::NAN, &mut sc.part);
     }
 
@@ -514,13 +461,13 @@ fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: 
 
 /// Attends a set of spans: as spans when runs are long, as a token list (full chunks) when scattered.
 #[allow(clippy::too_many_arguments)]
-fn attend_set(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
+pub(crate) fn attend_set(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
     attend_set_at(isa::detected(), st, q, limits, kv, spans, n_tok, tokens, softcap)
 }
 
 /// [`attend_set`] on instruction set `level` (ART's tiles: [`isa::decisions`]).
 #[allow(clippy::too_many_arguments)]
-fn attend_set_at(level: IsaLevel, st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
+pub(crate) fn attend_set_at(level: IsaLevel, st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
     if spans.is_empty() {
         return;
     }

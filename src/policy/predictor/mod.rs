@@ -3,7 +3,7 @@
 //! next row's block scores from it. Pure decisions and the CNN; the kernels live in `cpu::sparse`.
 //!
 //! Model (the paper's, §4.2 and appendix C; trained by `scripts/train_predictor.py`, default weights
-//! embedded from `predictor_weights.safetensors`): the input is the H most recent rows (oldest first,
+//! embedded from `weights.safetensors`): the input is the H most recent rows (oldest first,
 //! missing rows and blocks 0) of raw block scores, cropped to the blocks between the sink and the local
 //! window (which the selection keeps anyway), as a one-channel H × W image; conv 3×3, 1→16 channels, zero
 //! padding 1, ReLU; conv 3×3, 16→32, padding 1, ReLU; average over the H rows; conv 1×1, 32→1. The 1×1
@@ -15,6 +15,9 @@
 //! calibration step: the output is still the sparse selection's, but the row appended to the history is
 //! the full attention row (a scoring pass over every key); other steps append the row of the attended
 //! tokens' weights (normalised over them; 0 for blocks not attended).
+
+pub mod cpu;
+pub mod cuda;
 
 use std::collections::VecDeque;
 
@@ -72,10 +75,10 @@ pub const MAX_WEIGHTS_BYTES: u64 = 1 << 20;
 pub const MAX_CHANNELS: usize = 128;
 
 static BUILTIN: Lazy<std::result::Result<PredictorWeights, String>> =
-    Lazy::new(|| PredictorWeights::from_safetensors(include_bytes!("predictor_weights.safetensors")).map_err(|e| e.message));
+    Lazy::new(|| PredictorWeights::from_safetensors(include_bytes!("weights.safetensors")).map_err(|e| e.message));
 
 impl PredictorWeights {
-    /// The weights shipped with the library (`src/policy/predictor_weights.safetensors`, trained on
+    /// The weights shipped with the library (`src/policy/weights.safetensors`, trained on
     /// SmolLM2-135M traces).
     pub fn builtin() -> Result<&'static PredictorWeights> {
         BUILTIN.as_ref().map_err(|m| Error::new(ErrorKind::Internal, format!("built-in predictor weights: {m}")))
@@ -365,7 +368,7 @@ mod tests {
     /// weights.
     #[test]
     fn matches_the_pytorch_model() {
-        let bytes = include_bytes!("predictor_weights.safetensors");
+        let bytes = include_bytes!("weights.safetensors");
         let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
         let f = |name: &str| -> (Vec<f32>, Vec<usize>) {
             let t = st.tensor(name).unwrap();
@@ -415,7 +418,7 @@ mod tests {
     #[test]
     fn weights_files_are_validated() {
         use safetensors::tensor::TensorView;
-        let bytes = include_bytes!("predictor_weights.safetensors");
+        let bytes = include_bytes!("weights.safetensors");
         assert!(PredictorWeights::from_safetensors(bytes).is_ok());
         let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
         // Rewrites the built-in file: `edit(name, data)` returns the tensor's new (shape or None = same,

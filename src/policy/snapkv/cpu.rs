@@ -11,10 +11,10 @@
 //! the order-free normaliser `softmax_norm`) and sum the window's weights in token order, so that the
 //! CUDA kernels (kernels/snapkv.cu) make the same choice bit for bit.
 
-use super::attention::RowLimits;
-use super::convert::{load_row, Portable};
-use super::forward::ForwardIo;
-use super::math::{decision_dot, decision_softcap, fast_exp, softmax_norm};
+use crate::cpu::attention::RowLimits;
+use crate::cpu::convert::{load_row, Portable};
+use crate::cpu::forward::ForwardIo;
+use crate::cpu::math::{decision_dot, decision_softcap, fast_exp, softmax_norm};
 use crate::policy::select::{max_pool, top_k_positions};
 use crate::policy::SnapSelection;
 
@@ -77,4 +77,74 @@ pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usiz
     keep.extend(obs_start as u32..len as u32);
     score.resize(keep.len(), f32::INFINITY);
     SnapSelection { prefill_len: len, keep, score }
+}
+
+/// `snapkv(budget, window, pool)` as a CPU stage: the choice at prefill, the kept positions at decode.
+pub struct SnapKv {
+    pub budget: usize,
+    pub window: usize,
+    pub pool: usize,
+}
+
+impl crate::cpu::sparse::CpuStage for SnapKv {
+    /// Chooses for every prefill sequence of the call and KV head (refused, with nothing stored, when
+    /// storing the choices would exceed the engine's state cap), then stores the choices.
+    fn prefill(&self, cx: &crate::cpu::sparse::PrefillCx) -> crate::error::Result<crate::stats::Counters> {
+        use rayon::prelude::*;
+        let io = cx.io;
+        let hk = cx.cfg.num_kv_heads;
+        let seqs: Vec<usize> = (0..io.batch.seqs.len()).filter(|&s| !io.batch.seqs[s].is_decode() && io.batch.seqs[s].q_len > 0).collect();
+        if seqs.is_empty() {
+            return Ok(Default::default());
+        }
+        let items: Vec<(usize, usize)> = seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
+        let mut sels: Vec<SnapSelection> = cx.pool.install(|| items.par_iter().map(|&(s, h)| choose(io, s, h, self.budget, self.window, self.pool)).collect());
+        if cx.cfg.max_state_bytes > 0 {
+            let new: u64 = sels.iter().map(|s| (s.keep.len() * 8 + std::mem::size_of::<SnapSelection>()) as u64).sum();
+            let held = cx.sequences.state_bytes();
+            crate::ensure!(
+                held + new <= cx.cfg.max_state_bytes,
+                OutOfMemory,
+                "SnapKV state for this call needs {new} bytes, the engine holds {held} of its {} byte cap; release finished sequences",
+                cx.cfg.max_state_bytes
+            );
+        }
+        for &s in seqs.iter().rev() {
+            let heads = sels.split_off(sels.len() - hk);
+            let st = cx.sequences.get_or_create(io.batch.seqs[s].seq_id);
+            let mut st = st.lock();
+            for (h, sel) in heads.into_iter().enumerate() {
+                st.policy.head_mut(cx.layer, h, hk).snapkv = Some(std::sync::Arc::new(sel));
+            }
+        }
+        Ok(Default::default())
+    }
+
+    fn caps_own_state(&self) -> bool {
+        true
+    }
+
+    fn select(&self, cx: &crate::cpu::sparse::SelectCx, hw: &mut crate::cpu::sparse::HeadWork, _sc: &mut crate::cpu::sparse::Scratch) -> (usize, u64, bool) {
+        let lim = cx.lim;
+        match cx.snap {
+            Some(sel) => {
+                // Chosen prompt positions, then everything from the end of the prompt on (generated
+                // tokens); the row's own position is always attended, even if the sequence is now shorter
+                // than the prompt the choice was made for.
+                let cut = sel.prefill_len.min(lim.hi).max(lim.lo);
+                let fixed = sel.keep.iter().copied().filter(|&t| t as usize >= lim.lo && (t as usize) < cut);
+                hw.plan.clear(0);
+                hw.plan.entries.extend(fixed.chain(cut as u32..lim.hi as u32 + 1));
+                // Priority: the pooled score SnapKV chose a prefix position by; the observation window and
+                // the generated tokens (kept unconditionally) rank first.
+                hw.entry_score.extend(hw.plan.entries.iter().map(|&t| match sel.keep.binary_search(&t) {
+                    Ok(i) if (t as usize) < cut => sel.score.get(i).copied().unwrap_or(f32::INFINITY),
+                    _ => f32::INFINITY,
+                }));
+            }
+            // No prefill was seen for this sequence and layer: nothing to choose from, attend everything.
+            None => crate::policy::select::all(&mut hw.plan, lim.lo, lim.hi, cx.io.cache.block_size),
+        }
+        (1, 0, false)
+    }
 }

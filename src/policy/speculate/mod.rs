@@ -14,6 +14,9 @@
 //! (α, β, γ) ([`grid`]); the candidate with the best score-weighted hit rate on the top-k selections
 //! wins (weight of a true page: `exp(score - max score of the step)`).
 
+pub mod cpu;
+pub mod cuda;
+
 use super::select::quest_pages;
 use super::spec::Predict;
 
@@ -240,6 +243,19 @@ impl SpecBudgetTable {
     pub fn points(&self) -> &[(usize, usize)] {
         &self.points
     }
+}
+
+/// Query rows of a prefill chunk PRR calibrates on (a strided sample of the chunk).
+pub const CALIB_ROWS: usize = 64;
+
+/// At most `max` row indices of the chunk `start .. start + len`, evenly strided, ascending, the last row
+/// always included (the decode steps continue from it).
+pub fn calib_rows(start: usize, len: usize, max: usize) -> Vec<usize> {
+    if len <= max {
+        return (start..start + len).collect();
+    }
+    // Row j of max: start + len - 1 - (max - 1 - j) * len / max (exact integer stride, distinct rows).
+    (0..max).map(|j| start + len - 1 - (max - 1 - j) * len / max).collect()
 }
 
 #[cfg(test)]

@@ -4,16 +4,16 @@
 //! metadata, which the decode plan (`kvs_plan_snap`, launched by `sparse.rs`) reads. Same decisions as
 //! the CPU's `cpu::snapkv::choose`, bit for bit.
 
-use super::backend::{CudaBackend, Geometry};
-use super::driver::{check, cuda, CUfunction};
-use super::launch::{self, KArgs};
-use super::sparse::{BatchArg, WsLayout};
-use crate::engine::ForwardArgs;
+use crate::cuda::backend::{CudaBackend, Geometry};
+use crate::cuda::driver::{check, cuda, CUfunction};
+use crate::cuda::launch::{self, KArgs};
+use crate::cuda::sparse::{BatchArg, WsLayout};
+use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 
 /// Positions per CTA and threads of `kvs_snap_scores` (the kernel's SNAP_TP / SNAP_J).
-pub(super) fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {
+pub(crate) fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {
     if head_dim <= 128 {
         (32, 32 * group.min(8))
     } else {
@@ -26,7 +26,7 @@ impl CudaBackend {
     /// Enqueues SnapKV's choice for the call's prefill sequences (`rows` observation rows per (sequence,
     /// KV head) fit the workspace regions of `lay`); `keep` is the layer's kept-slot bits.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn snap_choose(
+    pub(crate) fn snap_choose(
         &self,
         a: &ForwardArgs,
         cache: &KvCache,

@@ -18,12 +18,12 @@
 
 use parking_lot::Mutex;
 
-use super::backend::{CudaBackend, Geometry};
-use super::context::DevBuf;
-use super::driver::{check, cuda, CUfunction};
-use super::launch::{self, KArgs};
-use super::sparse::{BatchArg, PlanRef};
-use crate::engine::ForwardArgs;
+use crate::cuda::backend::{CudaBackend, Geometry};
+use crate::cuda::context::DevBuf;
+use crate::cuda::driver::{check, cuda, CUfunction};
+use crate::cuda::launch::{self, KArgs};
+use crate::cuda::sparse::{BatchArg, PlanRef};
+use crate::args::ForwardArgs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvCache;
 use crate::policy::Refresh;
@@ -56,14 +56,14 @@ struct RefreshArgs {
 
 /// The layout a test compares with kernels/include/params.cuh.
 #[cfg(test)]
-pub(super) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
-    use super::kernel_src::c_layout;
+pub(crate) fn c_layouts() -> Vec<crate::cuda::kernel_src::CLayout> {
+    use crate::cuda::kernel_src::c_layout;
     vec![c_layout!(RefreshArgs as "RefreshArgs" { qref, since, lstamp, tok, sc, cnt, last, hstamp, slot, gen, mode, rctr, k, stride, every, pool, s, hk })]
 }
 
 /// Byte offsets of RefreshKV's regions in a call's policy workspace (see `sparse::WsLayout`).
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct RefreshWs {
+pub(crate) struct RefreshWs {
     mode: usize,
     rmax: usize,
     z: usize,
@@ -81,7 +81,7 @@ pub(super) struct RefreshWs {
     sel: usize,
     ccnt: usize,
     /// Whether the full step's weights come from its attention (the tensor-core kernel applies).
-    pub(super) logits: bool,
+    pub(crate) logits: bool,
 }
 
 /// Positions per chunk of the weights pass and the rebuild (kernels/refresh.cu RF_CH).
@@ -100,7 +100,7 @@ fn checked(parts: &[usize]) -> Result<usize> {
 impl RefreshWs {
     /// Reserves the regions of a call of `ns` sequences through `take` (bytes -> offset).
     /// `logits`: the full step's weights come from its attention (reserves the logits and statistics).
-    pub(super) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize, logits: bool) -> Result<Self> {
+    pub(crate) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize, logits: bool) -> Result<Self> {
         let rows = checked(&[ns, hk, group])?;
         let heads = checked(&[ns, hk])?;
         let (lg, parts) = if logits { (take(checked(&[rows, max_pos.max(1), 4])?), take(checked(&[rows, weight_chunks(max_pos), 8])?)) } else { (0, 0) };
@@ -145,7 +145,7 @@ impl StateLayout {
             off = (off + bytes).next_multiple_of(256);
             at
         };
-        let per = |n: usize| super::slots::state_bytes(max_seqs, n);
+        let per = |n: usize| crate::cuda::slots::state_bytes(max_seqs, n);
         let l = StateLayout {
             qref: take(per(checked(&[d, 4])?)?),
             since: take(per(4)?),
@@ -178,7 +178,7 @@ impl RefreshDevice {
     }
 
     /// Adds the per-layer step counters to `per_layer` (the caller synchronized the device).
-    pub(super) fn add_counters(&self, per_layer: &mut [Counters]) -> Result<()> {
+    pub(crate) fn add_counters(&self, per_layer: &mut [Counters]) -> Result<()> {
         let mut raw = vec![0u8; self.num_layers * 16];
         self.counters.download(0, &mut raw)?;
         for (l, c) in per_layer.iter_mut().enumerate().take(self.num_layers) {
@@ -202,7 +202,7 @@ impl CudaBackend {
     /// full rows wrote their logits (`RefreshWs::logits`): those rows' weights and their sets rebuilt
     /// across CTAs (kvs_refresh_lse_parts, kvs_refresh_weights, kvs_refresh_top_*).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn refresh_select(
+    pub(crate) fn refresh_select(
         &self,
         a: &ForwardArgs,
         cache: &KvCache,
@@ -279,7 +279,7 @@ impl CudaBackend {
         k.by_value(&ra).i64(row_bytes).i64(ctr);
         launch::launch(f("kvs_refresh_decide")?, (ns as u32, 1, 1), 128, &mut k, stream, "kvs_refresh_decide launch")?;
 
-        let (tp, threads) = super::snapkv::scores_shape(d, group);
+        let (tp, threads) = crate::policy::snapkv::cuda::scores_shape(d, group);
         let ctas = score_ctas(self.gpu.num_sms as usize, hk, maxpos, tp);
         let kc = &cache.k;
         // The CPU's arithmetic: the prefill's seed, and the full decode rows without the tensor-core path.
@@ -338,7 +338,7 @@ impl CudaBackend {
     }
 
     /// Where the full rows' logits go (`Rows::PlanLogits`).
-    pub(super) fn refresh_logits_out(&self, geo: &Geometry, ws: u64, rw: &RefreshWs) -> super::backend::LogitsOut {
-        super::backend::LogitsOut { lg: ws + rw.lg as u64, maxpos: geo.max_pos.max(1) as i32 }
+    pub(crate) fn refresh_logits_out(&self, geo: &Geometry, ws: u64, rw: &RefreshWs) -> crate::cuda::backend::LogitsOut {
+        crate::cuda::backend::LogitsOut { lg: ws + rw.lg as u64, maxpos: geo.max_pos.max(1) as i32 }
     }
 }

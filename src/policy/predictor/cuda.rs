@@ -20,12 +20,12 @@
 
 use parking_lot::Mutex;
 
-use super::backend::{CudaBackend, Geometry};
-use super::context::DevBuf;
-use super::driver::{check, cuda, CUfunction};
-use super::launch::{self, KArgs};
-use super::sparse::{BatchArg, PlanRef, WsLayout};
-use crate::engine::ForwardArgs;
+use crate::cuda::backend::{CudaBackend, Geometry};
+use crate::cuda::context::DevBuf;
+use crate::cuda::driver::{check, cuda, CUfunction};
+use crate::cuda::launch::{self, KArgs};
+use crate::cuda::sparse::{BatchArg, PlanRef, WsLayout};
+use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::predictor::PredictorWeights;
@@ -33,7 +33,7 @@ use crate::policy::PredictorSpec;
 use crate::{bail, ensure};
 
 /// The module: the predictor's kernels (with the batch, top-k and SnapKV scoring headers they include).
-pub use super::kernel_src::PREDICTOR;
+pub use crate::cuda::kernel_src::PREDICTOR;
 
 /// CTAs per column tile of `kvs_pred_conv` (the kernel's PRED_NY).
 const NY: usize = 8;
@@ -70,8 +70,8 @@ struct SpecArg {
 
 /// The layouts a test compares with kernels/include/params.cuh.
 #[cfg(test)]
-pub(super) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
-    use super::kernel_src::c_layout;
+pub(crate) fn c_layouts() -> Vec<crate::cuda::kernel_src::CLayout> {
+    use crate::cuda::kernel_src::c_layout;
     vec![
         c_layout!(StateArg as "PredState" { hdr, lens, ring, zc, h => "H", wc, hk, pad }),
         c_layout!(SpecArg as "PredSpec" { budget, block, calib, sink, local, pad }),
@@ -103,7 +103,7 @@ pub struct PredictorDev {
     num_layers: usize,
     /// Benchmarks only: events recorded between the step's parts (start, after the CNN, after the
     /// selection, after the history update), when set.
-    probe: Mutex<Option<[super::driver::CUevent; 4]>>,
+    probe: Mutex<Option<[crate::cuda::driver::CUevent; 4]>>,
 }
 
 // SAFETY: the events are opaque driver handles, used only under the mutex.
@@ -137,11 +137,11 @@ impl PredictorDev {
     pub fn layer_bytes(&self, wc: usize) -> Result<usize> {
         let per = checked(&[self.spec.history, wc, 4, 2])?.checked_add(self.spec.history * 4 + 32);
         let per = per.ok_or_else(|| crate::error::Error::new(crate::error::ErrorKind::OutOfMemory, "predictor state size overflows"))?;
-        super::slots::state_bytes(self.max_seqs, checked(&[self.hk, per])?)
+        crate::cuda::slots::state_bytes(self.max_seqs, checked(&[self.hk, per])?)
     }
 
     /// Calibration and predicted steps per layer (synchronizes).
-    pub fn read_counters(&self, gpu: &super::context::Gpu) -> Result<Vec<(u64, u64)>> {
+    pub fn read_counters(&self, gpu: &crate::cuda::context::Gpu) -> Result<Vec<(u64, u64)>> {
         gpu.synchronize()?;
         let mut raw = vec![0u8; self.num_layers * 16];
         self.counters.download(0, &mut raw)?;
@@ -158,7 +158,7 @@ impl PredictorDev {
 }
 
 /// Workspace regions of a predictor call (bytes), given its geometry.
-pub(super) struct PredWs {
+pub(crate) struct PredWs {
     pub nbmax: usize,
     /// Query rows per (sequence, KV head) of the history's scoring (tokens × group).
     pub rcap: usize,
@@ -181,7 +181,7 @@ impl CudaBackend {
     /// AttentionPredictor's whole decision for one call, enqueued on its stream: modes and schedule,
     /// the CNN, the selection (the plan `fin`), the history rows of decode rows and prefill seeds.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn predictor_step(
+    pub(crate) fn predictor_step(
         &self,
         a: &ForwardArgs,
         cache: &KvCache,
@@ -245,7 +245,7 @@ impl CudaBackend {
             check((api.cuMemsetD8Async)(ws + lay.pred_z as u64, 0, n_rows * 8, stream), "cuMemsetD8Async")?;
             check((api.cuMemsetD8Async)(ws + lay.pred_bad as u64, 0, n_rows * 4, stream), "cuMemsetD8Async")?;
         }
-        let (tp, sthreads) = super::snapkv::scores_shape(d, g);
+        let (tp, sthreads) = crate::policy::snapkv::cuda::scores_shape(d, g);
         let q = &a.query;
         let kc = &cache.k;
         let key_tiles = (geo.max_pos + 1).div_ceil(tp);
@@ -264,14 +264,14 @@ impl CudaBackend {
     }
 
     /// Benchmarks only: record events between the predictor's parts of later calls (None: stop).
-    pub fn set_predictor_probe(&self, ev: Option<[super::driver::CUevent; 4]>) {
+    pub fn set_predictor_probe(&self, ev: Option<[crate::cuda::driver::CUevent; 4]>) {
         if let Some(pd) = &self.predictor {
             *pd.probe.lock() = ev;
         }
     }
 
     /// The layer's state arrays, allocated (or grown to ring rows of `wc` blocks) outside capture.
-    fn predictor_layer(&self, pd: &PredictorDev, layer: usize, wc: usize, stream: super::driver::CUstream, f: &dyn Fn(&'static str) -> Result<CUfunction>) -> Result<StateArg> {
+    fn predictor_layer(&self, pd: &PredictorDev, layer: usize, wc: usize, stream: crate::cuda::driver::CUstream, f: &dyn Fn(&'static str) -> Result<CUfunction>) -> Result<StateArg> {
         let mut layers = pd.layers.lock();
         let h = pd.spec.history;
         let rows = checked(&[pd.max_seqs, pd.hk, h])?;

@@ -17,6 +17,9 @@
 //! unless the similarity is strictly above `s` (so `s = 1` with `stride = 1` is dense attention at every
 //! step). With `every = N` the check is replaced by a fixed full step every `N` steps.
 
+pub mod cpu;
+pub mod cuda;
+
 use super::select::top_k_positions;
 use super::spec::Refresh;
 

@@ -28,14 +28,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 
-use super::backend::{dtype_code, CudaBackend, Geometry, Rows};
-use super::context::DevBuf;
-use super::driver::{check, cuda, CUevent, CUstream, CU_STREAM_NON_BLOCKING};
-use super::launch::{self, KArgs};
-use super::sparse::{download_ints, BatchArg, PlanRef};
+use crate::cuda::backend::{dtype_code, CudaBackend, Geometry, Rows};
+use crate::cuda::context::DevBuf;
+use crate::cuda::driver::{check, cuda, CUevent, CUstream, CU_STREAM_NON_BLOCKING};
+use crate::cuda::launch::{self, KArgs};
+use crate::cuda::sparse::{download_ints, BatchArg, PlanRef};
 use crate::config::EngineConfig;
-use crate::cpu::sparse::{calib_rows, CALIB_ROWS};
-use crate::engine::ForwardArgs;
+use crate::policy::speculate::{calib_rows, CALIB_ROWS};
+use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::plan::selector_capacity;
@@ -99,18 +99,20 @@ pub struct PrrDevice {
 }
 
 impl PrrDevice {
+    /// Empty state; [`PrrDevice::set_spec`] arms it when the engine's policy is `speculate`.
     pub fn new(cfg: &EngineConfig) -> Self {
-        let spec = crate::policy::Policy::parse(&cfg.policy).ok().and_then(|p| match p.pipeline().map(|p| &p.selector) {
-            Some(Selector::Speculate(s)) => Some(*s),
-            _ => None,
-        });
         PrrDevice {
-            spec,
+            spec: None,
             layers: (0..cfg.num_layers).map(|_| Mutex::new(None)).collect(),
             streams: Mutex::new(HashMap::new()),
             host: (0..cfg.num_layers).map(|_| Mutex::new(Counters::default())).collect(),
             timeline: AtomicBool::new(false),
         }
+    }
+
+    /// The engine's parsed `speculate` stage (set once, when the backend is made).
+    pub fn set_spec(&mut self, spec: Speculate) {
+        self.spec = Some(spec);
     }
 
     /// Host-side counters of `layer` (calibrations), added to the device counters by the stats call.
@@ -120,7 +122,7 @@ impl PrrDevice {
 
     /// Destroys the side streams and events while the engine's context is still alive (the backend's
     /// Drop calls this before its fields, the context among them, are dropped).
-    pub(super) fn release(&self) {
+    pub(crate) fn release(&self) {
         for (_, set) in self.streams.lock().drain() {
             drop(set);
         }
@@ -206,7 +208,7 @@ struct Layout {
 impl CudaBackend {
     /// Cache-write hook: allocates the layer's PRR state on first use (outside capture) and resets the
     /// entries of the pages whose first slot this write stores.
-    pub(super) fn prr_on_write(&self, cfg: &EngineConfig, layer: usize, cache: &KvCache, slot_mapping: &TensorRef, n: usize, stream: CUstream) -> Result<()> {
+    pub(crate) fn prr_on_write(&self, cfg: &EngineConfig, layer: usize, cache: &KvCache, slot_mapping: &TensorRef, n: usize, stream: CUstream) -> Result<()> {
         let Some(sp) = self.prr.spec else {
             return Ok(());
         };
@@ -238,7 +240,7 @@ impl CudaBackend {
         launch::launch(f, ((n * hk).div_ceil(256).min(65536) as u32, 1, 1), 256, &mut k, stream, "kvs_prr_reset launch")
     }
 
-    fn prr_fn(&self, cfg: &EngineConfig, name: &'static str) -> Result<super::driver::CUfunction> {
+    fn prr_fn(&self, cfg: &EngineConfig, name: &'static str) -> Result<crate::cuda::driver::CUfunction> {
         let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={}", cfg.head_dim), format!("GROUP={}", cfg.group_size()), "--fmad=false".to_string()];
         self.modules.function(&self.gpu, "select", launch::SELECT, &defines, name)
     }
@@ -274,7 +276,7 @@ impl CudaBackend {
     /// A PRR layer's call: calibration for the prefill chunks (host sync; refused under capture), then
     /// the decode rows' predict / speculate / select / repair / merge on two streams, and the prefill rows
     /// densely.
-    pub(super) fn prr_forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, sp: &Speculate) -> Result<()> {
+    pub(crate) fn prr_forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, sp: &Speculate) -> Result<()> {
         let (hk, bs, d, nq) = (cfg.num_kv_heads, cfg.block_size, cfg.head_dim, cfg.num_q_heads);
         let ns = geo.num_seqs;
         ensure!(ns < 65536, Unsupported, "policies on the CUDA backend take at most 65535 sequences per call (got {ns})");
@@ -420,7 +422,7 @@ impl CudaBackend {
         let mut k = KArgs::new();
         k.by_value(&batch).i32(hk as i32).i32(page as i32).i64(st as i64).i32(spb as i32).i64(at(lay.pred_scores) as i64).i32(maxp as i32);
         launch::launch(f("kvs_prr_pred_scores")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_pred_scores launch")?;
-        let smem_fn = |name: &'static str| -> Result<super::driver::CUfunction> {
+        let smem_fn = |name: &'static str| -> Result<crate::cuda::driver::CUfunction> {
             let func = f(name)?;
             self.allow_smem_once(func, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
             Ok(func)
@@ -515,7 +517,7 @@ impl CudaBackend {
     /// the device, the CPU's `speculate::calibrate` per (sequence, KV head) on the host, the warm state
     /// scattered into the block-keyed entries.
     #[allow(clippy::too_many_arguments)]
-    fn prr_calibrate(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, sp: &Speculate, batch: &BatchArg, m: &super::meta::LayerDevMeta, st: u64, spb: usize) -> Result<()> {
+    fn prr_calibrate(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, sp: &Speculate, batch: &BatchArg, m: &crate::cuda::meta::LayerDevMeta, st: u64, spb: usize) -> Result<()> {
         let t0 = std::time::Instant::now();
         let (hk, ns, page) = (cfg.num_kv_heads, geo.num_seqs, sp.page);
         let api = cuda()?;

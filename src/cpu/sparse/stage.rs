@@ -1,0 +1,82 @@
+//! What a selector stage does on the CPU, as a forward call's prefill (`cpu::call`) and the decode pipeline
+//! ([`super::sparse_forward`]) call it. Each policy implements [`CpuStage`] in `src/policy/<name>/cpu.rs`;
+//! the registry (`cpu()` on a selector, src/policy/registry.rs) is the one place that picks the implementation, so nothing here
+//! names a policy.
+
+use super::{HeadWork, Scratch, SparseCtx};
+use crate::config::EngineConfig;
+use crate::cpu::attention::RowLimits;
+use crate::cpu::forward::ForwardIo;
+use crate::cpu::metadata::LayerMeta;
+use crate::error::Result;
+use crate::policy::speculate::SpecBudgetTable;
+use crate::policy::{select, SnapSelection};
+use crate::sequences::Registry;
+use crate::stats::Counters;
+
+/// A forward call's prefill chunks, as a stage sees them before any row is attended.
+pub(crate) struct PrefillCx<'a> {
+    pub io: &'a ForwardIo<'a>,
+    pub cfg: &'a EngineConfig,
+    pub pool: &'a rayon::ThreadPool,
+    pub sequences: &'a Registry,
+    pub layer: usize,
+    /// The call's prefill sequences with query rows (indices into the batch), when the stage reads
+    /// metadata at prefill (`prefill_reads_meta`); else empty.
+    pub calib_seqs: &'a [usize],
+    /// The layer's key metadata, when the policy needs some.
+    pub meta: Option<&'a LayerMeta>,
+    pub spec_budgets: Option<&'a SpecBudgetTable>,
+}
+
+/// One KV head's selection on the pipeline's generic path.
+pub(crate) struct SelectCx<'a> {
+    pub io: &'a ForwardIo<'a>,
+    /// The decode row's visible positions and its sequence's block-table row.
+    pub lim: RowLimits,
+    pub blocks: &'a [u32],
+    /// SnapKV's choice for this (sequence, layer, head), when one was made.
+    pub snap: Option<&'a std::sync::Arc<SnapSelection>>,
+    pub ctx: &'a SparseCtx<'a>,
+}
+
+/// A selector stage on the CPU. Every method has the behaviour of a stage that does not need it.
+pub(crate) trait CpuStage: Sync {
+    /// Sees the call's prefill chunks before anything is attended; an error leaves everything unchanged.
+    fn prefill(&self, _cx: &PrefillCx) -> Result<Counters> {
+        Ok(Counters::default())
+    }
+
+    /// Whether `prefill` reads key metadata on the prefill rows (their coverage is checked first).
+    fn prefill_reads_meta(&self) -> bool {
+        false
+    }
+
+    /// Whether the stage holds its per-sequence state to the engine's cap itself, at prefill (else a call
+    /// that starts over the cap is refused).
+    fn caps_own_state(&self) -> bool {
+        false
+    }
+
+    /// Per decode sequence `i` (index into the call's decode sequences), before its heads run: a decision
+    /// the sequence's heads share (RefreshKV: a full or a partial step).
+    fn decide_sequence(&self, _io: &ForwardIo, _s: usize, _ctx: &SparseCtx, _i: usize, _c: &mut Counters) -> bool {
+        false
+    }
+
+    /// Runs one work item (decode sequence `s`, the `i`-th, KV heads `heads`) itself, for stages with their
+    /// own rows; None: the pipeline's select → prune → order path, through `select`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_item(&self, _io: &ForwardIo, _s: usize, _i: usize, _heads: std::ops::Range<usize>, _decided: bool, _ctx: &SparseCtx, _sc: &mut Scratch) -> Option<Counters> {
+        None
+    }
+
+    /// The generic path's selection for one KV head: the row's plan into `hw.plan` (ART's priority of each
+    /// entry into `hw.entry_score`, left empty when the stage has none) and, for a stage that scores its
+    /// units, `hw.cand`. Returns (the sink limit of ART's order, key metadata bytes read, whether `hw.cand`
+    /// was built). Default: every visible position.
+    fn select(&self, cx: &SelectCx, hw: &mut HeadWork, _sc: &mut Scratch) -> (usize, u64, bool) {
+        select::all(&mut hw.plan, cx.lim.lo, cx.lim.hi, cx.io.cache.block_size);
+        (1, 0, false)
+    }
+}
