@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::attention::CHUNK;
+use super::chunk::CHUNK;
 
 #[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
@@ -22,7 +22,7 @@ unsafe fn hsum(v: __m256) -> f32 {
 #[derive(Clone, Copy)]
 pub(crate) struct Ymm;
 
-impl super::prefill::Simd for Ymm {
+impl super::simd::Simd for Ymm {
     const L: usize = 8;
     type V = __m256;
     #[inline(always)]

@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use super::attention::CHUNK;
+use super::chunk::CHUNK;
 use super::avx2::{FMT_BF16, FMT_F16};
 
 /// Sixteen consecutive elements of a row of format `$fmt` at element index `$i`, as f32 lanes.
@@ -29,7 +29,7 @@ macro_rules! load16 {
 #[derive(Clone, Copy)]
 pub(crate) struct Zmm;
 
-impl super::prefill::Simd for Zmm {
+impl super::simd::Simd for Zmm {
     const L: usize = 16;
     type V = __m512;
     #[inline(always)]

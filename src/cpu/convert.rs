@@ -4,6 +4,7 @@
 //! FMA and F16C (chosen at run time, see [`super::isa`]). fp16 uses the F16C conversion instruction when
 //! it is there; bf16 is a 16-bit shift, which the compiler vectorises by itself.
 
+use super::chunk::CHUNK;
 use crate::tensor::DType;
 
 /// Instruction-set flavour a kernel body is compiled for.
@@ -15,15 +16,15 @@ pub trait Isa: Copy {
     unsafe fn f16_to_f32(src: *const u16, dst: &mut [f32], n: usize);
     /// `a * b + c`: a fused instruction where the ISA has one (a libm call would be far slower).
     fn fma(a: f32, b: f32, c: f32) -> f32;
-    /// Scores `q · kᵀ` of a chunk (see `attention::scores_generic`).
+    /// Scores `q · kᵀ` of a chunk (see `scores_generic`).
     #[inline(always)]
     fn scores(scores: &mut [f32], q: &[f32], kbuf: &[f32], rows: usize, n: usize, d: usize) {
-        super::attention::scores_generic::<Self>(scores, q, kbuf, rows, n, d)
+        scores_generic::<Self>(scores, q, kbuf, rows, n, d)
     }
-    /// Value accumulation `acc += p · v` of a chunk (see `attention::accumulate_generic`).
+    /// Value accumulation `acc += p · v` of a chunk (see `accumulate_generic`).
     #[inline(always)]
     fn accumulate(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
-        super::attention::accumulate_generic::<Self>(acc, p, vbuf, rows, n, d)
+        accumulate_generic::<Self>(acc, p, vbuf, rows, n, d)
     }
     /// Largest element (`f32::max` semantics).
     #[inline(always)]
@@ -36,7 +37,7 @@ pub trait Isa: Copy {
         for y in x.iter_mut() {
             *y = super::math::fast_exp(*y - m);
         }
-        super::attention::sum8(x)
+        sum8(x)
     }
     /// Scores of the keys at `krows` (cache rows of `dtype`, element stride `stride`): by default
     /// converted into `kbuf` first, then [`Isa::scores`].
@@ -222,7 +223,7 @@ unsafe fn f16_to_f32_f16c(src: *const u16, dst: &mut [f32], n: usize) {
 #[inline(always)]
 unsafe fn stage_rows<I: Isa>(rows: &[*const u8], dtype: DType, stride: isize, d: usize, buf: &mut Vec<f32>) {
     if buf.len() < rows.len() * d {
-        buf.resize(super::attention::CHUNK * d, 0.0);
+        buf.resize(CHUNK * d, 0.0);
     }
     for (j, &p) in rows.iter().enumerate() {
         load_row::<I>(p, dtype, stride, d, &mut buf[j * d..(j + 1) * d]);
@@ -295,3 +296,125 @@ pub unsafe fn copy_elem(src: *const u8, dst: *mut u8, size: usize) {
     std::ptr::copy_nonoverlapping(src, dst, size)
 }
 
+// ---------------------------------------------------------------------------------------------------
+// The chunk kernels every ISA flavour starts from (its `Isa::scores` / `accumulate` defaults; AVX2 and
+// AVX-512 override them). They live beside the trait so that this file names no caller of its own.
+
+/// Sum with eight independent lanes (vectorises; a plain fold is a serial dependency chain).
+#[inline(always)]
+pub(crate) fn sum8(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for l in 0..8 {
+            acc[l] += c[l];
+        }
+    }
+    let tail: f32 = it.remainder().iter().sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `scores[r][j] = q_r · k_j` for `rows` query rows and `n` keys (`kbuf` is `n × d`, `d % 8 == 0`).
+/// Register-blocked 4 rows × 2 keys: every K load feeds four rows, every Q load two keys.
+#[inline(always)]
+pub(crate) fn scores_generic<I: Isa>(scores: &mut [f32], q: &[f32], kbuf: &[f32], rows: usize, n: usize, d: usize) {
+    let mut r0 = 0;
+    while r0 + 4 <= rows {
+        let mut j = 0;
+        while j + 2 <= n {
+            let s = dot_block::<I, 4, 2>(q, r0, kbuf, j, d);
+            for a in 0..4 {
+                for b in 0..2 {
+                    scores[(r0 + a) * CHUNK + j + b] = s[a][b];
+                }
+            }
+            j += 2;
+        }
+        if j < n {
+            let s = dot_block::<I, 4, 1>(q, r0, kbuf, j, d);
+            for a in 0..4 {
+                scores[(r0 + a) * CHUNK + j] = s[a][0];
+            }
+        }
+        r0 += 4;
+    }
+    while r0 < rows {
+        let mut j = 0;
+        while j + 4 <= n {
+            let s = dot_block::<I, 1, 4>(q, r0, kbuf, j, d);
+            for b in 0..4 {
+                scores[r0 * CHUNK + j + b] = s[0][b];
+            }
+            j += 4;
+        }
+        while j < n {
+            scores[r0 * CHUNK + j] = dot_block::<I, 1, 1>(q, r0, kbuf, j, d)[0][0];
+            j += 1;
+        }
+        r0 += 1;
+    }
+}
+
+#[inline(always)]
+fn dot_block<I: Isa, const R: usize, const K: usize>(q: &[f32], r0: usize, kbuf: &[f32], j0: usize, d: usize) -> [[f32; K]; R] {
+    let mut acc = [[[0f32; 8]; K]; R];
+    for c in (0..d).step_by(8) {
+        let mut kk = [[0f32; 8]; K];
+        for b in 0..K {
+            kk[b].copy_from_slice(&kbuf[(j0 + b) * d + c..(j0 + b) * d + c + 8]);
+        }
+        for a in 0..R {
+            let qq = &q[(r0 + a) * d + c..(r0 + a) * d + c + 8];
+            for b in 0..K {
+                for l in 0..8 {
+                    acc[a][b][l] = I::fma(qq[l], kk[b][l], acc[a][b][l]);
+                }
+            }
+        }
+    }
+    let mut out = [[0f32; K]; R];
+    for a in 0..R {
+        for b in 0..K {
+            let v = &acc[a][b];
+            out[a][b] = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+        }
+    }
+    out
+}
+
+/// `acc[r] += Σ_j p[r][j] · v_j`, register-blocked 4 rows × 16 columns so the accumulators stay in
+/// registers for the whole chunk instead of being loaded and stored once per key.
+#[inline(always)]
+pub(crate) fn accumulate_generic<I: Isa>(acc: &mut [f32], p: &[f32], vbuf: &[f32], rows: usize, n: usize, d: usize) {
+    let mut r0 = 0;
+    while r0 + 4 <= rows {
+        accumulate_block::<I, 4>(acc, p, vbuf, r0, n, d);
+        r0 += 4;
+    }
+    while r0 < rows {
+        accumulate_block::<I, 1>(acc, p, vbuf, r0, n, d);
+        r0 += 1;
+    }
+}
+
+#[inline(always)]
+fn accumulate_block<I: Isa, const R: usize>(acc: &mut [f32], p: &[f32], vbuf: &[f32], r0: usize, n: usize, d: usize) {
+    for c in (0..d).step_by(16) {
+        let mut a = [[0f32; 16]; R];
+        for r in 0..R {
+            a[r].copy_from_slice(&acc[(r0 + r) * d + c..(r0 + r) * d + c + 16]);
+        }
+        for j in 0..n {
+            let v = &vbuf[j * d + c..j * d + c + 16];
+            for r in 0..R {
+                let w = p[(r0 + r) * CHUNK + j];
+                for l in 0..16 {
+                    a[r][l] = I::fma(w, v[l], a[r][l]);
+                }
+            }
+        }
+        for r in 0..R {
+            acc[(r0 + r) * d + c..(r0 + r) * d + c + 16].copy_from_slice(&a[r]);
+        }
+    }
+}

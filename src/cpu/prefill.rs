@@ -15,6 +15,7 @@
 use super::attention::{RowLimits, RowsState, SeqKv, CHUNK};
 use super::convert::{load_row, Isa, Portable};
 use super::isa::{self, IsaLevel};
+pub(crate) use super::simd::Simd;
 use super::math::fast_exp;
 use crate::tensor::DType;
 
@@ -27,24 +28,6 @@ pub const PREFILL_TILE_ROWS: usize = 64;
 /// Query rows are padded to a multiple of this (the widest vector), padding rows computed and dropped.
 const LANE_PAD: usize = 16;
 
-/// A vector of `L` f32 lanes: what the micro-kernels are written over.
-pub(crate) trait Simd: Copy {
-    const L: usize;
-    type V: Copy;
-    unsafe fn zero() -> Self::V;
-    unsafe fn load(p: *const f32) -> Self::V;
-    unsafe fn splat(p: *const f32) -> Self::V;
-    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
-    unsafe fn store(p: *mut f32, v: Self::V);
-    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
-    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
-    /// Lane-wise maximum (either operand NaN: the second).
-    unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
-    /// Bitwise and (a lane of all ones keeps `a`'s lane, zero clears it).
-    unsafe fn and(a: Self::V, b: Self::V) -> Self::V;
-    /// [`fast_exp`] on every lane, bit for bit.
-    unsafe fn exp(x: Self::V) -> Self::V;
-}
 
 /// `f(a[l], b[l])` on every lane of two portable vectors.
 #[inline(always)]
