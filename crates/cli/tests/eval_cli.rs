@@ -3,13 +3,7 @@
 use std::path::PathBuf;
 
 fn traces_dir() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces");
-    if dir.join("manifest.json").exists() {
-        Some(dir)
-    } else {
-        eprintln!("SKIPPED: {} has no manifest.json", dir.display());
-        None
-    }
+    kvsparse_conformance::traces::committed_traces_dir()
 }
 
 /// `kvsparse eval --out`: the table names every requested policy, the CSV has a pooled row per policy

@@ -82,6 +82,19 @@ fn usize_field(v: &serde_json::Value, key: &str, what: &str) -> Result<usize, St
     field(v, key, what)?.as_u64().map(|x| x as usize).ok_or_else(|| format!("{what}: field {key:?} is not a non-negative integer"))
 }
 
+
+/// The repository's committed trace set (`traces/` with its manifest.json), for tests; `None`, with a
+/// SKIPPED line on stderr, where a checkout does not have it.
+pub fn committed_traces_dir() -> Option<std::path::PathBuf> {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces");
+    if dir.join("manifest.json").exists() {
+        Some(dir)
+    } else {
+        eprintln!("SKIPPED: {} has no manifest.json", dir.display());
+        None
+    }
+}
+
 impl Manifest {
     /// Reads `dir/manifest.json`.
     pub fn load(dir: &Path) -> Result<Manifest, String> {

@@ -8,13 +8,7 @@ use kvsparse_conformance::traces::{mass_in_spans, replay, Manifest, ReplayOption
 use kvsparse::DType;
 
 fn traces_dir() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces");
-    if dir.join("manifest.json").exists() {
-        Some(dir)
-    } else {
-        eprintln!("SKIPPED: {} has no manifest.json (traces are committed on the py-traces branch)", dir.display());
-        None
-    }
+    kvsparse_conformance::traces::committed_traces_dir()
 }
 
 /// The named trace of the committed set (or the first one), or `None` when the traces are absent.
