@@ -4,7 +4,7 @@
 //! instead when KVS_REQUIRE_CUDA=1. KVS_QUICK=1 runs the reduced matrix (for compute-sanitizer). Fresh
 //! random data each run; the seed is printed.
 
-use kvsparse_conformance::cuda::{cuda_required, graph_replay, merge_on_cuda, run_case_cuda, run_case_cuda_planned, run_fixture_cuda, DeviceCase};
+use kvsparse_conformance::cuda::{cuda_required, graph_replay, merge_on_cuda, run_case_cuda_planned, run_fixture_cuda, DeviceCase};
 use kvsparse_conformance::nonfinite::{check_all_attention, check_merge};
 use kvsparse_conformance::{matrix, CaseSpec, Fixture, Outputs};
 use kvsparse::rng::Rng;
@@ -23,21 +23,27 @@ fn quick() -> bool {
     std::env::var("KVS_QUICK").map(|v| v == "1").unwrap_or(false)
 }
 
-fn cuda_matches_float64_reference_on_the_matrix() {
-    if !have_cuda("cuda_matrix") {
-        return;
-    }
+/// Runs every spec on CUDA against the float64 reference (max_seq_len given when `known_len`, else 0)
+/// and fails with the list of the cases that did not pass.
+fn run_specs_against_float64(specs: &[CaseSpec], known_len: bool) {
     let seed = Rng::fresh_seed();
     println!("seed {seed}");
     let mut failures = Vec::new();
-    for (i, spec) in matrix(quick()).iter().enumerate() {
-        let r = run_case_cuda(spec, seed.wrapping_add(i as u64));
+    for (i, spec) in specs.iter().enumerate() {
+        let r = run_case_cuda_planned(spec, seed.wrapping_add(i as u64), known_len);
         println!("cuda {:<40} rel_err {:.2e} lse_err {:.2e} {}", r.name, r.rel_err, r.lse_err, if r.pass { "ok" } else { "FAIL" });
         if !r.pass {
             failures.push(format!("{} (seed {}): rel {:.3e} lse {:.3e} {:?}", r.name, r.seed, r.rel_err, r.lse_err, r.error));
         }
     }
     assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
+}
+
+fn cuda_matches_float64_reference_on_the_matrix() {
+    if !have_cuda("cuda_matrix") {
+        return;
+    }
+    run_specs_against_float64(&matrix(quick()), true);
 }
 
 /// The matrix again with max_seq_len = 0, as a captured CUDA graph launches: the grid is planned for the
@@ -47,23 +53,13 @@ fn cuda_matches_float64_reference_planned_for_the_table_width() {
     if !have_cuda("cuda_matrix_table_width") {
         return;
     }
-    let seed = Rng::fresh_seed();
-    println!("seed {seed}");
-    let mut failures = Vec::new();
     let mut specs = matrix(quick());
     // Rows far shorter than the table (one long sequence sizes the plan) and a window inside a long row.
     specs.push(CaseSpec::new("table-width-short-rows", DType::BF16, 128, 32, 8, 16, vec![(1, 40000), (1, 1), (1, 700), (1, 3000), (3, 5000)]));
     let mut w = CaseSpec::new("table-width-window", DType::F16, 64, 8, 2, 16, vec![(1, 30000), (1, 9000), (2, 2500)]);
     w.window = 1500;
     specs.push(w);
-    for (i, spec) in specs.iter().enumerate() {
-        let r = run_case_cuda_planned(spec, seed.wrapping_add(i as u64), false);
-        println!("cuda {:<40} rel_err {:.2e} lse_err {:.2e} {}", r.name, r.rel_err, r.lse_err, if r.pass { "ok" } else { "FAIL" });
-        if !r.pass {
-            failures.push(format!("{} (seed {}): rel {:.3e} lse {:.3e} {:?}", r.name, r.seed, r.rel_err, r.lse_err, r.error));
-        }
-    }
-    assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
+    run_specs_against_float64(&specs, false);
 }
 
 fn decode_spec(dtype: DType) -> CaseSpec {
