@@ -294,7 +294,7 @@ impl CudaBackend {
     pub(crate) fn mma_for(&self, cfg: &EngineConfig, cache: &KvCache, art: bool) -> Option<plan::MmaShape> {
         let es = cfg.dtype.size_bytes();
         let aligned = aligned16(cache, es);
-        let tun = if art { plan::MmaTunables { warps: 4, ..self.mma } } else { self.mma };
+        let tun = if art { plan::MmaTunables { warps: plan::ART_WARPS, stages: plan::ART_STAGES, ..self.mma } } else { self.mma };
         plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(if art { 4096 } else { 1024 }))
     }
 

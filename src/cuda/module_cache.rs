@@ -223,8 +223,10 @@ mod compile_tests {
                 let fm = "--fmad=false".to_string();
                 build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), fm.clone()]);
                 if dt > 0 {
-                    for (plan, art) in [(0, 0), (1, 0), (1, 1)] {
-                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), format!("PLAN={plan}"), format!("ART={art}")].to_vec();
+                    // The default shape for dense and plan rows (super::super::plan::DEFAULT_WARPS x DEFAULT_STAGES), ART's.
+                    let (w, st) = (super::super::plan::DEFAULT_WARPS, super::super::plan::DEFAULT_STAGES);
+                    for (plan, art, w, st) in [(0, 0, w, st), (1, 0, w, st), (1, 1, super::super::plan::ART_WARPS, super::super::plan::ART_STAGES)] {
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), format!("ART={art}")].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
                     let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();
@@ -236,7 +238,7 @@ mod compile_tests {
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
                     // RefreshKV's full step: the plan's attention writing its logits.
-                    let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=0".into(), "LOGITS=1".into()].to_vec();
+                    let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), "PLAN=1".into(), "ART=0".into(), "LOGITS=1".into()].to_vec();
                     build("attention_mma", ATTENTION_MMA, &defs);
                     if let Some(ps) = super::super::prefill::prefill_shape(g, d, 2, true, 225 * 1024) {
                         build("attention_prefill", ATTENTION_PREFILL, &ps.defines_for(dt as i32, d, g));

@@ -101,6 +101,16 @@ pub fn mma_shape(group: usize, head_dim: usize, elem_bytes: usize, aligned16: bo
     Some(s)
 }
 
+/// Default shape of the tensor-core kernel: 6 warps of 2 stages (17 KiB of shared memory per warp at head
+/// size 128, two CTAs and 12 warps per SM). Read bandwidth follows the warps resident per SM, not the
+/// stages per warp: on an H200 (2026-11-26, docs/perf.md) 6x2 read 3-4% faster than 4x3 (8 warps per SM)
+/// at every batch x context point of the bench, and 4x4 / 4x6 (one CTA, 4 warps) 20% slower.
+pub const DEFAULT_WARPS: usize = 6;
+pub const DEFAULT_STAGES: usize = 2;
+/// ART's launch keeps 4 warps (one round = one 64-slot tile, kernels/attention_mma.cu) and 3 stages.
+pub const ART_WARPS: usize = 4;
+pub const ART_STAGES: usize = 3;
+
 /// Tensor-core kernel switches: `KVS_CUDA_KERNEL=simt` forces the lane-group kernel everywhere;
 /// `KVS_MMA_WARPS` / `KVS_MMA_STAGES` override warps per CTA and stages per warp (experiments);
 /// `KVS_CUDA_ROW_SPLIT=0` splits dense rows at the plan's fixed chunks instead of each row's own span
@@ -120,8 +130,8 @@ impl MmaTunables {
         let get = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0).unwrap_or(d);
         MmaTunables {
             enabled: std::env::var("KVS_CUDA_KERNEL").map(|v| v != "simt").unwrap_or(true),
-            warps: get("KVS_MMA_WARPS", 4).clamp(1, 16),
-            stages: get("KVS_MMA_STAGES", 3).clamp(2, 8),
+            warps: get("KVS_MMA_WARPS", DEFAULT_WARPS).clamp(1, 16),
+            stages: get("KVS_MMA_STAGES", DEFAULT_STAGES).clamp(2, 8),
             l2_hint: match std::env::var("KVS_MMA_L2").ok().and_then(|v| v.parse().ok()) { Some(v @ (0 | 64 | 128 | 256)) => v, _ => 128 },
             row_split: std::env::var("KVS_CUDA_ROW_SPLIT").map(|v| v != "0").unwrap_or(true),
         }
