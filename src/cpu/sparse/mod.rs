@@ -169,6 +169,49 @@ pub(crate) fn load_head(io: &ForwardIo, s: usize, head: usize, hw: &mut HeadWork
     }
 }
 
+/// The spans a stateful policy's head read (counted as visited blocks) and, when they differ, the spans
+/// its output attends (the visit log; PRR reads speculated pages it may drop from the merge).
+pub(crate) struct HeadVisit {
+    pub read: Vec<(usize, usize)>,
+    pub used: Option<Vec<(usize, usize)>>,
+}
+
+/// The frame of a stateful policy's decode row `s` (predictor, PRR, RefreshKV), per KV head of `heads`:
+/// counts the row and its eligible blocks, loads the head's scaled queries into a `HeadWork`, runs `body`
+/// (which takes and puts back its own state, attends into `hw.st` and counts its own reads), then counts
+/// the blocks it read, logs the visit and stores the head's output row.
+pub(crate) fn for_each_policy_head(
+    io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, ctx: &SparseCtx, sc: &mut Scratch,
+    mut body: impl FnMut(usize, &mut HeadWork, &SeqKv, &mut Scratch, &mut Counters) -> HeadVisit,
+) -> Counters {
+    let cache = io.cache;
+    let (d, bs) = (cache.head_dim, cache.block_size);
+    let sd = &io.batch.seqs[s];
+    let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
+    let blocks = io.batch.blocks(s, bs);
+    let mut c = Counters::default();
+    let mut hws = std::mem::take(&mut sc.heads);
+    hws.resize_with(1, HeadWork::default);
+    let hw = &mut hws[0];
+    for head in heads {
+        c.policy_rows += 1;
+        c.blocks_eligible += (lim.hi / bs - lim.lo / bs + 1) as u64;
+        load_head(io, s, head, hw);
+        let kv = SeqKv { cache, blocks, head };
+        let visit = body(head, hw, &kv, sc, &mut c);
+        hw.cand.from_spans(&visit.read, bs, 1, |_| f32::NAN);
+        c.blocks_visited += hw.cand.units.len() as u64;
+        if let Some(log) = ctx.visits {
+            let spans = visit.used.unwrap_or(visit.read);
+            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans, art_tiles: None });
+        }
+        sc.row.resize(d, 0.0);
+        io.store_rows(hw.st.as_ref().expect("loaded"), sd.q_start..sd.q_start + 1, head, &mut sc.row);
+    }
+    sc.heads = hws;
+    c
+}
+
 pub(crate) fn fresh_state(slot: &mut Option<RowsState>, rows: usize, dim: usize) -> &mut RowsState {
     match slot {
         Some(st) if st.rows == rows && st.dim == dim => st.reset(),

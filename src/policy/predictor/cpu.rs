@@ -40,23 +40,15 @@ pub fn predictor_seed(io: &ForwardIo, s: usize, head: usize, ps: &PredictorSpec)
 /// the attended tokens' weights. A row with no history yet (no prefill seen) attends everything.
 pub(crate) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops::Range<usize>, ps: &PredictorSpec, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
     let cache = io.cache;
-    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let (d, g) = (cache.head_dim, io.group());
     let sd = &io.batch.seqs[s];
     let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
-    let blocks = io.batch.blocks(s, bs);
+    let blocks = io.batch.blocks(s, cache.block_size);
     let state = state_of(ctx, i);
     let weights = ctx.predictor.expect("the engine loads the predictor's weights with the policy");
     let softcap = io.params.softcap;
     let n = lim.hi + 1;
-    let mut c = Counters::default();
-    let mut hws = std::mem::take(&mut sc.heads);
-    hws.resize_with(1, HeadWork::default);
-    let hw = &mut hws[0];
-    for head in heads {
-        c.policy_rows += 1;
-        c.blocks_eligible += (lim.hi / bs - lim.lo / bs + 1) as u64;
-        load_head(io, s, head, hw);
-        let kv = SeqKv { cache, blocks, head };
+    for_each_policy_head(io, s, heads, ctx, sc, |head, hw, kv, sc, c| {
         let mut ph = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).predictor.take().unwrap_or_default();
         ph.since_calib += 1;
         let no_history = ph.rows.is_empty();
@@ -81,23 +73,15 @@ pub(crate) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         };
         let n_tok = span_tokens(&spans);
         let st = hw.st.as_mut().expect("loaded");
-        attend_set(st, &hw.q, &hw.limits, &kv, &spans, n_tok, &mut sc.tokens, softcap);
+        attend_set(st, &hw.q, &hw.limits, kv, &spans, n_tok, &mut sc.tokens, softcap);
         // The history row: every visible position's weight on a calibration step, else the attended ones'.
         let pos: Vec<usize> = if calibrate { (lim.lo..n).collect() } else { spans.iter().flat_map(|&(a, b)| a..b).collect() };
         ph.push(history_row(io, &hw.q, g, &pos, blocks, head, n, ps.block, &mut sc.p_rows), ps.history);
         // K and V of the attended tokens, K again for the history row's weights.
         c.kv_bytes_read += ((n_tok * 2 + pos.len()) * d * cache.dtype.size_bytes()) as u64;
-        hw.cand.from_spans(&spans, bs, 1, |_| f32::NAN);
-        c.blocks_visited += hw.cand.units.len() as u64;
-        if let Some(log) = ctx.visits {
-            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans, art_tiles: None });
-        }
         state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).predictor = Some(ph);
-        sc.row.resize(d, 0.0);
-        io.store_rows(hw.st.as_ref().expect("loaded"), sd.q_start..sd.q_start + 1, head, &mut sc.row);
-    }
-    sc.heads = hws;
-    c
+        HeadVisit { read: spans, used: None }
+    })
 }
 
 /// The block row (`ceil(n / block)` blocks) of the weights of the `g` query rows `q` (scaled, `g × d`)

@@ -86,21 +86,13 @@ pub fn mean_query(io: &ForwardIo, t: usize) -> Vec<f32> {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::Range<usize>, r: &Refresh, full: bool, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
     let cache = io.cache;
-    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let (d, g) = (cache.head_dim, io.group());
     let sd = &io.batch.seqs[s];
     let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
-    let blocks = io.batch.blocks(s, bs);
+    let blocks = io.batch.blocks(s, cache.block_size);
     let state = state_of(ctx, i);
     let softcap = io.params.softcap;
-    let mut c = Counters::default();
-    let mut hws = std::mem::take(&mut sc.heads);
-    hws.resize_with(1, HeadWork::default);
-    let hw = &mut hws[0];
-    for head in heads {
-        c.policy_rows += 1;
-        c.blocks_eligible += (lim.hi / bs - lim.lo / bs + 1) as u64;
-        load_head(io, s, head, hw);
-        let kv = SeqKv { cache, blocks, head };
+    for_each_policy_head(io, s, heads, ctx, sc, |head, hw, kv, sc, c| {
         let taken = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).refresh.take();
         let (mut rh, do_full) = match taken {
             Some(rh) if !full => (rh, false),
@@ -109,7 +101,7 @@ pub(crate) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
         let st = hw.st.as_mut().expect("loaded");
         let spans: Vec<(usize, usize)> = if do_full {
             let spans = vec![(lim.lo, lim.hi + 1)];
-            attend_set(st, &hw.q, &hw.limits, &kv, &spans, lim.hi + 1 - lim.lo, &mut sc.tokens, softcap);
+            attend_set(st, &hw.q, &hw.limits, kv, &spans, lim.hi + 1 - lim.lo, &mut sc.tokens, softcap);
             refresh_weights(io, &hw.q, g, lim, blocks, head, &mut sc.w);
             c.kv_bytes_read += ((lim.hi + 1 - lim.lo) * d * cache.dtype.size_bytes()) as u64; // K read again to score
             let pooled = max_pool(&sc.w, r.pool);
@@ -126,21 +118,13 @@ pub(crate) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
                 }
             }
             let n = span_tokens(&spans);
-            attend_set(st, &hw.q, &hw.limits, &kv, &spans, n, &mut sc.tokens, softcap);
+            attend_set(st, &hw.q, &hw.limits, kv, &spans, n, &mut sc.tokens, softcap);
             spans
         };
-        hw.cand.from_spans(&spans, bs, 1, |_| f32::NAN);
-        c.blocks_visited += hw.cand.units.len() as u64;
         c.kv_bytes_read += (span_tokens(&spans) * 2 * d * cache.dtype.size_bytes()) as u64;
-        if let Some(log) = ctx.visits {
-            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans, art_tiles: None });
-        }
         state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).refresh = Some(rh);
-        sc.row.resize(d, 0.0);
-        io.store_rows(hw.st.as_ref().expect("loaded"), sd.q_start..sd.q_start + 1, head, &mut sc.row);
-    }
-    sc.heads = hws;
-    c
+        HeadVisit { read: spans, used: None }
+    })
 }
 
 /// Mean query of the row over all query heads, compared by RefreshKV's schedule.

@@ -9,10 +9,10 @@ use crate::cpu::sparse::*;
 /// attention over the true set whatever the prediction.
 pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops::Range<usize>, sp: &Speculate, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
     let cache = io.cache;
-    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let (d, g) = (cache.head_dim, io.group());
     let sd = &io.batch.seqs[s];
     let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
-    let blocks = io.batch.blocks(s, bs);
+    let blocks = io.batch.blocks(s, cache.block_size);
     let meta = ctx.meta.expect("engine checked quest metadata");
     let state = state_of(ctx, i);
     let page = sp.page;
@@ -21,80 +21,60 @@ pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
     let spec_tokens = ctx.spec_budgets.map_or(sp.budget.unwrap_or(sp.quest_budget), |t| t.budget_for(sd.seq_len));
     let k_spec = spec_tokens.div_ceil(page);
     let softcap = io.params.softcap;
-    let mut c = Counters::default();
-    let mut hws = std::mem::take(&mut sc.heads);
-    hws.resize_with(1, HeadWork::default);
-    let hw = &mut hws[0];
-    for head in heads {
-        c.policy_rows += 1;
-        c.blocks_eligible += (lim.hi / bs - lim.lo / bs + 1) as u64;
-        load_head(io, s, head, hw);
-        let kv = SeqKv { cache, blocks, head };
-        let fixed = HoltParams { alpha: sp.alpha.unwrap_or(DEFAULT_PARAMS.alpha), beta: sp.beta.unwrap_or(DEFAULT_PARAMS.beta), gamma: sp.gamma.unwrap_or(DEFAULT_PARAMS.gamma) };
-        let mut prr = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr.take().unwrap_or_else(|| Box::new(PrrHead::new(fixed)));
-        // 1. Speculate: one partial (out, LSE) state per predicted page.
-        let pred = prr.speculate(sp.predict, first, n_pages, k_spec, &mut sc.w);
-        while sc.pages.len() < pred.len() {
-            sc.pages.push(RowsState::new(g, d));
-        }
-        let mut attended = 0;
-        for (j, &pg) in pred.iter().enumerate() {
-            let span = [((pg * page).max(lim.lo), ((pg + 1) * page).min(lim.hi + 1))];
-            if sc.pages[j].rows == g && sc.pages[j].dim == d {
-                sc.pages[j].reset();
-            } else {
-                sc.pages[j] = RowsState::new(g, d);
+    for_each_policy_head(io, s, heads, ctx, sc, |head, hw, kv, sc, c| {
+            let fixed = HoltParams { alpha: sp.alpha.unwrap_or(DEFAULT_PARAMS.alpha), beta: sp.beta.unwrap_or(DEFAULT_PARAMS.beta), gamma: sp.gamma.unwrap_or(DEFAULT_PARAMS.gamma) };
+            let mut prr = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr.take().unwrap_or_else(|| Box::new(PrrHead::new(fixed)));
+            // 1. Speculate: one partial (out, LSE) state per predicted page.
+            let pred = prr.speculate(sp.predict, first, n_pages, k_spec, &mut sc.w);
+            while sc.pages.len() < pred.len() {
+                sc.pages.push(RowsState::new(g, d));
             }
-            let n = span[0].1 - span[0].0;
-            attend_set(&mut sc.pages[j], &hw.q, &hw.limits, &kv, &span, n, &mut sc.tokens, softcap);
-            attended += n;
-        }
-        // 2. The true selection (Quest), from metadata only.
-        c.kv_bytes_read += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
-        let truth = select::quest_pages(&sc.page_scores, first, sp.quest_budget, page, sp.quest_sink);
-        // 3. Merge the speculated pages that count, repair the missed ones.
-        let st = hw.st.as_mut().expect("loaded");
-        for (j, &pg) in pred.iter().enumerate() {
-            if sp.keep_extra || truth.binary_search(&pg).is_ok() {
-                st.merge_from(&sc.pages[j]);
+            let mut attended = 0;
+            for (j, &pg) in pred.iter().enumerate() {
+                let span = [((pg * page).max(lim.lo), ((pg + 1) * page).min(lim.hi + 1))];
+                if sc.pages[j].rows == g && sc.pages[j].dim == d {
+                    sc.pages[j].reset();
+                } else {
+                    sc.pages[j] = RowsState::new(g, d);
+                }
+                let n = span[0].1 - span[0].0;
+                attend_set(&mut sc.pages[j], &hw.q, &hw.limits, kv, &span, n, &mut sc.tokens, softcap);
+                attended += n;
             }
-        }
-        let missed: Vec<usize> = truth.iter().copied().filter(|p| pred.binary_search(p).is_err()).collect();
-        let miss_spans = page_spans(&missed, page, lim.lo, lim.hi);
-        if !miss_spans.is_empty() {
-            let n = span_tokens(&miss_spans);
-            let rep = fresh_state(&mut sc.repair, g, d);
-            attend_set(rep, &hw.q, &hw.limits, &kv, &miss_spans, n, &mut sc.tokens, softcap);
-            st.merge_from(rep);
-            attended += n;
-        }
-        let hits = speculate::intersection(&pred, &truth);
-        c.spec_predicted_blocks += pred.len() as u64;
-        c.spec_true_blocks += truth.len() as u64;
-        c.spec_hit_blocks += hits as u64;
-        c.spec_repaired_blocks += missed.len() as u64;
-        c.spec_reuse_hit_blocks += speculate::intersection(&prr.prev_true, &truth) as u64;
-        let mut read = pred.clone();
-        read.extend_from_slice(&missed);
-        read.sort_unstable();
-        let read_spans = page_spans(&read, page, lim.lo, lim.hi);
-        hw.cand.from_spans(&read_spans, bs, 1, |_| f32::NAN);
-        c.blocks_visited += hw.cand.units.len() as u64;
-        c.kv_bytes_read += (attended * 2 * d * cache.dtype.size_bytes()) as u64;
-        if let Some(log) = ctx.visits {
-            let mut used = truth.clone();
-            if sp.keep_extra {
-                used = read.clone();
+            // 2. The true selection (Quest), from metadata only.
+            c.kv_bytes_read += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
+            let truth = select::quest_pages(&sc.page_scores, first, sp.quest_budget, page, sp.quest_sink);
+            // 3. Merge the speculated pages that count, repair the missed ones.
+            let st = hw.st.as_mut().expect("loaded");
+            for (j, &pg) in pred.iter().enumerate() {
+                if sp.keep_extra || truth.binary_search(&pg).is_ok() {
+                    st.merge_from(&sc.pages[j]);
+                }
             }
-            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans: page_spans(&used, page, lim.lo, lim.hi), art_tiles: None });
-        }
-        prr.update(first, &sc.page_scores, &truth);
-        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr = Some(prr);
-        sc.row.resize(d, 0.0);
-        io.store_rows(hw.st.as_ref().expect("loaded"), sd.q_start..sd.q_start + 1, head, &mut sc.row);
-    }
-    sc.heads = hws;
-    c
+            let missed: Vec<usize> = truth.iter().copied().filter(|p| pred.binary_search(p).is_err()).collect();
+            let miss_spans = page_spans(&missed, page, lim.lo, lim.hi);
+            if !miss_spans.is_empty() {
+                let n = span_tokens(&miss_spans);
+                let rep = fresh_state(&mut sc.repair, g, d);
+                attend_set(rep, &hw.q, &hw.limits, kv, &miss_spans, n, &mut sc.tokens, softcap);
+                st.merge_from(rep);
+                attended += n;
+            }
+            let hits = speculate::intersection(&pred, &truth);
+            c.spec_predicted_blocks += pred.len() as u64;
+            c.spec_true_blocks += truth.len() as u64;
+            c.spec_hit_blocks += hits as u64;
+            c.spec_repaired_blocks += missed.len() as u64;
+            c.spec_reuse_hit_blocks += speculate::intersection(&prr.prev_true, &truth) as u64;
+            let mut read = pred.clone();
+            read.extend_from_slice(&missed);
+            read.sort_unstable();
+            c.kv_bytes_read += (attended * 2 * d * cache.dtype.size_bytes()) as u64;
+            let used = if sp.keep_extra { None } else { Some(page_spans(&truth, page, lim.lo, lim.hi)) };
+            prr.update(first, &sc.page_scores, &truth);
+            state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr = Some(prr);
+            HeadVisit { read: page_spans(&read, page, lim.lo, lim.hi), used }
+    })
 }
 
 /// PRR calibration for prefill sequence `s` and `head`: the Quest page scores of [`CALIB_ROWS`] query rows
