@@ -221,7 +221,7 @@ mod tests {
     /// pointers and the host's are both 64-bit) and its offsetof values compared with offset_of!.
     #[test]
     fn kernel_param_structs_match_their_rust_mirrors() {
-        let rust: Vec<CLayout> = [super::super::sparse::c_layouts(), crate::policy::refresh::cuda::c_layouts(), crate::policy::predictor::cuda::c_layouts()].into_iter().flatten().collect();
+        let rust: Vec<CLayout> = [super::super::batch::c_layouts(), crate::policy::refresh::cuda::c_layouts(), crate::policy::predictor::cuda::c_layouts()].into_iter().flatten().collect();
         let header = file("params.cuh").unwrap().lines().filter(|l| !l.starts_with("#pragma") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n");
         let structs = c_structs(&header);
         assert_eq!(structs.len(), rust.len(), "params.cuh has {} structs, Rust mirrors {}", structs.len(), rust.len());

@@ -112,6 +112,16 @@ pub fn plan_capacity(p: &Pipeline, block_size: usize, max_len: usize) -> usize {
     }
 }
 
+/// A call's plans on the device as (entries per row, unit_log2, one plan shared by every KV head): the
+/// selector's and the final ones (after top-p), for rows of at most `max_len` positions.
+pub fn device_plan_shapes(p: &Pipeline, block_size: usize, max_len: usize) -> [(usize, u32, bool); 2] {
+    let shared = matches!(p.selector, Selector::All | Selector::Streaming { .. });
+    [
+        (selector_capacity(&p.selector, block_size, max_len).max(1), selector_unit_log2(&p.selector, block_size), shared),
+        (plan_capacity(p, block_size, max_len).max(1), plan_unit_log2(p, block_size), shared && p.top_p.is_none()),
+    ]
+}
+
 /// Merges possibly overlapping spans into sorted disjoint ones (empty spans dropped).
 pub fn normalize_spans(spans: &mut Vec<(usize, usize)>) {
     spans.retain(|(a, b)| a < b);

@@ -17,6 +17,8 @@
 //! * `probe=full` (the paper's oracle, Appendix B) compares the whole normalised output of every row of
 //!   the group, in f64 (a CPU-side measure of the probe's quality, not a GPU mode).
 
+pub mod cuda;
+
 use super::plan::HeadPlan;
 use super::spec::{Order, Probe};
 

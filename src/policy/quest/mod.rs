@@ -3,3 +3,4 @@
 //! (min/max per page) is kept by cpu::metadata and cuda::meta.
 
 pub mod cpu;
+pub mod cuda;

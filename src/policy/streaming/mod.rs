@@ -2,3 +2,4 @@
 //! plan is written by kernels/select.cu.
 
 pub mod cpu;
+pub mod cuda;

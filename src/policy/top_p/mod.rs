@@ -12,6 +12,8 @@
 //! the candidates sorted by weight (descending; equal weights by position, ascending) that reaches the
 //! mass for every row, which is how the CUDA kernel finds the same set (a radix search on the weights).
 
+pub mod cuda;
+
 /// Relative width of the bracket at which the binary search stops.
 pub const EPS: f32 = 1e-3;
 
