@@ -2,11 +2,34 @@
 //! the backends reach a stage through here (`Selector::cpu`, `Pipeline::cuda`, `Policy::cuda_device`), so
 //! nothing outside src/policy matches on a policy's name.
 
+use super::spec::{self, Role, Spec, StageDef};
 use super::{Pipeline, Policy, Selector};
 use crate::config::EngineConfig;
 use crate::cpu::sparse::CpuStage;
 use crate::cuda::stage::{CudaStage, PolicyDevice};
 use crate::error::Result;
+
+/// Every stage name of the spec grammar with its parser entry (in the policy's folder), in the order
+/// messages list them.
+const STAGES: &[StageDef] = &[
+    StageDef { name: "dense", role: Role::Dense, whole_pipeline: false, parse: spec::parse_dense },
+    StageDef { name: "all", role: Role::Selector, whole_pipeline: false, parse: spec::parse_all },
+    StageDef { name: "streaming", role: Role::Selector, whole_pipeline: false, parse: super::streaming::parse },
+    StageDef { name: "quest", role: Role::Selector, whole_pipeline: false, parse: super::quest::parse },
+    StageDef { name: "snapkv", role: Role::Selector, whole_pipeline: false, parse: super::snapkv::parse },
+    StageDef { name: "speculate", role: Role::Selector, whole_pipeline: true, parse: super::speculate::parse },
+    StageDef { name: "refresh", role: Role::Selector, whole_pipeline: true, parse: super::refresh::parse },
+    StageDef { name: "predictor", role: Role::Selector, whole_pipeline: true, parse: super::predictor::parse },
+    StageDef { name: "top_p", role: Role::TopP, whole_pipeline: false, parse: super::top_p::parse },
+    StageDef { name: "art", role: Role::Art, whole_pipeline: false, parse: super::art::parse },
+];
+
+impl Spec {
+    /// Parses a whole spec: the grammar in src/policy/spec.rs, each stage's arguments in its folder.
+    pub fn parse(src: &str) -> Result<Spec> {
+        spec::parse_with(src, STAGES, super::art::resolve_order)
+    }
+}
 
 /// `all`: every visible position (the stage's defaults).
 struct All;

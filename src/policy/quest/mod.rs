@@ -4,3 +4,21 @@
 
 pub mod cpu;
 pub mod cuda;
+
+use super::spec::{Arg, Args, Parsed, Selector};
+use crate::error::Result;
+
+/// `quest(budget, page, sink)`'s arguments (src/policy/registry.rs names the stage).
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    let (budget, page, sink) = args(src, raw)?;
+    Ok(Parsed::Selector(Selector::Quest { budget, page, sink }, None))
+}
+
+/// Quest's (budget, page, sink), also `speculate(over=quest(...))`'s.
+pub(crate) fn args(src: &str, raw: Vec<Arg>) -> Result<(usize, usize, usize)> {
+    let mut a = Args::new(src, "quest", raw, &["budget", "page", "sink"])?;
+    let budget = a.int("budget", None, 1, "", |_| true)?;
+    let page = a.int("page", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
+    let sink = a.int("sink", Some(0), 0, "", |_| true)?;
+    Ok((budget, page, sink))
+}
