@@ -242,25 +242,7 @@ impl SparseState {
         let v: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
         let mut per_layer: Vec<Counters> = v
             .chunks_exact(CTR_COUNT)
-            .map(|c| Counters {
-                decode_rows: c[0],
-                prefill_tokens: c[1],
-                policy_rows: c[2],
-                blocks_eligible: c[3],
-                blocks_visited: c[4],
-                top_p_candidates: c[5],
-                top_p_kept: c[6],
-                kv_bytes_read: c[7],
-                blocks_skipped_termination: c[8],
-                art_tiles_visited: c[9],
-                art_tiles_total: c[10],
-                spec_predicted_blocks: c[11],
-                spec_true_blocks: c[12],
-                spec_hit_blocks: c[13],
-                spec_repaired_blocks: c[14],
-                spec_reuse_hit_blocks: c[15],
-                ..Counters::default()
-            })
+            .map(Counters::from_device_slots)
             .collect();
         if let Some(pd) = policy_dev {
             pd.add_counters(gpu, &mut per_layer)?;

@@ -5,7 +5,7 @@
 //! block, or with `unit_log2 = 0` a single token). The row's own visible range (causal limit and sliding
 //! window) still masks every position, so an entry may reach past it. Both backends produce and consume
 //! this same form: the CPU engine builds it with the functions of `policy::select` / `policy::top_p`, the
-//! CUDA engine with the selection kernels of `kernels/select.cu`, which write it into a device buffer of
+//! CUDA engine with the selection kernels of `kernels/select.cu` and `kernels/policy/`, which write it into a device buffer of
 //! a fixed capacity per (row, KV head) that the attention kernel reads instead of the block table. The CPU
 //! engine is therefore the reference for the GPU's *decisions* (same entries), not only for its outputs.
 //!

@@ -239,7 +239,7 @@ impl PredictorDev {
         // The history rows (decode rows and prefill seeds): three passes over their keys.
         let n_rows = checked(&[ns, hk, pw.rcap])?;
         let api = cuda()?;
-        // SAFETY: each region holds n_rows elements of its width (sized by sparse_forward from `pw`).
+        // SAFETY: each region holds n_rows elements of its width (sized by PredictorStage::reserve from `pw`).
         unsafe {
             // -inf's order key (kernels/include/decide.cuh kvs_order_key).
             check((api.cuMemsetD32Async)(ws + lay.pred_rmax as u64, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;

@@ -1,5 +1,5 @@
-//! StreamingLLM (attention sinks + a recent window). Parameters parsed in `policy::spec`; on the GPU its
-//! plan is written by kernels/select.cu.
+//! StreamingLLM (attention sinks + a recent window). Parameters parsed here ([`parse`]); on the GPU its
+//! plan is written by kernels/select.cu's `kvs_plan_simple` ([`cuda`], which serves `all` too).
 
 pub mod cpu;
 pub mod cuda;
