@@ -72,7 +72,8 @@ impl SparseState {
 }
 
 /// A call's workspace: the final plans and their lengths, the attention's tile counts, then the stages'
-/// own regions (later stages first, the per-sequence slots, then the selector's), each 256-byte aligned.
+/// own regions (the later stages', last first; the per-sequence slots; the selector's), each 256-byte
+/// aligned.
 pub(crate) struct CallLayout {
     pub plan: usize,
     pub plan_len: usize,
@@ -94,7 +95,8 @@ pub(crate) fn lay_out(stages: &mut [Box<dyn CudaStage + '_>], cx: &CallShape, sl
     let nsplit = stages.iter().map(|s| s.splits(cx)).try_fold(1usize, |a, n| n.map(|n| a.max(n)))?;
     let tiles = ws.take_n(&[ns, hk, nsplit, 4])?;
     let (selector, later) = stages.split_first_mut().expect("a pipeline has a selector");
-    for s in later.iter_mut() {
+    // The last stage's regions first (ART's, then top-p's), as the workspace always had them.
+    for s in later.iter_mut().rev() {
         s.reserve(cx, &mut ws)?;
     }
     let (mut slot, mut slot_gen) = (0, 0);

@@ -200,8 +200,8 @@ pub(crate) trait RowVisits: Send {
 
 /// One stage of a call's device pipeline (`selector [> top_p] [> art]`), made per call by the registry.
 /// Every method has the behaviour of a stage that does not need it. The pipeline calls them in this
-/// order: `splits`, `reserve` (later stages first, then the selector: the layout the workspace always
-/// had), `select` (selector first), the attention (`rows`), `after_attention`, `visits`.
+/// order: `splits`, `reserve` (the later stages, last first, then the selector: the layout the workspace
+/// always had), `select` (selector first), the attention (`rows`), `after_attention`, `visits`.
 pub(crate) trait CudaStage {
     /// Runs the whole call itself (a stage with its own rows and attention, PRR): Some(result), else None.
     fn forward(&self, _dev: &dyn Device, _cfg: &EngineConfig, _a: &ForwardArgs, _cache: &KvCache, _geo: &Geometry) -> Option<Result<()>> {

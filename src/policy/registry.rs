@@ -227,6 +227,9 @@ mod tests {
             "quest(budget=65536, page=16) > art(order=priority)",
             "quest(budget=512) > art(order=recent, segment=4096)",
             "all > art(segment=64)",
+            // Not run by the CUDA backend (ART behind top-p), laid out all the same.
+            "quest(budget=512) > top_p(p=0.95) > art(tau=1e-5)",
+            "all > top_p > art(order=priority)",
         ];
         let mut cases = 0;
         for spec in specs {
