@@ -208,6 +208,7 @@ struct Layout {
 impl PrrDevice {
     /// Cache-write hook: allocates the layer's PRR state on first use (outside capture) and resets the
     /// entries of the pages whose first slot this write stores.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn prr_on_write(&self, dev: &dyn Device, cfg: &EngineConfig, layer: usize, cache: &KvCache, slot_mapping: &TensorRef, n: usize, stream: CUstream) -> Result<()> {
         let Some(sp) = self.spec else {
             return Ok(());
