@@ -43,6 +43,30 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// The counters a layer's device slots hold (kernels/include/decide.cuh CTR_*, in that order); the
+    /// others zero.
+    pub(crate) fn from_device_slots(c: &[u64]) -> Counters {
+        Counters {
+            decode_rows: c[0],
+            prefill_tokens: c[1],
+            policy_rows: c[2],
+            blocks_eligible: c[3],
+            blocks_visited: c[4],
+            top_p_candidates: c[5],
+            top_p_kept: c[6],
+            kv_bytes_read: c[7],
+            blocks_skipped_termination: c[8],
+            art_tiles_visited: c[9],
+            art_tiles_total: c[10],
+            spec_predicted_blocks: c[11],
+            spec_true_blocks: c[12],
+            spec_hit_blocks: c[13],
+            spec_repaired_blocks: c[14],
+            spec_reuse_hit_blocks: c[15],
+            ..Counters::default()
+        }
+    }
+
     pub fn add(&mut self, o: &Counters) {
         self.calls += o.calls;
         self.prefill_tokens += o.prefill_tokens;

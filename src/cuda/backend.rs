@@ -13,18 +13,21 @@ use std::collections::{HashMap, HashSet};
 
 use parking_lot::Mutex;
 
+use super::batch::{dtype_code, Geometry, PlanRef, Rows};
 use super::context::{DevBuf, Gpu};
 use super::launch::{self, KArgs, Modules};
 use super::plan::{self, SplitPolicy};
 use super::meta::DeviceMeta;
-use super::sparse::{PlanRef, SparseState};
+use super::slots::SeqSlots;
+use super::sparse::SparseState;
+use super::stage::{Device, PolicyDevice};
 use crate::cpu::metadata::MetaNeeds;
 use crate::config::EngineConfig;
 use crate::args::{CacheWriteArgs, ForwardArgs, MergeArgs};
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::Pipeline;
-use crate::stats::Counters;
+use crate::stats::{Counters, VisitRecord};
 use crate::tensor::{DType, TensorRef};
 use crate::ensure;
 
@@ -37,40 +40,6 @@ pub const ID_REGISTRY_SEQS: usize = 8192;
 /// Fewest plan keys per split when a plan is shorter than its sequences (dense rows keep
 /// `SplitPolicy::min_chunk`): short plans are split finer to fill the device at small batch.
 const PLAN_MIN_CHUNK: usize = 256;
-
-/// What the host knows of a call's batch before launching anything.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Geometry {
-    pub num_tokens: usize,
-    pub num_seqs: usize,
-    /// Block-table columns, and the positions they can address.
-    pub cols: usize,
-    pub max_pos: usize,
-    /// Longest sequence (the caller's max_seq_len when given, else the table's capacity).
-    pub max_len: usize,
-}
-
-/// Which rows an attention launch serves.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Rows {
-    /// Every row, densely (dense layers).
-    All,
-    /// The rows that are not decode rows (query length != 1), densely: a policy layer's prefill rows.
-    DenseRest,
-    /// Decode rows through their plans; the second field bounds a row's plan keys; the third runs ART
-    /// inside the kernel.
-    Plan(PlanRef, usize, Option<super::sparse::ArtLaunch>),
-    /// As `Plan` (no ART), the tensor-core kernel also writing the rows' logits (kernels/attention_mma.cu
-    /// LOGITS=1): to `lg` (device address), `maxpos` positions per (sequence, KV head).
-    PlanLogits(PlanRef, usize, LogitsOut),
-}
-
-/// Where `Rows::PlanLogits` writes the logits (see kernels/attention_mma.cu, LOGITS).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct LogitsOut {
-    pub lg: u64,
-    pub maxpos: i32,
-}
 
 pub struct CudaBackend {
     pub gpu: Gpu,
@@ -94,12 +63,8 @@ pub struct CudaBackend {
     /// a forward call, freed by release, counted by the stats, as on the CPU engine), and the scratch its
     /// lookup writes the (unused) slots into.
     ids: Option<(super::slots::SeqSlots, DevBuf)>,
-    /// AttentionPredictor's weights and per-layer history on the device (see `predictor`).
-    pub(crate) predictor: Option<crate::policy::predictor::cuda::PredictorDev>,
-    /// RefreshKV's per-layer state and step counters (see `refresh`).
-    pub(crate) refresh: crate::policy::refresh::cuda::RefreshDevice,
-    /// PRR's block-keyed state, side streams and events (see `prr`).
-    pub(crate) prr: crate::policy::speculate::cuda::PrrDevice,
+    /// The policy's own device state (PRR's, RefreshKV's, the predictor's), made by the policy registry.
+    policy_dev: Option<Box<dyn PolicyDevice>>,
     /// The device checks' error record and the cache writes' checked slot buffers (see `checks`).
     pub checks: super::checks::DeviceChecks,
     /// `validate = sync`: every eager call waits and returns what the device checks found.
@@ -110,18 +75,10 @@ pub struct CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        // PRR's side streams and events belong to the context `gpu` releases when it drops.
-        if self.gpu.make_current().is_ok() {
-            self.prr.release();
+        // A policy's streams and events (PRR's) belong to the context `gpu` releases when it drops.
+        if let (true, Some(pd)) = (self.gpu.make_current().is_ok(), &self.policy_dev) {
+            pd.release();
         }
-    }
-}
-
-pub(crate) fn dtype_code(d: DType) -> i32 {
-    match d {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        _ => 2,
     }
 }
 
@@ -174,9 +131,7 @@ impl CudaBackend {
             sparse,
             slots,
             ids,
-            refresh: crate::policy::refresh::cuda::RefreshDevice::new(cfg.num_layers)?,
-            prr: crate::policy::speculate::cuda::PrrDevice::new(cfg),
-            predictor: None,
+            policy_dev: None,
             checks: super::checks::DeviceChecks::new(cfg.num_layers, cfg.block_size)?,
             validate_sync: cfg.validate == crate::config::Validate::Sync,
             checks_define: super::checks::kernel_define(),
@@ -209,7 +164,7 @@ impl CudaBackend {
         }
         match pipeline {
             None => self.attend(cfg, a, cache, &geo, Rows::All)?,
-            Some(p) => self.sparse_forward(cfg, a, cache, &geo, p)?,
+            Some(p) => self.sparse.forward(self, self.policy_device(), cfg, a, cache, &geo, p)?,
         }
         self.sync_checks(a.stream)?;
         Ok(Counters { calls: 1, ..Default::default() })
@@ -394,7 +349,7 @@ impl CudaBackend {
         k.i64(ws_o as i64).i64(ws_lse as i64).i32(cfg.num_q_heads as i32);
         // The device checks' record, and the layer's decode-row / prefill-token counters (CTR_DECODE_ROWS,
         // CTR_PREFILL_TOKENS) for a dense layer's launch (a policy layer's selection counts them).
-        let bk = if matches!(rows, Rows::All) { self.sparse_layer_counters(a.layer) } else { 0 };
+        let bk = if matches!(rows, Rows::All) { self.sparse.layer_counters(a.layer) } else { 0 };
         k.i64(self.checks.record_ptr() as i64).i64(bk as i64);
         k.by_value(&plan_ref).i32(mode);
         if let Some(art) = &art {
@@ -463,7 +418,9 @@ impl CudaBackend {
         let grid = total.div_ceil(256).min(65536 * 4) as u32;
         launch::launch(f, (grid, 1, 1), 256, &mut k, a.stream, "kvs_cache_write launch")?;
         self.meta.update(&self.gpu, &self.modules, a.layer, cache, &slots, n, a.stream)?;
-        self.prr_on_write(cfg, a.layer, cache, &slots, n, a.stream)?;
+        if let Some(pd) = &self.policy_dev {
+            pd.on_cache_write(self, cfg, a.layer, cache, &slots, n, a.stream)?;
+        }
         self.sync_checks(a.stream)
     }
 
@@ -502,6 +459,81 @@ impl CudaBackend {
         let mut k = KArgs::new();
         k.i64(ptr as i64).i64(n as i64).i32(seed as i32).f32(amp);
         launch::launch(f, (((n.div_ceil(256)).min(1 << 16)) as u32, 1, 1), 256, &mut k, stream, "kvs_fill_random launch")
+    }
+}
+
+impl CudaBackend {
+    /// Gives the engine's policy its device state (made by the policy registry, `Policy::cuda_device`).
+    pub(crate) fn set_policy_device(&mut self, d: Option<Box<dyn PolicyDevice>>) {
+        self.policy_dev = d;
+    }
+
+    pub(crate) fn policy_device(&self) -> Option<&dyn PolicyDevice> {
+        self.policy_dev.as_deref()
+    }
+
+    /// The policy's device state as its own type (benchmarks' hooks: PRR's timeline, the predictor's probe).
+    pub fn policy_state(&self) -> Option<&dyn std::any::Any> {
+        self.policy_dev.as_deref().map(|d| d.as_any())
+    }
+
+    /// Benchmarks only: run just the selection (`attend = false`) or just the attention over the plans the
+    /// previous call left (`select = false`) of later policy calls, to time the phases apart.
+    pub fn set_bench_phases(&self, select: bool, attend: bool) {
+        self.sparse.set_phases(select, attend)
+    }
+
+    /// The device counters of every layer since the engine started (synchronizes the device).
+    pub fn device_counters(&self) -> Result<Vec<Counters>> {
+        self.sparse.device_counters(&self.gpu, self.policy_device())
+    }
+
+    /// What the last policy call's decode rows visited, from its plans (synchronizes; evaluation only).
+    /// `a` must be that call's arguments.
+    pub fn visit_records(&self, cfg: &EngineConfig, a: &ForwardArgs) -> Result<Vec<VisitRecord>> {
+        self.sparse.visit_records(&self.gpu, cfg, a)
+    }
+}
+
+impl Device for CudaBackend {
+    fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    fn modules(&self) -> &Modules {
+        &self.modules
+    }
+
+    fn meta(&self) -> &DeviceMeta {
+        &self.meta
+    }
+
+    fn slots(&self) -> Option<&SeqSlots> {
+        self.slots.as_ref()
+    }
+
+    fn retired(&self) -> &Mutex<Vec<DevBuf>> {
+        &self.retired
+    }
+
+    fn allow_smem_once(&self, f: super::driver::CUfunction, bytes: usize) -> Result<()> {
+        CudaBackend::allow_smem_once(self, f, bytes)
+    }
+
+    fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
+        CudaBackend::attend(self, cfg, a, cache, geo, rows)
+    }
+
+    fn tensor_cores(&self, cfg: &EngineConfig, cache: &KvCache) -> bool {
+        self.mma_for(cfg, cache, false).is_some()
+    }
+
+    fn layer_counters(&self, layer: usize) -> u64 {
+        self.sparse.layer_counters(layer)
+    }
+
+    fn set_last_plan(&self, plan: PlanRef, num_seqs: usize) {
+        self.sparse.set_last_plan(plan, num_seqs)
     }
 }
 

@@ -5,7 +5,7 @@
 //! decisions' arithmetic, element types). NVRTC gets one text per module: [`expand`] replaces each
 //! `#include "name"` by the named file of [`FILES`], once per module (every file is include-once, as with
 //! `#pragma once`), so NVRTC needs no include path and the disk cache's key is the whole text. A module is
-//! itself a list of includes ([`SELECT`] compiles four policy files into one module).
+//! itself a list of includes ([`SELECT`] compiles the selection kernels of every policy into one module).
 
 use std::collections::HashSet;
 
@@ -40,6 +40,9 @@ kernel_files! {
     "fill.cu" => "fill.cu",
     "meta.cu" => "meta.cu",
     "select.cu" => "select.cu",
+    "quest.cu" => "policy/quest.cu",
+    "top_p.cu" => "policy/top_p.cu",
+    "art.cu" => "policy/art.cu",
     "snapkv.cu" => "policy/snapkv.cu",
     "refresh.cu" => "policy/refresh.cu",
     "prr.cu" => "policy/speculate.cu",
@@ -55,9 +58,10 @@ pub const CACHE_WRITE: &str = "#include \"cache_write.cu\"";
 pub const MERGE: &str = "#include \"merge.cu\"";
 pub const FILL: &str = "#include \"fill.cu\"";
 pub const META: &str = "#include \"meta.cu\"";
-/// The selection kernels of Quest, top-p and ART (select.cu), SnapKV, RefreshKV and PRR: one module, so a
-/// sparse engine compiles them once per (dtype, head size, group).
-pub const SELECT: &str = "#include \"select.cu\"\n#include \"snapkv.cu\"\n#include \"refresh.cu\"\n#include \"prr.cu\"";
+/// The selection kernels: the plain plans (select.cu) and those of Quest, top-p, ART, SnapKV, RefreshKV
+/// and PRR (kernels/policy/): one module, so a sparse engine compiles them once per (dtype, head size,
+/// group).
+pub const SELECT: &str = "#include \"select.cu\"\n#include \"quest.cu\"\n#include \"top_p.cu\"\n#include \"art.cu\"\n#include \"snapkv.cu\"\n#include \"refresh.cu\"\n#include \"prr.cu\"";
 pub const PREDICTOR: &str = "#include \"predictor.cu\"";
 pub const SLOTS: &str = "#include \"slots.cu\"";
 
@@ -217,7 +221,7 @@ mod tests {
     /// pointers and the host's are both 64-bit) and its offsetof values compared with offset_of!.
     #[test]
     fn kernel_param_structs_match_their_rust_mirrors() {
-        let rust: Vec<CLayout> = [super::super::sparse::c_layouts(), crate::policy::refresh::cuda::c_layouts(), crate::policy::predictor::cuda::c_layouts()].into_iter().flatten().collect();
+        let rust: Vec<CLayout> = [super::super::batch::c_layouts(), crate::policy::refresh::cuda::c_layouts(), crate::policy::predictor::cuda::c_layouts()].into_iter().flatten().collect();
         let header = file("params.cuh").unwrap().lines().filter(|l| !l.starts_with("#pragma") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n");
         let structs = c_structs(&header);
         assert_eq!(structs.len(), rust.len(), "params.cuh has {} structs, Rust mirrors {}", structs.len(), rust.len());

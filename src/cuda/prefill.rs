@@ -5,7 +5,8 @@
 //! before. Why: the decode kernel runs one CTA per query token, so a prompt's K/V is read once per token;
 //! here a CTA serves up to 128 query rows (tokens x the GQA group's heads) per K/V tile.
 
-use super::backend::{batch_args, lse_arg, p, CudaBackend, Geometry};
+use super::backend::{batch_args, lse_arg, p, CudaBackend};
+use super::batch::Geometry;
 use super::launch;
 use crate::config::EngineConfig;
 use crate::args::ForwardArgs;
@@ -44,7 +45,7 @@ impl PrefillShape {
         let row = head_dim * 2 + 16;
         self.rows() * row + self.stages * 2 * self.bn * row
     }
-    /// The kernel's compile-time definitions for a cache type (backend::dtype_code), head size and group.
+    /// The kernel's compile-time definitions for a cache type (batch::dtype_code), head size and group.
     pub fn defines_for(&self, dtype_code: i32, head_dim: usize, group: usize) -> Vec<String> {
         vec![
             format!("KVS_DTYPE={dtype_code}"),
@@ -109,7 +110,7 @@ impl CudaBackend {
 
     /// Launches the prefill kernel over the call's rows of query length != 1 (and its split combine).
     pub(crate) fn attend_prefill(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, ps: &PrefillShape) -> Result<()> {
-        let defines = ps.defines_for(super::backend::dtype_code(cfg.dtype), cfg.head_dim, cfg.group_size());
+        let defines = ps.defines_for(super::batch::dtype_code(cfg.dtype), cfg.head_dim, cfg.group_size());
         let f = self.modules.function(&self.gpu, "attention_prefill", launch::ATTENTION_PREFILL, &defines, "kvs_attn_prefill")?;
         let smem = ps.smem_bytes(cfg.head_dim);
         let threads = 32 * ps.warps as u32;

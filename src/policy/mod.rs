@@ -44,7 +44,7 @@ impl Default for Policy {
 
 impl Policy {
     pub fn parse(text: &str) -> Result<Self> {
-        Ok(Policy { spec: spec::parse(text)? })
+        Ok(Policy { spec: Spec::parse(text)? })
     }
 
     pub fn pipeline(&self) -> Option<&Pipeline> {

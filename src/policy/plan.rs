@@ -5,7 +5,7 @@
 //! block, or with `unit_log2 = 0` a single token). The row's own visible range (causal limit and sliding
 //! window) still masks every position, so an entry may reach past it. Both backends produce and consume
 //! this same form: the CPU engine builds it with the functions of `policy::select` / `policy::top_p`, the
-//! CUDA engine with the selection kernels of `kernels/select.cu`, which write it into a device buffer of
+//! CUDA engine with the selection kernels of `kernels/select.cu` and `kernels/policy/`, which write it into a device buffer of
 //! a fixed capacity per (row, KV head) that the attention kernel reads instead of the block table. The CPU
 //! engine is therefore the reference for the GPU's *decisions* (same entries), not only for its outputs.
 //!
@@ -110,6 +110,16 @@ pub fn plan_capacity(p: &Pipeline, block_size: usize, max_len: usize) -> usize {
     } else {
         base
     }
+}
+
+/// A call's plans on the device as (entries per row, unit_log2, one plan shared by every KV head): the
+/// selector's and the final ones (after top-p), for rows of at most `max_len` positions.
+pub fn device_plan_shapes(p: &Pipeline, block_size: usize, max_len: usize) -> [(usize, u32, bool); 2] {
+    let shared = matches!(p.selector, Selector::All | Selector::Streaming { .. });
+    [
+        (selector_capacity(&p.selector, block_size, max_len).max(1), selector_unit_log2(&p.selector, block_size), shared),
+        (plan_capacity(p, block_size, max_len).max(1), plan_unit_log2(p, block_size), shared && p.top_p.is_none()),
+    ]
 }
 
 /// Merges possibly overlapping spans into sorted disjoint ones (empty spans dropped).

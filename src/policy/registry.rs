@@ -1,8 +1,35 @@
-//! The policy registry: each selector's implementation, one line per policy. The engine and the backends
-//! reach a stage through here (`Selector::cpu`), so nothing outside src/policy matches on a policy's name.
+//! The policy registry: each selector's implementation, one line per policy and backend. The engine and
+//! the backends reach a stage through here (`Selector::cpu`, `Pipeline::cuda`, `Policy::cuda_device`), so
+//! nothing outside src/policy matches on a policy's name.
 
-use super::Selector;
+use super::spec::{self, Role, Spec, StageDef};
+use super::{Pipeline, Policy, Selector};
+use crate::config::EngineConfig;
 use crate::cpu::sparse::CpuStage;
+use crate::cuda::stage::{CudaStage, PolicyDevice};
+use crate::error::Result;
+
+/// Every stage name of the spec grammar with its parser entry (in the policy's folder), in the order
+/// messages list them.
+const STAGES: &[StageDef] = &[
+    StageDef { name: "dense", role: Role::Dense, whole_pipeline: false, parse: spec::parse_dense },
+    StageDef { name: "all", role: Role::Selector, whole_pipeline: false, parse: spec::parse_all },
+    StageDef { name: "streaming", role: Role::Selector, whole_pipeline: false, parse: super::streaming::parse },
+    StageDef { name: "quest", role: Role::Selector, whole_pipeline: false, parse: super::quest::parse },
+    StageDef { name: "snapkv", role: Role::Selector, whole_pipeline: false, parse: super::snapkv::parse },
+    StageDef { name: "speculate", role: Role::Selector, whole_pipeline: true, parse: super::speculate::parse },
+    StageDef { name: "refresh", role: Role::Selector, whole_pipeline: true, parse: super::refresh::parse },
+    StageDef { name: "predictor", role: Role::Selector, whole_pipeline: true, parse: super::predictor::parse },
+    StageDef { name: "top_p", role: Role::TopP, whole_pipeline: false, parse: super::top_p::parse },
+    StageDef { name: "art", role: Role::Art, whole_pipeline: false, parse: super::art::parse },
+];
+
+impl Spec {
+    /// Parses a whole spec: the grammar in src/policy/spec.rs, each stage's arguments in its folder.
+    pub fn parse(src: &str) -> Result<Spec> {
+        spec::parse_with(src, STAGES, super::art::resolve_order)
+    }
+}
 
 /// `all`: every visible position (the stage's defaults).
 struct All;
@@ -20,5 +47,220 @@ impl Selector {
             Selector::Refresh(r) => Box::new(r),
             Selector::Predictor(p) => Box::new(p),
         }
+    }
+}
+
+/// The backend's device state of the engine's policy, as its own type (made by `Policy::cuda_device`).
+fn state<T: 'static>(state: Option<&dyn PolicyDevice>) -> Option<&T> {
+    state.and_then(|s| s.as_any().downcast_ref::<T>())
+}
+
+impl Pipeline {
+    /// This pipeline's stages on the CUDA backend for one call: the selector, then top-p and ART when
+    /// present. `dev`: the policy's device state the backend keeps ([`Policy::cuda_device`]).
+    pub(crate) fn cuda<'a>(&'a self, dev: Option<&'a dyn PolicyDevice>) -> Vec<Box<dyn CudaStage + 'a>> {
+        let selector: Box<dyn CudaStage + 'a> = match self.selector {
+            Selector::All => Box::new(super::streaming::cuda::SimplePlan::all()),
+            Selector::Streaming { sink, recent } => Box::new(super::streaming::cuda::SimplePlan::streaming(sink, recent)),
+            Selector::Quest { budget, page, sink } => Box::new(super::quest::cuda::Quest::new(budget, page, sink)),
+            Selector::SnapKv { budget, window, pool } => Box::new(super::snapkv::cuda::SnapKv::new(budget, window, pool)),
+            Selector::Speculate(sp) => Box::new(super::speculate::cuda::PrrStage { state: state(dev), sp }),
+            Selector::Refresh(r) => Box::new(super::refresh::cuda::RefreshStage::new(state(dev), r)),
+            Selector::Predictor(ps) => Box::new(super::predictor::cuda::PredictorStage::new(state(dev), ps)),
+        };
+        let mut stages = vec![selector];
+        if let Some(tp) = self.top_p {
+            stages.push(Box::new(super::top_p::cuda::TopPStage::new(tp.p)));
+        }
+        if let Some(art) = self.art {
+            stages.push(Box::new(super::art::cuda::ArtStage::new(art, super::art::cuda::sink_limit(self))));
+        }
+        stages
+    }
+
+    /// Whether the CUDA backend runs this pipeline for a GQA group of `group` query heads per KV head
+    /// (at most `max_group`).
+    pub fn cuda_supported(&self, group: usize, max_group: usize) -> std::result::Result<(), String> {
+        super::art::cuda::supported(self)?;
+        if group > max_group {
+            return Err(format!("policies on the CUDA backend support GQA groups of at most {max_group} query heads per KV head (this model has {group})"));
+        }
+        match self.selector {
+            Selector::Speculate(s) => super::speculate::cuda::supported(&s),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Policy {
+    /// The device state a new CUDA engine keeps for this policy's life (PRR's block-keyed state and side
+    /// streams, RefreshKV's per-layer state, the predictor's weights and history); None for the others.
+    pub(crate) fn cuda_device(&self, cfg: &EngineConfig) -> Result<Option<Box<dyn PolicyDevice>>> {
+        Ok(match self.pipeline().map(|p| &p.selector) {
+            Some(Selector::Speculate(sp)) => {
+                let mut d = super::speculate::cuda::PrrDevice::new(cfg);
+                d.set_spec(*sp);
+                Some(Box::new(d))
+            }
+            Some(Selector::Refresh(_)) => Some(Box::new(super::refresh::cuda::RefreshDevice::new(cfg.num_layers)?)),
+            Some(Selector::Predictor(ps)) => match self.predictor_weights()? {
+                Some(w) => Some(Box::new(super::predictor::cuda::PredictorDev::upload(&w, *ps, cfg.num_layers, cfg.num_kv_heads, self.spec.max_seqs)?)),
+                None => None,
+            },
+            _ => None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::EngineConfig;
+    use crate::cuda::batch::Geometry;
+    use crate::cuda::sparse::lay_out;
+    use crate::cuda::stage::{CallShape, PlanShape};
+    use crate::error::Result;
+    use crate::policy::plan::{device_plan_shapes, plan_capacity, plan_unit_log2, selector_capacity, selector_unit_log2};
+    use crate::policy::{Order, Pipeline, Policy, Selector};
+    use crate::tensor::DType;
+
+    /// The policy workspace's regions (offset, bytes) and total as src/cuda/sparse.rs laid them out before
+    /// the stages had a trait (10d7224, `WsLayout`), transcribed: the reference the stages' layout must
+    /// equal byte for byte (same launches, same offsets).
+    #[allow(clippy::too_many_arguments)]
+    fn layout_10d7224(p: &Pipeline, cfg: &EngineConfig, geo: &Geometry, max_query_len: i32, smem_optin: usize, tensor_cores: bool, slots: bool) -> Result<(Vec<(usize, usize)>, usize)> {
+        let (hk, bs, g) = (cfg.num_kv_heads, cfg.block_size, cfg.group_size());
+        let checked = |parts: &[usize]| crate::cuda::stage::checked(parts);
+        let base = (selector_capacity(&p.selector, bs, geo.max_pos).max(1), selector_unit_log2(&p.selector, bs), matches!(p.selector, Selector::All | Selector::Streaming { .. }));
+        let fin = (plan_capacity(p, bs, geo.max_pos).max(1), plan_unit_log2(p, bs), base.2 && p.top_p.is_none());
+        let ns = geo.num_seqs;
+        let rows_of = |sh: &(usize, u32, bool)| if sh.2 { ns } else { ns * hk };
+        let mut regions = Vec::new();
+        let mut off = 0usize;
+        let mut take = |bytes: usize| -> usize {
+            let at = off;
+            regions.push((at, bytes));
+            off = (off + bytes).next_multiple_of(256);
+            at
+        };
+        take(checked(&[rows_of(&fin), fin.0, 4])?);
+        take(checked(&[ns, hk, 4])?);
+        let art_nsplit = p.art.map_or(1, |art| crate::cuda::plan::art_splits(fin.0 << fin.1, art.segment).0);
+        crate::ensure!(art_nsplit < 65536, Unsupported, "segments");
+        take(checked(&[ns, hk, art_nsplit, 4])?);
+        let art_priority = p.art.is_some_and(|art| art.order == Order::Priority);
+        let art_n2 = fin.0.next_power_of_two();
+        if art_priority {
+            crate::ensure!(art_n2 * 8 + 1024 <= smem_optin, Unsupported, "priority");
+            take(checked(&[rows_of(&fin), fin.0, 4])?);
+            take(checked(&[rows_of(&fin), fin.0, 4])?);
+        }
+        let quest_pages = match p.selector {
+            Selector::Quest { page, .. } => Some((page, geo.max_pos.div_ceil(page) + 1)),
+            _ => None,
+        };
+        let maxc = (base.0 << base.1).min(geo.max_pos + (1usize << base.1)).next_multiple_of(4);
+        if p.top_p.is_some() {
+            take(checked(&[rows_of(&base), base.0, 4])?);
+            take(checked(&[ns, hk, 4])?);
+            take(checked(&[ns, hk, g, maxc, 4])?);
+            take(checked(&[ns, hk, maxc, 4])?);
+        }
+        if let Some((_, maxp)) = quest_pages {
+            take(checked(&[ns, hk, maxp, 4])?);
+            take(checked(&[ns, hk, 2048, 4])?);
+        }
+        let snap_rows = match p.selector {
+            Selector::SnapKv { window, .. } if max_query_len != 1 => {
+                let mq = if max_query_len > 0 { max_query_len as usize } else { window };
+                Some(checked(&[window.min(mq).max(1), g])?)
+            }
+            _ => None,
+        };
+        if let Some(rows) = snap_rows {
+            take(checked(&[ns, hk, rows, 4])?);
+            take(checked(&[ns, hk, rows, 8])?);
+            take(checked(&[ns, hk, rows, 4])?);
+            take(checked(&[ns, hk, geo.max_pos.max(1), 4])?);
+            take(checked(&[ns, hk, geo.max_pos.max(1), 4])?);
+        }
+        if slots {
+            take(checked(&[ns, 4])?);
+            take(checked(&[ns, 4])?);
+        }
+        if let Selector::Refresh(r) = p.selector {
+            crate::policy::refresh::cuda::RefreshWs::reserve(&mut take, ns, hk, g, geo.max_pos, r.k, tensor_cores)?;
+        }
+        if let Selector::Predictor(ps) = p.selector {
+            let pw = crate::policy::predictor::cuda::PredWs::new(&ps, geo, g, max_query_len)?;
+            take(checked(&[ns, hk, 4])?);
+            take(checked(&[ns, hk, pw.nbmax, 4])?);
+            take(checked(&[ns, hk, pw.rcap, 4])?);
+            take(checked(&[ns, hk, pw.rcap, 8])?);
+            take(checked(&[ns, hk, pw.rcap, 4])?);
+        }
+        Ok((regions, off.max(256)))
+    }
+
+    /// Every device pipeline's workspace, laid out by its stages, equals the layout before the stages had
+    /// a trait, region for region (same offsets and sizes, same total, the same refusals), over policies,
+    /// batch shapes, prefill or decode calls, devices with and without tensor cores and shared memory.
+    #[test]
+    fn stage_workspace_layout_equals_the_layout_before_the_trait() {
+        let specs = [
+            "all",
+            "streaming(sink=64, recent=448)",
+            "quest(budget=512)",
+            "quest(budget=512, page=32, sink=16)",
+            "quest(budget=4096, page=8)",
+            "snapkv(budget=256)",
+            "snapkv(budget=100, window=8, pool=3)",
+            "refresh(k=64)",
+            "refresh(k=512, stride=1, every=10)",
+            "predictor(budget=1024)",
+            "all > top_p(p=0.9)",
+            "quest(budget=512) > top_p(p=0.95)",
+            "streaming(sink=4, recent=64) > top_p",
+            "snapkv(budget=256) > top_p",
+            "art(tau=1e-5, phi=1e-3, patience=5)",
+            "streaming(sink=64, recent=448) > art(tau=1e-4)",
+            "quest(budget=512) > art(order=priority)",
+            "quest(budget=65536, page=16) > art(order=priority)",
+            "quest(budget=512) > art(order=recent, segment=4096)",
+            "all > art(segment=64)",
+            // Not run by the CUDA backend (ART behind top-p), laid out all the same.
+            "quest(budget=512) > top_p(p=0.95) > art(tau=1e-5)",
+            "all > top_p > art(order=priority)",
+        ];
+        let mut cases = 0;
+        for spec in specs {
+            let policy = Policy::parse(spec).unwrap_or_else(|e| panic!("{spec}: {e:?}"));
+            let p = policy.pipeline().expect("a pipeline");
+            for &(hk, g, d, bs) in &[(2usize, 4usize, 64usize, 16usize), (8, 1, 128, 32), (1, 16, 128, 16)] {
+                let cfg = EngineConfig::new(4, hk * g, hk, d, bs, DType::BF16);
+                for &(ns, cols) in &[(1usize, 1usize), (3, 64), (17, 8192), (256, 4096)] {
+                    let max_pos = cols * bs;
+                    for max_len in [max_pos, max_pos / 2 + 1] {
+                        let geo = Geometry { num_tokens: ns, num_seqs: ns, cols, max_pos, max_len };
+                        for mql in [0, 1, 7, 512] {
+                            for (smem, tc) in [(232_448usize, true), (49_152, false)] {
+                                let slots = policy.device_slots().is_some();
+                                let want = layout_10d7224(p, &cfg, &geo, mql, smem, tc, slots);
+                                let [base, fin] = device_plan_shapes(p, bs, geo.max_pos).map(|(cap, ulog2, shared)| PlanShape { cap, ulog2, shared });
+                                let shape = CallShape { cfg: &cfg, max_query_len: mql, geo: &geo, base, fin, smem_optin: smem, tensor_cores: tc };
+                                let mut stages = p.cuda(None);
+                                let got = lay_out(&mut stages, &shape, slots).map(|l| (l.ws.regions.clone(), l.ws.total()));
+                                match (&want, &got) {
+                                    (Ok(w), Ok(g)) => assert_eq!(w, g, "{spec}: hk {hk} g {g:?} ns {ns} cols {cols} max_len {max_len} mql {mql} smem {smem}"),
+                                    (Err(_), Err(_)) => {}
+                                    _ => panic!("{spec}: hk {hk} ns {ns} cols {cols} mql {mql} smem {smem}: before {want:?}, stages {:?}", got.as_ref().map(|_| ()).map_err(|e| e.to_string())),
+                                }
+                                cases += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(cases > 1000);
     }
 }

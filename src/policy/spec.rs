@@ -10,6 +10,10 @@
 //!
 //! Every error names the byte position in the spec and what was expected there; unknown stages, keys and
 //! out-of-range values are errors, never ignored.
+//!
+//! This file is the generic grammar (names, `>` composition, `key=value` lists, options) and the parsed
+//! forms; each stage's arguments are parsed in its folder (`src/policy/<name>/mod.rs`, `parse`), which the
+//! registry's table names (src/policy/registry.rs, `Spec::parse`).
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -156,7 +160,7 @@ pub const DEFAULT_MAX_SEQS: usize = 256;
 pub const MAX_MAX_SEQS: usize = 1 << 20;
 
 #[derive(Clone, Debug, PartialEq)]
-enum Tok {
+pub(crate) enum Tok {
     Name(String),
     Num(f64, String),
     /// A double-quoted string (no escapes; only `predictor.weights` takes one: a file path).
@@ -166,7 +170,7 @@ enum Tok {
 }
 
 impl Tok {
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             Tok::Name(n) => format!("`{n}`"),
             Tok::Num(_, s) => format!("number {s}"),
@@ -249,12 +253,12 @@ fn lex(src: &str) -> Result<Vec<(usize, Tok)>> {
     Ok(out)
 }
 
-fn err(src: &str, pos: usize, expected: &str, found: &str) -> Error {
+pub(crate) fn err(src: &str, pos: usize, expected: &str, found: &str) -> Error {
     Error::new(ErrorKind::InvalidArgument, format!("policy spec {}: at position {pos} expected {expected}, found {found}", quoted(src)))
 }
 
 /// The spec as quoted in messages, cut after 120 bytes (a spec may be long; the position says where).
-fn quoted(src: &str) -> String {
+pub(crate) fn quoted(src: &str) -> String {
     const KEEP: usize = 120;
     if src.len() <= KEEP {
         return format!("{src:?}");
@@ -264,13 +268,13 @@ fn quoted(src: &str) -> String {
 }
 
 /// One `key=value` argument with the position of its value.
-struct Arg {
-    key: String,
-    key_pos: usize,
-    val: Tok,
-    val_pos: usize,
+pub(crate) struct Arg {
+    pub key: String,
+    pub key_pos: usize,
+    pub val: Tok,
+    pub val_pos: usize,
     /// `key=name(args)`: the nested stage's arguments (only `speculate.over` takes one).
-    nested: Option<Vec<Arg>>,
+    pub nested: Option<Vec<Arg>>,
 }
 
 impl<'a> Parser<'a> {
@@ -356,14 +360,14 @@ impl<'a> Parser<'a> {
 }
 
 /// Typed access to a stage's arguments; complains about unknown and duplicate keys.
-struct Args<'a> {
+pub(crate) struct Args<'a> {
     src: &'a str,
     stage: &'a str,
     args: Vec<Arg>,
 }
 
 impl<'a> Args<'a> {
-    fn new(src: &'a str, stage: &'a str, args: Vec<Arg>, allowed: &[&str]) -> Result<Self> {
+    pub(crate) fn new(src: &'a str, stage: &'a str, args: Vec<Arg>, allowed: &[&str]) -> Result<Self> {
         for (i, a) in args.iter().enumerate() {
             if !allowed.contains(&a.key.as_str()) {
                 return Err(err(src, a.key_pos, &format!("a key of `{stage}` ({})", allowed.join(", ")), &format!("unknown key `{}`", a.key)));
@@ -371,14 +375,14 @@ impl<'a> Args<'a> {
             if args[..i].iter().any(|b| b.key == a.key) {
                 return Err(err(src, a.key_pos, &format!("each key of `{stage}` at most once"), &format!("`{}` again", a.key)));
             }
-            if a.nested.is_some() && !(stage == "speculate" && a.key == "over") {
+            if a.nested.is_some() {
                 return Err(err(src, a.val_pos, &format!("a plain value for `{stage}.{}` (only `speculate.over` takes a stage)", a.key), &format!("stage `{}`", a.val.describe())));
             }
         }
         Ok(Args { src, stage, args })
     }
 
-    fn find(&mut self, key: &str) -> Option<usize> {
+    pub(crate) fn find(&mut self, key: &str) -> Option<usize> {
         self.args.iter().position(|a| a.key == key)
     }
 
@@ -387,7 +391,7 @@ impl<'a> Args<'a> {
     }
 
     /// A number, `inf` allowed when `allow_inf`; checks `ok` on the value.
-    fn num(&mut self, key: &str, default: Option<f64>, allow_inf: bool, expected: &str, ok: impl Fn(f64) -> bool) -> Result<f64> {
+    pub(crate) fn num(&mut self, key: &str, default: Option<f64>, allow_inf: bool, expected: &str, ok: impl Fn(f64) -> bool) -> Result<f64> {
         let Some(i) = self.find(key) else {
             return default.ok_or_else(|| {
                 Error::new(ErrorKind::InvalidArgument, format!("policy spec {}: stage `{}` needs `{key}=...` ({expected})", quoted(self.src), self.stage))
@@ -405,14 +409,14 @@ impl<'a> Args<'a> {
         Ok(v)
     }
 
-    fn int(&mut self, key: &str, default: Option<usize>, min: usize, extra: &str, ok: impl Fn(usize) -> bool) -> Result<usize> {
+    pub(crate) fn int(&mut self, key: &str, default: Option<usize>, min: usize, extra: &str, ok: impl Fn(usize) -> bool) -> Result<usize> {
         let expected = format!("an integer >= {min}{extra}");
         let v = self.num(key, default.map(|d| d as f64), false, &expected, |v| v.fract() == 0.0 && v >= min as f64 && v <= u32::MAX as f64 && ok(v as usize))?;
         Ok(v as usize)
     }
 
     /// An optional number where `auto` (or no value) means `None`.
-    fn auto_num(&mut self, key: &str, expected: &str, ok: impl Fn(f64) -> bool) -> Result<Option<f32>> {
+    pub(crate) fn auto_num(&mut self, key: &str, expected: &str, ok: impl Fn(f64) -> bool) -> Result<Option<f32>> {
         match self.find(key) {
             None => Ok(None),
             Some(i) if self.args[i].val == Tok::Name("auto".into()) => Ok(None),
@@ -421,7 +425,7 @@ impl<'a> Args<'a> {
     }
 
     /// An optional string value.
-    fn string(&mut self, key: &str, expected: &str) -> Result<Option<String>> {
+    pub(crate) fn string(&mut self, key: &str, expected: &str) -> Result<Option<String>> {
         let Some(i) = self.find(key) else { return Ok(None) };
         match &self.args[i].val {
             Tok::Str(v) if !v.is_empty() => Ok(Some(v.clone())),
@@ -429,7 +433,7 @@ impl<'a> Args<'a> {
         }
     }
 
-    fn word(&mut self, key: &str, default: &'static str, choices: &[&'static str]) -> Result<&'static str> {
+    pub(crate) fn word(&mut self, key: &str, default: &'static str, choices: &[&'static str]) -> Result<&'static str> {
         let Some(i) = self.find(key) else { return Ok(default) };
         let a = &self.args[i];
         if let Tok::Name(n) = &a.val {
@@ -441,8 +445,10 @@ impl<'a> Args<'a> {
     }
 }
 
-/// Parses a whole spec.
-pub fn parse(src: &str) -> Result<Spec> {
+/// Parses a whole spec: the stages' names, their `>` composition and `key=value` lists, and the options;
+/// each stage's arguments are parsed by its entry in `stages` (the registry's table, one per policy).
+/// `finish` completes the pipeline from the stages' results (ART's default order follows the selector).
+pub(crate) fn parse_with(src: &str, stages: &[StageDef], finish: fn(&mut Pipeline, Option<Order>)) -> Result<Spec> {
     let mut p = Parser { src, toks: lex(src)?, i: 0, depth: 0 };
     let mut dense_layers = DEFAULT_DENSE_LAYERS;
     let mut max_seqs = DEFAULT_MAX_SEQS;
@@ -456,10 +462,12 @@ pub fn parse(src: &str) -> Result<Spec> {
     let mut dense = false;
     let mut n_stages = 0;
     let mut predictor_weights = None;
+    // The selector is a whole pipeline (nothing may follow it).
+    let mut whole = false;
     loop {
         let (pos, name) = match p.peek().clone() {
             (pos, Tok::Name(n)) => (pos, n),
-            _ => return p.fail("a stage name (dense, all, streaming, quest, snapkv, speculate, refresh, predictor, top_p, art)"),
+            _ => return p.fail(&expected_stage(stages)),
         };
         p.next();
         let raw = p.args()?;
@@ -467,133 +475,38 @@ pub fn parse(src: &str) -> Result<Spec> {
         if dense || (name == "dense" && n_stages > 0) {
             return Err(late("`dense` alone (it is the empty pipeline)"));
         }
-        let is_selector = matches!(name.as_str(), "all" | "streaming" | "quest" | "snapkv" | "speculate" | "refresh" | "predictor");
-        let stateful_sel = matches!(selector, Some(Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_)));
-        if stateful_sel && (name == "top_p" || name == "art") {
-            return Err(late("nothing after `speculate`, `refresh` or `predictor` (they are whole pipelines)"));
+        let def = stages.iter().find(|d| d.name == name);
+        let role = def.map(|d| d.role);
+        if whole && matches!(role, Some(Role::TopP | Role::Art)) {
+            let names: Vec<String> = stages.iter().filter(|d| d.whole_pipeline).map(|d| format!("`{}`", d.name)).collect();
+            return Err(late(&format!("nothing after {} (they are whole pipelines)", or_list(&names))));
         }
-        if is_selector && (selector.is_some() || top_p.is_some() || art.is_some()) {
+        if role == Some(Role::Selector) && (selector.is_some() || top_p.is_some() || art.is_some()) {
             return Err(late("at most one selector, as the first stage"));
         }
-        if name == "top_p" && (top_p.is_some() || art.is_some()) {
+        if role == Some(Role::TopP) && (top_p.is_some() || art.is_some()) {
             return Err(late("at most one `top_p`, before `art`"));
         }
-        if name == "art" && art.is_some() {
+        if role == Some(Role::Art) && art.is_some() {
             return Err(late("at most one `art`, as the last stage"));
         }
-        match name.as_str() {
-            "dense" => {
-                Args::new(src, "dense", raw, &[])?;
-                dense = true;
+        let Some(def) = def else {
+            return Err(err(src, pos, &expected_stage(stages), &format!("unknown stage `{name}`")));
+        };
+        match (def.parse)(src, raw)? {
+            Parsed::Dense => dense = true,
+            Parsed::Selector(s, weights) => {
+                selector = Some(s);
+                whole = def.whole_pipeline;
+                if weights.is_some() {
+                    predictor_weights = weights;
+                }
             }
-            "all" => {
-                Args::new(src, "all", raw, &[])?;
-                selector = Some(Selector::All);
-            }
-            "streaming" => {
-                let mut a = Args::new(src, "streaming", raw, &["sink", "recent"])?;
-                let sink = a.int("sink", Some(4), 0, "", |_| true)?;
-                let recent = a.int("recent", None, 1, "", |_| true)?;
-                selector = Some(Selector::Streaming { sink, recent });
-            }
-            "quest" => {
-                let mut a = Args::new(src, "quest", raw, &["budget", "page", "sink"])?;
-                let budget = a.int("budget", None, 1, "", |_| true)?;
-                let page = a.int("page", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
-                let sink = a.int("sink", Some(0), 0, "", |_| true)?;
-                selector = Some(Selector::Quest { budget, page, sink });
-            }
-            "snapkv" => {
-                let mut a = Args::new(src, "snapkv", raw, &["budget", "window", "pool"])?;
-                let budget = a.int("budget", None, 1, "", |_| true)?;
-                let window = a.int("window", Some(32), 1, "", |_| true)?;
-                let pool = a.int("pool", Some(7), 1, ", odd", |v| v % 2 == 1)?;
-                selector = Some(Selector::SnapKv { budget, window, pool });
-            }
-            "top_p" => {
-                let mut a = Args::new(src, "top_p", raw, &["p"])?;
-                let v = a.num("p", Some(0.95), false, "a number in (0, 1]", |v| v > 0.0 && v <= 1.0)?;
-                top_p = Some(TopP { p: v as f32 });
-            }
-            "art" => {
-                let mut a = Args::new(src, "art", raw, &["tau", "phi", "patience", "order", "probe", "segment"])?;
-                let tau = a.num("tau", Some(1e-5), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
-                let phi = a.num("phi", Some(1e-3), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
-                let pat = a.num("patience", Some(5.0), true, "an integer >= 1 or `inf`", |v| v == f64::INFINITY || (v.fract() == 0.0 && v >= 1.0 && v <= u32::MAX as f64))?;
-                let order = match a.word("order", "auto", &["auto", "recent", "priority"])? {
-                    "priority" => Some(Order::Priority),
-                    "recent" => Some(Order::Recent),
-                    _ => None,
-                };
+            Parsed::TopP(t) => top_p = Some(t),
+            Parsed::Art(a, order) => {
+                art = Some(a);
                 art_order = order;
-                let probe = match a.word("probe", "lanes", &["lanes", "full"])? {
-                    "full" => Probe::Full,
-                    _ => Probe::Lanes,
-                };
-                let seg = a.num("segment", Some(f64::INFINITY), true, "a multiple of 64 (keys), at least 64, or `inf`", |v| {
-                    v == f64::INFINITY || (v.fract() == 0.0 && v >= 64.0 && v <= (1u64 << 30) as f64 && v % 64.0 == 0.0)
-                })?;
-                let patience = if pat.is_infinite() { None } else { Some(pat as u32) };
-                let segment = if seg.is_infinite() { None } else { Some(seg as u32) };
-                art = Some(Art { tau: tau as f32, phi: phi as f32, patience, order: Order::Recent, probe, segment });
             }
-            "speculate" => {
-                let mut raw = raw;
-                let over = raw.iter().position(|a| a.key == "over");
-                let over_arg = over.map(|i| raw.remove(i));
-                let mut a = Args::new(src, "speculate", raw, &["alpha", "beta", "gamma", "budget", "predict", "extra"])?;
-                let (quest_budget, page, quest_sink) = match over_arg {
-                    None => return Err(Error::new(ErrorKind::InvalidArgument, format!("policy spec {}: stage `speculate` needs `over=quest(budget=...)`", quoted(src)))),
-                    Some(o) => {
-                        if o.val != Tok::Name("quest".into()) {
-                            return Err(err(src, o.val_pos, "`quest(...)` for `speculate.over`", &o.val.describe()));
-                        }
-                        let mut q = Args::new(src, "quest", o.nested.unwrap_or_default(), &["budget", "page", "sink"])?;
-                        let budget = q.int("budget", None, 1, "", |_| true)?;
-                        let page = q.int("page", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
-                        let sink = q.int("sink", Some(0), 0, "", |_| true)?;
-                        (budget, page, sink)
-                    }
-                };
-                let alpha = a.auto_num("alpha", "a number in [0, 1] or `auto`", |v| (0.0..=1.0).contains(&v))?;
-                let beta = a.auto_num("beta", "a number in [0, 1] or `auto`", |v| (0.0..=1.0).contains(&v))?;
-                let gamma = a.auto_num("gamma", "a number in [0, 4] or `auto`", |v| (0.0..=4.0).contains(&v))?;
-                let budget = match a.find("budget") {
-                    Some(_) => Some(a.int("budget", None, 1, "", |_| true)?),
-                    None => None,
-                };
-                let predict = match a.word("predict", "holt", &["holt", "previous", "inverse"])? {
-                    "previous" => Predict::Previous,
-                    "inverse" => Predict::Inverse,
-                    _ => Predict::Holt,
-                };
-                let keep_extra = a.word("extra", "keep", &["drop", "keep"])? == "keep";
-                selector = Some(Selector::Speculate(Speculate { quest_budget, page, quest_sink, alpha, beta, gamma, budget, predict, keep_extra }));
-            }
-            "refresh" => {
-                let mut a = Args::new(src, "refresh", raw, &["k", "stride", "s", "pool", "every"])?;
-                let k = a.int("k", Some(2048), 1, "", |_| true)?;
-                let stride = a.int("stride", Some(5), 1, "", |_| true)?;
-                let sim = a.num("s", Some(0.85), false, "a number in [-1, 1]", |v| (-1.0..=1.0).contains(&v))? as f32;
-                let pool = a.int("pool", Some(7), 1, ", odd", |v| v % 2 == 1)?;
-                let every = match a.find("every") {
-                    Some(_) => Some(a.int("every", None, 1, "", |_| true)?),
-                    None => None,
-                };
-                selector = Some(Selector::Refresh(Refresh { k, stride, s: sim, pool, every }));
-            }
-            "predictor" => {
-                let mut a = Args::new(src, "predictor", raw, &["budget", "block", "history", "calib", "sink", "local", "weights"])?;
-                let budget = a.int("budget", None, 1, "", |_| true)?;
-                let block = a.int("block", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
-                let history = a.int("history", Some(64), 2, "", |v| v <= 4096)?;
-                let calib = a.int("calib", Some(5), 1, "", |_| true)?;
-                let sink = a.int("sink", Some(64), 0, "", |_| true)?;
-                let local = a.int("local", Some(64), 1, "", |_| true)?;
-                predictor_weights = a.string("weights", "a non-empty \"path\" of a safetensors file")?;
-                selector = Some(Selector::Predictor(PredictorSpec { budget, block, history, calib, sink, local }));
-            }
-            _ => return Err(err(src, pos, "a stage name (dense, all, streaming, quest, snapkv, speculate, refresh, predictor, top_p, art)", &format!("unknown stage `{name}`"))),
         }
         n_stages += 1;
         if p.eat('>') {
@@ -625,26 +538,77 @@ pub fn parse(src: &str) -> Result<Spec> {
         return p.fail(if n_stages > 0 { "`>`, `;` or end of spec" } else { "end of spec" });
     }
     let selector = selector.unwrap_or(Selector::All);
-    if let Some(a) = art.as_mut() {
-        a.order = art_order.unwrap_or_else(|| default_order(&selector, top_p.is_some()));
-    }
-    let pipeline = if dense { None } else { Some(Pipeline { selector, top_p, art }) };
+    let pipeline = if dense {
+        None
+    } else {
+        let mut p = Pipeline { selector, top_p, art };
+        finish(&mut p, art_order);
+        Some(p)
+    };
     Ok(Spec { pipeline, dense_layers, predictor_weights, max_seqs })
 }
 
-/// ART's default traversal (paper §3.3): recency-first for full and pattern-based selections, the
-/// selector's priority for the scored ones.
-pub fn default_order(selector: &Selector, top_p: bool) -> Order {
-    match selector {
-        _ if top_p => Order::Priority,
-        Selector::All | Selector::Streaming { .. } => Order::Recent,
-        _ => Order::Priority,
+/// What a stage is in the pipeline `selector [> top_p] [> art]` (or `dense`, alone).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    Dense,
+    Selector,
+    TopP,
+    Art,
+}
+
+/// A stage's parsed arguments.
+pub(crate) enum Parsed {
+    Dense,
+    /// The selector, and a weights file it names (`predictor(weights="...")`).
+    Selector(Selector, Option<String>),
+    TopP(TopP),
+    /// ART, and its order when the spec gives one (else `finish` picks the default).
+    Art(Art, Option<Order>),
+}
+
+/// One stage name of the grammar and its parser entry (the registry's table, src/policy/registry.rs).
+pub(crate) struct StageDef {
+    pub name: &'static str,
+    pub role: Role,
+    /// Nothing may follow this selector (it runs the whole decode row itself).
+    pub whole_pipeline: bool,
+    /// Parses the stage's `key=value` list (`Args::new` checks the keys).
+    pub parse: fn(&str, Vec<Arg>) -> Result<Parsed>,
+}
+
+/// "a stage name (dense, all, ...)", from the table.
+fn expected_stage(stages: &[StageDef]) -> String {
+    format!("a stage name ({})", stages.iter().map(|d| d.name).collect::<Vec<_>>().join(", "))
+}
+
+/// "a, b or c".
+fn or_list(items: &[String]) -> String {
+    match items.split_last() {
+        None => String::new(),
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
     }
+}
+
+/// `dense` and `all` take no arguments.
+pub(crate) fn parse_dense(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    Args::new(src, "dense", raw, &[])?;
+    Ok(Parsed::Dense)
+}
+
+pub(crate) fn parse_all(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    Args::new(src, "all", raw, &[])?;
+    Ok(Parsed::Selector(Selector::All, None))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parse(src: &str) -> Result<Spec> {
+        Spec::parse(src)
+    }
 
     #[test]
     fn parses_the_example() {

@@ -36,6 +36,30 @@ pub const HEAD_DIM: usize = 128;
 pub const BLOCK: usize = 16;
 
 /// The grid: batch 1..128, context 1K..128K, heads 32/8 and 64/8 (head 128, bf16, block 16).
+/// PRR's device state of a CUDA engine whose policy is `speculate` (benchmarks' timeline hooks).
+fn prr_state(backend: &kvsparse::cuda::CudaBackend) -> Option<&kvsparse::policy::speculate::cuda::PrrDevice> {
+    backend.policy_state().and_then(|s| s.downcast_ref())
+}
+
+/// Records (or stops recording) the phases of later PRR steps (nothing for other policies).
+fn set_prr_timeline(backend: &kvsparse::cuda::CudaBackend, on: bool) {
+    if let Some(p) = prr_state(backend) {
+        p.set_timeline(on);
+    }
+}
+
+/// The last PRR step's phase ends on `stream` (empty for other policies).
+fn prr_timeline(backend: &kvsparse::cuda::CudaBackend, stream: CUstream) -> Result<Vec<(&'static str, f32)>> {
+    prr_state(backend).map_or(Ok(Vec::new()), |p| p.timeline(stream))
+}
+
+/// Records events between the predictor's parts of later calls (None: stop; nothing for other policies).
+fn set_predictor_probe(backend: &kvsparse::cuda::CudaBackend, ev: Option<[CUevent; 4]>) {
+    if let Some(p) = backend.policy_state().and_then(|s| s.downcast_ref::<kvsparse::policy::predictor::cuda::PredictorDev>()) {
+        p.set_probe(ev);
+    }
+}
+
 pub fn default_grid() -> Vec<Point> {
     let mut g = Vec::new();
     for &(hq, hk) in &[(32usize, 8usize), (64, 8)] {
@@ -524,16 +548,16 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     if let Some(se) = &serial {
         serial_us = time_calls(&|i| se.attention_forward(&args[i % rotation]).map(|_| ()))?;
         let before = engine.stats().total;
-        backend.set_prr_timeline(true);
+        set_prr_timeline(backend, true);
         let n = 30usize;
         let mut per: Vec<Vec<f64>> = vec![Vec::new(); kvsparse::policy::speculate::cuda::TIMELINE.len()];
         for i in 0..n {
             engine.attention_forward(&args[i % rotation])?;
-            for (j, (_, ms)) in backend.prr_timeline(s)?.into_iter().enumerate() {
+            for (j, (_, ms)) in prr_timeline(backend, s)?.into_iter().enumerate() {
                 per[j].push(ms as f64 * 1e3);
             }
         }
-        backend.set_prr_timeline(false);
+        set_prr_timeline(backend, false);
         let after = engine.stats().total;
         let (hit, tru) = (after.spec_hit_blocks - before.spec_hit_blocks, after.spec_true_blocks - before.spec_true_blocks);
         spec_hit = if tru > 0 { hit as f64 / tru as f64 } else { f64::NAN };
@@ -570,7 +594,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             // SAFETY: out-parameter; destroyed below.
             check(unsafe { (api.cuEventCreate)(e, 0) }, "cuEventCreate")?;
         }
-        backend.set_predictor_probe(Some(evs));
+        set_predictor_probe(backend, Some(evs));
         let mut parts: [Vec<f64>; 3] = Default::default();
         let r = (|| -> Result<()> {
             for i in 0..30 {
@@ -586,7 +610,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             }
             Ok(())
         })();
-        backend.set_predictor_probe(None);
+        set_predictor_probe(backend, None);
         for e in evs {
             // SAFETY: created above.
             unsafe { (api.cuEventDestroy)(e) };
@@ -686,7 +710,7 @@ fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotat
             (api.cuGraphExecDestroy)(ge);
             (api.cuGraphExecDestroy)(gse);
         }
-        backend.set_prr_timeline(true);
+        set_prr_timeline(backend, true);
         let tl = (|| -> Result<Vec<(&'static str, f64)>> {
             engine.attention_forward(&gargs[0])?; // creates the timing events outside capture
             let exec = capture(engine, &gargs[..1])?;
@@ -694,7 +718,7 @@ fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotat
             for _ in 0..30 {
                 // SAFETY: a live graph and stream.
                 check(unsafe { (api.cuGraphLaunch)(exec, gs) }, "cuGraphLaunch")?;
-                for (j, (_, ms)) in backend.prr_timeline(gs)?.into_iter().enumerate() {
+                for (j, (_, ms)) in prr_timeline(backend, gs)?.into_iter().enumerate() {
                     per[j].push(ms as f64 * 1e3);
                 }
             }
@@ -702,7 +726,7 @@ fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotat
             unsafe { (api.cuGraphExecDestroy)(exec) };
             Ok(kvsparse::policy::speculate::cuda::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect())
         })();
-        backend.set_prr_timeline(false);
+        set_prr_timeline(backend, false);
         Ok((g, sg, tl.map_err(|e| e.to_string())))
     })();
     // SAFETY: created above; the engines' per-stream sets for it stay until the engines drop.

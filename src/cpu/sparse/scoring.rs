@@ -76,7 +76,7 @@ fn weights_at_generic<I: Isa>(io: &ForwardIo, q: &[f32], rows: usize, positions:
 /// Quest's upper bound of `q·k` over a page with channel-wise key bounds `[mn, mx]`:
 /// `Σ_i max(q_i·mn_i, q_i·mx_i)`, which is `>=` the score of every key in the page.
 ///
-/// The sum has a fixed order that the CUDA selection kernel (kernels/select.cu) repeats bit for bit with
+/// The sum has a fixed order that the CUDA selection kernel (kernels/policy/quest.cu) repeats bit for bit with
 /// one half-warp per page: sixteen lane sums, lane `l` over channels `l, l+16, l+32, ...` in order (each
 /// product rounded on its own), then a butterfly `v[j] += v[j ^ s]` for s = 8, 4, 2, 1, the result in
 /// lane 0. The sixteen lanes vectorise on the CPU too. `q.len()` must be a multiple of 16 (every

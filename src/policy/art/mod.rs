@@ -17,6 +17,11 @@
 //! * `probe=full` (the paper's oracle, Appendix B) compares the whole normalised output of every row of
 //!   the group, in f64 (a CPU-side measure of the probe's quality, not a GPU mode).
 
+pub mod cuda;
+
+use super::spec::{Arg, Args, Art, Parsed, Pipeline, Selector};
+use crate::error::Result;
+
 use super::plan::HeadPlan;
 use super::spec::{Order, Probe};
 
@@ -223,6 +228,49 @@ impl Tiles {
         }
     }
 }
+
+/// `art(tau, phi, patience, order, probe, segment)`'s arguments (src/policy/registry.rs names the
+/// stage), and its order when the spec gives one (else [`resolve_order`] picks it).
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    let mut a = Args::new(src, "art", raw, &["tau", "phi", "patience", "order", "probe", "segment"])?;
+    let tau = a.num("tau", Some(1e-5), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
+    let phi = a.num("phi", Some(1e-3), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
+    let pat = a.num("patience", Some(5.0), true, "an integer >= 1 or `inf`", |v| v == f64::INFINITY || (v.fract() == 0.0 && v >= 1.0 && v <= u32::MAX as f64))?;
+    let order = match a.word("order", "auto", &["auto", "recent", "priority"])? {
+        "priority" => Some(Order::Priority),
+        "recent" => Some(Order::Recent),
+        _ => None,
+    };
+    let probe = match a.word("probe", "lanes", &["lanes", "full"])? {
+        "full" => Probe::Full,
+        _ => Probe::Lanes,
+    };
+    let seg = a.num("segment", Some(f64::INFINITY), true, "a multiple of 64 (keys), at least 64, or `inf`", |v| {
+        v == f64::INFINITY || (v.fract() == 0.0 && v >= 64.0 && v <= (1u64 << 30) as f64 && v % 64.0 == 0.0)
+    })?;
+    let patience = if pat.is_infinite() { None } else { Some(pat as u32) };
+    let segment = if seg.is_infinite() { None } else { Some(seg as u32) };
+    Ok(Parsed::Art(Art { tau: tau as f32, phi: phi as f32, patience, order: Order::Recent, probe, segment }, order))
+}
+
+/// Completes a parsed pipeline: ART's order, the spec's or the selector's default.
+pub(crate) fn resolve_order(p: &mut Pipeline, given: Option<Order>) {
+    let top_p = p.top_p.is_some();
+    if let Some(a) = p.art.as_mut() {
+        a.order = given.unwrap_or_else(|| default_order(&p.selector, top_p));
+    }
+}
+
+/// ART's default traversal (paper §3.3): recency-first for full and pattern-based selections, the
+/// selector's priority for the scored ones.
+pub fn default_order(selector: &Selector, top_p: bool) -> Order {
+    match selector {
+        _ if top_p => Order::Priority,
+        Selector::All | Selector::Streaming { .. } => Order::Recent,
+        _ => Order::Priority,
+    }
+}
+
 
 #[cfg(test)]
 mod tests {

@@ -20,11 +20,11 @@
 
 use parking_lot::Mutex;
 
-use crate::cuda::backend::{CudaBackend, Geometry};
+use crate::cuda::batch::{BatchArg, Geometry, PlanRef};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUfunction};
 use crate::cuda::launch::{self, KArgs};
-use crate::cuda::sparse::{BatchArg, PlanRef, WsLayout};
+use crate::cuda::stage::{CallShape, CudaStage, Device, PolicyDevice, StepCx, WsAlloc};
 use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
@@ -177,12 +177,13 @@ impl PredWs {
     }
 }
 
-impl CudaBackend {
+impl PredictorDev {
     /// AttentionPredictor's whole decision for one call, enqueued on its stream: modes and schedule,
     /// the CNN, the selection (the plan `fin`), the history rows of decode rows and prefill seeds.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn predictor_step(
         &self,
+        dev: &dyn Device,
         a: &ForwardArgs,
         cache: &KvCache,
         geo: &Geometry,
@@ -190,20 +191,20 @@ impl CudaBackend {
         batch: &BatchArg,
         base_defines: &[String],
         ws: u64,
-        lay: &WsLayout,
+        lay: &PredRegions,
         pw: &PredWs,
         fin: &PlanRef,
         ctr: i64,
     ) -> Result<()> {
-        let Some(pd) = self.predictor.as_ref() else { bail!(Internal, "predictor weights were not uploaded") };
+        let pd = self;
         let (hk, d, g, ns) = (cache.num_kv_heads, cache.head_dim, group, geo.num_seqs);
         let stream = a.stream;
         let ps = pd.spec;
         let defines = pd.defines(base_defines);
-        let f = |name: &'static str| -> Result<CUfunction> { self.modules.function(&self.gpu, "predictor", PREDICTOR, &defines, name) };
-        let st = self.predictor_layer(pd, a.layer, pw.nbmax, stream, &f)?;
+        let f = |name: &'static str| -> Result<CUfunction> { dev.modules().function(dev.gpu(), "predictor", PREDICTOR, &defines, name) };
+        let st = self.predictor_layer(dev, a.layer, pw.nbmax, stream, &f)?;
         let spec = SpecArg { budget: clamp(ps.budget), block: clamp(ps.block), calib: clamp(ps.calib), sink: clamp(ps.sink), local: clamp(ps.local), pad: 0 };
-        let (slot, gen, mode) = (ws + lay.slot as u64, ws + lay.slot_gen as u64, ws + lay.pred_mode as u64);
+        let (slot, gen, mode) = (lay.slot, lay.slot_gen, ws + lay.pred_mode as u64);
         let pctr = pd.counters.ptr + (a.layer * 16) as u64;
         let es = cache.dtype.size_bytes();
         let threads = (hk.next_multiple_of(32)).min(256) as u32;
@@ -238,7 +239,7 @@ impl CudaBackend {
         // The history rows (decode rows and prefill seeds): three passes over their keys.
         let n_rows = checked(&[ns, hk, pw.rcap])?;
         let api = cuda()?;
-        // SAFETY: each region holds n_rows elements of its width (sized by sparse_forward from `pw`).
+        // SAFETY: each region holds n_rows elements of its width (sized by PredictorStage::reserve from `pw`).
         unsafe {
             // -inf's order key (kernels/include/decide.cuh kvs_order_key).
             check((api.cuMemsetD32Async)(ws + lay.pred_rmax as u64, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
@@ -264,20 +265,19 @@ impl CudaBackend {
     }
 
     /// Benchmarks only: record events between the predictor's parts of later calls (None: stop).
-    pub fn set_predictor_probe(&self, ev: Option<[crate::cuda::driver::CUevent; 4]>) {
-        if let Some(pd) = &self.predictor {
-            *pd.probe.lock() = ev;
-        }
+    pub fn set_probe(&self, ev: Option<[crate::cuda::driver::CUevent; 4]>) {
+        *self.probe.lock() = ev;
     }
 
     /// The layer's state arrays, allocated (or grown to ring rows of `wc` blocks) outside capture.
-    fn predictor_layer(&self, pd: &PredictorDev, layer: usize, wc: usize, stream: crate::cuda::driver::CUstream, f: &dyn Fn(&'static str) -> Result<CUfunction>) -> Result<StateArg> {
+    fn predictor_layer(&self, dev: &dyn Device, layer: usize, wc: usize, stream: crate::cuda::driver::CUstream, f: &dyn Fn(&'static str) -> Result<CUfunction>) -> Result<StateArg> {
+        let pd = self;
         let mut layers = pd.layers.lock();
         let h = pd.spec.history;
         let rows = checked(&[pd.max_seqs, pd.hk, h])?;
         let need = layers[layer].as_ref().map_or(true, |l| l.wc < wc);
         if need {
-            ensure!(!self.gpu.is_capturing(stream)?, InvalidArgument, "the predictor's history for layer {layer} must grow to {wc} blocks per row on a stream that is being captured; run one call with the widest block table before capturing");
+            ensure!(!dev.gpu().is_capturing(stream)?, InvalidArgument, "the predictor's history for layer {layer} must grow to {wc} blocks per row on a stream that is being captured; run one call with the widest block table before capturing");
             let bytes = pd.layer_bytes(wc)?;
             let ring = DevBuf::alloc(checked(&[rows, wc, 4])?)?;
             let zc = DevBuf::alloc(checked(&[rows, wc, 4])?)?;
@@ -292,7 +292,7 @@ impl CudaBackend {
                     }
                     let LayerState { hdr, lens, ring: oring, zc: ozc, .. } = old;
                     // Graphs captured before still name the old arrays: keep them alive.
-                    self.retired.lock().extend([oring, ozc]);
+                    dev.retired().lock().extend([oring, ozc]);
                     LayerState { hdr, lens, ring, zc, wc }
                 }
                 None => {
@@ -309,11 +309,78 @@ impl CudaBackend {
         let l = layers[layer].as_ref().expect("allocated above");
         Ok(StateArg { hdr: l.hdr.ptr, lens: l.lens.ptr, ring: l.ring.ptr, zc: l.zc.ptr, h: h as i32, wc: l.wc as i32, hk: pd.hk as i32, pad: 0 })
     }
+}
 
+impl PredictorDev {
     /// Uploads the predictor's weights (engine creation).
-    pub fn init_predictor(&mut self, w: &PredictorWeights, spec: PredictorSpec, num_layers: usize, num_kv_heads: usize, max_seqs: usize) -> Result<()> {
+    pub(crate) fn upload(w: &PredictorWeights, spec: PredictorSpec, num_layers: usize, num_kv_heads: usize, max_seqs: usize) -> Result<Self> {
         ensure!(spec.history < 65536 && spec.block < (1 << 30), Unsupported, "predictor history or block too large for the CUDA backend");
-        self.predictor = Some(PredictorDev::new(w, spec, num_layers, num_kv_heads, max_seqs)?);
+        PredictorDev::new(w, spec, num_layers, num_kv_heads, max_seqs)
+    }
+}
+
+impl PolicyDevice for PredictorDev {
+    fn add_counters(&self, gpu: &crate::cuda::context::Gpu, per_layer: &mut [crate::stats::Counters]) -> Result<()> {
+        for (c, (full, partial)) in per_layer.iter_mut().zip(self.read_counters(gpu)?) {
+            c.refresh_full_steps += full;
+            c.refresh_partial_steps += partial;
+        }
         Ok(())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// AttentionPredictor's regions in a call's policy workspace: mode per (seq, head), predicted block scores
+/// per (seq, head, block), and the history rows' maxima, fixed-point normalisers and NaN flags per query
+/// row; with the sequences' state slots (device addresses).
+pub(crate) struct PredRegions {
+    slot: u64,
+    slot_gen: u64,
+    pred_mode: usize,
+    pred_scores: usize,
+    pred_rmax: usize,
+    pred_z: usize,
+    pred_bad: usize,
+}
+
+/// The predictor's stage for one call (None: the weights were not uploaded).
+pub(crate) struct PredictorStage<'a> {
+    state: Option<&'a PredictorDev>,
+    spec: PredictorSpec,
+    pw: Option<PredWs>,
+    /// Offsets of the regions (slots filled at launch).
+    at: [usize; 5],
+}
+
+impl<'a> PredictorStage<'a> {
+    pub(crate) fn new(state: Option<&'a PredictorDev>, spec: PredictorSpec) -> Self {
+        PredictorStage { state, spec, pw: None, at: [0; 5] }
+    }
+}
+
+impl CudaStage for PredictorStage<'_> {
+    fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
+        let (ns, hk) = (cx.geo.num_seqs, cx.cfg.num_kv_heads);
+        let pw = PredWs::new(&self.spec, cx.geo, cx.cfg.group_size(), cx.max_query_len)?;
+        self.at = [
+            ws.take_n(&[ns, hk, 4])?,
+            ws.take_n(&[ns, hk, pw.nbmax, 4])?,
+            ws.take_n(&[ns, hk, pw.rcap, 4])?,
+            ws.take_n(&[ns, hk, pw.rcap, 8])?,
+            ws.take_n(&[ns, hk, pw.rcap, 4])?,
+        ];
+        self.pw = Some(pw);
+        Ok(())
+    }
+
+    fn select(&self, cx: &StepCx) -> Result<()> {
+        let Some(pd) = self.state else { bail!(Internal, "predictor weights were not uploaded") };
+        let pw = self.pw.as_ref().expect("predictor workspace");
+        let [pred_mode, pred_scores, pred_rmax, pred_z, pred_bad] = self.at;
+        let lay = PredRegions { slot: cx.slot, slot_gen: cx.slot_gen, pred_mode, pred_scores, pred_rmax, pred_z, pred_bad };
+        pd.predictor_step(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &lay, pw, &cx.fin, cx.ctr)
     }
 }

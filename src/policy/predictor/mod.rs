@@ -19,6 +19,8 @@
 pub mod cpu;
 pub mod cuda;
 
+use super::spec::{Arg, Args, Parsed, PredictorSpec, Selector};
+
 use std::collections::VecDeque;
 
 use once_cell::sync::Lazy;
@@ -335,6 +337,20 @@ pub fn select(scores: &[f32], n: usize, budget: usize, block: usize, sink: usize
 /// Block-max pooling of per-position scores `w` (positions `0 .. w.len()`).
 pub fn block_max(w: &[f32], block: usize) -> Vec<f32> {
     w.chunks(block).map(|c| c.iter().copied().fold(0f32, f32::max)).collect()
+}
+
+/// `predictor(budget, block, history, calib, sink, local, weights)`'s arguments (src/policy/registry.rs
+/// names the stage).
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    let mut a = Args::new(src, "predictor", raw, &["budget", "block", "history", "calib", "sink", "local", "weights"])?;
+    let budget = a.int("budget", None, 1, "", |_| true)?;
+    let block = a.int("block", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
+    let history = a.int("history", Some(64), 2, "", |v| v <= 4096)?;
+    let calib = a.int("calib", Some(5), 1, "", |_| true)?;
+    let sink = a.int("sink", Some(64), 0, "", |_| true)?;
+    let local = a.int("local", Some(64), 1, "", |_| true)?;
+    let weights = a.string("weights", "a non-empty \"path\" of a safetensors file")?;
+    Ok(Parsed::Selector(Selector::Predictor(PredictorSpec { budget, block, history, calib, sink, local }), weights))
 }
 
 #[cfg(test)]

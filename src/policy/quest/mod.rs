@@ -1,5 +1,24 @@
-//! Quest (query-aware page selection). Its parameters are parsed in `policy::spec`; its kernels are in
-//! kernels/select.cu and kernels/include/quest.cuh, launched by src/cuda/sparse.rs; its key metadata
-//! (min/max per page) is kept by cpu::metadata and cuda::meta.
+//! Quest (query-aware page selection). Its parameters are parsed here ([`parse`]); the CPU stage in
+//! [`cpu`], the device stage in [`cuda`] with its kernels in kernels/policy/quest.cu and
+//! kernels/include/quest.cuh; its key metadata (min/max per page) is kept by cpu::metadata and cuda::meta.
 
 pub mod cpu;
+pub mod cuda;
+
+use super::spec::{Arg, Args, Parsed, Selector};
+use crate::error::Result;
+
+/// `quest(budget, page, sink)`'s arguments (src/policy/registry.rs names the stage).
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    let (budget, page, sink) = args(src, raw)?;
+    Ok(Parsed::Selector(Selector::Quest { budget, page, sink }, None))
+}
+
+/// Quest's (budget, page, sink), also `speculate(over=quest(...))`'s.
+pub(crate) fn args(src: &str, raw: Vec<Arg>) -> Result<(usize, usize, usize)> {
+    let mut a = Args::new(src, "quest", raw, &["budget", "page", "sink"])?;
+    let budget = a.int("budget", None, 1, "", |_| true)?;
+    let page = a.int("page", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
+    let sink = a.int("sink", Some(0), 0, "", |_| true)?;
+    Ok((budget, page, sink))
+}

@@ -18,11 +18,11 @@
 
 use parking_lot::Mutex;
 
-use crate::cuda::backend::{CudaBackend, Geometry};
+use crate::cuda::batch::{BatchArg, Geometry, LogitsOut, PlanRef, Rows};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUfunction};
 use crate::cuda::launch::{self, KArgs};
-use crate::cuda::sparse::{BatchArg, PlanRef};
+use crate::cuda::stage::{CallShape, CudaStage, Device, PolicyDevice, StepCx, WsAlloc};
 use crate::args::ForwardArgs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvCache;
@@ -61,7 +61,7 @@ pub(crate) fn c_layouts() -> Vec<crate::cuda::kernel_src::CLayout> {
     vec![c_layout!(RefreshArgs as "RefreshArgs" { qref, since, lstamp, tok, sc, cnt, last, hstamp, slot, gen, mode, rctr, k, stride, every, pool, s, hk })]
 }
 
-/// Byte offsets of RefreshKV's regions in a call's policy workspace (see `sparse::WsLayout`).
+/// Byte offsets of RefreshKV's regions in a call's policy workspace.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct RefreshWs {
     mode: usize,
@@ -98,6 +98,11 @@ fn checked(parts: &[usize]) -> Result<usize> {
 }
 
 impl RefreshWs {
+    /// Where the full rows' logits go (`Rows::PlanLogits`), in the workspace at `ws`.
+    pub(crate) fn logits_out(&self, geo: &Geometry, ws: u64) -> LogitsOut {
+        LogitsOut { lg: ws + self.lg as u64, maxpos: geo.max_pos.max(1) as i32 }
+    }
+
     /// Reserves the regions of a call of `ns` sequences through `take` (bytes -> offset).
     /// `logits`: the full step's weights come from its attention (reserves the logits and statistics).
     pub(crate) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize, logits: bool) -> Result<Self> {
@@ -195,7 +200,7 @@ fn score_ctas(num_sms: usize, hk: usize, max_pos: usize, tp: usize) -> usize {
     (8 * num_sms).div_ceil(hk.max(1)).clamp(1, max_pos.div_ceil(tp).max(1))
 }
 
-impl CudaBackend {
+impl RefreshDevice {
     /// Enqueues RefreshKV's decision for a policy call: schedule, scores of the prefill (and, without the
     /// tensor-core path, the full) rows, the sets and every decode row's plan `plan` (token-granular,
     /// `plan.cap` entries per row). With `after_attention`, called after the attention of a call whose
@@ -204,6 +209,7 @@ impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn refresh_select(
         &self,
+        dev: &dyn Device,
         a: &ForwardArgs,
         cache: &KvCache,
         geo: &Geometry,
@@ -222,7 +228,7 @@ impl CudaBackend {
         let (hk, d, ns) = (cache.num_kv_heads, cache.head_dim, geo.num_seqs);
         let stream = a.stream;
         ensure!(r.k < i32::MAX as usize && r.pool < i32::MAX as usize, Unsupported, "refresh(k, pool) too large for 32-bit indices");
-        let ra = self.refresh_args(a, hk, d, ws, rw, (slot, slot_gen), r)?;
+        let ra = self.refresh_args(dev, a, hk, d, ws, rw, (slot, slot_gen), r)?;
         let maxpos = geo.max_pos.max(1);
         let plan_launch = || -> Result<()> {
             let mut k = KArgs::new();
@@ -280,7 +286,7 @@ impl CudaBackend {
         launch::launch(f("kvs_refresh_decide")?, (ns as u32, 1, 1), 128, &mut k, stream, "kvs_refresh_decide launch")?;
 
         let (tp, threads) = crate::policy::snapkv::cuda::scores_shape(d, group);
-        let ctas = score_ctas(self.gpu.num_sms as usize, hk, maxpos, tp);
+        let ctas = score_ctas(dev.gpu().num_sms as usize, hk, maxpos, tp);
         let kc = &cache.k;
         // The CPU's arithmetic: the prefill's seed, and the full decode rows without the tensor-core path.
         let scalar_phases = if a.max_query_len != 1 || !rw.logits { 0..3 } else { 0..0 };
@@ -298,14 +304,14 @@ impl CudaBackend {
     /// The kernels' arguments for the call's layer: its state (allocated by the layer's first call, which
     /// must not be captured), this call's slots and workspace, the policy's parameters.
     #[allow(clippy::too_many_arguments)]
-    fn refresh_args(&self, a: &ForwardArgs, hk: usize, d: usize, ws: u64, rw: &RefreshWs, (slot, slot_gen): (u64, u64), r: &Refresh) -> Result<RefreshArgs> {
-        let Some(slots) = self.slots.as_ref() else { bail!(Internal, "RefreshKV needs the sequence slot map") };
+    fn refresh_args(&self, dev: &dyn Device, a: &ForwardArgs, hk: usize, d: usize, ws: u64, rw: &RefreshWs, (slot, slot_gen): (u64, u64), r: &Refresh) -> Result<RefreshArgs> {
+        let Some(slots) = dev.slots() else { bail!(Internal, "RefreshKV needs the sequence slot map") };
         let (base, sl) = {
-            let mut layers = self.refresh.layers.lock();
+            let mut layers = self.layers.lock();
             let entry = layers.get_mut(a.layer).ok_or_else(|| Error::new(ErrorKind::OutOfRange, "layer outside the engine"))?;
             let lay = StateLayout::new(slots.max_seqs(), hk, d, r.k)?;
             if entry.is_none() {
-                if self.gpu.is_capturing(a.stream)? {
+                if dev.gpu().is_capturing(a.stream)? {
                     bail!(InvalidArgument, "RefreshKV's state for layer {} is allocated by the layer's first call, which must not be captured; run one step eagerly first", a.layer);
                 }
                 let buf = DevBuf::alloc(lay.total)?;
@@ -327,7 +333,7 @@ impl CudaBackend {
             slot,
             gen: slot_gen,
             mode: ws + rw.mode as u64,
-            rctr: self.refresh.counters.ptr + (a.layer * 16) as u64,
+            rctr: self.counters.ptr + (a.layer * 16) as u64,
             k: r.k as i32,
             stride: r.stride.min(i32::MAX as usize) as i32,
             every: r.every.map_or(0, |v| v.min(i32::MAX as usize) as i32),
@@ -337,8 +343,59 @@ impl CudaBackend {
         })
     }
 
-    /// Where the full rows' logits go (`Rows::PlanLogits`).
-    pub(crate) fn refresh_logits_out(&self, geo: &Geometry, ws: u64, rw: &RefreshWs) -> crate::cuda::backend::LogitsOut {
-        crate::cuda::backend::LogitsOut { lg: ws + rw.lg as u64, maxpos: geo.max_pos.max(1) as i32 }
+}
+
+impl PolicyDevice for RefreshDevice {
+    fn add_counters(&self, _gpu: &crate::cuda::context::Gpu, per_layer: &mut [Counters]) -> Result<()> {
+        RefreshDevice::add_counters(self, per_layer)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// RefreshKV's stage for one call: its decision before the attention (plans of `cx.fin`), and where the
+/// tensor-core kernel writes the full rows' logits, the sets rebuilt from them after it.
+pub(crate) struct RefreshStage<'a> {
+    /// The engine's RefreshKV state (None: not made, an internal error at the first launch).
+    state: Option<&'a RefreshDevice>,
+    r: Refresh,
+    ws: RefreshWs,
+}
+
+impl<'a> RefreshStage<'a> {
+    pub(crate) fn new(state: Option<&'a RefreshDevice>, r: Refresh) -> Self {
+        RefreshStage { state, r, ws: RefreshWs::default() }
+    }
+
+    fn run(&self, cx: &StepCx, after_attention: bool) -> Result<()> {
+        let Some(state) = self.state else { bail!(Internal, "the CUDA backend holds no RefreshKV state") };
+        let f = |n: &'static str| cx.function(n);
+        state.refresh_select(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, f, cx.ws, &self.ws, (cx.slot, cx.slot_gen), &self.r, cx.fin, cx.row_bytes, cx.ctr, after_attention)
+    }
+}
+
+impl CudaStage for RefreshStage<'_> {
+    fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
+        // The full step's weights from its own attention where the tensor-core kernel runs it.
+        let (ns, hk, g) = (cx.geo.num_seqs, cx.cfg.num_kv_heads, cx.cfg.group_size());
+        self.ws = RefreshWs::reserve(&mut |b| ws.take(b), ns, hk, g, cx.geo.max_pos, self.r.k, cx.tensor_cores)?;
+        Ok(())
+    }
+
+    fn select(&self, cx: &StepCx) -> Result<()> {
+        self.run(cx, false)
+    }
+
+    fn rows(&self, cx: &StepCx, keys: usize) -> Option<Rows> {
+        self.ws.logits.then(|| Rows::PlanLogits(cx.fin, keys, self.ws.logits_out(cx.geo, cx.ws)))
+    }
+
+    fn after_attention(&self, cx: &StepCx, _keys: usize) -> Result<()> {
+        if self.ws.logits && cx.select {
+            self.run(cx, true)?;
+        }
+        Ok(())
     }
 }

@@ -20,6 +20,9 @@
 pub mod cpu;
 pub mod cuda;
 
+use super::spec::{Arg, Args, Parsed, Selector};
+use crate::error::Result;
+
 use super::select::top_k_positions;
 use super::spec::Refresh;
 
@@ -117,6 +120,20 @@ impl RefreshHead {
         self.scores = t.iter().map(|x| x.1).collect();
         self.last_pos = hi;
     }
+}
+
+/// `refresh(k, stride, s, pool, every)`'s arguments (src/policy/registry.rs names the stage).
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    let mut a = Args::new(src, "refresh", raw, &["k", "stride", "s", "pool", "every"])?;
+    let k = a.int("k", Some(2048), 1, "", |_| true)?;
+    let stride = a.int("stride", Some(5), 1, "", |_| true)?;
+    let sim = a.num("s", Some(0.85), false, "a number in [-1, 1]", |v| (-1.0..=1.0).contains(&v))? as f32;
+    let pool = a.int("pool", Some(7), 1, ", odd", |v| v % 2 == 1)?;
+    let every = match a.find("every") {
+        Some(_) => Some(a.int("every", None, 1, "", |_| true)?),
+        None => None,
+    };
+    Ok(Parsed::Selector(Selector::Refresh(Refresh { k, stride, s: sim, pool, every }), None))
 }
 
 #[cfg(test)]

@@ -1,16 +1,17 @@
 //! SnapKV's choice on the CUDA backend (kernels/snapkv.cu): at a call that may hold a prefill chunk, the
 //! observation window's weights over the prefix (three passes over the keys: row maxima, fixed-point
 //! normalisers, weights summed per position), then pooling, top-k and the kept-slot bits in the layer's
-//! metadata, which the decode plan (`kvs_plan_snap`, launched by `sparse.rs`) reads. Same decisions as
+//! metadata, which the decode plan (`kvs_plan_snap`, launched by this stage) reads. Same decisions as
 //! the CPU's `cpu::snapkv::choose`, bit for bit.
 
-use crate::cuda::backend::{CudaBackend, Geometry};
+use crate::cuda::batch::{BatchArg, Geometry};
 use crate::cuda::driver::{check, cuda, CUfunction};
 use crate::cuda::launch::{self, KArgs};
-use crate::cuda::sparse::{BatchArg, WsLayout};
+use crate::cuda::stage::{checked, CallShape, CudaStage, StepCx, WsAlloc};
 use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
+use crate::ensure;
 
 /// Positions per CTA and threads of `kvs_snap_scores` (the kernel's SNAP_TP / SNAP_J).
 pub(crate) fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {
@@ -22,7 +23,7 @@ pub(crate) fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {
     }
 }
 
-impl CudaBackend {
+impl SnapKv {
     /// Enqueues SnapKV's choice for the call's prefill sequences (`rows` observation rows per (sequence,
     /// KV head) fit the workspace regions of `lay`); `keep` is the layer's kept-slot bits.
     #[allow(clippy::too_many_arguments)]
@@ -35,7 +36,7 @@ impl CudaBackend {
         batch: &BatchArg,
         f: impl Fn(&'static str) -> Result<CUfunction>,
         ws: u64,
-        lay: &WsLayout,
+        lay: &SnapWs,
         rows: usize,
         keep: u64,
         (budget, window, pool): (usize, usize, usize),
@@ -44,7 +45,7 @@ impl CudaBackend {
         let stream = a.stream;
         let n_rows = ns * hk * rows;
         let api = cuda()?;
-        // SAFETY: each region holds n_rows elements of its width (WsLayout, sized by the caller).
+        // SAFETY: each region holds n_rows elements of its width (SnapWs, sized by the caller).
         unsafe {
             // -inf's order key (kernels/include/decide.cuh kvs_order_key): rows with no visible key stay there.
             check((api.cuMemsetD32Async)(ws + lay.snap_rmax as u64, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
@@ -68,5 +69,69 @@ impl CudaBackend {
         k.by_value(batch).i32(hk as i32).i32(clamp(budget)).i32(clamp(window)).i32(clamp(pool)).i32(rows as i32);
         k.i64((ws + lay.snap_agg as u64) as i64).i64((ws + lay.snap_pool as u64) as i64).i32(maxpos as i32).i64(keep as i64);
         launch::launch(f("kvs_snap_choose")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_snap_choose launch")
+    }
+}
+
+/// SnapKV's choice regions in a call's policy workspace (calls that may hold a prefill chunk): per (seq,
+/// head) rows' max keys, fixed-point normalisers, NaN flags, and the aggregated and pooled scores per
+/// position.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct SnapWs {
+    pub(crate) snap_rmax: usize,
+    pub(crate) snap_z: usize,
+    pub(crate) snap_bad: usize,
+    pub(crate) snap_agg: usize,
+    pub(crate) snap_pool: usize,
+}
+
+/// SnapKV's stage for one call: the choice at calls that may hold a prefill chunk, then every decode
+/// row's plan from the kept-slot bits (`kvs_plan_snap`).
+pub(crate) struct SnapKv {
+    pub budget: usize,
+    pub window: usize,
+    pub pool: usize,
+    /// Observation rows per (seq, head) and the choice's regions, when the call may hold a prefill chunk.
+    choice: Option<(usize, SnapWs)>,
+}
+
+impl SnapKv {
+    pub(crate) fn new(budget: usize, window: usize, pool: usize) -> Self {
+        SnapKv { budget, window, pool, choice: None }
+    }
+}
+
+impl CudaStage for SnapKv {
+    fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
+        let (mql, geo, window) = (cx.max_query_len, cx.geo, self.window);
+        let (ns, hk, g) = (geo.num_seqs, cx.cfg.num_kv_heads, cx.cfg.group_size());
+        // Observation rows per (seq, head): the window's tokens of the longest chunk, times the group.
+        if mql == 1 {
+            return Ok(());
+        }
+        let mq = if mql > 0 { mql as usize } else { window };
+        let rows = checked(&[window.min(mq).max(1), g])?;
+        let lay = SnapWs {
+            snap_rmax: ws.take_n(&[ns, hk, rows, 4])?,
+            snap_z: ws.take_n(&[ns, hk, rows, 8])?,
+            snap_bad: ws.take_n(&[ns, hk, rows, 4])?,
+            snap_agg: ws.take_n(&[ns, hk, geo.max_pos.max(1), 4])?,
+            snap_pool: ws.take_n(&[ns, hk, geo.max_pos.max(1), 4])?,
+        };
+        self.choice = Some((rows, lay));
+        Ok(())
+    }
+
+    fn select(&self, cx: &StepCx) -> Result<()> {
+        let (a, hk, ns, base) = (cx.a, cx.cfg.num_kv_heads, cx.geo.num_seqs, &cx.base);
+        let m = cx.meta.expect("snapkv metadata checked above");
+        let keep = m.keep.as_ref().map_or(0, |b| b.ptr);
+        ensure!(keep != 0, Internal, "SnapKV's kept-slot bits were not allocated for layer {}", a.layer);
+        if let Some((rows, lay)) = &self.choice {
+            self.snap_choose(a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, |n| cx.function(n), cx.ws, lay, *rows, keep, (self.budget, self.window, self.pool))?;
+        }
+        let mut k = KArgs::new();
+        k.by_value(&cx.batch).i32(hk as i32).i64(keep as i64);
+        k.i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap).i64(cx.row_bytes).i32(cx.count_base).i64(cx.ctr);
+        launch::launch(cx.function("kvs_plan_snap")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, a.stream, "kvs_plan_snap launch")
     }
 }

@@ -28,11 +28,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::cuda::backend::{dtype_code, CudaBackend, Geometry, Rows};
+use crate::cuda::batch::{download_ints, dtype_code, BatchArg, Geometry, PlanRef, Rows};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUevent, CUstream, CU_STREAM_NON_BLOCKING};
 use crate::cuda::launch::{self, KArgs};
-use crate::cuda::sparse::{download_ints, BatchArg, PlanRef};
+use crate::cuda::stage::{CudaStage, Device, PolicyDevice};
 use crate::config::EngineConfig;
 use crate::policy::speculate::{calib_rows, CALIB_ROWS};
 use crate::args::ForwardArgs;
@@ -205,11 +205,12 @@ struct Layout {
     total: usize,
 }
 
-impl CudaBackend {
+impl PrrDevice {
     /// Cache-write hook: allocates the layer's PRR state on first use (outside capture) and resets the
     /// entries of the pages whose first slot this write stores.
-    pub(crate) fn prr_on_write(&self, cfg: &EngineConfig, layer: usize, cache: &KvCache, slot_mapping: &TensorRef, n: usize, stream: CUstream) -> Result<()> {
-        let Some(sp) = self.prr.spec else {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn prr_on_write(&self, dev: &dyn Device, cfg: &EngineConfig, layer: usize, cache: &KvCache, slot_mapping: &TensorRef, n: usize, stream: CUstream) -> Result<()> {
+        let Some(sp) = self.spec else {
             return Ok(());
         };
         if n == 0 {
@@ -217,12 +218,12 @@ impl CudaBackend {
         }
         let (nb, bs, hk) = (cache.num_blocks, cfg.block_size, cfg.num_kv_heads);
         let spb = slots_per_block(bs, sp.page);
-        let mut g = self.prr.layers[layer].lock();
+        let mut g = self.layers[layer].lock();
         let bytes = mul(&[nb, hk, spb, ENTRY_BYTES])?;
         match &*g {
             Some(b) => ensure!(b.bytes == bytes, InvalidShape, "layer {layer}'s PRR state was built for another cache size; one engine layer serves one cache"),
             None => {
-                if self.gpu.is_capturing(stream)? {
+                if dev.gpu().is_capturing(stream)? {
                     bail!(InvalidArgument, "layer {layer}'s PRR state would be allocated inside a CUDA graph capture; write the cache of every layer once before capturing");
                 }
                 let b = DevBuf::alloc(bytes)?;
@@ -233,26 +234,26 @@ impl CudaBackend {
             }
         }
         let st = g.as_ref().expect("set above").ptr;
-        let f = self.prr_fn(cfg, "kvs_prr_reset")?;
+        let f = self.prr_fn(dev, cfg, "kvs_prr_reset")?;
         let mut k = KArgs::new();
         k.ptr(slot_mapping.data).i64(slot_mapping.stride(0) as i64).i32((slot_mapping.dtype == DType::I64) as i32).i32(n as i32);
         k.i64(nb as i64).i32(bs as i32).i32(hk as i32).i32(sp.page.min(bs) as i32).i64(st as i64);
         launch::launch(f, ((n * hk).div_ceil(256).min(65536) as u32, 1, 1), 256, &mut k, stream, "kvs_prr_reset launch")
     }
 
-    fn prr_fn(&self, cfg: &EngineConfig, name: &'static str) -> Result<crate::cuda::driver::CUfunction> {
+    fn prr_fn(&self, dev: &dyn Device, cfg: &EngineConfig, name: &'static str) -> Result<crate::cuda::driver::CUfunction> {
         let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={}", cfg.head_dim), format!("GROUP={}", cfg.group_size()), "--fmad=false".to_string()];
-        self.modules.function(&self.gpu, "select", launch::SELECT, &defines, name)
+        dev.modules().function(dev.gpu(), "select", launch::SELECT, &defines, name)
     }
 
-    /// Benchmarks only: record the phases of later PRR steps with timing events (see `prr_timeline`).
-    pub fn set_prr_timeline(&self, on: bool) {
-        self.prr.timeline.store(on, Ordering::Relaxed);
+    /// Benchmarks only: record the phases of later PRR steps with timing events (see `timeline`).
+    pub fn set_timeline(&self, on: bool) {
+        self.timeline.store(on, Ordering::Relaxed);
     }
 
     /// Benchmarks only: the last PRR step's phase ends on `stream`, in ms after the fork (synchronizes).
-    pub fn prr_timeline(&self, stream: CUstream) -> Result<Vec<(&'static str, f32)>> {
-        let map = self.prr.streams.lock();
+    pub fn timeline(&self, stream: CUstream) -> Result<Vec<(&'static str, f32)>> {
+        let map = self.streams.lock();
         let Some(set) = map.get(&(stream as usize)) else {
             return Ok(Vec::new());
         };
@@ -276,7 +277,7 @@ impl CudaBackend {
     /// A PRR layer's call: calibration for the prefill chunks (host sync; refused under capture), then
     /// the decode rows' predict / speculate / select / repair / merge on two streams, and the prefill rows
     /// densely.
-    pub(crate) fn prr_forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, sp: &Speculate) -> Result<()> {
+    pub(crate) fn prr_forward(&self, dev: &dyn Device, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, sp: &Speculate) -> Result<()> {
         let (hk, bs, d, nq) = (cfg.num_kv_heads, cfg.block_size, cfg.head_dim, cfg.num_q_heads);
         let ns = geo.num_seqs;
         ensure!(ns < 65536, Unsupported, "policies on the CUDA backend take at most 65535 sequences per call (got {ns})");
@@ -321,28 +322,28 @@ impl CudaBackend {
         lay.pw_l = take(mul(&[ns, hk, parts, group, 4])?);
         lay.total = off.max(256);
 
-        let meta_guard = self.meta.layer(a.layer);
+        let meta_guard = dev.meta().layer(a.layer);
         let Some(m) = meta_guard.as_ref() else {
             bail!(InvalidArgument, "policy {:?} needs key metadata for layer {}, but no cache write for that layer went through kvs_cache_write", cfg.policy, a.layer);
         };
         ensure!(m.num_blocks == cache.num_blocks, InvalidShape, "layer {}'s key metadata was built for {} blocks, the caches have {}", a.layer, m.num_blocks, cache.num_blocks);
-        let st_guard = self.prr.layers[a.layer].lock();
+        let st_guard = self.layers[a.layer].lock();
         let Some(st) = st_guard.as_ref().map(|b| b.ptr) else {
             bail!(InvalidArgument, "policy {:?} keeps PRR state for layer {}, but no cache write for that layer went through kvs_cache_write", cfg.policy, a.layer);
         };
         let batch = BatchArg::new(a, geo, cache);
-        let capturing = self.gpu.is_capturing(stream)?;
+        let capturing = dev.gpu().is_capturing(stream)?;
 
         // Prefill chunks: calibration (synchronous).
         if a.max_query_len != 1 {
             ensure!(!capturing, InvalidArgument, "a PRR call that may hold a prefill chunk (max_query_len != 1) calibrates on the host and synchronizes; it cannot be captured in a CUDA graph (capture decode steps only, with max_query_len = 1)");
-            self.prr_calibrate(cfg, a, geo, sp, &batch, m, st, spb)?;
+            self.prr_calibrate(dev, cfg, a, geo, sp, &batch, m, st, spb)?;
         }
 
         let api = cuda()?;
-        let mut streams = self.prr.streams.lock();
+        let mut streams = self.streams.lock();
         let key = stream as usize;
-        let timeline = self.prr.timeline.load(Ordering::Relaxed);
+        let timeline = self.timeline.load(Ordering::Relaxed);
         if capturing && !streams.contains_key(&key) {
             take_over_set(&mut streams, key, lay.total, timeline);
         }
@@ -386,7 +387,7 @@ impl CudaBackend {
                 lay.total
             );
             if let Some(old) = set.ws.replace(DevBuf::alloc(lay.total.next_power_of_two())?) {
-                self.retired.lock().push(old);
+                dev.retired().lock().push(old);
             }
         }
         let ws = set.ws.as_ref().expect("allocated above").ptr;
@@ -402,10 +403,10 @@ impl CudaBackend {
             Ok(())
         };
         let at = |o: usize| ws + o as u64;
-        let f = |name: &'static str| self.prr_fn(cfg, name);
-        let ctr = self.sparse_layer_counters(a.layer) as i64;
+        let f = |name: &'static str| self.prr_fn(dev, cfg, name);
+        let ctr = dev.layer_counters(a.layer) as i64;
         let row_bytes = (2 * d * es) as i64;
-        let smem_keys = maxp.min((self.gpu.smem_optin as usize).saturating_sub(4096) / 4);
+        let smem_keys = maxp.min((dev.gpu().smem_optin as usize).saturating_sub(4096) / 4);
         let plan = |e: usize, len: usize, cap: usize| PlanRef { e: at(e), p_s: (hk * cap) as i64, p_h: cap as i64, len: at(len), ulog2, hk: hk as i32, cap: cap as i32, pad: 0 };
         let (fa, fb, fg) = (sp.alpha.unwrap_or(speculate::DEFAULT_PARAMS.alpha), sp.beta.unwrap_or(speculate::DEFAULT_PARAMS.beta), sp.gamma.unwrap_or(speculate::DEFAULT_PARAMS.gamma));
         let clamp = |v: usize| v.min(i32::MAX as usize) as i32;
@@ -424,7 +425,7 @@ impl CudaBackend {
         launch::launch(f("kvs_prr_pred_scores")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_pred_scores launch")?;
         let smem_fn = |name: &'static str| -> Result<crate::cuda::driver::CUfunction> {
             let func = f(name)?;
-            self.allow_smem_once(func, (self.gpu.smem_optin as usize).saturating_sub(4096))?;
+            dev.allow_smem_once(func, (dev.gpu().smem_optin as usize).saturating_sub(4096))?;
             Ok(func)
         };
         let mut k = KArgs::new();
@@ -444,7 +445,7 @@ impl CudaBackend {
         spec.lse = Some(view(lay.l1, DType::F32, &[nt64, nq64], &[nq64, 1])?);
         spec.stream = side;
         let pred_ref = plan(lay.pred, lay.pred_len, p_cap);
-        self.attend(cfg, &spec, cache, geo, Rows::Plan(pred_ref, (p_cap << ulog2).min(geo.max_len), None))?;
+        dev.attend(cfg, &spec, cache, geo, Rows::Plan(pred_ref, (p_cap << ulog2).min(geo.max_len), None))?;
         mark(2, side)?;
         // SAFETY: our event and stream.
         unsafe { check((api.cuEventRecord)(set.join_b, side), "cuEventRecord")? };
@@ -483,7 +484,7 @@ impl CudaBackend {
         // SAFETY: our event and stream.
         unsafe { check((api.cuEventRecord)(set.join_c, side), "cuEventRecord")? };
         if a.max_query_len != 1 {
-            self.attend(cfg, a, cache, geo, Rows::DenseRest)?;
+            dev.attend(cfg, a, cache, geo, Rows::DenseRest)?;
         }
         // Join B (the speculative attention is done): attention over the missed pages, merged with it.
         // SAFETY: our event, the caller's stream.
@@ -509,7 +510,7 @@ impl CudaBackend {
         drop(streams);
         drop(st_guard);
         drop(meta_guard);
-        self.sparse_set_last_plan(plan(lay.uni, lay.uni_len, u_cap), ns);
+        dev.set_last_plan(plan(lay.uni, lay.uni_len, u_cap), ns);
         Ok(())
     }
 
@@ -517,7 +518,7 @@ impl CudaBackend {
     /// the device, the CPU's `speculate::calibrate` per (sequence, KV head) on the host, the warm state
     /// scattered into the block-keyed entries.
     #[allow(clippy::too_many_arguments)]
-    fn prr_calibrate(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, sp: &Speculate, batch: &BatchArg, m: &crate::cuda::meta::LayerDevMeta, st: u64, spb: usize) -> Result<()> {
+    fn prr_calibrate(&self, dev: &dyn Device, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, sp: &Speculate, batch: &BatchArg, m: &crate::cuda::meta::LayerDevMeta, st: u64, spb: usize) -> Result<()> {
         let t0 = std::time::Instant::now();
         let (hk, ns, page) = (cfg.num_kv_heads, geo.num_seqs, sp.page);
         let api = cuda()?;
@@ -561,7 +562,7 @@ impl CudaBackend {
         k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
         k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
         k.i64(rows_d.ptr as i64).i64(traj_d.ptr as i64).i32(tmaxp as i32);
-        launch::launch(self.prr_fn(cfg, "kvs_prr_traj_scores")?, (tmaxp.div_ceil(64) as u32, hk as u32, rows.len() as u32), 256, &mut k, stream, "kvs_prr_traj_scores launch")?;
+        launch::launch(self.prr_fn(dev, cfg, "kvs_prr_traj_scores")?, (tmaxp.div_ceil(64) as u32, hk as u32, rows.len() as u32), 256, &mut k, stream, "kvs_prr_traj_scores launch")?;
         // SAFETY: the caller's stream.
         check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
         let mut raw = vec![0u8; traj_bytes];
@@ -614,13 +615,52 @@ impl CudaBackend {
         let (seqs_d, np_d, src_d) = (DevBuf::from_host(bytes_of(&seq_ids))?, DevBuf::from_host(bytes_of(&npages))?, DevBuf::from_host(&src)?);
         let mut k = KArgs::new();
         k.by_value(batch).i32(hk as i32).i32(page as i32).i32(spb as i32).i64(seqs_d.ptr as i64).i64(np_d.ptr as i64).i64(src_d.ptr as i64).i32(smaxp as i32).i64(st as i64);
-        launch::launch(self.prr_fn(cfg, "kvs_prr_scatter")?, (smaxp.div_ceil(256) as u32, hk as u32, seqs.len() as u32), 256, &mut k, stream, "kvs_prr_scatter launch")?;
+        launch::launch(self.prr_fn(dev, cfg, "kvs_prr_scatter")?, (smaxp.div_ceil(256) as u32, hk as u32, seqs.len() as u32), 256, &mut k, stream, "kvs_prr_scatter launch")?;
         // The temporary buffers must outlive the launches that read them.
         // SAFETY: the caller's stream.
         check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
-        let mut h = self.prr.host[a.layer].lock();
+        let mut h = self.host[a.layer].lock();
         h.spec_calibrations += items.len() as u64;
         h.spec_calib_us += t0.elapsed().as_micros() as u64;
         Ok(())
+    }
+}
+
+impl PolicyDevice for PrrDevice {
+    fn on_cache_write(&self, dev: &dyn Device, cfg: &EngineConfig, layer: usize, cache: &KvCache, slots: &TensorRef, n: usize, stream: CUstream) -> Result<()> {
+        self.prr_on_write(dev, cfg, layer, cache, slots, n, stream)
+    }
+
+    fn add_counters(&self, _gpu: &crate::cuda::context::Gpu, per_layer: &mut [Counters]) -> Result<()> {
+        for (l, c) in per_layer.iter_mut().enumerate() {
+            let h = self.host_counters(l);
+            c.spec_calibrations += h.spec_calibrations;
+            c.spec_calib_us += h.spec_calib_us;
+        }
+        Ok(())
+    }
+
+    fn release(&self) {
+        PrrDevice::release(self)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// PRR's stage: a whole call of its own (two streams, its own attention launches).
+pub(crate) struct PrrStage<'a> {
+    /// The engine's PRR state (None: not made, an internal error).
+    pub state: Option<&'a PrrDevice>,
+    pub sp: Speculate,
+}
+
+impl CudaStage for PrrStage<'_> {
+    fn forward(&self, dev: &dyn Device, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry) -> Option<Result<()>> {
+        Some(match self.state {
+            Some(s) => s.prr_forward(dev, cfg, a, cache, geo, &self.sp),
+            None => Err(crate::error::Error::new(crate::error::ErrorKind::Internal, "the CUDA backend holds no PRR state")),
+        })
     }
 }

@@ -17,6 +17,9 @@
 pub mod cpu;
 pub mod cuda;
 
+use super::spec::{err, quoted, Arg, Args, Parsed, Selector, Speculate, Tok};
+use crate::error::{Error, ErrorKind, Result};
+
 use super::select::quest_pages;
 use super::spec::Predict;
 
@@ -256,6 +259,38 @@ pub fn calib_rows(start: usize, len: usize, max: usize) -> Vec<usize> {
     }
     // Row j of max: start + len - 1 - (max - 1 - j) * len / max (exact integer stride, distinct rows).
     (0..max).map(|j| start + len - 1 - (max - 1 - j) * len / max).collect()
+}
+
+/// `speculate(over=quest(...), alpha, beta, gamma, budget, predict, extra)`'s arguments
+/// (src/policy/registry.rs names the stage).
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    let mut raw = raw;
+    let over = raw.iter().position(|a| a.key == "over");
+    let over_arg = over.map(|i| raw.remove(i));
+    let mut a = Args::new(src, "speculate", raw, &["alpha", "beta", "gamma", "budget", "predict", "extra"])?;
+    let (quest_budget, page, quest_sink) = match over_arg {
+        None => return Err(Error::new(ErrorKind::InvalidArgument, format!("policy spec {}: stage `speculate` needs `over=quest(budget=...)`", quoted(src)))),
+        Some(o) => {
+            if o.val != Tok::Name("quest".into()) {
+                return Err(err(src, o.val_pos, "`quest(...)` for `speculate.over`", &o.val.describe()));
+            }
+            super::quest::args(src, o.nested.unwrap_or_default())?
+        }
+    };
+    let alpha = a.auto_num("alpha", "a number in [0, 1] or `auto`", |v| (0.0..=1.0).contains(&v))?;
+    let beta = a.auto_num("beta", "a number in [0, 1] or `auto`", |v| (0.0..=1.0).contains(&v))?;
+    let gamma = a.auto_num("gamma", "a number in [0, 4] or `auto`", |v| (0.0..=4.0).contains(&v))?;
+    let budget = match a.find("budget") {
+        Some(_) => Some(a.int("budget", None, 1, "", |_| true)?),
+        None => None,
+    };
+    let predict = match a.word("predict", "holt", &["holt", "previous", "inverse"])? {
+        "previous" => Predict::Previous,
+        "inverse" => Predict::Inverse,
+        _ => Predict::Holt,
+    };
+    let keep_extra = a.word("extra", "keep", &["drop", "keep"])? == "keep";
+    Ok(Parsed::Selector(Selector::Speculate(Speculate { quest_budget, page, quest_sink, alpha, beta, gamma, budget, predict, keep_extra }), None))
 }
 
 #[cfg(test)]

@@ -1,4 +1,16 @@
-//! StreamingLLM (attention sinks + a recent window). Parameters parsed in `policy::spec`; on the GPU its
-//! plan is written by kernels/select.cu.
+//! StreamingLLM (attention sinks + a recent window). Parameters parsed here ([`parse`]); on the GPU its
+//! plan is written by kernels/select.cu's `kvs_plan_simple` ([`cuda`], which serves `all` too).
 
 pub mod cpu;
+pub mod cuda;
+
+use super::spec::{Arg, Args, Parsed, Selector};
+use crate::error::Result;
+
+/// `streaming(sink, recent)`'s arguments (src/policy/registry.rs names the stage).
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    let mut a = Args::new(src, "streaming", raw, &["sink", "recent"])?;
+    let sink = a.int("sink", Some(4), 0, "", |_| true)?;
+    let recent = a.int("recent", None, 1, "", |_| true)?;
+    Ok(Parsed::Selector(Selector::Streaming { sink, recent }, None))
+}

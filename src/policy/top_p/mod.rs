@@ -12,6 +12,11 @@
 //! the candidates sorted by weight (descending; equal weights by position, ascending) that reaches the
 //! mass for every row, which is how the CUDA kernel finds the same set (a radix search on the weights).
 
+pub mod cuda;
+
+use super::spec::{Arg, Args, Parsed, TopP};
+use crate::error::Result;
+
 /// Relative width of the bracket at which the binary search stops.
 pub const EPS: f32 = 1e-3;
 
@@ -98,6 +103,13 @@ pub fn select(p_rows: &[f32], rows: usize, n: usize, p: f32, w: &mut Vec<f32>, k
         }
     }
     kept
+}
+
+/// `top_p(p)`'s arguments (src/policy/registry.rs names the stage).
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    let mut a = Args::new(src, "top_p", raw, &["p"])?;
+    let v = a.num("p", Some(0.95), false, "a number in (0, 1]", |v| v > 0.0 && v <= 1.0)?;
+    Ok(Parsed::TopP(TopP { p: v as f32 }))
 }
 
 #[cfg(test)]

@@ -1,0 +1,207 @@
+//! ART on the CUDA backend: the termination itself runs inside the tensor-core attention kernel (ART=1 of
+//! kernels/attention_mma.cu, parameters `ArtLaunch`); this stage reserves its tile counts and priority
+//! order, sorts a Quest plan by page score (kvs_art_priority), and after the attention takes back the blocks
+//! no visited tile reached (kvs_art_blocks, kernels/policy/art.cu). Visit records rebuild each row's visited
+//! spans from the tile counts, in the kernel's order.
+
+use crate::cuda::batch::{download_raw, ArtLaunch, Rows};
+use crate::cuda::launch::{self, KArgs};
+use crate::cuda::plan::art_splits;
+use crate::cuda::stage::{CallShape, CudaStage, RowVisits, StepCx, WsAlloc};
+use crate::error::Result;
+use crate::policy::plan::{normalize_spans, HeadPlan};
+use crate::policy::{Art, Order, Pipeline, Probe, Selector};
+use crate::ensure;
+
+/// Which ART settings, behind which stages, the CUDA backend runs.
+pub(crate) fn supported(p: &Pipeline) -> std::result::Result<(), String> {
+    let Some(a) = p.art else { return Ok(()) };
+    // In the kernel: recency order over `all` / `streaming` / `quest` plans, and Quest's priority order
+    // (its page scores sorted on the device, kvs_art_priority), the paper's probe. Priority by SnapKV's
+    // pooled scores or top-p's estimated mass is not built (those scores are not kept on the device).
+    if !matches!(p.selector, Selector::All | Selector::Streaming { .. } | Selector::Quest { .. }) || p.top_p.is_some() {
+        return Err("`art` on the CUDA backend runs behind `all`, `streaming` or `quest` only (ART behind `snapkv` or `top_p` needs their scores on the device, not built yet)".into());
+    }
+    if a.probe != Probe::Lanes {
+        return Err("`art` on the CUDA backend supports probe=lanes only".into());
+    }
+    if a.order == Order::Priority && !matches!(p.selector, Selector::Quest { .. }) {
+        return Err("`art(order=priority)` on the CUDA backend needs a scored selector (quest)".into());
+    }
+    Ok(())
+}
+
+/// The positions below which ART's order puts a plan's entries first (the selector's sinks, as the CPU's
+/// `prepare_head`): `streaming.sink` or `quest.sink`, else position 0.
+pub(crate) fn sink_limit(p: &Pipeline) -> i32 {
+    match p.selector {
+        Selector::Streaming { sink, .. } | Selector::Quest { sink, .. } => sink.clamp(1, i32::MAX as usize) as i32,
+        _ => 1,
+    }
+}
+
+/// ART's stage for one call, and its workspace regions.
+pub(crate) struct ArtStage {
+    art: Art,
+    sink_limit: i32,
+    /// The bitonic sort of kvs_art_priority holds a power of two >= the plan's capacity of 8-byte keys.
+    n2: usize,
+    /// Priority order (behind Quest): the ordered entries and their inverse, in the plan's layout.
+    order: usize,
+    inv: usize,
+}
+
+impl ArtStage {
+    pub(crate) fn new(art: Art, sink_limit: i32) -> Self {
+        ArtStage { art, sink_limit, n2: 0, order: 0, inv: 0 }
+    }
+
+    fn priority(&self) -> bool {
+        self.art.order == Order::Priority
+    }
+
+    /// Device addresses of the priority order and its inverse (0 = recency order).
+    fn order_at(&self, ws: u64) -> (u64, u64) {
+        if self.priority() {
+            (ws + self.order as u64, ws + self.inv as u64)
+        } else {
+            (0, 0)
+        }
+    }
+}
+
+impl CudaStage for ArtStage {
+    fn splits(&self, cx: &CallShape) -> Result<usize> {
+        // Its splits follow from the plan's capacity.
+        let n = art_splits(cx.fin.cap << cx.fin.ulog2, self.art.segment).0;
+        ensure!(n < 65536, Unsupported, "`art(segment=...)` would split a row into {n} segments; at most 65535 (use a larger segment)");
+        Ok(n)
+    }
+
+    fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
+        let fin = &cx.fin;
+        self.n2 = fin.cap.next_power_of_two();
+        if self.priority() {
+            ensure!(self.n2 * 8 + 1024 <= cx.smem_optin, Unsupported, "`art(order=priority)` on the CUDA backend sorts a row's plan in shared memory: {} entries is more than this device holds (use a smaller budget or order=recent)", fin.cap);
+            self.order = ws.take_n(&[cx.rows_of(fin), fin.cap, 4])?;
+            self.inv = ws.take_n(&[cx.rows_of(fin), fin.cap, 4])?;
+        }
+        Ok(())
+    }
+
+    fn select(&self, cx: &StepCx) -> Result<()> {
+        if !self.priority() {
+            return Ok(());
+        }
+        let Some(sc) = cx.scores else { return Ok(()) };
+        let (hk, ns, base) = (cx.cfg.num_kv_heads, cx.geo.num_seqs, &cx.base);
+        let f_ord = cx.function("kvs_art_priority")?;
+        let smem = self.n2 * 8;
+        if smem > 48 * 1024 {
+            cx.dev.allow_smem_once(f_ord, (cx.dev.gpu().smem_optin as usize).saturating_sub(1024))?;
+        }
+        let (order, inv) = self.order_at(cx.ws);
+        let mut k = KArgs::new();
+        k.by_value(&cx.batch).i32(hk as i32).i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap);
+        k.i32(self.sink_limit).i32(sc.page as i32).i64(sc.at as i64).i32(sc.maxp as i32);
+        k.i64(order as i64).i64(inv as i64).i32(self.n2 as i32);
+        launch::launch_smem(f_ord, (hk as u32, ns as u32, 1), 512, smem as u32, &mut k, cx.a.stream, "kvs_art_priority launch")
+    }
+
+    fn rows(&self, cx: &StepCx, _keys: usize) -> Option<Rows> {
+        let (order, inv) = self.order_at(cx.ws);
+        let art = ArtLaunch {
+            tau: self.art.tau,
+            phi: self.art.phi,
+            patience: self.art.patience.map_or(-1, |v| v.min(i32::MAX as u32) as i32),
+            sink_limit: self.sink_limit,
+            ctr: cx.ctr as u64,
+            tiles_out: cx.tiles,
+            hk: cx.cfg.num_kv_heads as i32,
+            segment: self.art.segment.map_or(0, |v| v.min(i32::MAX as u32) as i32),
+            order,
+            inv,
+        };
+        // ART walks the plan in its segments (art_splits): the key bound is the plan's capacity.
+        Some(Rows::Plan(cx.fin, (cx.fin.cap as usize) << cx.fin.ulog2, Some(art)))
+    }
+
+    fn after_attention(&self, cx: &StepCx, keys: usize) -> Result<()> {
+        // Blocks no visited tile reached, once every split has run (kernels/policy/art.cu).
+        let (hk, ns, fin) = (cx.cfg.num_kv_heads, cx.geo.num_seqs, &cx.fin);
+        let (nsplit, chunk) = art_splits(keys, self.art.segment);
+        let mut k = KArgs::new();
+        k.by_value(&cx.batch).i32(hk as i32).i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i32(fin.ulog2);
+        k.i32(self.sink_limit).i64(cx.tiles as i64).i32(nsplit as i32).i32(chunk.min(i32::MAX as usize) as i32);
+        k.i64(self.order_at(cx.ws).1 as i64).i64(cx.ctr);
+        launch::launch(cx.function("kvs_art_blocks")?, (hk as u32, ns as u32, 1), 256, &mut k, cx.a.stream, "kvs_art_blocks launch")
+    }
+
+    fn visits(&self, cx: &StepCx) -> Option<Box<dyn RowVisits>> {
+        Some(Box::new(ArtVisits {
+            tiles_at: cx.tiles,
+            tiles: None,
+            sink_limit: self.sink_limit as usize,
+            nsplit: cx.nsplit,
+            segment: self.art.segment,
+            order: self.order_at(cx.ws).0,
+            p_s: cx.fin.p_s,
+            p_h: cx.fin.p_h,
+            rows: cx.geo.num_seqs * cx.cfg.num_kv_heads,
+            hk: cx.cfg.num_kv_heads,
+        }))
+    }
+}
+
+/// Where an ART call left its tile counts and order (read back for visit records only).
+struct ArtVisits {
+    tiles_at: u64,
+    /// The tile counts `[seqs][kv_heads][nsplit]`, downloaded on first use.
+    tiles: Option<Vec<i32>>,
+    sink_limit: usize,
+    nsplit: usize,
+    segment: Option<u32>,
+    /// The priority order (the plan's layout), 0 = recency.
+    order: u64,
+    p_s: i64,
+    p_h: i64,
+    rows: usize,
+    hk: usize,
+}
+
+impl RowVisits for ArtVisits {
+    fn spans(&mut self, s: usize, h: usize, entries: &[u32], ulog2: u32, lo: usize, hi: usize, spans: &mut Vec<(usize, usize)>) -> Result<(u32, u32)> {
+        if self.tiles.is_none() {
+            let mut raw = vec![0u8; self.rows * self.nsplit * 4];
+            download_raw(self.tiles_at, &mut raw)?;
+            self.tiles = Some(raw.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4"))).collect());
+        }
+        let t = self.tiles.as_ref().expect("downloaded above");
+        let plan = HeadPlan { unit_log2: ulog2, entries: entries.to_vec() };
+        let n = entries.len();
+        // The kernel's order (priority: as kvs_art_priority wrote it; else recency) and tiles; each split
+        // (segment) cut where it stopped.
+        let mut order = Vec::new();
+        if self.order != 0 {
+            let mut raw = vec![0u8; n * 4];
+            download_raw(self.order + ((s as i64 * self.p_s + h as i64 * self.p_h) * 4) as u64, &mut raw)?;
+            order.extend(raw.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))));
+        } else {
+            super::order_entries(&plan, self.sink_limit, Order::Recent, |_| f32::NAN, &mut order);
+        }
+        let mut tiles = super::Tiles::default();
+        tiles.build(&order, plan.unit_log2, lo, hi);
+        let seg_tiles = self.segment.map_or(usize::MAX, |k| k as usize / super::ART_TILE);
+        spans.clear();
+        let mut visited = 0usize;
+        let nsplit = self.nsplit;
+        for k in 0..nsplit {
+            let t0 = k.saturating_mul(seg_tiles).min(tiles.len());
+            let t1 = t0.saturating_add(t[(s * self.hk + h) * nsplit + k].max(0) as usize).min(tiles.len()).min(t0.saturating_add(seg_tiles));
+            spans.extend_from_slice(&tiles.spans[tiles.bounds[t0]..tiles.bounds[t1]]);
+            visited += t1 - t0;
+        }
+        normalize_spans(spans);
+        Ok((visited as u32, tiles.len() as u32))
+    }
+}

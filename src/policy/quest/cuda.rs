@@ -1,0 +1,75 @@
+//! Quest on the CUDA backend (kernels/policy/quest.cu): the page scores with the first pass of the top-k
+//! folded in (per-row key histograms merged over the row's CTAs), then the top-k per row, which checks the
+//! histogram against the keys and zeroes it for the next call. The page scores stay in the workspace for
+//! ART's priority order.
+
+use crate::cuda::launch::{self, KArgs};
+use crate::cuda::stage::{CallShape, CudaStage, PageScores, StepCx, WsAlloc};
+use crate::error::Result;
+
+/// Bins of Quest's per-row key histogram: kernels/policy/quest.cu QSEL_BINS.
+const QSEL_BINS: usize = 2048;
+/// Static shared memory of kvs_quest_topk and a margin (its gathered bin is 16 KiB), kept out of the
+/// dynamic shared memory its page keys may take.
+const TOPK_STATIC_SMEM: usize = 24 << 10;
+
+/// Quest's stage for one call, and its workspace regions.
+pub(crate) struct Quest {
+    pub budget: usize,
+    pub page: usize,
+    pub sink: usize,
+    /// Pages per row (the table's positions, plus one).
+    maxp: usize,
+    /// `[seqs * kv_heads][maxp]` f32 page scores.
+    scores: usize,
+    /// Quest's per-row histograms of the page keys' top bits (kvs_quest_scores_hist, kvs_quest_topk),
+    /// `[seqs * kv_heads][QSEL_BINS]` u32, left zeroed by each selection (a histogram that does not match
+    /// the keys, e.g. the region's first use or another call's data, only costs the slow path).
+    qhist: usize,
+}
+
+impl Quest {
+    pub(crate) fn new(budget: usize, page: usize, sink: usize) -> Self {
+        Quest { budget, page, sink, maxp: 0, scores: 0, qhist: 0 }
+    }
+}
+
+impl CudaStage for Quest {
+    fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
+        let (ns, hk) = (cx.geo.num_seqs, cx.cfg.num_kv_heads);
+        self.maxp = cx.geo.max_pos.div_ceil(self.page) + 1;
+        self.scores = ws.take_n(&[ns, hk, self.maxp, 4])?;
+        self.qhist = ws.take_n(&[ns, hk, QSEL_BINS, 4])?;
+        Ok(())
+    }
+
+    fn page_scores(&self, ws: u64) -> Option<PageScores> {
+        Some(PageScores { at: ws + self.scores as u64, maxp: self.maxp, page: self.page })
+    }
+
+    fn select(&self, cx: &StepCx) -> Result<()> {
+        let (hk, ns, stream) = (cx.cfg.num_kv_heads, cx.geo.num_seqs, cx.a.stream);
+        let (a, base, maxp, page) = (cx.a, &cx.base, self.maxp, self.page);
+        let m = cx.meta.expect("quest metadata checked above");
+        let clamp = |v: usize| v.min(i32::MAX as usize) as i32;
+        let scores = cx.ws + self.scores as u64;
+        let qhist = cx.ws + self.qhist as u64;
+        let q = &a.query;
+        let mut k = KArgs::new();
+        k.by_value(&cx.batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
+        k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
+        k.i32(clamp(self.budget)).i32(clamp(self.sink)).i64(scores as i64).i32(maxp as i32).i64(qhist as i64).i64(cx.row_bytes).i64(cx.ctr);
+        launch::launch(cx.function("kvs_quest_scores_hist")?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores_hist launch")?;
+        // The page keys in dynamic shared memory when they fit (the device's opt-in limit less the
+        // kernel's own static shared memory, ~18 KiB: the gathered bin and scratch).
+        let dyn_max = (cx.dev.gpu().smem_optin as usize).saturating_sub(TOPK_STATIC_SMEM);
+        let smem_keys = maxp.min(dyn_max / 4);
+        let f_topk = cx.function("kvs_quest_topk")?;
+        cx.dev.allow_smem_once(f_topk, dyn_max)?;
+        let mut k = KArgs::new();
+        k.by_value(&cx.batch).i32(hk as i32).i32(clamp(self.budget)).i32(page as i32).i32(clamp(self.sink));
+        k.i64(scores as i64).i32(maxp as i32).i64(qhist as i64).i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap).i64(cx.row_bytes).i32(cx.count_base);
+        k.i32(smem_keys as i32).i64(cx.ctr);
+        launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")
+    }
+}
