@@ -1,7 +1,9 @@
-// SnapKV on the device: the choice at a prefill chunk and the decode plan that reads it, the same
-// decisions as the CPU engine (src/cpu/snapkv.rs, src/cpu/sparse/mod.rs) in the same arithmetic
-// (decide.cuh, --fmad=false). Its batch, reduction and top-k helpers and its scoring arithmetic are
-// headers in kernels/include/.
+// SnapKV on the device: the choice at a prefill chunk and the decode plan that reads it. The choice's
+// weights come from tensor cores where the cache allows (kvs_snap_lse_mma, kvs_snap_weights_mma below:
+// agreement with the CPU engine's choice within a stated margin, docs/policies.md), otherwise from the
+// scalar phases of kvs_snap_scores in the CPU's arithmetic (src/policy/snapkv/cpu.rs; decide.cuh,
+// --fmad=false), which equal the CPU's choice bit for bit. Its batch, reduction and top-k helpers and its
+// scoring arithmetic are headers in kernels/include/.
 //
 // Where the choice lives: with the cache, not with a sequence id. The layer's metadata holds one bit per
 // (block, KV head, slot) (`keep[num_blocks][hk][4]` u64, kernels/meta.cu): every slot starts kept, a cache
@@ -12,7 +14,8 @@
 // would need a device-side map). Blocks shared by sequences (prefix caching) share the bits: the last
 // chunk that chose rewrites them (the CPU keeps one choice per sequence).
 //
-// The choice, for each prefill sequence (q_len > 1) longer than the budget, per KV head:
+// The choice, for each prefill sequence (q_len > 1) longer than the budget, per KV head (scalar path;
+// the tensor-core path replaces the three phases by two kernels, see below):
 //   kvs_snap_scores phase 0: each observation row's largest logit (the chunk's tokens at positions
 //       >= len - window, times the GROUP query heads; order-key atomicMax, NaN skipped as f32::max does);
 //   phase 1: each row's softmax normaliser, an exact fixed-point sum (math::softmax_norm: atomics in any
