@@ -53,6 +53,9 @@ __device__ __forceinline__ SnapSeq snap_seq(const Batch& b, int s, int window) {
     return o;
 }
 
+// The first position a query at `pos` sees (the sliding window's start, or 0).
+__device__ __forceinline__ int snap_lo(const Batch& b, int pos) { return (b.window > 0 && pos + 1 - b.window > 0) ? pos + 1 - b.window : 0; }
+
 
 // Grid (position tiles of SNAP_TP, KV heads, seqs). Per (seq, head), rows r = token * GROUP + query head:
 // rmax[r] (order keys, preset to the key of -inf), zfix[r] (preset 0), zbad[r] (preset 0), rcap rows each;
@@ -87,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
     for (int k = 0; k < SNAP_KPER; ++k) acc[k] = 0.0f;
     for (int tt = 0; tt < o.n; ++tt) {
         const int tpos = o.pos0 + tt;
-        const int lo = (b.window > 0 && tpos + 1 - b.window > 0) ? tpos + 1 - b.window : 0;
+        const int lo = snap_lo(b, tpos);
         __syncthreads();  // the previous token's queries are no longer read (and the K tile is staged)
         for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
             const int r = i / HEAD_DIM, c = i % HEAD_DIM;
@@ -223,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_lse_mma(Batch
             const int rr = rr0 + mb * 16 + r + hf * 8, g = rr / np, t = rr % np;
             const int tpos = o.pos0 + t;
             const bool act = g < GROUP && t < o.n;
-            rlo[mb][hf] = act ? ((b.window > 0 && tpos + 1 - b.window > 0) ? tpos + 1 - b.window : 0) : 0x7fffffff;
+            rlo[mb][hf] = act ? snap_lo(b, tpos) : 0x7fffffff;
             rhi[mb][hf] = act ? tpos : -1;
             klo = min(klo, rlo[mb][hf]);
             khi = max(khi, rhi[mb][hf]);
@@ -423,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_weights_mma(B
                 const int t = tb + r + hf * 8;
                 if (t >= o.n) continue;
                 const int tpos = o.pos0 + t;
-                const int lo = (b.window > 0 && tpos + 1 - b.window > 0) ? tpos + 1 - b.window : 0;
+                const int lo = snap_lo(b, tpos);
                 const float L = lse[rows + t * GROUP + g];
                 if (L == -INFINITY) continue;  // the row sees nothing
 #pragma unroll

@@ -76,7 +76,7 @@ impl CudaBackend {
         let stream = a.stream;
         let maxpos = geo.max_pos.max(1);
         let common = |k: &mut KArgs| score_args(k, a, cache, batch, budget, window);
-        let lse = ws + lay.snap_rmax as u64;
+        let (lse, agg) = (ws + lay.snap_rmax as u64, ws + lay.snap_agg as u64);
         if mma_choice(cache) {
             // Rows in the kernels: the group's heads times the window's tokens rounded up to 16.
             let np = (rows / g).next_multiple_of(16);
@@ -86,52 +86,31 @@ impl CudaBackend {
             launch::launch(f("kvs_snap_lse_mma")?, ((g * np).div_ceil(MMA_LSE_ROWS) as u32, hk as u32, ns as u32), 128, &mut k, stream, "kvs_snap_lse_mma launch")?;
             let mut k = KArgs::new();
             common(&mut k);
-            k.i64(lse as i64).i32(rows as i32).i64((ws + lay.snap_agg as u64) as i64).i32(maxpos as i32);
+            k.i64(lse as i64).i32(rows as i32).i64(agg as i64).i32(maxpos as i32);
             launch::launch(f("kvs_snap_weights_mma")?, (maxpos.div_ceil(MMA_WEIGHT_POSITIONS) as u32, hk as u32, ns as u32), 128, &mut k, stream, "kvs_snap_weights_mma launch")?;
         } else {
-            self.snap_scores_scalar(a, cache, geo, group, batch, &f, ws, lay, rows, (budget, window))?;
+            // The scalar phases, in the CPU's arithmetic: row maxima, fixed-point normalisers, weights.
+            let n_rows = ns * hk * rows;
+            let api = cuda()?;
+            // SAFETY: each region holds n_rows elements of its width (WsLayout, sized by the caller).
+            unsafe {
+                // -inf's order key (kernels/include/decide.cuh kvs_order_key): rows with no visible key stay there.
+                check((api.cuMemsetD32Async)(lse, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
+                check((api.cuMemsetD8Async)(ws + lay.snap_z as u64, 0, n_rows * 8, stream), "cuMemsetD8Async")?;
+                check((api.cuMemsetD8Async)(ws + lay.snap_bad as u64, 0, n_rows * 4, stream), "cuMemsetD8Async")?;
+            }
+            let (tp, threads) = scores_shape(cache.head_dim, g);
+            for phase in 0..3 {
+                let mut k = KArgs::new();
+                common(&mut k);
+                k.i32(phase).i64(lse as i64).i64((ws + lay.snap_z as u64) as i64).i64((ws + lay.snap_bad as u64) as i64).i32(rows as i32);
+                k.i64(agg as i64).i32(maxpos as i32);
+                launch::launch(f("kvs_snap_scores")?, (maxpos.div_ceil(tp) as u32, hk as u32, ns as u32), threads as u32, &mut k, stream, "kvs_snap_scores launch")?;
+            }
         }
         let mut k = KArgs::new();
         k.by_value(batch).i32(hk as i32).i32(clamp(budget)).i32(clamp(window)).i32(clamp(pool)).i32(rows as i32);
-        k.i64((ws + lay.snap_agg as u64) as i64).i64((ws + lay.snap_pool as u64) as i64).i32(maxpos as i32).i64(keep as i64);
+        k.i64(agg as i64).i64((ws + lay.snap_pool as u64) as i64).i32(maxpos as i32).i64(keep as i64);
         launch::launch(f("kvs_snap_choose")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_snap_choose launch")
-    }
-
-    /// The scalar phases of the choice's weights (`kvs_snap_scores` x3), in the CPU's arithmetic.
-    #[allow(clippy::too_many_arguments)]
-    fn snap_scores_scalar(
-        &self,
-        a: &ForwardArgs,
-        cache: &KvCache,
-        geo: &Geometry,
-        group: usize,
-        batch: &BatchArg,
-        f: &impl Fn(&'static str) -> Result<CUfunction>,
-        ws: u64,
-        lay: &WsLayout,
-        rows: usize,
-        (budget, window): (usize, usize),
-    ) -> Result<()> {
-        let (hk, d, g, ns) = (cache.num_kv_heads, cache.head_dim, group, geo.num_seqs);
-        let stream = a.stream;
-        let n_rows = ns * hk * rows;
-        let api = cuda()?;
-        // SAFETY: each region holds n_rows elements of its width (WsLayout, sized by the caller).
-        unsafe {
-            // -inf's order key (kernels/include/decide.cuh kvs_order_key): rows with no visible key stay there.
-            check((api.cuMemsetD32Async)(ws + lay.snap_rmax as u64, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
-            check((api.cuMemsetD8Async)(ws + lay.snap_z as u64, 0, n_rows * 8, stream), "cuMemsetD8Async")?;
-            check((api.cuMemsetD8Async)(ws + lay.snap_bad as u64, 0, n_rows * 4, stream), "cuMemsetD8Async")?;
-        }
-        let (tp, threads) = scores_shape(d, g);
-        let maxpos = geo.max_pos.max(1);
-        for phase in 0..3 {
-            let mut k = KArgs::new();
-            score_args(&mut k, a, cache, batch, budget, window);
-            k.i32(phase).i64((ws + lay.snap_rmax as u64) as i64).i64((ws + lay.snap_z as u64) as i64).i64((ws + lay.snap_bad as u64) as i64).i32(rows as i32);
-            k.i64((ws + lay.snap_agg as u64) as i64).i32(maxpos as i32);
-            launch::launch(f("kvs_snap_scores")?, (maxpos.div_ceil(tp) as u32, hk as u32, ns as u32), threads as u32, &mut k, stream, "kvs_snap_scores launch")?;
-        }
-        Ok(())
     }
 }
