@@ -390,9 +390,12 @@ extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_weights_mma(B
     };
     int cur = 0;  // the query head acc holds
     for (int rc = 0; rc < GROUP * np; rc += SNM_QR) {
-        bool any = false;  // a block of these rows holds window tokens (np and SNM_QR are multiples of 16)
+        // Blocks of 16 rows that hold window tokens: a query head below GROUP (the last SNM_QR rows may run
+        // past GROUP * np when it is an odd multiple of 16) and a token below n.
+        auto live = [&](int rb) { return rb / np < GROUP && rb % np < o.n; };
+        bool any = false;
 #pragma unroll
-        for (int mb = 0; mb < SNM_QR / 16; ++mb) any = any || (rc + mb * 16) % np < o.n;
+        for (int mb = 0; mb < SNM_QR / 16; ++mb) any = any || live(rc + mb * 16);
         if (!any) continue;
         __syncthreads();  // the previous rows are no longer read
         snm_stage_q(sq, q, q0, q1, q2, o, h, np, rc, SNM_QR);
@@ -401,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_weights_mma(B
 #pragma unroll
         for (int mb = 0; mb < SNM_QR / 16; ++mb) {
             const int rb = rc + mb * 16, g = rb / np, tb = rb % np;
-            if (tb >= o.n) continue;  // uniform over the CTA
+            if (!live(rb)) continue;  // uniform over the CTA
             if (g != cur) {
                 flush();
                 cur = g;
