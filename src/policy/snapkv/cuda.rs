@@ -29,10 +29,13 @@ pub(crate) fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {
 }
 
 /// Whether the tensor-core kernels serve this cache: f16/bf16, head size a multiple of 16 up to 128 (the
-/// kernels' static shared memory), K rows and their start 16-byte aligned (cp.async).
+/// kernels' static shared memory), K rows and their start 16-byte aligned (cp.async). Benchmarks only:
+/// `KVS_BENCH_SNAP_SCALAR=1` keeps the scalar phases, the baseline in the same binary.
 pub(crate) fn mma_choice(cache: &KvCache) -> bool {
+    static SCALAR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let vec = 8; // elements per 16 bytes
-    matches!(cache.dtype, DType::F16 | DType::BF16)
+    !*SCALAR.get_or_init(|| std::env::var("KVS_BENCH_SNAP_SCALAR").is_ok_and(|v| v == "1"))
+        && matches!(cache.dtype, DType::F16 | DType::BF16)
         && cache.head_dim % 16 == 0
         && cache.head_dim <= 128
         && (cache.k.data as usize) % 16 == 0
