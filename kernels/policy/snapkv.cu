@@ -218,7 +218,6 @@ extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_lse_mma(Batch
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, qd = lane & 3;
     // This lane's rows (block mb, half hf): active when t < n; each sees [lo, tpos].
     int rlo[2][2], rhi[2][2];
-    int klo = 0x7fffffff, khi = -1;
 #pragma unroll
     for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
@@ -228,15 +227,16 @@ extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_lse_mma(Batch
             const bool act = g < GROUP && t < o.n;
             rlo[mb][hf] = act ? snap_lo(b, tpos) : 0x7fffffff;
             rhi[mb][hf] = act ? tpos : -1;
-            klo = min(klo, rlo[mb][hf]);
-            khi = max(khi, rhi[mb][hf]);
         }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        klo = min(klo, __shfl_xor_sync(0xffffffffu, klo, off));
-        khi = max(khi, __shfl_xor_sync(0xffffffffu, khi, off));
+    // The CTA's key range: the union of its active rows' ranges (the same in every thread).
+    int klo = 0x7fffffff, khi = -1;
+    for (int i = 0; i < SNM_LROWS; ++i) {
+        const int rr = rr0 + i, t = rr % np;
+        if (rr / np < GROUP && t < o.n) {
+            klo = min(klo, snap_lo(b, o.pos0 + t));
+            khi = max(khi, o.pos0 + t);
+        }
     }
-    // The CTA's key range (every warp holds the same rows, so the same range).
     snm_stage_q(sq, q, q0, q1, q2, o, h, np, rr0, SNM_LROWS);
     const int tb0 = khi >= 0 ? (klo & ~(SNM_LBN - 1)) : 0;
     const int ntiles = khi >= 0 ? (khi - tb0) / SNM_LBN + 1 : 0;
