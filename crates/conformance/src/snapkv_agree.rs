@@ -111,8 +111,10 @@ pub fn snap_reference(f: &Fixture, cache: &HostBuf, s: usize, head: usize, p: &S
     Some((RefScores { lo: 0, hi: obs_start - 1, pooled, delta }, k_prefix))
 }
 
-/// Prefix positions whose reference score lies within delta of the boundary (the `k`-th largest): where
-/// a later stage's set (top-p over SnapKV's candidates) may differ too.
+/// Prefix positions whose reference score differs from the boundary (the `k`-th largest) but lies within
+/// delta of it: where two candidates may trade places on the device, and so where a later stage's set
+/// (top-p over SnapKV's candidates) may differ too. Scores equal to the boundary do not count: equal
+/// scores come from the same pooled maximum, and both engines break that tie by position.
 pub fn borderline(rf: &RefScores, k: usize) -> usize {
     if k == 0 || k >= rf.pooled.len() {
         return 0;
@@ -120,7 +122,7 @@ pub fn borderline(rf: &RefScores, k: usize) -> usize {
     let mut v = rf.pooled.clone();
     v.sort_by(|x, y| y.total_cmp(x));
     let b = v[k - 1];
-    rf.pooled.iter().filter(|&&x| (x - b).abs() <= rf.delta * b.abs()).count()
+    rf.pooled.iter().filter(|&&x| x != b && (x - b).abs() <= rf.delta * b.abs()).count()
 }
 
 #[cfg(test)]
@@ -139,8 +141,11 @@ mod tests {
     #[test]
     fn borderline_counts_positions_near_the_kth_score() {
         let rf = RefScores { lo: 0, hi: 4, pooled: vec![0.5, 0.3, 0.30001, 0.1, 0.2], delta: 1e-3 };
-        assert_eq!(borderline(&rf, 2), 2); // 0.3 and 0.30001 around the 2nd largest
-        assert_eq!(borderline(&rf, 1), 1); // only 0.5 itself
+        assert_eq!(borderline(&rf, 2), 1); // the boundary is 0.30001; 0.3 lies within delta of it
+        assert_eq!(borderline(&rf, 1), 0); // nothing near 0.5
         assert_eq!(borderline(&rf, 5), 0);
+        // A tie at the boundary alone cannot flip (both engines order it by position).
+        let tie = RefScores { lo: 0, hi: 3, pooled: vec![0.5, 0.3, 0.3, 0.1], delta: 1e-3 };
+        assert_eq!(borderline(&tie, 2), 0);
     }
 }

@@ -121,10 +121,19 @@ fn agreement(f: &Fixture, policy: &str, cpu: &[VisitRecord], gpu: &[VisitRecord]
             None => Agreement { differing: 1, violation: Some(format!("{what}: the sets differ where the choice keeps every position")), ..Default::default() },
             Some((rf, k)) if behind => {
                 // Top-p behind SnapKV: a swapped candidate moves top-p's masses, so the row may differ
-                // beyond the swap, but only where SnapKV's choice has a borderline position.
+                // beyond the swap, but only where SnapKV's choice has a borderline position, and every
+                // prefix position the GPU visits must be one SnapKV could keep (within delta of the top k).
                 let near = borderline(&rf, k);
                 let differing = c.iter().filter(|x| !g.contains(x)).count() + g.iter().filter(|x| !c.contains(x)).count();
-                let violation = (near == 0).then(|| format!("{what}: top-p's set differs and no SnapKV position is within delta {:.3e} of the boundary", rf.delta));
+                let mut sorted = rf.pooled.clone();
+                sorted.sort_by(|x, y| y.total_cmp(x));
+                let b = sorted.get(k.max(1) - 1).copied().unwrap_or(0.0);
+                let outside = g.iter().find(|&&p| p <= rf.hi && rf.pooled[p] < b * (1.0 - rf.delta));
+                let violation = if near == 0 {
+                    Some(format!("{what}: top-p's set differs and no SnapKV position is within delta {:.3e} of the boundary", rf.delta))
+                } else {
+                    outside.map(|&p| format!("{what}: the GPU visits position {p} (reference {:.6e}), below SnapKV's boundary {b:.6e} by more than delta {:.3e}", rf.pooled[p], rf.delta))
+                };
                 Agreement { differing, violation, ..Default::default() }
             }
             Some((rf, _)) => check_row(&c, &g, lo, Some(&rf), &what),
