@@ -8,7 +8,7 @@
 #   graph replay), compute-sanitizer on them, the detector-cost bench and the trace eval (~7 min).
 #   snapkv (only when named): SnapKV on the device (issue 17): its two-call decisions test, the other
 #   sparse tests (the Quest top-k shares its radix select; graph replay, lossless, bad metadata), the
-#   trace eval and the bench (~7 min); snapsan: compute-sanitizer on the SnapKV tests (~5 min).
+#   trace eval and the bench, the tensor-core choice against the scalar one (~8 min); snapsan: compute-sanitizer on the SnapKV tests (~5 min).
 #   (default all)
 set -uo pipefail
 DIR=$(cd "$(dirname "$0")" && pwd)
@@ -99,6 +99,10 @@ if [[ " $whats " == *" snapkv "* ]]; then
   grep -aE "^\| " "$OUT/snap-eval.log"
   GREP='snapkv' step snap-bench 240 "$DIR/bin/kvsparse" bench --device cuda --policy 'snapkv(budget=L/16)' --policy 'snapkv(budget=L/16) > top_p(p=0.95)' --batch 1,8,32 --ctx 32768,131072 --csv "$OUT/snapkv.csv"
   grep -aE "snapkv|choice" "$OUT/snap-bench.log"
+  # The scalar choice (the kernels before issue 35's tensor-core path) as the baseline in the same binary;
+  # 32 x 128K left out (~0.35 s per choice, ~1 min of timing).
+  GREP='snapkv' step snap-bench-scalar 200 env KVS_BENCH_SNAP_SCALAR=1 "$DIR/bin/kvsparse" bench --device cuda --policy 'snapkv(budget=L/16)' --batch 1,8 --ctx 32768,131072 --csv "$OUT/snapkv-scalar.csv"
+  grep -aE "choice" "$OUT/snap-bench-scalar.log"
 fi
 if [[ " $whats " == *" snapsan "* ]]; then
   GREP='ERROR SUMMARY' step snap-memcheck 200 env KVS_QUICK=1 compute-sanitizer --tool memcheck "$DIR/bin/cuda_sparse_tests" --test-threads=1 snapkv

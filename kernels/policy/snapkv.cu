@@ -1,7 +1,9 @@
-// SnapKV on the device: the choice at a prefill chunk and the decode plan that reads it, the same
-// decisions as the CPU engine (src/cpu/snapkv.rs, src/cpu/sparse/mod.rs) in the same arithmetic
-// (decide.cuh, --fmad=false). Its batch, reduction and top-k helpers and its scoring arithmetic are
-// headers in kernels/include/.
+// SnapKV on the device: the choice at a prefill chunk and the decode plan that reads it. The choice's
+// weights come from tensor cores where the cache allows (kvs_snap_lse_mma, kvs_snap_weights_mma below:
+// agreement with the CPU engine's choice within a stated margin, docs/policies.md), otherwise from the
+// scalar phases of kvs_snap_scores in the CPU's arithmetic (src/policy/snapkv/cpu.rs; decide.cuh,
+// --fmad=false), which equal the CPU's choice bit for bit. Its batch, reduction and top-k helpers and its
+// scoring arithmetic are headers in kernels/include/.
 //
 // Where the choice lives: with the cache, not with a sequence id. The layer's metadata holds one bit per
 // (block, KV head, slot) (`keep[num_blocks][hk][4]` u64, kernels/meta.cu): every slot starts kept, a cache
@@ -12,7 +14,8 @@
 // would need a device-side map). Blocks shared by sequences (prefix caching) share the bits: the last
 // chunk that chose rewrites them (the CPU keeps one choice per sequence).
 //
-// The choice, for each prefill sequence (q_len > 1) longer than the budget, per KV head:
+// The choice, for each prefill sequence (q_len > 1) longer than the budget, per KV head (scalar path;
+// the tensor-core path replaces the three phases by two kernels, see below):
 //   kvs_snap_scores phase 0: each observation row's largest logit (the chunk's tokens at positions
 //       >= len - window, times the GROUP query heads; order-key atomicMax, NaN skipped as f32::max does);
 //   phase 1: each row's softmax normaliser, an exact fixed-point sum (math::softmax_norm: atomics in any
@@ -50,6 +53,9 @@ __device__ __forceinline__ SnapSeq snap_seq(const Batch& b, int s, int window) {
     return o;
 }
 
+// The first position a query at `pos` sees (the sliding window's start, or 0).
+__device__ __forceinline__ int snap_lo(const Batch& b, int pos) { return (b.window > 0 && pos + 1 - b.window > 0) ? pos + 1 - b.window : 0; }
+
 
 // Grid (position tiles of SNAP_TP, KV heads, seqs). Per (seq, head), rows r = token * GROUP + query head:
 // rmax[r] (order keys, preset to the key of -inf), zfix[r] (preset 0), zbad[r] (preset 0), rcap rows each;
@@ -84,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
     for (int k = 0; k < SNAP_KPER; ++k) acc[k] = 0.0f;
     for (int tt = 0; tt < o.n; ++tt) {
         const int tpos = o.pos0 + tt;
-        const int lo = (b.window > 0 && tpos + 1 - b.window > 0) ? tpos + 1 - b.window : 0;
+        const int lo = snap_lo(b, tpos);
         __syncthreads();  // the previous token's queries are no longer read (and the K tile is staged)
         for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
             const int r = i / HEAD_DIM, c = i % HEAD_DIM;
@@ -139,6 +145,317 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
         agg[(i64)(s * hk + h) * maxpos + pos] = a;
     }
 }
+
+#if (KVS_DTYPE == 1 || KVS_DTYPE == 2) && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128
+// The choice's weights on tensor cores (f16/bf16 caches, head sizes up to 128 in multiples of 16;
+// src/policy/snapkv/cuda.rs picks these kernels where K rows are 16-byte aligned, the scalar phases above
+// otherwise). Two passes over K instead of three:
+//   kvs_snap_lse_mma: each observation row's base-2 log-sum-exp over every key it sees (NaN when a visible
+//       logit is not finite), written over `rmax` as f32 bits;
+//   kvs_snap_weights_mma: per prefix position, the weights 2^(l - lse) summed over the window per query
+//       head, then the max over the group (from 0, NaN dropped, as the CPU): agg[pos].
+// Logits: mma.sync m16n8k16 of the stored f16/bf16 query and key rows (exact products, f32 accumulation),
+// times scale * log2 e (or the softcap's tanhf), as the attention kernels compute them. Every sum runs in
+// a fixed order (no atomics), so the same inputs give the same bits on the same device. Rows are ordered
+// head-major in the kernels, rr = g * SNM_NP + t (SNM_NP = the window's tokens rounded up to 16), so every
+// block of 16 rows belongs to one query head; the statistics are stored per row t * GROUP + g (`rcap`).
+#include "mma.cuh"
+
+#define SNM_ROWB (HEAD_DIM * 2 + 16)  // padded shared-memory row (bytes): ldmatrix without bank conflicts
+#define SNM_CPR (HEAD_DIM / 8)        // 16-byte chunks per row
+#define SNM_KSTEPS (HEAD_DIM / 16)
+#define SNM_THREADS 128               // 4 warps
+#define SNM_LBN 64                    // lse pass: keys per tile (16 per warp)
+#define SNM_LROWS 32                  // lse pass: rows per CTA (two blocks of 16)
+#define SNM_WKEYS 32                  // weights pass: keys per warp
+#define SNM_CW (4 * SNM_WKEYS)        // weights pass: positions per CTA
+#define SNM_QR 32                     // weights pass: rows staged at a time
+
+__device__ __forceinline__ int snm_np(int rcap) { return ((rcap / GROUP) + 15) & ~15; }
+
+// Stages `nrows` rows of the window's queries, kernel rows rr0.. (zeros for t >= n), into shared memory.
+__device__ __forceinline__ void snm_stage_q(unsigned char* dst, const elem_t* q, i64 q0, i64 q1, i64 q2, const SnapSeq& o, int h, int np, int rr0, int nrows) {
+    for (int i = threadIdx.x; i < nrows * HEAD_DIM; i += blockDim.x) {
+        const int m = i / HEAD_DIM, c = i % HEAD_DIM, rr = rr0 + m, g = rr / np, t = rr % np;
+        elem_t v = ET::st(0.0f);
+        if (g < GROUP && t < o.n) v = q[(i64)(o.t0 + t) * q0 + (i64)(h * GROUP + g) * q1 + (i64)c * q2];
+        *reinterpret_cast<elem_t*>(dst + m * SNM_ROWB + c * 2) = v;
+    }
+}
+
+// Issues the cp.async of K rows [p0, p0 + nk) of (s, h) into `dst` (zeros past `pend` or for a bad block id).
+__device__ __forceinline__ void snm_load_k(unsigned dst, const Batch& b, int s, const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int h, int p0, int nk, int pend) {
+    const int bmask = (1 << b.bs_log2) - 1;
+    for (int c = threadIdx.x; c < nk * SNM_CPR; c += blockDim.x) {
+        const int kr = c / SNM_CPR, cc = c % SNM_CPR, p = p0 + kr;
+        i64 blk = -1;
+        if (p < pend) blk = phys_block(b, s, p >> b.bs_log2);
+        const elem_t* src = blk >= 0 ? kc + blk * kc0 + (i64)(p & bmask) * kc1 + (i64)h * kc2 + cc * 8 : kc;
+        cp_async16(dst + kr * SNM_ROWB + cc * 16, src, blk >= 0 ? 16 : 0);
+    }
+    cp_commit();
+}
+
+// The logit (base 2) of a raw score, as the attention kernels compute it.
+__device__ __forceinline__ float snm_logit2(float x, float scale, float softcap) {
+    return softcap > 0.f ? softcap * tanhf(x * scale / softcap) * KVS_LOG2E : x * (scale * KVS_LOG2E);
+}
+
+// Grid (ceil(GROUP * SNM_NP / SNM_LROWS), KV heads, seqs). Every warp serves the CTA's 32 rows over its
+// 16 keys of each 64-key tile (two-stage cp.async ring); the warps' (max, sum) are merged in warp order.
+extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_lse_mma(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
+                                                                           const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int budget, int window,
+                                                                           float* lse, int rcap) {
+    __shared__ __align__(16) unsigned char sq[SNM_LROWS * SNM_ROWB];
+    __shared__ __align__(16) unsigned char sk[2][SNM_LBN * SNM_ROWB];
+    __shared__ float part_m[4][SNM_LROWS], part_l[4][SNM_LROWS];
+    __shared__ int part_bad[4][SNM_LROWS];
+    const int s = blockIdx.z, h = blockIdx.y;
+    const SnapSeq o = snap_seq(b, s, window);
+    if (!o.prefill || o.len <= budget || o.n > rcap / GROUP) return;
+    const int np = snm_np(rcap), rr0 = blockIdx.x * SNM_LROWS;
+    if (rr0 >= GROUP * np) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, qd = lane & 3;
+    // This lane's rows (block mb, half hf): active when t < n; each sees [lo, tpos].
+    int rlo[2][2], rhi[2][2];
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int rr = rr0 + mb * 16 + r + hf * 8, g = rr / np, t = rr % np;
+            const int tpos = o.pos0 + t;
+            const bool act = g < GROUP && t < o.n;
+            rlo[mb][hf] = act ? snap_lo(b, tpos) : 0x7fffffff;
+            rhi[mb][hf] = act ? tpos : -1;
+        }
+    // The CTA's key range: the union of its active rows' ranges (the same in every thread).
+    int klo = 0x7fffffff, khi = -1;
+    for (int i = 0; i < SNM_LROWS; ++i) {
+        const int rr = rr0 + i, t = rr % np;
+        if (rr / np < GROUP && t < o.n) {
+            klo = min(klo, snap_lo(b, o.pos0 + t));
+            khi = max(khi, o.pos0 + t);
+        }
+    }
+    snm_stage_q(sq, q, q0, q1, q2, o, h, np, rr0, SNM_LROWS);
+    const int tb0 = khi >= 0 ? (klo & ~(SNM_LBN - 1)) : 0;
+    const int ntiles = khi >= 0 ? (khi - tb0) / SNM_LBN + 1 : 0;
+    const unsigned sq_a = smem_u32(sq), sk_a = smem_u32(sk[0]);
+    const unsigned qoff = (lane & 15) * SNM_ROWB + (lane >> 4) * 16;
+    const unsigned koff = ((lane & 7) + ((lane >> 4) << 3)) * SNM_ROWB + ((lane >> 3) & 1) * 16;
+    float mrow[2][2], lrow[2][2];
+    bool bad[2][2];
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            mrow[mb][hf] = -INFINITY;
+            lrow[mb][hf] = 0.f;
+            bad[mb][hf] = false;
+        }
+    if (ntiles > 0) snm_load_k(sk_a, b, s, kc, kc0, kc1, kc2, h, tb0, SNM_LBN, o.len);
+    for (int k = 0; k < ntiles; ++k) {
+        if (k + 1 < ntiles) {
+            snm_load_k(sk_a + ((k + 1) & 1) * SNM_LBN * SNM_ROWB, b, s, kc, kc0, kc1, kc2, h, tb0 + (k + 1) * SNM_LBN, SNM_LBN, o.len);
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        __syncthreads();  // tile k (and, the first time, the queries) is in
+        const unsigned kb = sk_a + (k & 1) * SNM_LBN * SNM_ROWB + warp * 16 * SNM_ROWB;
+        const int pb = tb0 + k * SNM_LBN + warp * 16;  // this warp's first key
+        float sc[2][2][4];
+#pragma unroll
+        for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+            for (int n = 0; n < 2; ++n) sc[mb][n][0] = sc[mb][n][1] = sc[mb][n][2] = sc[mb][n][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < SNM_KSTEPS; ++ks) {
+            unsigned bk[4];
+            ldsm_x4(bk, kb + koff + ks * 32);
+#pragma unroll
+            for (int mb = 0; mb < 2; ++mb) {
+                unsigned a[4];
+                ldsm_x4(a, sq_a + mb * 16 * SNM_ROWB + qoff + ks * 32);
+                mma16816(sc[mb][0], a[0], a[1], a[2], a[3], bk[0], bk[1]);
+                mma16816(sc[mb][1], a[0], a[1], a[2], a[3], bk[2], bk[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before the next load refills it
+#pragma unroll
+        for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                float x[4];
+                float mx = -INFINITY;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int n = i >> 1, e = 2 * hf + (i & 1);
+                    const int kp = pb + n * 8 + qd * 2 + (i & 1);
+                    const bool vis = kp >= rlo[mb][hf] && kp <= rhi[mb][hf];
+                    const float raw = sc[mb][n][e];
+                    if (vis && !isfinite(raw)) bad[mb][hf] = true;
+                    x[i] = vis ? snm_logit2(raw, scale, softcap) : -INFINITY;
+                    mx = fmaxf(mx, x[i]);
+                }
+                const float mn = fmaxf(mrow[mb][hf], mx);
+                if (mn == -INFINITY) continue;
+                float sum = lrow[mb][hf] * exp2f(mrow[mb][hf] - mn);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) sum += exp2f(x[i] - mn);
+                mrow[mb][hf] = mn;
+                lrow[mb][hf] = sum;
+            }
+    }
+    // Merge: the quad's lanes, then the warps in order.
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            float m = mrow[mb][hf], l = lrow[mb][hf];
+            int bd = bad[mb][hf];
+#pragma unroll
+            for (int off = 1; off < 4; off <<= 1) {
+                const float m2 = __shfl_xor_sync(0xffffffffu, m, off), l2 = __shfl_xor_sync(0xffffffffu, l, off);
+                bd |= __shfl_xor_sync(0xffffffffu, bd, off);
+                const float mn = fmaxf(m, m2);
+                l = mn == -INFINITY ? 0.f : l * exp2f(m - mn) + l2 * exp2f(m2 - mn);
+                m = mn;
+            }
+            if (qd == 0) {
+                const int row = mb * 16 + r + hf * 8;
+                part_m[warp][row] = m;
+                part_l[warp][row] = l;
+                part_bad[warp][row] = bd;
+            }
+        }
+    __syncthreads();
+    if (threadIdx.x < SNM_LROWS) {
+        const int rr = rr0 + threadIdx.x, g = rr / np, t = rr % np;
+        if (g < GROUP && t < o.n) {
+            float m = -INFINITY;
+            int bd = 0;
+            for (int w = 0; w < 4; ++w) {
+                m = fmaxf(m, part_m[w][threadIdx.x]);
+                bd |= part_bad[w][threadIdx.x];
+            }
+            float l = 0.f;
+            if (m > -INFINITY)
+                for (int w = 0; w < 4; ++w) l += part_l[w][threadIdx.x] * exp2f(part_m[w][threadIdx.x] - m);
+            const float v = bd ? __int_as_float(0x7fffffff) : (m > -INFINITY ? m + log2f(l) : -INFINITY);
+            lse[(i64)(s * hk + h) * rcap + t * GROUP + g] = v;
+        }
+    }
+}
+
+// Grid (ceil(maxpos / SNM_CW), KV heads, seqs). The CTA's positions stay in shared memory while the
+// window's rows pass by SNM_QR at a time; warp w owns positions [w * 32, w * 32 + 32) of them and keeps,
+// per lane, the running sum of the current query head and the max over the heads done.
+extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_weights_mma(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
+                                                                               const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int budget, int window,
+                                                                               const float* lse, int rcap, float* agg, int maxpos) {
+    __shared__ __align__(16) unsigned char sk[SNM_CW * SNM_ROWB];
+    __shared__ __align__(16) unsigned char sq[SNM_QR * SNM_ROWB];
+    const int s = blockIdx.z, h = blockIdx.y;
+    const SnapSeq o = snap_seq(b, s, window);
+    if (!o.prefill || o.len <= budget || o.n > rcap / GROUP) return;
+    const int pend = min(o.obs_start, maxpos);
+    const int p0 = blockIdx.x * SNM_CW;
+    if (p0 >= pend) return;
+    const int np = snm_np(rcap);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, qd = lane & 3;
+    const unsigned sk_a = smem_u32(sk), sq_a = smem_u32(sq);
+    snm_load_k(sk_a, b, s, kc, kc0, kc1, kc2, h, p0, SNM_CW, pend);
+    const unsigned qoff = (lane & 15) * SNM_ROWB + (lane >> 4) * 16;
+    const unsigned koff = ((lane & 7) + ((lane >> 4) << 3)) * SNM_ROWB + ((lane >> 3) & 1) * 16;
+    const unsigned kb = sk_a + warp * SNM_WKEYS * SNM_ROWB;
+    const int pb = p0 + warp * SNM_WKEYS;
+    const i64 rows = (i64)(s * hk + h) * rcap;
+    float acc[4][2], best[4][2];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) acc[n][0] = acc[n][1] = best[n][0] = best[n][1] = 0.f;
+    // The head's sums over the window (the 8 row lanes added), then the max over the heads.
+    auto flush = [&]() {
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                float v = acc[n][j];
+                v += __shfl_xor_sync(0xffffffffu, v, 4);
+                v += __shfl_xor_sync(0xffffffffu, v, 8);
+                v += __shfl_xor_sync(0xffffffffu, v, 16);
+                best[n][j] = fmaxf(best[n][j], v);  // fmaxf drops NaN, as f32::max
+                acc[n][j] = 0.f;
+            }
+    };
+    int cur = 0;  // the query head acc holds
+    for (int rc = 0; rc < GROUP * np; rc += SNM_QR) {
+        // Blocks of 16 rows that hold window tokens: a query head below GROUP (the last SNM_QR rows may run
+        // past GROUP * np when it is an odd multiple of 16) and a token below n.
+        auto live = [&](int rb) { return rb / np < GROUP && rb % np < o.n; };
+        bool any = false;
+#pragma unroll
+        for (int mb = 0; mb < SNM_QR / 16; ++mb) any = any || live(rc + mb * 16);
+        if (!any) continue;
+        __syncthreads();  // the previous rows are no longer read
+        snm_stage_q(sq, q, q0, q1, q2, o, h, np, rc, SNM_QR);
+        cp_wait<0>();
+        __syncthreads();
+#pragma unroll
+        for (int mb = 0; mb < SNM_QR / 16; ++mb) {
+            const int rb = rc + mb * 16, g = rb / np, tb = rb % np;
+            if (!live(rb)) continue;  // uniform over the CTA
+            if (g != cur) {
+                flush();
+                cur = g;
+            }
+            float sc[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < SNM_KSTEPS; ++ks) {
+                unsigned a[4];
+                ldsm_x4(a, sq_a + mb * 16 * SNM_ROWB + qoff + ks * 32);
+#pragma unroll
+                for (int kk = 0; kk < 2; ++kk) {
+                    unsigned bk[4];
+                    ldsm_x4(bk, kb + kk * 16 * SNM_ROWB + koff + ks * 32);
+                    mma16816(sc[2 * kk], a[0], a[1], a[2], a[3], bk[0], bk[1]);
+                    mma16816(sc[2 * kk + 1], a[0], a[1], a[2], a[3], bk[2], bk[3]);
+                }
+            }
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int t = tb + r + hf * 8;
+                if (t >= o.n) continue;
+                const int tpos = o.pos0 + t;
+                const int lo = snap_lo(b, tpos);
+                const float L = lse[rows + t * GROUP + g];
+                if (L == -INFINITY) continue;  // the row sees nothing
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const int kp = pb + n * 8 + qd * 2 + j;
+                        const bool vis = kp >= lo && kp <= tpos && kp < pend;
+                        // As the CPU: a row whose normaliser is NaN adds NaN at every prefix position.
+                        const float w = isnan(L) ? L : (vis ? exp2f(snm_logit2(sc[n][2 * hf + j], scale, softcap) - L) : 0.f);
+                        acc[n][j] += w;
+                    }
+            }
+        }
+    }
+    flush();
+    if (r == 0)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int kp = pb + n * 8 + qd * 2 + j;
+                if (kp < pend) agg[(i64)(s * hk + h) * maxpos + kp] = best[n][j];
+            }
+}
+#endif
 
 // One CTA per (KV head, prefill sequence): pooled scores, the top k_prefix = budget - window positions of
 // the prefix, and the kept bits of positions [0, len). `pooled` [maxpos] per (seq, head) is scratch.

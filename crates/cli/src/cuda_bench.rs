@@ -341,7 +341,11 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let nb = rotation * p.batch * bps;
     // Stateful policies (RefreshKV) keep state per sequence: every rotation's sequences have ids of their own.
     // The one parse of the spec text (the engine's config depends on it); later decisions read the engine's.
-    let stateful = kvsparse::policy::Policy::parse(policy)?.device_slots().is_some();
+    let parsed = kvsparse::policy::Policy::parse(policy)?;
+    let stateful = parsed.device_slots().is_some();
+    // Every policy that keeps per-sequence state needs seq_ids (SnapKV too, though on the device its choice
+    // lives with the cache blocks): the engine refuses its calls without them.
+    let with_ids = parsed.is_stateful();
     let n_ids = rotation * p.batch;
     let mk = |pol: &str| -> Result<Engine> {
         let mut cfg = EngineConfig::new(1, p.hq, p.hk, d, BLOCK, DType::BF16);
@@ -448,7 +452,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             block_table: v(unsafe { bt.as_ptr().add(r * p.batch * bps * 4) }, DType::I32, &[p.batch as i64, bps as i64])?,
             seq_lens: v(seq_lens.as_ptr(), DType::I32, &[p.batch as i64])?,
             query_start_loc: v(qsl.as_ptr(), DType::I32, &[p.batch as i64 + 1])?,
-            seq_ids: if stateful { Some(v(unsafe { ids.as_ptr().add(r * p.batch * 8) }, DType::I64, &[p.batch as i64])?) } else { None },
+            seq_ids: if with_ids { Some(v(unsafe { ids.as_ptr().add(r * p.batch * 8) }, DType::I64, &[p.batch as i64])?) } else { None },
             out: v(unsafe { out.as_ptr().add(qoff) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
             lse: None,
             scale: 1.0 / (d as f32).sqrt(),

@@ -18,6 +18,7 @@ pub mod prr_cuda;
 pub mod reference;
 pub mod refresh_agree;
 pub mod refresh_cuda;
+pub mod snapkv_agree;
 pub mod snapkv_cuda;
 pub mod sparse;
 pub mod sparse_cuda;

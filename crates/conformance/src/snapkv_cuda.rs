@@ -1,20 +1,25 @@
 //! SnapKV on CUDA against the CPU engine. SnapKV decides at a prefill chunk and applies its choice at
 //! decode, so a case is two calls on one cache: a prefill call where every sequence's last chunk of
 //! `Q` tokens is attended (SnapKV chooses from its last `window` queries), then a decode call whose rows
-//! are each sequence's last query again (same position, same length). Both engines see the same fixture;
-//! the GPU must visit exactly the CPU's positions at decode (which checks the choice through the kept
-//! bits of the visible range, and the plan), count the same statistics, and produce outputs within the
-//! dense tolerances of the CPU's.
+//! are each sequence's last query again (same position, same length). Both engines see the same fixture.
+//! The decisions are checked by the agreement contract (`snapkv_agree`): where the GPU's visited positions
+//! differ from the CPU's, every differing position must lie within delta of the choice's boundary (with
+//! top-p behind SnapKV, a differing row needs a borderline SnapKV position); rows that agree must count
+//! the same statistics; outputs stay within the dense tolerances of the CPU's, or, for a row whose set
+//! differs, of the f64 attention over the GPU's own set.
 
 use super::cuda::{view, DeviceCase};
 use super::fixture::{run_on_engine, Fixture, Outputs};
 use super::hostbuf::HostBuf;
 use super::reference::{max_abs_err, rel_err};
+use super::refresh_agree::{check_row, positions, Agreement};
+use super::snapkv_agree::{borderline, snap_reference, SnapParams};
 use super::sparse_cuda::{cfg_for, compare_counters, compare_visits, sorted, sync, SparseResult};
 use super::{tolerance, CaseSpec};
 use kvsparse::cuda::context::DevBuf;
 use kvsparse::engine::{Engine, ForwardArgs};
 use kvsparse::error::Result;
+use kvsparse::stats::{Counters, VisitRecord};
 use kvsparse::tensor::{DType, Device, TensorRef};
 
 /// SnapKV settings that exercise each branch: the window shorter than the chunk and longer than it,
@@ -80,13 +85,120 @@ fn step_args(f: &Fixture, query: TensorRef, caches: (TensorRef, TensorRef), tabl
     }
 }
 
+/// The decode rows whose visited positions differ: agreement over all of them, and per such row its
+/// (sequence, KV head) and the GPU's positions.
+struct Differing {
+    agree: Agreement,
+    rows: Vec<(usize, usize, Vec<usize>)>,
+}
+
+/// Checks the GPU's decode plans against the CPU's by the agreement contract (module doc).
+fn agreement(f: &Fixture, policy: &str, cpu: &[VisitRecord], gpu: &[VisitRecord]) -> Differing {
+    let mut out = Differing { agree: Agreement::default(), rows: Vec::new() };
+    if cpu.len() != gpu.len() || cpu.iter().zip(gpu).any(|(a, b)| (a.seq_id, a.kv_head) != (b.seq_id, b.kv_head)) {
+        out.agree.violation = compare_visits(cpu, gpu);
+        return out;
+    }
+    let Some(p) = SnapParams::parse(policy) else {
+        out.agree.violation = Some(format!("{policy}: not a snapkv(...) policy"));
+        return out;
+    };
+    let cache = f.written_cache();
+    let behind = policy.contains("top_p");
+    for (a, b) in cpu.iter().zip(gpu) {
+        if a.spans == b.spans {
+            continue;
+        }
+        let what = format!("seq {} head {}", a.seq_id, a.kv_head);
+        let Some(s) = f.seq_ids.iter().position(|&id| id as u64 == a.seq_id) else {
+            out.agree.violation.get_or_insert(format!("{what}: unknown sequence id"));
+            continue;
+        };
+        let (c, g) = (positions(a), positions(b));
+        let len = f.seq_lens[s] as usize;
+        let lo = if f.spec.window > 0 { len.saturating_sub(f.spec.window) } else { 0 };
+        let row = match snap_reference(f, &cache, s, a.kv_head, &p) {
+            None => Agreement { differing: 1, violation: Some(format!("{what}: the sets differ where the choice keeps every position")), ..Default::default() },
+            Some((rf, k)) if behind => {
+                // Top-p behind SnapKV: a swapped candidate moves top-p's masses, so the row may differ
+                // beyond the swap, but only where SnapKV's choice has a borderline position, and every
+                // prefix position the GPU visits must be one SnapKV could keep (within delta of the top k).
+                let near = borderline(&rf, k);
+                let differing = c.iter().filter(|x| !g.contains(x)).count() + g.iter().filter(|x| !c.contains(x)).count();
+                let mut sorted = rf.pooled.clone();
+                sorted.sort_by(|x, y| y.total_cmp(x));
+                let b = sorted.get(k.max(1) - 1).copied().unwrap_or(0.0);
+                let outside = g.iter().find(|&&p| p <= rf.hi && rf.pooled[p] < b * (1.0 - rf.delta));
+                let violation = if near == 0 {
+                    Some(format!("{what}: top-p's set differs and no SnapKV position is within delta {:.3e} of the boundary", rf.delta))
+                } else {
+                    outside.map(|&p| format!("{what}: the GPU visits position {p} (reference {:.6e}), below SnapKV's boundary {b:.6e} by more than delta {:.3e}", rf.pooled[p], rf.delta))
+                };
+                Agreement { differing, violation, ..Default::default() }
+            }
+            Some((rf, _)) => check_row(&c, &g, lo, Some(&rf), &what),
+        };
+        out.agree.merge(&row);
+        out.rows.push((s, a.kv_head, g));
+    }
+    out
+}
+
+/// Counters that do not depend on which positions a row visits (compared where the sets differ).
+fn compare_set_free_counters(c: &Counters, g: &Counters) -> Option<String> {
+    let strip = |x: &Counters| Counters { blocks_visited: 0, kv_bytes_read: 0, top_p_candidates: 0, top_p_kept: 0, ..*x };
+    compare_counters(&strip(c), &strip(g))
+}
+
+/// f64 attention of KV head `h`'s query rows of the decode call (sequence `s`'s last prefill query) over
+/// the positions `set`: outputs [group, d] and LSEs [group].
+fn attend_over(f: &Fixture, cache: &HostBuf, s: usize, h: usize, set: &[usize]) -> (Vec<f64>, Vec<f64>) {
+    let sp = &f.spec;
+    let (d, g, bs) = (sp.head_dim, sp.num_q_heads / sp.num_kv_heads, sp.block_size);
+    let st = f.cache_strides.map(|x| x as usize);
+    let row = |pos: usize, off: usize| -> Vec<f64> {
+        let b = f.block_table[s * f.max_blocks + pos / bs] as usize;
+        (0..d).map(|i| cache.get(off + b * st[0] + (pos % bs) * st[1] + h * st[2] + i)).collect()
+    };
+    let t = f.query_start_loc[s + 1] as usize - 1;
+    let (scale, cap) = (f.scale as f64, sp.softcap as f64);
+    let (mut out, mut lse) = (vec![0f64; g * d], vec![0f64; g]);
+    for r in 0..g {
+        let q: Vec<f64> = (0..d).map(|i| f.q.get(t * f.q_strides[0] as usize + (h * g + r) * d + i)).collect();
+        let l: Vec<f64> = set
+            .iter()
+            .map(|&p| {
+                let x = row(p, 0).iter().zip(&q).map(|(a, b)| a * b).sum::<f64>() * scale;
+                if cap > 0.0 { cap * (x / cap).tanh() } else { x }
+            })
+            .collect();
+        let m = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = l.iter().map(|&x| (x - m).exp()).sum();
+        for (j, &p) in set.iter().enumerate() {
+            let w = (l[j] - m).exp() / z;
+            for (o, v) in out[r * d..(r + 1) * d].iter_mut().zip(row(p, f.v_offset)) {
+                *o += w * v;
+            }
+        }
+        lse[r] = m + z.ln();
+    }
+    (out, lse)
+}
+
+/// What a SnapKV case came to: the usual comparison, and the agreement of its decisions.
+pub struct SnapResult {
+    pub base: SparseResult,
+    pub agree: Agreement,
+}
+
 /// Runs the prefill-then-decode case of `policy` (a `snapkv` pipeline) on fixture `spec` (see
 /// [`snapkv_spec`]) on the CPU and on CUDA device 0, and compares the decode calls.
-pub fn run_snapkv_case(spec: &CaseSpec, policy: &str, seed: u64) -> SparseResult {
+pub fn run_snapkv_case(spec: &CaseSpec, policy: &str, seed: u64) -> SnapResult {
     // Key metadata is not compared here (the CPU keeps none for SnapKV; sparse_cuda covers the others).
     let mut res = SparseResult { meta_equal: true, ..SparseResult::new(spec, policy, seed) };
+    let mut agree = Agreement::default();
     let mut f = Fixture::new(spec, seed);
-    let run = |res: &mut SparseResult, f: &mut Fixture| -> Result<()> {
+    let run = |res: &mut SparseResult, agree: &mut Agreement, f: &mut Fixture| -> Result<()> {
         kvsparse::ensure!(spec.seqs.iter().all(|&(q, _)| q == SNAP_CHUNK), InvalidArgument, "a SnapKV case needs chunks of {SNAP_CHUNK} tokens (snapkv_spec)");
         let (ns, hq, d) = (spec.seqs.len() as i64, spec.num_q_heads as i64, spec.head_dim as i64);
         let q_row = f.q_strides[0];
@@ -152,19 +264,30 @@ pub fn run_snapkv_case(spec: &CaseSpec, policy: &str, seed: u64) -> SparseResult
         let c_gpu = gpu.stats().total;
 
         res.rows = v_cpu.len();
-        res.decision_mismatch = compare_visits(&v_cpu, &v_gpu);
-        res.counters_mismatch = compare_counters(&c_cpu, &c_gpu);
-        let (oc, lc) = so_cpu.to_f64();
+        let diff = agreement(f, policy, &v_cpu, &v_gpu);
+        res.decision_mismatch = diff.agree.violation.clone();
+        res.counters_mismatch = if diff.rows.is_empty() { compare_counters(&c_cpu, &c_gpu) } else { compare_set_free_counters(&c_cpu, &c_gpu) };
+        let (mut oc, mut lc) = so_cpu.to_f64();
         let (og, lg) = so_gpu.to_f64();
+        // A row whose set differs is compared with the f64 attention over the GPU's own set.
+        let cache = f.written_cache();
+        let (hq, d, g) = (spec.num_q_heads, spec.head_dim, spec.num_q_heads / spec.num_kv_heads);
+        for (s, h, set) in &diff.rows {
+            let (o, l) = attend_over(f, &cache, *s, *h, set);
+            let at = (s * hq + h * g) * d;
+            oc[at..at + g * d].copy_from_slice(&o);
+            lc[s * hq + h * g..s * hq + h * g + g].copy_from_slice(&l);
+        }
+        *agree = diff.agree;
         res.rel_err = rel_err(&og, &oc);
         res.lse_err = max_abs_err(&lg, &lc);
         let (tol_o, tol_l) = tolerance(spec.dtype);
         res.pass = res.rows > 0 && res.decision_mismatch.is_none() && res.counters_mismatch.is_none() && res.rel_err <= tol_o && res.lse_err <= tol_l;
         Ok(())
     };
-    if let Err(e) = run(&mut res, &mut f) {
+    if let Err(e) = run(&mut res, &mut agree, &mut f) {
         res.error = Some(e.to_string());
         res.pass = false;
     }
-    res
+    SnapResult { base: res, agree }
 }

@@ -6,7 +6,7 @@
 //! (for compute-sanitizer).
 
 use kvsparse_conformance::cuda::DeviceCase;
-use kvsparse_conformance::snapkv_cuda::{run_snapkv_case, snapkv_policies, snapkv_spec};
+use kvsparse_conformance::snapkv_cuda::{run_snapkv_case, snapkv_policies, snapkv_spec, SnapResult};
 use kvsparse_conformance::sparse_cuda::{art_stop_tiles, decode_step_meta_equal, run_sparse_case, run_sparse_case_keys, sparse_graph_replay, sparse_graph_replay_on, sparse_policies, sparse_specs};
 use kvsparse_conformance::{judge, CaseSpec, Fixture, Outputs};
 use kvsparse::rng::Rng;
@@ -99,27 +99,35 @@ fn cuda_decode_step_write_keeps_the_cpu_metadata() {
 }
 
 /// SnapKV: a prefill call (the choice) then a decode call (the plan) on the same cache, over the sparse
-/// geometries: the GPU visits the CPU engine's positions, counts the same, outputs within tolerance.
-fn cuda_snapkv_decisions_equal_the_cpu_engine() {
+/// geometries: the GPU's positions agree with the CPU engine's (differences only within delta of the
+/// choice's boundary; counted and the worst margin printed), counters and outputs as the contract says.
+fn cuda_snapkv_decisions_agree_with_the_cpu_engine() {
     if !have_cuda("cuda_snapkv_decisions") {
         return;
     }
     let seed = Rng::fresh_seed();
     println!("seed {seed}");
     let mut failures = Vec::new();
+    let (mut differing, mut worst, mut delta_at) = (0usize, 0f64, 0f64);
     for (i, spec) in sparse_specs(quick()).iter().enumerate() {
         let spec = snapkv_spec(spec);
         for (j, pol) in snapkv_policies().iter().enumerate() {
             if quick() && (i + j) % 2 != 0 {
                 continue;
             }
-            let r = run_snapkv_case(&spec, pol, seed.wrapping_add((i * 100 + j) as u64));
+            let SnapResult { base: r, agree } = run_snapkv_case(&spec, pol, seed.wrapping_add((i * 100 + j) as u64));
+            differing += agree.differing;
+            if agree.worst_margin > worst {
+                (worst, delta_at) = (agree.worst_margin, agree.delta_at_worst);
+            }
             println!(
-                "snapkv {:<36} {:<52} rows {:>4} decisions {} counters {} rel {:.2e} lse {:.2e} {}",
+                "snapkv {:<36} {:<52} rows {:>4} differing {:>3} (worst margin {:.2e} of delta {:.2e}) counters {} rel {:.2e} lse {:.2e} {}",
                 r.name,
                 r.policy,
                 r.rows,
-                if r.decision_mismatch.is_none() { "same" } else { "DIFF" },
+                agree.differing,
+                agree.worst_margin,
+                agree.delta_at_worst,
                 if r.counters_mismatch.is_none() { "same" } else { "DIFF" },
                 r.rel_err,
                 r.lse_err,
@@ -130,6 +138,7 @@ fn cuda_snapkv_decisions_equal_the_cpu_engine() {
             }
         }
     }
+    println!("snapkv agreement: {differing} differing positions in all, worst margin {worst:.3e} (delta there {delta_at:.3e})");
     assert!(failures.is_empty(), "failing SnapKV cases:\n{}", failures.join("\n"));
 }
 
@@ -312,7 +321,7 @@ fn main() {
         ("cuda_sparse_decisions_equal_the_cpu_engine", cuda_sparse_decisions_equal_the_cpu_engine as fn(), true),
         ("cuda_quest_ties_equal_the_cpu_engine", cuda_quest_ties_equal_the_cpu_engine as fn(), true),
         ("cuda_decode_step_write_keeps_the_cpu_metadata", cuda_decode_step_write_keeps_the_cpu_metadata as fn(), true),
-        ("cuda_snapkv_decisions_equal_the_cpu_engine", cuda_snapkv_decisions_equal_the_cpu_engine as fn(), true),
+        ("cuda_snapkv_decisions_agree_with_the_cpu_engine", cuda_snapkv_decisions_agree_with_the_cpu_engine as fn(), true),
         ("cuda_lossless_policies_equal_dense", cuda_lossless_policies_equal_dense as fn(), true),
         ("cuda_sparse_decode_step_graph_replays_on_new_data", cuda_sparse_decode_step_graph_replays_on_new_data as fn(), true),
         ("cuda_graph_captured_on_a_stream_without_eager_calls", cuda_graph_captured_on_a_stream_without_eager_calls as fn(), true),

@@ -1,8 +1,13 @@
-//! SnapKV's choice on the CUDA backend (kernels/snapkv.cu): at a call that may hold a prefill chunk, the
-//! observation window's weights over the prefix (three passes over the keys: row maxima, fixed-point
-//! normalisers, weights summed per position), then pooling, top-k and the kept-slot bits in the layer's
-//! metadata, which the decode plan (`kvs_plan_snap`, launched by this stage) reads. Same decisions as
-//! the CPU's `cpu::snapkv::choose`, bit for bit.
+//! SnapKV's choice on the CUDA backend (kernels/policy/snapkv.cu): at a call that may hold a prefill
+//! chunk, the observation window's weights over the prefix, then pooling, top-k and the kept-slot bits in
+//! the layer's metadata, which the decode plan (`kvs_plan_snap`, launched by this stage) reads.
+//!
+//! The weights on tensor cores where the kernels hold the cache (f16/bf16, head size a multiple of 16 up
+//! to 128, K rows 16-byte aligned): `kvs_snap_lse_mma` (each window row's log-sum-exp over its keys), then
+//! `kvs_snap_weights_mma` (the weights summed per position over the window, max over the group), K read
+//! twice. They agree with the CPU's `snapkv::cpu::choose` within the margin of docs/policies.md ("SnapKV's
+//! choice on the device"), not bit for bit. Otherwise three scalar passes in the CPU's arithmetic (row
+//! maxima, fixed-point normalisers, weights), which equal the CPU's choice bit for bit.
 
 use crate::cuda::batch::{BatchArg, Geometry};
 use crate::cuda::driver::{check, cuda, CUfunction};
@@ -12,6 +17,7 @@ use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::ensure;
+use crate::tensor::DType;
 
 /// Positions per CTA and threads of `kvs_snap_scores` (the kernel's SNAP_TP / SNAP_J).
 pub(crate) fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {
@@ -22,6 +28,35 @@ pub(crate) fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {
         (16, 16 * j)
     }
 }
+
+/// Whether the tensor-core kernels serve this cache: f16/bf16, head size a multiple of 16 up to 128 (the
+/// kernels' static shared memory), K rows and their start 16-byte aligned (cp.async). Benchmarks only:
+/// `KVS_BENCH_SNAP_SCALAR=1` keeps the scalar phases, the baseline in the same binary.
+pub(crate) fn mma_choice(cache: &KvCache) -> bool {
+    static SCALAR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let vec = 8; // elements per 16 bytes
+    !*SCALAR.get_or_init(|| std::env::var("KVS_BENCH_SNAP_SCALAR").is_ok_and(|v| v == "1"))
+        && matches!(cache.dtype, DType::F16 | DType::BF16)
+        && cache.head_dim % 16 == 0
+        && cache.head_dim <= 128
+        && (cache.k.data as usize) % 16 == 0
+        && cache.k.strides()[..3].iter().all(|&s| s as usize % vec == 0)
+}
+
+fn clamp(v: usize) -> i32 {
+    v.min(i32::MAX as usize) as i32
+}
+
+/// The arguments every scoring kernel starts with: batch, query, scale, softcap, K, heads, budget, window.
+fn score_args(k: &mut KArgs, a: &ForwardArgs, cache: &KvCache, batch: &BatchArg, budget: usize, window: usize) {
+    let (q, kc) = (&a.query, &cache.k);
+    k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
+    k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(cache.num_kv_heads as i32).i32(clamp(budget)).i32(clamp(window));
+}
+
+/// Rows per CTA of `kvs_snap_lse_mma` and positions per CTA of `kvs_snap_weights_mma` (SNM_LROWS, SNM_CW).
+const MMA_LSE_ROWS: usize = 32;
+const MMA_WEIGHT_POSITIONS: usize = 128;
 
 impl SnapKv {
     /// Enqueues SnapKV's choice for the call's prefill sequences (`rows` observation rows per (sequence,
@@ -41,33 +76,45 @@ impl SnapKv {
         keep: u64,
         (budget, window, pool): (usize, usize, usize),
     ) -> Result<()> {
-        let (hk, d, g, ns) = (cache.num_kv_heads, cache.head_dim, group, geo.num_seqs);
+        let (hk, g, ns) = (cache.num_kv_heads, group, geo.num_seqs);
         let stream = a.stream;
-        let n_rows = ns * hk * rows;
-        let api = cuda()?;
-        // SAFETY: each region holds n_rows elements of its width (SnapWs, sized by the caller).
-        unsafe {
-            // -inf's order key (kernels/include/decide.cuh kvs_order_key): rows with no visible key stay there.
-            check((api.cuMemsetD32Async)(ws + lay.snap_rmax as u64, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
-            check((api.cuMemsetD8Async)(ws + lay.snap_z as u64, 0, n_rows * 8, stream), "cuMemsetD8Async")?;
-            check((api.cuMemsetD8Async)(ws + lay.snap_bad as u64, 0, n_rows * 4, stream), "cuMemsetD8Async")?;
-        }
-        let clamp = |v: usize| v.min(i32::MAX as usize) as i32;
-        let (tp, threads) = scores_shape(d, g);
-        let q = &a.query;
-        let kc = &cache.k;
         let maxpos = geo.max_pos.max(1);
-        for phase in 0..3 {
+        let common = |k: &mut KArgs| score_args(k, a, cache, batch, budget, window);
+        let (lse, agg) = (ws + lay.snap_rmax as u64, ws + lay.snap_agg as u64);
+        if mma_choice(cache) {
+            // Rows in the kernels: the group's heads times the window's tokens rounded up to 16.
+            let np = (rows / g).next_multiple_of(16);
             let mut k = KArgs::new();
-            k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
-            k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk as i32).i32(clamp(budget)).i32(clamp(window));
-            k.i32(phase).i64((ws + lay.snap_rmax as u64) as i64).i64((ws + lay.snap_z as u64) as i64).i64((ws + lay.snap_bad as u64) as i64).i32(rows as i32);
-            k.i64((ws + lay.snap_agg as u64) as i64).i32(maxpos as i32);
-            launch::launch(f("kvs_snap_scores")?, (maxpos.div_ceil(tp) as u32, hk as u32, ns as u32), threads as u32, &mut k, stream, "kvs_snap_scores launch")?;
+            common(&mut k);
+            k.i64(lse as i64).i32(rows as i32);
+            launch::launch(f("kvs_snap_lse_mma")?, ((g * np).div_ceil(MMA_LSE_ROWS) as u32, hk as u32, ns as u32), 128, &mut k, stream, "kvs_snap_lse_mma launch")?;
+            let mut k = KArgs::new();
+            common(&mut k);
+            k.i64(lse as i64).i32(rows as i32).i64(agg as i64).i32(maxpos as i32);
+            launch::launch(f("kvs_snap_weights_mma")?, (maxpos.div_ceil(MMA_WEIGHT_POSITIONS) as u32, hk as u32, ns as u32), 128, &mut k, stream, "kvs_snap_weights_mma launch")?;
+        } else {
+            // The scalar phases, in the CPU's arithmetic: row maxima, fixed-point normalisers, weights.
+            let n_rows = ns * hk * rows;
+            let api = cuda()?;
+            // SAFETY: each region holds n_rows elements of its width (SnapWs, sized by the caller).
+            unsafe {
+                // -inf's order key (kernels/include/decide.cuh kvs_order_key): rows with no visible key stay there.
+                check((api.cuMemsetD32Async)(lse, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
+                check((api.cuMemsetD8Async)(ws + lay.snap_z as u64, 0, n_rows * 8, stream), "cuMemsetD8Async")?;
+                check((api.cuMemsetD8Async)(ws + lay.snap_bad as u64, 0, n_rows * 4, stream), "cuMemsetD8Async")?;
+            }
+            let (tp, threads) = scores_shape(cache.head_dim, g);
+            for phase in 0..3 {
+                let mut k = KArgs::new();
+                common(&mut k);
+                k.i32(phase).i64(lse as i64).i64((ws + lay.snap_z as u64) as i64).i64((ws + lay.snap_bad as u64) as i64).i32(rows as i32);
+                k.i64(agg as i64).i32(maxpos as i32);
+                launch::launch(f("kvs_snap_scores")?, (maxpos.div_ceil(tp) as u32, hk as u32, ns as u32), threads as u32, &mut k, stream, "kvs_snap_scores launch")?;
+            }
         }
         let mut k = KArgs::new();
         k.by_value(batch).i32(hk as i32).i32(clamp(budget)).i32(clamp(window)).i32(clamp(pool)).i32(rows as i32);
-        k.i64((ws + lay.snap_agg as u64) as i64).i64((ws + lay.snap_pool as u64) as i64).i32(maxpos as i32).i64(keep as i64);
+        k.i64(agg as i64).i64((ws + lay.snap_pool as u64) as i64).i32(maxpos as i32).i64(keep as i64);
         launch::launch(f("kvs_snap_choose")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_snap_choose launch")
     }
 }
