@@ -44,10 +44,12 @@ impl Engine {
         if let Err(why) = policy.supported_on(cfg.device, cfg.group_size()) {
             bail!(Unsupported, "policy {:?}: {why}", cfg.policy);
         }
+        // The CUDA engine reads FP8 caches in its tensor-core kernel, for dense attention (docs/abi.md).
+        let cuda_fp8_ok = cfg.dtype != crate::tensor::DType::F32 && policy.pipeline().is_none();
         ensure!(
-            !cfg.cache_dtype.is_fp8() || cfg.device == crate::tensor::Device::Cpu,
+            !cfg.cache_dtype.is_fp8() || cfg.device == crate::tensor::Device::Cpu || cuda_fp8_ok,
             Unsupported,
-            "an FP8 cache ({}) is served by the CPU engine only in this build",
+            "an FP8 cache ({}) on the CUDA engine needs float16 or bfloat16 queries and dense attention (no policy) in this build",
             cfg.cache_dtype.name()
         );
         Ok(policy)

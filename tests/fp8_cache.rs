@@ -51,9 +51,15 @@ fn configuration_keeps_fp8_to_the_cache() {
     assert!(e.message.contains("cache dtype"), "{e}");
     let e = Engine::new(config(DType::BF16)).err().unwrap();
     assert_eq!(e.kind, ErrorKind::InvalidDtype, "{e}");
-    // The CUDA engine does not serve FP8 caches in this build: refused at creation, no device touched.
+    // The CUDA engine serves FP8 caches under f16/bf16 queries with dense attention; anything else is
+    // refused at creation (checked without a device).
     let mut c = config(DType::F8E4M3);
     c.device = Device::Cuda(0);
+    let e = Engine::check_config(&c).err().unwrap();
+    assert_eq!(e.kind, ErrorKind::Unsupported, "{e}");
+    c.dtype = DType::BF16;
+    assert!(Engine::check_config(&c).is_ok());
+    c.policy = "quest(budget=256)".into();
     let e = Engine::check_config(&c).err().unwrap();
     assert_eq!(e.kind, ErrorKind::Unsupported, "{e}");
 }

@@ -457,6 +457,11 @@ impl Fixture {
         c
     }
 
+    /// The dtype the cache holds (the spec's FP8 format, else the query dtype).
+    pub fn cache_dtype(&self) -> DType {
+        self.spec.cache_dtype.unwrap_or(self.spec.dtype)
+    }
+
     pub fn engine_config(&self) -> EngineConfig {
         let s = &self.spec;
         let mut c = EngineConfig::new(1, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size, s.dtype);

@@ -201,7 +201,6 @@ pub fn fp8(quick: bool) -> Vec<CaseSpec> {
         add(DType::F8E5M2, DType::BF16, 96, 12, 4, 64, mixed.clone(), &|c| {
             c.window = 200;
             c.head_major = true;
-            c.strided = true;
         });
     }
     out
