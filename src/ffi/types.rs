@@ -96,9 +96,11 @@ pub struct kvs_engine_config {
     pub validate: kvs_validate,
     /// The K/V caches' dtype: `KVS_CACHE_DTYPE_AUTO` (0, default) = `dtype`, or FP8
     /// (`KVS_CACHE_DTYPE_FP8_E4M3`, `KVS_CACHE_DTYPE_FP8_E5M2`, vLLM's `kv_cache_dtype="fp8"` / `"fp8_e5m2"`)
-    /// with per-layer scales from `kvs_engine_set_kv_scales`. Queries and outputs stay `dtype`. CPU
-    /// engines only in this build (a CUDA engine refuses FP8 with `KVS_ERR_UNSUPPORTED`). Appended in
-    /// ABI 0: a caller whose `struct_size` ends before it gets `AUTO`.
+    /// with per-layer scales from `kvs_engine_set_kv_scales`. Queries and outputs stay `dtype` (float32
+    /// queries with an FP8 cache: CPU engines only). A CUDA engine serves FP8 caches with dense attention
+    /// (no policy) on devices of compute capability 8.9 or newer, in its tensor-core kernel (16-byte aligned
+    /// rows and strides); anything else is `KVS_ERR_UNSUPPORTED`. Appended in ABI 0: a caller whose
+    /// `struct_size` ends before it gets `AUTO`.
     pub cache_dtype: kvs_cache_dtype,
 }
 
