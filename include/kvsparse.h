@@ -70,6 +70,17 @@ typedef enum {
   KVS_VALIDATE_SYNC = 1,
 } kvs_validate;
 
+// dtype of an engine's K/V caches (`kvs_engine_config.cache_dtype`).
+typedef enum {
+  // The engine's `dtype` (default).
+  KVS_CACHE_DTYPE_AUTO = 0,
+  // FP8 E4M3 ("fn": max 448, no infinities); `kvs_cache_write` stores `x / k_scale` (or `v_scale`)
+  // rounded to nearest even and saturated to +-448, as vLLM does; readers use `fp8 * scale`.
+  KVS_CACHE_DTYPE_FP8_E4M3 = 1,
+  // FP8 E5M2 (max 57344, with infinities), stored and read the same way.
+  KVS_CACHE_DTYPE_FP8_E5M2 = 2,
+} kvs_cache_dtype;
+
 // DLPack device types a kvsparse caller uses (`DLDevice.device_type`, `kvs_engine_config.device_type`):
 // the values of dlpack.h's `kDLCPU`, `kDLCUDA`, `kDLCUDAHost`, in the header so a C caller needs no
 // dlpack.h and no bare numbers.
@@ -83,12 +94,18 @@ typedef enum {
 // DLPack type codes (`DLDataType.code`, the values of dlpack.h's `kDLInt`, `kDLUInt`, `kDLFloat`,
 // `kDLBfloat`). kvsparse takes float32 `{KVS_DL_FLOAT, 32, 1}`, float16 `{KVS_DL_FLOAT, 16, 1}`, bfloat16
 // `{KVS_DL_BFLOAT, 16, 1}`, int32 `{KVS_DL_INT, 32, 1}`, int64 `{KVS_DL_INT, 64, 1}` and uint64
-// `{KVS_DL_UINT, 64, 1}`, each argument the ones its documentation names.
+// `{KVS_DL_UINT, 64, 1}`, each argument the ones its documentation names; an FP8 cache
+// (`kvs_engine_config.cache_dtype`) is `{KVS_DL_FLOAT8_E4M3FN, 8, 1}` / `{KVS_DL_FLOAT8_E5M2, 8, 1}` or
+// raw bytes `{KVS_DL_UINT, 8, 1}` (how vLLM allocates it).
 typedef enum {
   KVS_DL_INT = 0,
   KVS_DL_UINT = 1,
   KVS_DL_FLOAT = 2,
   KVS_DL_BFLOAT = 4,
+  // `kDLFloat8_e4m3fn` (DLPack 1.1; PyTorch's `float8_e4m3fn`), 8 bits: an FP8 E4M3 cache.
+  KVS_DL_FLOAT8_E4M3FN = 10,
+  // `kDLFloat8_e5m2`, 8 bits: an FP8 E5M2 cache.
+  KVS_DL_FLOAT8_E5M2 = 12,
 } kvs_dl_type_code;
 
 // Opaque engine handle.
@@ -146,6 +163,14 @@ typedef struct {
   // Ignored by CPU engines, which check everything before writing. Appended in ABI 0: a caller whose
   // `struct_size` ends before it gets the default.
   kvs_validate validate;
+  // The K/V caches' dtype: `KVS_CACHE_DTYPE_AUTO` (0, default) = `dtype`, or FP8
+  // (`KVS_CACHE_DTYPE_FP8_E4M3`, `KVS_CACHE_DTYPE_FP8_E5M2`, vLLM's `kv_cache_dtype="fp8"` / `"fp8_e5m2"`)
+  // with per-layer scales from `kvs_engine_set_kv_scales`. Queries and outputs stay `dtype` (float32
+  // queries with an FP8 cache: CPU engines only). A CUDA engine serves FP8 caches with dense attention
+  // (no policy) on devices of compute capability 8.9 or newer, in its tensor-core kernel (16-byte aligned
+  // rows and strides); anything else is `KVS_ERR_UNSUPPORTED`. Appended in ABI 0: a caller whose
+  // `struct_size` ends before it gets `AUTO`.
+  kvs_cache_dtype cache_dtype;
 } kvs_engine_config;
 
 // Writes new K/V rows into a layer's cache by slot mapping (`slot = block * block_size + offset`).
@@ -379,6 +404,18 @@ kvs_status kvs_engine_set_speculation_budgets(kvs_engine *engine,
                                               const uint64_t *context_lens,
                                               const uint64_t *budgets,
                                               size_t n);
+
+// Sets the dequantization scales of an FP8 cache (`kvs_engine_config.cache_dtype`): vLLM's per-layer
+// `k_scale` and `v_scale` (float32, per tensor; `fp8 = x / scale` on write, `x = fp8 * scale` on read).
+// `layer = -1` sets every layer, else one layer `0 .. num_layers-1` (any other value is
+// `KVS_ERR_OUT_OF_RANGE`). A scale that is not finite or not above 0 is `KVS_ERR_INVALID_ARGUMENT` and
+// changes nothing. A forward call or cache write on an FP8 layer whose scales were never set fails with
+// `KVS_ERR_INVALID_ARGUMENT` and writes nothing. Engines whose cache is not FP8 keep the scales unused.
+// Applies from the next call (a captured CUDA graph keeps the scales it was captured with); thread-safe.
+kvs_status kvs_engine_set_kv_scales(kvs_engine *engine,
+                                    int32_t layer,
+                                    float k_scale,
+                                    float v_scale);
 
 // Accumulated counters: `layer = -1` for all layers, else one layer `0 .. num_layers-1` (any other
 // value, other negative ones included, is `KVS_ERR_OUT_OF_RANGE`). `out->struct_size` must be set;

@@ -40,12 +40,16 @@
 // It also spreads a row whose plan is shorter than the launch's bound over every split (a per-row chunk,
 // the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
 // (k positions) share the launch of its full rows (every position).
+// KV8 (fp8.cuh; dense rows only, the host refuses plans): FP8 caches. A tile's rows are copied as bytes
+// into the upper half of their padded shared-memory rows, then each warp converts its tile in place to
+// elem_t (exact) before the MMAs; k_scale multiplies the logit scale and v_scale the output, in f32.
 // Dynamic shared memory: kvs_mma_smem_bytes() below (the host computes the same formula).
 
 #include "common.cuh"
 #include "params.cuh"
 #include "combine.cuh"
 #include "mma.cuh"
+#include "fp8.cuh"
 
 #define NTHREADS (NWARPS * 32)
 #define CPR (HEAD_DIM / 8)          // 16-byte chunks per K/V row
@@ -56,6 +60,34 @@
 #define STAGE_BYTES (NWARPS * NSTAGE * 2 * TILEB)
 #define MERGE_BYTES (NWARPS * GQ * (HEAD_DIM + 2) * 4)
 #define SMEM_BYTES (STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES)
+#if KV8
+#define CPR8 (HEAD_DIM / 16)  // 16-byte chunks per FP8 row
+#if PLAN || ART || LOGITS
+#error "FP8 caches: dense rows only"
+#endif
+// Converts one 16-key tile in place: each row's HEAD_DIM FP8 bytes, at byte HEAD_DIM of its padded row,
+// become HEAD_DIM elem_t from byte 0. All of the warp's reads precede its writes (the halves overlap).
+__device__ __forceinline__ void kv8_tile_to_elem(unsigned char* tile, int lane) {
+    constexpr int W = HEAD_DIM / 4;       // 4-byte words per FP8 row
+    constexpr int PER = 16 * W / 32;      // words per lane
+    unsigned w[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int j = i * 32 + lane;
+        w[i] = *reinterpret_cast<const unsigned*>(tile + (j / W) * ROWB + HEAD_DIM + (j % W) * 4);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int j = i * 32 + lane;
+        uint2 e;
+        e.x = kv8x2_to_elem2((unsigned short)(w[i] & 0xffff));
+        e.y = kv8x2_to_elem2((unsigned short)(w[i] >> 16));
+        *reinterpret_cast<uint2*>(tile + (j / W) * ROWB + (j % W) * 8) = e;
+    }
+    __syncwarp();
+}
+#endif
 
 #ifndef ART
 #define ART 0
@@ -83,8 +115,8 @@ __device__ __forceinline__ float art_lane_sum(float v) {
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
-             const elem_t* __restrict__ kc, i64 k0, i64 k1, i64 k2,
-             const elem_t* __restrict__ vc, i64 v0, i64 v1, i64 v2,
+             const kv_t* __restrict__ kc, i64 k0, i64 k1, i64 k2,
+             const kv_t* __restrict__ vc, i64 v0, i64 v1, i64 v2,
              i64 num_blocks, int bs_log2,
              const int* __restrict__ bt, i64 bt0, i64 bt1, int bt_cols,
              const int* __restrict__ seq_lens, i64 sl0,
@@ -101,6 +133,9 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #if LOGITS
              , float* __restrict__ lg, int lg_maxpos
 #endif
+#if KV8
+             , float k_scale, float v_scale
+#endif
              ) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ unsigned sm_mask[NWARPS][NSTAGE];
@@ -114,7 +149,12 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 
     const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols << bs_log2, window);
     // K and V bytes of one position over all KV heads (the counters' unit of dense reads).
-    const i64 kv_row_bytes = (i64)HEAD_DIM * (i64)sizeof(elem_t) * 2 * (num_q_heads / GROUP);
+    const i64 kv_row_bytes = (i64)HEAD_DIM * (i64)sizeof(kv_t) * 2 * (num_q_heads / GROUP);
+#if KV8
+    scale *= k_scale;  // logits of the dequantized keys: scale * q . (k * k_scale)
+#else
+    const float v_scale = 1.f;
+#endif
     __shared__ int sm_rc[KVS_RC_WORDS];  // the row's check words, judged at the end (kvs_finish_row_checks)
     if (!kvs_serve_row(mode, row, kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, bt_cols, bs_log2, window, kv_row_bytes, sm_rc)) return;  // another launch serves it
     bool bt_bad = false;  // this thread read a block id outside [0, num_blocks)
@@ -188,8 +228,8 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int ntiles = s_hi >= s_lo ? ((s_hi - tb0) >> 4) + 1 : 0;
     const int my_n = ntiles > warp ? (ntiles - warp + NWARPS - 1) / NWARPS : 0;
     const unsigned wbase = smem_u32(smem) + warp * (NSTAGE * 2 * TILEB);
-    const elem_t* kh = kc + kvh * k2;
-    const elem_t* vh = vc + kvh * v2;
+    const kv_t* kh = kc + kvh * k2;
+    const kv_t* vh = vc + kvh * v2;
 
     // Issues the cp.async of this warp's k-th tile into stage st (always commits a group).
     auto load = [&](int k, int st) {
@@ -220,6 +260,22 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             if (lane < 16) sm_pos[warp][st][lane] = ok ? p : -1;
 #endif
             const unsigned kdst = wbase + st * (2 * TILEB), vdst = kdst + TILEB;
+#if KV8
+            // FP8 rows: HEAD_DIM bytes into the upper half of each padded row (kv8_tile_to_elem widens them).
+#pragma unroll
+            for (int i = 0; i < (16 * CPR8 + 31) / 32; ++i) {
+                const int c = i * 32 + lane, kr = min(c / CPR8, 15), cc = c % CPR8;
+                const int b = __shfl_sync(0xffffffffu, blk, kr);
+                const bool v = (msk >> kr) & 1;
+                const i64 off = (pb + kr) & bmask;
+                if (c < 16 * CPR8) {
+                    const kv_t* ks = v ? kh + (i64)b * k0 + off * k1 + cc * 16 : kc;
+                    const kv_t* vs = v ? vh + (i64)b * v0 + off * v1 + cc * 16 : vc;
+                    cp_async16(kdst + kr * ROWB + HEAD_DIM + cc * 16, ks, v ? 16 : 0);
+                    cp_async16(vdst + kr * ROWB + HEAD_DIM + cc * 16, vs, v ? 16 : 0);
+                }
+            }
+#else
 #pragma unroll
             for (int i = 0; i < CPR / 2; ++i) {
                 const int c = i * 32 + lane, kr = c / CPR, cc = c % CPR;
@@ -235,6 +291,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                 cp_async16(kdst + kr * ROWB + cc * 16, ks, v ? 16 : 0);
                 cp_async16(vdst + kr * ROWB + cc * 16, vs, v ? 16 : 0);
             }
+#endif
         }
         cp_commit();
     };
@@ -264,6 +321,10 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         const unsigned msk = sm_mask[warp][st];
         load(k + NSTAGE - 1, (k + NSTAGE - 1) % NSTAGE);
         const unsigned kb = wbase + st * (2 * TILEB), vb = kb + TILEB;
+#if KV8
+        kv8_tile_to_elem(smem + (kb - smem_u32(smem)), lane);
+        kv8_tile_to_elem(smem + (vb - smem_u32(smem)), lane);
+#endif
 
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -457,7 +518,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         const bool any = L > 0.f;
         const float nan = __int_as_float(0x7fffffff);
         const bool bad = sm_bad[g] != 0 || row_bad;
-        const float ov = bad ? nan : (any ? O / L : 0.f);
+        const float ov = bad ? nan : (any ? O / L * v_scale : 0.f);
         const float lse_nat = bad ? nan : (any ? (M + log2f(L)) * KVS_LN2 : -INFINITY);
         const int h = h0 + g;
         if (nsplit == 1) {

@@ -30,8 +30,11 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Number of blocks in each layer's cache; 0 = take it from the caches passed in (checked per call).
     pub num_blocks: usize,
-    /// dtype of queries, caches and outputs.
+    /// dtype of queries and outputs (and of the caches unless `cache_dtype` says FP8).
     pub dtype: DType,
+    /// dtype of the K/V caches: `dtype`, or FP8 ([`DType::F8E4M3`], [`DType::F8E5M2`]) with per-layer
+    /// scales set by [`crate::Engine::set_kv_scales`] (src/fp8.rs has vLLM's convention).
+    pub cache_dtype: DType,
     /// Policy spec (see docs/policies.md); empty = dense.
     pub policy: String,
     /// CPU worker threads; 0 = one per available core (at most [`MAX_THREADS`]).
@@ -69,6 +72,7 @@ impl EngineConfig {
             block_size,
             num_blocks: 0,
             dtype,
+            cache_dtype: dtype,
             policy: String::new(),
             num_threads: 0,
             max_state_bytes: 0,
@@ -105,7 +109,14 @@ impl EngineConfig {
             "block_size {} is not supported; it must be a power of two from 1 to 256",
             self.block_size
         );
-        ensure!(self.dtype.is_float(), InvalidDtype, "dtype {} is not supported; use float32, float16 or bfloat16", self.dtype.name());
+        ensure!(self.dtype.is_float(), InvalidDtype, "dtype {} is not supported for queries and outputs; use float32, float16 or bfloat16 (FP8 is a cache dtype: set cache_dtype)", self.dtype.name());
+        ensure!(
+            self.cache_dtype == self.dtype || self.cache_dtype.is_fp8(),
+            InvalidDtype,
+            "cache_dtype {} is not supported with dtype {}; a cache holds the engine's dtype or FP8 (float8_e4m3, float8_e5m2)",
+            self.cache_dtype.name(),
+            self.dtype.name()
+        );
         Ok(())
     }
 }

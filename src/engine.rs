@@ -3,6 +3,8 @@
 
 use std::ffi::c_void;
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use parking_lot::Mutex;
 
 pub use crate::args::{CacheWriteArgs, ForwardArgs, MergeArgs};
@@ -26,6 +28,8 @@ pub struct Engine {
     visits: Mutex<Option<Vec<VisitRecord>>>,
     /// PRR's speculation budget by context length, when loaded (else the spec's constant budget).
     spec_budgets: parking_lot::RwLock<Option<SpecBudgetTable>>,
+    /// Per layer, the FP8 cache's (k_scale, v_scale) as f32 bits; 0 = not set yet.
+    kv_scales: Vec<[AtomicU32; 2]>,
 }
 
 impl Engine {
@@ -40,6 +44,14 @@ impl Engine {
         if let Err(why) = policy.supported_on(cfg.device, cfg.group_size()) {
             bail!(Unsupported, "policy {:?}: {why}", cfg.policy);
         }
+        // The CUDA engine reads FP8 caches in its tensor-core kernel, for dense attention (docs/abi.md).
+        let cuda_fp8_ok = cfg.dtype != crate::tensor::DType::F32 && policy.pipeline().is_none();
+        ensure!(
+            !cfg.cache_dtype.is_fp8() || cfg.device == crate::tensor::Device::Cpu || cuda_fp8_ok,
+            Unsupported,
+            "an FP8 cache ({}) on the CUDA engine needs float16 or bfloat16 queries and dense attention (no policy) in this build",
+            cfg.cache_dtype.name()
+        );
         Ok(policy)
     }
 
@@ -47,7 +59,9 @@ impl Engine {
         let policy = Self::check_config(&cfg)?;
         let backend = crate::backend::create(&cfg, &policy)?;
         let per_layer = alloc::try_vec(cfg.num_layers, Counters::default(), "per-layer statistics")?;
-        Ok(Engine { cfg, policy, backend, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), spec_budgets: parking_lot::RwLock::new(None) })
+        let mut kv_scales = alloc::try_with_capacity(cfg.num_layers, "per-layer KV scales")?;
+        kv_scales.resize_with(cfg.num_layers, Default::default);
+        Ok(Engine { cfg, policy, backend, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), spec_budgets: parking_lot::RwLock::new(None), kv_scales })
     }
 
     /// The engine's backend (benchmarks and parity harnesses downcast it through `as_any` to use a
@@ -76,6 +90,39 @@ impl Engine {
         self.backend.metadata_snapshot(layer)
     }
 
+    /// Sets the dequantization scales of an FP8 cache (vLLM's per-layer `k_scale`, `v_scale`: element =
+    /// `fp8 * scale`) for one layer, or every layer with `None`. Both must be finite and positive, else
+    /// nothing changes. An engine whose cache is not FP8 keeps them and never uses them. Applies from
+    /// the next call; a captured CUDA graph keeps the scales it was captured with.
+    pub fn set_kv_scales(&self, layer: Option<usize>, k_scale: f32, v_scale: f32) -> Result<()> {
+        for (name, s) in [("k_scale", k_scale), ("v_scale", v_scale)] {
+            ensure!(s.is_finite() && s > 0.0, InvalidArgument, "{name} is {s}; an FP8 cache's scale must be a finite float32 above 0");
+        }
+        let layers = match layer {
+            Some(l) => {
+                self.check_layer(l)?;
+                l..l + 1
+            }
+            None => 0..self.cfg.num_layers,
+        };
+        for l in layers {
+            self.kv_scales[l][0].store(k_scale.to_bits(), Ordering::Relaxed);
+            self.kv_scales[l][1].store(v_scale.to_bits(), Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The layer's caches with their scales: an FP8 cache needs both set ([`Engine::set_kv_scales`]).
+    fn scaled(&self, mut cache: KvCache, layer: usize) -> Result<KvCache> {
+        if cache.dtype.is_fp8() {
+            let [k, v] = &self.kv_scales[layer];
+            let (k, v) = (f32::from_bits(k.load(Ordering::Relaxed)), f32::from_bits(v.load(Ordering::Relaxed)));
+            ensure!(k > 0.0 && v > 0.0, InvalidArgument, "layer {layer} has an FP8 cache ({}) but no k_scale/v_scale: set them with kvs_engine_set_kv_scales first", cache.dtype.name());
+            (cache.k_scale, cache.v_scale) = (k, v);
+        }
+        Ok(cache)
+    }
+
     fn check_layer(&self, layer: usize) -> Result<()> {
         ensure!(layer < self.cfg.num_layers, OutOfRange, "layer {layer} is outside the engine's {} layers", self.cfg.num_layers);
         Ok(())
@@ -92,7 +139,7 @@ impl Engine {
         if let Some(lse) = &a.lse {
             validate::lse_out("lse", lse, dev, num_tokens, cfg.num_q_heads)?;
         }
-        let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
+        let cache = self.scaled(KvCache::new(cfg, a.key_cache, a.value_cache, dev)?, a.layer)?;
         validate::batch(dev, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref())?;
         let pipeline = if self.policy.is_dense_for_layer(a.layer) { None } else { self.policy.pipeline() };
         let env = CallEnv { cfg, policy: &self.policy, pipeline, visits: &self.visits, spec_budgets: &self.spec_budgets };
@@ -119,7 +166,7 @@ impl Engine {
         let cfg = &self.cfg;
         let dev = cfg.device;
         self.check_layer(a.layer)?;
-        let cache = KvCache::new(cfg, a.key_cache, a.value_cache, dev)?;
+        let cache = self.scaled(KvCache::new(cfg, a.key_cache, a.value_cache, dev)?, a.layer)?;
         let n = validate::new_rows(cfg, "key", &a.key)?;
         let nv = validate::new_rows(cfg, "value", &a.value)?;
         ensure!(nv == n, InvalidShape, "key has {n} tokens but value has {nv}");

@@ -20,7 +20,11 @@ pub struct KvCache {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The engine's cache dtype (an FP8 cache passed as uint8 bytes is read as its FP8 format).
     pub dtype: DType,
+    /// Dequantization scales of an FP8 cache (element = `fp8 * scale`, src/fp8.rs); 1 otherwise.
+    pub k_scale: f32,
+    pub v_scale: f32,
 }
 
 impl KvCache {
@@ -33,8 +37,11 @@ impl KvCache {
         if cfg.num_blocks != 0 {
             ensure!(num_blocks == cfg.num_blocks, InvalidShape, "caches have {} blocks, the engine was configured for {}", num_blocks, cfg.num_blocks);
         }
-        Ok(KvCache { k, v, num_blocks, block_size: cfg.block_size, num_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim, dtype: cfg.dtype })
+        let (mut k, mut v) = (k, v);
+        (k.dtype, v.dtype) = (cfg.cache_dtype, cfg.cache_dtype);
+        Ok(KvCache { k, v, num_blocks, block_size: cfg.block_size, num_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim, dtype: cfg.cache_dtype, k_scale: 1.0, v_scale: 1.0 })
     }
+
 
     /// Pointer to the K row of (block, offset-in-block, kv head).
     #[inline(always)]

@@ -19,6 +19,7 @@ pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod ffi;
+pub mod fp8;
 pub mod layout;
 pub mod meta;
 pub mod policy;

@@ -16,11 +16,18 @@ pub enum DType {
     I32,
     I64,
     U64,
+    /// FP8 E4M3 ("fn": no infinities, `S.1111.111` is NaN), a cache dtype only (src/fp8.rs).
+    F8E4M3,
+    /// FP8 E5M2 (IEEE-like: infinities and NaNs), a cache dtype only.
+    F8E5M2,
+    /// Raw bytes: vLLM allocates FP8 caches as `torch.uint8`; an FP8 engine reads them as its cache dtype.
+    U8,
 }
 
 impl DType {
     pub fn size_bytes(self) -> usize {
         match self {
+            DType::F8E4M3 | DType::F8E5M2 | DType::U8 => 1,
             DType::F16 | DType::BF16 => 2,
             DType::F32 | DType::I32 => 4,
             DType::I64 | DType::U64 => 8,
@@ -34,10 +41,18 @@ impl DType {
             DType::I32 => "int32",
             DType::I64 => "int64",
             DType::U64 => "uint64",
+            DType::F8E4M3 => "float8_e4m3",
+            DType::F8E5M2 => "float8_e5m2",
+            DType::U8 => "uint8",
         }
     }
+    /// A dtype of queries, outputs and full-precision caches.
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+    /// An FP8 cache dtype (scaled: src/fp8.rs).
+    pub fn is_fp8(self) -> bool {
+        matches!(self, DType::F8E4M3 | DType::F8E5M2)
     }
 }
 
@@ -81,6 +96,9 @@ impl Element for i64 {
 }
 impl Element for u64 {
     const DTYPE: DType = DType::U64;
+}
+impl Element for u8 {
+    const DTYPE: DType = DType::U8;
 }
 
 /// A borrowed strided view. `data` already includes DLPack's `byte_offset`.

@@ -69,10 +69,13 @@ pub fn merge_in(name: &str, t: &TensorRef, out: &TensorRef, device: Device) -> R
     check(t, name, &[out.dtype], device, &[Some(out.dim(0)), Some(out.dim(1)), Some(out.dim(2))], Access::Read)
 }
 
-/// One layer cache (`key_cache` / `value_cache`) `[num_blocks, block_size, num_kv_heads, head_dim]`.
+/// One layer cache (`key_cache` / `value_cache`) `[num_blocks, block_size, num_kv_heads, head_dim]`, of
+/// the engine's cache dtype (an FP8 cache may also come as uint8 bytes, as vLLM allocates it).
 /// Written by `kvs_cache_write`, so no two slots may share memory, in forward calls too.
 pub fn cache(cfg: &EngineConfig, name: &str, t: &TensorRef) -> Result<()> {
-    check(t, name, &[cfg.dtype], cfg.device, &[None, Some(cfg.block_size), Some(cfg.num_kv_heads), Some(cfg.head_dim)], Access::Write)
+    let fp8_bytes = [cfg.cache_dtype, DType::U8];
+    let dtypes = if cfg.cache_dtype.is_fp8() { &fp8_bytes[..] } else { &fp8_bytes[..1] };
+    check(t, name, dtypes, cfg.device, &[None, Some(cfg.block_size), Some(cfg.num_kv_heads), Some(cfg.head_dim)], Access::Write)
 }
 
 /// Rows to store (`key` / `value` of a cache write) `[num_tokens, num_kv_heads, head_dim]`; returns

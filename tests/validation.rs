@@ -1,7 +1,9 @@
 //! Tensor validation as a class (issue 12): checked extents for every view, and one routine per tensor
 //! role, so forward, cache write and merge accept and reject the same layouts.
 
-use kvsparse::{CacheWriteArgs, DType, Device, Engine, EngineConfig, ErrorKind, ForwardArgs, MergeArgs, TensorRef};
+mod common;
+
+use kvsparse::{CacheWriteArgs, DType, Device, Engine, EngineConfig, ErrorKind, MergeArgs, TensorRef};
 
 const BIG: i64 = 1 << 62;
 
@@ -67,28 +69,8 @@ fn cache_strides(block: i64) -> [i64; 4] {
 
 /// One decode row of 20 keys over blocks 0 and 1 of the given caches.
 fn forward(engine: &Engine, q: &[f32], out: &mut [f32], kc: TensorRef, vc: TensorRef, lse: TensorRef) -> kvsparse::Result<()> {
-    let table = [0i32, 1];
-    let (lens, qsl) = ([20i32], [0i32, 1]);
-    engine
-        .attention_forward(&ForwardArgs {
-            layer: 0,
-            query: TensorRef::from_slice(q, &[1, HQ as i64, D as i64]),
-            key_cache: kc,
-            value_cache: vc,
-            block_table: TensorRef::from_slice(&table, &[1, 2]),
-            seq_lens: TensorRef::from_slice(&lens, &[1]),
-            query_start_loc: TensorRef::from_slice(&qsl, &[2]),
-            seq_ids: None,
-            out: TensorRef::from_slice_mut(out, &[1, HQ as i64, D as i64]),
-            lse: Some(lse),
-            scale: 0.125,
-            sliding_window: 0,
-            softcap: 0.0,
-            max_query_len: 1,
-            max_seq_len: 20,
-            stream: std::ptr::null_mut(),
-        })
-        .map(|_| ())
+    let (q, out) = (TensorRef::from_slice(q, &[1, HQ as i64, D as i64]), TensorRef::from_slice_mut(out, &[1, HQ as i64, D as i64]));
+    common::decode_row_of_20(engine, q, kc, vc, out, Some(lse))
 }
 
 /// Forward and cache write over caches with the given block stride; returns both results.

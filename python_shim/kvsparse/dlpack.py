@@ -18,7 +18,12 @@ _DTYPES = {
     torch.int32: (0, 32),
     torch.int64: (0, 64),
     torch.uint64: (1, 64),
+    torch.uint8: (1, 8),  # FP8 caches as vLLM allocates them
 }
+# FP8 caches typed as such (DLPack kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12), where torch has the dtypes.
+for _name, _code in (("float8_e4m3fn", 10), ("float8_e5m2", 12)):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = (_code, 8)
 # torch's get_device(): -1 for CPU, the ordinal for CUDA.
 _KDLCPU, _KDLCUDA = 1, 2
 assert ffi.offsetof("DLTensor", "data") == 0 and ffi.sizeof("void *") == 8

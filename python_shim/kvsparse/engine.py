@@ -16,6 +16,8 @@ from .dlpack import described, ptr
 from .streams import raw_stream
 
 _DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# vLLM's kv_cache_dtype names -> kvs_cache_dtype ("fp8" is E4M3 on CUDA, as in vLLM).
+CACHE_DTYPES = {"auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2}
 _STATS_FIELDS = [f[0] for f in ffi.typeof("kvs_stats").fields if f[0] not in ("struct_size", "reserved")]
 
 
@@ -52,10 +54,16 @@ _check = check
 
 
 def _engine_config(*, num_layers, num_q_heads, num_kv_heads, head_dim, block_size, dtype=torch.float16,
-                   device="cpu", policy="", num_threads=0, max_state_bytes=0, validate="deferred"):
-    """The C config (and the policy string it points at, which must outlive it) of an engine."""
+                   device="cpu", policy="", num_threads=0, max_state_bytes=0, validate="deferred",
+                   cache_dtype="auto"):
+    """The C config (and the policy string it points at, which must outlive it) of an engine.
+    `cache_dtype`: vLLM's kv_cache_dtype name ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"; None = "auto")."""
     if dtype not in _DTYPE:
         raise KvsUnsupported(f"dtype {dtype} is not supported (float32, float16, bfloat16)")
+    cache_dtype = "auto" if cache_dtype is None else str(cache_dtype)
+    if cache_dtype not in CACHE_DTYPES:
+        raise KvsUnsupported(f"kv_cache_dtype {cache_dtype!r} is not supported (use 'auto', 'fp8', 'fp8_e4m3' or "
+                             f"'fp8_e5m2')")
     cfg = ffi.new("kvs_engine_config *")
     _check(lib.kvs_engine_config_init(cfg), "config_init")
     dev = torch.device(device)
@@ -64,6 +72,7 @@ def _engine_config(*, num_layers, num_q_heads, num_kv_heads, head_dim, block_siz
     cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads = num_layers, num_q_heads, num_kv_heads
     cfg.head_dim, cfg.block_size = head_dim, block_size
     cfg.dtype = _DTYPE[dtype]
+    cfg.cache_dtype = CACHE_DTYPES[cache_dtype]
     cfg.num_threads, cfg.max_state_bytes = num_threads, max_state_bytes
     # CUDA engines: "deferred" (device checks surface at check()), or "sync" (each call waits and raises
     # what they found; not capturable). docs/abi.md, "Where each check runs".
@@ -106,17 +115,20 @@ class Engine:
 
     def __init__(self, *, num_layers, num_q_heads, num_kv_heads, head_dim, block_size,
                  dtype=torch.float16, device="cpu", policy="", num_threads=0, max_state_bytes=0,
-                 validate="deferred"):
+                 validate="deferred", cache_dtype="auto"):
         cfg, _spec = _engine_config(num_layers=num_layers, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                     head_dim=head_dim, block_size=block_size, dtype=dtype, device=device,
                                     policy=policy, num_threads=num_threads, max_state_bytes=max_state_bytes,
-                                    validate=validate)
+                                    validate=validate, cache_dtype=cache_dtype)
         out = ffi.new("kvs_engine **")
         _check(lib.kvs_engine_create(cfg, out), "engine_create")
         self._h = ffi.gc(out[0], lib.kvs_engine_destroy)
         self.policy = policy or ""
         self.device = torch.device("cpu") if cfg.device_type == 1 else torch.device("cuda", cfg.device_id)
         self.dtype = dtype
+        self.cache_dtype = "auto" if cache_dtype is None else str(cache_dtype)
+        # Bytes of one cache element (FP8: one).
+        self.cache_itemsize = dtype.itemsize if self.cache_dtype == "auto" else 1
         self.num_layers = num_layers
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.block_size = block_size
@@ -156,6 +168,11 @@ class Engine:
             a.call_stats = st
         _check(lib.kvs_attention_forward(self._h, a), "attention_forward")
         return None if st is None else {f: getattr(st, f) for f in _STATS_FIELDS}
+
+    def set_kv_scales(self, layer: int, k_scale: float, v_scale: float):
+        """An FP8 cache's dequantization scales (vLLM's per-layer `k_scale`, `v_scale`; `layer = -1`: all
+        layers). Must be set before the layer's first cache write or forward call; ignored by other caches."""
+        _check(lib.kvs_engine_set_kv_scales(self._h, layer, float(k_scale), float(v_scale)), "set_kv_scales")
 
     def check(self, stream=None):
         """Raises what a CUDA engine's device checks of block tables, lengths, query offsets and slots

@@ -96,6 +96,7 @@ def get_engine(vllm_config=None, num_q_heads=None, num_kv_heads=None, head_dim=N
                 device=engine_device(vllm_config),
                 policy=kcfg.policy(vllm_config),
                 num_threads=int(os.environ.get("KVSPARSE_NUM_THREADS", "0")),
+                cache_dtype=kcfg.cache_dtype(vllm_config),
             )
             TRACKER.release_fn = _ENGINE.release
             log.info("kvsparse engine: %d layers, %d/%d heads, head_dim %d, block %d, %s, policy %r",
@@ -137,7 +138,7 @@ class KvSparseBackend(AttentionBackend):
     # The cache write happens in forward: one Python entry per layer instead of two.
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
     @staticmethod
     def get_name() -> str:
@@ -157,7 +158,7 @@ class KvSparseBackend(AttentionBackend):
         e = get_engine()  # made with the model's first attention layer, before vLLM resolves the cache layout
         if e is None:
             return preferred_layouts(current_platform.is_cpu())
-        return preferred_layouts(e.device.type == "cpu", e.num_kv_heads * 2 * e.head_dim * e.dtype.itemsize)
+        return preferred_layouts(e.device.type == "cpu", e.num_kv_heads * 2 * e.head_dim * e.cache_itemsize)
 
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
@@ -345,6 +346,10 @@ class KvSparseImpl(AttentionImpl):
             return None
         c = self._call
         if c is None:
+            if self.engine.cache_dtype != "auto":
+                # vLLM's per-layer FP8 scales (per tensor; 1.0 unless the checkpoint or calibration set them).
+                self.engine.set_kv_scales(_layer_index(layer), getattr(layer, "_k_scale_float", 1.0),
+                                          getattr(layer, "_v_scale_float", 1.0))
             c = self._call = LayerCall(self.engine, _layer_index(layer), scale=self.scale,
                                        sliding_window=self.sliding_window, softcap=self.softcap)
         kc, vc = kv_views(kv_cache, self.head_size)

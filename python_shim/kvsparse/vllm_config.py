@@ -83,14 +83,21 @@ def geometry(vllm_config) -> dict:
                 num_kv_heads=mc.get_num_kv_heads(pc), head_dim=mc.get_head_size())
 
 
-def check_cache_dtype(vllm_config):
-    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-    if str(cache_dtype) not in ("auto", "None"):
-        # The C config has no quantized-cache dtype.
-        from .engine import KvsUnsupported
+def cache_dtype(vllm_config) -> str:
+    """vLLM's kv_cache_dtype ("auto" when unset)."""
+    d = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    return "auto" if d is None or str(d) == "None" else str(d)
 
-        raise KvsUnsupported(f"kv_cache_dtype {cache_dtype!r} is not supported (kvsparse keeps K/V in the model "
-                             f"dtype: float32, float16 or bfloat16; use kv_cache_dtype='auto')")
+
+def check_cache_dtype(vllm_config):
+    """Refuses a kv_cache_dtype the C config cannot express (FP8 E4M3/E5M2 it can: `fp8`, `fp8_e4m3`,
+    `fp8_e5m2`; whether the device serves it is the library's check)."""
+    from .engine import CACHE_DTYPES, KvsUnsupported
+
+    d = cache_dtype(vllm_config)
+    if d not in CACHE_DTYPES:
+        raise KvsUnsupported(f"kv_cache_dtype {d!r} is not supported (kvsparse keeps K/V in the model dtype or in "
+                             f"FP8: use kv_cache_dtype='auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2')")
 
 
 def check(vllm_config):
@@ -116,4 +123,4 @@ def check(vllm_config):
     # before vLLM forks its workers): kvs_engine_config_check.
     device = "cpu" if device_type(vllm_config) == "cpu" else "cuda"
     check_config(**geometry(vllm_config), block_size=kernel_block_size(block), dtype=vllm_config.model_config.dtype,
-                 device=device, policy=spec, num_threads=1)
+                 device=device, policy=spec, num_threads=1, cache_dtype=cache_dtype(vllm_config))

@@ -108,6 +108,55 @@ def test_cache_write_and_forward_match_reference_on_strided_vllm_cache(dtype, to
     assert eng.stats()["sequences_released"] == 1
 
 
+@pytest.mark.parametrize("cache_dtype,torch_fp8,fmax", [("fp8", "float8_e4m3fn", 448.0), ("fp8_e5m2", "float8_e5m2", 57344.0)])
+def test_fp8_cache_quantizes_as_vllm_and_attends_the_dequantized_values(cache_dtype, torch_fp8, fmax):
+    """An FP8 cache (vLLM's kv_cache_dtype="fp8"/"fp8_e5m2", allocated as uint8): cache_write stores
+    x / scale rounded to nearest even and saturated (torch's own float8 conversion of the clamped value),
+    and forward attends the dequantized cache (float64 reference over it). Scales must be set first."""
+    torch.manual_seed(0)
+    f8 = getattr(torch, torch_fp8)
+    H, KH, D, bs, nb = 8, 2, 64, 16, 6
+    ks_, vs_ = 0.02, 0.01
+    eng = Engine(num_layers=1, num_q_heads=H, num_kv_heads=KH, head_dim=D, block_size=bs, dtype=torch.bfloat16,
+                 cache_dtype=cache_dtype)
+    kv_cache = torch.zeros(nb, KH, bs, 2 * D, dtype=torch.uint8)
+    kc, vc = kv_cache.transpose(1, 2).split(D, dim=-1)
+    n = 40
+    k = (torch.randn(n, KH, D) * 4).to(torch.bfloat16)
+    v = torch.randn(n, KH, D).to(torch.bfloat16)
+    table = torch.tensor([[4, 0, 2, 5]], dtype=torch.int32)
+    slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(n)], dtype=torch.int64)
+    with pytest.raises(KvsError, match="set_kv_scales"):
+        eng.cache_write(0, k, v, kc, vc, slots)
+    assert int(kv_cache.count_nonzero()) == 0
+    with pytest.raises(KvsError, match="INVALID_ARGUMENT"):
+        eng.set_kv_scales(0, float("nan"), 1.0)
+    eng.set_kv_scales(0, ks_, vs_)
+    eng.cache_write(0, k, v, kc, vc, slots)
+
+    def stored(x, s):  # vLLM's quantization: x / scale in f32, clamped to the format's range, rounded to nearest
+        x = x.float()
+        return (x / torch.full_like(x, s)).clamp(-fmax, fmax).to(f8)
+
+    rows_k = torch.stack([kc[int(table[0, p // bs]), p % bs] for p in range(n)])
+    rows_v = torch.stack([vc[int(table[0, p // bs]), p % bs] for p in range(n)])
+    assert torch.equal(rows_k, stored(k, ks_).view(torch.uint8))
+    assert torch.equal(rows_v, stored(v, vs_).view(torch.uint8))
+    assert bool((stored(k, ks_).float().abs() == fmax).any()) or cache_dtype == "fp8_e5m2"  # E4M3 saturates here
+    q = torch.randn(1, H, D).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    eng.forward(0, q, kc, vc, table, torch.tensor([n], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                out, scale=D ** -0.5)
+    ref = _reference(q, stored(k, ks_).float() * ks_, stored(v, vs_).float() * vs_, D ** -0.5)
+    assert torch.allclose(out.double(), ref, atol=2e-2, rtol=2e-2)
+    # An FP8 query is refused.
+    with pytest.raises(KvsError, match="INVALID_DTYPE"):
+        eng.forward(0, q.float().to(f8), kc, vc, table, torch.tensor([n], dtype=torch.int32),
+                    torch.tensor([0, 1], dtype=torch.int32), out, scale=D ** -0.5)
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8'"):
+        Engine(num_layers=1, num_q_heads=H, num_kv_heads=KH, head_dim=D, block_size=bs, cache_dtype="int8")
+
+
 def test_unsupported_dtype_is_a_clear_error():
     with pytest.raises(ValueError, match="float64"):
         Engine(num_layers=1, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float64)

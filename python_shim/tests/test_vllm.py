@@ -221,8 +221,8 @@ BAD_CONFIGS = {
                        "kvsparse engine_create: KVS_ERR_INVALID_ARGUMENT: ", "nosuchpolicy"),
     "head_size": (dict(env=_OVERRIDE), "KvsError", "kvsparse engine_create: KVS_ERR_UNSUPPORTED: ",
                   "head_dim 72 is not supported"),
-    "kv_cache_dtype": (dict(env=_OVERRIDE, kv_cache_dtype="fp8"), "KvsUnsupported",
-                       "kvsparse engine_create: KVS_ERR_UNSUPPORTED: kv_cache_dtype 'fp8' is not supported", ""),
+    "kv_cache_dtype": (dict(env=_OVERRIDE, kv_cache_dtype="fp8_inc"), "KvsUnsupported",
+                       "kvsparse engine_create: KVS_ERR_UNSUPPORTED: kv_cache_dtype 'fp8_inc' is not supported", ""),
 }
 
 

@@ -432,11 +432,11 @@ fn chunk_rows<I: Isa>(st: &mut RowsState, q: &[f32], limits: &[RowLimits], cache
         return;
     }
     // SAFETY: positions < seq_len, whose blocks were validated against the cache.
-    unsafe { I::scores_rows(&mut st.scores, q, krows, cache.dtype, cache.k_dim_stride(), &mut st.kbuf, st.rows, d) };
+    unsafe { I::scores_rows(&mut st.scores, q, krows, cache.dtype, cache.k_scale, cache.k_dim_stride(), &mut st.kbuf, st.rows, d) };
     if !softmax_chunk::<I>(st, limits, keys, bounds, softcap) {
         return;
     }
-    unsafe { I::accumulate_rows(&mut st.acc, &st.scores, vrows, cache.dtype, cache.v_dim_stride(), &mut st.vbuf, st.rows, d) };
+    unsafe { I::accumulate_rows(&mut st.acc, &st.scores, vrows, cache.dtype, cache.v_scale, cache.v_dim_stride(), &mut st.vbuf, st.rows, d) };
 }
 
 /// With the chunk's raw scores in `st.scores`: soft-cap, masking and the online-softmax update, leaving

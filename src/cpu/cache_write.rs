@@ -1,6 +1,7 @@
 //! Writing new K/V rows into the paged cache by slot mapping (slot = block * block_size + offset),
 //! as vLLM's `reshape_and_cache_flash` does; negative slots are padding and are skipped.
 
+use super::convert::{load_row, Portable};
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::tensor::TensorRef;
@@ -24,9 +25,13 @@ pub fn decode_slots(slot_mapping: &TensorRef, num_tokens: usize, cache: &KvCache
     Ok(out)
 }
 
-/// Copies `key[t]` / `value[t]` (`[num_tokens, num_kv_heads, head_dim]`, same dtype as the cache) into
-/// their slots. Everything was validated, including the slots, before the first byte is written.
+/// Copies `key[t]` / `value[t]` (`[num_tokens, num_kv_heads, head_dim]`, the engine's dtype) into their
+/// slots; an FP8 cache gets them quantized (see [`write_fp8`]). Everything was validated, including the
+/// slots, before the first byte is written.
 pub fn write(cache: &KvCache, key: &TensorRef, value: &TensorRef, slots: &[Option<(usize, usize)>]) {
+    if cache.dtype.is_fp8() {
+        return write_fp8(cache, key, value, slots);
+    }
     let es = cache.dtype.size_bytes();
     let d = cache.head_dim;
     for (t, slot) in slots.iter().enumerate() {
@@ -46,6 +51,30 @@ pub fn write(cache: &KvCache, key: &TensorRef, value: &TensorRef, slots: &[Optio
                         for i in 0..d {
                             std::ptr::copy_nonoverlapping(src_row.offset(i as isize * src_stride * es as isize), dst_row.offset(i as isize * dst_stride * es as isize), es);
                         }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The FP8 cache write: each element `x` becomes `fp8::quantize(x, scale)` (float32 `x / scale`, rounded
+/// to nearest even, saturating to ±max; NaN stays NaN), as vLLM's `reshape_and_cache_flash` stores it.
+fn write_fp8(cache: &KvCache, key: &TensorRef, value: &TensorRef, slots: &[Option<(usize, usize)>]) {
+    let d = cache.head_dim;
+    let mut row = vec![0f32; d];
+    for (t, slot) in slots.iter().enumerate() {
+        let Some((b, o)) = *slot else { continue };
+        for h in 0..cache.num_kv_heads {
+            for (src, dst_row, dst_stride, scale) in [
+                (key, cache.k_row(b, o, h) as *mut u8, cache.k_dim_stride(), cache.k_scale),
+                (value, cache.v_row(b, o, h) as *mut u8, cache.v_dim_stride(), cache.v_scale),
+            ] {
+                // SAFETY: indices validated; source and cache are distinct allocations by contract.
+                unsafe {
+                    load_row::<Portable>(src.ptr_at(&[t, h, 0]), src.dtype, src.stride(2), d, &mut row);
+                    for (i, &x) in row.iter().enumerate() {
+                        *dst_row.offset(i as isize * dst_stride) = crate::fp8::quantize(cache.dtype, x, scale);
                     }
                 }
             }

@@ -116,7 +116,7 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
     }
     drop(meta_guard);
 
-    let row_bytes = (cfg.head_dim * cfg.dtype.size_bytes() * 2 * cfg.num_kv_heads) as u64;
+    let row_bytes = (cfg.head_dim * cfg.cache_dtype.size_bytes() * 2 * cfg.num_kv_heads) as u64;
     for (i, s) in batch.seqs.iter().enumerate() {
         if s.q_len == 1 {
             c.decode_rows += 1;

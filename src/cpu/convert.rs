@@ -5,6 +5,7 @@
 //! it is there; bf16 is a 16-bit shift, which the compiler vectorises by itself.
 
 use super::chunk::CHUNK;
+use crate::layout::KvCache;
 use crate::tensor::DType;
 
 /// Instruction-set flavour a kernel body is compiled for.
@@ -39,14 +40,14 @@ pub trait Isa: Copy {
         }
         sum8(x)
     }
-    /// Scores of the keys at `krows` (cache rows of `dtype`, element stride `stride`): by default
-    /// converted into `kbuf` first, then [`Isa::scores`].
+    /// Scores of the keys at `krows` (cache rows of `dtype`, element stride `stride`; `scale` dequantizes
+    /// an FP8 cache and is ignored otherwise): by default converted into `kbuf` first, then [`Isa::scores`].
     ///
     /// # Safety
     /// Every pointer must address `d` elements at that stride.
     #[inline(always)]
-    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, stride: isize, kbuf: &mut Vec<f32>, rows: usize, d: usize) {
-        stage_rows::<Self>(krows, dtype, stride, d, kbuf);
+    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, scale: f32, stride: isize, kbuf: &mut Vec<f32>, rows: usize, d: usize) {
+        stage_rows::<Self>(krows, dtype, scale, stride, d, kbuf);
         Self::scores(scores, q, kbuf, rows, krows.len(), d)
     }
     /// Value accumulation from cache rows (see [`Isa::scores_rows`]).
@@ -54,8 +55,8 @@ pub trait Isa: Copy {
     /// # Safety
     /// Every pointer must address `d` elements at that stride.
     #[inline(always)]
-    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, stride: isize, vbuf: &mut Vec<f32>, rows: usize, d: usize) {
-        stage_rows::<Self>(vrows, dtype, stride, d, vbuf);
+    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, scale: f32, stride: isize, vbuf: &mut Vec<f32>, rows: usize, d: usize) {
+        stage_rows::<Self>(vrows, dtype, scale, stride, d, vbuf);
         Self::accumulate(acc, p, vbuf, rows, vrows.len(), d)
     }
 }
@@ -113,27 +114,27 @@ impl Isa for Avx2 {
         unsafe { super::avx2::exp_sub_sum(x, m) }
     }
     #[inline(always)]
-    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, stride: isize, kbuf: &mut Vec<f32>, rows: usize, d: usize) {
+    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, scale: f32, stride: isize, kbuf: &mut Vec<f32>, rows: usize, d: usize) {
         use super::avx2 as k;
         match (dtype, stride) {
             (DType::F16, 1) => k::scores_rows::<{k::FMT_F16}>(scores, q, krows, rows, d),
             (DType::BF16, 1) => k::scores_rows::<{k::FMT_BF16}>(scores, q, krows, rows, d),
             (DType::F32, 1) => k::scores_rows::<{k::FMT_F32}>(scores, q, krows, rows, d),
             _ => {
-                stage_rows::<Self>(krows, dtype, stride, d, kbuf);
+                stage_rows::<Self>(krows, dtype, scale, stride, d, kbuf);
                 Self::scores(scores, q, kbuf, rows, krows.len(), d)
             }
         }
     }
     #[inline(always)]
-    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, stride: isize, vbuf: &mut Vec<f32>, rows: usize, d: usize) {
+    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, scale: f32, stride: isize, vbuf: &mut Vec<f32>, rows: usize, d: usize) {
         use super::avx2 as k;
         match (dtype, stride) {
             (DType::F16, 1) => k::accumulate_rows::<{k::FMT_F16}>(acc, p, vrows, rows, d),
             (DType::BF16, 1) => k::accumulate_rows::<{k::FMT_BF16}>(acc, p, vrows, rows, d),
             (DType::F32, 1) => k::accumulate_rows::<{k::FMT_F32}>(acc, p, vrows, rows, d),
             _ => {
-                stage_rows::<Self>(vrows, dtype, stride, d, vbuf);
+                stage_rows::<Self>(vrows, dtype, scale, stride, d, vbuf);
                 Self::accumulate(acc, p, vbuf, rows, vrows.len(), d)
             }
         }
@@ -176,25 +177,25 @@ impl Isa for Avx512 {
         unsafe { super::avx512::exp_sub_sum(x, m) }
     }
     #[inline(always)]
-    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, stride: isize, kbuf: &mut Vec<f32>, rows: usize, d: usize) {
+    unsafe fn scores_rows(scores: &mut [f32], q: &[f32], krows: &[*const u8], dtype: DType, scale: f32, stride: isize, kbuf: &mut Vec<f32>, rows: usize, d: usize) {
         use super::avx2::{FMT_BF16, FMT_F16, FMT_F32};
         use super::avx512 as k;
         match (dtype, stride, d % 16) {
             (DType::F16, 1, 0) => k::scores_rows::<FMT_F16>(scores, q, krows, rows, d),
             (DType::BF16, 1, 0) => k::scores_rows::<FMT_BF16>(scores, q, krows, rows, d),
             (DType::F32, 1, 0) => k::scores_rows::<FMT_F32>(scores, q, krows, rows, d),
-            _ => Avx2::scores_rows(scores, q, krows, dtype, stride, kbuf, rows, d),
+            _ => Avx2::scores_rows(scores, q, krows, dtype, scale, stride, kbuf, rows, d),
         }
     }
     #[inline(always)]
-    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, stride: isize, vbuf: &mut Vec<f32>, rows: usize, d: usize) {
+    unsafe fn accumulate_rows(acc: &mut [f32], p: &[f32], vrows: &[*const u8], dtype: DType, scale: f32, stride: isize, vbuf: &mut Vec<f32>, rows: usize, d: usize) {
         use super::avx2::{FMT_BF16, FMT_F16, FMT_F32};
         use super::avx512 as k;
         match (dtype, stride, d % 16) {
             (DType::F16, 1, 0) => k::accumulate_rows::<FMT_F16>(acc, p, vrows, rows, d),
             (DType::BF16, 1, 0) => k::accumulate_rows::<FMT_BF16>(acc, p, vrows, rows, d),
             (DType::F32, 1, 0) => k::accumulate_rows::<FMT_F32>(acc, p, vrows, rows, d),
-            _ => Avx2::accumulate_rows(acc, p, vrows, dtype, stride, vbuf, rows, d),
+            _ => Avx2::accumulate_rows(acc, p, vrows, dtype, scale, stride, vbuf, rows, d),
         }
     }
 }
@@ -215,22 +216,57 @@ unsafe fn f16_to_f32_f16c(src: *const u16, dst: &mut [f32], n: usize) {
     }
 }
 
-/// Converts the rows at `rows` (each `d` elements of `dtype` at element stride `stride`) into `buf`, one
-/// after the other, growing `buf` on first use (only the paths that cannot read the cache in place use it).
+/// Converts the rows at `rows` (each `d` elements of `dtype` at element stride `stride`, dequantized by
+/// `scale` when FP8) into `buf`, one after the other, growing `buf` on first use (only the paths that
+/// cannot read the cache in place use it).
 ///
 /// # Safety
 /// Every pointer must address `d` elements at that stride.
 #[inline(always)]
-unsafe fn stage_rows<I: Isa>(rows: &[*const u8], dtype: DType, stride: isize, d: usize, buf: &mut Vec<f32>) {
+unsafe fn stage_rows<I: Isa>(rows: &[*const u8], dtype: DType, scale: f32, stride: isize, d: usize, buf: &mut Vec<f32>) {
     if buf.len() < rows.len() * d {
         buf.resize(CHUNK * d, 0.0);
     }
     for (j, &p) in rows.iter().enumerate() {
-        load_row::<I>(p, dtype, stride, d, &mut buf[j * d..(j + 1) * d]);
+        load_cache_row::<I>(p, dtype, scale, stride, d, &mut buf[j * d..(j + 1) * d]);
     }
 }
 
-/// Loads `n` elements of `dtype` starting at `src` with element stride `stride` into `dst[..n]`.
+/// Loads a cache row like [`load_row`], dequantized when the cache is FP8: `decode(byte) * scale` in f32
+/// (src/fp8.rs), so every reader of the cache (attention, policy metadata, scoring) sees the same values.
+///
+/// # Safety
+/// As [`load_row`].
+#[inline(always)]
+pub unsafe fn load_cache_row<I: Isa>(src: *const u8, dtype: DType, scale: f32, stride: isize, n: usize, dst: &mut [f32]) {
+    load_row::<I>(src, dtype, stride, n, dst);
+    if dtype.is_fp8() {
+        for x in dst[..n].iter_mut() {
+            *x *= scale;
+        }
+    }
+}
+
+/// The K row of (block, offset-in-block, kv head) as f32, dequantized (`head_dim` values into `dst`).
+///
+/// # Safety
+/// The block must lie in the cache (validated), `dst.len() >= head_dim`.
+#[inline(always)]
+pub unsafe fn load_k<I: Isa>(cache: &KvCache, block: usize, off: usize, head: usize, dst: &mut [f32]) {
+    load_cache_row::<I>(cache.k_row(block, off, head), cache.dtype, cache.k_scale, cache.k_dim_stride(), cache.head_dim, dst)
+}
+
+/// Like [`load_k`] for the V row.
+///
+/// # Safety
+/// As [`load_k`].
+#[inline(always)]
+pub unsafe fn load_v<I: Isa>(cache: &KvCache, block: usize, off: usize, head: usize, dst: &mut [f32]) {
+    load_cache_row::<I>(cache.v_row(block, off, head), cache.dtype, cache.v_scale, cache.v_dim_stride(), cache.head_dim, dst)
+}
+
+/// Loads `n` elements of `dtype` starting at `src` with element stride `stride` into `dst[..n]` (FP8
+/// unscaled: cache rows go through [`load_cache_row`]).
 ///
 /// # Safety
 /// `src` must address `n` valid elements at that stride.
@@ -247,6 +283,12 @@ pub unsafe fn load_row<I: Isa>(src: *const u8, dtype: DType, stride: isize, n: u
                 }
             }
             DType::F16 => I::f16_to_f32(src as *const u16, dst, n),
+            DType::F8E4M3 | DType::F8E5M2 => {
+                let t = crate::fp8::decode_table(dtype);
+                for (i, d) in dst.iter_mut().enumerate() {
+                    *d = t[*src.add(i) as usize];
+                }
+            }
             _ => unreachable!("load_row on integer dtype"),
         }
     } else {
@@ -256,7 +298,7 @@ pub unsafe fn load_row<I: Isa>(src: *const u8, dtype: DType, stride: isize, n: u
     }
 }
 
-/// Loads one element (any float dtype) as f32.
+/// Loads one element (any float dtype; FP8 unscaled) as f32.
 ///
 /// # Safety
 /// `src + idx` must be a valid element.
@@ -266,6 +308,7 @@ pub unsafe fn load_one(src: *const u8, dtype: DType, idx: isize) -> f32 {
         DType::F32 => (src as *const f32).offset(idx).read_unaligned(),
         DType::F16 => half::f16::from_bits((src as *const u16).offset(idx).read_unaligned()).to_f32(),
         DType::BF16 => f32::from_bits(((src as *const u16).offset(idx).read_unaligned() as u32) << 16),
+        DType::F8E4M3 | DType::F8E5M2 => crate::fp8::decode(dtype, *src.offset(idx)),
         _ => unreachable!("load_one on integer dtype"),
     }
 }

@@ -18,7 +18,7 @@
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use super::convert::{load_row, Portable};
+use super::convert::{load_cache_row, Portable};
 use super::quantize::{code_bytes, quantize_row};
 pub use super::math::{f16_down, f16_up};
 pub use crate::meta::{MetaNeeds, MetaSnapshot};
@@ -174,7 +174,7 @@ impl LayerMeta {
                 for &(_, off) in &touched[i..j] {
                     for h in 0..self.kv_heads {
                         // SAFETY: (b, off) are validated slots, h < num_kv_heads.
-                        unsafe { load_row::<Portable>(cache.k_row(b, off, h), cache.dtype, cache.k_dim_stride(), self.dim, &mut row) };
+                        unsafe { load_cache_row::<Portable>(cache.k_row(b, off, h), cache.dtype, cache.k_scale, cache.k_dim_stride(), self.dim, &mut row) };
                         let r = (b * self.block_size + off) * self.kv_heads + h;
                         self.qparams[r] = quantize_row(&row, &mut self.codes[r * cb..(r + 1) * cb]);
                     }
@@ -197,7 +197,7 @@ impl LayerMeta {
                     continue;
                 }
                 // SAFETY: b < num_blocks (validated slot), off < block_size, h < num_kv_heads.
-                unsafe { load_row::<Portable>(cache.k_row(b, off, h), cache.dtype, cache.k_dim_stride(), d, row) };
+                unsafe { load_cache_row::<Portable>(cache.k_row(b, off, h), cache.dtype, cache.k_scale, cache.k_dim_stride(), d, row) };
                 for ((a, z), &x) in mn.iter_mut().zip(mx.iter_mut()).zip(row.iter()) {
                     *a = a.min(x);
                     *z = z.max(x);

@@ -13,7 +13,7 @@
 //! thread count, so the output bits do not either.
 
 use super::attention::{RowLimits, RowsState, SeqKv, CHUNK};
-use super::convert::{load_row, Isa, Portable};
+use super::convert::{load_cache_row, Isa, Portable};
 use super::isa::{self, IsaLevel};
 pub(crate) use super::simd::Simd;
 use super::math::fast_exp;
@@ -201,7 +201,7 @@ fn prefill_generic<I: Isa, S: Simd, const SV: usize, const SK: usize, const PR: 
             let hkv = SeqKv { head: h, ..*kv };
             let mut kp = [sc.zero_row.as_ptr(); KEY_TILE];
             // SAFETY: positions < seq_len, whose blocks were validated against the cache.
-            unsafe { stage::<I>(&mut kp[..n], |j| hkv.k_row(t0 + j), cache.dtype, kst, in_place, d, &mut sc.kbuf) };
+            unsafe { stage::<I>(&mut kp[..n], |j| hkv.k_row(t0 + j), cache.dtype, cache.k_scale, kst, in_place, d, &mut sc.kbuf) };
             let nk = n.div_ceil(SK) * SK;
             unsafe { scores_t::<S, SV, SK>(sc.s.as_mut_ptr(), sc.qt[h].as_ptr(), &kp[..nk], rp, d) };
             if !softmax_tile::<S>(&mut sc.s, rp, n, t0 as u32, (&sc.lo, &sc.hi), full, softcap, &mut sc.m[h], &mut sc.l[h], &mut sc.lane) {
@@ -215,7 +215,7 @@ fn prefill_generic<I: Isa, S: Simd, const SV: usize, const SK: usize, const PR: 
             }
             let mut vp = [sc.zero_row.as_ptr(); KEY_TILE];
             unsafe {
-                stage::<I>(&mut vp[..n], |j| hkv.v_row(t0 + j), cache.dtype, vst, in_place, d, &mut sc.vbuf);
+                stage::<I>(&mut vp[..n], |j| hkv.v_row(t0 + j), cache.dtype, cache.v_scale, vst, in_place, d, &mut sc.vbuf);
                 values::<S, PR, PW>(st.acc.as_mut_ptr(), sc.s.as_ptr(), &vp[..n], rows, rp, d);
             }
         }
@@ -233,12 +233,13 @@ fn pad(x: &[f32], n: usize, fill: f32) -> Vec<f32> {
 }
 
 /// Points `ptrs[j]` at row `j` of the tile as contiguous f32: the cache row itself for f32 caches read
-/// with unit stride, else a converted copy in `buf`.
+/// with unit stride, else a converted (an FP8 cache: dequantized by `scale`) copy in `buf`.
 ///
 /// # Safety
 /// `row(j)` must address `d` elements of `dtype` at element stride `stride`.
 #[inline(always)]
-unsafe fn stage<I: Isa>(ptrs: &mut [*const f32], row: impl Fn(usize) -> *const u8, dtype: DType, stride: isize, in_place: bool, d: usize, buf: &mut Vec<f32>) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn stage<I: Isa>(ptrs: &mut [*const f32], row: impl Fn(usize) -> *const u8, dtype: DType, scale: f32, stride: isize, in_place: bool, d: usize, buf: &mut Vec<f32>) {
     if in_place && stride == 1 {
         for (j, p) in ptrs.iter_mut().enumerate() {
             *p = row(j) as *const f32;
@@ -249,7 +250,7 @@ unsafe fn stage<I: Isa>(ptrs: &mut [*const f32], row: impl Fn(usize) -> *const u
         buf.resize(KEY_TILE * d, 0.0);
     }
     for j in 0..ptrs.len() {
-        load_row::<I>(row(j), dtype, stride, d, &mut buf[j * d..(j + 1) * d]);
+        load_cache_row::<I>(row(j), dtype, scale, stride, d, &mut buf[j * d..(j + 1) * d]);
         ptrs[j] = buf[j * d..].as_ptr();
     }
 }

@@ -82,6 +82,15 @@ impl Drop for CudaBackend {
     }
 }
 
+/// The kernels' `KV8` define (kernels/include/fp8.cuh): 1 = E4M3 cache, 2 = E5M2, 0 = the engine's dtype.
+pub(crate) fn kv8_code(cache: DType) -> i32 {
+    match cache {
+        DType::F8E4M3 => 1,
+        DType::F8E5M2 => 2,
+        _ => 0,
+    }
+}
+
 pub(crate) fn p(t: &TensorRef) -> *const u8 {
     t.data
 }
@@ -113,6 +122,7 @@ impl CudaBackend {
     /// `max_seqs`: the size of the per-sequence state slot map, for policies that keep such state.
     pub fn new(cfg: &EngineConfig, ordinal: i32, needs: MetaNeeds, max_seqs: Option<usize>) -> Result<CudaBackend> {
         let gpu = Gpu::open(ordinal)?;
+        ensure!(!cfg.cache_dtype.is_fp8() || gpu.cc >= (8, 9), Unsupported, "FP8 caches need compute capability 8.9 or newer (its FP8 conversions); device {ordinal} is {}.{}", gpu.cc.0, gpu.cc.1);
         let sparse = SparseState::new(cfg.num_layers)?;
         let slots = max_seqs.map(super::slots::SeqSlots::new).transpose()?;
         let ids = match slots {
@@ -248,7 +258,7 @@ impl CudaBackend {
     /// lane-group kernel runs.
     pub(crate) fn mma_for(&self, cfg: &EngineConfig, cache: &KvCache, art: bool) -> Option<plan::MmaShape> {
         let es = cfg.dtype.size_bytes();
-        let aligned = aligned16(cache, es);
+        let aligned = aligned16(cache, cache.dtype.size_bytes());
         let tun = if art { plan::MmaTunables { warps: plan::ART_WARPS, stages: plan::ART_STAGES, ..self.mma } } else { self.mma };
         plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(if art { 4096 } else { 1024 }))
     }
@@ -257,11 +267,14 @@ impl CudaBackend {
     pub(crate) fn attend(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, rows: Rows) -> Result<()> {
         let num_tokens = geo.num_tokens;
         let es = cfg.dtype.size_bytes();
-        let aligned = aligned16(cache, es);
+        let aligned = aligned16(cache, cache.dtype.size_bytes());
+        let fp8 = cache.dtype.is_fp8();
         // Rows of query length != 1 go to the prefill kernel where it applies (src/cuda/prefill.rs): a
         // policy layer's dense rest entirely; in a call that may hold prefill rows, the decode kernel then
         // serves the decode rows only (mode 1 without a plan). A decode-only call is unchanged.
+        // An FP8 cache is read by the tensor-core kernel only (prefill rows too).
         let prefill = match rows {
+            _ if fp8 => None,
             Rows::All if a.max_query_len != 1 => self.prefill_kernel(cfg, aligned),
             Rows::DenseRest => self.prefill_kernel(cfg, aligned),
             _ => None,
@@ -285,6 +298,7 @@ impl CudaBackend {
         // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile), one CTA per KV head
         // (GQ = GROUP) and one split per row (the traversal is sequential; docs/policies.md).
         let mma = self.mma_for(cfg, cache, art.is_some());
+        ensure!(!fp8 || (mma.is_some() && matches!(rows, Rows::All)), Unsupported, "an FP8 cache needs the tensor-core kernel (16-byte aligned rows and strides, GQA group <= 16) and dense attention on the CUDA engine");
         ensure!(logits.is_none() || mma.is_some(), Internal, "the logits of a plan's attention need the tensor-core kernel (checked by the caller)");
         if art.is_some() {
             ensure!(matches!(mma, Some(ms) if ms.warps == 4 && ms.gq == cfg.group_size()), Unsupported, "`art` on the CUDA backend needs the tensor-core kernel (f16/bf16 cache, 16-byte aligned rows, head size a multiple of 16, GQA group <= 16) with 4 warps");
@@ -302,6 +316,7 @@ impl CudaBackend {
                 plan_define,
                 format!("ART={}", art.is_some() as i32),
                 format!("LOGITS={}", logits.is_some() as i32),
+                format!("KV8={}", kv8_code(cache.dtype)),
                 // Benchmarks only: KVS_ART_NOPROBE=1 compiles ART's launch without the detector (the same
                 // order and single split), the baseline of the detector's cost.
                 format!("ART_NOPROBE={}", (art.is_some() && std::env::var("KVS_ART_NOPROBE").is_ok_and(|v| v == "1")) as i32),
@@ -358,6 +373,9 @@ impl CudaBackend {
         if let (Some(lo), true) = (logits, mma.is_some()) {
             k.i64(lo.lg as i64).i32(lo.maxpos);
         }
+        if fp8 {
+            k.f32(cache.k_scale).f32(cache.v_scale);
+        }
         launch::launch_smem(f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
         if nsplit > 1 {
             self.combine_splits(cfg, a, geo, &defines, (ws_o, ws_lse), nsplit, mode, module)?;
@@ -398,7 +416,7 @@ impl CudaBackend {
         if self.validate_sync {
             super::checks::refuse_sync_in_capture(&self.gpu, a.stream)?;
         }
-        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype))];
+        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("KV8={}", kv8_code(cache.dtype))];
         // Every slot is checked on the device before any is written: the kernels below read the checked
         // copy, all -1 (skip) when any slot is out of range.
         let capacity = cache.num_blocks * cfg.block_size;
@@ -415,6 +433,9 @@ impl CudaBackend {
         }
         k.ptr(p(&slots)).i64(1).i32(1);
         k.i32(n as i32).i32(cfg.num_kv_heads as i32).i32(cfg.head_dim as i32).i64(cache.num_blocks as i64).i32(cfg.block_size as i32);
+        if cache.dtype.is_fp8() {
+            k.f32(cache.k_scale).f32(cache.v_scale);
+        }
         let grid = total.div_ceil(256).min(65536 * 4) as u32;
         launch::launch(f, (grid, 1, 1), 256, &mut k, a.stream, "kvs_cache_write launch")?;
         self.meta.update(&self.gpu, &self.modules, a.layer, cache, &slots, n, a.stream)?;

@@ -27,6 +27,7 @@ kernel_files! {
     "params.cuh" => "include/params.cuh",
     "combine.cuh" => "include/combine.cuh",
     "mma.cuh" => "include/mma.cuh",
+    "fp8.cuh" => "include/fp8.cuh",
     "block_reduce.cuh" => "include/block_reduce.cuh",
     "batch.cuh" => "include/batch.cuh",
     "topk.cuh" => "include/topk.cuh",

@@ -197,6 +197,9 @@ mod compile_tests {
         };
         for dt in 0..3 {
             build("cache_write", CACHE_WRITE, &[format!("KVS_DTYPE={dt}")]);
+            for kv8 in [1, 2] {
+                build("cache_write", CACHE_WRITE, &[format!("KVS_DTYPE={dt}"), format!("KV8={kv8}")]);
+            }
             build("fill", FILL, &[format!("KVS_DTYPE={dt}")]);
             for &(d, g) in &[(64usize, 4usize), (80, 4), (256, 8), (128, 1), (192, 8)] {
                 let es = [4usize, 2, 2][dt];
@@ -227,6 +230,11 @@ mod compile_tests {
                     let (w, st) = (super::super::plan::DEFAULT_WARPS, super::super::plan::DEFAULT_STAGES);
                     for (plan, art, w, st) in [(0, 0, w, st), (1, 0, w, st), (1, 1, super::super::plan::ART_WARPS, super::super::plan::ART_STAGES)] {
                         let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), format!("ART={art}")].to_vec();
+                        build("attention_mma", ATTENTION_MMA, &defs);
+                    }
+                    // FP8 caches (dense rows only): both formats under either query type.
+                    for kv8 in [1, 2] {
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), "PLAN=0".into(), "ART=0".into(), format!("KV8={kv8}")].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
                     let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();

@@ -54,7 +54,9 @@ pub enum kvs_dl_device_type {
 /// DLPack type codes (`DLDataType.code`, the values of dlpack.h's `kDLInt`, `kDLUInt`, `kDLFloat`,
 /// `kDLBfloat`). kvsparse takes float32 `{KVS_DL_FLOAT, 32, 1}`, float16 `{KVS_DL_FLOAT, 16, 1}`, bfloat16
 /// `{KVS_DL_BFLOAT, 16, 1}`, int32 `{KVS_DL_INT, 32, 1}`, int64 `{KVS_DL_INT, 64, 1}` and uint64
-/// `{KVS_DL_UINT, 64, 1}`, each argument the ones its documentation names.
+/// `{KVS_DL_UINT, 64, 1}`, each argument the ones its documentation names; an FP8 cache
+/// (`kvs_engine_config.cache_dtype`) is `{KVS_DL_FLOAT8_E4M3FN, 8, 1}` / `{KVS_DL_FLOAT8_E5M2, 8, 1}` or
+/// raw bytes `{KVS_DL_UINT, 8, 1}` (how vLLM allocates it).
 #[repr(C)]
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +65,10 @@ pub enum kvs_dl_type_code {
     KVS_DL_UINT = 1,
     KVS_DL_FLOAT = 2,
     KVS_DL_BFLOAT = 4,
+    /// `kDLFloat8_e4m3fn` (DLPack 1.1; PyTorch's `float8_e4m3fn`), 8 bits: an FP8 E4M3 cache.
+    KVS_DL_FLOAT8_E4M3FN = 10,
+    /// `kDLFloat8_e5m2`, 8 bits: an FP8 E5M2 cache.
+    KVS_DL_FLOAT8_E5M2 = 12,
 }
 
 pub const KDL_CPU: i32 = kvs_dl_device_type::KVS_DL_CPU as i32;
@@ -72,6 +78,8 @@ const INT: u8 = kvs_dl_type_code::KVS_DL_INT as u8;
 const UINT: u8 = kvs_dl_type_code::KVS_DL_UINT as u8;
 const FLOAT: u8 = kvs_dl_type_code::KVS_DL_FLOAT as u8;
 const BFLOAT: u8 = kvs_dl_type_code::KVS_DL_BFLOAT as u8;
+const FLOAT8_E4M3FN: u8 = kvs_dl_type_code::KVS_DL_FLOAT8_E4M3FN as u8;
+const FLOAT8_E5M2: u8 = kvs_dl_type_code::KVS_DL_FLOAT8_E5M2 as u8;
 
 pub fn device_from_dl(device_type: i32, device_id: i32) -> Result<Device> {
     match device_type {
@@ -98,6 +106,9 @@ pub fn dtype_to_dl(d: DType) -> DLDataType {
         DType::I32 => (INT, 32),
         DType::I64 => (INT, 64),
         DType::U64 => (UINT, 64),
+        DType::F8E4M3 => (FLOAT8_E4M3FN, 8),
+        DType::F8E5M2 => (FLOAT8_E5M2, 8),
+        DType::U8 => (UINT, 8),
     };
     DLDataType { code, bits, lanes: 1 }
 }
@@ -111,6 +122,9 @@ fn dtype_from_dl(name: &str, t: DLDataType) -> Result<DType> {
         (INT, 32) => DType::I32,
         (INT, 64) => DType::I64,
         (UINT, 64) => DType::U64,
+        (FLOAT8_E4M3FN, 8) => DType::F8E4M3,
+        (FLOAT8_E5M2, 8) => DType::F8E5M2,
+        (UINT, 8) => DType::U8,
         (c, b) => bail!(InvalidDtype, "{name} has an unsupported dtype (DLPack code {c}, {b} bits)"),
     })
 }

@@ -78,6 +78,7 @@ pub unsafe extern "C" fn kvs_engine_config_init(config: *mut kvs_engine_config) 
             max_state_bytes: 0,
             policy: std::ptr::null(),
             validate: kvs_validate::KVS_VALIDATE_DEFERRED,
+            cache_dtype: kvs_cache_dtype::KVS_CACHE_DTYPE_AUTO,
         });
         Ok(())
     })
@@ -87,9 +88,9 @@ pub unsafe extern "C" fn kvs_engine_config_init(config: *mut kvs_engine_config) 
 const CONFIG_SIZE_BEFORE_VALIDATE: usize = std::mem::offset_of!(kvs_engine_config, validate);
 
 /// The caller's config, `struct_size` bytes of it (at least the fields before `validate`); fields it does
-/// not have keep their defaults. Returns it with `validate` decoded (its raw value checked before Rust
-/// reads the enum).
-unsafe fn config_prefix(config: *const kvs_engine_config) -> Result<(kvs_engine_config, crate::config::Validate)> {
+/// not have keep their defaults. Returns it with `validate` and `cache_dtype` decoded (their raw values
+/// checked before Rust reads the enums; `None` = the engine's dtype).
+unsafe fn config_prefix(config: *const kvs_engine_config) -> Result<(kvs_engine_config, crate::config::Validate, Option<DType>)> {
     let size = (*config).struct_size as usize;
     ensure!(
         size >= CONFIG_SIZE_BEFORE_VALIDATE,
@@ -105,9 +106,16 @@ unsafe fn config_prefix(config: *const kvs_engine_config) -> Result<(kvs_engine_
         1 => crate::config::Validate::Sync,
         v => bail!(InvalidArgument, "config.validate {v} is not a kvs_validate (0 = deferred, 1 = sync)"),
     };
+    let raw = (std::ptr::addr_of!((*c.as_ptr()).cache_dtype) as *const i32).read_unaligned();
+    let cache_dtype = match raw {
+        0 => None,
+        1 => Some(DType::F8E4M3),
+        2 => Some(DType::F8E5M2),
+        v => bail!(InvalidDtype, "config.cache_dtype {v} is not a kvs_cache_dtype (0 = auto, 1 = fp8_e4m3, 2 = fp8_e5m2)"),
+    };
     // SAFETY: every byte is initialised (zeroes where the caller's struct ended; zero is a valid value of
-    // every field, the enums included) and both enums' raw values were checked.
-    Ok((c.assume_init(), validate))
+    // every field, the enums included) and the enums' raw values were checked.
+    Ok((c.assume_init(), validate, cache_dtype))
 }
 
 unsafe fn config_from_c(c: &kvs_engine_config) -> Result<EngineConfig> {
@@ -119,6 +127,11 @@ unsafe fn config_from_c(c: &kvs_engine_config) -> Result<EngineConfig> {
             Err(_) => bail!(InvalidArgument, "config.policy is not valid UTF-8"),
         }
     };
+    let dtype = match c.dtype {
+        kvs_dtype::KVS_DTYPE_FLOAT32 => DType::F32,
+        kvs_dtype::KVS_DTYPE_FLOAT16 => DType::F16,
+        kvs_dtype::KVS_DTYPE_BFLOAT16 => DType::BF16,
+    };
     Ok(EngineConfig {
         device: dlpack::device_from_dl(c.device_type, c.device_id)?,
         num_layers: c.num_layers as usize,
@@ -127,11 +140,8 @@ unsafe fn config_from_c(c: &kvs_engine_config) -> Result<EngineConfig> {
         head_dim: c.head_dim as usize,
         block_size: c.block_size as usize,
         num_blocks: c.num_blocks as usize,
-        dtype: match c.dtype {
-            kvs_dtype::KVS_DTYPE_FLOAT32 => DType::F32,
-            kvs_dtype::KVS_DTYPE_FLOAT16 => DType::F16,
-            kvs_dtype::KVS_DTYPE_BFLOAT16 => DType::BF16,
-        },
+        dtype,
+        cache_dtype: dtype,
         policy,
         num_threads: c.num_threads as usize,
         max_state_bytes: c.max_state_bytes,
@@ -146,9 +156,10 @@ unsafe fn config_arg(config: *const kvs_engine_config) -> Result<EngineConfig> {
     let raw_dtype = std::ptr::addr_of!((*config).dtype) as *const i32;
     let dt = raw_dtype.read_unaligned();
     ensure!((0..=2).contains(&dt), InvalidDtype, "config.dtype {dt} is not a kvs_dtype");
-    let (c, validate) = config_prefix(config)?;
+    let (c, validate, cache_dtype) = config_prefix(config)?;
     let mut cfg = config_from_c(&c)?;
     cfg.validate = validate;
+    cfg.cache_dtype = cache_dtype.unwrap_or(cfg.dtype);
     Ok(cfg)
 }
 
@@ -297,6 +308,26 @@ pub unsafe extern "C" fn kvs_engine_set_speculation_budgets(engine: *mut kvs_eng
         points.extend(c.iter().zip(b).map(|(&c, &b)| (c as usize, b as usize)));
         e.set_speculation_budgets(Some(crate::policy::speculate::SpecBudgetTable::new(points)?));
         Ok(())
+    })
+}
+
+/// Sets the dequantization scales of an FP8 cache (`kvs_engine_config.cache_dtype`): vLLM's per-layer
+/// `k_scale` and `v_scale` (float32, per tensor; `fp8 = x / scale` on write, `x = fp8 * scale` on read).
+/// `layer = -1` sets every layer, else one layer `0 .. num_layers-1` (any other value is
+/// `KVS_ERR_OUT_OF_RANGE`). A scale that is not finite or not above 0 is `KVS_ERR_INVALID_ARGUMENT` and
+/// changes nothing. A forward call or cache write on an FP8 layer whose scales were never set fails with
+/// `KVS_ERR_INVALID_ARGUMENT` and writes nothing. Engines whose cache is not FP8 keep the scales unused.
+/// Applies from the next call (a captured CUDA graph keeps the scales it was captured with); thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_engine_set_kv_scales(engine: *mut kvs_engine, layer: i32, k_scale: f32, v_scale: f32) -> kvs_status {
+    guard(|| {
+        let e = engine_ref(engine)?;
+        let layer = match usize::try_from(layer) {
+            _ if layer == -1 => None,
+            Ok(l) => Some(l),
+            Err(_) => bail!(OutOfRange, "layer {layer} is outside the engine's {} layers (-1 = every layer)", e.config().num_layers),
+        };
+        e.set_kv_scales(layer, k_scale, v_scale)
     })
 }
 

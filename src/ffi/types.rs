@@ -94,6 +94,27 @@ pub struct kvs_engine_config {
     /// Ignored by CPU engines, which check everything before writing. Appended in ABI 0: a caller whose
     /// `struct_size` ends before it gets the default.
     pub validate: kvs_validate,
+    /// The K/V caches' dtype: `KVS_CACHE_DTYPE_AUTO` (0, default) = `dtype`, or FP8
+    /// (`KVS_CACHE_DTYPE_FP8_E4M3`, `KVS_CACHE_DTYPE_FP8_E5M2`, vLLM's `kv_cache_dtype="fp8"` / `"fp8_e5m2"`)
+    /// with per-layer scales from `kvs_engine_set_kv_scales`. Queries and outputs stay `dtype` (float32
+    /// queries with an FP8 cache: CPU engines only). A CUDA engine serves FP8 caches with dense attention
+    /// (no policy) on devices of compute capability 8.9 or newer, in its tensor-core kernel (16-byte aligned
+    /// rows and strides); anything else is `KVS_ERR_UNSUPPORTED`. Appended in ABI 0: a caller whose
+    /// `struct_size` ends before it gets `AUTO`.
+    pub cache_dtype: kvs_cache_dtype,
+}
+
+/// dtype of an engine's K/V caches (`kvs_engine_config.cache_dtype`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvs_cache_dtype {
+    /// The engine's `dtype` (default).
+    KVS_CACHE_DTYPE_AUTO = 0,
+    /// FP8 E4M3 ("fn": max 448, no infinities); `kvs_cache_write` stores `x / k_scale` (or `v_scale`)
+    /// rounded to nearest even and saturated to +-448, as vLLM does; readers use `fp8 * scale`.
+    KVS_CACHE_DTYPE_FP8_E4M3 = 1,
+    /// FP8 E5M2 (max 57344, with infinities), stored and read the same way.
+    KVS_CACHE_DTYPE_FP8_E5M2 = 2,
 }
 
 /// When a CUDA engine's device checks surface (`kvs_engine_config.validate`).

@@ -9,7 +9,8 @@ use crate::cuda_bench::{bench_point, bench_sparse_point, copy_bandwidth, default
 use crate::args::Args;
 
 const HELP: &str = "kvsparse bench --device cuda [--batch 1,4,...] [--ctx 1024,...] [--heads 32/8,64/8]
-                    [--max-kv-gib N] [--csv PATH] [--table-width TOKENS] [--policy SPEC ...]
+                    [--max-kv-gib N] [--csv PATH] [--table-width TOKENS] [--cache-dtype bf16|fp8|fp8_e5m2]
+                    [--policy SPEC ...]
 
 Times one dense decode step (query length 1, head 128, bf16, block 16, shuffled block tables) per grid
 point with CUDA events (median of 15 groups of 10 steps, inputs rotated so that the set touched is at
@@ -17,6 +18,8 @@ least 4x the L2 cache) and prints achieved GB/s and its fraction of the measured
 Points whose KV cache would exceed --max-kv-gib (default 40) or free memory are listed as skipped.
 --table-width T times the step as a serving engine's CUDA graph runs it: block tables T tokens wide
 (at least the context) and max_seq_len = 0, so the launch is planned for T keys per row, not the context.
+--cache-dtype fp8 (or fp8_e4m3, fp8_e5m2) times dense decode over an FP8 cache (bf16 queries; random
+finite FP8 bytes, fixed scales): GB/s counts the bytes the step reads, one per cache element.
 
 With --policy (repeatable; `L/16` in a spec stands for the context length over 16 at each point), times
 one sparse decode step per policy and point instead (default grid: batch 1,8,32 x context 16K,32K,128K,
@@ -142,7 +145,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
 }
 
 pub fn run(argv: &[String]) -> Result<(), String> {
-    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy", "table-width", "points", "old-reps"], &["prefill"], HELP)?;
+    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy", "table-width", "points", "old-reps", "cache-dtype"], &["prefill"], HELP)?;
     if a.str("device") != Some("cuda") {
         return Err(format!("this module serves --device cuda only\n\n{HELP}"));
     }
@@ -162,6 +165,12 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     let heads: Vec<String> = list(&a, "heads", &["32/8".to_string(), "64/8".to_string()])?;
     let max_kv = (a.get("max-kv-gib", 40.0f64)? * (1u64 << 30) as f64) as usize;
     let table_width: usize = a.get("table-width", 0usize)?;
+    let cache = match a.str("cache-dtype").unwrap_or("bf16") {
+        "bf16" | "auto" => kvsparse::DType::BF16,
+        "fp8" | "fp8_e4m3" => kvsparse::DType::F8E4M3,
+        "fp8_e5m2" => kvsparse::DType::F8E5M2,
+        o => return Err(format!("--cache-dtype {o:?}: use bf16, fp8 (= fp8_e4m3) or fp8_e5m2")),
+    };
     let mut grid: Vec<Point> = Vec::new();
     for h in &heads {
         let (hq, hk) = h.split_once('/').ok_or_else(|| format!("--heads wants Q/KV pairs like 32/8, got {h:?}"))?;
@@ -187,18 +196,21 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     if let Some(f) = csv.as_mut() {
         writeln!(f, "batch,ctx,hq,hk,us,bytes,gbps,frac_copy,copy_gbps,rotation").map_err(|e| e.to_string())?;
     }
+    if cache != kvsparse::DType::BF16 {
+        println!("cache {} (bf16 queries), one byte per K/V element", cache.name());
+    }
     if table_width > 0 {
         println!("block tables {table_width} tokens wide, max_seq_len = 0 (as a captured CUDA graph plans)");
     }
     println!("{:>5} {:>7} {:>6} {:>10} {:>9} {:>6}  {:>4}", "batch", "ctx", "heads", "time_us", "GB/s", "copy%", "rot");
     for (i, p) in grid.iter().enumerate() {
-        let kv = kv_bytes(p);
+        let kv = kv_bytes(p) / 2 * cache.size_bytes();
         let free = free_memory().unwrap_or(0);
         if kv > max_kv || kv + (2 << 30) > free {
             println!("{:>5} {:>7} {:>3}/{:<2} skipped: {:.1} GiB of KV (limit {:.1}, free {:.1})", p.batch, p.ctx, p.hq, p.hk, kv as f64 / (1u64 << 30) as f64, max_kv as f64 / (1u64 << 30) as f64, free as f64 / (1u64 << 30) as f64);
             continue;
         }
-        let r = bench_point(p, copy, l2, 1234 + i as u64, table_width).map_err(|e| format!("point {p:?}: {e}"))?;
+        let r = bench_point(p, copy, l2, 1234 + i as u64, table_width, cache).map_err(|e| format!("point {p:?}: {e}"))?;
         println!("{:>5} {:>7} {:>3}/{:<2} {:>10.1} {:>9.0} {:>5.1}%  {:>4}", p.batch, p.ctx, p.hq, p.hk, r.us, r.gbps, 100.0 * r.frac_copy, r.rotation);
         if let Some(f) = csv.as_mut() {
             writeln!(f, "{},{},{},{},{:.3},{:.0},{:.1},{:.4},{:.1},{}", p.batch, p.ctx, p.hq, p.hk, r.us, r.bytes, r.gbps, r.frac_copy, copy, r.rotation).map_err(|e| e.to_string())?;

@@ -141,26 +141,49 @@ pub fn copy_bandwidth() -> Result<f64> {
     Ok(2.0 * n as f64 / (median(t) * 1e-3) / 1e9)
 }
 
-/// Times dense decode at `p`; `copy_gbps` is the reference bandwidth. `table_width` > 0: block tables of
-/// that many tokens (at least the context; the columns past it hold valid, unread ids) and
-/// max_seq_len = 0, as a CUDA graph captured for any length is launched.
-pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_width: usize) -> Result<Row> {
+/// Random FP8 bytes (no NaN pattern of either format) for `n` cache elements: the FP8 bench's cache.
+fn random_fp8(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Exponent fields up to 14 (E4M3: |x| <= 240) and 29 (E5M2): finite, never NaN or infinite.
+            (x >> 24) as u8 & 0xf7
+        })
+        .collect()
+}
+
+/// Times dense decode at `p` over a cache of `cache` (bf16, or an FP8 format under bf16 queries);
+/// `copy_gbps` is the reference bandwidth. `table_width` > 0: block tables of that many tokens (at
+/// least the context; the columns past it hold valid, unread ids) and max_seq_len = 0, as a CUDA graph
+/// captured for any length is launched.
+pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_width: usize, cache: DType) -> Result<Row> {
     let d = HEAD_DIM;
     let blocks_per_seq = p.ctx.div_ceil(BLOCK);
     let cols = table_width.div_ceil(BLOCK).max(blocks_per_seq);
-    let kv = kv_bytes(p);
+    let ces = cache.size_bytes();
+    let kv = kv_bytes(p) / 2 * ces;
     let rotation = (4 * l2_bytes).div_ceil(kv).clamp(1, 16);
     let nb = rotation * p.batch * blocks_per_seq;
     let mut cfg = EngineConfig::new(1, p.hq, p.hk, d, BLOCK, DType::BF16);
     cfg.device = Device::Cuda(0);
     cfg.num_threads = 1;
+    cfg.cache_dtype = cache;
     let engine = Engine::new(cfg)?;
     let backend = engine.backend().as_any().downcast_ref::<kvsparse::cuda::CudaBackend>().expect("CUDA engine");
     let cache_elems = nb * BLOCK * p.hk * d;
-    let (kc, vc) = (DevBuf::alloc(cache_elems * 2)?, DevBuf::alloc(cache_elems * 2)?);
     let s: CUstream = std::ptr::null_mut();
-    backend.fill_random(kc.ptr, cache_elems, DType::BF16, seed as u32, 4.0, s)?;
-    backend.fill_random(vc.ptr, cache_elems, DType::BF16, seed as u32 ^ 0x5555, 2.0, s)?;
+    let (kc, vc) = if cache.is_fp8() {
+        engine.set_kv_scales(None, 1.0 / 32.0, 1.0 / 64.0)?;
+        (DevBuf::from_host(&random_fp8(cache_elems, seed))?, DevBuf::from_host(&random_fp8(cache_elems, seed ^ 0x5555))?)
+    } else {
+        let (kc, vc) = (DevBuf::alloc(cache_elems * 2)?, DevBuf::alloc(cache_elems * 2)?);
+        backend.fill_random(kc.ptr, cache_elems, DType::BF16, seed as u32, 4.0, s)?;
+        backend.fill_random(vc.ptr, cache_elems, DType::BF16, seed as u32 ^ 0x5555, 2.0, s)?;
+        (kc, vc)
+    };
     let q_elems = rotation * p.batch * p.hq * d;
     let q = DevBuf::alloc(q_elems * 2)?;
     backend.fill_random(q.ptr, q_elems, DType::BF16, seed as u32 ^ 0xaaaa, 2.0, s)?;
@@ -193,8 +216,8 @@ pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_
         args.push(ForwardArgs {
             layer: 0,
             query: v(unsafe { q.as_ptr().add(qoff) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
-            key_cache: v(kc.as_ptr(), DType::BF16, &cshape)?,
-            value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
+            key_cache: v(kc.as_ptr(), cache, &cshape)?,
+            value_cache: v(vc.as_ptr(), cache, &cshape)?,
             block_table: v(unsafe { bt.as_ptr().add(r * p.batch * cols * 4) }, DType::I32, &[p.batch as i64, cols as i64])?,
             seq_lens: v(seq_lens.as_ptr(), DType::I32, &[p.batch as i64])?,
             query_start_loc: v(qsl.as_ptr(), DType::I32, &[p.batch as i64 + 1])?,

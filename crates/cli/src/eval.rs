@@ -33,6 +33,10 @@ options:
   --only NAME      replay only this trace (repeatable), e.g. --only needle_8k
   --stride N       attend every N-th decode step only (cache writes still every step; default 1)
   --dtype T        engine dtype: f32, f16 or bf16 (default f32; the traces are f16, so f32 is exact)
+  --cache-dtype C  fp8 (= fp8_e4m3) or fp8_e5m2: an FP8 cache under --dtype queries, the traces' K/V
+                   quantized on write with k_scale = v_scale = --kv-scale (default 1, vLLM's uncalibrated
+                   scale); every row is then measured against dense over that FP8 cache, and one more line
+                   gives dense over the FP8 cache against dense over a --dtype cache
   --threads N      engine worker threads, 0 = all cores (default 0)
   --device D       cpu (default) or cuda: replay through the CUDA engine (policies it does not run yet
                    are listed and left out; ms/call then includes the copies to and from the device)
@@ -234,7 +238,7 @@ pub struct Row {
 }
 
 pub fn run(argv: &[String]) -> Result<(), String> {
-    let a = Args::parse(argv, &["traces", "policy", "budget", "only", "stride", "dtype", "threads", "out", "device"], &[], HELP)?;
+    let a = Args::parse(argv, &["traces", "policy", "budget", "only", "stride", "dtype", "threads", "out", "device", "cache-dtype", "kv-scale"], &[], HELP)?;
     let device = match a.str("device").unwrap_or("cpu") {
         "cpu" => kvsparse::Device::Cpu,
         "cuda" => {
@@ -267,6 +271,16 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         threads: a.get("threads", 0)?,
         record_visits: true,
         device,
+        cache_dtype: match a.str("cache-dtype") {
+            None | Some("auto") => None,
+            Some("fp8") | Some("fp8_e4m3") => Some(kvsparse::DType::F8E4M3),
+            Some("fp8_e5m2") => Some(kvsparse::DType::F8E5M2),
+            Some(o) => return Err(format!("--cache-dtype {o:?}: expected fp8, fp8_e4m3 or fp8_e5m2")),
+        },
+        kv_scales: {
+            let s: f32 = a.get("kv-scale", 1.0f32)?;
+            (s, s)
+        },
         ..Default::default()
     };
     if opts.step_stride == 0 {
@@ -322,6 +336,9 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     let shared = rows.iter().filter(|r| !r.in_table && rows.iter().any(|t| t.in_table && t.spec == r.spec)).count();
     let oracles = rows.iter().filter(|r| r.in_table && r.oracle_spec.is_some()).count();
     println!("engine dtype {:?}, blocks of {}, step stride {}", opts.dtype, kvsparse_conformance::traces::BLOCK_SIZE, opts.step_stride);
+    if let Some(c) = opts.cache_dtype {
+        println!("cache {} (k_scale = v_scale = {}): every row below is measured against dense over this cache", c.name(), opts.kv_scales.0);
+    }
     println!(
         "{table_rows} table rows (dense + {} policy settings){}; replays per trace: {} (one per distinct spec){}",
         table_rows - 1,
@@ -332,12 +349,17 @@ pub fn run(argv: &[String]) -> Result<(), String> {
 
     let t_all = Instant::now();
     let mut model_errs: Vec<f64> = Vec::new();
+    let mut fp8_errs: Vec<f64> = Vec::new();
     for info in &traces {
         let t0 = Instant::now();
         let tr = manifest.load_trace(info)?;
         let runs: Vec<Replay> = specs.iter().map(|s| replay(&tr, &expand(s, info.prompt_len)?, &opts).map_err(|e| format!("{}: {s}: {e}", info.name))).collect::<Result<_, _>>()?;
         let dense = &runs[0];
         model_errs.extend(errors_vs_model(&tr, dense));
+        if opts.cache_dtype.is_some() {
+            let full = replay(&tr, "dense", &ReplayOptions { cache_dtype: None, record_visits: false, ..opts }).map_err(|e| format!("{}: dense over a {:?} cache: {e}", info.name, opts.dtype))?;
+            fp8_errs.extend(row_errors(dense, &full, tr.d));
+        }
         let refs: Vec<&Replay> = runs.iter().collect();
         let masses = recovered_mass(&tr, &refs);
         let measures: Vec<Measure> = runs
@@ -367,6 +389,15 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         quantile(&model_errs, 0.5),
         quantile(&model_errs, 0.99)
     );
+    if let Some(c) = opts.cache_dtype {
+        println!(
+            "dense over the {} cache vs dense over a {:?} cache: row rel err median {:.1e}, p99 {:.1e}",
+            c.name(),
+            opts.dtype,
+            quantile(&fp8_errs, 0.5),
+            quantile(&fp8_errs, 0.99)
+        );
+    }
     println!();
     print_table(rows.iter().filter(|r| r.in_table));
     println!();

@@ -98,15 +98,15 @@ impl DeviceCase {
     /// Writes the earlier sequence's rows (if any), then this batch's, as two calls.
     pub fn write_cache(&self, engine: &Engine, f: &Fixture, stream: CUstream) -> Result<()> {
         if let Some((k, v, slots)) = &self.prior {
-            let (dt, es) = (f.spec.dtype, f.spec.dtype.size_bytes());
+            let dt = f.spec.dtype;
             let (hk, d) = (f.spec.num_kv_heads as i64, f.spec.head_dim as i64);
             let n = f.prior.slots.len() as i64;
             engine.cache_write(&CacheWriteArgs {
                 layer: 0,
                 key: view(k, 0, dt, &[n, hk, d], &[hk * d, d, 1])?,
                 value: view(v, 0, dt, &[n, hk, d], &[hk * d, d, 1])?,
-                key_cache: view(&self.cache, 0, dt, &f.cache_shape, &f.cache_strides)?,
-                value_cache: view(&self.cache, f.v_offset * es, dt, &f.cache_shape, &f.cache_strides)?,
+                key_cache: view(&self.cache, 0, f.cache_dtype(), &f.cache_shape, &f.cache_strides)?,
+                value_cache: view(&self.cache, f.v_offset * f.cache_dtype().size_bytes(), f.cache_dtype(), &f.cache_shape, &f.cache_strides)?,
                 slot_mapping: view(slots, 0, DType::I64, &[n], &[1])?,
                 stream,
             })?;
@@ -115,15 +115,15 @@ impl DeviceCase {
     }
 
     pub fn cache_write_args(&self, f: &Fixture, stream: CUstream) -> Result<CacheWriteArgs> {
-        let (dt, es) = (f.spec.dtype, f.spec.dtype.size_bytes());
+        let dt = f.spec.dtype;
         let (hk, d) = (f.spec.num_kv_heads as i64, f.spec.head_dim as i64);
         let n = f.slots.len() as i64;
         Ok(CacheWriteArgs {
             layer: 0,
             key: view(&self.new_k, 0, dt, &[n, hk, d], &[hk * d, d, 1])?,
             value: view(&self.new_v, 0, dt, &[n, hk, d], &[hk * d, d, 1])?,
-            key_cache: view(&self.cache, 0, dt, &f.cache_shape, &f.cache_strides)?,
-            value_cache: view(&self.cache, f.v_offset * es, dt, &f.cache_shape, &f.cache_strides)?,
+            key_cache: view(&self.cache, 0, f.cache_dtype(), &f.cache_shape, &f.cache_strides)?,
+            value_cache: view(&self.cache, f.v_offset * f.cache_dtype().size_bytes(), f.cache_dtype(), &f.cache_shape, &f.cache_strides)?,
             slot_mapping: view(&self.slots, 0, DType::I64, &[n], &[1])?,
             stream,
         })
@@ -131,14 +131,14 @@ impl DeviceCase {
 
     pub fn forward_args(&self, f: &Fixture, outs: &Outputs, stream: CUstream) -> Result<ForwardArgs> {
         let s = &f.spec;
-        let (dt, es) = (s.dtype, s.dtype.size_bytes());
+        let dt = s.dtype;
         let nseq = s.seqs.len() as i64;
         let (t, hq, d) = (f.num_tokens as i64, s.num_q_heads as i64, s.head_dim as i64);
         Ok(ForwardArgs {
             layer: 0,
             query: view(&self.q, 0, dt, &[t, hq, d], &f.q_strides)?,
-            key_cache: view(&self.cache, 0, dt, &f.cache_shape, &f.cache_strides)?,
-            value_cache: view(&self.cache, f.v_offset * es, dt, &f.cache_shape, &f.cache_strides)?,
+            key_cache: view(&self.cache, 0, f.cache_dtype(), &f.cache_shape, &f.cache_strides)?,
+            value_cache: view(&self.cache, f.v_offset * f.cache_dtype().size_bytes(), f.cache_dtype(), &f.cache_shape, &f.cache_strides)?,
             block_table: view(&self.block_table, 0, DType::I32, &[nseq, f.max_blocks as i64], &[f.max_blocks as i64, 1])?,
             seq_lens: view(&self.seq_lens, 0, DType::I32, &[nseq], &[1])?,
             query_start_loc: view(&self.qsl, 0, DType::I32, &[nseq + 1], &[1])?,
@@ -170,7 +170,11 @@ fn cuda_engine(f: &Fixture) -> Result<Engine> {
     let mut cfg = f.engine_config();
     cfg.device = Device::Cuda(0);
     cfg.num_threads = 1;
-    Engine::new(cfg)
+    let e = Engine::new(cfg)?;
+    if f.cache_dtype().is_fp8() {
+        e.set_kv_scales(Some(0), f.k_scale, f.v_scale)?;
+    }
+    Ok(e)
 }
 
 fn failed(spec: &CaseSpec, seed: u64, e: kvsparse::Error) -> CaseResult {
@@ -198,6 +202,21 @@ pub fn run_fixture_cuda_planned(f: &Fixture, known_len: bool) -> Result<Outputs>
     engine_sync(&engine)?;
     dc.download(&mut outs)?;
     Ok(outs)
+}
+
+/// As `run_fixture_cuda`, also returning the device cache's bytes after the writes (the combined
+/// storage, as `Fixture::written_cache` computes it on the host).
+pub fn run_fixture_cuda_with_cache(f: &Fixture) -> Result<(Outputs, Vec<u8>)> {
+    let engine = cuda_engine(f)?;
+    let mut outs = Outputs::new(f);
+    let dc = DeviceCase::upload(f, &outs)?;
+    dc.write_cache(&engine, f, std::ptr::null_mut())?;
+    engine.attention_forward(&dc.forward_args(f, &outs, std::ptr::null_mut())?)?;
+    engine_sync(&engine)?;
+    dc.download(&mut outs)?;
+    let mut cache = vec![0u8; f.cache.as_bytes().len()];
+    dc.cache.download(0, &mut cache)?;
+    Ok((outs, cache))
 }
 
 /// One conformance case on CUDA device 0 (default stream).

@@ -29,6 +29,8 @@ struct Fns {
     cache_write: unsafe extern "C" fn(Handle, *const kvs_cache_write_args) -> i32,
     forward: unsafe extern "C" fn(Handle, *const kvs_forward_args) -> i32,
     release: unsafe extern "C" fn(Handle, u64) -> i32,
+    /// `kvs_engine_set_kv_scales`, absent from libraries built before FP8 caches.
+    set_kv_scales: Option<unsafe extern "C" fn(Handle, i32, f32, f32) -> i32>,
 }
 
 /// A library loaded for the lifetime of the process (never closed: engines may point into it).
@@ -67,6 +69,7 @@ impl Lib {
                 cache_write: sym(h, "kvs_cache_write")?,
                 forward: sym(h, "kvs_attention_forward")?,
                 release: sym(h, "kvs_sequence_release")?,
+                set_kv_scales: sym(h, "kvs_engine_set_kv_scales").ok(),
             };
             let lib = Lib { path: path.to_path_buf(), f };
             let v = lib.abi_version();
@@ -138,6 +141,11 @@ impl<'a> LibEngine<'a> {
             validate: match cfg.validate {
                 kvsparse::config::Validate::Deferred => kvsparse::ffi::kvs_validate::KVS_VALIDATE_DEFERRED,
                 kvsparse::config::Validate::Sync => kvsparse::ffi::kvs_validate::KVS_VALIDATE_SYNC,
+            },
+            cache_dtype: match cfg.cache_dtype {
+                DType::F8E4M3 => kvsparse::ffi::kvs_cache_dtype::KVS_CACHE_DTYPE_FP8_E4M3,
+                DType::F8E5M2 => kvsparse::ffi::kvs_cache_dtype::KVS_CACHE_DTYPE_FP8_E5M2,
+                _ => kvsparse::ffi::kvs_cache_dtype::KVS_CACHE_DTYPE_AUTO,
             },
         };
         let mut h: Handle = std::ptr::null_mut();
@@ -245,6 +253,14 @@ impl Api for LibEngine<'_> {
     fn release_sequence(&self, seq_id: u64) -> Result<()> {
         // SAFETY: plain call on a live handle.
         self.lib.check(unsafe { (self.lib.f.release)(self.h, seq_id) }, "kvs_sequence_release")
+    }
+
+    fn set_kv_scales(&self, layer: usize, k_scale: f32, v_scale: f32) -> Result<()> {
+        let Some(f) = self.lib.f.set_kv_scales else {
+            return Err(Error { kind: ErrorKind::Unsupported, message: "the library has no kvs_engine_set_kv_scales (no FP8 caches)".into() });
+        };
+        // SAFETY: plain call on a live handle.
+        self.lib.check(unsafe { f(self.h, layer as i32, k_scale, v_scale) }, "kvs_engine_set_kv_scales")
     }
 }
 

@@ -60,6 +60,9 @@ pub struct CaseSpec {
     /// The blocks a sequence fills only partly, and all spare blocks but one, were filled by an earlier
     /// sequence first (written through `cache_write`): their tails hold that sequence's rows, not poison.
     pub reused: bool,
+    /// An FP8 cache ([`DType::F8E4M3`], [`DType::F8E5M2`]) under queries and outputs of `dtype`; `None`:
+    /// the cache holds `dtype`. The reference then reads the dequantized cache (what was stored).
+    pub cache_dtype: Option<DType>,
 }
 
 impl CaseSpec {
@@ -82,6 +85,7 @@ impl CaseSpec {
             columns: Columns::Stale,
             shared_prefix_blocks: 0,
             reused: false,
+            cache_dtype: None,
         }
     }
 
@@ -130,6 +134,11 @@ impl CaseSpec {
         }
         if self.head_major {
             f.push("head-major-blocks");
+        }
+        match self.cache_dtype {
+            Some(DType::F8E4M3) => f.push("fp8-e4m3-cache"),
+            Some(DType::F8E5M2) => f.push("fp8-e5m2-cache"),
+            _ => {}
         }
         f
     }
@@ -184,6 +193,9 @@ pub struct Fixture {
     pub ref_out: Vec<f64>,
     pub ref_lse: Vec<f64>,
     pub scale: f32,
+    /// Dequantization scales of an FP8 cache (1 otherwise).
+    pub k_scale: f32,
+    pub v_scale: f32,
 }
 
 const PAD: usize = 8;
@@ -216,6 +228,7 @@ impl Fixture {
         });
         let mut rng = Rng::new(seed);
         let (hq, hk, d, bs, dt) = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.block_size, spec.dtype);
+        let cache_dt = spec.cache_dtype.unwrap_or(dt);
         let nseq = spec.seqs.len();
         let blocks_needed: Vec<usize> = spec.seqs.iter().map(|&(_, l)| l.div_ceil(bs)).collect();
         let donor = spec.prefix_donor();
@@ -251,7 +264,7 @@ impl Fixture {
         let (token, head) = if spec.head_major { (row, bs * row) } else { (hk * row, row) };
         let cache_strides = [(bs * hk * row + gap) as i64, token as i64, head as i64, 1];
         let one = num_blocks * cache_strides[0] as usize;
-        let mut cache = HostBuf::zeros(dt, 2 * one);
+        let mut cache = HostBuf::zeros(cache_dt, 2 * one);
         for i in 0..cache.len() {
             // Unwritten slots and the padding between rows: reading them would show.
             let noise = rng.normal() * 7.0;
@@ -264,6 +277,15 @@ impl Fixture {
             let mut b = HostBuf::zeros(dt, 1);
             b.set(0, x);
             b.get(0)
+        };
+        // FP8 scales around calibrated ones (amax / 448 for E4M3): the loudest keys saturate.
+        let (k_scale, v_scale) = if cache_dt.is_fp8() { ((0.01 * (1.0 + rng.uniform())) as f32, (0.005 * (1.0 + rng.uniform())) as f32) } else { (1.0, 1.0) };
+        let stored = |x: f64, scale: f32| -> f64 {
+            if cache_dt.is_fp8() {
+                kvsparse::fp8::dequantize(cache_dt, kvsparse::fp8::quantize(cache_dt, x as f32, scale), scale) as f64
+            } else {
+                x
+            }
         };
         let prior = if spec.reused { Self::prior_life(spec, &block_table, max_blocks, &spare, &mut rng) } else { Rows { k: HostBuf::zeros(dt, 0), v: HostBuf::zeros(dt, 0), slots: Vec::new() } };
         let num_tokens: usize = spec.seqs.iter().map(|&(q, _)| q).sum();
@@ -339,7 +361,9 @@ impl Fixture {
                     }
                 }
             }
-            let (o, l) = attention_f64(&SeqRef { q: &qv, k: &k, v: &v, q_len, seq_len }, &params);
+            // The reference reads what the cache holds: FP8 rows dequantized.
+            let (kr, vr): (Vec<f64>, Vec<f64>) = (k.iter().map(|&x| stored(x, k_scale)).collect(), v.iter().map(|&x| stored(x, v_scale)).collect());
+            let (o, l) = attention_f64(&SeqRef { q: &qv, k: &kr, v: &vr, q_len, seq_len }, &params);
             ref_out[t0 * hq * d..(t0 + q_len) * hq * d].copy_from_slice(&o);
             ref_lse[t0 * hq..(t0 + q_len) * hq].copy_from_slice(&l);
             t0 += q_len;
@@ -371,6 +395,8 @@ impl Fixture {
             ref_out,
             ref_lse,
             scale,
+            k_scale,
+            v_scale,
         }
     }
 
@@ -416,8 +442,14 @@ impl Fixture {
                 for h in 0..hk {
                     for i in 0..d {
                         let at = b * st[0] + o * st[1] + h * st[2] + i;
-                        c.set(at, k.get((r * hk + h) * d + i));
-                        c.set(self.v_offset + at, v.get((r * hk + h) * d + i));
+                        let (x, y) = (k.get((r * hk + h) * d + i), v.get((r * hk + h) * d + i));
+                        if let HostBuf::F8(dt, _) = c {
+                            c.set_byte(at, kvsparse::fp8::quantize(dt, x as f32, self.k_scale));
+                            c.set_byte(self.v_offset + at, kvsparse::fp8::quantize(dt, y as f32, self.v_scale));
+                        } else {
+                            c.set(at, x);
+                            c.set(self.v_offset + at, y);
+                        }
                     }
                 }
             }
@@ -425,9 +457,16 @@ impl Fixture {
         c
     }
 
+    /// The dtype the cache holds (the spec's FP8 format, else the query dtype).
+    pub fn cache_dtype(&self) -> DType {
+        self.spec.cache_dtype.unwrap_or(self.spec.dtype)
+    }
+
     pub fn engine_config(&self) -> EngineConfig {
         let s = &self.spec;
-        EngineConfig::new(1, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size, s.dtype)
+        let mut c = EngineConfig::new(1, s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size, s.dtype);
+        c.cache_dtype = s.cache_dtype.unwrap_or(s.dtype);
+        c
     }
 
     pub fn k_cache_view(&mut self) -> TensorRef {
@@ -512,6 +551,9 @@ pub fn run_on_engine(engine: &dyn Api, f: &mut Fixture) -> kvsparse::Result<Outp
     let s = f.spec.clone();
     let (hk, d) = (s.num_kv_heads as i64, s.head_dim as i64);
     let (kc, vc) = (f.k_cache_view(), f.v_cache_view());
+    if s.cache_dtype.is_some_and(|d| d.is_fp8()) {
+        engine.set_kv_scales(0, f.k_scale, f.v_scale)?;
+    }
     write_rows(engine, (kc, vc), &mut f.prior.k, &mut f.prior.v, &f.prior.slots, hk, d)?;
     write_rows(engine, (kc, vc), &mut f.new_k, &mut f.new_v, &f.slots, hk, d)?;
     let mut outs = Outputs::new(f);

@@ -30,7 +30,7 @@ use kvsparse::error::{ErrorKind, Result};
 use kvsparse::stats::Counters;
 use kvsparse::tensor::DType;
 pub use fixture::{CaseSpec, Fixture, Outputs, Plant};
-pub use matrix::{extended, matrix, suite};
+pub use matrix::{extended, fp8, matrix, suite};
 
 /// The calls the suite makes of an implementation: kvsparse's in-process engine, or a library loaded
 /// through its C ABI (`dylib::LibEngine`).
@@ -39,6 +39,8 @@ pub trait Api {
     /// Runs the call; returns its counters.
     fn attention_forward(&self, a: &ForwardArgs) -> Result<Counters>;
     fn release_sequence(&self, seq_id: u64) -> Result<()>;
+    /// Sets an FP8 cache's per-layer dequantization scales (`kvs_engine_set_kv_scales`).
+    fn set_kv_scales(&self, layer: usize, k_scale: f32, v_scale: f32) -> Result<()>;
 }
 
 impl Api for Engine {
@@ -50,6 +52,9 @@ impl Api for Engine {
     }
     fn release_sequence(&self, seq_id: u64) -> Result<()> {
         Engine::release_sequence(self, seq_id)
+    }
+    fn set_kv_scales(&self, layer: usize, k_scale: f32, v_scale: f32) -> Result<()> {
+        Engine::set_kv_scales(self, Some(layer), k_scale, v_scale)
     }
 }
 

@@ -12,6 +12,8 @@ pub fn dtype_tag(d: DType) -> &'static str {
         DType::F32 => "f32",
         DType::F16 => "f16",
         DType::BF16 => "bf16",
+        DType::F8E4M3 => "e4m3",
+        DType::F8E5M2 => "e5m2",
         _ => "?",
     }
 }
@@ -164,9 +166,50 @@ pub fn extended() -> Vec<CaseSpec> {
     vec![a, b]
 }
 
-/// The whole suite: `matrix` then `extended`.
+/// FP8 caches (vLLM's `kv_cache_dtype="fp8"`/`"fp8_e5m2"`) under f32, f16 and bf16 queries: mixed
+/// batches, decode, GQA/MQA, windows, soft-caps, NaN in unwritten slots, shared and reused blocks, strided
+/// and head-major caches; scales near calibrated ones, so the loudest keys saturate on write. The
+/// reference reads the dequantized cache; `quick` keeps one case per FP8 format.
+pub fn fp8(quick: bool) -> Vec<CaseSpec> {
+    let mixed = vec![(1, 1037), (2, 40), (7, 300), (96, 96), (64, 1100)];
+    let mut out = Vec::new();
+    let mut add = |cache: DType, dt: DType, hd: usize, hq: usize, hk: usize, bs: usize, seqs: Vec<(usize, usize)>, tweak: &dyn Fn(&mut CaseSpec)| {
+        let mut c = CaseSpec::new(format!("fp8-{}-h{hd}-{}-q{hq}k{hk}-bs{bs}", dtype_tag(cache), dtype_tag(dt)), dt, hd, hq, hk, bs, seqs);
+        c.cache_dtype = Some(cache);
+        tweak(&mut c);
+        if c.strided {
+            c.name.push_str("-strided");
+        }
+        out.push(c);
+    };
+    add(DType::F8E4M3, DType::BF16, 128, 8, 2, 16, mixed.clone(), &|c| {
+        c.poison = Poison::NaN;
+        c.shared_prefix_blocks = 4;
+    });
+    add(DType::F8E5M2, DType::F16, 128, 8, 2, 16, mixed.clone(), &|c| c.reused = true);
+    if !quick {
+        add(DType::F8E4M3, DType::F16, 64, 16, 2, 32, vec![(1, 2000), (1, 17), (1, 513), (1, 32)], &|c| {
+            c.strided = true;
+            c.reused = true;
+            c.softcap = 30.0;
+        });
+        add(DType::F8E4M3, DType::F32, 256, 4, 4, 16, mixed.clone(), &|c| {
+            c.head_major = true;
+            c.columns = Columns::Pad;
+        });
+        add(DType::F8E4M3, DType::BF16, 80, 8, 1, 1, vec![(1, 300), (5, 40), (1, 7)], &|c| c.poison = Poison::NaN);
+        add(DType::F8E5M2, DType::BF16, 96, 12, 4, 64, mixed.clone(), &|c| {
+            c.window = 200;
+            c.head_major = true;
+        });
+    }
+    out
+}
+
+/// The whole suite: `matrix`, `fp8` then `extended`.
 pub fn suite(quick: bool) -> Vec<CaseSpec> {
     let mut v = matrix(quick);
+    v.extend(fp8(quick));
     v.extend(extended());
     v
 }

@@ -214,11 +214,15 @@ pub struct ReplayOptions {
     /// The engine's device: the CPU, or a CUDA device (tensors are copied there for every call and the
     /// outputs back; the caches live there).
     pub device: Device,
+    /// An FP8 cache (the trace's K/V quantized on write) instead of one of `dtype`.
+    pub cache_dtype: Option<DType>,
+    /// The FP8 cache's (k_scale, v_scale), every layer: vLLM's default without calibration is (1, 1).
+    pub kv_scales: (f32, f32),
 }
 
 impl Default for ReplayOptions {
     fn default() -> Self {
-        ReplayOptions { dtype: DType::F16, step_stride: 1, seed: 7, threads: 0, record_visits: false, device: Device::Cpu }
+        ReplayOptions { dtype: DType::F16, step_stride: 1, seed: 7, threads: 0, record_visits: false, device: Device::Cpu, cache_dtype: None, kv_scales: (1.0, 1.0) }
     }
 }
 
@@ -277,7 +281,12 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
     cfg.policy = policy.to_string();
     cfg.num_threads = opts.threads;
     cfg.device = opts.device;
+    let cache_dt = opts.cache_dtype.unwrap_or(opts.dtype);
+    cfg.cache_dtype = cache_dt;
     let engine = Engine::new(cfg).map_err(|e| e.message)?;
+    if cache_dt.is_fp8() {
+        engine.set_kv_scales(None, opts.kv_scales.0, opts.kv_scales.1).map_err(|e| e.message)?;
+    }
     let cuda = matches!(opts.device, Device::Cuda(_));
     engine.record_visits(opts.record_visits);
     let (p, tsteps, n) = (trace.info.prompt_len, trace.info.decode_steps, trace.positions());
@@ -295,10 +304,10 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
     let slot = |pos: usize| (table[pos / bs] as i64) * bs as i64 + (pos % bs) as i64;
     let row = hk * d;
 
-    let mut caches: Vec<(HostBuf, HostBuf)> = trace.layers.iter().map(|_| (HostBuf::zeros(opts.dtype, num_blocks * bs * row), HostBuf::zeros(opts.dtype, num_blocks * bs * row))).collect();
+    let mut caches: Vec<(HostBuf, HostBuf)> = trace.layers.iter().map(|_| (HostBuf::zeros(cache_dt, num_blocks * bs * row), HostBuf::zeros(cache_dt, num_blocks * bs * row))).collect();
     let cache_shape = [num_blocks as i64, bs as i64, hk as i64, d as i64];
     let dev_caches: Vec<(DevBuf, DevBuf)> = if cuda {
-        let zeros = vec![0u8; num_blocks * bs * row * opts.dtype.size_bytes()];
+        let zeros = vec![0u8; num_blocks * bs * row * cache_dt.size_bytes()];
         caches.iter().map(|_| Ok((DevBuf::from_host(&zeros)?, DevBuf::from_host(&zeros)?))).collect::<kvsparse::Result<_>>().map_err(|e| e.message)?
     } else {
         Vec::new()

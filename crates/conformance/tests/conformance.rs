@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use kvsparse_conformance::dylib::{run_case_lib, Lib};
 use kvsparse_conformance::export::{export, KVSPARSE_RESULTS};
 use kvsparse_conformance::reference::{attention_f64, rel_err, RefParams, SeqRef};
-use kvsparse_conformance::{extended, matrix, run_case_cpu, sparse, tolerance};
+use kvsparse_conformance::{extended, fp8, matrix, run_case_cpu, sparse, tolerance};
 use kvsparse_conformance::nonfinite::{check_all_attention, check_merge, merge_on_cpu};
 use kvsparse_conformance::fixture::Fixture;
 use kvsparse_conformance::run_fixture_cpu;
@@ -29,6 +29,40 @@ fn cpu_matches_float64_reference_on_the_matrix() {
             failures.push(format!("{} (seed {}): rel {:.3e} lse {:.3e} {:?}", r.name, r.seed, r.rel_err, r.lse_err, r.error));
         }
     }
+    assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
+}
+
+/// FP8 caches: the output matches the float64 reference over the dequantized cache within the query
+/// dtype's tolerance, and `cache_write` stored exactly vLLM's quantization (`fp8::quantize`, saturating)
+/// of every row, byte for byte; the quantization itself is visible (the cache differs from the rows).
+#[test]
+fn cpu_matches_float64_reference_on_fp8_caches() {
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let mut failures = Vec::new();
+    let mut saturated_e4m3 = 0;
+    for (i, spec) in fp8(false).iter().enumerate() {
+        let case_seed = seed.wrapping_add(i as u64);
+        let mut f = Fixture::new(spec, case_seed);
+        let outs = run_fixture_cpu(&mut f).unwrap_or_else(|e| panic!("{}: {e}", spec.name));
+        let r = kvsparse_conformance::judge(&f, &outs, case_seed);
+        println!("{:<40} rel_err {:.2e} lse_err {:.2e} {}", r.name, r.rel_err, r.lse_err, if r.pass { "ok" } else { "FAIL" });
+        if !r.pass {
+            failures.push(format!("{} (seed {case_seed}): rel {:.3e} lse {:.3e}", r.name, r.rel_err, r.lse_err));
+        }
+        let want = f.written_cache();
+        assert_eq!(f.cache.as_bytes(), want.as_bytes(), "{}: the cache bytes are not vLLM's quantization of the rows", spec.name);
+        // How many written key elements saturated (past the format's largest value after the scale).
+        let max = if spec.cache_dtype == Some(DType::F8E4M3) { kvsparse::fp8::E4M3_MAX } else { kvsparse::fp8::E5M2_MAX } as f64;
+        let row = spec.num_kv_heads * spec.head_dim;
+        let written = f.slots.iter().enumerate().filter(|&(_, &s)| s >= 0).flat_map(|(r, _)| r * row..(r + 1) * row);
+        let saturated = written.filter(|&i| f.new_k.get(i).abs() / f.k_scale as f64 > max).count();
+        println!("  k_scale {} v_scale {}: {saturated} written key elements saturated", f.k_scale, f.v_scale);
+        if spec.cache_dtype == Some(DType::F8E4M3) {
+            saturated_e4m3 += saturated;
+        }
+    }
+    assert!(saturated_e4m3 > 0, "no E4M3 case saturated: the byte comparison did not cover saturation");
     assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
 }
 
@@ -170,6 +204,7 @@ fn suite_through_the_c_abi_of_the_cdylib() {
     let seed = Rng::fresh_seed();
     println!("seed {seed}");
     let mut cases = matrix(true);
+    cases.extend(fp8(true));
     cases.extend(extended());
     for (i, spec) in cases.iter().enumerate() {
         let r = run_case_lib(&lib, spec, seed.wrapping_add(i as u64));

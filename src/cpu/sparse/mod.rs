@@ -26,7 +26,7 @@ pub(crate) use super::math::fast_exp;
 pub(crate) use super::metadata::LayerMeta;
 pub(crate) use super::quantize::code_bytes;
 pub(crate) use super::spin_pool::SpinPool;
-pub(crate) use super::convert::load_row;
+pub(crate) use super::convert::load_cache_row;
 pub(crate) use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
 pub(crate) use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
 pub(crate) use crate::policy::art::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};

@@ -43,7 +43,7 @@ fn weights_at_generic<I: Isa>(io: &ForwardIo, q: &[f32], rows: usize, positions:
     for (ci, part) in positions.chunks(CHUNK).enumerate() {
         for (jj, &pos) in part.iter().enumerate() {
             // SAFETY: pos <= hi < seq_len, whose blocks were validated.
-            unsafe { load_row::<I>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_dim_stride(), d, &mut kbuf[jj * d..(jj + 1) * d]) };
+            unsafe { load_cache_row::<I>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_scale, cache.k_dim_stride(), d, &mut kbuf[jj * d..(jj + 1) * d]) };
         }
         I::scores(&mut sc, q, &kbuf, rows, part.len(), d);
         for r in 0..rows {

@@ -96,7 +96,7 @@ pub fn history_row(io: &ForwardIo, q: &[f32], g: usize, positions: &[usize], blo
     let mut k = vec![0f32; d];
     for (j, &pos) in positions.iter().enumerate() {
         // SAFETY: pos < n <= seq_len, whose blocks were validated.
-        unsafe { load_row::<Portable>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_dim_stride(), d, &mut k) };
+        unsafe { load_cache_row::<Portable>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_scale, cache.k_dim_stride(), d, &mut k) };
         for r in 0..g {
             logits[r * np + j] = decision_softcap(decision_dot(&q[r * d..(r + 1) * d], &k), io.params.softcap);
         }

@@ -44,7 +44,7 @@ pub fn refresh_weights(io: &ForwardIo, q: &[f32], rows: usize, lim: RowLimits, b
     for j in 0..n {
         let pos = lim.lo + j;
         // SAFETY: pos <= hi < seq_len, whose blocks were validated.
-        unsafe { load_row::<Portable>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_dim_stride(), d, &mut k) };
+        unsafe { load_cache_row::<Portable>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_scale, cache.k_dim_stride(), d, &mut k) };
         for r in 0..rows {
             logits[r * n + j] = decision_softcap(decision_dot(&q[r * d..(r + 1) * d], &k), io.params.softcap);
         }

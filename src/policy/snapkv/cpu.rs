@@ -12,7 +12,7 @@
 //! CUDA kernels (kernels/snapkv.cu) make the same choice bit for bit.
 
 use crate::cpu::attention::RowLimits;
-use crate::cpu::convert::{load_row, Portable};
+use crate::cpu::convert::{load_cache_row, Portable};
 use crate::cpu::forward::ForwardIo;
 use crate::cpu::math::{decision_dot, decision_softcap, fast_exp, softmax_norm};
 use crate::policy::select::{max_pool, top_k_positions};
@@ -44,7 +44,7 @@ pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usiz
     let mut k = vec![0f32; d];
     for pos in 0..width {
         // SAFETY: pos < seq_len, whose blocks were validated.
-        unsafe { load_row::<Portable>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_dim_stride(), d, &mut k) };
+        unsafe { load_cache_row::<Portable>(cache.k_row(blocks[pos / bs] as usize, pos % bs, head), cache.dtype, cache.k_scale, cache.k_dim_stride(), d, &mut k) };
         for r in 0..rows {
             let RowLimits { lo, hi } = lim[r];
             if (lo..=hi).contains(&pos) {
