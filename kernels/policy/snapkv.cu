@@ -33,6 +33,8 @@
 #include "block_reduce.cuh"
 #include "topk.cuh"
 #include "snap_score.cuh"
+// mma.cuh: the tensor-core choice below (f16/bf16 caches).
+#include "mma.cuh"
 
 
 // The observation window of prefill sequence s: tokens [t0, t0 + n) of q at positions [pos0, pos0 + n).
@@ -159,7 +161,6 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
 // a fixed order (no atomics), so the same inputs give the same bits on the same device. Rows are ordered
 // head-major in the kernels, rr = g * SNM_NP + t (SNM_NP = the window's tokens rounded up to 16), so every
 // block of 16 rows belongs to one query head; the statistics are stored per row t * GROUP + g (`rcap`).
-#include "mma.cuh"
 
 #define SNM_ROWB (HEAD_DIM * 2 + 16)  // padded shared-memory row (bytes): ldmatrix without bank conflicts
 #define SNM_CPR (HEAD_DIM / 8)        // 16-byte chunks per row
