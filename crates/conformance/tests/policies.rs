@@ -621,7 +621,9 @@ fn art_segments_stop_on_their_own_and_merge_to_dense() {
     for seg in [64usize, 192] {
         let (out, c) = decode(&mut syn, &format!("all > art(patience=inf, segment={seg})"));
         let err = rel_err(&out, &dense.0);
-        assert!(err < 1e-6, "segment={seg} (seed {s}): {err} vs dense");
+        // Up to 15 LSE merges in f32, each a few ulps (2^-24) of the output: 1e-6 failed on one fresh seed
+        // (1.02e-6); a wrong merge is off by orders of magnitude more.
+        assert!(err < 4e-6, "segment={seg} (seed {s}): {err} vs dense");
         assert_eq!(c.blocks_skipped_termination, 0);
     }
 }
