@@ -171,6 +171,13 @@ typedef struct {
   // rows and strides); anything else is `KVS_ERR_UNSUPPORTED`. Appended in ABI 0: a caller whose
   // `struct_size` ends before it gets `AUTO`.
   kvs_cache_dtype cache_dtype;
+  // 1: a forward call's query may end with padding rows past `query_start_loc[num_seqs]` (vLLM's and
+  // SGLang's CUDA graphs pad a decode batch to a captured size, with `query_start_loc` ending at the real
+  // tokens): those rows are neither attended nor written and `query_start_loc[num_seqs] < num_tokens` is
+  // not an error. 0 (default): it is `KVS_ERR_INVALID_SHAPE` (CPU) or a device-check fault (CUDA). Any
+  // other value is `KVS_ERR_INVALID_ARGUMENT`. Appended in ABI 0: a caller whose `struct_size` ends
+  // before it gets 0.
+  uint32_t padded_batches;
 } kvs_engine_config;
 
 // Writes new K/V rows into a layer's cache by slot mapping (`slot = block * block_size + offset`).

@@ -91,7 +91,8 @@ kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         if (t < num_tokens) {
             const RowInfo row = locate(t, qsl, qsl0, seq_lens, sl0, num_seqs, max_pos, window);
             seq = row.seq;
-            if (kvs_row_served(MODE_DENSE_REST, row.qlen)) {
+            // A padded batch's padding row (KVS_CHECKS & 4) is skipped like a row another launch serves.
+            if (kvs_row_served(MODE_DENSE_REST, row.qlen) && !((KVS_CHECKS & 4) && row.pad)) {
                 long long fa, fb;
                 const RowCheck c = kvs_row_check_load(row.seq, qsl, qsl0, seq_lens, sl0, num_seqs);
                 const unsigned long long key = kvs_row_fault(c, t, row.seq, num_tokens, bt_cols, bs_log2, &fa, &fb);

@@ -534,8 +534,8 @@ def main():
                     help="speed points BxL or BxL+M (M-token prompt interleaved)")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--gen", type=int, default=48, help="greedy tokens per prompt in the tokens part")
-    ap.add_argument("--prompt-lens", default="32,100,250,400,600,800,1000,1400",
-                    help="tokens part: prompt lengths (with --gen, they must fit in --preempt-blocks together)")
+    ap.add_argument("--prompt-lens", default="32,100,250,400,600,800,1000,1400,50",
+                    help="tokens part: prompt lengths (9 by default, not a CUDA-graph capture size: FULL graphs replay a padded batch; with --gen, they must fit in --preempt-blocks together)")
     ap.add_argument("--preempt-gen", type=int, default=256)
     ap.add_argument("--preempt-blocks", type=int, default=360,
                     help="KV blocks (of 16 tokens) of the tokens/preempt engines: the tokens batch needs ~320, "

@@ -47,6 +47,10 @@ pub struct EngineConfig {
     pub max_state_bytes: u64,
     /// How a CUDA engine reports what its device checks find (docs/abi.md, "Where each check runs").
     pub validate: Validate,
+    /// A forward call's query may end with padding rows past `query_start_loc[num_seqs]` (a serving
+    /// engine's CUDA graph of a decode batch padded to a captured size): they are neither attended nor
+    /// written, and `query_start_loc[num_seqs] < num_tokens` is not an error. Off: it is.
+    pub padded_batches: bool,
 }
 
 /// When a CUDA engine's device-side checks of the metadata surface (the CPU engine always fails the call).
@@ -77,6 +81,7 @@ impl EngineConfig {
             num_threads: 0,
             max_state_bytes: 0,
             validate: Validate::Deferred,
+            padded_batches: false,
         }
     }
 

@@ -111,6 +111,7 @@ impl Batch {
         seq_ids: Option<&TensorRef>,
         block_size: usize,
         num_blocks: usize,
+        padded: bool,
     ) -> Result<Self> {
         let num_seqs = validate::batch(Device::Cpu, query_start_loc, seq_lens, block_table, seq_ids)?;
         let blocks_per_seq = block_table.dim(1);
@@ -153,7 +154,8 @@ impl Batch {
             seqs.push(SeqDesc { index: s, q_start: a as usize, q_len, seq_len, seq_id });
         }
         let last = unsafe { query_start_loc.read_int(&[num_seqs]) } as usize;
-        ensure!(last == num_tokens, InvalidShape, "query_start_loc ends at {last} but the query has {num_tokens} tokens");
+        // With `padded_batches`, rows past the last sequence's are padding: not attended, not written.
+        ensure!(last == num_tokens || (padded && last <= num_tokens), InvalidShape, "query_start_loc ends at {last} but the query has {num_tokens} tokens");
         Ok(Batch { seqs, num_tokens, table, table_start, has_seq_ids: seq_ids.is_some() })
     }
 

@@ -30,6 +30,9 @@ kvs_attn_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ls
     __shared__ float part[1024];
     const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     if (mode != MODE_ALL && !kvs_row_served(mode, kvs_token_qlen(t, qsl, qsl0, num_seqs))) return;
+#if KVS_CHECKS & 4
+    if (t >= qsl[(i64)num_seqs * qsl0]) return;  // a padded batch's padding row: not written
+#endif
     const i64 base = ((i64)t * num_q_heads + h) * nsplit;
     float mx = -INFINITY;
     for (int s = tid; s < nsplit; s += blockDim.x) mx = fmaxf(mx, ws_lse[base + s]);

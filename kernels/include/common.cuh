@@ -51,6 +51,7 @@ struct RowInfo {
     int seq;
     int lo, hi;  // inclusive visible key positions; hi < lo means the row sees nothing
     int qlen;    // query tokens of the sequence (1 = a decode row, which policies plan)
+    bool pad;    // t is past the last sequence's rows (a padded batch's padding row when KVS_CHECKS & 4)
 };
 
 __device__ __forceinline__ RowInfo locate(int t, const int* qsl, i64 qsl0, const int* seq_lens, i64 sl0, int num_seqs,
@@ -71,6 +72,7 @@ __device__ __forceinline__ RowInfo locate(int t, const int* qsl, i64 qsl0, const
     bool ok = t >= q0 && t < q1 && pos >= 0 && pos < len;
     r.hi = ok ? pos : -1;
     r.lo = (window > 0 && pos + 1 - window > 0) ? pos + 1 - window : 0;
+    r.pad = lo == num_seqs - 1 && t >= q1;
     return r;
 }
 
@@ -105,6 +107,13 @@ __device__ __forceinline__ int kvs_token_qlen(int t, const int* qsl, i64 qsl0, i
 // for benchmarks only (KVS_BENCH_NO_DEVICE_CHECKS, src/cuda/checks.rs), the baselines of their cost.
 #ifndef KVS_CHECKS
 #define KVS_CHECKS 3
+#endif
+// Bit 2 of KVS_CHECKS (engine option padded_batches): query_start_loc may end before the last query row;
+// the rows after it are padding (neither attended nor written). Without it the end must equal num_tokens.
+#if KVS_CHECKS & 4
+#define KVS_QSL_END_BAD(last, n) ((last) > (n))
+#else
+#define KVS_QSL_END_BAD(last, n) ((last) != (n))
 #endif
 
 // Fire-and-forget add to a device counter (a reduction: nothing waits for it, unlike an atomic whose
@@ -225,7 +234,7 @@ __device__ __forceinline__ unsigned long long kvs_row_fault(const RowCheck& c, i
     if (qlen > c.len) { *a = qlen; *b = c.len; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_QLEN, 0); }
     if ((long long)c.len > ((long long)cols << bs_log2)) { *a = c.len; *b = cols; return kvs_fault_key(KVS_FAULT_SEQ, seq, KVS_SUB_LEN_TABLE, 0); }
     if (c.qnext < c.q1) { *a = c.q1; *b = c.qnext; return kvs_fault_key(KVS_FAULT_SEQ, seq + 1, KVS_SUB_QSL_ORDER, 0); }
-    if (c.qlast != num_tokens) { *a = c.qlast; *b = num_tokens; return kvs_fault_key(KVS_FAULT_QSL_LAST, 0, 0, 0); }
+    if (KVS_QSL_END_BAD(c.qlast, num_tokens)) { *a = c.qlast; *b = num_tokens; return kvs_fault_key(KVS_FAULT_QSL_LAST, 0, 0, 0); }
     if (t < c.q0 || t >= c.q1) return KVS_FAULT_POISON_ONLY;
     return 0ull;
 }
@@ -249,7 +258,7 @@ __device__ __noinline__ void kvs_check_seqs_body(unsigned long long* err, unsign
     if (t == 0) {
         const int f = have ? rc.qfirst : qsl[0], l = have ? rc.qlast : qsl[num_seqs * qsl0];
         if (f != 0) kvs_fail(err, kvs_fault_key(KVS_FAULT_QSL_FIRST, 0, 0, 0), f, 0);
-        if (l != num_tokens) kvs_fail(err, kvs_fault_key(KVS_FAULT_QSL_LAST, 0, 0, 0), l, num_tokens);
+        if (KVS_QSL_END_BAD(l, num_tokens)) kvs_fail(err, kvs_fault_key(KVS_FAULT_QSL_LAST, 0, 0, 0), l, num_tokens);
     }
     unsigned long long dec = 0ull, pre = 0ull, bytes = 0ull;
     for (int s = t; s < num_seqs; s += gridDim.x) {
@@ -310,7 +319,8 @@ __device__ __noinline__ void kvs_record_block_fault(unsigned long long* err, int
 __device__ __forceinline__ bool kvs_serve_row(int mode, const RowInfo& row, unsigned long long* err, unsigned long long* bk, const int* qsl, i64 qsl0,
                                               const int* seq_lens, i64 sl0, int num_seqs, int cols, int bs_log2, int window, i64 row_bytes,
                                               int* sm_rc) {
-    if (!kvs_row_served(mode, row.qlen)) {
+    // A padded batch's padding row (engine option padded_batches): the CTA checks its share and writes nothing.
+    if (!kvs_row_served(mode, row.qlen) || ((KVS_CHECKS & 4) && row.pad)) {
         kvs_check_seqs(err, bk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, cols, bs_log2, window, row_bytes, nullptr, -1);
         return false;
     }

@@ -55,7 +55,7 @@ _check = check
 
 def _engine_config(*, num_layers, num_q_heads, num_kv_heads, head_dim, block_size, dtype=torch.float16,
                    device="cpu", policy="", num_threads=0, max_state_bytes=0, validate="deferred",
-                   cache_dtype="auto"):
+                   cache_dtype="auto", padded_batches=False):
     """The C config (and the policy string it points at, which must outlive it) of an engine.
     `cache_dtype`: vLLM's kv_cache_dtype name ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"; None = "auto")."""
     if dtype not in _DTYPE:
@@ -73,6 +73,8 @@ def _engine_config(*, num_layers, num_q_heads, num_kv_heads, head_dim, block_siz
     cfg.head_dim, cfg.block_size = head_dim, block_size
     cfg.dtype = _DTYPE[dtype]
     cfg.cache_dtype = CACHE_DTYPES[cache_dtype]
+    # Serving engines' CUDA graphs pad decode batches: rows past query_start_loc's end are padding.
+    cfg.padded_batches = 1 if padded_batches else 0
     cfg.num_threads, cfg.max_state_bytes = num_threads, max_state_bytes
     # CUDA engines: "deferred" (device checks surface at check()), or "sync" (each call waits and raises
     # what they found; not capturable). docs/abi.md, "Where each check runs".
@@ -115,11 +117,11 @@ class Engine:
 
     def __init__(self, *, num_layers, num_q_heads, num_kv_heads, head_dim, block_size,
                  dtype=torch.float16, device="cpu", policy="", num_threads=0, max_state_bytes=0,
-                 validate="deferred", cache_dtype="auto"):
+                 validate="deferred", cache_dtype="auto", padded_batches=False):
         cfg, _spec = _engine_config(num_layers=num_layers, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                     head_dim=head_dim, block_size=block_size, dtype=dtype, device=device,
                                     policy=policy, num_threads=num_threads, max_state_bytes=max_state_bytes,
-                                    validate=validate, cache_dtype=cache_dtype)
+                                    validate=validate, cache_dtype=cache_dtype, padded_batches=padded_batches)
         out = ffi.new("kvs_engine **")
         _check(lib.kvs_engine_create(cfg, out), "engine_create")
         self._h = ffi.gc(out[0], lib.kvs_engine_destroy)

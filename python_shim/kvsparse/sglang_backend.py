@@ -88,7 +88,9 @@ class KvSparseSGLangBackend(_Base):
             head_dim=mc.head_dim, block_size=self.page_size, dtype=store,
             device="cpu" if self.device.type == "cpu" else "cuda",
             policy=os.environ.get("KVSPARSE_POLICY", "") if policy is None else policy,
-            num_threads=int(os.environ.get("KVSPARSE_NUM_THREADS", "0")) if num_threads is None else num_threads)
+            num_threads=int(os.environ.get("KVSPARSE_NUM_THREADS", "0")) if num_threads is None else num_threads,
+            # SGLang's CUDA graphs pad a decode batch to a captured size (rows past query_start_loc's end).
+            padded_batches=True)
         self.released_rows = 0
         if not _hook_free_rows(self.req_to_token_pool, self._release_row):
             raise NotImplementedError("kvsparse/sglang: the req_to_token pool has no free_rows, so the end of a "

@@ -97,6 +97,9 @@ def get_engine(vllm_config=None, num_q_heads=None, num_kv_heads=None, head_dim=N
                 policy=kcfg.policy(vllm_config),
                 num_threads=int(os.environ.get("KVSPARSE_NUM_THREADS", "0")),
                 cache_dtype=kcfg.cache_dtype(vllm_config),
+                # vLLM 0.26's FULL CUDA graphs pad a decode batch to a captured size: query_start_loc ends at
+                # the real tokens, the query holds the padded count (docs/vllm.md, "CUDA graphs").
+                padded_batches=True,
             )
             TRACKER.release_fn = _ENGINE.release
             log.info("kvsparse engine: %d layers, %d/%d heads, head_dim %d, block %d, %s, policy %r",

@@ -37,7 +37,7 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
     let cfg = e.cfg;
     let cache = *cache;
     let num_tokens = a.query.dim(0);
-    let batch = Batch::from_host_tensors(num_tokens, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref(), cfg.block_size, cache.num_blocks)?;
+    let batch = Batch::from_host_tensors(num_tokens, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref(), cfg.block_size, cache.num_blocks, cfg.padded_batches)?;
     let pipeline = if e.policy.is_dense_for_layer(a.layer) { None } else { e.policy.pipeline() };
     ensure!(
         batch.has_seq_ids || pipeline.is_none() || !e.policy.is_stateful(),

@@ -70,7 +70,7 @@ pub struct CudaBackend {
     /// `validate = sync`: every eager call waits and returns what the device checks found.
     validate_sync: bool,
     /// The attention modules' `KVS_CHECKS` define (`checks::kernel_define`, read once).
-    checks_define: String,
+    pub(crate) checks_define: String,
 }
 
 impl Drop for CudaBackend {
@@ -144,7 +144,7 @@ impl CudaBackend {
             policy_dev: None,
             checks: super::checks::DeviceChecks::new(cfg.num_layers, cfg.block_size)?,
             validate_sync: cfg.validate == crate::config::Validate::Sync,
-            checks_define: super::checks::kernel_define(),
+            checks_define: super::checks::kernel_define(cfg.padded_batches),
         })
     }
 

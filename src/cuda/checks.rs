@@ -149,18 +149,20 @@ pub fn decode(f: Fault, block_size: usize) -> Error {
     Error::new(kind, format!("{msg} (found by the device checks)"))
 }
 
-/// The attention kernels' define that compiles the checks in (`KVS_CHECKS=3`, always) or out.
+/// The attention kernels' define that compiles the checks in (`KVS_CHECKS=3`, always; `| 4` for an engine
+/// with `padded_batches`) or out.
 /// Benchmarks only, the baselines of their cost in the same binary: `KVS_BENCH_NO_DEVICE_CHECKS=1`
 /// compiles them all out (no NaN rows, no fault record, no dense row counters), `=rows` the rows'
 /// checks only, `=seqs` the sequences' checks and counters only.
-pub fn kernel_define() -> String {
+pub fn kernel_define(padded_batches: bool) -> String {
     let bits = match std::env::var("KVS_BENCH_NO_DEVICE_CHECKS").as_deref() {
         Ok("1") => 0,
         Ok("rows") => 2,
         Ok("seqs") => 1,
         _ => 3,
     };
-    format!("KVS_CHECKS={bits}")
+    // Bit 2: query_start_loc may end before the last query row (engine option padded_batches).
+    format!("KVS_CHECKS={}", bits | if padded_batches { 4 } else { 0 })
 }
 
 /// Refuses `validate = sync` on a stream that is being captured (a captured call cannot wait).

@@ -221,6 +221,9 @@ mod compile_tests {
                         // Benchmarks' baseline without the device checks (KVS_BENCH_NO_DEVICE_CHECKS=1).
                         let defs = vec![format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={}", s.gq), format!("GROUP={g}"), format!("LOAD_BYTES={}", s.load_bytes), format!("KB={}", s.kb), "PLAN=0".into(), "KVS_CHECKS=0".into()];
                         build("attention", ATTENTION, &defs);
+                        // An engine with padded_batches (checks bit 2).
+                        let defs = vec![format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={}", s.gq), format!("GROUP={g}"), format!("LOAD_BYTES={}", s.load_bytes), format!("KB={}", s.kb), "PLAN=0".into(), "KVS_CHECKS=7".into()];
+                        build("attention", ATTENTION, &defs);
                     }
                 }
                 let fm = "--fmad=false".to_string();
@@ -245,11 +248,19 @@ mod compile_tests {
                         defs.push("KVS_CHECKS=0".into());
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
+                    // An engine with padded_batches (checks bit 2): dense and plan rows.
+                    for plan in [0, 1] {
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), "ART=0".into(), "KVS_CHECKS=7".into()].to_vec();
+                        build("attention_mma", ATTENTION_MMA, &defs);
+                    }
                     // RefreshKV's full step: the plan's attention writing its logits.
                     let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), "PLAN=1".into(), "ART=0".into(), "LOGITS=1".into()].to_vec();
                     build("attention_mma", ATTENTION_MMA, &defs);
                     if let Some(ps) = super::super::prefill::prefill_shape(g, d, 2, true, 225 * 1024) {
                         build("attention_prefill", ATTENTION_PREFILL, &ps.defines_for(dt as i32, d, g));
+                        let mut defs = ps.defines_for(dt as i32, d, g);
+                        defs.push("KVS_CHECKS=7".into());
+                        build("attention_prefill", ATTENTION_PREFILL, &defs);
                     }
                 }
             }

@@ -110,7 +110,8 @@ impl CudaBackend {
 
     /// Launches the prefill kernel over the call's rows of query length != 1 (and its split combine).
     pub(crate) fn attend_prefill(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, ps: &PrefillShape) -> Result<()> {
-        let defines = ps.defines_for(super::batch::dtype_code(cfg.dtype), cfg.head_dim, cfg.group_size());
+        let mut defines = ps.defines_for(super::batch::dtype_code(cfg.dtype), cfg.head_dim, cfg.group_size());
+        defines.push(self.checks_define.clone());
         let f = self.modules.function(&self.gpu, "attention_prefill", launch::ATTENTION_PREFILL, &defines, "kvs_attn_prefill")?;
         let smem = ps.smem_bytes(cfg.head_dim);
         let threads = 32 * ps.warps as u32;

@@ -79,6 +79,7 @@ pub unsafe extern "C" fn kvs_engine_config_init(config: *mut kvs_engine_config) 
             policy: std::ptr::null(),
             validate: kvs_validate::KVS_VALIDATE_DEFERRED,
             cache_dtype: kvs_cache_dtype::KVS_CACHE_DTYPE_AUTO,
+            padded_batches: 0,
         });
         Ok(())
     })
@@ -146,6 +147,11 @@ unsafe fn config_from_c(c: &kvs_engine_config) -> Result<EngineConfig> {
         num_threads: c.num_threads as usize,
         max_state_bytes: c.max_state_bytes,
         validate: crate::config::Validate::Deferred,
+        padded_batches: match c.padded_batches {
+            0 => false,
+            1 => true,
+            v => bail!(InvalidArgument, "config.padded_batches {v} must be 0 or 1"),
+        },
     })
 }
 

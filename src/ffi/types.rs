@@ -102,6 +102,13 @@ pub struct kvs_engine_config {
     /// rows and strides); anything else is `KVS_ERR_UNSUPPORTED`. Appended in ABI 0: a caller whose
     /// `struct_size` ends before it gets `AUTO`.
     pub cache_dtype: kvs_cache_dtype,
+    /// 1: a forward call's query may end with padding rows past `query_start_loc[num_seqs]` (vLLM's and
+    /// SGLang's CUDA graphs pad a decode batch to a captured size, with `query_start_loc` ending at the real
+    /// tokens): those rows are neither attended nor written and `query_start_loc[num_seqs] < num_tokens` is
+    /// not an error. 0 (default): it is `KVS_ERR_INVALID_SHAPE` (CPU) or a device-check fault (CUDA). Any
+    /// other value is `KVS_ERR_INVALID_ARGUMENT`. Appended in ABI 0: a caller whose `struct_size` ends
+    /// before it gets 0.
+    pub padded_batches: u32,
 }
 
 /// dtype of an engine's K/V caches (`kvs_engine_config.cache_dtype`).

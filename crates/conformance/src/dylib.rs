@@ -147,6 +147,7 @@ impl<'a> LibEngine<'a> {
                 DType::F8E5M2 => kvsparse::ffi::kvs_cache_dtype::KVS_CACHE_DTYPE_FP8_E5M2,
                 _ => kvsparse::ffi::kvs_cache_dtype::KVS_CACHE_DTYPE_AUTO,
             },
+            padded_batches: cfg.padded_batches as u32,
         };
         let mut h: Handle = std::ptr::null_mut();
         // SAFETY: valid config and out-pointer; the policy string outlives the call.
