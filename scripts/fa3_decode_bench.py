@@ -5,9 +5,12 @@ seqused_k, one query token per sequence), over the same grid and cache layout as
 server), inputs rotated so at least 4x L2 is touched, CUDA-event timing (median of 15 groups of 10 calls).
 Prints one line per point with the effective read bandwidth and writes a CSV (batch,ctx,hq,hkv,us,gbs).
 Needs vLLM's wheel on PYTHONPATH (scripts/vllm-gpu-run.sh installs it into /tmp/site)."""
-import argparse, statistics
+import argparse, os, sys
 import torch
 from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_timing import time_ms  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--csv", required=True)
@@ -21,21 +24,6 @@ ints = lambda s: [int(x) for x in s.split(",") if x]
 dev = torch.device("cuda")
 D, BS, L2 = 128, 16, 50 << 20
 gen = torch.Generator(device="cpu").manual_seed(0)
-
-
-def time_us(fn, groups=15, per=10):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(groups):
-        s.record()
-        for _ in range(per):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1000 / per)
-    return statistics.median(ts)
 
 
 rows = []
@@ -68,7 +56,7 @@ for hq, hkv in [tuple(int(y) for y in h.split("/")) for h in args.heads.split(",
                 flash_attn_varlen_func(q=q[r], k=kc, v=vc, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
                                        seqused_k=seqused, max_seqlen_k=args.max_seqlen_k or L,
                                        softmax_scale=D ** -0.5, causal=True, block_table=tables[r], fa_version=3)
-            us = time_us(call)
+            us = time_ms(call) * 1e3
             gbs = kv_bytes / us / 1e3
             print(f"{b:>5} {L:>7} {hq:>3}/{hkv:<2} {us:>9.1f} {gbs:>8.0f}", flush=True)
             rows.append((b, L, hq, hkv, us, gbs))

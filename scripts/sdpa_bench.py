@@ -1,10 +1,13 @@
 """PyTorch SDPA decode on contiguous K/V (cuDNN and flash backends, enable_gqa=True) over the same grid as
 `kvsparse bench --device cuda`, timed with CUDA events (median of 15 groups of 10 calls, inputs rotated so
 that at least 4x L2 is touched), plus torch's own device-to-device copy bandwidth. Writes a CSV."""
-import argparse, math, statistics, sys
+import argparse, math, os, sys
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_timing import time_ms  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--csv", required=True)
@@ -18,21 +21,6 @@ HEADS = [tuple(int(y) for y in x.split("/")) for x in args.heads.split(",") if x
 dev = torch.device("cuda")
 D = 128
 L2 = 50 << 20
-
-
-def time_ms(fn, groups=15, per=10):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(groups):
-        s.record()
-        for _ in range(per):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / per)
-    return statistics.median(ts)
 
 
 n = 1 << 30
