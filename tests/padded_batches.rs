@@ -3,6 +3,7 @@
 //! `padded_batches` the rows past the end are padding: not attended, not written, no error; without it the
 //! call is refused and writes nothing (issue 33's promise for a bad batch description).
 
+use kvsparse::rng::Rng;
 use kvsparse::{DType, Engine, EngineConfig, ErrorKind, ForwardArgs, TensorRef};
 
 const HQ: usize = 4;
@@ -19,17 +20,10 @@ fn engine(padded: bool) -> Engine {
     Engine::new(cfg).unwrap()
 }
 
-/// Deterministic values in [-1, 1).
-fn fill(n: usize, seed: u32) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-        })
-        .collect()
+/// Deterministic values in [-1, 1) (the project's generator, fixed seed).
+fn fill(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| (2.0 * rng.uniform() - 1.0) as f32).collect()
 }
 
 /// Two decode rows (sequences of 20 and 37 keys) in a query of `rows` rows; `query_start_loc` ends at 2.

@@ -240,7 +240,7 @@ mod compile_tests {
                         let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), "PLAN=0".into(), "ART=0".into(), format!("KV8={kv8}")].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
-                    let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), "NWARPS=4".into(), "NSTAGE=3".into(), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();
+                    let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={}", super::super::plan::ART_WARPS), format!("NSTAGE={}", super::super::plan::ART_STAGES), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();
                     defs.push("ART_NOPROBE=1".into());
                     build("attention_mma", ATTENTION_MMA, &defs);
                     if d == 128 {

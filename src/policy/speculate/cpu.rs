@@ -22,58 +22,58 @@ pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
     let k_spec = spec_tokens.div_ceil(page);
     let softcap = io.params.softcap;
     for_each_policy_head(io, s, heads, ctx, sc, |head, hw, kv, sc, c| {
-            let fixed = HoltParams { alpha: sp.alpha.unwrap_or(DEFAULT_PARAMS.alpha), beta: sp.beta.unwrap_or(DEFAULT_PARAMS.beta), gamma: sp.gamma.unwrap_or(DEFAULT_PARAMS.gamma) };
-            let mut prr = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr.take().unwrap_or_else(|| Box::new(PrrHead::new(fixed)));
-            // 1. Speculate: one partial (out, LSE) state per predicted page.
-            let pred = prr.speculate(sp.predict, first, n_pages, k_spec, &mut sc.w);
-            while sc.pages.len() < pred.len() {
-                sc.pages.push(RowsState::new(g, d));
+        let fixed = HoltParams { alpha: sp.alpha.unwrap_or(DEFAULT_PARAMS.alpha), beta: sp.beta.unwrap_or(DEFAULT_PARAMS.beta), gamma: sp.gamma.unwrap_or(DEFAULT_PARAMS.gamma) };
+        let mut prr = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr.take().unwrap_or_else(|| Box::new(PrrHead::new(fixed)));
+        // 1. Speculate: one partial (out, LSE) state per predicted page.
+        let pred = prr.speculate(sp.predict, first, n_pages, k_spec, &mut sc.w);
+        while sc.pages.len() < pred.len() {
+            sc.pages.push(RowsState::new(g, d));
+        }
+        let mut attended = 0;
+        for (j, &pg) in pred.iter().enumerate() {
+            let span = [((pg * page).max(lim.lo), ((pg + 1) * page).min(lim.hi + 1))];
+            if sc.pages[j].rows == g && sc.pages[j].dim == d {
+                sc.pages[j].reset();
+            } else {
+                sc.pages[j] = RowsState::new(g, d);
             }
-            let mut attended = 0;
-            for (j, &pg) in pred.iter().enumerate() {
-                let span = [((pg * page).max(lim.lo), ((pg + 1) * page).min(lim.hi + 1))];
-                if sc.pages[j].rows == g && sc.pages[j].dim == d {
-                    sc.pages[j].reset();
-                } else {
-                    sc.pages[j] = RowsState::new(g, d);
-                }
-                let n = span[0].1 - span[0].0;
-                attend_set(&mut sc.pages[j], &hw.q, &hw.limits, kv, &span, n, &mut sc.tokens, softcap);
-                attended += n;
+            let n = span[0].1 - span[0].0;
+            attend_set(&mut sc.pages[j], &hw.q, &hw.limits, kv, &span, n, &mut sc.tokens, softcap);
+            attended += n;
+        }
+        // 2. The true selection (Quest), from metadata only.
+        c.kv_bytes_read += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
+        let truth = select::quest_pages(&sc.page_scores, first, sp.quest_budget, page, sp.quest_sink);
+        // 3. Merge the speculated pages that count, repair the missed ones.
+        let st = hw.st.as_mut().expect("loaded");
+        for (j, &pg) in pred.iter().enumerate() {
+            if sp.keep_extra || truth.binary_search(&pg).is_ok() {
+                st.merge_from(&sc.pages[j]);
             }
-            // 2. The true selection (Quest), from metadata only.
-            c.kv_bytes_read += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
-            let truth = select::quest_pages(&sc.page_scores, first, sp.quest_budget, page, sp.quest_sink);
-            // 3. Merge the speculated pages that count, repair the missed ones.
-            let st = hw.st.as_mut().expect("loaded");
-            for (j, &pg) in pred.iter().enumerate() {
-                if sp.keep_extra || truth.binary_search(&pg).is_ok() {
-                    st.merge_from(&sc.pages[j]);
-                }
-            }
-            let missed: Vec<usize> = truth.iter().copied().filter(|p| pred.binary_search(p).is_err()).collect();
-            let miss_spans = page_spans(&missed, page, lim.lo, lim.hi);
-            if !miss_spans.is_empty() {
-                let n = span_tokens(&miss_spans);
-                let rep = fresh_state(&mut sc.repair, g, d);
-                attend_set(rep, &hw.q, &hw.limits, kv, &miss_spans, n, &mut sc.tokens, softcap);
-                st.merge_from(rep);
-                attended += n;
-            }
-            let hits = speculate::intersection(&pred, &truth);
-            c.spec_predicted_blocks += pred.len() as u64;
-            c.spec_true_blocks += truth.len() as u64;
-            c.spec_hit_blocks += hits as u64;
-            c.spec_repaired_blocks += missed.len() as u64;
-            c.spec_reuse_hit_blocks += speculate::intersection(&prr.prev_true, &truth) as u64;
-            let mut read = pred.clone();
-            read.extend_from_slice(&missed);
-            read.sort_unstable();
-            c.kv_bytes_read += (attended * 2 * d * cache.dtype.size_bytes()) as u64;
-            let used = if sp.keep_extra { None } else { Some(page_spans(&truth, page, lim.lo, lim.hi)) };
-            prr.update(first, &sc.page_scores, &truth);
-            state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr = Some(prr);
-            HeadVisit { read: page_spans(&read, page, lim.lo, lim.hi), used }
+        }
+        let missed: Vec<usize> = truth.iter().copied().filter(|p| pred.binary_search(p).is_err()).collect();
+        let miss_spans = page_spans(&missed, page, lim.lo, lim.hi);
+        if !miss_spans.is_empty() {
+            let n = span_tokens(&miss_spans);
+            let rep = fresh_state(&mut sc.repair, g, d);
+            attend_set(rep, &hw.q, &hw.limits, kv, &miss_spans, n, &mut sc.tokens, softcap);
+            st.merge_from(rep);
+            attended += n;
+        }
+        let hits = speculate::intersection(&pred, &truth);
+        c.spec_predicted_blocks += pred.len() as u64;
+        c.spec_true_blocks += truth.len() as u64;
+        c.spec_hit_blocks += hits as u64;
+        c.spec_repaired_blocks += missed.len() as u64;
+        c.spec_reuse_hit_blocks += speculate::intersection(&prr.prev_true, &truth) as u64;
+        let mut read = pred.clone();
+        read.extend_from_slice(&missed);
+        read.sort_unstable();
+        c.kv_bytes_read += (attended * 2 * d * cache.dtype.size_bytes()) as u64;
+        let used = if sp.keep_extra { None } else { Some(page_spans(&truth, page, lim.lo, lim.hi)) };
+        prr.update(first, &sc.page_scores, &truth);
+        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr = Some(prr);
+        HeadVisit { read: page_spans(&read, page, lim.lo, lim.hi), used }
     })
 }
 
