@@ -381,6 +381,113 @@ fn graph_replay_with_bad_metadata() {
     unsafe { (api.cuStreamDestroy)(stream) };
 }
 
+/// A decode batch padded as vLLM 0.26's FULL CUDA graphs pad it to a capture size: `P` extra sequences
+/// with `seq_len` 0, `query_start_loc` repeating the real token count for them, and `P` extra query rows
+/// past that count. On an engine with `padded_batches` (checks on: `validate = deferred`), dense and
+/// each policy a vLLM engine captures: the real rows equal the unpadded call's bit for bit, the padding
+/// rows keep the sentinel (not written), no fault is recorded, eager and graph replay alike. (Before the
+/// option, the device check made every row of such a step NaN.)
+fn padded_batches_as_vllm_pads_them() {
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let api = cuda().unwrap();
+    let _ctx = kvsparse::cuda::context::Gpu::open(0).unwrap();
+    let mut stream: CUstream = std::ptr::null_mut();
+    // SAFETY: out-parameter; destroyed at the end.
+    check(unsafe { (api.cuStreamCreate)(&mut stream, driver::CU_STREAM_NON_BLOCKING) }, "cuStreamCreate").unwrap();
+    const PAD: usize = 3;
+    let spec = CaseSpec::new("padded-decode", DType::BF16, 128, 16, 4, 16, vec![(1, 700), (1, 1500), (1, 33)]);
+    for policy in ["dense", "quest(budget=256)", "streaming(sink=16, recent=256)"] {
+        let f = Fixture::new(&spec, seed);
+        let (n, t, hq, d) = (spec.seqs.len(), f.num_tokens, spec.num_q_heads, spec.head_dim);
+        let mk = |padded: bool| {
+            let mut cfg = f.engine_config();
+            cfg.device = Device::Cuda(0);
+            cfg.num_threads = 1;
+            cfg.validate = Validate::Deferred;
+            cfg.policy = policy.to_string();
+            cfg.padded_batches = padded;
+            Engine::new(cfg).expect("CUDA engine")
+        };
+        // The unpadded call on a plain engine: the reference.
+        let plain = mk(false);
+        let outs = sentinel(&f);
+        let dc = DeviceCase::upload(&f, &outs).unwrap();
+        dc.write_cache(&plain, &f, stream).unwrap();
+        plain.attention_forward(&dc.forward_args(&f, &outs, stream).unwrap()).unwrap();
+        plain.check(stream).expect("clean unpadded call");
+        let mut exact = sentinel(&f);
+        dc.download(&mut exact).unwrap();
+        let (eo, el) = exact.to_f64(&f);
+        assert!(eo.iter().all(|x| x.is_finite()), "{policy}: unpadded outputs finite");
+        // The padded inputs: P more sequences (seq_len 0, no query rows) and P more query rows.
+        let e = mk(true);
+        dc.write_cache(&e, &f, stream).unwrap(); // the same cache contents; the policy's metadata for this engine
+        let esz = spec.dtype.size_bytes();
+        let row = hq * d * esz;
+        let mut qb = f.q.as_bytes().to_vec();
+        qb.extend_from_slice(&f.q.as_bytes()[..PAD * row]);
+        let sent = sentinel(&f);
+        let mut ob = sent.out.as_bytes().to_vec();
+        ob.extend_from_slice(&sent.out.as_bytes()[..PAD * row]);
+        let lb: Vec<f32> = vec![7.0; (t + PAD) * hq];
+        let mut table = f.block_table.clone();
+        table.extend(std::iter::repeat_n(0i32, PAD * f.max_blocks));
+        let mut lens = f.seq_lens.clone();
+        lens.extend(std::iter::repeat_n(0i32, PAD));
+        let mut qsl = f.query_start_loc.clone();
+        qsl.extend(std::iter::repeat_n(t as i32, PAD));
+        let mut ids = f.seq_ids.clone();
+        ids.extend((0..PAD as i64).map(|i| 1_000_000 + i));
+        let bufs: Vec<kvsparse::cuda::context::DevBuf> =
+            [&qb[..], &ob[..], bytes(&lb), bytes(&table), bytes(&lens), bytes(&qsl), bytes(&ids)].iter().map(|b| kvsparse::cuda::context::DevBuf::from_host(b).unwrap()).collect();
+        let tv = |i: usize, dt: DType, shape: &[i64]| {
+            let mut strides = vec![1i64; shape.len()];
+            for k in (0..shape.len() - 1).rev() {
+                strides[k] = strides[k + 1] * shape[k + 1];
+            }
+            // SAFETY: a contiguous view of exactly the buffer's elements.
+            unsafe { kvsparse::TensorRef::from_raw(bufs[i].ptr as *mut u8, dt, Device::Cuda(0), shape, Some(&strides)) }.unwrap()
+        };
+        let (tp, np) = ((t + PAD) as i64, (n + PAD) as i64);
+        let mut args = dc.forward_args(&f, &outs, stream).unwrap();
+        args.query = tv(0, spec.dtype, &[tp, hq as i64, d as i64]);
+        args.out = tv(1, spec.dtype, &[tp, hq as i64, d as i64]);
+        args.lse = Some(tv(2, DType::F32, &[tp, hq as i64]));
+        args.block_table = tv(3, DType::I32, &[np, f.max_blocks as i64]);
+        args.seq_lens = tv(4, DType::I32, &[np]);
+        args.query_start_loc = tv(5, DType::I32, &[np + 1]);
+        args.seq_ids = Some(tv(6, DType::I64, &[np]));
+        let judge = |how: &str| {
+            e.check(stream).unwrap_or_else(|err| panic!("{policy} {how}: padded call recorded a fault: {err}"));
+            let mut got = vec![0u8; ob.len()];
+            bufs[1].download(0, &mut got).unwrap();
+            let mut glse = vec![0f32; lb.len()];
+            // SAFETY: plain f32s viewed as bytes for the download.
+            bufs[2].download(0, unsafe { std::slice::from_raw_parts_mut(glse.as_mut_ptr() as *mut u8, glse.len() * 4) }).unwrap();
+            assert!(got[..t * row] == exact.out.as_bytes()[..t * row], "{policy} {how}: real rows differ from the unpadded call's");
+            assert!(glse[..t * hq].iter().zip(&el).all(|(a, b)| *a as f64 == *b), "{policy} {how}: real rows' LSE differ");
+            assert!(got[t * row..] == ob[t * row..], "{policy} {how}: padding rows were written");
+            assert!(glse[t * hq..].iter().all(|&x| x == 7.0), "{policy} {how}: padding rows' LSE written");
+        };
+        e.attention_forward(&args).expect("padded call accepted");
+        judge("eager");
+        bufs[1].upload(0, &ob).unwrap();
+        bufs[2].upload(0, bytes(&lb)).unwrap();
+        let g = capture(stream, || e.attention_forward(&args).map(|_| ())).expect("capture of a padded call");
+        replay(&g, stream).unwrap();
+        judge("graph replay");
+        // Without the option the same call is refused and writes nothing.
+        bufs[1].upload(0, &ob).unwrap();
+        let r = plain.attention_forward(&args);
+        let refused = r.is_err() || plain.check(stream).is_err();
+        assert!(refused, "{policy}: a padded batch on an engine without padded_batches was accepted");
+        println!("{policy}: padded batch (+{PAD} seqs, +{PAD} rows): real rows equal, padding untouched, eager and replay");
+    }
+    // SAFETY: our stream.
+    unsafe { (api.cuStreamDestroy)(stream) };
+}
+
 /// What a call sequence leaves in the stats and the release statuses, on any engine.
 #[derive(Debug, PartialEq, Eq)]
 struct Book {
@@ -574,6 +681,7 @@ fn main() {
         gpu("graph_replay_with_bad_metadata", graph_replay_with_bad_metadata),
         gpu("bookkeeping_matches_the_cpu_engine", bookkeeping_matches_the_cpu_engine),
         gpu("call_stats_and_pending_status", call_stats_and_pending_status),
+        gpu("padded_batches_as_vllm_pads_them", padded_batches_as_vllm_pads_them),
     ];
     libtest_mimic::run(&args, tests).exit();
 }
