@@ -41,19 +41,37 @@
 // the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
 // (k positions) share the launch of its full rows (every position).
 // KV8 (fp8.cuh; dense rows only, the host refuses plans): FP8 caches. A tile's rows are copied as bytes
-// into the upper half of their padded shared-memory rows, then each warp converts its tile in place to
-// elem_t (exact) before the MMAs; k_scale multiplies the logit scale and v_scale the output, in f32.
+// into padded shared-memory rows of HEAD_DIM + 16 bytes and each lane reads its MMA fragments from them
+// as 32-bit words, widening in registers (exact): no pass over shared memory. K: a word is 4 consecutive
+// channels of one key, so the k-step's channels are taken in the order (4j, 4j+1 | 4j+2, 4j+3) for lane
+// pair j, and Q's A fragment is loaded in the same order (a dot product does not care). V: the PV MMA
+// wants consecutive keys per lane; a lane reads the same word (4 channels) of 4 keys and byte-permutes
+// them, so the word's 4 channels feed 4 output tiles: tile n's column c is channel
+// 32 (n / 4) + 4 c + n % 4 (kv8_dim below), undone when the accumulators are stored. The MMAs are f16
+// (e4m3 and e5m2 widen to f16 exactly, one cvt per pair; P in f16 is finer than in bf16): Q, f16 or bf16,
+// is multiplied by 2^qe, qe chosen so that its largest magnitude lies in [2^14, 2^15) (exact: a power of
+// two; only elements below 2^-28 of the largest lose bits, as f16 subnormals), and the logits by 2^-qe.
+// k_scale multiplies the logit scale and v_scale the output, in f32.
 // Dynamic shared memory: kvs_mma_smem_bytes() below (the host computes the same formula).
 
 #include "common.cuh"
 #include "params.cuh"
 #include "combine.cuh"
+#if KV8
+#define MMA_F16 1  // FP8 widens to f16 in one instruction; Q is rescaled into f16's range (below)
+#endif
 #include "mma.cuh"
 #include "fp8.cuh"
 
 #define NTHREADS (NWARPS * 32)
 #define CPR (HEAD_DIM / 8)          // 16-byte chunks per K/V row
+#if KV8
+// A padded shared-memory row of FP8 bytes (plan::MmaShape::smem_bytes): a multiple of 128 plus 16, so the
+// 8 rows a fragment read touches start 4 banks apart (no bank conflicts) at every head size.
+#define ROWB ((HEAD_DIM + 127) / 128 * 128 + 16)
+#else
 #define ROWB (HEAD_DIM * 2 + 16)    // padded shared-memory row, bytes
+#endif
 #define TILEB (16 * ROWB)           // one 16-key tile of K (or V)
 #define KSTEPS (HEAD_DIM / 16)
 #define NT (HEAD_DIM / 8)
@@ -65,28 +83,10 @@
 #if PLAN || ART || LOGITS
 #error "FP8 caches: dense rows only"
 #endif
-// Converts one 16-key tile in place: each row's HEAD_DIM FP8 bytes, at byte HEAD_DIM of its padded row,
-// become HEAD_DIM elem_t from byte 0. All of the warp's reads precede its writes (the halves overlap).
-__device__ __forceinline__ void kv8_tile_to_elem(unsigned char* tile, int lane) {
-    constexpr int W = HEAD_DIM / 4;       // 4-byte words per FP8 row
-    constexpr int PER = 16 * W / 32;      // words per lane
-    unsigned w[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int j = i * 32 + lane;
-        w[i] = *reinterpret_cast<const unsigned*>(tile + (j / W) * ROWB + HEAD_DIM + (j % W) * 4);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int j = i * 32 + lane;
-        uint2 e;
-        e.x = kv8x2_to_elem2((unsigned short)(w[i] & 0xffff));
-        e.y = kv8x2_to_elem2((unsigned short)(w[i] >> 16));
-        *reinterpret_cast<uint2*>(tile + (j / W) * ROWB + (j % W) * 8) = e;
-    }
-    __syncwarp();
-}
+// The output channel of accumulator column c (0..7) of PV tile n (kv8 fragment order, header); a head size
+// that is an odd multiple of 16 ends with two tiles over 16 channels read as 16-bit halves (2 channels).
+#define KV8_G (HEAD_DIM / 32)  // whole 32-channel groups
+__device__ __forceinline__ int kv8_dim(int n, int c) { return n < 4 * KV8_G ? 32 * (n >> 2) + 4 * c + (n & 3) : 32 * KV8_G + 2 * c + (n & 1); }
 #endif
 
 #ifndef ART
@@ -203,15 +203,43 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 
     // Q as the A operand (raw cache-type bits; the scale is applied to S in f32).
     unsigned qa[KSTEPS][4];
+#if KV8
+    // f16 A operand: Q times 2^qe (header). Every warp loads the whole Q tile, so a warp max is the CTA's.
+    float qmax = 0.f;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
+            const int hr = r + (j & 1) * 8, col = ks * 16 + qd * 4 + (j >> 1) * 2;
+            if (hr < GQ) {
+                const elem_t* qp = q + t * q0 + (h0 + hr) * q1 + (i64)col * q2;
+                qmax = fmaxf(qmax, fmaxf(fabsf(ET::ld(qp[0])), fabsf(ET::ld(qp[q2]))));
+            }
+        }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, o));
+    // qe = 14 - floor(log2(qmax)) for a finite non-zero max (else 0: a non-finite Q poisons its rows anyway).
+    const int qe = (qmax > 0.f && isfinite(qmax)) ? min(max(14 - (((__float_as_int(qmax) >> 23) & 0xff) - 127), -100), 100) : 0;
+    const float qmul = ldexpf(1.f, qe);
+    scale *= ldexpf(1.f, -qe);  // logits = (2^qe q) . k * 2^-qe * scale
+#endif
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#if KV8
+            const int hr = r + (j & 1) * 8, col = ks * 16 + qd * 4 + (j >> 1) * 2;  // the K words' channel order
+#else
             const int hr = r + (j & 1) * 8, col = ks * 16 + (j >> 1) * 8 + qd * 2;
+#endif
             unsigned v = 0;
             if (hr < GQ) {
                 const elem_t* qp = q + t * q0 + (h0 + hr) * q1 + (i64)col * q2;
+#if KV8
+                asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(ET::ld(qp[q2]) * qmul), "f"(ET::ld(qp[0]) * qmul));
+#else
                 v = (unsigned)qp[0] | ((unsigned)qp[q2] << 16);
+#endif
             }
             qa[ks][j] = v;
         }
@@ -261,7 +289,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #endif
             const unsigned kdst = wbase + st * (2 * TILEB), vdst = kdst + TILEB;
 #if KV8
-            // FP8 rows: HEAD_DIM bytes into the upper half of each padded row (kv8_tile_to_elem widens them).
+            // FP8 rows: HEAD_DIM bytes per padded row (widened in registers when the fragments are read).
 #pragma unroll
             for (int i = 0; i < (16 * CPR8 + 31) / 32; ++i) {
                 const int c = i * 32 + lane, kr = min(c / CPR8, 15), cc = c % CPR8;
@@ -271,8 +299,8 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                 if (c < 16 * CPR8) {
                     const kv_t* ks = v ? kh + (i64)b * k0 + off * k1 + cc * 16 : kc;
                     const kv_t* vs = v ? vh + (i64)b * v0 + off * v1 + cc * 16 : vc;
-                    cp_async16(kdst + kr * ROWB + HEAD_DIM + cc * 16, ks, v ? 16 : 0);
-                    cp_async16(vdst + kr * ROWB + HEAD_DIM + cc * 16, vs, v ? 16 : 0);
+                    cp_async16(kdst + kr * ROWB + cc * 16, ks, v ? 16 : 0);
+                    cp_async16(vdst + kr * ROWB + cc * 16, vs, v ? 16 : 0);
                 }
             }
 #else
@@ -321,12 +349,19 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         const unsigned msk = sm_mask[warp][st];
         load(k + NSTAGE - 1, (k + NSTAGE - 1) % NSTAGE);
         const unsigned kb = wbase + st * (2 * TILEB), vb = kb + TILEB;
-#if KV8
-        kv8_tile_to_elem(smem + (kb - smem_u32(smem)), lane);
-        kv8_tile_to_elem(smem + (vb - smem_u32(smem)), lane);
-#endif
 
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#if KV8
+        // Lane (r, qd): key r (and r + 8), channels ks * 16 + 4 qd .. + 3 as one word.
+        const unsigned char* k8 = smem + (kb - smem_u32(smem)) + r * ROWB + qd * 4;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const unsigned w = *reinterpret_cast<const unsigned*>(k8 + n * 8 * ROWB + ks * 16);
+                mma16816(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], kv8x2_to_f16x2((unsigned short)(w & 0xffff)), kv8x2_to_f16x2((unsigned short)(w >> 16)));
+            }
+#else
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             unsigned b[4];
@@ -334,6 +369,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             mma16816(s[0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b[0], b[1]);
             mma16816(s[1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b[2], b[3]);
         }
+#endif
         // Logits (base 2), masked keys at -inf. A visible key whose raw score is not finite (NaN or
         // infinity in q or k, or an overflow) poisons its row: the row finishes as NaN (issue 12).
 #pragma unroll
@@ -393,6 +429,40 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #else
         pa[1] = pa[3] = 0u;
 #endif
+#if KV8
+        // Lane (r, qd): keys 2 qd, 2 qd + 1, 2 qd + 8, 2 qd + 9, word r of each 32-channel group; byte c of
+        // the words is column r of tile 4 g + c (kv8_dim).
+        const unsigned char* v8 = smem + (vb - smem_u32(smem)) + 2 * qd * ROWB + r * 4;
+#pragma unroll
+        for (int g = 0; g < KV8_G; ++g) {
+            const unsigned w0 = *reinterpret_cast<const unsigned*>(v8 + g * 32);
+            const unsigned w1 = *reinterpret_cast<const unsigned*>(v8 + ROWB + g * 32);
+            const unsigned w8 = *reinterpret_cast<const unsigned*>(v8 + 8 * ROWB + g * 32);
+            const unsigned w9 = *reinterpret_cast<const unsigned*>(v8 + 9 * ROWB + g * 32);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const unsigned sel = c | ((4 + c) << 4);
+                mma16816(o[4 * g + c], pa[0], pa[1], pa[2], pa[3], kv8x2_to_f16x2((unsigned short)__byte_perm(w0, w1, sel)),
+                         kv8x2_to_f16x2((unsigned short)__byte_perm(w8, w9, sel)));
+            }
+        }
+#if HEAD_DIM % 32
+        {
+            // Lane r: channels 32 KV8_G + 2 r, + 1 of the same 4 keys.
+            const unsigned char* v8r = smem + (vb - smem_u32(smem)) + 2 * qd * ROWB + KV8_G * 32 + r * 2;
+            const unsigned h0 = *reinterpret_cast<const unsigned short*>(v8r);
+            const unsigned h1 = *reinterpret_cast<const unsigned short*>(v8r + ROWB);
+            const unsigned h8 = *reinterpret_cast<const unsigned short*>(v8r + 8 * ROWB);
+            const unsigned h9 = *reinterpret_cast<const unsigned short*>(v8r + 9 * ROWB);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const unsigned sel = c | ((4 + c) << 4);
+                mma16816(o[4 * KV8_G + c], pa[0], pa[1], pa[2], pa[3], kv8x2_to_f16x2((unsigned short)__byte_perm(h0, h1, sel)),
+                         kv8x2_to_f16x2((unsigned short)__byte_perm(h8, h9, sel)));
+            }
+        }
+#endif
+#else
 #pragma unroll
         for (int j = 0; j < NT / 2; ++j) {
             unsigned b[4];
@@ -400,6 +470,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             mma16816(o[2 * j], pa[0], pa[1], pa[2], pa[3], b[0], b[1]);
             mma16816(o[2 * j + 1], pa[0], pa[1], pa[2], pa[3], b[2], b[3]);
         }
+#endif
       }
 #if ART && !ART_NOPROBE
         {
@@ -489,12 +560,21 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                 sm_m[warp * GQ + hr] = half ? m1 : m0;
                 sm_l[warp * GQ + hr] = half ? l1s : l0s;
             }
+#if KV8
+            float* dst = sm_o + (warp * GQ + hr) * HEAD_DIM;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                dst[kv8_dim(n, qd * 2)] = o[n][half * 2];
+                dst[kv8_dim(n, qd * 2 + 1)] = o[n][half * 2 + 1];
+            }
+#else
             float* dst = sm_o + (warp * GQ + hr) * HEAD_DIM + qd * 2;
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 dst[n * 8] = o[n][half * 2];
                 dst[n * 8 + 1] = o[n][half * 2 + 1];
             }
+#endif
         }
     }
     __syncthreads();

@@ -1,11 +1,15 @@
 // Tensor-core building blocks shared by the attention kernels (attention_mma.cu, attention_prefill.cu):
 // 16-byte cp.async with an optional L2 prefetch hint, ldmatrix, mma.sync m16n8k16 in the cache type with
 // f32 accumulation, and the packing of two f32 probabilities into one A-operand register. Needs KVS_DTYPE
-// (1 = f16, 2 = bf16); L2_HINT (0, 64, 128 or 256) defaults to 0.
+// (1 = f16, 2 = bf16); L2_HINT (0, 64, 128 or 256) defaults to 0. MMA_F16=1 makes the MMAs f16 whatever
+// the query type (an FP8 cache widens exactly to f16 in one instruction, attention_mma.cu).
 #pragma once
 #include "common.cuh"
 
-#if KVS_DTYPE == 1
+#ifndef MMA_F16
+#define MMA_F16 0
+#endif
+#if KVS_DTYPE == 1 || MMA_F16
 #define MMA_T "f16"
 #else
 #define MMA_T "bf16"
@@ -54,7 +58,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], unsigned a0, unsigned a1
 // softmax denominator and the LSE stay exact; only the PV weights are rounded).
 __device__ __forceinline__ unsigned pack2(float lo, float hi, float* sum) {
     unsigned r;
-#if KVS_DTYPE == 1
+#if KVS_DTYPE == 1 || MMA_F16
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
 #else
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));

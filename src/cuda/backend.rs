@@ -260,7 +260,8 @@ impl CudaBackend {
         let es = cfg.dtype.size_bytes();
         let aligned = aligned16(cache, cache.dtype.size_bytes());
         let tun = if art { plan::MmaTunables { warps: plan::ART_WARPS, stages: plan::ART_STAGES, ..self.mma } } else { self.mma };
-        plan::mma_shape(cfg.group_size(), cfg.head_dim, es, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(if art { 4096 } else { 1024 }))
+        let kv_bytes = if cache.dtype.is_fp8() { 1 } else { 2 };
+        plan::mma_shape(cfg.group_size(), cfg.head_dim, es, kv_bytes, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(if art { 4096 } else { 1024 }))
     }
 
     /// One attention launch (plus its split combine) over the rows `rows` selects.

@@ -63,12 +63,17 @@ pub struct MmaShape {
     pub stages: usize,
     /// L2 prefetch-size hint of the copies in bytes (0 = none).
     pub l2_hint: usize,
+    /// Bytes of one cached element in the stages: 2, or 1 for an FP8 cache (its rows are staged as bytes
+    /// and widened in registers, kernels/attention_mma.cu).
+    pub kv_bytes: usize,
 }
 
 impl MmaShape {
     /// Dynamic shared memory of the kernel, bytes (same formula as SMEM_BYTES in the kernel).
     pub fn smem_bytes(&self, head_dim: usize) -> usize {
-        let stage = self.warps * self.stages * 2 * 16 * (head_dim * 2 + 16);
+        // A staged row, padded (FP8: to a multiple of 128 bytes, against bank conflicts), plus 16 bytes.
+        let row = if self.kv_bytes == 1 { head_dim.div_ceil(128) * 128 } else { head_dim * 2 } + 16;
+        let stage = self.warps * self.stages * 2 * 16 * row;
         let merge = self.warps * self.gq * (head_dim + 2) * 4;
         stage.max(merge)
     }
@@ -83,12 +88,13 @@ impl MmaShape {
 /// lane-group kernel.
 /// Stages, then warps, shrink until the shared memory fits `smem_max` bytes (the device's opt-in limit
 /// less the kernel's static shared memory).
-pub fn mma_shape(group: usize, head_dim: usize, elem_bytes: usize, aligned16: bool, tun: &MmaTunables, smem_max: usize) -> Option<MmaShape> {
+/// `kv_bytes`: 1 for an FP8 cache (staged as bytes), else 2.
+pub fn mma_shape(group: usize, head_dim: usize, elem_bytes: usize, kv_bytes: usize, aligned16: bool, tun: &MmaTunables, smem_max: usize) -> Option<MmaShape> {
     if !tun.enabled || elem_bytes != 2 || !aligned16 || head_dim % 16 != 0 {
         return None;
     }
     let gq = if group <= 16 { group } else if group % 16 == 0 { 16 } else { return None };
-    let mut s = MmaShape { gq, warps: tun.warps, stages: tun.stages, l2_hint: tun.l2_hint };
+    let mut s = MmaShape { gq, warps: tun.warps, stages: tun.stages, l2_hint: tun.l2_hint, kv_bytes };
     while s.smem_bytes(head_dim) > smem_max {
         if s.stages > 2 {
             s.stages -= 1;
@@ -216,16 +222,18 @@ mod tests {
     #[test]
     fn mma_variant_applies_to_half_types_only() {
         let tun = MmaTunables { enabled: true, warps: 4, stages: 3, l2_hint: 0, row_split: true };
-        let m = mma_shape(4, 128, 2, true, &tun, 227 << 10).unwrap();
+        let m = mma_shape(4, 128, 2, 2, true, &tun, 227 << 10).unwrap();
         assert_eq!((m.gq, m.warps, m.stages, m.tile()), (4, 4, 3, 64));
         assert_eq!(m.smem_bytes(128), 4 * 3 * 2 * 16 * 272);
-        assert_eq!(mma_shape(32, 128, 2, true, &tun, 227 << 10).unwrap().gq, 16);
-        assert!(mma_shape(24, 128, 2, true, &tun, 227 << 10).is_none());
-        assert!(mma_shape(4, 128, 4, true, &tun, 227 << 10).is_none(), "f32 stays on the lane-group kernel");
-        assert!(mma_shape(4, 128, 2, false, &tun, 227 << 10).is_none());
-        assert!(mma_shape(4, 128, 2, true, &MmaTunables { enabled: false, ..tun }, 227 << 10).is_none());
-        let big = mma_shape(16, 256, 2, true, &MmaTunables { enabled: true, warps: 8, stages: 4, l2_hint: 0, row_split: true }, 227 << 10).unwrap();
+        assert_eq!(mma_shape(32, 128, 2, 2, true, &tun, 227 << 10).unwrap().gq, 16);
+        assert!(mma_shape(24, 128, 2, 2, true, &tun, 227 << 10).is_none());
+        assert!(mma_shape(4, 128, 4, 2, true, &tun, 227 << 10).is_none(), "f32 stays on the lane-group kernel");
+        assert!(mma_shape(4, 128, 2, 2, false, &tun, 227 << 10).is_none());
+        assert!(mma_shape(4, 128, 2, 2, true, &MmaTunables { enabled: false, ..tun }, 227 << 10).is_none());
+        let big = mma_shape(16, 256, 2, 2, true, &MmaTunables { enabled: true, warps: 8, stages: 4, l2_hint: 0, row_split: true }, 227 << 10).unwrap();
         assert!(big.smem_bytes(256) <= 227 << 10 && big.stages >= 2);
+        let f8 = mma_shape(4, 128, 2, 1, true, &tun, 227 << 10).unwrap();
+        assert_eq!(f8.smem_bytes(128), 4 * 3 * 2 * 16 * 144, "FP8 rows staged as bytes");
         let pol = SplitPolicy { waves: 8, min_chunk: 512, max_splits: 64, cta_cost: 256 };
         let (n, chunk) = splits_tile(8, 131072, 264, 64, &pol);
         assert!(n * chunk >= 131072 && chunk % 64 == 0);

@@ -202,6 +202,11 @@ pub fn fp8(quick: bool) -> Vec<CaseSpec> {
             c.window = 200;
             c.head_major = true;
         });
+        // The head sizes of the CUDA kernel's FP8 fragment paths: whole 32-channel groups (64, 256) and a
+        // trailing 16-channel pair of tiles (112), MHA and GQA 8.
+        add(DType::F8E4M3, DType::BF16, 256, 16, 2, 16, vec![(1, 3000), (3, 64), (1, 100)], &|_| {});
+        add(DType::F8E5M2, DType::F16, 112, 8, 8, 16, vec![(1, 700), (1, 33), (2, 90)], &|_| {});
+        add(DType::F8E4M3, DType::BF16, 64, 32, 4, 16, mixed.clone(), &|c| c.softcap = 50.0);
     }
     out
 }
