@@ -2,7 +2,7 @@
 //! and whether a loaded speculation table applies. (The device state a policy keeps is made by the
 //! registry, `Policy::cuda_device`.)
 
-use super::{Policy, Selector};
+use super::Policy;
 use crate::error::Result;
 
 impl Policy {
@@ -14,14 +14,11 @@ impl Policy {
         }
     }
 
-    /// Refuses a loaded speculation budget table on the CUDA backend: PRR there reads the spec's constant
-    /// `budget` (the table is CPU-only for now).
+    /// Refuses a host-set budget table on the CUDA backend where the selector reads it on the CPU only.
     pub fn check_spec_budgets_on_device(&self) -> Result<()> {
-        crate::ensure!(
-            !matches!(self.pipeline().map(|p| &p.selector), Some(Selector::Speculate(_))),
-            Unsupported,
-            "a speculation budget table (set_speculation_budgets) is not supported by the CUDA backend; PRR there uses the spec's `budget`"
-        );
-        Ok(())
+        match self.pipeline().map(|p| p.selector.kind().device_budget_table()) {
+            Some(Err(why)) => Err(crate::error::Error::new(crate::error::ErrorKind::Unsupported, why)),
+            _ => Ok(()),
+        }
     }
 }

@@ -98,14 +98,6 @@ pub fn all(plan: &mut HeadPlan, lo: usize, hi: usize, block_size: usize) {
     plan.entries.extend((lo / block_size) as u32..=(hi / block_size) as u32);
 }
 
-/// `streaming(sink, recent)`: the first `sink` and the last `recent` visible positions, as a token plan
-/// in increasing position order.
-pub fn streaming(plan: &mut HeadPlan, lo: usize, hi: usize, sink: usize, recent: usize) {
-    let mut spans = vec![(lo, sink.min(hi + 1).max(lo)), ((hi + 1).saturating_sub(recent).max(lo), hi + 1)];
-    normalize_spans(&mut spans);
-    plan.set_tokens_from_spans(&spans);
-}
-
 /// `quest(budget, page, sink)`: keeps the page holding the decode token (the last page offered) and the
 /// pages holding the first `sink` positions, plus the best other pages up to `ceil(budget / page)` pages
 /// in all (ties: the more recent page; the forced pages are kept even when they alone exceed the budget).
@@ -196,18 +188,6 @@ mod tests {
         assert_eq!(c.units.len(), 2);
     }
 
-    #[test]
-    fn streaming_covers_everything_when_window_is_long() {
-        let mut p = HeadPlan::default();
-        streaming(&mut p, 0, 99, 4, 200);
-        assert_eq!(p.entries, (0..100).collect::<Vec<u32>>());
-        streaming(&mut p, 0, 99, 4, 10);
-        let mut c = Candidates::default();
-        c.from_plan(&p, 0, 99, 16, 4, |_| f32::NAN, &mut Vec::new());
-        assert_eq!(c.spans, vec![(0, 4), (90, 96), (96, 100)]);
-        all(&mut p, 5, 40, 16);
-        assert_eq!((p.unit_log2, p.entries.clone()), (4, vec![0, 1, 2]));
-    }
 
     #[test]
     fn quest_keeps_the_best_pages() {

@@ -2,6 +2,8 @@
 //! src/cpu/sparse/stateful.rs).
 
 use crate::cpu::sparse::*;
+use crate::policy::speculate::{self, calib_rows, HoltParams, PrrHead, SpecBudgetTable, TrajStep, CALIB_ROWS, DEFAULT_PARAMS};
+use crate::policy::Speculate;
 
 /// PRR for the heads of one item: speculate (attend the predicted pages, one partial state each), compute
 /// the true Quest selection, repair (attend the missed pages), merge exactly through the LSE. Predicted
@@ -23,7 +25,7 @@ pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
     let softcap = io.params.softcap;
     for_each_policy_head(io, s, heads, ctx, sc, |head, hw, kv, sc, c| {
         let fixed = HoltParams { alpha: sp.alpha.unwrap_or(DEFAULT_PARAMS.alpha), beta: sp.beta.unwrap_or(DEFAULT_PARAMS.beta), gamma: sp.gamma.unwrap_or(DEFAULT_PARAMS.gamma) };
-        let mut prr = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr.take().unwrap_or_else(|| Box::new(PrrHead::new(fixed)));
+        let mut prr = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).take::<PrrHead>().unwrap_or_else(|| Box::new(PrrHead::new(fixed)));
         // 1. Speculate: one partial (out, LSE) state per predicted page.
         let pred = prr.speculate(sp.predict, first, n_pages, k_spec, &mut sc.w);
         while sc.pages.len() < pred.len() {
@@ -72,7 +74,7 @@ pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         c.kv_bytes_read += (attended * 2 * d * cache.dtype.size_bytes()) as u64;
         let used = if sp.keep_extra { None } else { Some(page_spans(&truth, page, lim.lo, lim.hi)) };
         prr.update(first, &sc.page_scores, &truth);
-        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr = Some(prr);
+        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).put(prr);
         HeadVisit { read: page_spans(&read, page, lim.lo, lim.hi), used }
     })
 }
@@ -115,7 +117,7 @@ impl CpuStage for Speculate {
         let warm: Vec<_> = cx.pool.install(|| items.par_iter().map(|&(s, h)| prr_calibrate(cx.io, s, h, self, m, cx.spec_budgets).0).collect());
         for (&(s, h), w) in items.iter().zip(warm) {
             let st = cx.sequences.get_or_create(cx.io.batch.seqs[s].seq_id);
-            st.lock().policy.head_mut(cx.layer, h, hk).prr = Some(Box::new(w));
+            st.lock().policy.head_mut(cx.layer, h, hk).put(Box::new(w));
         }
         c.spec_calibrations += items.len() as u64;
         c.spec_calib_us += t0.elapsed().as_micros() as u64;

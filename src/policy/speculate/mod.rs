@@ -70,6 +70,12 @@ pub struct PrrHead {
     pub prev_true: Vec<usize>,
 }
 
+impl super::PolicyState for PrrHead {
+    fn bytes(&self) -> usize {
+        PrrHead::bytes(self)
+    }
+}
+
 impl PrrHead {
     pub fn new(params: HoltParams) -> Self {
         PrrHead { params, holt: Vec::new(), prev_true: Vec::new() }
@@ -291,6 +297,21 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
     };
     let keep_extra = a.word("extra", "keep", &["drop", "keep"])? == "keep";
     Ok(Parsed::Selector(Selector::Speculate(Speculate { quest_budget, page, quest_sink, alpha, beta, gamma, budget, predict, keep_extra }), None))
+}
+
+impl super::kind::SelectorKind for Speculate {
+    fn stateful(&self) -> bool {
+        true
+    }
+
+    /// Quest's page bounds (the true selection).
+    fn meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
+        needs.quest_page = Some(self.page);
+    }
+
+    fn device_budget_table(&self) -> std::result::Result<(), String> {
+        Err("a speculation budget table (set_speculation_budgets) is not supported by the CUDA backend; PRR there uses the spec's `budget`".into())
+    }
 }
 
 #[cfg(test)]
