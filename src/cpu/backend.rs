@@ -46,7 +46,7 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     fn forward(&self, env: &CallEnv, a: &ForwardArgs, cache: &KvCache) -> Result<(Counters, Counters)> {
-        let ctx = CallCtx { cfg: env.cfg, policy: env.policy, pool: &self.pool, spin: &self.spin, sequences: &self.sequences, meta: &self.meta, visits: env.visits, spec_budgets: env.spec_budgets, policy_data: self.policy_data.as_deref() };
+        let ctx = CallCtx { cfg: env.cfg, policy: env.policy, pool: &self.pool, spin: &self.spin, sequences: &self.sequences, meta: &self.meta, visits: env.visits, policy_input: env.policy_input, policy_data: self.policy_data.as_deref() };
         let c = super::call::forward(&ctx, a, cache)?;
         Ok((c, c))
     }

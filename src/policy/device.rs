@@ -1,5 +1,5 @@
 //! What the CUDA backend asks of the parsed policy at the engine's creation and calls: whether it runs it,
-//! and whether a loaded speculation table applies. (The device state a policy keeps is made by the
+//! and whether a host-set policy input (`PolicyInput`) applies. (The device state a policy keeps is made by the
 //! registry, `Policy::cuda_device`.)
 
 use super::Policy;
@@ -14,9 +14,9 @@ impl Policy {
         }
     }
 
-    /// Refuses a host-set budget table on the CUDA backend where the selector reads it on the CPU only.
-    pub fn check_spec_budgets_on_device(&self) -> Result<()> {
-        match self.pipeline().map(|p| p.selector.kind().device_budget_table()) {
+    /// Refuses a host-set policy input on the CUDA backend where the selector reads it on the CPU only.
+    pub fn check_input_on_device(&self) -> Result<()> {
+        match self.pipeline().map(|p| p.selector.kind().device_input()) {
             Some(Err(why)) => Err(crate::error::Error::new(crate::error::ErrorKind::Unsupported, why)),
             _ => Ok(()),
         }

@@ -47,9 +47,9 @@ pub(crate) trait SelectorKind {
         false
     }
 
-    /// Whether the CUDA backend accepts a host-set budget table (`kvs_engine_set_speculation_budgets`)
-    /// for this selector: Err(why) where the selector reads the table on the CPU only.
-    fn device_budget_table(&self) -> Result<(), String> {
+    /// Whether the CUDA backend accepts the host-set policy input (`PolicyInput`) for this selector:
+    /// Err(why) where the selector reads it on the CPU only.
+    fn device_input(&self) -> Result<(), String> {
         Ok(())
     }
 }

@@ -31,6 +31,10 @@ use crate::error::Result;
 pub use plan::HeadPlan;
 pub use spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
 
+/// What the caller set for the policy at run time, for its stages to read (`kvs_engine_set_speculation_budgets`:
+/// PRR's budget table); its type is the policy's.
+pub type PolicyInput = std::sync::Arc<dyn std::any::Any + Send + Sync>;
+
 /// A parsed policy spec. The empty spec and `dense` mean dense attention everywhere.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Policy {

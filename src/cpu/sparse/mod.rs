@@ -24,7 +24,6 @@ pub(crate) use super::quantize::code_bytes;
 pub(crate) use super::spin_pool::SpinPool;
 pub(crate) use super::convert::load_cache_row;
 pub(crate) use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
-use crate::policy::speculate::SpecBudgetTable;
 pub(crate) use crate::policy::art::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};
 pub(crate) use crate::policy::Probe;
 pub(crate) use crate::policy::{top_p, HeadPlan, Pipeline};
@@ -52,8 +51,8 @@ pub struct SparseCtx<'a> {
     pub layer: usize,
     /// Per-sequence state of each decode sequence (stateful policies; empty otherwise).
     pub states: SeqStates,
-    /// PRR's speculation budget table, when the engine loaded one (else the spec's constant).
-    pub spec_budgets: Option<&'a SpecBudgetTable>,
+    /// What the caller set for the policy at run time (`Engine::set_policy_input`).
+    pub policy_input: Option<&'a (dyn std::any::Any + Send + Sync)>,
     /// What the policy loaded for the engine's life (`Policy::cpu_data`: the predictor's weights).
     pub policy_data: Option<&'a (dyn std::any::Any + Send + Sync)>,
 }

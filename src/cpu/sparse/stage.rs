@@ -9,7 +9,6 @@ use crate::cpu::attention::RowLimits;
 use crate::cpu::forward::ForwardIo;
 use crate::cpu::metadata::LayerMeta;
 use crate::error::Result;
-use crate::policy::speculate::SpecBudgetTable;
 use crate::policy::{select, HeadState};
 use crate::sequences::Registry;
 use crate::stats::Counters;
@@ -26,7 +25,8 @@ pub(crate) struct PrefillCx<'a> {
     pub calib_seqs: &'a [usize],
     /// The layer's key metadata, when the policy needs some.
     pub meta: Option<&'a LayerMeta>,
-    pub spec_budgets: Option<&'a SpecBudgetTable>,
+    /// What the caller set for the policy at run time (`Engine::set_policy_input`).
+    pub policy_input: Option<&'a (dyn std::any::Any + Send + Sync)>,
 }
 
 /// One KV head's selection on the pipeline's generic path.

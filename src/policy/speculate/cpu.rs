@@ -5,6 +5,11 @@ use crate::cpu::sparse::*;
 use crate::policy::speculate::{self, calib_rows, HoltParams, PrrHead, SpecBudgetTable, TrajStep, CALIB_ROWS, DEFAULT_PARAMS};
 use crate::policy::Speculate;
 
+/// The budget table the caller loaded (`Engine::set_speculation_budgets`), if any.
+fn budget_table(input: Option<&(dyn std::any::Any + Send + Sync)>) -> Option<&SpecBudgetTable> {
+    input.and_then(|t| t.downcast_ref::<SpecBudgetTable>())
+}
+
 /// PRR for the heads of one item: speculate (attend the predicted pages, one partial state each), compute
 /// the true Quest selection, repair (attend the missed pages), merge exactly through the LSE. Predicted
 /// pages outside the true set are dropped from the merge unless `extra=keep`, so by default the output is
@@ -20,7 +25,7 @@ pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
     let page = sp.page;
     let first = lim.lo / page;
     let n_pages = lim.hi / page - first + 1;
-    let spec_tokens = ctx.spec_budgets.map_or(sp.budget.unwrap_or(sp.quest_budget), |t| t.budget_for(sd.seq_len));
+    let spec_tokens = budget_table(ctx.policy_input).map_or(sp.budget.unwrap_or(sp.quest_budget), |t| t.budget_for(sd.seq_len));
     let k_spec = spec_tokens.div_ceil(page);
     let softcap = io.params.softcap;
     for_each_policy_head(io, s, heads, ctx, sc, |head, hw, kv, sc, c| {
@@ -114,7 +119,7 @@ impl CpuStage for Speculate {
         let hk = cx.cfg.num_kv_heads;
         let t0 = std::time::Instant::now();
         let items: Vec<(usize, usize)> = cx.calib_seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
-        let warm: Vec<_> = cx.pool.install(|| items.par_iter().map(|&(s, h)| prr_calibrate(cx.io, s, h, self, m, cx.spec_budgets).0).collect());
+        let warm: Vec<_> = cx.pool.install(|| items.par_iter().map(|&(s, h)| prr_calibrate(cx.io, s, h, self, m, budget_table(cx.policy_input)).0).collect());
         for (&(s, h), w) in items.iter().zip(warm) {
             let st = cx.sequences.get_or_create(cx.io.batch.seqs[s].seq_id);
             st.lock().policy.head_mut(cx.layer, h, hk).put(Box::new(w));

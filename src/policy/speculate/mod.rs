@@ -227,6 +227,14 @@ pub struct SpecBudgetTable {
     points: Vec<(usize, usize)>,
 }
 
+impl crate::engine::Engine {
+    /// Loads PRR's speculation budget table (context length → speculation budget in tokens), replacing the
+    /// spec's constant `budget`; `None` goes back to the constant. Applies from the next call.
+    pub fn set_speculation_budgets(&self, table: Option<SpecBudgetTable>) {
+        self.set_policy_input(table.map(|t| std::sync::Arc::new(t) as super::PolicyInput));
+    }
+}
+
 impl SpecBudgetTable {
     pub fn constant(budget: usize) -> Self {
         SpecBudgetTable { points: vec![(0, budget)] }
@@ -309,7 +317,7 @@ impl super::kind::SelectorKind for Speculate {
         needs.quest_page = Some(self.page);
     }
 
-    fn device_budget_table(&self) -> std::result::Result<(), String> {
+    fn device_input(&self) -> std::result::Result<(), String> {
         Err("a speculation budget table (set_speculation_budgets) is not supported by the CUDA backend; PRR there uses the spec's `budget`".into())
     }
 }
