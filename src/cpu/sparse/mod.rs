@@ -23,7 +23,7 @@ pub(crate) use super::metadata::LayerMeta;
 pub(crate) use super::quantize::code_bytes;
 pub(crate) use super::spin_pool::SpinPool;
 pub(crate) use super::convert::load_cache_row;
-pub(crate) use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
+pub(crate) use crate::policy::select::{max_pool, normalize_spans, Candidates};
 pub(crate) use crate::policy::art::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};
 pub(crate) use crate::policy::Probe;
 pub(crate) use crate::policy::{top_p, HeadPlan, Pipeline};

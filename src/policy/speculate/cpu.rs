@@ -50,7 +50,7 @@ pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         }
         // 2. The true selection (Quest), from metadata only.
         c.kv_bytes_read += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
-        let truth = select::quest_pages(&sc.page_scores, first, sp.quest_budget, page, sp.quest_sink);
+        let truth = crate::policy::quest::cpu::quest_pages(&sc.page_scores, first, sp.quest_budget, page, sp.quest_sink);
         // 3. Merge the speculated pages that count, repair the missed ones.
         let st = hw.st.as_mut().expect("loaded");
         for (j, &pg) in pred.iter().enumerate() {

@@ -20,7 +20,7 @@ pub mod cuda;
 use super::spec::{err, quoted, Arg, Args, Parsed, Selector, Speculate, Tok};
 use crate::error::{Error, ErrorKind, Result};
 
-use super::select::quest_pages;
+use super::quest::cpu::quest_pages;
 use super::spec::Predict;
 
 /// Holt parameters.
