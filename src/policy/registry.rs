@@ -49,9 +49,13 @@ impl SelectorKind for All {
     }
 }
 
+/// A selector's value: its CPU stage, and its answers to the shared code.
+trait SelectorValue: CpuStage + SelectorKind {}
+impl<T: CpuStage + SelectorKind> SelectorValue for T {}
+
 impl Selector {
-    /// What the shared code asks of this selector, answered in its folder ([`SelectorKind`]).
-    pub(crate) fn kind(&self) -> Box<dyn SelectorKind> {
+    /// The selector's value (one small value per use), made in its folder's types.
+    fn value(&self) -> Box<dyn SelectorValue> {
         match *self {
             Selector::All => Box::new(All),
             Selector::Streaming { sink, recent } => Box::new(super::streaming::cpu::Streaming { sink, recent }),
@@ -63,17 +67,14 @@ impl Selector {
         }
     }
 
+    /// What the shared code asks of this selector, answered in its folder ([`SelectorKind`]).
+    pub(crate) fn kind(&self) -> Box<dyn SelectorKind> {
+        self.value()
+    }
+
     /// This selector as a CPU stage (one small value per forward call).
     pub(crate) fn cpu(&self) -> Box<dyn CpuStage + '_> {
-        match *self {
-            Selector::All => Box::new(All),
-            Selector::Streaming { sink, recent } => Box::new(super::streaming::cpu::Streaming { sink, recent }),
-            Selector::Quest { budget, page, sink } => Box::new(super::quest::cpu::Quest { budget, page, sink }),
-            Selector::SnapKv { budget, window, pool } => Box::new(super::snapkv::cpu::SnapKv { budget, window, pool }),
-            Selector::Speculate(s) => Box::new(s),
-            Selector::Refresh(r) => Box::new(r),
-            Selector::Predictor(p) => Box::new(p),
-        }
+        self.value()
     }
 }
 
