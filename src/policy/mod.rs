@@ -147,7 +147,7 @@ impl HeadState {
 
     /// Takes the state out when it is a `T` (a stage updates it outside the sequence's lock).
     pub fn take<T: PolicyState>(&mut self) -> Option<Box<T>> {
-        if !self.get::<T>().is_some() {
+        if self.get::<T>().is_none() {
             return None;
         }
         let own: Box<dyn Any> = self.own.take()?;
