@@ -19,7 +19,7 @@ cd "$root"
 
 declare -A pat=(
   [streaming]='[Ss]treaming'
-  [quest]='[Qq]uest|QUEST|QSEL'
+  [quest]='\b[Qq]uest|_[Qq]uest|[a-z0-9]Quest|QUEST|QSEL'  # not inside a word: "requested" is no Quest code
   [snapkv]='[Ss]nap[Kk][Vv]|\bsnap_|\bSnap[A-Z]|\bSNAP_|kvs_snap'
   [speculate]='[Ss]peculat|\bprr|\bPrr|\bPRR|_prr'
   [refresh]='[Rr]efresh[A-Z_(: ]|\bRefresh\b|REFRESH|\bRF_|kvs_refresh'

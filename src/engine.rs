@@ -13,7 +13,6 @@ use crate::config::EngineConfig;
 use crate::meta::MetaSnapshot;
 use crate::error::Result;
 use crate::layout::{validate_params, KvCache};
-use crate::policy::speculate::SpecBudgetTable;
 use crate::policy::Policy;
 use crate::stats::{Counters, EngineStats, VisitRecord};
 use crate::{alloc, bail, ensure, validate};
@@ -27,7 +26,7 @@ pub struct Engine {
     /// Per-row visit records, collected only while [`Engine::record_visits`] is on.
     visits: Mutex<Option<Vec<VisitRecord>>>,
     /// PRR's speculation budget by context length, when loaded (else the spec's constant budget).
-    spec_budgets: parking_lot::RwLock<Option<SpecBudgetTable>>,
+    policy_input: parking_lot::RwLock<Option<crate::policy::PolicyInput>>,
     /// Per layer, the FP8 cache's (k_scale, v_scale) as f32 bits; 0 = not set yet.
     kv_scales: Vec<[AtomicU32; 2]>,
 }
@@ -61,7 +60,7 @@ impl Engine {
         let per_layer = alloc::try_vec(cfg.num_layers, Counters::default(), "per-layer statistics")?;
         let mut kv_scales = alloc::try_with_capacity(cfg.num_layers, "per-layer KV scales")?;
         kv_scales.resize_with(cfg.num_layers, Default::default);
-        Ok(Engine { cfg, policy, backend, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), spec_budgets: parking_lot::RwLock::new(None), kv_scales })
+        Ok(Engine { cfg, policy, backend, stats: Mutex::new((Counters::default(), per_layer)), visits: Mutex::new(None), policy_input: parking_lot::RwLock::new(None), kv_scales })
     }
 
     /// The engine's backend (benchmarks and parity harnesses downcast it through `as_any` to use a
@@ -142,7 +141,7 @@ impl Engine {
         let cache = self.scaled(KvCache::new(cfg, a.key_cache, a.value_cache, dev)?, a.layer)?;
         validate::batch(dev, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref())?;
         let pipeline = if self.policy.is_dense_for_layer(a.layer) { None } else { self.policy.pipeline() };
-        let env = CallEnv { cfg, policy: &self.policy, pipeline, visits: &self.visits, spec_budgets: &self.spec_budgets };
+        let env = CallEnv { cfg, policy: &self.policy, pipeline, visits: &self.visits, policy_input: &self.policy_input };
         let (c, call) = self.backend.forward(&env, a, &cache)?;
         self.record(a.layer, &c);
         Ok(call)
@@ -200,10 +199,10 @@ impl Engine {
         self.visits.lock().as_mut().map(std::mem::take).unwrap_or_default()
     }
 
-    /// Loads PRR's speculation budget table (context length → speculation budget in tokens), replacing the
-    /// spec's constant `budget`; `None` goes back to the constant. Applies from the next call.
-    pub fn set_speculation_budgets(&self, table: Option<SpecBudgetTable>) {
-        *self.spec_budgets.write() = table;
+    /// Sets what the policy's stages read at run time (the policy's own setter, e.g.
+    /// `set_speculation_budgets`, makes it); `None` clears it. Applies from the next call.
+    pub(crate) fn set_policy_input(&self, input: Option<crate::policy::PolicyInput>) {
+        *self.policy_input.write() = input;
     }
 
     /// Number of policy state objects (per-(sequence, layer, KV head) states and per-(sequence, layer)

@@ -1,6 +1,7 @@
-// The structs the host passes to kernels by value, each mirrored by a #[repr(C)] Rust struct (named in
-// its comment). A test (src/cuda/kernel_src.rs) compiles this file with the host C compiler and compares
-// the size and every field's name and offset with the Rust struct, so the two cannot drift apart.
+// The structs the host passes by value to kernels of several files, each mirrored by a #[repr(C)] Rust
+// struct (named in its comment); a policy's own such structs sit in its kernel file (kernels/policy/). A
+// test (src/cuda/kernel_src.rs) compiles them with the host C compiler and compares the size and every
+// field's name and offset with the Rust struct, so the two cannot drift apart.
 // Plain C: fixed-width fields and pointers only (device pointers are 64-bit, as on the host).
 #pragma once
 #include "common.cuh"
@@ -40,37 +41,4 @@ struct ArtArgs {
     // same layout as the plan (kvs_art_priority, kernels/select.cu); NULL = recency order.
     const unsigned* order;
     const int* inv;           // (read by kvs_art_blocks only)
-};
-
-// Rust: src/cuda/refresh.rs RefreshArgs. RefreshKV's layer state and parameters.
-struct RefreshArgs {
-    float* qref;          // [max_seqs][HEAD_DIM]
-    int* since;           // [max_seqs]
-    unsigned* lstamp;     // [max_seqs]
-    unsigned* tok;        // [max_seqs][hk][k]
-    float* sc;            // [max_seqs][hk][k]
-    int* cnt;             // [max_seqs][hk]
-    int* last;            // [max_seqs][hk]
-    unsigned* hstamp;     // [max_seqs][hk]
-    const int* slot;      // per sequence of the call (-1: none)
-    const unsigned* gen;  // per sequence of the call
-    int* mode;            // per sequence of the call (RF_*)
-    unsigned long long* rctr;  // the layer's [full steps, partial steps]
-    int k, stride, every, pool;
-    float s;
-    int hk;
-};
-
-// Rust: src/cuda/predictor.rs StateArg. The predictor's layer state.
-struct PredState {
-    int* hdr;
-    int* lens;
-    float* ring;
-    float* zc;
-    int H, wc, hk, pad;
-};
-
-// Rust: src/cuda/predictor.rs SpecArg.
-struct PredSpec {
-    int budget, block, calib, sink, local, pad;
 };

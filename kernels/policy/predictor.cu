@@ -30,6 +30,20 @@
 #include "topk.cuh"
 #include "snap_score.cuh"
 
+// The predictor's layer state and parameters, passed by value; mirrored by `StateArg` and `SpecArg` in
+// src/policy/predictor/cuda.rs (a test, src/cuda/kernel_src.rs, compares sizes and field offsets).
+struct PredState {
+    int* hdr;
+    int* lens;
+    float* ring;
+    float* zc;
+    int H, wc, hk, pad;
+};
+
+struct PredSpec {
+    int budget, block, calib, sink, local, pad;
+};
+
 #ifndef PRED_PT
 #define PRED_PT 128  // image columns per CTA of kvs_pred_conv
 #endif

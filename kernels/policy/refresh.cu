@@ -42,6 +42,26 @@
 #include "topk.cuh"
 #include "snap_score.cuh"
 
+// RefreshKV's layer state and parameters, passed by value; mirrored by `RefreshArgs` in
+// src/policy/refresh/cuda.rs (a test, src/cuda/kernel_src.rs, compares sizes and field offsets).
+struct RefreshArgs {
+    float* qref;          // [max_seqs][HEAD_DIM]
+    int* since;           // [max_seqs]
+    unsigned* lstamp;     // [max_seqs]
+    unsigned* tok;        // [max_seqs][hk][k]
+    float* sc;            // [max_seqs][hk][k]
+    int* cnt;             // [max_seqs][hk]
+    int* last;            // [max_seqs][hk]
+    unsigned* hstamp;     // [max_seqs][hk]
+    const int* slot;      // per sequence of the call (-1: none)
+    const unsigned* gen;  // per sequence of the call
+    int* mode;            // per sequence of the call (RF_*)
+    unsigned long long* rctr;  // the layer's [full steps, partial steps]
+    int k, stride, every, pool;
+    float s;
+    int hk;
+};
+
 #define RF_NONE -1     // not a decode row and nothing to seed (or a decode row that sees nothing)
 #define RF_PARTIAL 0   // attend the set
 #define RF_FULL 1      // attend everything, score it, rebuild the set

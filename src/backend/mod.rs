@@ -14,8 +14,7 @@ use crate::config::EngineConfig;
 use crate::meta::MetaSnapshot;
 use crate::error::Result;
 use crate::layout::KvCache;
-use crate::policy::speculate::SpecBudgetTable;
-use crate::policy::{Pipeline, Policy};
+use crate::policy::{Pipeline, Policy, PolicyInput};
 use crate::stats::{Counters, EngineStats, VisitRecord};
 
 pub use registry::create;
@@ -29,8 +28,8 @@ pub struct CallEnv<'a> {
     pub pipeline: Option<&'a Pipeline>,
     /// Per-row visit records, collected only while the engine records them.
     pub visits: &'a Mutex<Option<Vec<VisitRecord>>>,
-    /// PRR's speculation budget table, when loaded.
-    pub spec_budgets: &'a RwLock<Option<SpecBudgetTable>>,
+    /// What the caller set for the policy at run time (`Engine::set_policy_input`).
+    pub policy_input: &'a RwLock<Option<PolicyInput>>,
 }
 
 /// What the engine asks of a device. Every method gets arguments the engine has validated as far as the

@@ -13,7 +13,6 @@ use crate::backend::{Backend, CallEnv};
 use crate::config::EngineConfig;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvCache;
-use crate::policy::predictor::PredictorWeights;
 use crate::policy::Policy;
 use crate::sequences::Registry;
 use crate::stats::{Counters, EngineStats};
@@ -25,13 +24,13 @@ pub struct CpuBackend {
     sequences: Registry,
     /// Key metadata (Quest min/max, INT4 K) maintained on cache writes for the policy's needs.
     meta: CacheMeta,
-    /// AttentionPredictor's CNN, for a `predictor` policy.
-    predictor: Option<Arc<PredictorWeights>>,
+    /// What the policy loads for the engine's life (`Policy::cpu_data`).
+    policy_data: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl CpuBackend {
     pub fn new(cfg: &EngineConfig, policy: &Policy) -> Result<Self> {
-        let predictor = policy.predictor_weights()?;
+        let policy_data = policy.cpu_data()?;
         let threads = if cfg.num_threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()).min(crate::config::MAX_THREADS) } else { cfg.num_threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -41,13 +40,13 @@ impl CpuBackend {
         // The dense decode hot path's pool (the caller takes part, workers spin between calls).
         let spin = SpinPool::new(threads).map_err(|e| Error::new(ErrorKind::Internal, format!("could not start {threads} worker threads: {e}")))?;
         let meta = CacheMeta::new(policy.meta_needs(), cfg.num_layers)?;
-        Ok(CpuBackend { pool, spin, sequences: Registry::default(), meta, predictor })
+        Ok(CpuBackend { pool, spin, sequences: Registry::default(), meta, policy_data })
     }
 }
 
 impl Backend for CpuBackend {
     fn forward(&self, env: &CallEnv, a: &ForwardArgs, cache: &KvCache) -> Result<(Counters, Counters)> {
-        let ctx = CallCtx { cfg: env.cfg, policy: env.policy, pool: &self.pool, spin: &self.spin, sequences: &self.sequences, meta: &self.meta, visits: env.visits, spec_budgets: env.spec_budgets, predictor: self.predictor.as_deref() };
+        let ctx = CallCtx { cfg: env.cfg, policy: env.policy, pool: &self.pool, spin: &self.spin, sequences: &self.sequences, meta: &self.meta, visits: env.visits, policy_input: env.policy_input, policy_data: self.policy_data.as_deref() };
         let c = super::call::forward(&ctx, a, cache)?;
         Ok((c, c))
     }

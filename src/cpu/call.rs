@@ -1,6 +1,6 @@
 //! One forward call on the CPU backend: dense rows through `forward::dense_forward`, decode rows of
-//! policy layers through the policy pipeline (`sparse`), and the selector stage's prefill hook (SnapKV's
-//! choice, PRR's calibration, the seeds: each policy's own, in src/policy/<name>/cpu.rs).
+//! policy layers through the policy pipeline (`sparse`), and the selector stage's prefill hook (each
+//! policy's own, in src/policy/<name>/cpu.rs).
 
 use parking_lot::{Mutex, RwLock};
 
@@ -13,8 +13,7 @@ use crate::cpu;
 use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::{Batch, KvCache};
-use crate::policy::speculate::SpecBudgetTable;
-use crate::policy::Policy;
+use crate::policy::{Policy, PolicyInput};
 use crate::sequences::Registry;
 use crate::stats::{Counters, VisitRecord};
 use crate::{bail, ensure};
@@ -28,8 +27,9 @@ pub struct CallCtx<'a> {
     pub sequences: &'a Registry,
     pub meta: &'a CacheMeta,
     pub visits: &'a Mutex<Option<Vec<VisitRecord>>>,
-    pub spec_budgets: &'a RwLock<Option<SpecBudgetTable>>,
-    pub predictor: Option<&'a crate::policy::predictor::PredictorWeights>,
+    pub policy_input: &'a RwLock<Option<PolicyInput>>,
+    /// What the policy loaded for the engine's life (`Policy::cpu_data`).
+    pub policy_data: Option<&'a (dyn std::any::Any + Send + Sync)>,
 }
 
 /// Causal varlen attention of one validated call on the CPU; returns its counters.
@@ -79,8 +79,8 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
     // is attended; a refusal (SnapKV's state cap) leaves everything unchanged.
     let mut c = Counters { calls: 1, ..Default::default() };
     if let Some(st) = &stage {
-        let table = e.spec_budgets.read();
-        let cx = PrefillCx { io: &io, cfg, pool: e.pool, sequences: e.sequences, layer: a.layer, calib_seqs: &calib_seqs, meta, spec_budgets: table.as_ref() };
+        let input = e.policy_input.read();
+        let cx = PrefillCx { io: &io, cfg, pool: e.pool, sequences: e.sequences, layer: a.layer, calib_seqs: &calib_seqs, meta, policy_input: input.as_deref() };
         c.add(&st.prefill(&cx)?);
     }
     if batch.has_seq_ids {
@@ -92,18 +92,20 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
 
     if let Some(p) = pipeline {
         if !policy_seqs.is_empty() {
-            let snap = policy_seqs
+            // What the stage's rows read of each sequence's state (SnapKV's choice), taken once here.
+            let st_ref = stage.as_deref().expect("a pipeline has a stage");
+            let held = policy_seqs
                 .iter()
                 .map(|&s| {
                     let st = e.sequences.get(batch.seqs[s].seq_id);
                     let st = st.as_ref().map(|st| st.lock());
-                    (0..cfg.num_kv_heads).map(|h| st.as_ref().and_then(|st| st.policy.head(a.layer, h)).and_then(|hs| hs.snapkv.clone())).collect()
+                    (0..cfg.num_kv_heads).map(|h| st.as_ref().and_then(|st| st.policy.head(a.layer, h)).and_then(|hs| st_ref.held(hs))).collect()
                 })
                 .collect();
             let log = e.visits.lock().is_some().then(|| std::sync::Mutex::new(Vec::new()));
             let states = if e.policy.is_stateful() { policy_seqs.iter().map(|&s| e.sequences.get(batch.seqs[s].seq_id)).collect() } else { Vec::new() };
-            let table = e.spec_budgets.read();
-            let ctx = SparseCtx { pipeline: p, stage: stage.as_deref().expect("a pipeline has a stage"), meta, snap, visits: log.as_ref(), layer: a.layer, states, spec_budgets: table.as_ref(), predictor: e.predictor };
+            let input = e.policy_input.read();
+            let ctx = SparseCtx { pipeline: p, stage: st_ref, meta, held, visits: log.as_ref(), layer: a.layer, states, policy_input: input.as_deref(), policy_data: e.policy_data };
             c.add(&sparse_forward(&io, &policy_seqs, &ctx, e.spin));
             if let (Some(log), Some(dst)) = (log, e.visits.lock().as_mut()) {
                 // Canonical form (sorted, adjacent spans merged), as the CUDA engine reports its plans.

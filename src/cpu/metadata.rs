@@ -106,7 +106,7 @@ impl LayerMeta {
             let pos = pos - pos % bs + off;
             bail!(
                 InvalidArgument,
-                "{what} needs key metadata for position {pos} (block {b}, offset {off}), but that slot was never written through kvs_cache_write; write the cache through kvsparse when a policy uses quest or top_p"
+                "{what} needs key metadata for position {pos} (block {b}, offset {off}), but that slot was never written through kvs_cache_write; a policy that reads key metadata needs every cache write to go through kvsparse"
             );
         }
         Ok(())

@@ -25,9 +25,9 @@ pub fn new(cfg: &EngineConfig, ordinal: i32, policy: &Policy) -> Result<CudaBack
 impl Backend for CudaBackend {
     fn forward(&self, env: &CallEnv, a: &ForwardArgs, cache: &KvCache) -> Result<(Counters, Counters)> {
         let (cfg, pipeline) = (env.cfg, env.pipeline);
-        // A loaded speculation budget table is CPU-only for now (PRR on the device reads the spec's budget).
-        if pipeline.is_some() && env.spec_budgets.read().is_some() {
-            env.policy.check_spec_budgets_on_device()?;
+        // A host-set policy input the device path does not read is refused (the selector says which).
+        if pipeline.is_some() && env.policy_input.read().is_some() {
+            env.policy.check_input_on_device()?;
         }
         // Host-known, so it fails at the call as on the CPU engine.
         ensure!(

@@ -193,7 +193,7 @@ mod tests {
         assert!(expand("#include <cuda.h>").is_err());
     }
 
-    /// The fields of each struct of params.cuh, in order: (name, C declaration type).
+    /// The fields of each struct of `text`, in order: (name, field names).
     fn c_structs(text: &str) -> Vec<(String, Vec<String>)> {
         let mut out = Vec::new();
         let mut cur: Option<(String, Vec<String>)> = None;
@@ -217,15 +217,50 @@ mod tests {
         out
     }
 
-    /// Every struct the host passes by value (kernels/include/params.cuh) has the size and the field
-    /// names, offsets and sizes of its Rust mirror: the header is compiled with the host C compiler (device
-    /// pointers and the host's are both 64-bit) and its offsetof values compared with offset_of!.
+    /// The text of each top-level `struct NAME { ... };` of `text`, by name.
+    fn struct_blocks(text: &str) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let mut cur: Option<(String, String)> = None;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("struct ").filter(|r| r.trim_end().ends_with('{')) {
+                cur = Some((rest.trim_end_matches('{').trim().to_string(), String::new()));
+            }
+            if let Some((_, body)) = cur.as_mut() {
+                body.push_str(line);
+                body.push('\n');
+                if line.starts_with("};") {
+                    out.push(cur.take().expect("struct open"));
+                }
+            }
+        }
+        out
+    }
+
+    /// Every struct the host passes by value has the size and the field names, offsets and sizes of its
+    /// Rust mirror: the shared ones (kernels/include/params.cuh, each of which must have a mirror) and a
+    /// policy's own, defined in its kernel file (kernels/policy/); the definitions are compiled with the
+    /// host C compiler (device pointers and the host's are both 64-bit) and their offsetof values compared
+    /// with offset_of!.
     #[test]
     fn kernel_param_structs_match_their_rust_mirrors() {
         let rust: Vec<CLayout> = [super::super::batch::c_layouts(), crate::policy::refresh::cuda::c_layouts(), crate::policy::predictor::cuda::c_layouts()].into_iter().flatten().collect();
-        let header = file("params.cuh").unwrap().lines().filter(|l| !l.starts_with("#pragma") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n");
+        let shared = file("params.cuh").unwrap().lines().filter(|l| !l.starts_with("#pragma") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n");
+        let shared_names: Vec<String> = c_structs(&shared).into_iter().map(|(n, _)| n).collect();
+        for name in &shared_names {
+            assert!(rust.iter().any(|r| &r.c_name == name), "params.cuh's struct {name} has no Rust mirror");
+        }
+        // Each mirror's C definition: in params.cuh or in exactly one other kernel file.
+        let mut header = shared.clone();
+        for r in &rust {
+            let defs: Vec<String> = FILES.iter().flat_map(|(_, text)| struct_blocks(text)).filter(|(n, _)| n == r.c_name).map(|(_, b)| b).collect();
+            assert_eq!(defs.len(), 1, "struct {} is defined {} times in the kernel files", r.c_name, defs.len());
+            if !shared_names.iter().any(|n| n == r.c_name) {
+                header.push('\n');
+                header.push_str(&defs[0]);
+            }
+        }
         let structs = c_structs(&header);
-        assert_eq!(structs.len(), rust.len(), "params.cuh has {} structs, Rust mirrors {}", structs.len(), rust.len());
+        assert_eq!(structs.len(), rust.len(), "{} C structs, Rust mirrors {}", structs.len(), rust.len());
         let mut prog = String::from("#include <stdio.h>\n#include <stddef.h>\ntypedef long long i64;\ntypedef unsigned short u16;\n");
         prog.push_str(&header);
         prog.push_str("\nint main(void) {\n");
@@ -242,13 +277,13 @@ mod tests {
         std::fs::write(&src, &prog).unwrap();
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
         let st = std::process::Command::new(&cc).arg("-x").arg("c").arg(&src).arg("-o").arg(&exe).status().unwrap_or_else(|e| panic!("{cc}: {e} (a C compiler is needed)"));
-        assert!(st.success(), "{cc} failed on params.cuh:\n{prog}");
+        assert!(st.success(), "{cc} failed on the parameter structs:\n{prog}");
         let out = String::from_utf8(std::process::Command::new(&exe).output().unwrap().stdout).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         // "Name size" and "Name.field offset size" lines.
         let c: std::collections::HashMap<&str, Vec<usize>> = out.lines().map(|l| l.split_once(' ').unwrap()).map(|(k, v)| (k, v.split(' ').map(|x| x.parse().unwrap()).collect())).collect();
         for r in &rust {
-            let (_, fields) = structs.iter().find(|(n, _)| n == r.c_name).unwrap_or_else(|| panic!("params.cuh has no struct {}", r.c_name));
+            let (_, fields) = structs.iter().find(|(n, _)| n == r.c_name).unwrap_or_else(|| panic!("no C struct {}", r.c_name));
             let names: Vec<&str> = r.fields.iter().map(|(n, _, _)| *n).collect();
             assert_eq!(fields.iter().map(String::as_str).collect::<Vec<_>>(), names, "{}: C fields vs Rust fields", r.c_name);
             assert_eq!(c[r.c_name], [r.size], "sizeof({})", r.c_name);

@@ -1,8 +1,8 @@
 //! What the CUDA backend asks of the parsed policy at the engine's creation and calls: whether it runs it,
-//! and whether a loaded speculation table applies. (The device state a policy keeps is made by the
+//! and whether a host-set policy input (`PolicyInput`) applies. (The device state a policy keeps is made by the
 //! registry, `Policy::cuda_device`.)
 
-use super::{Policy, Selector};
+use super::Policy;
 use crate::error::Result;
 
 impl Policy {
@@ -14,14 +14,11 @@ impl Policy {
         }
     }
 
-    /// Refuses a loaded speculation budget table on the CUDA backend: PRR there reads the spec's constant
-    /// `budget` (the table is CPU-only for now).
-    pub fn check_spec_budgets_on_device(&self) -> Result<()> {
-        crate::ensure!(
-            !matches!(self.pipeline().map(|p| &p.selector), Some(Selector::Speculate(_))),
-            Unsupported,
-            "a speculation budget table (set_speculation_budgets) is not supported by the CUDA backend; PRR there uses the spec's `budget`"
-        );
-        Ok(())
+    /// Refuses a host-set policy input on the CUDA backend where the selector reads it on the CPU only.
+    pub fn check_input_on_device(&self) -> Result<()> {
+        match self.pipeline().map(|p| p.selector.kind().device_input()) {
+            Some(Err(why)) => Err(crate::error::Error::new(crate::error::ErrorKind::Unsupported, why)),
+            _ => Ok(()),
+        }
     }
 }

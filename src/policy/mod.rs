@@ -10,6 +10,7 @@
 
 pub mod art;
 pub mod device;
+mod kind;
 pub mod plan;
 pub mod predictor;
 pub mod quest;
@@ -22,13 +23,17 @@ pub mod speculate;
 pub mod streaming;
 pub mod top_p;
 
+use std::any::Any;
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use crate::meta::MetaNeeds;
 use crate::error::Result;
 pub use plan::HeadPlan;
 pub use spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
+
+/// What the caller set for the policy at run time, for its stages to read (`kvs_engine_set_speculation_budgets`:
+/// PRR's budget table); its type is the policy's.
+pub type PolicyInput = std::sync::Arc<dyn std::any::Any + Send + Sync>;
 
 /// A parsed policy spec. The empty spec and `dense` mean dense attention everywhere.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,7 +67,7 @@ impl Policy {
 
     /// True when the pipeline keeps per-sequence state (so forward calls must pass seq_ids).
     pub fn is_stateful(&self) -> bool {
-        matches!(self.pipeline(), Some(Pipeline { selector: Selector::SnapKv { .. } | Selector::Speculate(_) | Selector::Refresh(_) | Selector::Predictor(_), .. }))
+        self.pipeline().is_some_and(|p| p.selector.kind().stateful())
     }
 
     /// Number of stages of the pipeline (selector, then top-p and ART when present); 0 = dense.
@@ -79,118 +84,123 @@ impl Policy {
     pub fn graph_capturable(&self) -> bool {
         match self.pipeline() {
             None => true,
-            Some(p) => matches!(p.selector, Selector::All | Selector::Streaming { .. } | Selector::Quest { .. }),
+            Some(p) => p.selector.kind().graph_capturable(),
         }
     }
 
     /// Key metadata the cache writes must maintain.
     pub fn meta_needs(&self) -> MetaNeeds {
-        match self.pipeline() {
-            None => MetaNeeds::default(),
-            Some(p) => MetaNeeds {
-                quest_page: match p.selector {
-                    Selector::Quest { page, .. } => Some(page),
-                    Selector::Speculate(s) => Some(s.page),
-                    _ => None,
-                },
-                int4: p.top_p.is_some(),
-                snap_keep: false,
-            },
+        let mut needs = MetaNeeds::default();
+        if let Some(p) = self.pipeline() {
+            p.selector.kind().meta_needs(&mut needs);
+            needs.int4 = p.top_p.is_some();
         }
+        needs
     }
 
     /// The size of a CUDA engine's per-sequence state slot map (`max_seqs`), for the policies whose device
     /// state belongs to a sequence rather than to cache blocks; None for the others.
     pub fn device_slots(&self) -> Option<usize> {
-        matches!(self.pipeline(), Some(Pipeline { selector: Selector::Refresh(_) | Selector::Predictor(_), .. })).then_some(self.spec.max_seqs)
+        self.pipeline().is_some_and(|p| p.selector.kind().per_sequence_device_state()).then_some(self.spec.max_seqs)
     }
 
-    /// Key metadata a CUDA engine's cache writes maintain: the CPU's, plus SnapKV's kept-slot bits (on
-    /// the device SnapKV's choice lives with the cache blocks, kernels/snapkv.cu).
+    /// Key metadata a CUDA engine's cache writes maintain: the CPU's, plus what a selector keeps with the
+    /// cache blocks on the device only.
     pub fn device_meta_needs(&self) -> MetaNeeds {
         let mut n = self.meta_needs();
-        n.snap_keep = matches!(self.pipeline(), Some(Pipeline { selector: Selector::SnapKv { .. }, .. }));
+        if let Some(p) = self.pipeline() {
+            p.selector.kind().device_meta_needs(&mut n);
+        }
         n
     }
 }
 
-impl Policy {
-    /// AttentionPredictor's CNN for a `predictor` pipeline: the spec's `weights` file, else the built-in
-    /// weights; None for other policies.
-    pub fn predictor_weights(&self) -> Result<Option<Arc<predictor::PredictorWeights>>> {
-        Ok(match self.pipeline().map(|p| &p.selector) {
-            Some(Selector::Predictor(_)) => Some(Arc::new(match &self.spec.predictor_weights {
-                Some(path) => predictor::PredictorWeights::from_file(path)?,
-                None => predictor::PredictorWeights::builtin()?.clone(),
-            })),
-            _ => None,
-        })
-    }
+/// A stateful selector's state of one (sequence, layer, KV head), or of one (sequence, layer): the
+/// policy's own type, held here behind this trait so the sequence registry keeps, counts and frees it
+/// without naming the policy.
+pub trait PolicyState: Any + Send + Sync {
+    /// Bytes held (the engine's state cap counts them).
+    fn bytes(&self) -> usize;
 }
 
-/// SnapKV's choice for one (sequence, layer, KV head), made at the sequence's last prefill chunk.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SnapSelection {
-    /// Sequence length when the choice was made; positions from here on (generated tokens) are all kept.
-    pub prefill_len: usize,
-    /// Sorted kept positions `< prefill_len` (the chosen prefix positions and the observation window).
-    pub keep: Vec<u32>,
-    /// The pooled score of each kept position (ART's priority); +inf for the observation window.
-    pub score: Vec<f32>,
-}
-
-/// State of one (sequence, layer, KV head).
-#[derive(Clone, Debug, Default)]
+/// State of one (sequence, layer, KV head): the selector's, when it keeps one.
+#[derive(Default)]
 pub struct HeadState {
-    pub snapkv: Option<Arc<SnapSelection>>,
-    /// PRR: Holt predictor per page and the previous true set.
-    pub prr: Option<Box<speculate::PrrHead>>,
-    /// RefreshKV: the partial token set.
-    pub refresh: Option<Box<refresh::RefreshHead>>,
-    /// AttentionPredictor: the block-attention history.
-    pub predictor: Option<Box<predictor::PredictorHead>>,
+    own: Option<Box<dyn PolicyState>>,
 }
 
 impl HeadState {
     pub fn bytes(&self) -> usize {
-        self.snapkv.as_ref().map_or(0, |s| std::mem::size_of::<SnapSelection>() + s.keep.capacity() * 4)
-            + self.prr.as_ref().map_or(0, |s| s.bytes())
-            + self.refresh.as_ref().map_or(0, |s| s.bytes())
-            + self.predictor.as_ref().map_or(0, |s| s.bytes())
+        self.own.as_ref().map_or(0, |s| s.bytes())
     }
 
     /// Number of policy state objects held (for lifecycle accounting).
     pub fn objects(&self) -> usize {
-        self.snapkv.is_some() as usize + self.prr.is_some() as usize + self.refresh.is_some() as usize + self.predictor.is_some() as usize
+        self.own.is_some() as usize
+    }
+
+    /// The state, when it is a `T`.
+    pub fn get<T: PolicyState>(&self) -> Option<&T> {
+        let own: &dyn Any = self.own.as_deref()?;
+        own.downcast_ref()
+    }
+
+    /// Takes the state out when it is a `T` (a stage updates it outside the sequence's lock).
+    pub fn take<T: PolicyState>(&mut self) -> Option<Box<T>> {
+        if self.get::<T>().is_none() {
+            return None;
+        }
+        let own: Box<dyn Any> = self.own.take()?;
+        own.downcast().ok()
+    }
+
+    /// Replaces the state.
+    pub fn put<T: PolicyState>(&mut self, state: Box<T>) {
+        self.own = Some(state);
     }
 }
 
-/// Per-sequence policy state: per layer, one [`HeadState`] per KV head, plus RefreshKV's layer-level
-/// schedule.
+/// Per-sequence policy state: per layer, one [`HeadState`] per KV head, plus a selector's per-layer state
+/// (RefreshKV's schedule).
 #[derive(Default)]
 pub struct SequencePolicyState {
     pub layers: HashMap<usize, Vec<HeadState>>,
-    pub refresh_layers: HashMap<usize, refresh::RefreshLayer>,
+    layer_states: HashMap<usize, Box<dyn PolicyState>>,
 }
 
 impl SequencePolicyState {
     pub fn bytes(&self) -> usize {
         self.layers.values().flat_map(|v| v.iter()).map(|h| h.bytes() + std::mem::size_of::<HeadState>()).sum::<usize>()
-            + self.refresh_layers.values().map(|l| l.bytes()).sum::<usize>()
+            + self.layer_states.values().map(|l| l.bytes()).sum::<usize>()
     }
 
     /// Number of policy state objects (per-head states and layer schedules) held.
     pub fn objects(&self) -> usize {
-        self.layers.values().flat_map(|v| v.iter()).map(|h| h.objects()).sum::<usize>() + self.refresh_layers.len()
+        self.layers.values().flat_map(|v| v.iter()).map(|h| h.objects()).sum::<usize>() + self.layer_states.len()
     }
 
     /// The state of (layer, head), created empty for `num_kv_heads` heads on first use.
     pub fn head_mut(&mut self, layer: usize, head: usize, num_kv_heads: usize) -> &mut HeadState {
-        let v = self.layers.entry(layer).or_insert_with(|| vec![HeadState::default(); num_kv_heads]);
+        let v = self.layers.entry(layer).or_insert_with(|| (0..num_kv_heads).map(|_| HeadState::default()).collect());
         &mut v[head]
     }
 
     pub fn head(&self, layer: usize, head: usize) -> Option<&HeadState> {
         self.layers.get(&layer).and_then(|v| v.get(head))
+    }
+
+    /// The selector's state of `layer`, created by `T::default()` on first use (or when it held another type).
+    pub fn layer_mut<T: PolicyState + Default>(&mut self, layer: usize) -> &mut T {
+        let slot = self.layer_states.entry(layer).or_insert_with(|| Box::new(T::default()));
+        if !(&**slot as &dyn Any).is::<T>() {
+            *slot = Box::new(T::default());
+        }
+        let own: &mut dyn Any = &mut **slot;
+        own.downcast_mut().expect("the state was just made a T")
+    }
+
+    /// Replaces the selector's state of `layer`.
+    pub fn set_layer<T: PolicyState>(&mut self, layer: usize, state: T) {
+        self.layer_states.insert(layer, Box::new(state));
     }
 }

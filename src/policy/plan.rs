@@ -70,20 +70,12 @@ pub fn plan_unit_log2(p: &Pipeline, block_size: usize) -> u32 {
     if p.top_p.is_some() {
         return 0;
     }
-    match p.selector {
-        Selector::All => block_size.trailing_zeros(),
-        Selector::Quest { page, .. } => page.trailing_zeros(),
-        _ => 0,
-    }
+    p.selector.kind().unit_log2(block_size)
 }
 
 /// Granularity of the *base selector's* plan (what top-p, when present, prunes).
 pub fn selector_unit_log2(sel: &Selector, block_size: usize) -> u32 {
-    match *sel {
-        Selector::All => block_size.trailing_zeros(),
-        Selector::Quest { page, .. } => page.trailing_zeros(),
-        _ => 0,
-    }
+    sel.kind().unit_log2(block_size)
 }
 
 /// Most entries the base selector's plan of a row can hold, for rows of at most `max_len` positions
@@ -92,13 +84,7 @@ pub fn selector_unit_log2(sel: &Selector, block_size: usize) -> u32 {
 pub fn selector_capacity(sel: &Selector, block_size: usize, max_len: usize) -> usize {
     let unit = 1usize << selector_unit_log2(sel, block_size);
     let cover = max_len.div_ceil(unit) + 1;
-    let budget = match *sel {
-        // the budget's pages, the sink pages and the decode token's page
-        Selector::Quest { budget, page, sink } => budget.div_ceil(page).max(1) + sink.div_ceil(page) + 1,
-        Selector::Streaming { sink, recent } => sink.saturating_add(recent),
-        _ => cover,
-    };
-    budget.min(cover)
+    sel.kind().budget_entries().unwrap_or(cover).min(cover)
 }
 
 /// Most entries a row's final plan can hold (top-p keeps a subset of its candidates' tokens).
@@ -115,7 +101,7 @@ pub fn plan_capacity(p: &Pipeline, block_size: usize, max_len: usize) -> usize {
 /// A call's plans on the device as (entries per row, unit_log2, one plan shared by every KV head): the
 /// selector's and the final ones (after top-p), for rows of at most `max_len` positions.
 pub fn device_plan_shapes(p: &Pipeline, block_size: usize, max_len: usize) -> [(usize, u32, bool); 2] {
-    let shared = matches!(p.selector, Selector::All | Selector::Streaming { .. });
+    let shared = p.selector.kind().shared_plan();
     [
         (selector_capacity(&p.selector, block_size, max_len).max(1), selector_unit_log2(&p.selector, block_size), shared),
         (plan_capacity(p, block_size, max_len).max(1), plan_unit_log2(p, block_size), shared && p.top_p.is_none()),
@@ -152,18 +138,5 @@ mod tests {
         assert_eq!(t.entries, vec![0, 1, 2, 9]);
         t.spans(1, 100, &mut s);
         assert_eq!(s, vec![(1, 3), (9, 10)]);
-    }
-
-    #[test]
-    fn capacity_bounds_every_selector() {
-        let q = Pipeline { selector: Selector::Quest { budget: 100, page: 16, sink: 16 }, top_p: None, art: None };
-        assert_eq!(plan_capacity(&q, 16, 100_000), 7 + 1 + 1);
-        assert_eq!(plan_capacity(&q, 16, 40), 4, "never more than the entries covering the row");
-        let s = Pipeline { selector: Selector::Streaming { sink: 4, recent: 64 }, top_p: None, art: None };
-        assert_eq!(plan_capacity(&s, 16, 1000), 68);
-        let t = Pipeline { selector: Selector::Quest { budget: 64, page: 16, sink: 0 }, top_p: Some(crate::policy::TopP { p: 0.9 }), art: None };
-        assert_eq!(plan_capacity(&t, 16, 100_000), (4 + 0 + 1) * 16);
-        assert_eq!(plan_unit_log2(&t, 16), 0);
-        assert_eq!(plan_unit_log2(&q, 16), 4);
     }
 }

@@ -3,6 +3,7 @@
 //! nothing outside src/policy matches on a policy's name.
 
 use super::spec::{self, Role, Spec, StageDef};
+use super::kind::SelectorKind;
 use super::{Pipeline, Policy, Selector};
 use crate::config::EngineConfig;
 use crate::cpu::sparse::CpuStage;
@@ -31,13 +32,30 @@ impl Spec {
     }
 }
 
-/// `all`: every visible position (the stage's defaults).
+/// `all`: every visible position (the stage's defaults): one plan of whole cache blocks for every head.
 struct All;
 impl CpuStage for All {}
+impl SelectorKind for All {
+    fn graph_capturable(&self) -> bool {
+        true
+    }
+
+    fn unit_log2(&self, block_size: usize) -> u32 {
+        block_size.trailing_zeros()
+    }
+
+    fn shared_plan(&self) -> bool {
+        true
+    }
+}
+
+/// A selector's value: its CPU stage, and its answers to the shared code.
+trait SelectorValue: CpuStage + SelectorKind {}
+impl<T: CpuStage + SelectorKind> SelectorValue for T {}
 
 impl Selector {
-    /// This selector as a CPU stage (one small value per forward call).
-    pub(crate) fn cpu(&self) -> Box<dyn CpuStage + '_> {
+    /// The selector's value (one small value per use), made in its folder's types.
+    fn value(&self) -> Box<dyn SelectorValue> {
         match *self {
             Selector::All => Box::new(All),
             Selector::Streaming { sink, recent } => Box::new(super::streaming::cpu::Streaming { sink, recent }),
@@ -47,6 +65,16 @@ impl Selector {
             Selector::Refresh(r) => Box::new(r),
             Selector::Predictor(p) => Box::new(p),
         }
+    }
+
+    /// What the shared code asks of this selector, answered in its folder ([`SelectorKind`]).
+    pub(crate) fn kind(&self) -> Box<dyn SelectorKind> {
+        self.value()
+    }
+
+    /// This selector as a CPU stage (one small value per forward call).
+    pub(crate) fn cpu(&self) -> Box<dyn CpuStage + '_> {
+        self.value()
     }
 }
 
@@ -93,6 +121,15 @@ impl Pipeline {
 }
 
 impl Policy {
+    /// What a new CPU engine loads for this policy's life and hands every call (`SparseCtx::policy_data`):
+    /// the predictor's weights; None for the others.
+    pub(crate) fn cpu_data(&self) -> Result<Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>> {
+        Ok(match self.pipeline().map(|p| &p.selector) {
+            Some(Selector::Predictor(_)) => Some(super::predictor::PredictorWeights::for_spec(&self.spec)?),
+            _ => None,
+        })
+    }
+
     /// The device state a new CUDA engine keeps for this policy's life (PRR's block-keyed state and side
     /// streams, RefreshKV's per-layer state, the predictor's weights and history); None for the others.
     pub(crate) fn cuda_device(&self, cfg: &EngineConfig) -> Result<Option<Box<dyn PolicyDevice>>> {
@@ -103,10 +140,10 @@ impl Policy {
                 Some(Box::new(d))
             }
             Some(Selector::Refresh(_)) => Some(Box::new(super::refresh::cuda::RefreshDevice::new(cfg.num_layers)?)),
-            Some(Selector::Predictor(ps)) => match self.predictor_weights()? {
-                Some(w) => Some(Box::new(super::predictor::cuda::PredictorDev::upload(&w, *ps, cfg.num_layers, cfg.num_kv_heads, self.spec.max_seqs)?)),
-                None => None,
-            },
+            Some(Selector::Predictor(ps)) => {
+                let w = super::predictor::PredictorWeights::for_spec(&self.spec)?;
+                Some(Box::new(super::predictor::cuda::PredictorDev::upload(&w, *ps, cfg.num_layers, cfg.num_kv_heads, self.spec.max_seqs)?))
+            }
             _ => None,
         })
     }
@@ -262,5 +299,18 @@ mod tests {
             }
         }
         assert!(cases > 1000);
+    }
+
+    #[test]
+    fn capacity_bounds_every_selector() {
+        let q = Pipeline { selector: Selector::Quest { budget: 100, page: 16, sink: 16 }, top_p: None, art: None };
+        assert_eq!(plan_capacity(&q, 16, 100_000), 7 + 1 + 1);
+        assert_eq!(plan_capacity(&q, 16, 40), 4, "never more than the entries covering the row");
+        let s = Pipeline { selector: Selector::Streaming { sink: 4, recent: 64 }, top_p: None, art: None };
+        assert_eq!(plan_capacity(&s, 16, 1000), 68);
+        let t = Pipeline { selector: Selector::Quest { budget: 64, page: 16, sink: 0 }, top_p: Some(crate::policy::TopP { p: 0.9 }), art: None };
+        assert_eq!(plan_capacity(&t, 16, 100_000), (4 + 0 + 1) * 16);
+        assert_eq!(plan_unit_log2(&t, 16), 0);
+        assert_eq!(plan_unit_log2(&q, 16), 4);
     }
 }

@@ -98,63 +98,6 @@ pub fn all(plan: &mut HeadPlan, lo: usize, hi: usize, block_size: usize) {
     plan.entries.extend((lo / block_size) as u32..=(hi / block_size) as u32);
 }
 
-/// `streaming(sink, recent)`: the first `sink` and the last `recent` visible positions, as a token plan
-/// in increasing position order.
-pub fn streaming(plan: &mut HeadPlan, lo: usize, hi: usize, sink: usize, recent: usize) {
-    let mut spans = vec![(lo, sink.min(hi + 1).max(lo)), ((hi + 1).saturating_sub(recent).max(lo), hi + 1)];
-    normalize_spans(&mut spans);
-    plan.set_tokens_from_spans(&spans);
-}
-
-/// `quest(budget, page, sink)`: keeps the page holding the decode token (the last page offered) and the
-/// pages holding the first `sink` positions, plus the best other pages up to `ceil(budget / page)` pages
-/// in all (ties: the more recent page; the forced pages are kept even when they alone exceed the budget).
-/// The last page is kept unconditionally, as Quest implementations do: it holds the row's own key and the
-/// tokens just generated, and on real traces its bound alone often ranks it out. The sink pages are
-/// optional (`sink=0`, the paper's rule, by default): a sink page's tight min/max bound ranks below the
-/// loose bounds of ordinary pages exactly when it holds most of the attention (docs/quality.md).
-/// `page_scores[p]` is the bound of page `p` (positions `p*page .. (p+1)*page`); pages outside `lo..=hi`
-/// must not be offered. Returns the kept page indices in increasing order.
-pub fn quest_pages(page_scores: &[f32], first_page: usize, budget: usize, page: usize, sink: usize) -> Vec<usize> {
-    let k = budget.div_ceil(page).max(1);
-    let n = page_scores.len();
-    if n <= k {
-        return (first_page..first_page + n).collect();
-    }
-    let last = n - 1;
-    // Offered pages (relative indices) below the sink limit, other than the last page.
-    let forced = sink.div_ceil(page).saturating_sub(first_page).min(last);
-    let mut idx: Vec<usize> = (forced..last).collect();
-    let m = k.saturating_sub(1 + forced).min(idx.len());
-    if m > 0 {
-        // Highest score first. A NaN bound (a NaN or infinity in the query or among the page's keys) ranks
-        // first, so a poisoned key is attended (and its row comes out NaN) instead of skipped by chance.
-        let key = |p: usize| if page_scores[p].is_nan() { f32::INFINITY } else { page_scores[p] };
-        idx.select_nth_unstable_by(m - 1, |&a, &b| key(b).total_cmp(&key(a)).then(b.cmp(&a)));
-    }
-    idx.truncate(m);
-    idx.extend(0..forced);
-    idx.push(last);
-    idx.sort_unstable();
-    idx.into_iter().map(|i| i + first_page).collect()
-}
-
-/// Quest's plan: the kept pages (increasing), at page granularity.
-pub fn quest(plan: &mut HeadPlan, kept_pages: &[usize], page: usize) {
-    plan.clear(page.trailing_zeros());
-    plan.entries.extend(kept_pages.iter().map(|&p| p as u32));
-}
-
-/// The priority of logical block `blk` under Quest (ART's `order=priority`): its page's bound, or with
-/// several pages per block the best kept one.
-pub fn quest_block_score(blk: usize, kept_pages: &[usize], page_scores: &[f32], first_page: usize, page: usize, block_size: usize) -> f32 {
-    if page >= block_size {
-        page_scores[(blk * block_size) / page - first_page]
-    } else {
-        kept_pages.iter().filter(|&&q| q * page / block_size == blk).map(|&q| page_scores[q - first_page]).fold(f32::NEG_INFINITY, f32::max)
-    }
-}
-
 /// SnapKV: 1-D max pooling of `scores` with a centred window of `pool` (odd) positions.
 pub fn max_pool(scores: &[f32], pool: usize) -> Vec<f32> {
     let r = pool / 2;
@@ -196,45 +139,7 @@ mod tests {
         assert_eq!(c.units.len(), 2);
     }
 
-    #[test]
-    fn streaming_covers_everything_when_window_is_long() {
-        let mut p = HeadPlan::default();
-        streaming(&mut p, 0, 99, 4, 200);
-        assert_eq!(p.entries, (0..100).collect::<Vec<u32>>());
-        streaming(&mut p, 0, 99, 4, 10);
-        let mut c = Candidates::default();
-        c.from_plan(&p, 0, 99, 16, 4, |_| f32::NAN, &mut Vec::new());
-        assert_eq!(c.spans, vec![(0, 4), (90, 96), (96, 100)]);
-        all(&mut p, 5, 40, 16);
-        assert_eq!((p.unit_log2, p.entries.clone()), (4, vec![0, 1, 2]));
-    }
 
-    #[test]
-    fn quest_keeps_the_best_pages() {
-        // Budget of two pages: the last page (the decode token's) plus the best other one.
-        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, 4.0], 0, 32, 16, 0), vec![1, 3]);
-        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, -9.0], 0, 32, 16, 0), vec![1, 3]);
-        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, -9.0, 2.0], 10, 48, 16, 0), vec![11, 12, 14]);
-        // Budget of one page: only the last page.
-        assert_eq!(quest_pages(&[7.0, 5.0, 3.0], 0, 16, 16, 0), vec![2]);
-        assert_eq!(quest_pages(&[1.0, 2.0], 0, 1000, 16, 0), vec![0, 1]);
-    }
-
-    #[test]
-    fn quest_sink_pages_are_kept_within_the_budget() {
-        // sink=16 tokens = page 0, kept though its score is the lowest; it takes one of the 3 pages.
-        assert_eq!(quest_pages(&[-5.0, 5.0, 3.0, 4.0, 1.0], 0, 48, 16, 16), vec![0, 1, 4]);
-        // sink=17 reaches into page 1: pages 0 and 1 forced, plus the last; nothing else fits.
-        assert_eq!(quest_pages(&[-5.0, -4.0, 3.0, 4.0, 1.0], 0, 48, 16, 17), vec![0, 1, 4]);
-        // Forced pages past the budget are still kept (sink and last page are unconditional).
-        assert_eq!(quest_pages(&[-5.0, -4.0, 3.0, 4.0, 1.0], 0, 16, 16, 32), vec![0, 1, 4]);
-        // A sliding window that starts past the sink pages forces nothing (pages 10.. offered).
-        assert_eq!(quest_pages(&[1.0, 5.0, 3.0, -9.0, 2.0], 10, 48, 16, 64), vec![11, 12, 14]);
-        // Window starting at page 2 with sink reaching page 3: page 2 and 3 forced (relative 0 and 1).
-        assert_eq!(quest_pages(&[1.0, 0.5, 9.0, 8.0, 2.0], 2, 64, 16, 64), vec![2, 3, 4, 6]);
-        // sink=0 is the paper's rule.
-        assert_eq!(quest_pages(&[-5.0, 5.0, 3.0, 4.0, 1.0], 0, 48, 16, 0), vec![1, 3, 4]);
-    }
 
     #[test]
     fn pooling_and_top_k() {

@@ -9,10 +9,6 @@
 mod scoring;
 mod stage;
 
-pub use crate::policy::predictor::cpu::{history_row, predictor_seed};
-pub use crate::policy::refresh::cpu::{mean_query, refresh_seed, refresh_weights};
-pub use crate::policy::speculate::cpu::prr_calibrate;
-pub use crate::policy::speculate::{calib_rows, CALIB_ROWS};
 pub(crate) use stage::{CpuStage, PrefillCx, SelectCx};
 pub use scoring::{estimate_weights, quest_bound, quest_page_scores, token_weights, weights_at};
 
@@ -27,15 +23,15 @@ pub(crate) use super::metadata::LayerMeta;
 pub(crate) use super::quantize::code_bytes;
 pub(crate) use super::spin_pool::SpinPool;
 pub(crate) use super::convert::load_cache_row;
-pub(crate) use crate::policy::select::{self, max_pool, normalize_spans, Candidates};
-pub(crate) use crate::policy::speculate::{self, HoltParams, PrrHead, SpecBudgetTable, TrajStep, DEFAULT_PARAMS};
+pub(crate) use crate::policy::select::{max_pool, normalize_spans, Candidates};
 pub(crate) use crate::policy::art::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};
 pub(crate) use crate::policy::Probe;
-pub(crate) use crate::policy::predictor::{self, PredictorHead, PredictorWeights};
-pub(crate) use crate::policy::refresh::RefreshHead;
-pub(crate) use crate::policy::{top_p, HeadPlan, Pipeline, PredictorSpec, Refresh, SnapSelection, Speculate};
+pub(crate) use crate::policy::{top_p, HeadPlan, Pipeline};
 pub(crate) use crate::sequences::SequenceState;
 pub(crate) use crate::stats::{Counters, VisitRecord};
+
+/// A decode row's read-only share of its (sequence, layer, head) state (`CpuStage::held`).
+pub(crate) type Held = Arc<dyn std::any::Any + Send + Sync>;
 
 /// Per-sequence state handles of the decode sequences (same order as `seqs`).
 pub type SeqStates = Vec<Option<Arc<parking_lot::Mutex<SequenceState>>>>;
@@ -47,18 +43,18 @@ pub struct SparseCtx<'a> {
     pub(crate) stage: &'a dyn CpuStage,
     /// Layer metadata (Quest min/max, INT4 K), present when the pipeline needs it.
     pub meta: Option<&'a LayerMeta>,
-    /// SnapKV choices per decode sequence (same order as `seqs`), one entry per KV head.
-    pub snap: Vec<Vec<Option<Arc<SnapSelection>>>>,
+    /// The stage's `held` state per decode sequence (same order as `seqs`), one entry per KV head.
+    pub(crate) held: Vec<Vec<Option<Held>>>,
     /// When set, each policy row appends the spans it attended (evaluation only; off when serving).
     pub visits: Option<&'a std::sync::Mutex<Vec<VisitRecord>>>,
     /// The engine layer of this call (stateful policies key their state by it).
     pub layer: usize,
     /// Per-sequence state of each decode sequence (stateful policies; empty otherwise).
     pub states: SeqStates,
-    /// PRR's speculation budget table, when the engine loaded one (else the spec's constant).
-    pub spec_budgets: Option<&'a SpecBudgetTable>,
-    /// AttentionPredictor's weights (present for a `predictor` pipeline).
-    pub predictor: Option<&'a PredictorWeights>,
+    /// What the caller set for the policy at run time (`Engine::set_policy_input`).
+    pub policy_input: Option<&'a (dyn std::any::Any + Send + Sync)>,
+    /// What the policy loaded for the engine's life (`Policy::cpu_data`: the predictor's weights).
+    pub policy_data: Option<&'a (dyn std::any::Any + Send + Sync)>,
 }
 
 /// One KV head's work inside an item: its query rows, candidates, accumulators and traversal state.
@@ -132,7 +128,7 @@ pub fn sparse_forward(io: &ForwardIo, seqs: &[usize], ctx: &SparseCtx, pool: &Sp
     let mut pre = Counters::default();
     let decided: Vec<bool> = seqs.iter().enumerate().map(|(i, &s)| ctx.stage.decide_sequence(io, s, ctx, i, &mut pre)).collect();
     let run = |sc: &mut Scratch, &(i, h0, h1): &(usize, usize, usize)| -> Counters {
-        ctx.stage.run_item(io, seqs[i], i, h0..h1, decided[i], ctx, sc).unwrap_or_else(|| run_item(io, seqs[i], h0..h1, ctx.snap.get(i), ctx, sc))
+        ctx.stage.run_item(io, seqs[i], i, h0..h1, decided[i], ctx, sc).unwrap_or_else(|| run_item(io, seqs[i], h0..h1, ctx.held.get(i), ctx, sc))
     };
     if items.len() <= 1 || threads <= 1 {
         let mut sc = Scratch::default();
@@ -231,7 +227,7 @@ pub(crate) fn span_tokens(spans: &[(usize, usize)]) -> usize {
     spans.iter().map(|(a, b)| b - a).sum()
 }
 
-pub(crate) fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, snap: Option<&Vec<Option<Arc<SnapSelection>>>>, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
+pub(crate) fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, held: Option<&Vec<Option<Held>>>, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
     let cache = io.cache;
     let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
     let sd = &io.batch.seqs[s];
@@ -244,8 +240,8 @@ pub(crate) fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, 
     hws.resize_with(nh, HeadWork::default);
     for (hw, head) in hws.iter_mut().zip(heads.clone()) {
         hw.head = head;
-        let sel = snap.and_then(|v| v[head].clone());
-        c.add(&prepare_head(io, s, lim, blocks, sel, ctx, hw, sc));
+        let own = held.and_then(|v| v[head].as_ref());
+        c.add(&prepare_head(io, s, lim, blocks, own, ctx, hw, sc));
     }
     let kv_of = |head: usize| SeqKv { cache, blocks, head };
     let softcap = io.params.softcap;
@@ -414,7 +410,7 @@ pub(crate) fn art_visited(hw: &HeadWork) -> impl Iterator<Item = &(usize, usize)
 /// Select and prune for one KV head; leaves the candidates (and, under ART, the visiting order) in `hw`.
 /// Returns the counters of these stages (metadata bytes read, top-p counts, eligible blocks).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], snap: Option<Arc<SnapSelection>>, ctx: &SparseCtx, hw: &mut HeadWork, sc: &mut Scratch) -> Counters {
+pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], held: Option<&Held>, ctx: &SparseCtx, hw: &mut HeadWork, sc: &mut Scratch) -> Counters {
     let cache = io.cache;
     let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
     let sd = &io.batch.seqs[s];
@@ -439,7 +435,7 @@ pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u
     // 1. Select: the selector writes the row's plan; the candidates are built from it. ART's priority of
     // each plan entry goes to `entry_score` (left empty when the selector has none).
     hw.entry_score.clear();
-    let cx = SelectCx { io, lim, blocks, snap: snap.as_ref(), ctx };
+    let cx = SelectCx { io, lim, blocks, held, ctx };
     let (sink_limit, bytes, built) = ctx.stage.select(&cx, hw, sc);
     meta_bytes += bytes;
     if !built {

@@ -9,8 +9,7 @@ use crate::cpu::attention::RowLimits;
 use crate::cpu::forward::ForwardIo;
 use crate::cpu::metadata::LayerMeta;
 use crate::error::Result;
-use crate::policy::speculate::SpecBudgetTable;
-use crate::policy::{select, SnapSelection};
+use crate::policy::{select, HeadState};
 use crate::sequences::Registry;
 use crate::stats::Counters;
 
@@ -26,7 +25,8 @@ pub(crate) struct PrefillCx<'a> {
     pub calib_seqs: &'a [usize],
     /// The layer's key metadata, when the policy needs some.
     pub meta: Option<&'a LayerMeta>,
-    pub spec_budgets: Option<&'a SpecBudgetTable>,
+    /// What the caller set for the policy at run time (`Engine::set_policy_input`).
+    pub policy_input: Option<&'a (dyn std::any::Any + Send + Sync)>,
 }
 
 /// One KV head's selection on the pipeline's generic path.
@@ -35,8 +35,8 @@ pub(crate) struct SelectCx<'a> {
     /// The decode row's visible positions and its sequence's block-table row.
     pub lim: RowLimits,
     pub blocks: &'a [u32],
-    /// SnapKV's choice for this (sequence, layer, head), when one was made.
-    pub snap: Option<&'a std::sync::Arc<SnapSelection>>,
+    /// What the stage's `held` took from this (sequence, layer, head)'s state at the call's start.
+    pub held: Option<&'a super::Held>,
     pub ctx: &'a SparseCtx<'a>,
 }
 
@@ -62,6 +62,12 @@ pub(crate) trait CpuStage: Sync {
     /// the sequence's heads share (RefreshKV: a full or a partial step).
     fn decide_sequence(&self, _io: &ForwardIo, _s: usize, _ctx: &SparseCtx, _i: usize, _c: &mut Counters) -> bool {
         false
+    }
+
+    /// The part of a decode sequence's (layer, head) state the rows read, taken under the sequence's lock
+    /// at the call's start so that the rows read it without one (SnapKV's choice). Default: nothing.
+    fn held(&self, _hs: &HeadState) -> Option<super::Held> {
+        None
     }
 
     /// Runs one work item (decode sequence `s`, the `i`-th, KV heads `heads`) itself, for stages with their

@@ -10,6 +10,8 @@
 //! visited in, which lets the device spread a row over many CTAs.
 
 use crate::cpu::sparse::*;
+use crate::policy::predictor::{self, PredictorHead};
+use crate::policy::PredictorSpec;
 use crate::cpu::math::{decision_dot, decision_softcap, softmax_norm};
 
 /// AttentionPredictor's history seeded from a prefill chunk: the true block rows of the chunk's last
@@ -45,11 +47,11 @@ pub(crate) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
     let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
     let blocks = io.batch.blocks(s, cache.block_size);
     let state = state_of(ctx, i);
-    let weights = ctx.predictor.expect("the engine loads the predictor's weights with the policy");
+    let weights = ctx.policy_data.and_then(|d| d.downcast_ref::<predictor::PredictorWeights>()).expect("the engine loads the predictor's weights with the policy");
     let softcap = io.params.softcap;
     let n = lim.hi + 1;
     for_each_policy_head(io, s, heads, ctx, sc, |head, hw, kv, sc, c| {
-        let mut ph = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).predictor.take().unwrap_or_default();
+        let mut ph = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).take::<super::PredictorHead>().unwrap_or_default();
         ph.since_calib += 1;
         let no_history = ph.rows.is_empty();
         let calibrate = no_history || ph.since_calib >= ps.calib;
@@ -79,7 +81,7 @@ pub(crate) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         ph.push(history_row(io, &hw.q, g, &pos, blocks, head, n, ps.block, &mut sc.p_rows), ps.history);
         // K and V of the attended tokens, K again for the history row's weights.
         c.kv_bytes_read += ((n_tok * 2 + pos.len()) * d * cache.dtype.size_bytes()) as u64;
-        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).predictor = Some(ph);
+        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).put(ph);
         HeadVisit { read: spans, used: None }
     })
 }
@@ -132,7 +134,7 @@ impl CpuStage for PredictorSpec {
         let seeded: Vec<_> = cx.pool.install(|| items.par_iter().map(|&(s, h)| predictor_seed(io, s, h, self)).collect());
         for (&(s, h), ph) in items.iter().zip(seeded) {
             let st = cx.sequences.get_or_create(io.batch.seqs[s].seq_id);
-            st.lock().policy.head_mut(cx.layer, h, hk).predictor = Some(Box::new(ph));
+            st.lock().policy.head_mut(cx.layer, h, hk).put(Box::new(ph));
         }
         Ok(Counters::default())
     }

@@ -42,7 +42,7 @@ const MAX_C1: usize = 32;
 /// Static shared memory the conv kernel may use.
 const CONV_SMEM: usize = 47 * 1024;
 
-/// `PredState` of the kernels (kernels/include/params.cuh; a test compares the layouts).
+/// `PredState` of the kernels (kernels/policy/predictor.cu; a test compares the layouts).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct StateArg {
@@ -56,7 +56,7 @@ struct StateArg {
     pad: i32,
 }
 
-/// `PredSpec` of the kernels (kernels/include/params.cuh; a test compares the layouts).
+/// `PredSpec` of the kernels (kernels/policy/predictor.cu; a test compares the layouts).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct SpecArg {
@@ -68,7 +68,7 @@ struct SpecArg {
     pad: i32,
 }
 
-/// The layouts a test compares with kernels/include/params.cuh.
+/// The layouts a test compares with kernels/policy/predictor.cu.
 #[cfg(test)]
 pub(crate) fn c_layouts() -> Vec<crate::cuda::kernel_src::CLayout> {
     use crate::cuda::kernel_src::c_layout;

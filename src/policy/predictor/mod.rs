@@ -22,6 +22,7 @@ pub mod cuda;
 use super::spec::{Arg, Args, Parsed, PredictorSpec, Selector};
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use once_cell::sync::Lazy;
 
@@ -40,6 +41,12 @@ pub struct PredictorHead {
     pub conv_start: usize,
     pub conv_width: usize,
     pub pushed: usize,
+}
+
+impl super::PolicyState for PredictorHead {
+    fn bytes(&self) -> usize {
+        PredictorHead::bytes(self)
+    }
 }
 
 impl PredictorHead {
@@ -82,6 +89,14 @@ static BUILTIN: Lazy<std::result::Result<PredictorWeights, String>> =
 impl PredictorWeights {
     /// The weights shipped with the library (`src/policy/weights.safetensors`, trained on
     /// SmolLM2-135M traces).
+    /// The weights a `predictor` spec names (`weights="..."`), else the built-in ones.
+    pub(crate) fn for_spec(spec: &super::Spec) -> Result<Arc<PredictorWeights>> {
+        Ok(Arc::new(match &spec.predictor_weights {
+            Some(path) => PredictorWeights::from_file(path)?,
+            None => PredictorWeights::builtin()?.clone(),
+        }))
+    }
+
     pub fn builtin() -> Result<&'static PredictorWeights> {
         BUILTIN.as_ref().map_err(|m| Error::new(ErrorKind::Internal, format!("built-in predictor weights: {m}")))
     }
@@ -351,6 +366,16 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
     let local = a.int("local", Some(64), 1, "", |_| true)?;
     let weights = a.string("weights", "a non-empty \"path\" of a safetensors file")?;
     Ok(Parsed::Selector(Selector::Predictor(PredictorSpec { budget, block, history, calib, sink, local }), weights))
+}
+
+impl super::kind::SelectorKind for PredictorSpec {
+    fn stateful(&self) -> bool {
+        true
+    }
+
+    fn per_sequence_device_state(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

@@ -22,3 +22,23 @@ pub(crate) fn args(src: &str, raw: Vec<Arg>) -> Result<(usize, usize, usize)> {
     let sink = a.int("sink", Some(0), 0, "", |_| true)?;
     Ok((budget, page, sink))
 }
+
+impl super::kind::SelectorKind for cpu::Quest {
+    fn graph_capturable(&self) -> bool {
+        true
+    }
+
+    /// The min/max key bounds of every page.
+    fn meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
+        needs.quest_page = Some(self.page);
+    }
+
+    fn unit_log2(&self, _block_size: usize) -> u32 {
+        self.page.trailing_zeros()
+    }
+
+    /// The budget's pages, the sink pages and the decode token's page.
+    fn budget_entries(&self) -> Option<usize> {
+        Some(self.budget.div_ceil(self.page).max(1) + self.sink.div_ceil(self.page) + 1)
+    }
+}

@@ -2,6 +2,8 @@
 //! mean query and the decode row (moved from src/cpu/sparse/stateful.rs).
 
 use crate::cpu::sparse::*;
+use crate::policy::refresh::RefreshHead;
+use crate::policy::Refresh;
 
 /// RefreshKV's partial set initialised at a prefill chunk, as the paper's prefilling stage does: the
 /// attention of the chunk's last query row (softmax weights per query head, max over the GQA group,
@@ -93,7 +95,7 @@ pub(crate) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
     let state = state_of(ctx, i);
     let softcap = io.params.softcap;
     for_each_policy_head(io, s, heads, ctx, sc, |head, hw, kv, sc, c| {
-        let taken = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).refresh.take();
+        let taken = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).take::<crate::policy::refresh::RefreshHead>();
         let (mut rh, do_full) = match taken {
             Some(rh) if !full => (rh, false),
             other => (other.unwrap_or_default(), true),
@@ -122,7 +124,7 @@ pub(crate) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
             spans
         };
         c.kv_bytes_read += (span_tokens(&spans) * 2 * d * cache.dtype.size_bytes()) as u64;
-        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).refresh = Some(rh);
+        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).put(rh);
         HeadVisit { read: spans, used: None }
     })
 }
@@ -130,7 +132,7 @@ pub(crate) fn run_refresh(io: &ForwardIo, s: usize, i: usize, heads: std::ops::R
 /// Mean query of the row over all query heads, compared by RefreshKV's schedule.
 fn refresh_decide(io: &ForwardIo, s: usize, ctx: &SparseCtx, i: usize, r: &Refresh, c: &mut Counters) -> bool {
     let qm = mean_query(io, io.batch.seqs[s].q_start);
-    let full = state_of(ctx, i).lock().policy.refresh_layers.entry(ctx.layer).or_default().decide(r, &qm);
+    let full = state_of(ctx, i).lock().policy.layer_mut::<crate::policy::refresh::RefreshLayer>(ctx.layer).decide(r, &qm);
     if full {
         c.refresh_full_steps += 1;
     } else {
@@ -149,13 +151,13 @@ impl CpuStage for Refresh {
         let seeded: Vec<_> = cx.pool.install(|| items.par_iter().map(|&(s, h)| refresh_seed(io, s, h, self)).collect());
         for (&(s, h), rh) in items.iter().zip(seeded) {
             let st = cx.sequences.get_or_create(io.batch.seqs[s].seq_id);
-            st.lock().policy.head_mut(cx.layer, h, hk).refresh = Some(Box::new(rh));
+            st.lock().policy.head_mut(cx.layer, h, hk).put(Box::new(rh));
         }
         for &s in cx.calib_seqs {
             let sd = &io.batch.seqs[s];
             let qm = mean_query(io, sd.q_start + sd.q_len - 1);
             let st = cx.sequences.get_or_create(sd.seq_id);
-            st.lock().policy.refresh_layers.insert(cx.layer, crate::policy::refresh::RefreshLayer { q_ref: qm, since_full: 0 });
+            st.lock().policy.set_layer(cx.layer, crate::policy::refresh::RefreshLayer { q_ref: qm, since_full: 0 });
         }
         Ok(Counters::default())
     }

@@ -30,7 +30,7 @@ use crate::policy::Refresh;
 use crate::stats::Counters;
 use crate::{bail, ensure};
 
-/// The kernels' `RefreshArgs` (kernels/include/params.cuh; a test compares the layouts).
+/// The kernels' `RefreshArgs` (kernels/policy/refresh.cu; a test compares the layouts).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct RefreshArgs {
@@ -54,7 +54,7 @@ struct RefreshArgs {
     hk: i32,
 }
 
-/// The layout a test compares with kernels/include/params.cuh.
+/// The layout a test compares with kernels/policy/refresh.cu.
 #[cfg(test)]
 pub(crate) fn c_layouts() -> Vec<crate::cuda::kernel_src::CLayout> {
     use crate::cuda::kernel_src::c_layout;

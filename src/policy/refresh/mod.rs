@@ -34,6 +34,12 @@ pub struct RefreshLayer {
     pub since_full: usize,
 }
 
+impl super::PolicyState for RefreshLayer {
+    fn bytes(&self) -> usize {
+        RefreshLayer::bytes(self)
+    }
+}
+
 impl RefreshLayer {
     pub fn bytes(&self) -> usize {
         std::mem::size_of::<Self>() + self.q_ref.capacity() * 4
@@ -81,6 +87,12 @@ pub struct RefreshHead {
     pub scores: Vec<f32>,
     /// Last position the set has seen (positions after it are new).
     pub last_pos: usize,
+}
+
+impl super::PolicyState for RefreshHead {
+    fn bytes(&self) -> usize {
+        RefreshHead::bytes(self)
+    }
 }
 
 impl RefreshHead {
@@ -134,6 +146,16 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
         None => None,
     };
     Ok(Parsed::Selector(Selector::Refresh(Refresh { k, stride, s: sim, pool, every }), None))
+}
+
+impl super::kind::SelectorKind for Refresh {
+    fn stateful(&self) -> bool {
+        true
+    }
+
+    fn per_sequence_device_state(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

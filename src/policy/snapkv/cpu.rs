@@ -16,7 +16,7 @@ use crate::cpu::convert::{load_cache_row, Portable};
 use crate::cpu::forward::ForwardIo;
 use crate::cpu::math::{decision_dot, decision_softcap, fast_exp, softmax_norm};
 use crate::policy::select::{max_pool, top_k_positions};
-use crate::policy::SnapSelection;
+use super::SnapSelection;
 
 /// The choice for prefill sequence `s` (index into the batch, `q_len > 1`) and `head`.
 pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usize, pool: usize) -> SnapSelection {
@@ -114,7 +114,7 @@ impl crate::cpu::sparse::CpuStage for SnapKv {
             let st = cx.sequences.get_or_create(io.batch.seqs[s].seq_id);
             let mut st = st.lock();
             for (h, sel) in heads.into_iter().enumerate() {
-                st.policy.head_mut(cx.layer, h, hk).snapkv = Some(std::sync::Arc::new(sel));
+                st.policy.head_mut(cx.layer, h, hk).put(Box::new(std::sync::Arc::new(sel)));
             }
         }
         Ok(Default::default())
@@ -124,9 +124,14 @@ impl crate::cpu::sparse::CpuStage for SnapKv {
         true
     }
 
+    /// The choice, which the decode rows read.
+    fn held(&self, hs: &crate::policy::HeadState) -> Option<crate::cpu::sparse::Held> {
+        hs.get::<std::sync::Arc<SnapSelection>>().map(|sel| sel.clone() as crate::cpu::sparse::Held)
+    }
+
     fn select(&self, cx: &crate::cpu::sparse::SelectCx, hw: &mut crate::cpu::sparse::HeadWork, _sc: &mut crate::cpu::sparse::Scratch) -> (usize, u64, bool) {
         let lim = cx.lim;
-        match cx.snap {
+        match cx.held.and_then(|held| held.downcast_ref::<SnapSelection>()) {
             Some(sel) => {
                 // Chosen prompt positions, then everything from the end of the prompt on (generated
                 // tokens); the row's own position is always attended, even if the sequence is now shorter

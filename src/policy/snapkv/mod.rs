@@ -7,6 +7,24 @@ pub mod cuda;
 use super::spec::{Arg, Args, Parsed, Selector};
 use crate::error::Result;
 
+/// SnapKV's choice for one (sequence, layer, KV head), made at the sequence's last prefill chunk.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SnapSelection {
+    /// Sequence length when the choice was made; positions from here on (generated tokens) are all kept.
+    pub prefill_len: usize,
+    /// Sorted kept positions `< prefill_len` (the chosen prefix positions and the observation window).
+    pub keep: Vec<u32>,
+    /// The pooled score of each kept position (ART's priority); +inf for the observation window.
+    pub score: Vec<f32>,
+}
+
+/// Held as an `Arc`, so a call's rows read it without the sequence's lock (`CpuStage::held`).
+impl super::PolicyState for std::sync::Arc<SnapSelection> {
+    fn bytes(&self) -> usize {
+        std::mem::size_of::<SnapSelection>() + self.keep.capacity() * 4
+    }
+}
+
 /// `snapkv(budget, window, pool)`'s arguments (src/policy/registry.rs names the stage).
 pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
     let mut a = Args::new(src, "snapkv", raw, &["budget", "window", "pool"])?;
@@ -14,4 +32,15 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
     let window = a.int("window", Some(32), 1, "", |_| true)?;
     let pool = a.int("pool", Some(7), 1, ", odd", |v| v % 2 == 1)?;
     Ok(Parsed::Selector(Selector::SnapKv { budget, window, pool }, None))
+}
+
+impl super::kind::SelectorKind for cpu::SnapKv {
+    fn stateful(&self) -> bool {
+        true
+    }
+
+    /// On the device the choice lives with the cache blocks (kept-slot bits, kernels/policy/snapkv.cu).
+    fn device_meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
+        needs.snap_keep = true;
+    }
 }

@@ -2,6 +2,13 @@
 //! src/cpu/sparse/stateful.rs).
 
 use crate::cpu::sparse::*;
+use crate::policy::speculate::{self, calib_rows, HoltParams, PrrHead, SpecBudgetTable, TrajStep, CALIB_ROWS, DEFAULT_PARAMS};
+use crate::policy::Speculate;
+
+/// The budget table the caller loaded (`Engine::set_speculation_budgets`), if any.
+fn budget_table(input: Option<&(dyn std::any::Any + Send + Sync)>) -> Option<&SpecBudgetTable> {
+    input.and_then(|t| t.downcast_ref::<SpecBudgetTable>())
+}
 
 /// PRR for the heads of one item: speculate (attend the predicted pages, one partial state each), compute
 /// the true Quest selection, repair (attend the missed pages), merge exactly through the LSE. Predicted
@@ -18,12 +25,12 @@ pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
     let page = sp.page;
     let first = lim.lo / page;
     let n_pages = lim.hi / page - first + 1;
-    let spec_tokens = ctx.spec_budgets.map_or(sp.budget.unwrap_or(sp.quest_budget), |t| t.budget_for(sd.seq_len));
+    let spec_tokens = budget_table(ctx.policy_input).map_or(sp.budget.unwrap_or(sp.quest_budget), |t| t.budget_for(sd.seq_len));
     let k_spec = spec_tokens.div_ceil(page);
     let softcap = io.params.softcap;
     for_each_policy_head(io, s, heads, ctx, sc, |head, hw, kv, sc, c| {
         let fixed = HoltParams { alpha: sp.alpha.unwrap_or(DEFAULT_PARAMS.alpha), beta: sp.beta.unwrap_or(DEFAULT_PARAMS.beta), gamma: sp.gamma.unwrap_or(DEFAULT_PARAMS.gamma) };
-        let mut prr = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr.take().unwrap_or_else(|| Box::new(PrrHead::new(fixed)));
+        let mut prr = state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).take::<PrrHead>().unwrap_or_else(|| Box::new(PrrHead::new(fixed)));
         // 1. Speculate: one partial (out, LSE) state per predicted page.
         let pred = prr.speculate(sp.predict, first, n_pages, k_spec, &mut sc.w);
         while sc.pages.len() < pred.len() {
@@ -43,7 +50,7 @@ pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         }
         // 2. The true selection (Quest), from metadata only.
         c.kv_bytes_read += quest_page_scores(&hw.q, g, d, lim, page, blocks, head, meta, &mut sc.page_scores);
-        let truth = select::quest_pages(&sc.page_scores, first, sp.quest_budget, page, sp.quest_sink);
+        let truth = crate::policy::quest::cpu::quest_pages(&sc.page_scores, first, sp.quest_budget, page, sp.quest_sink);
         // 3. Merge the speculated pages that count, repair the missed ones.
         let st = hw.st.as_mut().expect("loaded");
         for (j, &pg) in pred.iter().enumerate() {
@@ -72,7 +79,7 @@ pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         c.kv_bytes_read += (attended * 2 * d * cache.dtype.size_bytes()) as u64;
         let used = if sp.keep_extra { None } else { Some(page_spans(&truth, page, lim.lo, lim.hi)) };
         prr.update(first, &sc.page_scores, &truth);
-        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).prr = Some(prr);
+        state.lock().policy.head_mut(ctx.layer, head, io.num_kv_heads).put(prr);
         HeadVisit { read: page_spans(&read, page, lim.lo, lim.hi), used }
     })
 }
@@ -112,10 +119,10 @@ impl CpuStage for Speculate {
         let hk = cx.cfg.num_kv_heads;
         let t0 = std::time::Instant::now();
         let items: Vec<(usize, usize)> = cx.calib_seqs.iter().flat_map(|&s| (0..hk).map(move |h| (s, h))).collect();
-        let warm: Vec<_> = cx.pool.install(|| items.par_iter().map(|&(s, h)| prr_calibrate(cx.io, s, h, self, m, cx.spec_budgets).0).collect());
+        let warm: Vec<_> = cx.pool.install(|| items.par_iter().map(|&(s, h)| prr_calibrate(cx.io, s, h, self, m, budget_table(cx.policy_input)).0).collect());
         for (&(s, h), w) in items.iter().zip(warm) {
             let st = cx.sequences.get_or_create(cx.io.batch.seqs[s].seq_id);
-            st.lock().policy.head_mut(cx.layer, h, hk).prr = Some(Box::new(w));
+            st.lock().policy.head_mut(cx.layer, h, hk).put(Box::new(w));
         }
         c.spec_calibrations += items.len() as u64;
         c.spec_calib_us += t0.elapsed().as_micros() as u64;

@@ -20,7 +20,7 @@ pub mod cuda;
 use super::spec::{err, quoted, Arg, Args, Parsed, Selector, Speculate, Tok};
 use crate::error::{Error, ErrorKind, Result};
 
-use super::select::quest_pages;
+use super::quest::cpu::quest_pages;
 use super::spec::Predict;
 
 /// Holt parameters.
@@ -68,6 +68,12 @@ pub struct PrrHead {
     pub holt: Vec<(f32, f32)>,
     /// The previous step's true pages (sorted), for the reuse-previous baseline.
     pub prev_true: Vec<usize>,
+}
+
+impl super::PolicyState for PrrHead {
+    fn bytes(&self) -> usize {
+        PrrHead::bytes(self)
+    }
 }
 
 impl PrrHead {
@@ -221,6 +227,14 @@ pub struct SpecBudgetTable {
     points: Vec<(usize, usize)>,
 }
 
+impl crate::engine::Engine {
+    /// Loads PRR's speculation budget table (context length → speculation budget in tokens), replacing the
+    /// spec's constant `budget`; `None` goes back to the constant. Applies from the next call.
+    pub fn set_speculation_budgets(&self, table: Option<SpecBudgetTable>) {
+        self.set_policy_input(table.map(|t| std::sync::Arc::new(t) as super::PolicyInput));
+    }
+}
+
 impl SpecBudgetTable {
     pub fn constant(budget: usize) -> Self {
         SpecBudgetTable { points: vec![(0, budget)] }
@@ -291,6 +305,21 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
     };
     let keep_extra = a.word("extra", "keep", &["drop", "keep"])? == "keep";
     Ok(Parsed::Selector(Selector::Speculate(Speculate { quest_budget, page, quest_sink, alpha, beta, gamma, budget, predict, keep_extra }), None))
+}
+
+impl super::kind::SelectorKind for Speculate {
+    fn stateful(&self) -> bool {
+        true
+    }
+
+    /// Quest's page bounds (the true selection).
+    fn meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
+        needs.quest_page = Some(self.page);
+    }
+
+    fn device_input(&self) -> std::result::Result<(), String> {
+        Err("a speculation budget table (set_speculation_budgets) is not supported by the CUDA backend; PRR there uses the spec's `budget`".into())
+    }
 }
 
 #[cfg(test)]

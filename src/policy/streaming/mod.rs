@@ -14,3 +14,17 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
     let recent = a.int("recent", None, 1, "", |_| true)?;
     Ok(Parsed::Selector(Selector::Streaming { sink, recent }, None))
 }
+
+impl super::kind::SelectorKind for cpu::Streaming {
+    fn graph_capturable(&self) -> bool {
+        true
+    }
+
+    fn budget_entries(&self) -> Option<usize> {
+        Some(self.sink.saturating_add(self.recent))
+    }
+
+    fn shared_plan(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,55 @@
+//! What the shared code asks of a pipeline's selector (the size and sharing of its plans, the key metadata
+//! and the state it needs, whether a CUDA graph may capture its steps), answered in the selector's own
+//! folder: each selector implements [`SelectorKind`] there and the registry (src/policy/registry.rs,
+//! `Selector::kind`) hands it out, so the engine, the backends and the plan arithmetic never match on a
+//! selector's name. The defaults are those of a stateless token selector with no budget.
+
+use crate::meta::MetaNeeds;
+
+/// One selector's answers (its parameters are the value's).
+pub(crate) trait SelectorKind {
+    /// Keeps per-sequence state, so forward calls must pass sequence ids.
+    fn stateful(&self) -> bool {
+        false
+    }
+
+    /// A CUDA engine's decode steps may be captured in a CUDA graph by a serving plugin (see
+    /// `Policy::graph_capturable` for what that was checked by).
+    fn graph_capturable(&self) -> bool {
+        false
+    }
+
+    /// Adds the key metadata the cache writes must maintain for this selector (both backends).
+    fn meta_needs(&self, _needs: &mut MetaNeeds) {}
+
+    /// Adds the key metadata a CUDA engine's cache writes must maintain beyond [`Self::meta_needs`].
+    fn device_meta_needs(&self, _needs: &mut MetaNeeds) {}
+
+    /// Its device state belongs to a sequence (kept in a slot map of `max_seqs` entries) rather than to
+    /// cache blocks.
+    fn per_sequence_device_state(&self) -> bool {
+        false
+    }
+
+    /// log2 of the positions one entry of its plan stands for (0: tokens).
+    fn unit_log2(&self, _block_size: usize) -> u32 {
+        0
+    }
+
+    /// Most entries its plan of a row holds whatever the row's length (its budget and forced entries);
+    /// None: every entry covering the row.
+    fn budget_entries(&self) -> Option<usize> {
+        None
+    }
+
+    /// One plan serves every KV head of a sequence (the plan does not depend on the keys).
+    fn shared_plan(&self) -> bool {
+        false
+    }
+
+    /// Whether the CUDA backend accepts the host-set policy input (`PolicyInput`) for this selector:
+    /// Err(why) where the selector reads it on the CPU only.
+    fn device_input(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
