@@ -387,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_weights(TOPP
     if (threadIdx.x == 0) nonfinite = 0;
     for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x) mass[i] = 0ull;
     __syncthreads();
-    float pv[4][GROUP];
+    float pv[4][GROUP] = {};
     float wv[4] = {-1.f, -1.f, -1.f, -1.f};  // outside the row: below every weight (w >= 0)
     bool bad = false;
     if (j4 < t.nc) {
