@@ -309,6 +309,18 @@ __device__ __forceinline__ void load4(const float* x, int maxc, int j4, float (&
     }
 }
 
+// The weights of candidates j4..j4+3 (-1 from j4 = nc on: outside every row).
+__device__ __forceinline__ void load_w4(const float* wr, int j4, int nc, float (&wv)[4]) {
+    wv[0] = wv[1] = wv[2] = wv[3] = -1.f;
+    if (j4 < nc) {
+        const float4 v = *reinterpret_cast<const float4*>(wr + j4);
+        wv[0] = v.x;
+        wv[1] = v.y;
+        wv[2] = v.z;
+        wv[3] = v.w;
+    }
+}
+
 // Adds a CTA's histogram into the row's global one (integer atomics: the sums do not depend on order).
 __device__ __forceinline__ void flush_hist(const unsigned long long* mass, unsigned long long* out) {
     __syncthreads();
@@ -460,14 +472,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_pass(TOPP_PA
         }
         if (threadIdx.x == 0) st[pass].t = T;
     }
-    float wv[4] = {-1.f, -1.f, -1.f, -1.f};
-    if (j4 < t.nc) {
-        const float4 v = *reinterpret_cast<const float4*>(wr + j4);
-        wv[0] = v.x;
-        wv[1] = v.y;
-        wv[2] = v.z;
-        wv[3] = v.w;
-    }
+    float wv[4];
+    load_w4(wr, j4, t.nc, wv);
     // Candidates whose weight matches T in the bits chosen so far (all 32 at pass 4).
     const unsigned hmask = ~0u << (32 - 8 * pass);
     bool in[4], any = false;
@@ -604,14 +610,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
     // Every CTA needs its count (its offset, and the row's total for the plan's length and accounting).
     if (search && bt < nt) {
         const int jb4 = bt * TOPP_TILE + 4 * threadIdx.x;
-        float wv[4] = {-1.f, -1.f, -1.f, -1.f};
-        if (jb4 < t.nc) {
-            const float4 v = *reinterpret_cast<const float4*>(wr + jb4);
-            wv[0] = v.x;
-            wv[1] = v.y;
-            wv[2] = v.z;
-            wv[3] = v.w;
-        }
+        float wv[4];
+        load_w4(wr, jb4, t.nc, wv);
         bool tied[4], any = false;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {

@@ -19,7 +19,7 @@
 
 use super::fixture::{run_on_engine, Fixture, Outputs};
 use super::reference::rel_err;
-use super::sparse_cuda::{cfg_for, run_fixture_cuda_policy};
+use super::sparse_cuda::{cfg_for, override_keys, run_fixture_cuda_policy};
 use super::{tolerance, CaseSpec};
 use kvsparse::engine::Engine;
 use kvsparse::error::Result;
@@ -196,14 +196,7 @@ pub fn top_p_agreement(spec: &CaseSpec, policy: &str, base: Base, p: f32, seed: 
     assert_eq!(spec.window, 0, "the reference's candidates assume no window");
     let mut f = Fixture::new(spec, seed);
     if let Some(key) = key {
-        let per = spec.num_kv_heads * spec.head_dim;
-        let np = f.prior.k.len() / per;
-        for i in 0..f.prior.k.len() {
-            f.prior.k.set(i, key(i / per));
-        }
-        for i in 0..f.new_k.len() {
-            f.new_k.set(i, key(np + i / per));
-        }
+        override_keys(&mut f, key);
     }
     let cpu = Engine::new(cfg_for(&f, policy, Device::Cpu))?;
     cpu.record_visits(true);
