@@ -137,7 +137,7 @@ __device__ __forceinline__ unsigned code_word(const code_vec& v, int i) {
 // histograms and flags for the later kernels. Grid (candidate tiles of TOPP_ETILE, KV heads, seqs).
 extern "C" __global__ void __launch_bounds__(TOPP_ETILE) kvs_topp_estimate(TOPP_PARAMS, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
                                                                           const unsigned char* codes, const u16* qparams, float softcap) {
-    __shared__ float qs[GROUP * HEAD_DIM];
+    __shared__ __align__(16) float qs[GROUP * HEAD_DIM];
     __shared__ float qsum[GROUP];
     __shared__ float red[32];
     const ToppRow t = topp_row(b, blockIdx.z, blockIdx.y, hk, base, b_s, b_h, base_len, ulog2, maxc);
@@ -179,9 +179,14 @@ extern "C" __global__ void __launch_bounds__(TOPP_ETILE) kvs_topp_estimate(TOPP_
 #pragma unroll
                     for (int l = 0; l < 8; ++l) cf[l] = (float)((word >> (4 * l)) & 15u);
 #pragma unroll
-                    for (int g = 0; g < GROUP; ++g)
+                    for (int g = 0; g < GROUP; ++g) {
+                        // The 8 query values as two 16-byte shared loads (a broadcast: every thread reads them).
+                        const float4 qa = *reinterpret_cast<const float4*>(&qs[g * HEAD_DIM + c8 * 8]);
+                        const float4 qb = *reinterpret_cast<const float4*>(&qs[g * HEAD_DIM + c8 * 8 + 4]);
+                        const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
-                        for (int l = 0; l < 8; ++l) acc[g][l] += qs[g * HEAD_DIM + c8 * 8 + l] * cf[l];
+                        for (int l = 0; l < 8; ++l) acc[g][l] += qv[l] * cf[l];
+                    }
                 }
             }
 #pragma unroll
