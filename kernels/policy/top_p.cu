@@ -7,7 +7,7 @@
 // The set is top_p::select's: the shortest prefix of the candidates sorted by the aggregated weight w
 // (max over the group's rows; descending, equal weights by position, ascending) whose mass reaches p of
 // every row's total. It is found by a radix search on the bits of w (8 per pass, 4 passes), where every
-// kernel spreads a row over many CTAs (tiles of TOPP_TILE candidates) and merges their per-bin masses in
+// kernel spreads a row over many CTAs (tiles of whole chunks of TOPP_CHUNK candidates) and merges their per-bin masses in
 // global memory; the state of the search (threshold bits so far, mass above them) passes from kernel to
 // kernel. Each kernel needs the previous one complete: the launches are the grid-wide barriers.
 //
@@ -24,9 +24,9 @@
 #include "block_reduce.cuh"
 #include "topk.cuh"
 
-#define TOPP_ETILE 128                 // candidates per CTA of the estimate, one per thread
+#define TOPP_ETILE 1024                // candidates per CTA of the estimate, 4 per thread
 #define TOPP_THREADS 256               // threads of every later kernel (8 warps: choose_digit's layout)
-#define TOPP_TILE (4 * TOPP_THREADS)   // candidates per CTA of the later kernels, 4 consecutive per thread
+#define TOPP_CHUNK (4 * TOPP_THREADS)  // candidates per pass of a CTA's loop in the later kernels, 4 consecutive per thread
 #define TOPP_PASSES 4                  // radix passes of 8 bits over the 32-bit weight
 #define TOPP_STATES (TOPP_PASSES + 1)  // search states: after pass k's digit (slot k, 1..4)
 
@@ -50,10 +50,12 @@ struct TopPTile {
 // KV head): logits [row][GROUP][maxc], weights w [row][maxc], estimate-tile maxima tmax
 // [row][etiles][GROUP], tile normaliser sums psum [row][stiles][GROUP], row max and 1/normaliser rown
 // [row][2][GROUP], mass histograms hist [row][TOPP_PASSES][256][GROUP], states [row][TOPP_STATES], tile
-// summaries [row][stiles], flags [row][2] (a non-finite weight; the write kernel's done count).
+// summaries [row][stiles], flags [row][2] (a non-finite weight; the write kernel's done count). Each CTA
+// of the kernels after the estimate covers a tile of `spt` chunks of TOPP_CHUNK candidates (the host
+// picks spt so that a call has about a thousand such CTAs: long rows split, many rows not over-split).
 #define TOPP_PARAMS                                                                                                               \
     Batch b, int hk, const unsigned *base, i64 b_s, i64 b_h, const int *base_len, int ulog2, int maxc, float *logits, float *w, \
-        float *tmax, double *psum, float *rown, unsigned long long *hist, TopPState *state, TopPTile *tsum, int *flags
+        float *tmax, double *psum, float *rown, unsigned long long *hist, TopPState *state, TopPTile *tsum, int *flags, int spt
 
 // One row's candidates: the base plan's units expanded to positions (increasing), `nc` of them, of which
 // [ja, jb] lie inside the row's limits.
@@ -131,12 +133,55 @@ __device__ __forceinline__ unsigned code_word(const code_vec& v, int i) {
 #endif
 }
 
+// A 4-bit code as a float, exactly: 2^23 + c as bits, minus 2^23 (two full-rate operations instead of a
+// conversion, which runs at a quarter of the rate).
+__device__ __forceinline__ float code_f(unsigned c) { return __fsub_rn(__uint_as_float(0x4b000000u | c), 8388608.0f); }
+
+// One candidate's logits (every row of the group) from its INT4 row: min * sum(q) + scale * dot(q, codes)
+// in decision_dot's order (8 strided accumulators, then their sum), each step a fused multiply-add.
+__device__ __forceinline__ void estimate_row(const code_vec* cv, float mn, float scl, const float* qs, const float* qsum, float softcap,
+                                             float (&xv)[GROUP]) {
+    float acc[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+        for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
+    for (int v = 0; v < HEAD_DIM / 8 / CODE_WORDS; ++v) {
+        const code_vec words = cv[v];
+#pragma unroll
+        for (int wi = 0; wi < CODE_WORDS; ++wi) {
+            const unsigned word = code_word(words, wi);
+            const int c8 = v * CODE_WORDS + wi;
+            float cf[8];
+#pragma unroll
+            for (int l = 0; l < 8; ++l) cf[l] = code_f((word >> (4 * l)) & 15u);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                // The 8 query values as two 16-byte shared loads (a broadcast: every thread reads them).
+                const float4 qa = *reinterpret_cast<const float4*>(&qs[g * HEAD_DIM + c8 * 8]);
+                const float4 qb = *reinterpret_cast<const float4*>(&qs[g * HEAD_DIM + c8 * 8 + 4]);
+                const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+                for (int l = 0; l < 8; ++l) acc[g][l] = __fmaf_rn(qv[l], cf[l], acc[g][l]);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        float dot = acc[g][0];
+#pragma unroll
+        for (int l = 1; l < 8; ++l) dot += acc[g][l];
+        xv[g] = kvs_decision_softcap(mn * qsum[g] + scl * dot, softcap);
+    }
+}
+
 // Step 1: INT4 estimates of every candidate's logits (the base plan's positions inside the row), as
-// estimate_weights: min * sum(q) + scale * dot(q, codes) in decision_dot's order, soft-capped. Candidates
-// outside the row get NaN. Also each CTA's maximum per row (tmax), and CTA 0 of a row clears the row's
-// histograms and flags for the later kernels. Grid (candidate tiles of TOPP_ETILE, KV heads, seqs).
-extern "C" __global__ void __launch_bounds__(TOPP_ETILE) kvs_topp_estimate(TOPP_PARAMS, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
-                                                                          const unsigned char* codes, const u16* qparams, float softcap) {
+// estimate_weights but with fused multiply-adds (docs/policies.md: the bound covers both), soft-capped.
+// Candidates outside the row get NaN. Also each CTA's maximum per row (tmax), and CTA 0 of a row clears
+// the row's histograms and flags for the later kernels. Grid (tiles of TOPP_ETILE candidates, KV heads,
+// seqs); each thread estimates 4 candidates, TOPP_THREADS apart (coalesced stores).
+extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOPP_PARAMS, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
+                                                                            const unsigned char* codes, const u16* qparams, float softcap) {
     __shared__ __align__(16) float qs[GROUP * HEAD_DIM];
     __shared__ float qsum[GROUP];
     __shared__ float red[32];
@@ -149,60 +194,34 @@ extern "C" __global__ void __launch_bounds__(TOPP_ETILE) kvs_topp_estimate(TOPP_
         if (threadIdx.x < 2) flags[2 * t.row + threadIdx.x] = 0;
     }
     load_q(q, q0, q1, q2, t.r.t, h, scale, qs, qsum);
-    const int j = blockIdx.x * TOPP_ETILE + threadIdx.x;
     float* out = logits + (i64)t.row * GROUP * maxc;
-    float xv[GROUP];
+    float mx[GROUP];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) xv[g] = -INFINITY;
-    if (j < t.nc) {
+    for (int g = 0; g < GROUP; ++g) mx[g] = -INFINITY;
+    for (int k = 0; k < TOPP_ETILE / TOPP_THREADS; ++k) {
+        const int j = blockIdx.x * TOPP_ETILE + k * TOPP_THREADS + threadIdx.x;
+        if (j >= t.nc) break;
         const int pos = t.pos(j);
         const i64 pb = (pos >= t.r.lo && pos <= t.r.hi) ? phys_block(b, blockIdx.z, pos >> b.bs_log2) : -1;
         if (pb < 0) {
             for (int g = 0; g < GROUP; ++g) out[(i64)g * maxc + j] = __int_as_float(0x7fffffff);
-        } else {
-            const int bs = 1 << b.bs_log2;
-            const i64 row = (pb * bs + (pos & (bs - 1))) * hk + h;
-            const code_vec* cv = reinterpret_cast<const code_vec*>(codes + row * (HEAD_DIM / 2));
-            const float mn = kvs_f16_to_f32(qparams[2 * row]), scl = kvs_f16_to_f32(qparams[2 * row + 1]);
-            float acc[GROUP][8];
+            continue;
+        }
+        const int bs = 1 << b.bs_log2;
+        const i64 row = (pb * bs + (pos & (bs - 1))) * hk + h;
+        float xv[GROUP];
+        estimate_row(reinterpret_cast<const code_vec*>(codes + row * (HEAD_DIM / 2)), kvs_f16_to_f32(qparams[2 * row]), kvs_f16_to_f32(qparams[2 * row + 1]), qs,
+                     qsum, softcap, xv);
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g)
-#pragma unroll
-                for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
-            for (int v = 0; v < HEAD_DIM / 8 / CODE_WORDS; ++v) {
-                const code_vec words = cv[v];
-#pragma unroll
-                for (int wi = 0; wi < CODE_WORDS; ++wi) {
-                    const unsigned word = code_word(words, wi);
-                    const int c8 = v * CODE_WORDS + wi;
-                    float cf[8];
-#pragma unroll
-                    for (int l = 0; l < 8; ++l) cf[l] = (float)((word >> (4 * l)) & 15u);
-#pragma unroll
-                    for (int g = 0; g < GROUP; ++g) {
-                        // The 8 query values as two 16-byte shared loads (a broadcast: every thread reads them).
-                        const float4 qa = *reinterpret_cast<const float4*>(&qs[g * HEAD_DIM + c8 * 8]);
-                        const float4 qb = *reinterpret_cast<const float4*>(&qs[g * HEAD_DIM + c8 * 8 + 4]);
-                        const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-#pragma unroll
-                        for (int l = 0; l < 8; ++l) acc[g][l] += qv[l] * cf[l];
-                    }
-                }
-            }
-#pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                float dot = acc[g][0];
-#pragma unroll
-                for (int l = 1; l < 8; ++l) dot += acc[g][l];
-                xv[g] = kvs_decision_softcap(mn * qsum[g] + scl * dot, softcap);
-                out[(i64)g * maxc + j] = xv[g];
-            }
+        for (int g = 0; g < GROUP; ++g) {
+            out[(i64)g * maxc + j] = xv[g];
+            mx[g] = fmaxf(mx[g], xv[g]);  // NaN ignored, as the CPU's fold with f32::max
         }
     }
     const int etiles = (maxc + TOPP_ETILE - 1) / TOPP_ETILE;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-        const float m = block_max(xv[g], red);  // NaN ignored, as the CPU's fold with f32::max
+        const float m = block_max(mx[g], red);
         if (threadIdx.x == 0) tmax[((i64)t.row * etiles + blockIdx.x) * GROUP + g] = m;
     }
 }
@@ -333,22 +352,25 @@ __device__ __forceinline__ void flush_hist(const unsigned long long* mass, unsig
         if (mass[i] != 0ull) atomicAdd(&out[i], mass[i]);
 }
 
-// The CTA's tile of the row, or false when the tile lies past the row's candidates (the CTA returns).
+// The CTA's tile of the row: candidates [a0, a1), visited in chunks of TOPP_CHUNK (j4: this thread's
+// first of 4 in the chunk at c0). Every thread runs the same number of chunks (warp collectives inside).
 #define TOPP_TILE_PROLOGUE                                                                                 \
     const ToppRow t = topp_row(b, blockIdx.z, blockIdx.y, hk, base, b_s, b_h, base_len, ulog2, maxc); \
     const int tile = blockIdx.x;                                                                        \
-    const int stiles = (maxc + TOPP_TILE - 1) / TOPP_TILE;                                              \
-    const int j4 = tile * TOPP_TILE + 4 * threadIdx.x;                                                  \
-    const float* x = logits + (i64)t.row * GROUP * maxc;                                                \
-    float* wr = w + (i64)t.row * maxc;
+    const int stiles = (maxc + TOPP_CHUNK - 1) / TOPP_CHUNK;                                            \
+    const int span = TOPP_CHUNK * spt;                                                                  \
+    const int nt = (t.nc + span - 1) / span;                                                            \
+    const int a0 = tile * span, a1 = min(a0 + span, t.nc);                                              \
+    const float* x = logits + (i64)t.row * GROUP * maxc;
+#define TOPP_CHUNKS for (int c0 = a0, j4 = a0 + 4 * threadIdx.x; c0 < a1; c0 += TOPP_CHUNK, j4 += TOPP_CHUNK)
 
 // Step 2: each tile's share of every row's normaliser, sum of fast_exp(x - max) in f64 (psum); tile 0 of a
-// row stores the row's maximum (over the estimate tiles' maxima). Grid (tiles of TOPP_TILE, KV heads, seqs).
+// row stores the row's maximum (over the estimate tiles' maxima). Grid (tiles, KV heads, seqs).
 extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_norm(TOPP_PARAMS) {
     __shared__ float red_f[32];
     __shared__ double red_d[32];
     TOPP_TILE_PROLOGUE
-    if (tile * TOPP_TILE >= t.nc) return;
+    if (tile >= nt) return;
     const int etiles = (maxc + TOPP_ETILE - 1) / TOPP_ETILE, ne = (t.nc + TOPP_ETILE - 1) / TOPP_ETILE;
     float m[GROUP];
 #pragma unroll
@@ -360,7 +382,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_norm(TOPP_PA
     double z[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) z[g] = 0.0;
-    if (j4 < t.nc) {
+    TOPP_CHUNKS {
+        if (j4 >= a1) continue;
         float v[4][GROUP];
         load4(x, maxc, j4, v);
 #pragma unroll
@@ -381,17 +404,17 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_norm(TOPP_PA
 
 // Step 3: the weights (each row's P = topp_weight(x), w = max over the rows; -1 outside the row) and the
 // first radix pass (masses per top byte of w); a non-finite weight sets the row's flag. Tile 0 of a row
-// stores 1/normaliser (the normaliser summed over the tiles in order, as every CTA of the row sums it).
+// stores 1/normaliser (the tiles' sums added in one fixed order, the same in every CTA of the row).
 extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_weights(TOPP_PARAMS) {
     __shared__ unsigned long long mass[256 * GROUP];
     __shared__ float m[GROUP], inv[GROUP];
     __shared__ double red_d[32];
     __shared__ int nonfinite;
     TOPP_TILE_PROLOGUE
-    if (tile * TOPP_TILE >= t.nc) return;
-    const int nt = (t.nc + TOPP_TILE - 1) / TOPP_TILE;
+    float* wr = w + (i64)t.row * maxc;  // the row's weights
+    if (tile >= nt) return;
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {  // the same fixed order in every CTA of the row
+    for (int g = 0; g < GROUP; ++g) {
         double z = 0.0;
         for (int i = threadIdx.x; i < nt; i += blockDim.x) z += psum[((i64)t.row * stiles + i) * GROUP + g];
         z = block_sum(z, red_d);
@@ -404,27 +427,29 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_weights(TOPP
     if (threadIdx.x == 0) nonfinite = 0;
     for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x) mass[i] = 0ull;
     __syncthreads();
-    float pv[4][GROUP] = {};
-    float wv[4] = {-1.f, -1.f, -1.f, -1.f};  // outside the row: below every weight (w >= 0)
     bool bad = false;
-    if (j4 < t.nc) {
-        load4(x, maxc, j4, pv);
+    TOPP_CHUNKS {
+        float pv[4][GROUP] = {};
+        float wv[4] = {-1.f, -1.f, -1.f, -1.f};  // outside the row: below every weight (w >= 0)
+        if (j4 < a1) {
+            load4(x, maxc, j4, pv);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const bool ok = t.valid(j4 + k);
+            for (int k = 0; k < 4; ++k) {
+                const bool ok = t.valid(j4 + k);
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                const float y = ok ? topp_weight(pv[k][g], m[g], inv[g]) : 0.0f;
-                bad = bad || !isfinite(y);
-                if (ok) wv[k] = g == 0 ? y : fmaxf(wv[k], y);
-                pv[k][g] = y;
+                for (int g = 0; g < GROUP; ++g) {
+                    const float y = ok ? topp_weight(pv[k][g], m[g], inv[g]) : 0.0f;
+                    bad = bad || !isfinite(y);
+                    if (ok) wv[k] = g == 0 ? y : fmaxf(wv[k], y);
+                    pv[k][g] = y;
+                }
             }
+            *reinterpret_cast<float4*>(wr + j4) = make_float4(wv[0], wv[1], wv[2], wv[3]);
         }
-        *reinterpret_cast<float4*>(wr + j4) = make_float4(wv[0], wv[1], wv[2], wv[3]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) bin_add(mass, wv[k] >= 0.0f ? (__float_as_uint(wv[k]) >> 24) : 256u, pv[k]);
     }
     if (bad) nonfinite = 1;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) bin_add(mass, wv[k] >= 0.0f ? (__float_as_uint(wv[k]) >> 24) : 256u, pv[k]);
     flush_hist(mass, hist + (i64)t.row * TOPP_PASSES * 256 * GROUP);
     if (threadIdx.x == 0 && nonfinite) atomicOr(&flags[2 * t.row], 1);
 }
@@ -444,7 +469,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_pass(TOPP_PA
     __shared__ unsigned tsh;
     __shared__ int pick;
     TOPP_TILE_PROLOGUE
-    if (tile * TOPP_TILE >= t.nc || t.nvalid() == 0 || p >= 1.0f || flags[2 * t.row] != 0) return;
+    const float* wr = w + (i64)t.row * maxc;  // the row's weights
+    if (tile >= nt || t.nvalid() == 0 || p >= 1.0f || flags[2 * t.row] != 0) return;
     const unsigned long long* hr = hist + (i64)t.row * TOPP_PASSES * 256 * GROUP;
     for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x) mass[i] = hr[(i64)(pass - 1) * 256 * GROUP + i];
     __syncthreads();
@@ -477,43 +503,48 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_pass(TOPP_PA
         }
         if (threadIdx.x == 0) st[pass].t = T;
     }
-    float wv[4];
-    load_w4(wr, j4, t.nc, wv);
-    // Candidates whose weight matches T in the bits chosen so far (all 32 at pass 4).
-    const unsigned hmask = ~0u << (32 - 8 * pass);
-    bool in[4], any = false;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        in[k] = wv[k] >= 0.0f && (__float_as_uint(wv[k]) & hmask) == (T & hmask);
-        any = any || in[k];
-    }
-    float pv[4][GROUP];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g) pv[k][g] = 0.0f;
-    if (any) {
-        load4(x, maxc, j4, pv);
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-#pragma unroll
-            for (int g = 0; g < GROUP; ++g) pv[k][g] = in[k] ? topp_weight(pv[k][g], m[g], inv[g]) : 0.0f;
-    }
+    const unsigned hmask = ~0u << (32 - 8 * pass);  // the bits chosen so far (all 32 at pass 4)
+    const int shift = 24 - 8 * pass;                 // the next byte (passes 1..3)
     if (pass < TOPP_PASSES) {
-        const int shift = 24 - 8 * pass;
         __syncthreads();  // choose_digit's last reads of mass
         for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x) mass[i] = 0ull;
         __syncthreads();
+    }
+    unsigned long long gt = 0, ties = 0, tm[GROUP] = {};
+    TOPP_CHUNKS {
+        float wv[4];
+        load_w4(wr, j4 < a1 ? j4 : t.nc, t.nc, wv);
+        // Candidates whose weight matches T in the bits chosen so far, and their weights per row.
+        bool in[4], any = false;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) bin_add(mass, in[k] ? ((__float_as_uint(wv[k]) >> shift) & 255u) : 256u, pv[k]);
+        for (int k = 0; k < 4; ++k) {
+            in[k] = wv[k] >= 0.0f && (__float_as_uint(wv[k]) & hmask) == (T & hmask);
+            any = any || in[k];
+        }
+        float pv[4][GROUP] = {};
+        if (any) {
+            load4(x, maxc, j4, pv);
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) pv[k][g] = in[k] ? topp_weight(pv[k][g], m[g], inv[g]) : 0.0f;
+        }
+        if (pass < TOPP_PASSES) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) bin_add(mass, in[k] ? ((__float_as_uint(wv[k]) >> shift) & 255u) : 256u, pv[k]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                gt += wv[k] >= 0.0f && __float_as_uint(wv[k]) > T;
+                ties += in[k];
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) tm[g] += in[k] ? to_fixed(pv[k][g]) : 0ull;
+            }
+        }
+    }
+    if (pass < TOPP_PASSES) {
         flush_hist(mass, hist + (i64)t.row * TOPP_PASSES * 256 * GROUP + (i64)pass * 256 * GROUP);
         return;
-    }
-    unsigned long long gt = 0, ties = 0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        gt += wv[k] >= 0.0f && __float_as_uint(wv[k]) > T;
-        ties += in[k];
     }
     gt = block_sum(gt, red_u);
     ties = block_sum(ties, red_u);
@@ -524,20 +555,18 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_pass(TOPP_PA
     }
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-        unsigned long long tm = 0;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) tm += in[k] ? to_fixed(pv[k][g]) : 0ull;
-        tm = block_sum(tm, red_u);
-        if (threadIdx.x == 0) ts->mass[g] = tm;
+        const unsigned long long v = block_sum(tm[g], red_u);
+        if (threadIdx.x == 0) ts->mass[g] = v;
     }
 }
 
 // Step 8: the kept positions, increasing, as the plan (at most cap), and the counters. The tied candidates
 // are taken in increasing position while the mass before them does not yet reach every row's target (as
-// top_p::select's finish): tiles before the boundary tile (the first whose tied mass makes the rows reach)
-// keep all their ties, tiles after it none, the boundary tile those before its cut (a block scan of its tied
-// masses; every CTA of the row recomputes that count). Each CTA writes its kept candidates
-// after those of the tiles before it; the last CTA of a row to finish counts the plan's blocks and bytes.
+// top_p::select's finish), so the kept ties are those up to one position, jcut: tiles before the boundary
+// tile (the first whose tied mass makes the rows reach) keep all their ties, tiles after it none, the
+// boundary tile those up to jcut (a block scan of its tied masses, chunk by chunk; every CTA of the row
+// recomputes it). Each CTA writes its kept candidates after those of the tiles before it; the last CTA of
+// a row to finish counts the plan's blocks and bytes.
 extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_PARAMS, float p, unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap,
                                                                          i64 row_bytes, i64 meta_row_bytes, unsigned long long* ctr) {
     __shared__ unsigned long long red_u[32];
@@ -545,12 +574,12 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
     __shared__ unsigned long long acc[GROUP];
     __shared__ double target[GROUP];
     __shared__ float m[GROUP], inv[GROUP];
-    __shared__ unsigned char keep_tie[TOPP_TILE];
     __shared__ int cnt[TOPP_THREADS / 32 + 1];
-    __shared__ int bnd, kept_b, off, total, last;
+    __shared__ int bnd, jcut, kept_b, off, total, last;
     TOPP_TILE_PROLOGUE
-    const int nt = max(1, (t.nc + TOPP_TILE - 1) / TOPP_TILE);
-    if (tile >= nt) return;
+    const float* wr = w + (i64)t.row * maxc;  // the row's weights
+    const int ntw = max(1, nt);               // a row without candidates still has its tile 0
+    if (tile >= ntw) return;
     unsigned* e = plan + blockIdx.z * p_s + blockIdx.y * p_h;
     if (!t.r.decode) {
         if (tile == 0 && threadIdx.x == 0) plan_len[t.row] = -1;
@@ -563,8 +592,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
     const TopPTile* ts = tsum + (i64)t.row * stiles;
     // Kept candidates of tile i, given the boundary tile's count kb.
     auto valid_in = [&](int i) {
-        const int a = max(i * TOPP_TILE, t.ja), z = min((i + 1) * TOPP_TILE - 1, t.jb);
-        return z >= a ? z - a + 1 : 0;
+        const int lo = max(i * span, t.ja), hi = min((i + 1) * span - 1, t.jb);
+        return hi >= lo ? hi - lo + 1 : 0;
     };
     auto kept_in = [&](int i, int bt, int kb) -> int {
         if (!search) return keep_all ? valid_in(i) : 0;
@@ -573,7 +602,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
     // The boundary tile: the first whose tied mass, after the mass above T and the ties of the tiles
     // before it, makes every row reach (a block scan over the tiles, blockDim at a time).
     if (threadIdx.x == 0) {
-        bnd = nt;  // none: every tie kept (cannot happen when the search ran; kept for safety)
+        bnd = ntw;  // none: every tie kept (cannot happen when the search ran; kept for safety)
+        jcut = -1;
         kept_b = 0;
     }
     if (threadIdx.x < GROUP && search) {
@@ -597,7 +627,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
             }
             if (reach) atomicMin(&bnd, i);
             __syncthreads();
-            if (bnd != nt) {  // uniform; acc becomes the mass before the boundary tile
+            if (bnd != ntw) {  // uniform; acc becomes the mass before the boundary tile
                 if (i == bnd)
 #pragma unroll
                     for (int g = 0; g < GROUP; ++g) acc[g] += incl[g] - own[g];
@@ -612,47 +642,46 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
     __syncthreads();
     const int bt = bnd;
     // The boundary tile's cut: a tie is kept while the mass before it does not reach every row's target.
-    // Every CTA needs its count (its offset, and the row's total for the plan's length and accounting).
     if (search && bt < nt) {
-        const int jb4 = bt * TOPP_TILE + 4 * threadIdx.x;
-        float wv[4];
-        load_w4(wr, jb4, t.nc, wv);
-        bool tied[4], any = false;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            tied[k] = wv[k] >= 0.0f && __float_as_uint(wv[k]) == T;
-            any = any || tied[k];
-        }
-        unsigned long long mk[4][GROUP];
-        float pv[4][GROUP];
-        if (any) load4(x, maxc, jb4, pv);
-        bool reach_before[4] = {true, true, true, true};
-        unsigned long long before[GROUP];
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-            unsigned long long own = 0;
+        int kb = 0;
+        for (int c0 = bt * span, jb4 = c0 + 4 * threadIdx.x; c0 < min((bt + 1) * span, t.nc); c0 += TOPP_CHUNK, jb4 += TOPP_CHUNK) {
+            float wv[4];
+            load_w4(wr, jb4, t.nc, wv);
+            bool tied[4], any = false;
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                mk[k][g] = tied[k] ? to_fixed(topp_weight(pv[k][g], m[g], inv[g])) : 0ull;
-                own += mk[k][g];
+                tied[k] = wv[k] >= 0.0f && __float_as_uint(wv[k]) == T;
+                any = any || tied[k];
             }
-            unsigned long long tot;
-            before[g] = acc[g] + block_incl_scan(own, scan_tmp, &tot) - own;
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
+            float pv[4][GROUP] = {};
+            if (any) load4(x, maxc, jb4, pv);
+            unsigned long long mk[4][GROUP], before[GROUP];
+            bool reach_before[4] = {true, true, true, true};
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
-                reach_before[k] = reach_before[k] && (double)before[g] >= target[g];
-                before[g] += mk[k][g];
-            }
-        }
-        int kb = 0;
+                unsigned long long own = 0, tot;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const bool kt = tied[k] && !reach_before[k];
-            kb += kt;
-            keep_tie[4 * threadIdx.x + k] = kt;
+                for (int k = 0; k < 4; ++k) {
+                    mk[k][g] = tied[k] ? to_fixed(topp_weight(pv[k][g], m[g], inv[g])) : 0ull;
+                    own += mk[k][g];
+                }
+                const unsigned long long incl = block_incl_scan(own, scan_tmp, &tot);  // its barriers order acc's update
+                before[g] = acc[g] + incl - own;
+                __syncthreads();  // every thread has read acc[g]
+                if (threadIdx.x == 0) acc[g] += tot;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) {
+                    reach_before[k] = reach_before[k] && (double)before[g] >= target[g];
+                    before[g] += mk[k][g];
+                }
+                if (tied[k] && !reach_before[k]) {
+                    kb += 1;
+                    atomicMax(&jcut, jb4 + k);
+                }
+            }
         }
         kb = (int)block_sum((unsigned long long)kb, red_u);
         if (threadIdx.x == 0) kept_b = kb;
@@ -660,7 +689,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
     __syncthreads();
     {
         unsigned long long o = 0, all = 0;
-        for (int i = threadIdx.x; i < nt; i += blockDim.x) {
+        for (int i = threadIdx.x; i < ntw; i += blockDim.x) {
             const unsigned long long k = (unsigned long long)kept_in(i, bt, kept_b);
             o += i < tile ? k : 0ull;
             all += k;
@@ -673,17 +702,16 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
         }
     }
     __syncthreads();
-    const int n = min(total, cap);
+    const int n = min(total, cap), jc = jcut;
     if (off < cap) {
-        const int a = tile * TOPP_TILE, len = max(0, min(TOPP_TILE, t.nc - a));
         auto keep = [&](int i) {
-            const int j = a + i;
+            const int j = a0 + i;
             if (!t.valid(j)) return false;
             if (!search) return keep_all;
             const unsigned k = __float_as_uint(wr[j]);
-            return k > T || (k == T && (tile < bt || (tile == bt && keep_tie[i] != 0)));
+            return k > T || (k == T && (tile < bt || (tile == bt && j <= jc)));
         };
-        compact(len, keep, [&](int i) { return (unsigned)t.pos(a + i); }, e + off, cap - off, cnt);
+        compact(max(0, a1 - a0), keep, [&](int i) { return (unsigned)t.pos(a0 + i); }, e + off, cap - off, cnt);
     }
     if (tile == 0 && threadIdx.x == 0) {
         plan_len[t.row] = n;
@@ -698,7 +726,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
     // The plan complete (every CTA of the row has written its part): the last one counts it.
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = nt == 1 || atomicAdd(&flags[2 * t.row + 1], 1) == nt - 1;
+    if (threadIdx.x == 0) last = ntw == 1 || atomicAdd(&flags[2 * t.row + 1], 1) == ntw - 1;
     __syncthreads();
     if (last) {
         __threadfence();

@@ -2,19 +2,24 @@
 //! selector's candidates, then per (sequence, KV head) the shortest prefix by weight reaching mass `p`,
 //! written as the final plan (tokens). The selector writes its plans into this stage's regions.
 //!
-//! The search is a radix select on the weights, 8 bits per pass, each pass a launch over tiles of
-//! `TILE` candidates of every row (the launches are the barriers between passes): a long row is spread
-//! over many CTAs instead of one CTA per (sequence, KV head).
+//! The search is a radix select on the weights, 8 bits per pass, each pass a launch over tiles of every
+//! row (the launches are the barriers between passes): a long row is spread over many CTAs instead of one
+//! CTA per (sequence, KV head), and a batch of many rows over fewer CTAs per row.
 
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CallShape, CudaStage, StepCx, WsAlloc};
 use crate::error::Result;
 
-/// Candidates per CTA of the estimate kernel (`TOPP_ETILE`) and of the later kernels (`TOPP_TILE`), the
-/// later kernels' threads, the radix passes and the search states per row (top_p.cu's defines).
-const ETILE: usize = 128;
+/// Candidates per CTA of the estimate kernel (`TOPP_ETILE`) and per pass of the later kernels' loops
+/// (`TOPP_CHUNK`), the kernels' threads, the radix passes and the search states per row (top_p.cu's
+/// defines).
+const ETILE: usize = 1024;
 const THREADS: usize = 256;
-const TILE: usize = 4 * THREADS;
+const CHUNK: usize = 4 * THREADS;
+/// About how many CTAs a launch of the later kernels should have: enough for every SM several times over
+/// (132 on an H100), few enough that each CTA's fixed cost (a histogram read, the digit's choice) stays
+/// small next to its candidates.
+const TARGET_CTAS: usize = 1024;
 const PASSES: usize = 4;
 const STATES: usize = PASSES + 1;
 
@@ -49,7 +54,7 @@ impl CudaStage for TopPStage {
     fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
         let (ns, hk, g) = (cx.geo.num_seqs, cx.cfg.num_kv_heads, cx.cfg.group_size());
         self.maxc = cx.candidates();
-        let (etiles, stiles) = (self.maxc.div_ceil(ETILE), self.maxc.div_ceil(TILE));
+        let (etiles, stiles) = (self.maxc.div_ceil(ETILE), self.maxc.div_ceil(CHUNK));
         self.base = ws.take_n(&[cx.rows_of(&cx.base), cx.base.cap, 4])?;
         self.base_len = ws.take_n(&[ns, hk, 4])?;
         self.logits = ws.take_n(&[ns, hk, g, self.maxc, 4])?;
@@ -74,6 +79,9 @@ impl CudaStage for TopPStage {
         let (a, base_ref, fin_ref, maxc) = (cx.a, &cx.base, &cx.fin, self.maxc);
         let m = cx.meta.expect("int4 metadata checked above");
         let (codes, qparams) = (m.codes.as_ref().map_or(0, |b| b.ptr), m.qparams.as_ref().map_or(0, |b| b.ptr));
+        // Chunks per CTA (a CTA's tile): rows x chunks spread over about TARGET_CTAS CTAs.
+        let chunks = maxc.div_ceil(CHUNK);
+        let spt = (ns * hk * chunks).div_ceil(TARGET_CTAS).clamp(1, chunks.max(1));
         // Every kernel's leading parameters (top_p.cu's TOPP_PARAMS).
         let common = || {
             let mut k = KArgs::new();
@@ -82,6 +90,7 @@ impl CudaStage for TopPStage {
             for off in [self.logits, self.w, self.tmax, self.psum, self.rown, self.hist, self.state, self.tsum, self.flags] {
                 k.i64((cx.ws + off as u64) as i64);
             }
+            k.i32(spt as i32);
             k
         };
         let tiles = |per: usize| (maxc.div_ceil(per) as u32, hk as u32, ns as u32);
@@ -89,18 +98,18 @@ impl CudaStage for TopPStage {
         let mut k = common();
         k.ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale);
         k.i64(codes as i64).i64(qparams as i64).f32(a.softcap);
-        launch::launch(cx.function("kvs_topp_estimate")?, tiles(ETILE), ETILE as u32, &mut k, stream, "kvs_topp_estimate launch")?;
+        launch::launch(cx.function("kvs_topp_estimate")?, tiles(ETILE), THREADS as u32, &mut k, stream, "kvs_topp_estimate launch")?;
         for name in ["kvs_topp_norm", "kvs_topp_weights"] {
-            launch::launch(cx.function(name)?, tiles(TILE), THREADS as u32, &mut common(), stream, name)?;
+            launch::launch(cx.function(name)?, tiles(CHUNK * spt), THREADS as u32, &mut common(), stream, name)?;
         }
         for pass in 1..=PASSES as i32 {
             let mut k = common();
             k.f32(self.p).i32(pass);
-            launch::launch(cx.function("kvs_topp_pass")?, tiles(TILE), THREADS as u32, &mut k, stream, "kvs_topp_pass launch")?;
+            launch::launch(cx.function("kvs_topp_pass")?, tiles(CHUNK * spt), THREADS as u32, &mut k, stream, "kvs_topp_pass launch")?;
         }
         let mut k = common();
         k.f32(self.p);
         k.i64(fin_ref.e as i64).i64(fin_ref.p_s).i64(fin_ref.p_h).i64(fin_ref.len as i64).i32(fin_ref.cap).i64(cx.row_bytes).i64((d / 2 + 4) as i64).i64(cx.ctr);
-        launch::launch(cx.function("kvs_topp_write")?, tiles(TILE), THREADS as u32, &mut k, stream, "kvs_topp_write launch")
+        launch::launch(cx.function("kvs_topp_write")?, tiles(CHUNK * spt), THREADS as u32, &mut k, stream, "kvs_topp_write launch")
     }
 }
