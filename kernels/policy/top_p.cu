@@ -7,9 +7,10 @@
 // The set is top_p::select's: the shortest prefix of the candidates sorted by the aggregated weight w
 // (max over the group's rows; descending, equal weights by position, ascending) whose mass reaches p of
 // every row's total. It is found by a radix search on the bits of w (8 per pass, 4 passes), where every
-// kernel spreads a row over many CTAs (tiles of whole chunks of TOPP_CHUNK candidates) and merges their per-bin masses in
-// global memory; the state of the search (threshold bits so far, mass above them) passes from kernel to
-// kernel. Each kernel needs the previous one complete: the launches are the grid-wide barriers.
+// kernel spreads a row over many CTAs (tiles of whole chunks of TOPP_CHUNK candidates) and merges their
+// per-bin masses in global memory; the state of the search (threshold bits so far, mass above them)
+// passes from kernel to kernel. Each kernel needs the previous one complete: the launches are the
+// grid-wide barriers.
 //
 // Arithmetic (docs/policies.md, "Twilight top-p on the device"): estimates and weights in the CPU's
 // operations (decision_dot's order, kvs_fast_exp; this file needs --fmad=false as the whole SELECT module
@@ -138,7 +139,10 @@ __device__ __forceinline__ unsigned code_word(const code_vec& v, int i) {
 __device__ __forceinline__ float code_f(unsigned c) { return __fsub_rn(__uint_as_float(0x4b000000u | c), 8388608.0f); }
 
 // One candidate's logits (every row of the group) from its INT4 row: min * sum(q) + scale * dot(q, codes)
-// in decision_dot's order (8 strided accumulators, then their sum), each step a fused multiply-add.
+// in decision_dot's order (8 strided accumulators, then their sum) and its arithmetic (a rounded product,
+// then the addition): the CPU's logits bit for bit. (Fused multiply-adds would save a third of the
+// estimate's arithmetic, within the stated bound, but would make the sets differ from the CPU's at the
+// boundary where the sparse suite still asks for equal plans.)
 __device__ __forceinline__ void estimate_row(const code_vec* cv, float mn, float scl, const float* qs, const float* qsum, float softcap,
                                              float (&xv)[GROUP]) {
     float acc[GROUP][8];
@@ -162,7 +166,7 @@ __device__ __forceinline__ void estimate_row(const code_vec* cv, float mn, float
                 const float4 qb = *reinterpret_cast<const float4*>(&qs[g * HEAD_DIM + c8 * 8 + 4]);
                 const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
-                for (int l = 0; l < 8; ++l) acc[g][l] = __fmaf_rn(qv[l], cf[l], acc[g][l]);
+                for (int l = 0; l < 8; ++l) acc[g][l] += qv[l] * cf[l];  // --fmad=false: rounded products, as the CPU
             }
         }
     }
@@ -176,7 +180,7 @@ __device__ __forceinline__ void estimate_row(const code_vec* cv, float mn, float
 }
 
 // Step 1: INT4 estimates of every candidate's logits (the base plan's positions inside the row), as
-// estimate_weights but with fused multiply-adds (docs/policies.md: the bound covers both), soft-capped.
+// estimate_weights, soft-capped.
 // Candidates outside the row get NaN. Also each CTA's maximum per row (tmax), and CTA 0 of a row clears
 // the row's histograms and flags for the later kernels. Grid (tiles of TOPP_ETILE candidates, KV heads,
 // seqs); each thread estimates 4 candidates, TOPP_THREADS apart (coalesced stores).
