@@ -1,6 +1,21 @@
-// Top-p's (Twilight) selection kernels (src/policy/top_p/cuda.rs launches them): INT4 estimates of the
-// base plan's candidates, then the shortest prefix by weight reaching mass p. Moved from select.cu; the
-// conventions of a plan, the trust rules and the counters are select.cu's (see its header).
+// Top-p's (Twilight) selection kernels, launched in this order by src/policy/top_p/cuda.rs: INT4 estimates
+// of the base plan's candidates (kvs_topp_estimate), each row's softmax normaliser (kvs_topp_norm), the
+// weights and the first radix pass (kvs_topp_weights), three more radix passes and the tile summaries
+// (kvs_topp_pass), and the kept positions as the plan (kvs_topp_write). The conventions of a plan, the
+// trust rules and the counters are select.cu's (see its header).
+//
+// The set is top_p::select's: the shortest prefix of the candidates sorted by the aggregated weight w
+// (max over the group's rows; descending, equal weights by position, ascending) whose mass reaches p of
+// every row's total. It is found by a radix search on the bits of w (8 per pass, 4 passes), where every
+// kernel spreads a row over many CTAs (tiles of whole chunks of TOPP_CHUNK candidates) and merges their
+// per-bin masses in global memory; the state of the search (threshold bits so far, mass above them)
+// passes from kernel to kernel. Each kernel needs the previous one complete: the launches are the
+// grid-wide barriers.
+//
+// Arithmetic (docs/policies.md, "Twilight top-p on the device"): estimates and weights in the CPU's
+// operations (decision_dot's order, kvs_fast_exp; this file needs --fmad=false as the whole SELECT module
+// has), the softmax normaliser an f64 sum in another order (per tile, then over tiles), masses exact in
+// fixed point. Decisions are deterministic: integer atomics only, ties by position.
 //
 // Compile-time parameters: KVS_DTYPE, HEAD_DIM, GROUP (query heads per KV head).
 
@@ -10,15 +25,90 @@
 #include "block_reduce.cuh"
 #include "topk.cuh"
 
+#define TOPP_ETILE 1024                // candidates per CTA of the estimate, 4 per thread
+#define TOPP_THREADS 256               // threads of every later kernel (8 warps: choose_digit's layout)
+#define TOPP_CHUNK (4 * TOPP_THREADS)  // candidates per pass of a CTA's loop in the later kernels, 4 consecutive per thread
+#define TOPP_PASSES 4                  // radix passes of 8 bits over the 32-bit weight
+#define TOPP_STATES (TOPP_PASSES + 1)  // search states: after pass k's digit (slot k, 1..4)
+
+// The search after a digit: threshold bits chosen so far, each row's mass of the candidates above them
+// (fixed point), each row's target (p times its total).
+struct TopPState {
+    unsigned t;
+    unsigned pad;
+    unsigned long long above[GROUP];
+    double target[GROUP];
+};
+
+// One tile's candidates at the final threshold T: how many weigh more, how many weigh exactly T, and the
+// tied ones' mass per row.
+struct TopPTile {
+    unsigned gt, ties;
+    unsigned long long mass[GROUP];
+};
+
+// The parameters every kernel takes: the batch, the base plan, and the workspace (per row = sequence x
+// KV head): logits [row][GROUP][maxc], weights w [row][maxc], estimate-tile maxima tmax
+// [row][etiles][GROUP], tile normaliser sums psum [row][stiles][GROUP], row max and 1/normaliser rown
+// [row][2][GROUP], mass histograms hist [row][TOPP_PASSES][256][GROUP], states [row][TOPP_STATES], tile
+// summaries [row][stiles], flags [row][2] (a non-finite weight; the write kernel's done count). Each CTA
+// of the kernels after the estimate covers a tile of `spt` chunks of TOPP_CHUNK candidates (the host
+// picks spt so that a call has about a thousand such CTAs: long rows split, many rows not over-split).
+#define TOPP_PARAMS                                                                                                               \
+    Batch b, int hk, const unsigned *base, i64 b_s, i64 b_h, const int *base_len, int ulog2, int maxc, float *logits, float *w, \
+        float *tmax, double *psum, float *rown, unsigned long long *hist, TopPState *state, TopPTile *tsum, int *flags, int spt
+
+// One row's candidates: the base plan's units expanded to positions (increasing), `nc` of them, of which
+// [ja, jb] lie inside the row's limits.
+struct ToppRow {
+    SeqRow r;
+    int row, nc, ja, jb;
+    const unsigned* be;
+    int umask, ulog2;
+    __device__ __forceinline__ int pos(int j) const { return (int)((be[j >> ulog2] << ulog2) | (unsigned)(j & umask)); }
+    __device__ __forceinline__ bool valid(int j) const { return j >= ja && j <= jb; }
+    __device__ __forceinline__ unsigned long long nvalid() const { return jb >= ja ? (unsigned long long)(jb - ja + 1) : 0ull; }
+};
+
+__device__ __forceinline__ ToppRow topp_row(const Batch& b, int s, int h, int hk, const unsigned* base, i64 b_s, i64 b_h, const int* base_len, int ulog2,
+                                            int maxc) {
+    ToppRow t;
+    t.r = seq_row(b, s);
+    t.row = s * hk + h;
+    const int nb = (t.r.decode && t.r.hi >= t.r.lo) ? base_len[t.row] : 0;
+    t.nc = nb > 0 ? min(nb << ulog2, maxc) : 0;
+    t.be = base + s * b_s + h * b_h;
+    t.ulog2 = ulog2;
+    t.umask = (1 << ulog2) - 1;
+    t.ja = 0;
+    t.jb = -1;
+    if (t.nc > 0) {  // positions increase with j: the candidates inside lo..=hi are [ja, jb]
+        const int p0 = t.pos(0), pl = t.pos(t.nc - 1);
+        t.ja = p0 < t.r.lo ? min(t.r.lo - p0, t.nc) : 0;
+        t.jb = pl > t.r.hi ? t.nc - 1 - (pl - t.r.hi) : t.nc - 1;
+    }
+    return t;
+}
+
+// A candidate's estimated weight in one row, as softmax_decision: e = fast_exp(x - max), times f32(1/z)
+// (times 1 when z is not positive, which leaves e unchanged).
+__device__ __forceinline__ float topp_weight(float x, float m, float inv) { return kvs_fast_exp(x - m) * inv; }
+
+// Masses are fixed point (P * 2^62 as u64; every weight is <= 1 and a row's weights sum to 1), so the
+// sums are exact whatever order atomics land in; they differ from the CPU's f64 sums by at most ~1e-14,
+// far below any mass gap a decision could hinge on.
+#define MASS_ONE 4611686018427387904.0  // 2^62
+__device__ __forceinline__ unsigned long long to_fixed(float v) { return (unsigned long long)((double)v * MASS_ONE); }
+
 // Loads the GROUP query rows of KV head h at row t, times the scale (as the CPU's load_queries), into
-// shared memory, and (optionally) their ordered sums. All threads of the CTA call this.
+// shared memory, and their ordered sums. All threads of the CTA call this.
 __device__ __forceinline__ void load_q(const elem_t* q, i64 q0, i64 q1, i64 q2, int t, int h, float scale, float* qs, float* qsum) {
     for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
         const int r = i / HEAD_DIM, c = i % HEAD_DIM;
         qs[i] = ET::ld(q[(i64)t * q0 + (i64)(h * GROUP + r) * q1 + (i64)c * q2]) * scale;
     }
     __syncthreads();
-    if (qsum != 0 && threadIdx.x < GROUP) {
+    if (threadIdx.x < GROUP) {
         float s = 0.0f;
         for (int c = 0; c < HEAD_DIM; ++c) s += qs[threadIdx.x * HEAD_DIM + c];
         qsum[threadIdx.x] = s;
@@ -26,75 +116,119 @@ __device__ __forceinline__ void load_q(const elem_t* q, i64 q0, i64 q1, i64 q2, 
     __syncthreads();
 }
 
-// Top-p, step 1: INT4 estimates of every candidate's logits (the base plan's positions inside the row),
-// as estimate_weights: min * sum(q) + scale * dot(q, codes), soft-capped. Candidates outside the row get
-// NaN. Grid (candidate tiles, KV heads, seqs); logits [(s*hk+h)][GROUP][maxc].
-extern "C" __global__ void __launch_bounds__(128) kvs_topp_estimate(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk,
-                                                                    const unsigned* base, i64 b_s, i64 b_h, const int* base_len, int ulog2,
-                                                                    const unsigned char* codes, const u16* qparams, float softcap,
-                                                                    float* logits, int maxc) {
-    __shared__ float qs[GROUP * HEAD_DIM];
-    __shared__ float qsum[GROUP];
-    const int s = blockIdx.z, h = blockIdx.y;
-    const SeqRow r = seq_row(b, s);
-    if (!r.decode || r.hi < r.lo) return;
-    const int nb = base_len[s * hk + h];
-    const int nc = min(nb << ulog2, maxc);
-    if ((int)(blockIdx.x * blockDim.x) >= nc) return;
-    load_q(q, q0, q1, q2, r.t, h, scale, qs, qsum);
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= nc) return;
-    float* out = logits + (i64)(s * hk + h) * GROUP * maxc;
-    const int pos = (int)((base[s * b_s + h * b_h + (j >> ulog2)] << ulog2) | (j & ((1 << ulog2) - 1)));
-    const i64 pb = (pos >= r.lo && pos <= r.hi) ? phys_block(b, s, pos >> b.bs_log2) : -1;
-    if (pb < 0) {
-        for (int g = 0; g < GROUP; ++g) out[(i64)g * maxc + j] = __int_as_float(0x7fffffff);
-        return;
-    }
-    const int bs = 1 << b.bs_log2;
-    const i64 row = (pb * bs + (pos & (bs - 1))) * hk + h;
-    const unsigned char* cr = codes + row * (HEAD_DIM / 2);
-    const float mn = kvs_f16_to_f32(qparams[2 * row]), scl = kvs_f16_to_f32(qparams[2 * row + 1]);
+// The INT4 codes of one key row as 32-bit words (channels 8i..8i+7, low nibble first), read 16 or 8 bytes
+// at a time (a row is HEAD_DIM / 2 bytes: a multiple of 16 for head sizes 64, 96, 128, 192, 256, of 8 for
+// every supported size).
+#if (HEAD_DIM / 2) % 16 == 0
+typedef uint4 code_vec;
+#define CODE_WORDS 4
+#else
+typedef uint2 code_vec;
+#define CODE_WORDS 2
+#endif
+__device__ __forceinline__ unsigned code_word(const code_vec& v, int i) {
+#if CODE_WORDS == 4
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+#else
+    return i == 0 ? v.x : v.y;
+#endif
+}
+
+// A 4-bit code as a float, exactly: 2^23 + c as bits, minus 2^23 (two full-rate operations instead of a
+// conversion, which runs at a quarter of the rate).
+__device__ __forceinline__ float code_f(unsigned c) { return __fsub_rn(__uint_as_float(0x4b000000u | c), 8388608.0f); }
+
+// One candidate's logits (every row of the group) from its INT4 row: min * sum(q) + scale * dot(q, codes)
+// in decision_dot's order (8 strided accumulators, then their sum) and its arithmetic (a rounded product,
+// then the addition): the CPU's logits bit for bit. (Fused multiply-adds would save a third of the
+// estimate's arithmetic, within the stated bound, but would make the sets differ from the CPU's at the
+// boundary where the sparse suite still asks for equal plans.)
+__device__ __forceinline__ void estimate_row(const code_vec* cv, float mn, float scl, const float* qs, const float* qsum, float softcap,
+                                             float (&xv)[GROUP]) {
     float acc[GROUP][8];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g)
 #pragma unroll
         for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
-    const unsigned* cw = reinterpret_cast<const unsigned*>(cr);
-    for (int c8 = 0; c8 < HEAD_DIM / 8; ++c8) {
-        const unsigned word = cw[c8];  // codes of channels c8*8 .. c8*8+7, low nibble first
-        float cf[8];
+    for (int v = 0; v < HEAD_DIM / 8 / CODE_WORDS; ++v) {
+        const code_vec words = cv[v];
 #pragma unroll
-        for (int l = 0; l < 8; ++l) cf[l] = (float)((word >> (4 * l)) & 15u);
+        for (int wi = 0; wi < CODE_WORDS; ++wi) {
+            const unsigned word = code_word(words, wi);
+            const int c8 = v * CODE_WORDS + wi;
+            float cf[8];
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g)
+            for (int l = 0; l < 8; ++l) cf[l] = code_f((word >> (4 * l)) & 15u);
 #pragma unroll
-            for (int l = 0; l < 8; ++l) acc[g][l] += qs[g * HEAD_DIM + c8 * 8 + l] * cf[l];
+            for (int g = 0; g < GROUP; ++g) {
+                // The 8 query values as two 16-byte shared loads (a broadcast: every thread reads them).
+                const float4 qa = *reinterpret_cast<const float4*>(&qs[g * HEAD_DIM + c8 * 8]);
+                const float4 qb = *reinterpret_cast<const float4*>(&qs[g * HEAD_DIM + c8 * 8 + 4]);
+                const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+                for (int l = 0; l < 8; ++l) acc[g][l] += qv[l] * cf[l];  // --fmad=false: rounded products, as the CPU
+            }
+        }
     }
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
         float dot = acc[g][0];
 #pragma unroll
         for (int l = 1; l < 8; ++l) dot += acc[g][l];
-        out[(i64)g * maxc + j] = kvs_decision_softcap(mn * qsum[g] + scl * dot, softcap);
+        xv[g] = kvs_decision_softcap(mn * qsum[g] + scl * dot, softcap);
     }
 }
 
-// Top-p, step 2 (one CTA per KV head and sequence): softmax of each row's estimates, the aggregated weight
-// w = max over the group, and the shortest prefix of the candidates sorted by w (descending; ties by
-// position, ascending) whose mass reaches p of every row's total (f64 masses), found by a radix search
-// on w, 8 bits per pass; the kept positions become the plan (tokens, increasing). As top_p::select.
-// `logits` [(s*hk+h)][GROUP][maxc] (maxc a multiple of 4) is overwritten with the weights; `wbuf`
-// [(s*hk+h)][maxc] holds w. The base plan's entries increase, so the candidates inside the row are one
-// contiguous range [ja, jb] of candidate indices; every pass reads 4 consecutive candidates per thread.
-#define TOPP_THREADS 512
-#define TOPP_WARPS (TOPP_THREADS / 32)
-
-// Masses are fixed point (P * 2^62 as u64; every weight is <= 1 and a row's weights sum to 1), so the
-// sums are exact whatever order atomics land in; they differ from the CPU's f64 sums by at most ~1e-14,
-// far below any mass gap a decision could hinge on.
-#define MASS_ONE 4611686018427387904.0  // 2^62
-__device__ __forceinline__ unsigned long long to_fixed(float v) { return (unsigned long long)((double)v * MASS_ONE); }
+// Step 1: INT4 estimates of every candidate's logits (the base plan's positions inside the row), as
+// estimate_weights, soft-capped.
+// Candidates outside the row get NaN. Also each CTA's maximum per row (tmax), and CTA 0 of a row clears
+// the row's histograms and flags for the later kernels. Grid (tiles of TOPP_ETILE candidates, KV heads,
+// seqs); each thread estimates 4 candidates, TOPP_THREADS apart (coalesced stores).
+extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOPP_PARAMS, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
+                                                                            const unsigned char* codes, const u16* qparams, float softcap) {
+    __shared__ __align__(16) float qs[GROUP * HEAD_DIM];
+    __shared__ float qsum[GROUP];
+    __shared__ float red[32];
+    const ToppRow t = topp_row(b, blockIdx.z, blockIdx.y, hk, base, b_s, b_h, base_len, ulog2, maxc);
+    if ((int)(blockIdx.x * TOPP_ETILE) >= t.nc) return;  // also every row that is not a decode row
+    const int h = blockIdx.y;
+    if (blockIdx.x == 0) {
+        unsigned long long* hr = hist + (i64)t.row * TOPP_PASSES * 256 * GROUP;
+        for (int i = threadIdx.x; i < TOPP_PASSES * 256 * GROUP; i += blockDim.x) hr[i] = 0ull;
+        if (threadIdx.x < 2) flags[2 * t.row + threadIdx.x] = 0;
+    }
+    load_q(q, q0, q1, q2, t.r.t, h, scale, qs, qsum);
+    float* out = logits + (i64)t.row * GROUP * maxc;
+    float mx[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) mx[g] = -INFINITY;
+    for (int k = 0; k < TOPP_ETILE / TOPP_THREADS; ++k) {
+        const int j = blockIdx.x * TOPP_ETILE + k * TOPP_THREADS + threadIdx.x;
+        if (j >= t.nc) break;
+        const int pos = t.pos(j);
+        const i64 pb = (pos >= t.r.lo && pos <= t.r.hi) ? phys_block(b, blockIdx.z, pos >> b.bs_log2) : -1;
+        if (pb < 0) {
+            for (int g = 0; g < GROUP; ++g) out[(i64)g * maxc + j] = __int_as_float(0x7fffffff);
+            continue;
+        }
+        const int bs = 1 << b.bs_log2;
+        const i64 row = (pb * bs + (pos & (bs - 1))) * hk + h;
+        float xv[GROUP];
+        estimate_row(reinterpret_cast<const code_vec*>(codes + row * (HEAD_DIM / 2)), kvs_f16_to_f32(qparams[2 * row]), kvs_f16_to_f32(qparams[2 * row + 1]), qs,
+                     qsum, softcap, xv);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            out[(i64)g * maxc + j] = xv[g];
+            mx[g] = fmaxf(mx[g], xv[g]);  // NaN ignored, as the CPU's fold with f32::max
+        }
+    }
+    const int etiles = (maxc + TOPP_ETILE - 1) / TOPP_ETILE;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const float m = block_max(mx[g], red);
+        if (threadIdx.x == 0) tmax[((i64)t.row * etiles + blockIdx.x) * GROUP + g] = m;
+    }
+}
 
 // Adds each lane's `v` into mass[bin * GROUP + g] for its bin (256 = none). A warp with few distinct bins
 // (the usual case: most weights share an exponent) sums each bin with a butterfly and adds it once;
@@ -190,217 +324,416 @@ __device__ __forceinline__ unsigned choose_digit(const unsigned long long* mass,
     return d;
 }
 
-extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_select(Batch b, int hk, const unsigned* base, i64 b_s, i64 b_h, const int* base_len,
-                                                                           int ulog2, float* logits, float* wbuf, int maxc, float p,
-                                                                           unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes,
-                                                                           i64 meta_row_bytes, unsigned long long* ctr) {
-    __shared__ unsigned long long mass[256 * GROUP];
-    __shared__ unsigned long long above[GROUP];
-    __shared__ double target[GROUP];
-    __shared__ unsigned long long wsum[8][GROUP];
-    __shared__ float red_f[32];
-    __shared__ double red_d[32];
-    __shared__ unsigned long long red_u[32];
-    __shared__ unsigned long long scan_tmp[TOPP_WARPS];
-    __shared__ int tie_cut, pick;
-    __shared__ int cnt[TOPP_WARPS + 1];
-    const int s = blockIdx.y, h = blockIdx.x;
-    const SeqRow r = seq_row(b, s);
-    if (!r.decode) {
-        if (threadIdx.x == 0) plan_len[s * hk + h] = -1;
-        return;
-    }
-    unsigned* e = plan + s * p_s + h * p_h;
-    const int nb = r.hi >= r.lo ? base_len[s * hk + h] : 0;
-    const int nc = nb > 0 ? min(nb << ulog2, maxc) : 0;
-    float* x = logits + (i64)(s * hk + h) * GROUP * maxc;
-    float* w = wbuf + (i64)(s * hk + h) * maxc;
-    const unsigned* be = base + s * b_s + h * b_h;
-    const int umask = (1 << ulog2) - 1;
-    auto pos_of = [&](int j) { return (int)((be[j >> ulog2] << ulog2) | (unsigned)(j & umask)); };
-    // Positions increase with j: the candidates inside lo..=hi are [ja, jb].
-    int ja = 0, jb = -1;
-    if (nc > 0) {
-        const int p0 = pos_of(0), pl = pos_of(nc - 1);
-        ja = p0 < r.lo ? min(r.lo - p0, nc) : 0;
-        jb = pl > r.hi ? nc - 1 - (pl - r.hi) : nc - 1;
-    }
-    const unsigned long long nvalid = jb >= ja ? (unsigned long long)(jb - ja + 1) : 0ull;
-    // Passes over 4 consecutive candidates per thread: a float4 of each row (maxc % 4 == 0).
-    const int j4_end = ((jb + 1) + 3) & ~3;
-    const int j4_start = ja & ~3;
-    float mloc[GROUP];
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) mloc[g] = -INFINITY;
-    for (int j4 = j4_start + 4 * threadIdx.x; j4 < j4_end; j4 += 4 * blockDim.x) {
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-            const float4 v = *reinterpret_cast<const float4*>(x + (i64)g * maxc + j4);
-            const float vs[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k)
-                if (j4 + k >= ja && j4 + k <= jb) mloc[g] = fmaxf(mloc[g], vs[k]);
-        }
-    }
-    float m[GROUP];
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) m[g] = block_max(mloc[g], red_f);
-    double zloc[GROUP];
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) zloc[g] = 0.0;
-    for (int j4 = j4_start + 4 * threadIdx.x; j4 < j4_end; j4 += 4 * blockDim.x) {
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-            const float4 v = *reinterpret_cast<const float4*>(x + (i64)g * maxc + j4);
-            const float vs[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k)
-                if (j4 + k >= ja && j4 + k <= jb) zloc[g] += (double)kvs_fast_exp(vs[k] - m[g]);
-        }
-    }
-    float inv[GROUP];
-    bool zpos[GROUP];
+// A tile's 4 consecutive candidates j4..j4+3 of this thread (j4 < nc, so all four lie inside the row's
+// maxc columns): logits of every row.
+__device__ __forceinline__ void load4(const float* x, int maxc, int j4, float (&v)[4][GROUP]) {
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-        const double z = block_sum(zloc[g], red_d);
-        zpos[g] = z > 0.0;
-        inv[g] = zpos[g] ? (float)(1.0 / z) : 1.0f;
+        const float4 y = *reinterpret_cast<const float4*>(x + (i64)g * maxc + j4);
+        v[0][g] = y.x;
+        v[1][g] = y.y;
+        v[2][g] = y.z;
+        v[3][g] = y.w;
     }
-    for (int i2 = threadIdx.x; i2 < 256 * GROUP; i2 += blockDim.x) mass[i2] = 0ull;
+}
+
+// The weights of candidates j4..j4+3 (-1 from j4 = nc on: outside every row).
+__device__ __forceinline__ void load_w4(const float* wr, int j4, int nc, float (&wv)[4]) {
+    wv[0] = wv[1] = wv[2] = wv[3] = -1.f;
+    if (j4 < nc) {
+        const float4 v = *reinterpret_cast<const float4*>(wr + j4);
+        wv[0] = v.x;
+        wv[1] = v.y;
+        wv[2] = v.z;
+        wv[3] = v.w;
+    }
+}
+
+// Adds a CTA's histogram into the row's global one (integer atomics: the sums do not depend on order).
+__device__ __forceinline__ void flush_hist(const unsigned long long* mass, unsigned long long* out) {
     __syncthreads();
-    // Weights, w, row totals, and the first radix pass (top byte of w) in one sweep.
-    unsigned long long tloc[GROUP];
+    for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x)
+        if (mass[i] != 0ull) atomicAdd(&out[i], mass[i]);
+}
+
+// The CTA's tile of the row: candidates [a0, a1), visited in chunks of TOPP_CHUNK (j4: this thread's
+// first of 4 in the chunk at c0). Every thread runs the same number of chunks (warp collectives inside).
+#define TOPP_TILE_PROLOGUE                                                                                 \
+    const ToppRow t = topp_row(b, blockIdx.z, blockIdx.y, hk, base, b_s, b_h, base_len, ulog2, maxc); \
+    const int tile = blockIdx.x;                                                                        \
+    const int stiles = (maxc + TOPP_CHUNK - 1) / TOPP_CHUNK;                                            \
+    const int span = TOPP_CHUNK * spt;                                                                  \
+    const int nt = (t.nc + span - 1) / span;                                                            \
+    const int a0 = tile * span, a1 = min(a0 + span, t.nc);                                              \
+    const float* x = logits + (i64)t.row * GROUP * maxc;
+#define TOPP_CHUNKS for (int c0 = a0, j4 = a0 + 4 * threadIdx.x; c0 < a1; c0 += TOPP_CHUNK, j4 += TOPP_CHUNK)
+
+// Step 2: each tile's share of every row's normaliser, sum of fast_exp(x - max) in f64 (psum); tile 0 of a
+// row stores the row's maximum (over the estimate tiles' maxima). Grid (tiles, KV heads, seqs).
+extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_norm(TOPP_PARAMS) {
+    __shared__ float red_f[32];
+    __shared__ double red_d[32];
+    TOPP_TILE_PROLOGUE
+    if (tile >= nt) return;
+    const int etiles = (maxc + TOPP_ETILE - 1) / TOPP_ETILE, ne = (t.nc + TOPP_ETILE - 1) / TOPP_ETILE;
+    float m[GROUP];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) tloc[g] = 0ull;
-    bool nonfinite = false;  // a NaN or infinite weight (non-finite query or key): keep everything
-    for (int j4b = j4_start; j4b < j4_end; j4b += 4 * blockDim.x) {  // uniform trip count (warp collectives)
-        const int j4 = j4b + 4 * threadIdx.x;
-        float pv[4][GROUP];
-        float wv[4] = {-1.f, -1.f, -1.f, -1.f};  // invalid candidates sort below every weight (w >= 0)
-        if (j4 < j4_end) {
+    for (int g = 0; g < GROUP; ++g) {
+        float v = -INFINITY;
+        for (int e = threadIdx.x; e < ne; e += blockDim.x) v = fmaxf(v, tmax[((i64)t.row * etiles + e) * GROUP + g]);
+        m[g] = block_max(v, red_f);
+    }
+    double z[GROUP];
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                const float4 v = *reinterpret_cast<const float4*>(x + (i64)g * maxc + j4);
-                const float vs[4] = {v.x, v.y, v.z, v.w};
-                float o[4];
+    for (int g = 0; g < GROUP; ++g) z[g] = 0.0;
+    TOPP_CHUNKS {
+        if (j4 >= a1) continue;
+        float v[4][GROUP];
+        load4(x, maxc, j4, v);
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const bool ok = j4 + k >= ja && j4 + k <= jb;
-                    float y = 0.0f;
-                    if (ok) {
-                        y = kvs_fast_exp(vs[k] - m[g]);
-                        if (zpos[g]) y *= inv[g];
-                        nonfinite = nonfinite || !isfinite(y);
-                        tloc[g] += isfinite(y) ? to_fixed(y) : 0ull;
-                        wv[k] = g == 0 ? y : fmaxf(wv[k], y);
-                    }
-                    o[k] = y;
+        for (int k = 0; k < 4; ++k)
+            if (t.valid(j4 + k))
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) z[g] += (double)kvs_fast_exp(v[k][g] - m[g]);
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const double zs = block_sum(z[g], red_d);
+        if (threadIdx.x == 0) {
+            psum[((i64)t.row * stiles + tile) * GROUP + g] = zs;
+            if (tile == 0) rown[(i64)t.row * 2 * GROUP + g] = m[g];
+        }
+    }
+}
+
+// Step 3: the weights (each row's P = topp_weight(x), w = max over the rows; -1 outside the row) and the
+// first radix pass (masses per top byte of w); a non-finite weight sets the row's flag. Tile 0 of a row
+// stores 1/normaliser (the tiles' sums added in one fixed order, the same in every CTA of the row).
+extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_weights(TOPP_PARAMS) {
+    __shared__ unsigned long long mass[256 * GROUP];
+    __shared__ float m[GROUP], inv[GROUP];
+    __shared__ double red_d[32];
+    __shared__ int nonfinite;
+    TOPP_TILE_PROLOGUE
+    float* wr = w + (i64)t.row * maxc;  // the row's weights
+    if (tile >= nt) return;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        double z = 0.0;
+        for (int i = threadIdx.x; i < nt; i += blockDim.x) z += psum[((i64)t.row * stiles + i) * GROUP + g];
+        z = block_sum(z, red_d);
+        if (threadIdx.x == 0) {
+            m[g] = rown[(i64)t.row * 2 * GROUP + g];
+            inv[g] = z > 0.0 ? (float)(1.0 / z) : 1.0f;
+            if (tile == 0) rown[(i64)t.row * 2 * GROUP + GROUP + g] = inv[g];
+        }
+    }
+    if (threadIdx.x == 0) nonfinite = 0;
+    for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x) mass[i] = 0ull;
+    __syncthreads();
+    bool bad = false;
+    TOPP_CHUNKS {
+        float pv[4][GROUP] = {};
+        float wv[4] = {-1.f, -1.f, -1.f, -1.f};  // outside the row: below every weight (w >= 0)
+        if (j4 < a1) {
+            load4(x, maxc, j4, pv);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const bool ok = t.valid(j4 + k);
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) {
+                    const float y = ok ? topp_weight(pv[k][g], m[g], inv[g]) : 0.0f;
+                    bad = bad || !isfinite(y);
+                    if (ok) wv[k] = g == 0 ? y : fmaxf(wv[k], y);
                     pv[k][g] = y;
                 }
-                *reinterpret_cast<float4*>(x + (i64)g * maxc + j4) = make_float4(o[0], o[1], o[2], o[3]);
             }
-            *reinterpret_cast<float4*>(w + j4) = make_float4(wv[0], wv[1], wv[2], wv[3]);
+            *reinterpret_cast<float4*>(wr + j4) = make_float4(wv[0], wv[1], wv[2], wv[3]);
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) bin_add(mass, wv[k] >= 0.0f ? (__float_as_uint(wv[k]) >> 24) : 256u, pv[k]);
     }
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-        const unsigned long long tot = block_sum(tloc[g], red_u);
-        if (threadIdx.x == 0) {
-            target[g] = (double)p * (double)tot;
-            above[g] = 0ull;
-        }
-    }
-    if (threadIdx.x == 0) tie_cut = nc;
+    if (bad) nonfinite = 1;
+    flush_hist(mass, hist + (i64)t.row * TOPP_PASSES * 256 * GROUP);
+    if (threadIdx.x == 0 && nonfinite) atomicOr(&flags[2 * t.row], 1);
+}
+
+// Steps 4-7 (pass = 1..4): every CTA of a row chooses digit pass-1 from the row's histogram of that pass
+// and the state before it (pass 1 starts from the totals), tile 0 stores the new state; then passes 1..3
+// build the histogram of the next byte among the candidates that match the threshold's bits so far, and
+// pass 4 (the threshold T complete) summarises its tile: candidates above T, tied at T, and the tied mass.
+// Rows that keep everything (p = 1, a non-finite weight) or have no candidate skip the search.
+extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_pass(TOPP_PARAMS, float p, int pass) {
+    __shared__ unsigned long long mass[256 * GROUP];
+    __shared__ unsigned long long above[GROUP];
+    __shared__ double target[GROUP];
+    __shared__ unsigned long long wsum[8][GROUP];
+    __shared__ unsigned long long red_u[32];
+    __shared__ float m[GROUP], inv[GROUP];
+    __shared__ unsigned tsh;
+    __shared__ int pick;
+    TOPP_TILE_PROLOGUE
+    const float* wr = w + (i64)t.row * maxc;  // the row's weights
+    if (tile >= nt || t.nvalid() == 0 || p >= 1.0f || flags[2 * t.row] != 0) return;
+    const unsigned long long* hr = hist + (i64)t.row * TOPP_PASSES * 256 * GROUP;
+    for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x) mass[i] = hr[(i64)(pass - 1) * 256 * GROUP + i];
     __syncthreads();
-    // As top_p::select: p = 1, or a non-finite weight (nothing can be ranked, and a poisoned key must
-    // reach the attention rather than be pruned by chance), keeps every candidate.
-    const bool keep_all = p >= 1.0f || block_max(nonfinite ? 1.0f : 0.0f, red_f) > 0.0f;
-    unsigned T = 0;
-    if (!keep_all && nvalid > 0) {
-        T = choose_digit(mass, above, target, wsum, &pick) << 24;
-        for (int pass = 1; pass < 4; ++pass) {
-            const int shift = 24 - 8 * pass;
-            const unsigned hmask = ~0u << (shift + 8);
-            for (int i2 = threadIdx.x; i2 < 256 * GROUP; i2 += blockDim.x) mass[i2] = 0ull;
-            __syncthreads();
-            for (int j4b = j4_start; j4b < j4_end; j4b += 4 * blockDim.x) {
-                const int j4 = j4b + 4 * threadIdx.x;
-                float wv[4] = {-1.f, -1.f, -1.f, -1.f};
-                float pv[4][GROUP];
-                if (j4 < j4_end) {
-                    const float4 v = *reinterpret_cast<const float4*>(w + j4);
-                    wv[0] = v.x; wv[1] = v.y; wv[2] = v.z; wv[3] = v.w;
-                    bool any = false;
+    TopPState* st = state + (i64)t.row * TOPP_STATES;
+    if (pass == 1)
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) any = any || (wv[k] >= 0.0f && (__float_as_uint(wv[k]) & hmask) == (T & hmask));
-                    if (any) {
-#pragma unroll
-                        for (int g = 0; g < GROUP; ++g) {
-                            const float4 y = *reinterpret_cast<const float4*>(x + (i64)g * maxc + j4);
-                            pv[0][g] = y.x; pv[1][g] = y.y; pv[2][g] = y.z; pv[3][g] = y.w;
-                        }
-                    }
-                }
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const unsigned key = __float_as_uint(wv[k]);
-                    const bool in = wv[k] >= 0.0f && (key & hmask) == (T & hmask);
-                    bin_add(mass, in ? ((key >> shift) & 255u) : 256u, pv[k]);
-                }
+        for (int g = 0; g < GROUP; ++g) {  // the row's total: every bin of the first pass
+            const unsigned long long tot = block_sum(mass[threadIdx.x * GROUP + g], red_u);
+            if (threadIdx.x == 0) {
+                above[g] = 0ull;
+                target[g] = (double)p * (double)tot;
             }
-            __syncthreads();
-            T |= choose_digit(mass, above, target, wsum, &pick) << shift;
         }
-        // Ties at T: add them in increasing position until every row reaches, a chunk of blockDim
-        // candidates at a time (a block scan of each row's tied masses per chunk).
-        unsigned long long ties = 0;
-        for (int j = ja + threadIdx.x; j <= jb; j += blockDim.x) ties += (w[j] >= 0.0f && __float_as_uint(w[j]) == T);
-        ties = block_sum(ties, red_u);
-        if (ties > 1) {
-            if (threadIdx.x == 0) pick = 0x7fffffff;
-            unsigned long long acc[GROUP];
-#pragma unroll
-            for (int g = 0; g < GROUP; ++g) acc[g] = above[g];
-            __syncthreads();
-            for (int j0 = ja; j0 <= jb; j0 += blockDim.x) {
-                const int j = j0 + threadIdx.x;
-                const bool tied = j <= jb && w[j] >= 0.0f && __float_as_uint(w[j]) == T;
-                bool reach = tied;
-#pragma unroll
-                for (int g = 0; g < GROUP; ++g) {
-                    unsigned long long total;
-                    const unsigned long long incl = block_incl_scan(tied ? to_fixed(x[(i64)g * maxc + j]) : 0ull, scan_tmp, &total);
-                    reach = reach && (double)(acc[g] + incl) >= target[g];
-                    acc[g] += total;
-                }
-                if (reach) atomicMin(&pick, j);
-                __syncthreads();
-                if (pick != 0x7fffffff) break;  // uniform: everyone reads the same value
-            }
-            if (threadIdx.x == 0) tie_cut = pick == 0x7fffffff ? nc : pick;
+    if (threadIdx.x < GROUP) {
+        const int g = threadIdx.x;
+        if (pass > 1) {
+            above[g] = st[pass - 1].above[g];
+            target[g] = st[pass - 1].target[g];
         }
+        m[g] = rown[(i64)t.row * 2 * GROUP + g];
+        inv[g] = rown[(i64)t.row * 2 * GROUP + GROUP + g];
+    }
+    if (threadIdx.x == 0) tsh = pass == 1 ? 0u : st[pass - 1].t;
+    __syncthreads();
+    const unsigned T = tsh | (choose_digit(mass, above, target, wsum, &pick) << (32 - 8 * pass));
+    if (tile == 0) {
+        if (threadIdx.x < GROUP) {
+            st[pass].above[threadIdx.x] = above[threadIdx.x];
+            st[pass].target[threadIdx.x] = target[threadIdx.x];
+        }
+        if (threadIdx.x == 0) st[pass].t = T;
+    }
+    const unsigned hmask = ~0u << (32 - 8 * pass);  // the bits chosen so far (all 32 at pass 4)
+    const int shift = 24 - 8 * pass;                 // the next byte (passes 1..3)
+    if (pass < TOPP_PASSES) {
+        __syncthreads();  // choose_digit's last reads of mass
+        for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x) mass[i] = 0ull;
         __syncthreads();
     }
-    const int cut = tie_cut;
-    auto keep = [&](int j) {
-        if (j < ja || j > jb) return false;
-        if (keep_all) return true;
-        const unsigned k = __float_as_uint(w[j]);
-        return k > T || (k == T && j <= cut);
-    };
-    const int n = compact(nc, keep, [&](int j) { return (unsigned)pos_of(j); }, e, cap, cnt);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        plan_len[s * hk + h] = n;
-        if (r.hi >= r.lo) {
-            atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
-            atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((r.hi >> b.bs_log2) - (r.lo >> b.bs_log2) + 1));
+    unsigned long long gt = 0, ties = 0, tm[GROUP] = {};
+    TOPP_CHUNKS {
+        float wv[4];
+        load_w4(wr, j4 < a1 ? j4 : t.nc, t.nc, wv);
+        // Candidates whose weight matches T in the bits chosen so far, and their weights per row.
+        bool in[4], any = false;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            in[k] = wv[k] >= 0.0f && (__float_as_uint(wv[k]) & hmask) == (T & hmask);
+            any = any || in[k];
         }
-        atomicAdd(&ctr[CTR_TOP_P_CANDIDATES], nvalid);
-        atomicAdd(&ctr[CTR_TOP_P_KEPT], (unsigned long long)n);
-        atomicAdd(&ctr[CTR_KV_BYTES], nvalid * (unsigned long long)meta_row_bytes);
+        float pv[4][GROUP] = {};
+        if (any) {
+            load4(x, maxc, j4, pv);
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) pv[k][g] = in[k] ? topp_weight(pv[k][g], m[g], inv[g]) : 0.0f;
+        }
+        if (pass < TOPP_PASSES) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) bin_add(mass, in[k] ? ((__float_as_uint(wv[k]) >> shift) & 255u) : 256u, pv[k]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                gt += wv[k] >= 0.0f && __float_as_uint(wv[k]) > T;
+                ties += in[k];
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) tm[g] += in[k] ? to_fixed(pv[k][g]) : 0ull;
+            }
+        }
     }
-    account(e, n, 0, r.lo, r.hi, b.bs_log2, 1, row_bytes, ctr, red_u);
+    if (pass < TOPP_PASSES) {
+        flush_hist(mass, hist + (i64)t.row * TOPP_PASSES * 256 * GROUP + (i64)pass * 256 * GROUP);
+        return;
+    }
+    gt = block_sum(gt, red_u);
+    ties = block_sum(ties, red_u);
+    TopPTile* ts = tsum + (i64)t.row * stiles + tile;
+    if (threadIdx.x == 0) {
+        ts->gt = (unsigned)gt;
+        ts->ties = (unsigned)ties;
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const unsigned long long v = block_sum(tm[g], red_u);
+        if (threadIdx.x == 0) ts->mass[g] = v;
+    }
+}
+
+// Step 8: the kept positions, increasing, as the plan (at most cap), and the counters. The tied candidates
+// are taken in increasing position while the mass before them does not yet reach every row's target (as
+// top_p::select's finish), so the kept ties are those up to one position, jcut: tiles before the boundary
+// tile (the first whose tied mass makes the rows reach) keep all their ties, tiles after it none, the
+// boundary tile those up to jcut (a block scan of its tied masses, chunk by chunk; every CTA of the row
+// recomputes it). Each CTA writes its kept candidates after those of the tiles before it; the last CTA of
+// a row to finish counts the plan's blocks and bytes.
+extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_PARAMS, float p, unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap,
+                                                                         i64 row_bytes, i64 meta_row_bytes, unsigned long long* ctr) {
+    __shared__ unsigned long long red_u[32];
+    __shared__ unsigned long long scan_tmp[TOPP_THREADS / 32];
+    __shared__ unsigned long long acc[GROUP];
+    __shared__ double target[GROUP];
+    __shared__ float m[GROUP], inv[GROUP];
+    __shared__ int cnt[TOPP_THREADS / 32 + 1];
+    __shared__ int bnd, jcut, kept_b, off, total, last;
+    TOPP_TILE_PROLOGUE
+    const float* wr = w + (i64)t.row * maxc;  // the row's weights
+    const int ntw = max(1, nt);               // a row without candidates still has its tile 0
+    if (tile >= ntw) return;
+    unsigned* e = plan + blockIdx.z * p_s + blockIdx.y * p_h;
+    if (!t.r.decode) {
+        if (tile == 0 && threadIdx.x == 0) plan_len[t.row] = -1;
+        return;
+    }
+    const bool keep_all = p >= 1.0f || (t.nc > 0 && flags[2 * t.row] != 0);
+    const bool search = !keep_all && t.nvalid() > 0;
+    const TopPState* st = state + (i64)t.row * TOPP_STATES + TOPP_PASSES;
+    const unsigned T = search ? st->t : 0u;
+    const TopPTile* ts = tsum + (i64)t.row * stiles;
+    // Kept candidates of tile i, given the boundary tile's count kb.
+    auto valid_in = [&](int i) {
+        const int lo = max(i * span, t.ja), hi = min((i + 1) * span - 1, t.jb);
+        return hi >= lo ? hi - lo + 1 : 0;
+    };
+    auto kept_in = [&](int i, int bt, int kb) -> int {
+        if (!search) return keep_all ? valid_in(i) : 0;
+        return (int)ts[i].gt + (i < bt ? (int)ts[i].ties : i == bt ? kb : 0);
+    };
+    // The boundary tile: the first whose tied mass, after the mass above T and the ties of the tiles
+    // before it, makes every row reach (a block scan over the tiles, blockDim at a time).
+    if (threadIdx.x == 0) {
+        bnd = ntw;  // none: every tie kept (cannot happen when the search ran; kept for safety)
+        jcut = -1;
+        kept_b = 0;
+    }
+    if (threadIdx.x < GROUP && search) {
+        const int g = threadIdx.x;
+        acc[g] = st->above[g];
+        target[g] = st->target[g];
+        m[g] = rown[(i64)t.row * 2 * GROUP + g];
+        inv[g] = rown[(i64)t.row * 2 * GROUP + GROUP + g];
+    }
+    __syncthreads();
+    if (search) {
+        for (int i0 = 0; i0 < nt; i0 += blockDim.x) {
+            const int i = i0 + threadIdx.x;
+            bool reach = i < nt;
+            unsigned long long own[GROUP], incl[GROUP], tot[GROUP];
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                own[g] = i < nt ? ts[i].mass[g] : 0ull;
+                incl[g] = block_incl_scan(own[g], scan_tmp, &tot[g]);
+                reach = reach && (double)(acc[g] + incl[g]) >= target[g];
+            }
+            if (reach) atomicMin(&bnd, i);
+            __syncthreads();
+            if (bnd != ntw) {  // uniform; acc becomes the mass before the boundary tile
+                if (i == bnd)
+#pragma unroll
+                    for (int g = 0; g < GROUP; ++g) acc[g] += incl[g] - own[g];
+                break;
+            }
+            if (threadIdx.x == 0)
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) acc[g] += tot[g];
+            __syncthreads();
+        }
+    }
+    __syncthreads();
+    const int bt = bnd;
+    // The boundary tile's cut: a tie is kept while the mass before it does not reach every row's target.
+    if (search && bt < nt) {
+        int kb = 0;
+        for (int c0 = bt * span, jb4 = c0 + 4 * threadIdx.x; c0 < min((bt + 1) * span, t.nc); c0 += TOPP_CHUNK, jb4 += TOPP_CHUNK) {
+            float wv[4];
+            load_w4(wr, jb4, t.nc, wv);
+            bool tied[4], any = false;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                tied[k] = wv[k] >= 0.0f && __float_as_uint(wv[k]) == T;
+                any = any || tied[k];
+            }
+            float pv[4][GROUP] = {};
+            if (any) load4(x, maxc, jb4, pv);
+            unsigned long long mk[4][GROUP], before[GROUP];
+            bool reach_before[4] = {true, true, true, true};
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                unsigned long long own = 0, tot;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    mk[k][g] = tied[k] ? to_fixed(topp_weight(pv[k][g], m[g], inv[g])) : 0ull;
+                    own += mk[k][g];
+                }
+                const unsigned long long incl = block_incl_scan(own, scan_tmp, &tot);  // its barriers order acc's update
+                before[g] = acc[g] + incl - own;
+                __syncthreads();  // every thread has read acc[g]
+                if (threadIdx.x == 0) acc[g] += tot;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) {
+                    reach_before[k] = reach_before[k] && (double)before[g] >= target[g];
+                    before[g] += mk[k][g];
+                }
+                if (tied[k] && !reach_before[k]) {
+                    kb += 1;
+                    atomicMax(&jcut, jb4 + k);
+                }
+            }
+        }
+        kb = (int)block_sum((unsigned long long)kb, red_u);
+        if (threadIdx.x == 0) kept_b = kb;
+    }
+    __syncthreads();
+    {
+        unsigned long long o = 0, all = 0;
+        for (int i = threadIdx.x; i < ntw; i += blockDim.x) {
+            const unsigned long long k = (unsigned long long)kept_in(i, bt, kept_b);
+            o += i < tile ? k : 0ull;
+            all += k;
+        }
+        o = block_sum(o, red_u);
+        all = block_sum(all, red_u);
+        if (threadIdx.x == 0) {
+            off = (int)o;
+            total = (int)all;
+        }
+    }
+    __syncthreads();
+    const int n = min(total, cap), jc = jcut;
+    if (off < cap) {
+        auto keep = [&](int i) {
+            const int j = a0 + i;
+            if (!t.valid(j)) return false;
+            if (!search) return keep_all;
+            const unsigned k = __float_as_uint(wr[j]);
+            return k > T || (k == T && (tile < bt || (tile == bt && j <= jc)));
+        };
+        compact(max(0, a1 - a0), keep, [&](int i) { return (unsigned)t.pos(a0 + i); }, e + off, cap - off, cnt);
+    }
+    if (tile == 0 && threadIdx.x == 0) {
+        plan_len[t.row] = n;
+        if (t.r.hi >= t.r.lo) {
+            atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
+            atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((t.r.hi >> b.bs_log2) - (t.r.lo >> b.bs_log2) + 1));
+        }
+        atomicAdd(&ctr[CTR_TOP_P_CANDIDATES], t.nvalid());
+        atomicAdd(&ctr[CTR_TOP_P_KEPT], (unsigned long long)n);
+        atomicAdd(&ctr[CTR_KV_BYTES], t.nvalid() * (unsigned long long)meta_row_bytes);
+    }
+    // The plan complete (every CTA of the row has written its part): the last one counts it.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = ntw == 1 || atomicAdd(&flags[2 * t.row + 1], 1) == ntw - 1;
+    __syncthreads();
+    if (last) {
+        __threadfence();
+        account(e, n, 0, t.r.lo, t.r.hi, b.bs_log2, 1, row_bytes, ctr, red_u);
+    }
 }

@@ -162,7 +162,7 @@ mod tests {
 
     /// The policy workspace's regions (offset, bytes) and total as src/cuda/sparse.rs laid them out before
     /// the stages had a trait (10d7224, `WsLayout`), transcribed: the reference the stages' layout must
-    /// equal byte for byte (same launches, same offsets).
+    /// equal byte for byte (same launches, same offsets); top-p's regions as issue 34 changed them.
     #[allow(clippy::too_many_arguments)]
     fn layout_10d7224(p: &Pipeline, cfg: &EngineConfig, geo: &Geometry, max_query_len: i32, smem_optin: usize, tensor_cores: bool, slots: bool) -> Result<(Vec<(usize, usize)>, usize)> {
         let (hk, bs, g) = (cfg.num_kv_heads, cfg.block_size, cfg.group_size());
@@ -201,6 +201,16 @@ mod tests {
             take(checked(&[ns, hk, 4])?);
             take(checked(&[ns, hk, g, maxc, 4])?);
             take(checked(&[ns, hk, maxc, 4])?);
+            // Since issue 34 (top-p's search over many CTAs): tile maxima, tile normalisers, row max and
+            // 1/normaliser, 4 histograms, 5 search states, tile summaries, flags.
+            let (etiles, stiles) = (maxc.div_ceil(1024), maxc.div_ceil(1024));
+            take(checked(&[ns, hk, etiles, g, 4])?);
+            take(checked(&[ns, hk, stiles, g, 8])?);
+            take(checked(&[ns, hk, 2, g, 4])?);
+            take(checked(&[ns, hk, 4, 256, g, 8])?);
+            take(checked(&[ns, hk, 5, 8 + 16 * g])?);
+            take(checked(&[ns, hk, stiles, 8 + 8 * g])?);
+            take(checked(&[ns, hk, 2, 4])?);
         }
         if let Some((_, maxp)) = quest_pages {
             take(checked(&[ns, hk, maxp, 4])?);

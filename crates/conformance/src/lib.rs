@@ -23,6 +23,7 @@ pub mod snapkv_cuda;
 pub mod sparse;
 pub mod sparse_cuda;
 pub mod synthetic;
+pub mod top_p_agree;
 pub mod traces;
 
 use kvsparse::engine::{CacheWriteArgs, Engine, ForwardArgs};

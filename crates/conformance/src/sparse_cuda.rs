@@ -170,20 +170,26 @@ pub fn run_sparse_case(spec: &CaseSpec, policy: &str, seed: u64) -> SparseResult
     run_sparse_case_keys(spec, policy, seed, None)
 }
 
+/// Replaces every key the fixture writes by `key(row)` (row = the index of the written row, prior rows
+/// first): keys that make many scores the same.
+pub fn override_keys(f: &mut Fixture, key: &dyn Fn(usize) -> f64) {
+    let per = f.spec.num_kv_heads * f.spec.head_dim;
+    let np = f.prior.k.len() / per;
+    for i in 0..f.prior.k.len() {
+        f.prior.k.set(i, key(i / per));
+    }
+    for i in 0..f.new_k.len() {
+        f.new_k.set(i, key(np + i / per));
+    }
+}
+
 /// As `run_sparse_case`, with every key written replaced by `key(row)` (row = the index of the written row,
 /// prior rows first), when given: keys that make many pages score the same.
 pub fn run_sparse_case_keys(spec: &CaseSpec, policy: &str, seed: u64, key: Option<&dyn Fn(usize) -> f64>) -> SparseResult {
     let mut res = SparseResult::new(spec, policy, seed);
     let mut f = Fixture::new(spec, seed);
     if let Some(key) = key {
-        let per = spec.num_kv_heads * spec.head_dim;
-        let np = f.prior.k.len() / per;
-        for i in 0..f.prior.k.len() {
-            f.prior.k.set(i, key(i / per));
-        }
-        for i in 0..f.new_k.len() {
-            f.new_k.set(i, key(np + i / per));
-        }
+        override_keys(&mut f, key);
     }
     let mut run = |res: &mut SparseResult| -> Result<()> {
         let cpu = Engine::new(cfg_for(&f, policy, Device::Cpu))?;

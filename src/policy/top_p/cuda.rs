@@ -1,12 +1,29 @@
 //! Twilight's top-p on the CUDA backend (kernels/policy/top_p.cu): INT4 estimates of the logits of the
 //! selector's candidates, then per (sequence, KV head) the shortest prefix by weight reaching mass `p`,
 //! written as the final plan (tokens). The selector writes its plans into this stage's regions.
+//!
+//! The search is a radix select on the weights, 8 bits per pass, each pass a launch over tiles of every
+//! row (the launches are the barriers between passes): a long row is spread over many CTAs instead of one
+//! CTA per (sequence, KV head), and a batch of many rows over fewer CTAs per row.
 
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CallShape, CudaStage, StepCx, WsAlloc};
 use crate::error::Result;
 
-/// Top-p's stage for one call, and its workspace regions.
+/// Candidates per CTA of the estimate kernel (`TOPP_ETILE`) and per pass of the later kernels' loops
+/// (`TOPP_CHUNK`), the kernels' threads, the radix passes and the search states per row (top_p.cu's
+/// defines).
+const ETILE: usize = 1024;
+const THREADS: usize = 256;
+const CHUNK: usize = 4 * THREADS;
+/// About how many CTAs a launch of the later kernels should have: enough for every SM several times over
+/// (132 on an H100), few enough that each CTA's fixed cost (a histogram read, the digit's choice) stays
+/// small next to its candidates.
+const TARGET_CTAS: usize = 1024;
+const PASSES: usize = 4;
+const STATES: usize = PASSES + 1;
+
+/// Top-p's stage for one call, and its workspace regions (top_p.cu's `TOPP_PARAMS` describes each).
 pub(crate) struct TopPStage {
     pub p: f32,
     /// Candidates per row (a multiple of 4).
@@ -14,15 +31,22 @@ pub(crate) struct TopPStage {
     /// The selector's plans and their lengths.
     base: usize,
     base_len: usize,
-    /// The estimates `[seqs][kv_heads][group][maxc]` f32 (overwritten with the weights) and the
-    /// aggregated weights `[seqs][kv_heads][maxc]` f32.
+    /// The estimates `[seqs][kv_heads][group][maxc]` f32, the aggregated weights `[seqs][kv_heads][maxc]`
+    /// f32, and the search's scratch.
     logits: usize,
     w: usize,
+    tmax: usize,
+    psum: usize,
+    rown: usize,
+    hist: usize,
+    state: usize,
+    tsum: usize,
+    flags: usize,
 }
 
 impl TopPStage {
     pub(crate) fn new(p: f32) -> Self {
-        TopPStage { p, maxc: 0, base: 0, base_len: 0, logits: 0, w: 0 }
+        TopPStage { p, maxc: 0, base: 0, base_len: 0, logits: 0, w: 0, tmax: 0, psum: 0, rown: 0, hist: 0, state: 0, tsum: 0, flags: 0 }
     }
 }
 
@@ -30,10 +54,19 @@ impl CudaStage for TopPStage {
     fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
         let (ns, hk, g) = (cx.geo.num_seqs, cx.cfg.num_kv_heads, cx.cfg.group_size());
         self.maxc = cx.candidates();
+        let (etiles, stiles) = (self.maxc.div_ceil(ETILE), self.maxc.div_ceil(CHUNK));
         self.base = ws.take_n(&[cx.rows_of(&cx.base), cx.base.cap, 4])?;
         self.base_len = ws.take_n(&[ns, hk, 4])?;
         self.logits = ws.take_n(&[ns, hk, g, self.maxc, 4])?;
         self.w = ws.take_n(&[ns, hk, self.maxc, 4])?;
+        self.tmax = ws.take_n(&[ns, hk, etiles, g, 4])?;
+        self.psum = ws.take_n(&[ns, hk, stiles, g, 8])?;
+        self.rown = ws.take_n(&[ns, hk, 2, g, 4])?;
+        self.hist = ws.take_n(&[ns, hk, PASSES, 256, g, 8])?;
+        // TopPState: t, pad, above[g] u64, target[g] f64; TopPTile: gt, ties, mass[g] u64.
+        self.state = ws.take_n(&[ns, hk, STATES, 8 + 16 * g])?;
+        self.tsum = ws.take_n(&[ns, hk, stiles, 8 + 8 * g])?;
+        self.flags = ws.take_n(&[ns, hk, 2, 4])?;
         Ok(())
     }
 
@@ -46,17 +79,37 @@ impl CudaStage for TopPStage {
         let (a, base_ref, fin_ref, maxc) = (cx.a, &cx.base, &cx.fin, self.maxc);
         let m = cx.meta.expect("int4 metadata checked above");
         let (codes, qparams) = (m.codes.as_ref().map_or(0, |b| b.ptr), m.qparams.as_ref().map_or(0, |b| b.ptr));
-        let (logits, w) = (cx.ws + self.logits as u64, cx.ws + self.w as u64);
+        // Chunks per CTA (a CTA's tile): rows x chunks spread over about TARGET_CTAS CTAs.
+        let chunks = maxc.div_ceil(CHUNK);
+        let spt = (ns * hk * chunks).div_ceil(TARGET_CTAS).clamp(1, chunks.max(1));
+        // Every kernel's leading parameters (top_p.cu's TOPP_PARAMS).
+        let common = || {
+            let mut k = KArgs::new();
+            k.by_value(&cx.batch).i32(hk as i32);
+            k.i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.ulog2).i32(maxc as i32);
+            for off in [self.logits, self.w, self.tmax, self.psum, self.rown, self.hist, self.state, self.tsum, self.flags] {
+                k.i64((cx.ws + off as u64) as i64);
+            }
+            k.i32(spt as i32);
+            k
+        };
+        let tiles = |per: usize| (maxc.div_ceil(per) as u32, hk as u32, ns as u32);
         let q = &a.query;
-        let mut k = KArgs::new();
-        k.by_value(&cx.batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
-        k.i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.ulog2);
-        k.i64(codes as i64).i64(qparams as i64).f32(a.softcap).i64(logits as i64).i32(maxc as i32);
-        launch::launch(cx.function("kvs_topp_estimate")?, (maxc.div_ceil(128) as u32, hk as u32, ns as u32), 128, &mut k, stream, "kvs_topp_estimate launch")?;
-        let mut k = KArgs::new();
-        k.by_value(&cx.batch).i32(hk as i32).i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.ulog2);
-        k.i64(logits as i64).i64(w as i64).i32(maxc as i32).f32(self.p);
+        let mut k = common();
+        k.ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale);
+        k.i64(codes as i64).i64(qparams as i64).f32(a.softcap);
+        launch::launch(cx.function("kvs_topp_estimate")?, tiles(ETILE), THREADS as u32, &mut k, stream, "kvs_topp_estimate launch")?;
+        for name in ["kvs_topp_norm", "kvs_topp_weights"] {
+            launch::launch(cx.function(name)?, tiles(CHUNK * spt), THREADS as u32, &mut common(), stream, name)?;
+        }
+        for pass in 1..=PASSES as i32 {
+            let mut k = common();
+            k.f32(self.p).i32(pass);
+            launch::launch(cx.function("kvs_topp_pass")?, tiles(CHUNK * spt), THREADS as u32, &mut k, stream, "kvs_topp_pass launch")?;
+        }
+        let mut k = common();
+        k.f32(self.p);
         k.i64(fin_ref.e as i64).i64(fin_ref.p_s).i64(fin_ref.p_h).i64(fin_ref.len as i64).i32(fin_ref.cap).i64(cx.row_bytes).i64((d / 2 + 4) as i64).i64(cx.ctr);
-        launch::launch(cx.function("kvs_topp_select")?, (hk as u32, ns as u32, 1), 512, &mut k, stream, "kvs_topp_select launch")
+        launch::launch(cx.function("kvs_topp_write")?, tiles(CHUNK * spt), THREADS as u32, &mut k, stream, "kvs_topp_write launch")
     }
 }
