@@ -308,6 +308,16 @@ fn bad_cache_write_changes_nothing() {
     }
 }
 
+/// The primary context, current on this thread and retained while the returned handle lives (the engines of
+/// earlier tests released it; a stream needs a context), and a non-blocking stream the caller destroys.
+fn own_stream() -> (kvsparse::cuda::context::Gpu, CUstream) {
+    let ctx = kvsparse::cuda::context::Gpu::open(0).unwrap();
+    let mut stream: CUstream = std::ptr::null_mut();
+    // SAFETY: out-parameter; the caller destroys the stream.
+    check(unsafe { (cuda().unwrap().cuStreamCreate)(&mut stream, driver::CU_STREAM_NON_BLOCKING) }, "cuStreamCreate").unwrap();
+    (ctx, stream)
+}
+
 /// A captured decode step replayed with bad metadata: NaN rows, the other rows equal to the clean replay,
 /// the fault sticky until checked; a captured cache write replayed with a bad slot writes nothing; and an
 /// engine with validate = sync refuses to be captured.
@@ -315,12 +325,7 @@ fn graph_replay_with_bad_metadata() {
     let seed = Rng::fresh_seed();
     println!("seed {seed}");
     let api = cuda().unwrap();
-    // The primary context, current on this thread and retained until the end (the engines of earlier tests
-    // released it; a stream needs a context).
-    let _ctx = kvsparse::cuda::context::Gpu::open(0).unwrap();
-    let mut stream: CUstream = std::ptr::null_mut();
-    // SAFETY: out-parameter; destroyed at the end.
-    check(unsafe { (api.cuStreamCreate)(&mut stream, driver::CU_STREAM_NON_BLOCKING) }, "cuStreamCreate").unwrap();
+    let (_ctx, stream) = own_stream();
     for spec in specs() {
         let mut f = Fixture::new(&spec, seed);
         let e = engine(&f, Validate::Deferred);
@@ -391,10 +396,7 @@ fn padded_batches_as_vllm_pads_them() {
     let seed = Rng::fresh_seed();
     println!("seed {seed}");
     let api = cuda().unwrap();
-    let _ctx = kvsparse::cuda::context::Gpu::open(0).unwrap();
-    let mut stream: CUstream = std::ptr::null_mut();
-    // SAFETY: out-parameter; destroyed at the end.
-    check(unsafe { (api.cuStreamCreate)(&mut stream, driver::CU_STREAM_NON_BLOCKING) }, "cuStreamCreate").unwrap();
+    let (_ctx, stream) = own_stream();
     const PAD: usize = 3;
     let spec = CaseSpec::new("padded-decode", DType::BF16, 128, 16, 4, 16, vec![(1, 700), (1, 1500), (1, 33)]);
     for policy in ["dense", "quest(budget=256)", "streaming(sink=16, recent=256)"] {
