@@ -41,7 +41,7 @@
 // the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
 // (k positions) share the launch of its full rows (every position).
 // KV8 (fp8.cuh; dense rows only, the host refuses plans): FP8 caches. A tile's rows are copied as bytes
-// into padded shared-memory rows of HEAD_DIM + 16 bytes and each lane reads its MMA fragments from them
+// into padded shared-memory rows (ROWB below) and each lane reads its MMA fragments from them
 // as 32-bit words, widening in registers (exact): no pass over shared memory. K: a word is 4 consecutive
 // channels of one key, so the k-step's channels are taken in the order (4j, 4j+1 | 4j+2, 4j+3) for lane
 // pair j, and Q's A fragment is loaded in the same order (a dot product does not care). V: the PV MMA

@@ -16,5 +16,5 @@ pack "$base" kvsparse-base
 for t in cuda_prefill cuda_checks cuda cuda_sparse; do
   pack "$(newest $t)" "${t}_tests"
 done
-cp scripts/gpu-prefill.sh scripts/sdpa_prefill_bench.py "$dest/"
+cp scripts/gpu-prefill.sh scripts/sdpa_prefill_bench.py scripts/cuda_timing.py "$dest/"
 du -sh "$dest"

@@ -443,14 +443,8 @@ fn padded_batches_as_vllm_pads_them() {
         ids.extend((0..PAD as i64).map(|i| 1_000_000 + i));
         let bufs: Vec<kvsparse::cuda::context::DevBuf> =
             [&qb[..], &ob[..], bytes(&lb), bytes(&table), bytes(&lens), bytes(&qsl), bytes(&ids)].iter().map(|b| kvsparse::cuda::context::DevBuf::from_host(b).unwrap()).collect();
-        let tv = |i: usize, dt: DType, shape: &[i64]| {
-            let mut strides = vec![1i64; shape.len()];
-            for k in (0..shape.len() - 1).rev() {
-                strides[k] = strides[k + 1] * shape[k + 1];
-            }
-            // SAFETY: a contiguous view of exactly the buffer's elements.
-            unsafe { kvsparse::TensorRef::from_raw(bufs[i].ptr as *mut u8, dt, Device::Cuda(0), shape, Some(&strides)) }.unwrap()
-        };
+        // SAFETY: a compact view (strides None) of exactly the buffer's elements.
+        let tv = |i: usize, dt: DType, shape: &[i64]| unsafe { kvsparse::TensorRef::from_raw(bufs[i].ptr as *mut u8, dt, Device::Cuda(0), shape, None) }.unwrap();
         let (tp, np) = ((t + PAD) as i64, (n + PAD) as i64);
         let mut args = dc.forward_args(&f, &outs, stream).unwrap();
         args.query = tv(0, spec.dtype, &[tp, hq as i64, d as i64]);
