@@ -10,8 +10,9 @@
 #define QC (HEAD_DIM / 16)  // channels per lane
 #define QS_THREADS 256
 #define QS_PAGES 64
-// Pages are scored one at a time per half-warp: issuing four pages' bound loads first was measured slower
-// on the H100 (selection 961 against 633 us at batch 32, 128K; docs/perf.md) and was removed.
+// Issuing four pages' bound loads into registers first was measured slower on the H100 (selection 961
+// against 633 us at batch 32, 128K: the registers cut the occupancy); quest_score_tile stages them in
+// shared memory by cp.async instead.
 __device__ __forceinline__ void load_lane_bounds(const u16* p, float* v) {
 #if QC % 8 == 0
 #pragma unroll
@@ -42,10 +43,39 @@ __device__ __forceinline__ void load_lane_bounds(const u16* p, float* v) {
 #endif
 }
 
+// Pages staged in shared memory per round of quest_score_tile's page-per-unit path: 32 KiB of bounds.
+#define QS_ROUND (HEAD_DIM <= 128 ? 64 : 32)
+
+__device__ __forceinline__ void quest_cp_async16(void* dst, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+
+// One page's score from a lane's channels of its min and max (`lo`, `hi`): for each query row of the
+// group, the lane's sum of max(q * min, q * max) over its channels in order, a butterfly over the
+// half-warp, and the maximum over the rows, the CPU's quest_bound order. Half-warp-wide.
+__device__ __forceinline__ float quest_page_bound(const float (&qv)[GROUP][QC], const float* lo, const float* hi, unsigned hmask) {
+    float best = -INFINITY;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < QC; ++k) acc += fmaxf(qv[g][k] * lo[k], qv[g][k] * hi[k]);
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(hmask, acc, o);
+        best = fmaxf(best, acc);
+    }
+    return best;
+}
+
 // One CTA's tile of QS_PAGES pages of row (s, h) (tile blockIdx.x), scored as the CPU's quest_page_scores
 // (select.cu, kvs_quest_scores, says how): `put(i, score)` is called once per page i of the tile inside
 // the row, by one lane. `qs` is shared scratch of GROUP * 16 * (QC + 1) floats. Returns the units this
 // thread read (for CTR_KV_BYTES). All threads of the CTA call this.
+// Where a page is one metadata unit (the common case, page == block's unit), the tile's bounds are copied
+// into shared memory by cp.async first, every page's at once: the bytes in flight then cost no registers,
+// so an SM keeps enough of them in flight to read the bounds near copy bandwidth (one load per page and
+// half-warp at a time left it latency-bound, 22-29% of it on the H200). The arithmetic is unchanged.
 template <typename Put>
 __device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, const SeqRow& r, int s, int h, const elem_t* q, i64 q0, i64 q1, i64 q2,
                                                                float scale, int hk, const u16* qmin, const u16* qmax, int unit, int upb, int page,
@@ -58,7 +88,43 @@ __device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, c
     const int lane = threadIdx.x & 15, hw = threadIdx.x >> 4;
     const unsigned hmask = 0xffffu << (16 * (hw & 1));
     const int fp = r.lo / page, np = r.hi / page - fp + 1;
+    float qv[GROUP][QC];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+        for (int k = 0; k < QC; ++k) qv[g][k] = qs[g * 16 * (QC + 1) + lane * (QC + 1) + k];
     unsigned long long units = 0;
+    float lo_[QC], hi_[QC];
+    if (unit == page) {
+        __shared__ __align__(16) u16 sb[QS_ROUND][2][HEAD_DIM];
+        constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks of one bound row
+        for (int r0 = 0; r0 < QS_PAGES; r0 += QS_ROUND) {
+            const int tile0 = blockIdx.x * QS_PAGES + r0;
+            for (int c = threadIdx.x; c < QS_ROUND * 2 * CH; c += blockDim.x) {
+                const int j = c / (2 * CH), mx = (c / CH) % 2, ch = c % CH, i = tile0 + j;
+                if (i >= np || i >= maxp) continue;
+                const i64 pb = phys_block(b, s, (fp + i) / upb);
+                if (pb < 0) continue;
+                quest_cp_async16(&sb[j][mx][ch * 8], (mx ? qmax : qmin) + ((pb * upb + (fp + i) % upb) * hk + h) * (i64)HEAD_DIM + ch * 8);
+            }
+            asm volatile("cp.async.wait_all;" ::: "memory");
+            __syncthreads();
+            for (int j = hw; j < QS_ROUND; j += blockDim.x / 16) {
+                const int i = tile0 + j;  // the same for the half-warp
+                if (i >= np || i >= maxp) continue;
+                units += lane == 0;
+                float best = -INFINITY;
+                if (phys_block(b, s, (fp + i) / upb) >= 0) {
+                    load_lane_bounds(&sb[j][0][lane * QC], lo_);
+                    load_lane_bounds(&sb[j][1][lane * QC], hi_);
+                    best = quest_page_bound(qv, lo_, hi_, hmask);
+                }
+                if (lane == 0) put(i, best);
+            }
+            if (r0 + QS_ROUND < QS_PAGES) __syncthreads();
+        }
+        return units;
+    }
     for (int pi = 0; pi < QS_PAGES / 16; ++pi) {
         const int i = blockIdx.x * QS_PAGES + pi * 16 + hw;
         const bool active = i < np && i < maxp;
@@ -70,19 +136,9 @@ __device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, c
             const i64 pb = phys_block(b, s, u0 / upb);
             if (pb < 0) continue;
             const i64 base = ((pb * upb + u0 % upb) * hk + h) * (i64)HEAD_DIM + lane * QC;
-            float lo_[QC], hi_[QC];
             load_lane_bounds(qmin + base, lo_);
             load_lane_bounds(qmax + base, hi_);
-#pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                const float* qr = qs + g * 16 * (QC + 1) + lane * (QC + 1);
-                float acc = 0.f;
-#pragma unroll
-                for (int k = 0; k < QC; ++k) acc += fmaxf(qr[k] * lo_[k], qr[k] * hi_[k]);
-#pragma unroll
-                for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(hmask, acc, o);
-                best = fmaxf(best, acc);
-            }
+            best = fmaxf(best, quest_page_bound(qv, lo_, hi_, hmask));
         }
         if (active && lane == 0) put(i, best);
     }
