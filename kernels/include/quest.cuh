@@ -97,31 +97,36 @@ __device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, c
     float lo_[QC], hi_[QC];
     if (unit == page) {
         __shared__ __align__(16) u16 sb[QS_ROUND][2][HEAD_DIM];
+        __shared__ i64 sbase[QS_ROUND];  // the page's bounds offset, or -1 (outside the row, unmapped block)
         constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks of one bound row
         for (int r0 = 0; r0 < QS_PAGES; r0 += QS_ROUND) {
             const int tile0 = blockIdx.x * QS_PAGES + r0;
+            if (r0 > 0) __syncthreads();  // the previous round's rows are read
+            for (int j = threadIdx.x; j < QS_ROUND; j += blockDim.x) {
+                const int i = tile0 + j;
+                const i64 pb = i < np && i < maxp ? phys_block(b, s, (fp + i) / upb) : -1;
+                sbase[j] = pb < 0 ? -1 : ((pb * upb + (fp + i) % upb) * hk + h) * (i64)HEAD_DIM;
+            }
+            __syncthreads();
             for (int c = threadIdx.x; c < QS_ROUND * 2 * CH; c += blockDim.x) {
-                const int j = c / (2 * CH), mx = (c / CH) % 2, ch = c % CH, i = tile0 + j;
-                if (i >= np || i >= maxp) continue;
-                const i64 pb = phys_block(b, s, (fp + i) / upb);
-                if (pb < 0) continue;
-                quest_cp_async16(&sb[j][mx][ch * 8], (mx ? qmax : qmin) + ((pb * upb + (fp + i) % upb) * hk + h) * (i64)HEAD_DIM + ch * 8);
+                const int j = c / (2 * CH), mx = (c / CH) % 2, ch = c % CH;
+                const i64 base = sbase[j];
+                if (base >= 0) quest_cp_async16(&sb[j][mx][ch * 8], (mx ? qmax : qmin) + base + ch * 8);
             }
             asm volatile("cp.async.wait_all;" ::: "memory");
             __syncthreads();
-            for (int j = hw; j < QS_ROUND; j += blockDim.x / 16) {
+            // Every half-warp runs the same trip count, so the butterflies use the full warp's mask (a
+            // half-warp mask made the compiler wrap each shuffle in a divergence loop); a page outside
+            // the row is summed from whatever its shared row holds and dropped.
+            for (int j = hw; j < QS_ROUND; j += QS_THREADS / 16) {
                 const int i = tile0 + j;  // the same for the half-warp
-                if (i >= np || i >= maxp) continue;
-                units += lane == 0;
-                float best = -INFINITY;
-                if (phys_block(b, s, (fp + i) / upb) >= 0) {
-                    load_lane_bounds(&sb[j][0][lane * QC], lo_);
-                    load_lane_bounds(&sb[j][1][lane * QC], hi_);
-                    best = quest_page_bound(qv, lo_, hi_, hmask);
-                }
-                if (lane == 0) put(i, best);
+                const bool active = i < np && i < maxp;
+                units += active && lane == 0;
+                load_lane_bounds(&sb[j][0][lane * QC], lo_);
+                load_lane_bounds(&sb[j][1][lane * QC], hi_);
+                const float best = quest_page_bound(qv, lo_, hi_, 0xffffffffu);
+                if (active && lane == 0) put(i, sbase[j] >= 0 ? best : -INFINITY);
             }
-            if (r0 + QS_ROUND < QS_PAGES) __syncthreads();
         }
         return units;
     }

@@ -174,7 +174,9 @@ mod compile_tests {
             eprintln!("NVRTC not available, skipped");
             return;
         }
-        std::env::set_var("KVS_KERNEL_CACHE", "off");
+        // KVS_DUMP_CUBIN=<dir>: keep the cubins there (cache files: the ELF follows the key text), e.g. to
+        // read a kernel's SASS with cuobjdump without a GPU.
+        std::env::set_var("KVS_KERNEL_CACHE", std::env::var("KVS_DUMP_CUBIN").unwrap_or("off".into()));
         // KVS_COMPILE_ONLY=<module>[:<define>] limits the run (e.g. with KVS_PTXAS_VERBOSE=1 KVS_LOG=1).
         let only = std::env::var("KVS_COMPILE_ONLY").unwrap_or_default();
         // KVS_COMPILE_QUICK=1: the first variant of each module only (CI: every source file compiled once).
