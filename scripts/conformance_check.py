@@ -3,7 +3,8 @@
 
 `kvsparse conformance --export DIR` copies this file to DIR/check.py. For every case it
 
-1. reads the inputs from the case's safetensors file (a small reader below; bfloat16 is widened by hand),
+1. reads the inputs from the case's safetensors file (a small reader below; bfloat16 is widened by hand, FP8
+   codes decoded by table and scaled by the case's k_scale / v_scale in float32),
 2. recomputes causal paged attention in float64 from them (gathering the pages through the block table) and
    checks the exported reference output and LSE against it,
 3. checks each implementation's outputs stored under DIR/results/<name>/<case>.safetensors (`out`
@@ -24,8 +25,31 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT, VERSION = "kvsparse-conformance", 1
+FORMAT, VERSIONS = "kvsparse-conformance", (1, 2)
 _NP = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I32": "<i4", "I64": "<i8", "U64": "<u8"}
+
+
+def _fp8_table(exp_bits, man_bits, bias, finite_top):
+    """float32 value of each of the 256 codes of an FP8 format (e4m3fn: no infinities, only s.1111.111 is
+    NaN; e5m2: IEEE-like, exponent 31 is inf / NaN)."""
+    t = np.zeros(256, dtype=np.float32)
+    for c in range(256):
+        sign = -1.0 if c & 0x80 else 1.0
+        e = (c >> man_bits) & ((1 << exp_bits) - 1)
+        m = c & ((1 << man_bits) - 1)
+        if e == (1 << exp_bits) - 1 and not finite_top:
+            t[c] = sign * np.inf if m == 0 else np.nan
+        elif finite_top and e == (1 << exp_bits) - 1 and m == (1 << man_bits) - 1:
+            t[c] = np.nan
+        elif e == 0:
+            t[c] = sign * m * 2.0 ** (1 - bias - man_bits)
+        else:
+            t[c] = sign * (1 + m / 2 ** man_bits) * 2.0 ** (e - bias)
+    return t
+
+
+# FP8 storages come back as their codes' float32 values (exact); the scales apply in reference().
+_FP8 = {"F8_E4M3": _fp8_table(4, 3, 7, True), "F8_E5M2": _fp8_table(5, 2, 15, False)}
 
 
 def read_safetensors(path):
@@ -42,6 +66,8 @@ def read_safetensors(path):
         if info["dtype"] == "BF16":
             bits = np.frombuffer(data[a:b], dtype="<u2").astype(np.uint32) << 16
             arr = bits.view(np.float32)
+        elif info["dtype"] in _FP8:
+            arr = _FP8[info["dtype"]][np.frombuffer(data[a:b], dtype=np.uint8)]
         else:
             arr = np.frombuffer(data[a:b], dtype=_NP[info["dtype"]])
         out[name] = arr.reshape(info["shape"])
@@ -61,6 +87,9 @@ def reference(case, t):
     q = as_view(t, case["views"]["query"]).astype(np.float64)
     kc = as_view(t, case["views"]["k_cache"])
     vc = as_view(t, case["views"]["v_cache"])
+    if "cache_dtype" in case:  # FP8 codes' values times the scale, in float32 (the manifest's conventions)
+        kc = kc * np.float32(case["k_scale"])
+        vc = vc * np.float32(case["v_scale"])
     bt, qsl, lens = t["block_table"], t["query_start_loc"], t["seq_lens"]
     hq, hk, d, bs = case["num_q_heads"], case["num_kv_heads"], case["head_dim"], case["block_size"]
     g = hq // hk
@@ -121,8 +150,8 @@ def main():
     args = ap.parse_args()
     root = Path(args.dir)
     manifest = json.loads((root / "manifest.json").read_text())
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        sys.exit(f"{root}: not a {FORMAT} v{VERSION} export ({manifest.get('format')} v{manifest.get('version')})")
+    if manifest.get("format") != FORMAT or manifest.get("version") not in VERSIONS:
+        sys.exit(f"{root}: not a {FORMAT} export of a version in {VERSIONS} ({manifest.get('format')} v{manifest.get('version')})")
     res_root = root / "results"
     impls = args.results if args.results is not None else sorted(p.name for p in res_root.iterdir() if p.is_dir()) if res_root.is_dir() else []
     words = {i: own_words(root, manifest, i) for i in impls}

@@ -14,7 +14,7 @@ from kvsparse.conformance.adapters import load
 from kvsparse.conformance.adapters.pages import causal_mask, gather
 
 REPO = Path(__file__).resolve().parents[2]
-CASES = "mixed-h64-f32,mixed-h80-f16,window-gqa4-f32,softcap-gqa4,blocks-bs32,serving-prefix-f16,ext-"
+CASES = "mixed-h64-f32,mixed-h80-f16,window-gqa4-f32,softcap-gqa4,blocks-bs32,serving-prefix-f16,ext-,fp8-e4m3-h128,fp8-e5m2-h128"
 
 
 def kvsparse_bin():
@@ -140,6 +140,7 @@ def test_decode_only_adapters_get_the_decode_rows(suite_dir):
         return ref(q, *rest)
 
     decode_only.rows = "decode"
+    decode_only.fp8_cache = torch.float32  # the control's exact FP8 values
     rep = run(decode_only, suite_dir, log=lambda s: None)
     assert rep.counts()["pass"] == len(rep.outcomes)
     assert all(o.rows.startswith("decode rows: ") for o in rep.outcomes)

@@ -106,13 +106,6 @@ fn summarize(results: &[(String, CaseResult)], contract: &[ContractResult]) -> R
 }
 
 fn run_export(dir: &Path, cases: &[kvsparse_conformance::CaseSpec], seed: u64) -> Result<(), String> {
-    // The export format has no FP8 storage and scales yet: those cases run in process and through --lib.
-    let skipped = cases.iter().filter(|c| c.cache_dtype.is_some()).count();
-    let cases: Vec<_> = cases.iter().filter(|c| c.cache_dtype.is_none()).cloned().collect();
-    if skipped > 0 {
-        println!("{skipped} FP8-cache cases are not exported (the export format has no FP8 storage yet)");
-    }
-    let cases = &cases[..];
     println!("exporting {} cases to {} (kvsparse CPU outputs in results/{KVSPARSE_RESULTS})", cases.len(), dir.display());
     let (results, bytes) = export(dir, cases, seed, |r| print_row("cpu", r))?;
     println!("wrote {:.1} MB; check with: python3 {}/check.py {}", bytes as f64 / 1e6, dir.display(), dir.display());

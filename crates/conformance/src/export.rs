@@ -17,7 +17,8 @@ use kvsparse::tensor::DType;
 
 /// Format name and version written into the manifest; readers refuse what they do not know.
 pub const FORMAT: &str = "kvsparse-conformance";
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: FP8 caches (`cache_dtype`, `k_scale`, `v_scale`, float8 storages); readers of 2 read 1.
+pub const FORMAT_VERSION: u32 = 2;
 /// The numpy-only checker, copied into every export as `check.py`.
 pub const CHECKER: &str = include_str!("../../../scripts/conformance_check.py");
 /// Folder (under `results/`) of the outputs of kvsparse's in-process CPU engine.
@@ -32,7 +33,9 @@ Token j of sequence s lives in k_cache/v_cache[block_table[s][j // block_size], 
 ceil(seq_len/block_size) entries of a table row are meaningful: the rest hold stale ids or -1. Cache slots no \
 live token maps to hold garbage or NaN and must not influence the output. Tensors are flat storages; a view \
 {storage, offset, shape, strides} (in elements) is torch.as_strided(storage, shape, strides, offset). k_cache \
-and v_cache are views of one storage. ref_out [tokens, q_heads, head_dim] and ref_lse [tokens, q_heads] \
+and v_cache are views of one storage. A case with cache_dtype float8_e4m3fn or float8_e5m2 stores the cache as \
+FP8 codes (safetensors F8_E4M3 / F8_E5M2): a key is float32(decode(code) * k_scale), a value \
+float32(decode(code) * v_scale), computed in float32; its tolerances are the query dtype's. ref_out [tokens, q_heads, head_dim] and ref_lse [tokens, q_heads] \
 (natural log of the sum of exp of the final logits) are float64, computed from the stored (rounded) inputs. \
 A target passes a case when out_rel = ||out-ref_out||_2/||ref_out||_2 <= tolerance.out_rel and, if it returns an \
 LSE, max|lse-ref_lse| <= tolerance.lse_abs.";
@@ -44,6 +47,8 @@ fn st_dtype(d: DType) -> Dtype {
         DType::BF16 => Dtype::BF16,
         DType::I32 => Dtype::I32,
         DType::I64 => Dtype::I64,
+        DType::F8E4M3 => Dtype::F8_E4M3,
+        DType::F8E5M2 => Dtype::F8_E5M2,
         _ => Dtype::U64,
     }
 }
@@ -85,7 +90,7 @@ fn write_case(dir: &Path, f: &Fixture, seed: u64) -> Result<(Value, u64), String
     let kv = f.written_cache();
     let blobs = [
         Blob("query_storage".into(), st_dtype(s.dtype), vec![f.q.len()], f.q.as_bytes().to_vec()),
-        Blob("kv_storage".into(), st_dtype(s.dtype), vec![kv.len()], kv.as_bytes().to_vec()),
+        Blob("kv_storage".into(), st_dtype(kv.dtype()), vec![kv.len()], kv.as_bytes().to_vec()),
         Blob("block_table".into(), Dtype::I32, vec![nseq, f.max_blocks], le_bytes(&f.block_table, i32::to_le_bytes)),
         Blob("seq_lens".into(), Dtype::I32, vec![nseq], le_bytes(&f.seq_lens, i32::to_le_bytes)),
         Blob("query_start_loc".into(), Dtype::I32, vec![nseq + 1], le_bytes(&f.query_start_loc, i32::to_le_bytes)),
@@ -94,7 +99,7 @@ fn write_case(dir: &Path, f: &Fixture, seed: u64) -> Result<(Value, u64), String
     ];
     let bytes = write_safetensors(&dir.join(&file), &blobs)?;
     let (tol_o, tol_l) = tolerance(s.dtype);
-    let entry = json!({
+    let mut entry = json!({
         "name": s.name,
         "file": file,
         "seed": seed,
@@ -119,6 +124,16 @@ fn write_case(dir: &Path, f: &Fixture, seed: u64) -> Result<(Value, u64), String
             "v_cache": view("kv_storage", f.v_offset, &f.cache_shape, &f.cache_strides),
         },
     });
+    let fp8 = match kv.dtype() {
+        DType::F8E4M3 => Some("float8_e4m3fn"),
+        DType::F8E5M2 => Some("float8_e5m2"),
+        _ => None,
+    };
+    if let Some(name) = fp8 {
+        entry["cache_dtype"] = json!(name);
+        entry["k_scale"] = json!(f.k_scale);
+        entry["v_scale"] = json!(f.v_scale);
+    }
     Ok((entry, bytes))
 }
 

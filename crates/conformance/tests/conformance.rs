@@ -93,6 +93,8 @@ fn floats(st: &SafeTensors, name: &str) -> Vec<f64> {
         safetensors::Dtype::F32 => b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
         safetensors::Dtype::F16 => b.chunks(2).map(|c| f16::from_le_bytes(c.try_into().unwrap()).to_f64()).collect(),
         safetensors::Dtype::BF16 => b.chunks(2).map(|c| bf16::from_le_bytes(c.try_into().unwrap()).to_f64()).collect(),
+        safetensors::Dtype::F8_E4M3 => b.iter().map(|&c| kvsparse::fp8::decode(DType::F8E4M3, c) as f64).collect(),
+        safetensors::Dtype::F8_E5M2 => b.iter().map(|&c| kvsparse::fp8::decode(DType::F8E5M2, c) as f64).collect(),
         other => panic!("{name}: {other:?}"),
     }
 }
@@ -122,6 +124,11 @@ fn recompute(dir: &std::path::Path, case: &Value) -> (Vec<f64>, Vec<f64>, Vec<f6
     let (hq, hk, d, bs) = (g("num_q_heads"), g("num_kv_heads"), g("head_dim"), g("block_size"));
     let cols = table.len() / lens.len();
     let views = &case["views"];
+    // An FP8 cache: code values times the scale, in f32 (the manifest's conventions).
+    let scale_of = |k: &str| case.get(k).and_then(Value::as_f64).map(|x| x as f32);
+    let (ks, vs) = (scale_of("k_scale"), scale_of("v_scale"));
+    assert_eq!(ks.is_some(), case.get("cache_dtype").is_some());
+    let deq = |x: f64, s: Option<f32>| s.map_or(x, |s| ((x as f32) * s) as f64);
     let p = RefParams { num_q_heads: hq, num_kv_heads: hk, dim: d, scale: case["scale"].as_f64().unwrap(), softcap: case["softcap"].as_f64().unwrap(), window: g("sliding_window") };
     let (mut out, mut lse) = (Vec::new(), Vec::new());
     for s in 0..lens.len() {
@@ -132,8 +139,8 @@ fn recompute(dir: &std::path::Path, case: &Value) -> (Vec<f64>, Vec<f64>, Vec<f6
             let blk = table[s * cols + j / bs] as usize;
             for h in 0..hk {
                 for i in 0..d {
-                    k.push(at(&kv, &views["k_cache"], &[blk, j % bs, h, i]));
-                    v.push(at(&kv, &views["v_cache"], &[blk, j % bs, h, i]));
+                    k.push(deq(at(&kv, &views["k_cache"], &[blk, j % bs, h, i]), ks));
+                    v.push(deq(at(&kv, &views["v_cache"], &[blk, j % bs, h, i]), vs));
                 }
             }
         }
@@ -154,6 +161,7 @@ fn export_round_trip() {
     // Every serving feature and both unsupported kinds, kept small.
     let mut cases: Vec<_> = matrix(true).into_iter().filter(|c| ["mixed-h64-f32", "blocks-bs16", "softcap-gqa4", "serving-prefix-f16"].iter().any(|n| c.name.starts_with(n))).collect();
     cases.extend(extended());
+    cases.extend(fp8(true));
     let (results, bytes) = export(&dir, &cases, seed, |_| {}).unwrap();
     assert!(bytes > 0);
     let manifest: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();

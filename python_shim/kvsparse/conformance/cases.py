@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-FORMAT, VERSION = "kvsparse-conformance", 1
+FORMAT, VERSIONS = "kvsparse-conformance", (1, 2)
 _DT = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-       "I32": torch.int32, "I64": torch.int64}
+       "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _ST = {v: k for k, v in _DT.items()}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -25,7 +25,7 @@ def read_safetensors(path, device="cpu"):
             continue
         a, b = info["data_offsets"]
         dt = _DT[info["dtype"]]
-        t = torch.frombuffer(bytearray(raw[8 + n + a:8 + n + b]), dtype=dt) if b > a else torch.empty(0, dtype=dt)
+        t = torch.frombuffer(bytearray(raw[8 + n + a:8 + n + b]), dtype=torch.uint8).view(dt) if b > a else torch.empty(0, dtype=dt)
         out[name] = t.reshape(info["shape"]).to(device)
     return out
 
@@ -83,10 +83,24 @@ class Case:
     def tolerance(self):
         return self.meta["tolerance"]
 
-    def args(self):
-        """The adapter's positional arguments."""
-        return (self.query, self.k_cache, self.v_cache, self.block_table, self.seq_lens, self.query_start_loc,
-                self.scale, self.window, self.softcap)
+    @property
+    def fp8(self):
+        """The cache's FP8 format name (`float8_e4m3fn`, `float8_e5m2`) or None."""
+        return self.meta.get("cache_dtype")
+
+    def dequantized(self, dtype):
+        """An FP8 case's (k_cache, v_cache) as values: float32(code value * scale), then `dtype`."""
+        ks, vs = (torch.tensor(float(self.meta[k]), dtype=torch.float32, device=self.k_cache.device) for k in ("k_scale", "v_scale"))
+        return (self.k_cache.to(torch.float32) * ks).to(dtype), (self.v_cache.to(torch.float32) * vs).to(dtype)
+
+    def args(self, fp8_cache=None, native=False):
+        """The adapter's positional arguments. An FP8 case's caches come dequantized to the query dtype (what
+        a user of a kernel without FP8 support does), or to `fp8_cache` (e.g. torch.float32: exact), or as
+        the FP8 tensors themselves when `native`."""
+        k, v = self.k_cache, self.v_cache
+        if self.fp8 and not native:
+            k, v = self.dequantized(fp8_cache or self.dtype)
+        return (self.query, k, v, self.block_table, self.seq_lens, self.query_start_loc, self.scale, self.window, self.softcap)
 
 
 def _view(storages, v):
@@ -99,8 +113,8 @@ class Suite:
     def __init__(self, root):
         self.root = Path(root)
         self.manifest = json.loads((self.root / "manifest.json").read_text())
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
-            raise ValueError(f"{self.root}: not a {FORMAT} v{VERSION} export")
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") not in VERSIONS:
+            raise ValueError(f"{self.root}: not a {FORMAT} export of a version in {VERSIONS}")
         self.cases = self.manifest["cases"]
 
     def select(self, filters=()):

@@ -35,15 +35,14 @@ def variant(case, args, tails=False, outside=False, columns=False):
     q, kc, vc, bt, lens, qsl, *rest = args
     st = case.storages["kv_storage"]
     bs = kc.shape[1]
+    if kc.dtype != st.dtype:  # an FP8 case's caches as the adapter got them (dequantized, compact)
+        k2, v2 = (torch.zeros_like(kc), torch.zeros_like(vc)) if outside else (kc.clone(), vc.clone())
+    else:
+        k2, v2 = _views(case, torch.zeros_like(st) if outside else st.clone())
     if outside:
-        st2 = torch.zeros_like(st)
-        k2, v2 = _views(case, st2)
         for s, n in enumerate(lens.tolist()):
             used = bt[s, :-(-n // bs)].long()
             k2[used], v2[used] = kc[used], vc[used]
-    else:
-        st2 = st.clone()
-        k2, v2 = _views(case, st2)
     if tails:
         for s, n in enumerate(lens.tolist()):
             if n % bs:

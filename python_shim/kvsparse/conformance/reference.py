@@ -48,3 +48,6 @@ def attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale
 def reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, window, softcap):
     """The control adapter: float64 gathering attention (returns float64 out and LSE)."""
     return attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, window, softcap)
+
+
+reference.fp8_cache = torch.float32  # FP8 caches dequantized exactly, as the reference output was computed

@@ -92,8 +92,8 @@ def _decode_subset(args):
     return sub, rows, len(b) - 1
 
 
-def _call(fn, args):
-    r = fn(*args)
+def _call(fn, args, **kw):
+    r = fn(*args, **kw)
     out, lse = r if isinstance(r, tuple) else (r, None)
     if torch.cuda.is_available() and out.is_cuda:
         torch.cuda.synchronize()
@@ -104,7 +104,9 @@ def run(fn, suite, *, target=None, device="cpu", filters=(), diagnose=True, save
         log=print):
     """Runs `fn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, window, softcap) ->
     (out, lse)` (lse may be None) over the cases of `suite` (a Suite or its directory) with the tensors on
-    `device`. An adapter with `fn.rows == "decode"` gets only each case's decode sequences. `save`: a name
+    `device`. An adapter with `fn.rows == "decode"` gets only each case's decode sequences; FP8 caches come
+    dequantized to the query dtype, or to `fn.fp8_cache` (a torch dtype) where the adapter sets one; with
+    `fn.fp8_cache = "native"` the FP8 tensors themselves (torch float8 views) and `k_scale=`, `v_scale=`. `save`: a name
     under suite/results/ to store the outputs in for `check.py`. Returns a Report."""
     suite = suite if isinstance(suite, Suite) else Suite(suite)
     name = target or getattr(fn, "__name__", "target")
@@ -120,7 +122,9 @@ def run(fn, suite, *, target=None, device="cpu", filters=(), diagnose=True, save
             continue
         t0 = time.time()
         case = suite.load(entry, device)
-        args = case.args()
+        native = case.fp8 is not None and getattr(fn, "fp8_cache", None) == "native"
+        args = case.args(None if native else getattr(fn, "fp8_cache", None), native=native)
+        kw = {"k_scale": case.meta["k_scale"], "v_scale": case.meta["v_scale"]} if native else {}
         ref_out, ref_lse = case.ref_out, case.ref_lse
         if getattr(fn, "rows", "all") == "decode":
             sub = _decode_subset(args)
@@ -132,7 +136,7 @@ def run(fn, suite, *, target=None, device="cpu", filters=(), diagnose=True, save
             ref_out, ref_lse = ref_out[rows], ref_lse[rows]
             o.rows = f"decode rows: {len(rows)} of {nseq} sequences"
         try:
-            out, lse = _call(fn, args)
+            out, lse = _call(fn, args, **kw)
         except (Unsupported, NotImplementedError) as e:
             o.status, o.message = "unsupported", str(e) or type(e).__name__
         except Exception as e:  # noqa: BLE001 - any failure of the target is reported, not raised
@@ -143,7 +147,7 @@ def run(fn, suite, *, target=None, device="cpu", filters=(), diagnose=True, save
             ok = o.out_rel <= case.tolerance["out_rel"] and (o.lse_abs is None or o.lse_abs <= case.tolerance["lse_abs"])
             o.status = "pass" if ok else "fail"
             if not ok and diagnose:
-                o.diagnosis = explain(case, fn, args, out, lse, ref_out, ref_lse, case.tolerance, _call)
+                o.diagnosis = explain(case, fn, args, out, lse, ref_out, ref_lse, case.tolerance, lambda f, a: _call(f, a, **kw))
             if save and o.rows == "all":
                 res = {"out": out.to(case.dtype)}
                 if lse is not None:
