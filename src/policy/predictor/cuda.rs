@@ -1,6 +1,7 @@
 //! AttentionPredictor on the CUDA backend (kernels/predictor.cu): the block-attention history, the
-//! calibration schedule, the CNN and the selection on the device, with the CPU engine's decisions
-//! (src/cpu/sparse/stateful.rs, src/policy/predictor.rs) bit for bit. No host decision inside a decode step:
+//! calibration schedule, the CNN and the selection on the device, agreeing with the CPU engine's decisions
+//! (`cpu.rs`, `mod.rs`) by the contract of design.md: the history rows bit for bit, the CNN's second
+//! convolution on tensor cores (3xTF32) within the error bound of docs/policies.md. No host decision inside a decode step:
 //! the launches and their grids follow from host-known bounds (block-table width, history, budgets), so a
 //! step is capturable in a CUDA graph.
 //!
@@ -37,8 +38,10 @@ pub use crate::cuda::kernel_src::PREDICTOR;
 
 /// CTAs per column tile of `kvs_pred_conv` (the kernel's PRED_NY).
 const NY: usize = 8;
-/// Largest first-layer width the conv kernel keeps in registers per column (9 values per channel).
+/// Largest first-layer width the conv kernel accepts (its second convolution reduces over 9 x c1).
 const MAX_C1: usize = 32;
+/// CTAs of one history-row scoring launch, over all (sequence, KV head) pairs (a few waves on an H100).
+const SCORES_CTAS: usize = 2048;
 /// Static shared memory the conv kernel may use.
 const CONV_SMEM: usize = 47 * 1024;
 
@@ -249,7 +252,9 @@ impl PredictorDev {
         let (tp, sthreads) = crate::policy::snapkv::cuda::scores_shape(d, g);
         let q = &a.query;
         let kc = &cache.k;
-        let key_tiles = (geo.max_pos + 1).div_ceil(tp);
+        // Key tiles per (sequence, KV head): each CTA walks tiles gridDim.x apart, so that a predicted row
+        // (only its plan's keys) does not launch a CTA per tile of the longest row.
+        let key_tiles = (geo.max_pos + 1).div_ceil(tp).min(SCORES_CTAS.div_ceil(ns * hk)).max(1);
         for phase in 0..3 {
             let mut k = KArgs::new();
             k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
