@@ -443,13 +443,16 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
 // (as kvs_snap_scores): 0 zeroes the new ring rows and takes each row's largest logit (order-key
 // atomicMax, NaN skipped; `rmax` preset to the key of -inf), 1 the fixed-point normalisers (`zfix`,
 // `zbad` preset to 0), 2 the weights f32(e / z) (f64 division) into the ring row by atomicMax on their
-// bits (non-negative floats order as their bits; NaN and 0 never written). Grid (key tiles of SNAP_TP,
-// KV heads, seqs); rows r = token * GROUP + query head, `rcap` per (sequence, head).
+// bits (non-negative floats order as their bits; NaN and 0 never written). A decode row's phase 0 also
+// writes its logits to `lgs`, which phases 1 and 2 read instead of K (one pass over the keys; the same
+// values, so the same bits). Grid (key tiles of SNAP_TP, capped; KV heads; seqs); rows r = token * GROUP +
+// query head, `rcap` per (sequence, head).
 extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
                                                                            const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, PredState st, PredSpec ps,
                                                                            const int* slot, const int* mode, const unsigned* plan, i64 p_s, i64 p_h,
                                                                            const int* plan_len, int cap, int phase, unsigned* rmax,
-                                                                           unsigned long long* zfix, unsigned* zbad, int rcap) {
+                                                                           unsigned long long* zfix, unsigned* zbad, int rcap, float* lgs,
+                                                                           int lcap) {
     __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
     __shared__ float wsh[SNAP_J][SNAP_TP];
@@ -479,10 +482,14 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
     const int jend = use_plan ? min(max(plan_len[s * hk + h], 0), cap) : pos0 + ntok - jlo;
     const int bs = 1 << b.bs_log2;
     const i64 rows = (i64)(s * hk + h) * rcap;
+    // A decode row's logits, written by phase 0 and read back by phases 1 and 2 (K is read once), where the
+    // workspace has room for them (`lgs` [seqs][hk][GROUP][lcap]); a seed's rows recompute them.
+    const bool keep = lgs != nullptr && !seed && jend <= lcap;
+    float* lrow = keep ? lgs + (i64)(s * hk + h) * GROUP * lcap : nullptr;
     // Key tiles j0, j0 + gridDim.x * SNAP_TP, ...: the grid is capped (a predicted row lists only its plan).
     for (int j0 = blockIdx.x * SNAP_TP; j0 < jend; j0 += gridDim.x * SNAP_TP) {
         __syncthreads();  // the previous tile's keys and weights are no longer read
-        for (int i = threadIdx.x; i < SNAP_TP * HEAD_DIM; i += blockDim.x) {
+        for (int i = threadIdx.x; i < SNAP_TP * HEAD_DIM && !(keep && phase > 0); i += blockDim.x) {
             const int p = i / HEAD_DIM, c = i % HEAD_DIM, jj = j0 + p;
             float v = 0.0f;
             if (jj < jend) {
@@ -498,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
             const int tpos = pos0 + tt;
             const int lo = pred_lo(b, tpos);
             __syncthreads();  // the previous token's queries and weights are no longer read (and K is staged)
-            for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
+            for (int i = threadIdx.x; i < GROUP * HEAD_DIM && !(keep && phase > 0); i += blockDim.x) {
                 const int g = i / HEAD_DIM, c = i % HEAD_DIM;
                 qs[i] = ET::ld(q[(i64)(t0 + tt) * q0 + (i64)(h * GROUP + g) * q1 + (i64)c * q2]) * scale;
             }
@@ -511,7 +518,14 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
                 const bool row_ok = gi < GROUP;
                 const i64 rr = rows + tt * GROUP + (row_ok ? gi : 0);
                 float l = -INFINITY;
-                if (vis && row_ok) l = kvs_decision_softcap(snap_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
+                if (vis && row_ok) {
+                    if (keep && phase > 0) {
+                        l = lrow[(i64)gi * lcap + jj];
+                    } else {
+                        l = kvs_decision_softcap(snap_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
+                        if (keep) lrow[(i64)gi * lcap + jj] = l;
+                    }
+                }
                 if (phase == 0) {
                     float mx = l;
 #pragma unroll

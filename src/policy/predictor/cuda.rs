@@ -165,6 +165,8 @@ pub(crate) struct PredWs {
     pub nbmax: usize,
     /// Query rows per (sequence, KV head) of the history's scoring (tokens × group).
     pub rcap: usize,
+    /// Logits kept per query row of a decode row's history (its positions: every visible one at most).
+    pub lcap: usize,
 }
 
 impl PredWs {
@@ -176,7 +178,8 @@ impl PredWs {
             0 => spec.history,
             q => spec.history.min(q as usize).max(1),
         };
-        Ok(PredWs { nbmax, rcap: checked(&[tokens, group])? })
+        ensure!(geo.max_pos < i32::MAX as usize, Unsupported, "predictor: sequences too long for the history's logits");
+        Ok(PredWs { nbmax, rcap: checked(&[tokens, group])?, lcap: geo.max_pos + 1 })
     }
 }
 
@@ -239,7 +242,8 @@ impl PredictorDev {
         launch::launch(f("kvs_pred_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_pred_select launch")?;
         mark(2)?;
 
-        // The history rows (decode rows and prefill seeds): three passes over their keys.
+        // The history rows (decode rows and prefill seeds): three passes, a decode row's keys read by the
+        // first only (its logits kept in the workspace for the other two).
         let n_rows = checked(&[ns, hk, pw.rcap])?;
         let api = cuda()?;
         // SAFETY: each region holds n_rows elements of its width (sized by PredictorStage::reserve from `pw`).
@@ -261,6 +265,7 @@ impl PredictorDev {
             k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
             k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i32(phase);
             k.i64((ws + lay.pred_rmax as u64) as i64).i64((ws + lay.pred_z as u64) as i64).i64((ws + lay.pred_bad as u64) as i64).i32(pw.rcap as i32);
+            k.i64((ws + lay.pred_logits as u64) as i64).i32(pw.lcap as i32);
             launch::launch(f("kvs_pred_scores")?, (key_tiles as u32, hk as u32, ns as u32), sthreads as u32, &mut k, stream, "kvs_pred_scores launch")?;
         }
         let mut k = KArgs::new();
@@ -339,8 +344,9 @@ impl PolicyDevice for PredictorDev {
 }
 
 /// AttentionPredictor's regions in a call's policy workspace: mode per (seq, head), predicted block scores
-/// per (seq, head, block), and the history rows' maxima, fixed-point normalisers and NaN flags per query
-/// row; with the sequences' state slots (device addresses).
+/// per (seq, head, block), the history rows' maxima, fixed-point normalisers and NaN flags per query row,
+/// and a decode row's logits per (seq, head, query head, position); with the sequences' state slots
+/// (device addresses).
 pub(crate) struct PredRegions {
     slot: u64,
     slot_gen: u64,
@@ -349,6 +355,7 @@ pub(crate) struct PredRegions {
     pred_rmax: usize,
     pred_z: usize,
     pred_bad: usize,
+    pred_logits: usize,
 }
 
 /// The predictor's stage for one call (None: the weights were not uploaded).
@@ -357,12 +364,12 @@ pub(crate) struct PredictorStage<'a> {
     spec: PredictorSpec,
     pw: Option<PredWs>,
     /// Offsets of the regions (slots filled at launch).
-    at: [usize; 5],
+    at: [usize; 6],
 }
 
 impl<'a> PredictorStage<'a> {
     pub(crate) fn new(state: Option<&'a PredictorDev>, spec: PredictorSpec) -> Self {
-        PredictorStage { state, spec, pw: None, at: [0; 5] }
+        PredictorStage { state, spec, pw: None, at: [0; 6] }
     }
 }
 
@@ -376,6 +383,7 @@ impl CudaStage for PredictorStage<'_> {
             ws.take_n(&[ns, hk, pw.rcap, 4])?,
             ws.take_n(&[ns, hk, pw.rcap, 8])?,
             ws.take_n(&[ns, hk, pw.rcap, 4])?,
+            ws.take_n(&[ns, hk, cx.cfg.group_size(), pw.lcap, 4])?,
         ];
         self.pw = Some(pw);
         Ok(())
@@ -384,8 +392,8 @@ impl CudaStage for PredictorStage<'_> {
     fn select(&self, cx: &StepCx) -> Result<()> {
         let Some(pd) = self.state else { bail!(Internal, "predictor weights were not uploaded") };
         let pw = self.pw.as_ref().expect("predictor workspace");
-        let [pred_mode, pred_scores, pred_rmax, pred_z, pred_bad] = self.at;
-        let lay = PredRegions { slot: cx.slot, slot_gen: cx.slot_gen, pred_mode, pred_scores, pred_rmax, pred_z, pred_bad };
+        let [pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits] = self.at;
+        let lay = PredRegions { slot: cx.slot, slot_gen: cx.slot_gen, pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits };
         pd.predictor_step(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &lay, pw, &cx.fin, cx.ctr)
     }
 }
