@@ -18,9 +18,9 @@
 // A stamp that differs from the slot's generation means a new sequence: the state reads as empty.
 //
 // A decode step (layer call): kvs_pred_prepare (mode per (sequence, KV head), schedule), kvs_pred_conv
-// (z rows), kvs_pred_select (time average, top-k, token plan, counters), kvs_pred_scores x3 (the new
-// history row: row maxima, fixed-point normalisers, weights max-pooled into the ring row) and
-// kvs_pred_finish (ring bookkeeping); the attention reads the plan. Prefill chunks (q_len > 1) take the
+// (z rows), kvs_pred_average (the time average: scores), kvs_pred_select (top-k, token plan, counters),
+// kvs_pred_scores x3 (the new history row: row maxima, fixed-point normalisers, weights max-pooled into
+// the ring row; a decode row's keys read once) and kvs_pred_finish (ring bookkeeping); the attention reads the plan. Prefill chunks (q_len > 1) take the
 // SEED path of the same kernels: their last min(q_len, H) rows become the history.
 
 #include "common.cuh"
@@ -48,7 +48,6 @@ struct PredSpec {
 #ifndef PRED_PT
 #define PRED_PT 128  // image columns per CTA of kvs_pred_conv
 #endif
-#define PRED_NY 8    // CTAs per column tile of kvs_pred_conv (each walks the rows y, y + NY, ...)
 #define PRED_W1 0
 #define PRED_B1 (PRED_C1 * 9)
 #define PRED_W2 (PRED_B1 + PRED_C1)
@@ -158,8 +157,9 @@ __device__ __forceinline__ void pred_mma(float (&c)[4], const unsigned (&a)[4], 
 #define PRED_MT ((PRED_C2 + 15) / 16)  // its output channels in tiles of 16 (zero-padded)
 
 // The CNN's per-row outputs z[t][b] of the rows and columns whose receptive field changed since the last
-// prediction (all of them after a seed), into zc. Grid (column tiles of PRED_PT, hk * PRED_NY, seqs);
-// PRED_PT threads. Per image row: the first convolution in f32 (one value per thread and pass, the CPU's
+// prediction (all of them after a seed), into zc. Grid (CTAs per (sequence, KV head), hk, seqs); PRED_PT
+// threads; a CTA stages the weights once, then walks the (image row, column tile) items blockIdx.x,
+// blockIdx.x + gridDim.x, ... and skips at once those with nothing to recompute. Per image row: the first convolution in f32 (one value per thread and pass, the CPU's
 // order), then the second as an implicit GEMM on the tensor cores, [C2 x 9 C1] weights times the
 // [9 C1 x PT] patches of the first layer's outputs (each warp 32 columns, m16n8k8 MMAs in 3xTF32: both
 // operands split into TF32 hi + lo, hi*hi + hi*lo + lo*hi accumulated in f32), then bias, ReLU and the 1x1
@@ -170,15 +170,14 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
     __shared__ float ws[PRED_NP];
     __shared__ float xs[5][PRED_PT + 4];
     __shared__ float ys[PRED_C1][3][PRED_PT + 2];
-    const int s = blockIdx.z, hk = st.hk, h = blockIdx.y / PRED_NY, y0 = blockIdx.y % PRED_NY, H = st.H;
+    const int s = blockIdx.z, hk = st.hk, h = blockIdx.y, H = st.H;
     const int m = mode[s * hk + h];
     if (m != PM_CALIB && m != PM_PRED) return;
     const SeqRow r = seq_row(b, s);
     const int n = r.hi + 1, nb = (n + ps.block - 1) / ps.block;
     int start, width;
     pred_crop(nb, ps, start, width);
-    const int b0 = blockIdx.x * PRED_PT;
-    if (b0 >= width) return;
+    const int tiles = (width + PRED_PT - 1) / PRED_PT;
     const long long sh = (long long)slot[s] * hk + h;
     const int* hd = st.hdr + sh * HDR_WORDS;
     const int count = hd[HDR_COUNT], pushed = hd[HDR_PUSHED];
@@ -188,7 +187,6 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
     const float* ring = st.ring + sh * H * (long long)st.wc;
     float* zc = st.zc + sh * H * (long long)st.wc;
     for (int i = threadIdx.x; i < PRED_NP; i += blockDim.x) ws[i] = wts[i];
-    const int col = b0 + threadIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g8 = lane >> 2, tq = lane & 3;
     const float* yflat = &ys[0][0][0];
     // Image value at (row tt, column bb); 0 outside the image (padding) and for rows never pushed.
@@ -204,10 +202,11 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
     };
     // Offset in ys of reduction index k (channel k / 9, row (k % 9) / 3, column shift k % 3); -1: padding.
     auto koff = [](int k) { return k < PRED_K ? (k / 9) * 3 * (PRED_PT + 2) + ((k % 9) / 3) * (PRED_PT + 2) + k % 3 : -1; };
-    for (int t = y0; t < H; t += PRED_NY) {
+    for (int item = blockIdx.x; item < H * tiles; item += gridDim.x) {
+        const int t = item / tiles, b0 = (item % tiles) * PRED_PT;
         const bool row_reused = reuse && t >= 2 && t + pushed + 2 < H;
-        const bool need = col < width && !(row_reused && col + 2 < wmin);
-        if (!__syncthreads_or(need)) continue;
+        // A reused row keeps every column whose receptive field lies inside the previous crop.
+        if (row_reused && b0 + PRED_PT + 2 <= wmin) continue;
         for (int i = threadIdx.x; i < 5 * (PRED_PT + 4); i += blockDim.x) {
             const int rr = i / (PRED_PT + 4), cc = i % (PRED_PT + 4);
             xs[rr][cc] = xv(t - 2 + rr, b0 - 2 + cc);
@@ -298,8 +297,29 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
     }
 }
 
-// One CTA per (KV head, sequence): the prediction (b3 + mean over the rows of z, summed in row order),
-// the selection (predictor::select: the sink's and the local window's tokens and the best candidate
+// The prediction of every CALIB / PRED row: b3 + the mean over the H image rows of z (summed in row
+// order), into `scores` [seqs][hk][nbmax] at the crop's blocks. Grid (column tiles of 256, hk, seqs).
+extern "C" __global__ void __launch_bounds__(256) kvs_pred_average(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
+                                                                   const int* mode, float* scores, int nbmax) {
+    const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
+    const int m = mode[s * hk + h];
+    if (m != PM_CALIB && m != PM_PRED) return;
+    const SeqRow r = seq_row(b, s);
+    const int n = r.hi + 1, nb = (n + ps.block - 1) / ps.block;
+    int start, width;
+    pred_crop(nb, ps, start, width);
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= width) return;
+    const long long sh = (long long)slot[s] * hk + h;
+    const int count = st.hdr[sh * HDR_WORDS + HDR_COUNT];
+    const float* zc = st.zc + sh * H * (long long)st.wc;
+    const int rbase = pred_mod((long long)count - H, H);  // ring row of image row 0
+    float acc = 0.0f;
+    for (int t = 0, ri = rbase; t < H; ++t, ri = ri + 1 == H ? 0 : ri + 1) acc += zc[(long long)ri * st.wc + i];
+    scores[(i64)(s * hk + h) * nbmax + start + i] = wts[PRED_B3] + acc * (1.0f / (float)H);
+}
+
+// One CTA per (KV head, sequence): the selection from kvs_pred_average's scores (predictor::select: the sink's and the local window's tokens and the best candidate
 // blocks by (score, later block), radix top-k), the token plan (increasing positions, clipped to the
 // visible range) and the counters. DENSE and NOHIST rows get every visible position. CTA (0, 0) also
 // counts the call's rows.
@@ -314,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
     __shared__ int wsum[TOPK_THREADS / 32];
     __shared__ int total;
     __shared__ unsigned long long red[32];
-    const int s = blockIdx.y, h = blockIdx.x, hk = st.hk, H = st.H;
+    const int s = blockIdx.y, h = blockIdx.x, hk = st.hk;
     if (s == 0 && h == 0) rows_count(b, hk, row_bytes, ctr, red);
     const SeqRow r = seq_row(b, s);
     const int m = mode[s * hk + h];
@@ -335,17 +355,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
     if (!all) {
         const long long sh = (long long)slot[s] * hk + h;
         int* hd = st.hdr + sh * HDR_WORDS;
-        pred_crop(nb, ps, start, width);
-        const int count = hd[HDR_COUNT];
-        const float inv = 1.0f / (float)H;
-        const float* zc = st.zc + sh * H * (long long)st.wc;
-        const int rbase = pred_mod((long long)count - H, H);  // ring row of image row 0
-        for (int i = threadIdx.x; i < width; i += blockDim.x) {
-            float acc = 0.0f;
-            for (int t = 0, ri = rbase; t < H; ++t, ri = ri + 1 == H ? 0 : ri + 1) acc += zc[(long long)ri * st.wc + i];
-            sc[start + i] = wts[PRED_B3] + acc * inv;
-        }
-        __syncthreads();
+        pred_crop(nb, ps, start, width);  // the scores of the crop: kvs_pred_average
         if (threadIdx.x == 0) {
             hd[HDR_START] = start;
             hd[HDR_WIDTH] = width;
@@ -489,15 +499,17 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
     // Key tiles j0, j0 + gridDim.x * SNAP_TP, ...: the grid is capped (a predicted row lists only its plan).
     for (int j0 = blockIdx.x * SNAP_TP; j0 < jend; j0 += gridDim.x * SNAP_TP) {
         __syncthreads();  // the previous tile's keys and weights are no longer read
-        for (int i = threadIdx.x; i < SNAP_TP * HEAD_DIM && !(keep && phase > 0); i += blockDim.x) {
-            const int p = i / HEAD_DIM, c = i % HEAD_DIM, jj = j0 + p;
-            float v = 0.0f;
-            if (jj < jend) {
-                const int pos = use_plan ? (int)pe[jj] : jlo + jj;
-                const i64 pb = phys_block(b, s, pos >> b.bs_log2);
-                if (pb >= 0) v = ET::ld(kc[pb * kc0 + (i64)(pos & (bs - 1)) * kc1 + (i64)h * kc2 + c]);
+        if (!(keep && phase > 0)) {
+            // SNAP_J threads per key: one position and block lookup each, then the row's loads in flight.
+            const int kp = threadIdx.x / SNAP_J, kq = threadIdx.x % SNAP_J, kj = j0 + kp;
+            const elem_t* krow = nullptr;
+            if (kj < jend) {
+                const int kpos = use_plan ? (int)pe[kj] : jlo + kj;
+                const i64 pb = phys_block(b, s, kpos >> b.bs_log2);
+                if (pb >= 0) krow = kc + pb * kc0 + (i64)(kpos & (bs - 1)) * kc1 + (i64)h * kc2;
             }
-            ks[p][c] = v;
+#pragma unroll
+            for (int c = kq; c < HEAD_DIM; c += SNAP_J) ks[kp][c] = krow ? ET::ld(krow[c]) : 0.0f;
         }
         const int p = threadIdx.x % SNAP_TP, j = threadIdx.x / SNAP_TP, jj = j0 + p;
         const int pos = jj < jend ? (use_plan ? (int)pe[jj] : jlo + jj) : -1;

@@ -36,8 +36,9 @@ use crate::{bail, ensure};
 /// The module: the predictor's kernels (with the batch, top-k and SnapKV scoring headers they include).
 pub use crate::cuda::kernel_src::PREDICTOR;
 
-/// CTAs per column tile of `kvs_pred_conv` (the kernel's PRED_NY).
-const NY: usize = 8;
+/// CTAs of one `kvs_pred_conv` launch, over all (sequence, KV head) pairs (each stages the weights once
+/// and walks its share of the (row, column tile) items).
+const CONV_CTAS: usize = 2048;
 /// Largest first-layer width the conv kernel accepts (its second convolution reduces over 9 x c1).
 const MAX_C1: usize = 32;
 /// CTAs of one history-row scoring launch, over all (sequence, KV head) pairs (a few waves on an H100).
@@ -228,13 +229,18 @@ impl PredictorDev {
         k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(gen as i64).i64(mode as i64).i64(pctr as i64);
         launch::launch(f("kvs_pred_prepare")?, (ns as u32, 1, 1), threads, &mut k, stream, "kvs_pred_prepare launch")?;
 
-        let tiles = pw.nbmax.div_ceil(pd.pt);
-        ensure!(hk * NY < 65536 && tiles < (1 << 31), Unsupported, "predictor: too many KV heads or blocks for the CNN's grid");
+        let items = checked(&[pw.nbmax.div_ceil(pd.pt), ps.history])?;
+        ensure!(hk < 65536 && ns < 65536 && items < (1 << 31), Unsupported, "predictor: too many KV heads, sequences or blocks for the CNN's grid");
+        let per = CONV_CTAS.div_ceil(ns * hk).min(items).max(1);
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
-        launch::launch(f("kvs_pred_conv")?, (tiles as u32, (hk * NY) as u32, ns as u32), pd.pt as u32, &mut k, stream, "kvs_pred_conv launch")?;
+        launch::launch(f("kvs_pred_conv")?, (per as u32, hk as u32, ns as u32), pd.pt as u32, &mut k, stream, "kvs_pred_conv launch")?;
 
         mark(1)?;
+        let mut k = KArgs::new();
+        k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
+        k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
+        launch::launch(f("kvs_pred_average")?, (pw.nbmax.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_pred_average launch")?;
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
         k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
