@@ -90,6 +90,15 @@ __device__ __forceinline__ void pred_crop(int nb, const PredSpec& ps, int& start
     width = e - s0;
 }
 
+// The crop of a (sequence, KV head) whose CNN runs this call (CALIB / PRED): false for the others.
+__device__ __forceinline__ bool pred_cnn_crop(const Batch& b, const PredSpec& ps, const int* mode, int hk, int s, int h, int& start, int& width) {
+    const int m = mode[s * hk + h];
+    if (m != PM_CALIB && m != PM_PRED) return false;
+    const SeqRow r = seq_row(b, s);
+    pred_crop((r.hi + ps.block) / ps.block, ps, start, width);
+    return true;
+}
+
 __device__ __forceinline__ int pred_lo(const Batch& b, int pos) { return (b.window > 0 && pos + 1 - b.window > 0) ? pos + 1 - b.window : 0; }
 
 // Mode and schedule of every (sequence, KV head): one CTA per sequence. A stamp from another generation
@@ -171,12 +180,8 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
     __shared__ float xs[5][PRED_PT + 4];
     __shared__ float ys[PRED_C1][3][PRED_PT + 2];
     const int s = blockIdx.z, hk = st.hk, h = blockIdx.y, H = st.H;
-    const int m = mode[s * hk + h];
-    if (m != PM_CALIB && m != PM_PRED) return;
-    const SeqRow r = seq_row(b, s);
-    const int n = r.hi + 1, nb = (n + ps.block - 1) / ps.block;
     int start, width;
-    pred_crop(nb, ps, start, width);
+    if (!pred_cnn_crop(b, ps, mode, hk, s, h, start, width)) return;
     const int tiles = (width + PRED_PT - 1) / PRED_PT;
     const long long sh = (long long)slot[s] * hk + h;
     const int* hd = st.hdr + sh * HDR_WORDS;
@@ -302,12 +307,8 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
 extern "C" __global__ void __launch_bounds__(256) kvs_pred_average(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
                                                                    const int* mode, float* scores, int nbmax) {
     const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
-    const int m = mode[s * hk + h];
-    if (m != PM_CALIB && m != PM_PRED) return;
-    const SeqRow r = seq_row(b, s);
-    const int n = r.hi + 1, nb = (n + ps.block - 1) / ps.block;
     int start, width;
-    pred_crop(nb, ps, start, width);
+    if (!pred_cnn_crop(b, ps, mode, hk, s, h, start, width)) return;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= width) return;
     const long long sh = (long long)slot[s] * hk + h;

@@ -12,7 +12,7 @@ use super::cuda::view;
 use super::fixture::Fixture;
 use super::hostbuf::HostBuf;
 use super::predictor_agree::{check_predicted, Cnn64, Exact, Mirror, RowSrc};
-use super::reference::{max_abs_err, rel_err};
+use super::reference::{attend_rows, max_abs_err, rel_err};
 use super::sparse_cuda::{cfg_for, compare_counters, compare_visits, sorted, sync};
 use super::{tolerance, CaseSpec};
 use kvsparse::cuda::context::DevBuf;
@@ -403,34 +403,6 @@ fn engine_for(f: &Fixture, policy: &str, device: Device) -> Result<Engine> {
     Ok(e)
 }
 
-/// f64 attention of the `g` query rows `q` (g x d, as stored) over `pos` of sequence `s`, KV head `h`:
-/// outputs (g x d) and LSE (natural log, of the scaled logits).
-fn attend_over(ex: &Exact, value: &dyn Fn(usize, usize, usize) -> Vec<f64>, s: usize, q: &[f64], pos: &[usize]) -> (Vec<f64>, Vec<f64>) {
-    let (g, d) = (ex.group, ex.d);
-    let ks: Vec<Vec<f64>> = pos.iter().map(|&p| (ex.key)(s, p, ex.head)).collect();
-    let vs: Vec<Vec<f64>> = pos.iter().map(|&p| value(s, p, ex.head)).collect();
-    let (mut out, mut lse) = (vec![0f64; g * d], vec![0f64; g]);
-    for r in 0..g {
-        let l: Vec<f64> = ks
-            .iter()
-            .map(|k| {
-                let x = q[r * d..(r + 1) * d].iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * ex.scale;
-                if ex.softcap > 0.0 { ex.softcap * (x / ex.softcap).tanh() } else { x }
-            })
-            .collect();
-        let m = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let z: f64 = l.iter().map(|&x| (x - m).exp()).sum();
-        for (j, v) in vs.iter().enumerate() {
-            let p = (l[j] - m).exp() / z;
-            for c in 0..d {
-                out[r * d + c] += p * v[c];
-            }
-        }
-        lse[r] = m + z.ln();
-    }
-    (out, lse)
-}
-
 /// The agreement check of a case's decode rows (`predictor_agree`), and the reference outputs: the CPU
 /// engine's, or where the GPU's set differs, f64 attention over the GPU's own positions.
 fn check_agreement(f: &Fixture, ps: &PredictorSpec, cs: &[Call], v_cpu: &[Vec<VisitRecord>], v_gpu: &[Vec<VisitRecord>], o_cpu: &mut [Out], res: &mut PredictorResult) {
@@ -502,7 +474,8 @@ fn check_agreement(f: &Fixture, ps: &PredictorSpec, cs: &[Call], v_cpu: &[Vec<Vi
                 }
                 let qv = qrow(t, h);
                 if cpu != gpu {
-                    let (o, l) = attend_over(&ex, &value, q, &qv, &gpos);
+                    let (ks, vs): (Vec<Vec<f64>>, Vec<Vec<f64>>) = gpos.iter().map(|&p| (key(q, p, h), value(q, p, h))).unzip();
+                    let (o, l) = attend_rows(&qv, &ks, &vs, g, d, f.scale as f64, s.softcap as f64);
                     let (oc, lc) = &mut o_cpu[ci];
                     oc[(t * hq + h * g) * d..(t * hq + h * g + g) * d].copy_from_slice(&o);
                     lc[t * hq + h * g..t * hq + h * g + g].copy_from_slice(&l);
