@@ -1,9 +1,10 @@
 // AttentionPredictor on the device (src/cuda/predictor.rs): the block-attention history per (sequence
 // slot, KV head), the calibration schedule, the CNN's forward pass, the selection and the history update,
-// making the decisions of the CPU engine (src/cpu/sparse/stateful.rs run_predictor / predictor_seed,
-// src/policy/predictor.rs) bit for bit: the CNN repeats the CPU's summation order in f32 (this module is
-// compiled with --fmad=false) and the history rows use the decisions' arithmetic (decide.cuh; the CPU's
-// cpu::sparse::history_row). Batch geometry, radix top-k, accounting and SnapKV's scoring arithmetic
+// making the decisions of the CPU engine (src/policy/predictor/{cpu,mod}.rs) by the agreement contract
+// (design.md): the history rows bit for bit (the decisions' arithmetic, decide.cuh, as the CPU's
+// history_row; this module is compiled with --fmad=false), the CNN's second convolution on the tensor cores
+// in 3xTF32 (a stated error bound, docs/policies.md), so a set may differ from the CPU's at borderline
+// blocks only. Batch geometry, radix top-k, accounting and SnapKV's scoring arithmetic
 // (snap_dot, SNAP_TP) come from kernels/include/.
 //
 // State of one layer (allocated per layer outside capture, indexed by the slot map's slot, kernels/slots.cu):
@@ -17,9 +18,9 @@
 // A stamp that differs from the slot's generation means a new sequence: the state reads as empty.
 //
 // A decode step (layer call): kvs_pred_prepare (mode per (sequence, KV head), schedule), kvs_pred_conv
-// (z rows), kvs_pred_select (time average, top-k, token plan, counters), kvs_pred_scores x3 (the new
-// history row: row maxima, fixed-point normalisers, weights max-pooled into the ring row) and
-// kvs_pred_finish (ring bookkeeping); the attention reads the plan. Prefill chunks (q_len > 1) take the
+// (z rows), kvs_pred_average (the time average: scores), kvs_pred_select (top-k, token plan, counters),
+// kvs_pred_scores x3 (the new history row: row maxima, fixed-point normalisers, weights max-pooled into
+// the ring row; a decode row's keys read once) and kvs_pred_finish (ring bookkeeping); the attention reads the plan. Prefill chunks (q_len > 1) take the
 // SEED path of the same kernels: their last min(q_len, H) rows become the history.
 
 #include "common.cuh"
@@ -47,7 +48,6 @@ struct PredSpec {
 #ifndef PRED_PT
 #define PRED_PT 128  // image columns per CTA of kvs_pred_conv
 #endif
-#define PRED_NY 8    // CTAs per column tile of kvs_pred_conv (each walks the rows y, y + NY, ...)
 #define PRED_W1 0
 #define PRED_B1 (PRED_C1 * 9)
 #define PRED_W2 (PRED_B1 + PRED_C1)
@@ -88,6 +88,15 @@ __device__ __forceinline__ void pred_crop(int nb, const PredSpec& ps, int& start
     e = max(e, s0);
     start = min(s0, nb);
     width = e - s0;
+}
+
+// The crop of a (sequence, KV head) whose CNN runs this call (CALIB / PRED): false for the others.
+__device__ __forceinline__ bool pred_cnn_crop(const Batch& b, const PredSpec& ps, const int* mode, int hk, int s, int h, int& start, int& width) {
+    const int m = mode[s * hk + h];
+    if (m != PM_CALIB && m != PM_PRED) return false;
+    const SeqRow r = seq_row(b, s);
+    pred_crop((r.hi + ps.block) / ps.block, ps, start, width);
+    return true;
 }
 
 __device__ __forceinline__ int pred_lo(const Batch& b, int pos) { return (b.window > 0 && pos + 1 - b.window > 0) ? pos + 1 - b.window : 0; }
@@ -134,25 +143,46 @@ extern "C" __global__ void kvs_pred_prepare(Batch b, PredState st, PredSpec ps, 
     }
 }
 
+// TF32 operand of a tensor-core MMA: x rounded to nearest (ties away) to 10 mantissa bits.
+__device__ __forceinline__ unsigned pred_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+// x as hi + lo, both TF32 (3xTF32: hi*hi + hi*lo + lo*hi gives f32 products to about 2^-22).
+__device__ __forceinline__ void pred_split(float x, unsigned& hi, unsigned& lo) {
+    hi = pred_tf32(x);
+    lo = pred_tf32(x - __uint_as_float(hi));
+}
+// c += a * b, m16n8k8, TF32 operands, f32 accumulation (row-major A, column-major B).
+__device__ __forceinline__ void pred_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+#define PRED_K (PRED_C1 * 9)         // the second convolution's reduction: (channel, dt, db)
+#define PRED_K8 ((PRED_K + 7) / 8)   // its k-steps of 8 (zero-padded)
+#define PRED_MT ((PRED_C2 + 15) / 16)  // its output channels in tiles of 16 (zero-padded)
+
 // The CNN's per-row outputs z[t][b] of the rows and columns whose receptive field changed since the last
-// prediction (all of them after a seed), into zc. Grid (column tiles of PRED_PT, hk * PRED_NY, seqs);
-// PRED_PT threads, one image column each. The arithmetic is PredictorWeights::conv_rows' (same order,
-// products rounded before each add); zero padding stands for the CPU's skipped terms, which differ only
-// in the sign of a zero sum, and the ReLU maps both zeros to +0.
+// prediction (all of them after a seed), into zc. Grid (CTAs per (sequence, KV head), hk, seqs); PRED_PT
+// threads; a CTA stages the weights once, then walks the (image row, column tile) items blockIdx.x,
+// blockIdx.x + gridDim.x, ... and skips at once those with nothing to recompute. Per image row: the first convolution in f32 (one value per thread and pass, the CPU's
+// order), then the second as an implicit GEMM on the tensor cores, [C2 x 9 C1] weights times the
+// [9 C1 x PT] patches of the first layer's outputs (each warp 32 columns, m16n8k8 MMAs in 3xTF32: both
+// operands split into TF32 hi + lo, hi*hi + hi*lo + lo*hi accumulated in f32), then bias, ReLU and the 1x1
+// convolution over the channels (a warp-shuffle sum). Device arithmetic and its error bound:
+// docs/policies.md (predictor, "On the GPU").
 extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
                                                                       const int* mode) {
     __shared__ float ws[PRED_NP];
     __shared__ float xs[5][PRED_PT + 4];
     __shared__ float ys[PRED_C1][3][PRED_PT + 2];
-    const int s = blockIdx.z, hk = st.hk, h = blockIdx.y / PRED_NY, y0 = blockIdx.y % PRED_NY, H = st.H;
-    const int m = mode[s * hk + h];
-    if (m != PM_CALIB && m != PM_PRED) return;
-    const SeqRow r = seq_row(b, s);
-    const int n = r.hi + 1, nb = (n + ps.block - 1) / ps.block;
+    const int s = blockIdx.z, hk = st.hk, h = blockIdx.y, H = st.H;
     int start, width;
-    pred_crop(nb, ps, start, width);
-    const int b0 = blockIdx.x * PRED_PT;
-    if (b0 >= width) return;
+    if (!pred_cnn_crop(b, ps, mode, hk, s, h, start, width)) return;
+    const int tiles = (width + PRED_PT - 1) / PRED_PT;
     const long long sh = (long long)slot[s] * hk + h;
     const int* hd = st.hdr + sh * HDR_WORDS;
     const int count = hd[HDR_COUNT], pushed = hd[HDR_PUSHED];
@@ -162,7 +192,8 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
     const float* ring = st.ring + sh * H * (long long)st.wc;
     float* zc = st.zc + sh * H * (long long)st.wc;
     for (int i = threadIdx.x; i < PRED_NP; i += blockDim.x) ws[i] = wts[i];
-    const int col = b0 + threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g8 = lane >> 2, tq = lane & 3;
+    const float* yflat = &ys[0][0][0];
     // Image value at (row tt, column bb); 0 outside the image (padding) and for rows never pushed.
     const int rbase = pred_mod((long long)count - H, H);  // ring row of image row 0
     auto xv = [&](int tt, int bb) {
@@ -174,10 +205,13 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
         const float v = ring[(long long)ri * st.wc + c];
         return v > 0.0f ? v : 0.0f;
     };
-    for (int t = y0; t < H; t += PRED_NY) {
+    // Offset in ys of reduction index k (channel k / 9, row (k % 9) / 3, column shift k % 3); -1: padding.
+    auto koff = [](int k) { return k < PRED_K ? (k / 9) * 3 * (PRED_PT + 2) + ((k % 9) / 3) * (PRED_PT + 2) + k % 3 : -1; };
+    for (int item = blockIdx.x; item < H * tiles; item += gridDim.x) {
+        const int t = item / tiles, b0 = (item % tiles) * PRED_PT;
         const bool row_reused = reuse && t >= 2 && t + pushed + 2 < H;
-        const bool need = col < width && !(row_reused && col + 2 < wmin);
-        if (!__syncthreads_or(need)) continue;
+        // A reused row keeps every column whose receptive field lies inside the previous crop.
+        if (row_reused && b0 + PRED_PT + 2 <= wmin) continue;
         for (int i = threadIdx.x; i < 5 * (PRED_PT + 4); i += blockDim.x) {
             const int rr = i / (PRED_PT + 4), cc = i % (PRED_PT + 4);
             xs[rr][cc] = xv(t - 2 + rr, b0 - 2 + cc);
@@ -198,30 +232,95 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
             ys[c][rr][cc] = v;
         }
         __syncthreads();
-        if (need) {
-            float yv[PRED_C1][9];
+        // The warp's 32 columns: acc[mi][ni] holds channels mi*16 + (g8, g8 + 8), columns ni*8 + 2 tq (+1).
+        float acc[PRED_MT][4][4];
 #pragma unroll
-            for (int c = 0; c < PRED_C1; ++c)
+        for (int mi = 0; mi < PRED_MT; ++mi)
 #pragma unroll
-                for (int k = 0; k < 9; ++k) yv[c][k] = ys[c][k / 3][threadIdx.x + k % 3];
-            float z = 0.0f;
-            for (int co = 0; co < PRED_C2; ++co) {
-                float y2 = ws[PRED_B2 + co];
-                const float* w2 = ws + PRED_W2 + co * PRED_C1 * 9;
+            for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
-                for (int c = 0; c < PRED_C1; ++c)
+                for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+        for (int kk = 0; kk < PRED_K8; ++kk) {
+            const int k0 = kk * 8 + tq, k1 = k0 + 4;
+            unsigned ah[PRED_MT][4], al[PRED_MT][4];
 #pragma unroll
-                    for (int k = 0; k < 9; ++k) y2 += w2[c * 9 + k] * yv[c][k];
-                z += ws[PRED_W3 + co] * pred_relu(y2);
+            for (int mi = 0; mi < PRED_MT; ++mi) {
+                const int r0 = mi * 16 + g8, r1 = r0 + 8;
+                const float a0 = r0 < PRED_C2 && k0 < PRED_K ? ws[PRED_W2 + r0 * PRED_K + k0] : 0.0f;
+                const float a1 = r1 < PRED_C2 && k0 < PRED_K ? ws[PRED_W2 + r1 * PRED_K + k0] : 0.0f;
+                const float a2 = r0 < PRED_C2 && k1 < PRED_K ? ws[PRED_W2 + r0 * PRED_K + k1] : 0.0f;
+                const float a3 = r1 < PRED_C2 && k1 < PRED_K ? ws[PRED_W2 + r1 * PRED_K + k1] : 0.0f;
+                pred_split(a0, ah[mi][0], al[mi][0]);
+                pred_split(a1, ah[mi][1], al[mi][1]);
+                pred_split(a2, ah[mi][2], al[mi][2]);
+                pred_split(a3, ah[mi][3], al[mi][3]);
             }
-            zc[(long long)(rbase + t < H ? rbase + t : rbase + t - H) * st.wc + col] = z;
+            const int o0 = koff(k0), o1 = koff(k1);
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+                const int cn = warp * 32 + ni * 8 + g8;
+                unsigned bh0, bl0, bh1, bl1;
+                pred_split(o0 >= 0 ? yflat[o0 + cn] : 0.0f, bh0, bl0);
+                pred_split(o1 >= 0 ? yflat[o1 + cn] : 0.0f, bh1, bl1);
+#pragma unroll
+                for (int mi = 0; mi < PRED_MT; ++mi) {
+                    pred_mma(acc[mi][ni], al[mi], bh0, bh1);
+                    pred_mma(acc[mi][ni], ah[mi], bl0, bl1);
+                    pred_mma(acc[mi][ni], ah[mi], bh0, bh1);
+                }
+            }
         }
+        // Bias, ReLU, the 1x1 convolution: this lane's channels, then the sum over the warp's 8 row groups.
+        float zp[4][2];
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) zp[ni][0] = zp[ni][1] = 0.0f;
+#pragma unroll
+        for (int mi = 0; mi < PRED_MT; ++mi)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int co = mi * 16 + g8 + half * 8;
+                if (co >= PRED_C2) continue;
+                const float w3 = ws[PRED_W3 + co], b2 = ws[PRED_B2 + co];
+#pragma unroll
+                for (int ni = 0; ni < 4; ++ni) {
+                    zp[ni][0] += w3 * pred_relu(acc[mi][ni][2 * half] + b2);
+                    zp[ni][1] += w3 * pred_relu(acc[mi][ni][2 * half + 1] + b2);
+                }
+            }
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                float v = zp[ni][j];
+                v += __shfl_xor_sync(0xffffffffu, v, 4);
+                v += __shfl_xor_sync(0xffffffffu, v, 8);
+                v += __shfl_xor_sync(0xffffffffu, v, 16);
+                const int c = b0 + warp * 32 + ni * 8 + 2 * tq + j;
+                if (g8 == 0 && c < width && !(row_reused && c + 2 < wmin)) zc[(long long)(rbase + t < H ? rbase + t : rbase + t - H) * st.wc + c] = v;
+            }
         __syncthreads();
     }
 }
 
-// One CTA per (KV head, sequence): the prediction (b3 + mean over the rows of z, summed in row order),
-// the selection (predictor::select: the sink's and the local window's tokens and the best candidate
+// The prediction of every CALIB / PRED row: b3 + the mean over the H image rows of z (summed in row
+// order), into `scores` [seqs][hk][nbmax] at the crop's blocks. Grid (column tiles of 256, hk, seqs).
+extern "C" __global__ void __launch_bounds__(256) kvs_pred_average(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
+                                                                   const int* mode, float* scores, int nbmax) {
+    const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
+    int start, width;
+    if (!pred_cnn_crop(b, ps, mode, hk, s, h, start, width)) return;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= width) return;
+    const long long sh = (long long)slot[s] * hk + h;
+    const int count = st.hdr[sh * HDR_WORDS + HDR_COUNT];
+    const float* zc = st.zc + sh * H * (long long)st.wc;
+    const int rbase = pred_mod((long long)count - H, H);  // ring row of image row 0
+    float acc = 0.0f;
+    for (int t = 0, ri = rbase; t < H; ++t, ri = ri + 1 == H ? 0 : ri + 1) acc += zc[(long long)ri * st.wc + i];
+    scores[(i64)(s * hk + h) * nbmax + start + i] = wts[PRED_B3] + acc * (1.0f / (float)H);
+}
+
+// One CTA per (KV head, sequence): the selection from kvs_pred_average's scores (predictor::select: the sink's and the local window's tokens and the best candidate
 // blocks by (score, later block), radix top-k), the token plan (increasing positions, clipped to the
 // visible range) and the counters. DENSE and NOHIST rows get every visible position. CTA (0, 0) also
 // counts the call's rows.
@@ -236,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
     __shared__ int wsum[TOPK_THREADS / 32];
     __shared__ int total;
     __shared__ unsigned long long red[32];
-    const int s = blockIdx.y, h = blockIdx.x, hk = st.hk, H = st.H;
+    const int s = blockIdx.y, h = blockIdx.x, hk = st.hk;
     if (s == 0 && h == 0) rows_count(b, hk, row_bytes, ctr, red);
     const SeqRow r = seq_row(b, s);
     const int m = mode[s * hk + h];
@@ -257,17 +356,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
     if (!all) {
         const long long sh = (long long)slot[s] * hk + h;
         int* hd = st.hdr + sh * HDR_WORDS;
-        pred_crop(nb, ps, start, width);
-        const int count = hd[HDR_COUNT];
-        const float inv = 1.0f / (float)H;
-        const float* zc = st.zc + sh * H * (long long)st.wc;
-        const int rbase = pred_mod((long long)count - H, H);  // ring row of image row 0
-        for (int i = threadIdx.x; i < width; i += blockDim.x) {
-            float acc = 0.0f;
-            for (int t = 0, ri = rbase; t < H; ++t, ri = ri + 1 == H ? 0 : ri + 1) acc += zc[(long long)ri * st.wc + i];
-            sc[start + i] = wts[PRED_B3] + acc * inv;
-        }
-        __syncthreads();
+        pred_crop(nb, ps, start, width);  // the scores of the crop: kvs_pred_average
         if (threadIdx.x == 0) {
             hd[HDR_START] = start;
             hd[HDR_WIDTH] = width;
@@ -365,13 +454,16 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
 // (as kvs_snap_scores): 0 zeroes the new ring rows and takes each row's largest logit (order-key
 // atomicMax, NaN skipped; `rmax` preset to the key of -inf), 1 the fixed-point normalisers (`zfix`,
 // `zbad` preset to 0), 2 the weights f32(e / z) (f64 division) into the ring row by atomicMax on their
-// bits (non-negative floats order as their bits; NaN and 0 never written). Grid (key tiles of SNAP_TP,
-// KV heads, seqs); rows r = token * GROUP + query head, `rcap` per (sequence, head).
+// bits (non-negative floats order as their bits; NaN and 0 never written). A decode row's phase 0 also
+// writes its logits to `lgs`, which phases 1 and 2 read instead of K (one pass over the keys; the same
+// values, so the same bits). Grid (key tiles of SNAP_TP, capped; KV heads; seqs); rows r = token * GROUP +
+// query head, `rcap` per (sequence, head).
 extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
                                                                            const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, PredState st, PredSpec ps,
                                                                            const int* slot, const int* mode, const unsigned* plan, i64 p_s, i64 p_h,
                                                                            const int* plan_len, int cap, int phase, unsigned* rmax,
-                                                                           unsigned long long* zfix, unsigned* zbad, int rcap) {
+                                                                           unsigned long long* zfix, unsigned* zbad, int rcap, float* lgs,
+                                                                           int lcap) {
     __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
     __shared__ float wsh[SNAP_J][SNAP_TP];
@@ -399,74 +491,89 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
     const int jlo = pred_lo(b, pos0);
     const unsigned* pe = plan + s * p_s + h * p_h;
     const int jend = use_plan ? min(max(plan_len[s * hk + h], 0), cap) : pos0 + ntok - jlo;
-    const int j0 = blockIdx.x * SNAP_TP;
-    if (j0 >= jend) return;
     const int bs = 1 << b.bs_log2;
-    for (int i = threadIdx.x; i < SNAP_TP * HEAD_DIM; i += blockDim.x) {
-        const int p = i / HEAD_DIM, c = i % HEAD_DIM, jj = j0 + p;
-        float v = 0.0f;
-        if (jj < jend) {
-            const int pos = use_plan ? (int)pe[jj] : jlo + jj;
-            const i64 pb = phys_block(b, s, pos >> b.bs_log2);
-            if (pb >= 0) v = ET::ld(kc[pb * kc0 + (i64)(pos & (bs - 1)) * kc1 + (i64)h * kc2 + c]);
-        }
-        ks[p][c] = v;
-    }
-    const int p = threadIdx.x % SNAP_TP, j = threadIdx.x / SNAP_TP, jj = j0 + p;
-    const int pos = jj < jend ? (use_plan ? (int)pe[jj] : jlo + jj) : -1;
     const i64 rows = (i64)(s * hk + h) * rcap;
-    for (int tt = 0; tt < ntok; ++tt) {
-        const int tpos = pos0 + tt;
-        const int lo = pred_lo(b, tpos);
-        __syncthreads();  // the previous token's queries and weights are no longer read (and K is staged)
-        for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
-            const int g = i / HEAD_DIM, c = i % HEAD_DIM;
-            qs[i] = ET::ld(q[(i64)(t0 + tt) * q0 + (i64)(h * GROUP + g) * q1 + (i64)c * q2]) * scale;
-        }
-        __syncthreads();
-        const bool vis = pos >= lo && pos <= tpos;
-        float wmax = 0.0f;
-#pragma unroll
-        for (int k = 0; k < SNAP_KPER; ++k) {
-            const int gi = j + SNAP_J * k;
-            const bool row_ok = gi < GROUP;
-            const i64 rr = rows + tt * GROUP + (row_ok ? gi : 0);
-            float l = -INFINITY;
-            if (vis && row_ok) l = kvs_decision_softcap(snap_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
-            if (phase == 0) {
-                float mx = l;
-#pragma unroll
-                for (int off = SNAP_TP / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-                if (p == 0 && row_ok && mx > -INFINITY) atomicMax(&rmax[rr], kvs_order_key(mx));
-                continue;
+    // A decode row's logits, written by phase 0 and read back by phases 1 and 2 (K is read once), where the
+    // workspace has room for them (`lgs` [seqs][hk][GROUP][lcap]); a seed's rows recompute them.
+    const bool keep = lgs != nullptr && !seed && jend <= lcap;
+    float* lrow = keep ? lgs + (i64)(s * hk + h) * GROUP * lcap : nullptr;
+    // Key tiles j0, j0 + gridDim.x * SNAP_TP, ...: the grid is capped (a predicted row lists only its plan).
+    for (int j0 = blockIdx.x * SNAP_TP; j0 < jend; j0 += gridDim.x * SNAP_TP) {
+        __syncthreads();  // the previous tile's keys and weights are no longer read
+        if (!(keep && phase > 0)) {
+            // SNAP_J threads per key: one position and block lookup each, then the row's loads in flight.
+            const int kp = threadIdx.x / SNAP_J, kq = threadIdx.x % SNAP_J, kj = j0 + kp;
+            const elem_t* krow = nullptr;
+            if (kj < jend) {
+                const int kpos = use_plan ? (int)pe[kj] : jlo + kj;
+                const i64 pb = phys_block(b, s, kpos >> b.bs_log2);
+                if (pb >= 0) krow = kc + pb * kc0 + (i64)(kpos & (bs - 1)) * kc1 + (i64)h * kc2;
             }
-            const float mrow = row_ok ? snap_unkey(rmax[rr]) : -INFINITY;
-            const float ev = vis && mrow > -INFINITY ? kvs_fast_exp(l - mrow) : 0.0f;
-            if (phase == 1) {
-                unsigned long long x = isnan(ev) ? 0ull : (unsigned long long)((double)ev * SNAP_NORM_ONE);
-                unsigned bad = isnan(ev) ? 1u : 0u;
 #pragma unroll
-                for (int off = SNAP_TP / 2; off > 0; off >>= 1) {
-                    x += __shfl_xor_sync(0xffffffffu, x, off);
-                    bad |= __shfl_xor_sync(0xffffffffu, bad, off);
-                }
-                if (p == 0 && row_ok && mrow > -INFINITY) {
-                    if (x != 0ull) atomicAdd(&zfix[rr], x);
-                    if (bad) atomicOr(&zbad[rr], 1u);
-                }
-            } else if (vis && row_ok && mrow > -INFINITY) {
-                const double z = zbad[rr] ? (double)__int_as_float(0x7fffffff) : (double)zfix[rr] / SNAP_NORM_ONE;
-                const float w = (float)((double)ev / z);
-                if (w > wmax) wmax = w;  // NaN never wins
-            }
+            for (int c = kq; c < HEAD_DIM; c += SNAP_J) ks[kp][c] = krow ? ET::ld(krow[c]) : 0.0f;
         }
-        if (phase != 2) continue;
-        wsh[j][p] = wmax;
-        __syncthreads();
-        if (j == 0 && vis) {
-            float wm = 0.0f;
-            for (int k = 0; k < SNAP_J; ++k) wm = wsh[k][p] > wm ? wsh[k][p] : wm;
-            if (wm > 0.0f) atomicMax(reinterpret_cast<unsigned*>(row_of(tt)) + pos / blk, __float_as_uint(wm));
+        const int p = threadIdx.x % SNAP_TP, j = threadIdx.x / SNAP_TP, jj = j0 + p;
+        const int pos = jj < jend ? (use_plan ? (int)pe[jj] : jlo + jj) : -1;
+        for (int tt = 0; tt < ntok; ++tt) {
+            const int tpos = pos0 + tt;
+            const int lo = pred_lo(b, tpos);
+            __syncthreads();  // the previous token's queries and weights are no longer read (and K is staged)
+            for (int i = threadIdx.x; i < GROUP * HEAD_DIM && !(keep && phase > 0); i += blockDim.x) {
+                const int g = i / HEAD_DIM, c = i % HEAD_DIM;
+                qs[i] = ET::ld(q[(i64)(t0 + tt) * q0 + (i64)(h * GROUP + g) * q1 + (i64)c * q2]) * scale;
+            }
+            __syncthreads();
+            const bool vis = pos >= lo && pos <= tpos;
+            float wmax = 0.0f;
+#pragma unroll
+            for (int k = 0; k < SNAP_KPER; ++k) {
+                const int gi = j + SNAP_J * k;
+                const bool row_ok = gi < GROUP;
+                const i64 rr = rows + tt * GROUP + (row_ok ? gi : 0);
+                float l = -INFINITY;
+                if (vis && row_ok) {
+                    if (keep && phase > 0) {
+                        l = lrow[(i64)gi * lcap + jj];
+                    } else {
+                        l = kvs_decision_softcap(snap_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
+                        if (keep) lrow[(i64)gi * lcap + jj] = l;
+                    }
+                }
+                if (phase == 0) {
+                    float mx = l;
+#pragma unroll
+                    for (int off = SNAP_TP / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+                    if (p == 0 && row_ok && mx > -INFINITY) atomicMax(&rmax[rr], kvs_order_key(mx));
+                    continue;
+                }
+                const float mrow = row_ok ? snap_unkey(rmax[rr]) : -INFINITY;
+                const float ev = vis && mrow > -INFINITY ? kvs_fast_exp(l - mrow) : 0.0f;
+                if (phase == 1) {
+                    unsigned long long x = isnan(ev) ? 0ull : (unsigned long long)((double)ev * SNAP_NORM_ONE);
+                    unsigned bad = isnan(ev) ? 1u : 0u;
+#pragma unroll
+                    for (int off = SNAP_TP / 2; off > 0; off >>= 1) {
+                        x += __shfl_xor_sync(0xffffffffu, x, off);
+                        bad |= __shfl_xor_sync(0xffffffffu, bad, off);
+                    }
+                    if (p == 0 && row_ok && mrow > -INFINITY) {
+                        if (x != 0ull) atomicAdd(&zfix[rr], x);
+                        if (bad) atomicOr(&zbad[rr], 1u);
+                    }
+                } else if (vis && row_ok && mrow > -INFINITY) {
+                    const double z = zbad[rr] ? (double)__int_as_float(0x7fffffff) : (double)zfix[rr] / SNAP_NORM_ONE;
+                    const float w = (float)((double)ev / z);
+                    if (w > wmax) wmax = w;  // NaN never wins
+                }
+            }
+            if (phase != 2) continue;
+            wsh[j][p] = wmax;
+            __syncthreads();
+            if (j == 0 && vis) {
+                float wm = 0.0f;
+                for (int k = 0; k < SNAP_J; ++k) wm = wsh[k][p] > wm ? wsh[k][p] : wm;
+                if (wm > 0.0f) atomicMax(reinterpret_cast<unsigned*>(row_of(tt)) + pos / blk, __float_as_uint(wm));
+            }
         }
     }
 }

@@ -244,6 +244,8 @@ mod tests {
             take(checked(&[ns, hk, pw.rcap, 4])?);
             take(checked(&[ns, hk, pw.rcap, 8])?);
             take(checked(&[ns, hk, pw.rcap, 4])?);
+            // Since issue 35: a decode row's logits, kept between the history row's passes.
+            take(checked(&[ns, hk, g, pw.lcap, 4])?);
         }
         Ok((regions, off.max(256)))
     }

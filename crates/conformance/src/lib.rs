@@ -13,6 +13,7 @@ pub mod fixture;
 pub mod hostbuf;
 pub mod matrix;
 pub mod nonfinite;
+pub mod predictor_agree;
 pub mod predictor_cuda;
 pub mod prr_cuda;
 pub mod reference;

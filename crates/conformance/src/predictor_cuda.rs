@@ -11,7 +11,8 @@
 use super::cuda::view;
 use super::fixture::Fixture;
 use super::hostbuf::HostBuf;
-use super::reference::{max_abs_err, rel_err};
+use super::predictor_agree::{check_predicted, Cnn64, Exact, Mirror, RowSrc};
+use super::reference::{attend_rows, max_abs_err, rel_err};
 use super::sparse_cuda::{cfg_for, compare_counters, compare_visits, sorted, sync};
 use super::{tolerance, CaseSpec};
 use kvsparse::cuda::context::DevBuf;
@@ -20,7 +21,10 @@ use kvsparse::engine::{CacheWriteArgs, Engine, ForwardArgs};
 use kvsparse::error::Result;
 use kvsparse::rng::Rng;
 use kvsparse::stats::{Counters, VisitRecord};
+use kvsparse::policy::predictor::PredictorWeights;
+use kvsparse::policy::PredictorSpec;
 use kvsparse::tensor::{DType, Device, TensorRef};
+use std::collections::HashMap;
 
 /// Predictor settings that exercise each branch: short histories (the ring wraps), frequent and rare
 /// calibration, blocks smaller and larger than cache blocks, sinks and windows not multiples of the block,
@@ -377,6 +381,14 @@ pub struct PredictorResult {
     pub rows: usize,
     pub full_steps: u64,
     pub partial_steps: u64,
+    /// Decode rows whose GPU set differs from the CPU engine's, rows checked against the exact prediction
+    /// from the GPU's own history (from a (sequence, head)'s first difference on), differing blocks among
+    /// those, the worst margin past the boundary and the delta it was held to.
+    pub differing_rows: usize,
+    pub checked_rows: usize,
+    pub differing_blocks: usize,
+    pub worst_margin: f64,
+    pub delta_at_worst: f64,
     pub decision_mismatch: Option<String>,
     pub counters_mismatch: Option<String>,
     pub rel_err: f64,
@@ -391,25 +403,135 @@ fn engine_for(f: &Fixture, policy: &str, device: Device) -> Result<Engine> {
     Ok(e)
 }
 
+/// The agreement check of a case's decode rows (`predictor_agree`), and the reference outputs: the CPU
+/// engine's, or where the GPU's set differs, f64 attention over the GPU's own positions.
+fn check_agreement(f: &Fixture, ps: &PredictorSpec, cs: &[Call], v_cpu: &[Vec<VisitRecord>], v_gpu: &[Vec<VisitRecord>], o_cpu: &mut [Out], res: &mut PredictorResult) {
+    let s = &f.spec;
+    let (hq, hk, d, bs) = (s.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size);
+    let g = hq / hk;
+    let w = f.written_cache();
+    let st = f.cache_strides.map(|x| x as usize);
+    let at = |q: usize, p: usize, h: usize| f.block_table[q * f.max_blocks + p / bs] as usize * st[0] + (p % bs) * st[1] + h * st[2];
+    let key = |q: usize, p: usize, h: usize| (0..d).map(|i| w.get(at(q, p, h) + i)).collect::<Vec<f64>>();
+    let value = |q: usize, p: usize, h: usize| (0..d).map(|i| w.get(f.v_offset + at(q, p, h) + i)).collect::<Vec<f64>>();
+    let cnn = Cnn64::new(PredictorWeights::builtin().expect("built-in weights"));
+    let mut mirrors: HashMap<(i64, usize), Mirror> = HashMap::new();
+    let lo_of = |n: usize| if s.window > 0 { n.saturating_sub(s.window) } else { 0 };
+    for (ci, c) in cs.iter().enumerate() {
+        for id in &c.release {
+            mirrors.retain(|k, _| k.0 != *id);
+        }
+        let mut t = 0;
+        for (q, (&ql, &len)) in c.q_len.iter().zip(&c.len).enumerate() {
+            let id = c.ids[q];
+            let qrow = |tok: usize, h: usize| (0..g * d).map(|i| c.q.get((tok * hq + h * g) * d + i)).collect::<Vec<f64>>();
+            for h in 0..hk {
+                let ex = Exact { key: &key, head: h, group: g, d, scale: f.scale as f64, softcap: s.softcap as f64 };
+                if ql > 1 {
+                    // A prefill chunk seeds the history from its last rows.
+                    let mut m = Mirror::default();
+                    for tt in ql - ql.min(ps.history)..ql {
+                        let n = len - ql + tt + 1;
+                        m.push(RowSrc { seq: q, q: qrow(t + tt, h), pos: (lo_of(n)..n).collect(), n }, ps.history);
+                    }
+                    mirrors.insert((id, h), m);
+                    continue;
+                }
+                let what = format!("call {ci} seq {id} head {h}");
+                let find = |v: &[VisitRecord]| v.iter().find(|r| r.seq_id == id as u64 && r.kv_head == h).map(|r| r.spans.clone());
+                let (Some(cpu), Some(gpu)) = (find(&v_cpu[ci]), find(&v_gpu[ci])) else {
+                    res.decision_mismatch.get_or_insert(format!("{what}: a visit record is missing"));
+                    continue;
+                };
+                let (n, lo) = (len, lo_of(len));
+                let gpos: Vec<usize> = gpu.iter().flat_map(|&(a, b)| a..b).collect();
+                let m = mirrors.entry((id, h)).or_default();
+                m.since += 1;
+                let nohist = m.rows.is_empty();
+                let cal = nohist || m.since >= ps.calib;
+                if cal {
+                    m.since = 0;
+                }
+                if cpu != gpu {
+                    res.differing_rows += 1;
+                }
+                if nohist {
+                    if gpu != vec![(lo, n)] {
+                        res.decision_mismatch.get_or_insert(format!("{what}: no history, but the GPU visits {gpu:?}"));
+                    }
+                } else if m.diverged || cpu != gpu {
+                    res.checked_rows += 1;
+                    let r = check_predicted(&cnn, &ex, m, ps, lo, n, &gpos);
+                    res.differing_blocks += r.differing;
+                    if r.worst_margin > res.worst_margin {
+                        res.worst_margin = r.worst_margin;
+                        res.delta_at_worst = r.delta;
+                    }
+                    if let Some(v) = r.violation {
+                        res.decision_mismatch.get_or_insert(format!("{what}: {v}"));
+                    }
+                    m.diverged |= cpu != gpu;
+                }
+                let qv = qrow(t, h);
+                if cpu != gpu {
+                    let (ks, vs): (Vec<Vec<f64>>, Vec<Vec<f64>>) = gpos.iter().map(|&p| (key(q, p, h), value(q, p, h))).unzip();
+                    let (o, l) = attend_rows(&qv, &ks, &vs, g, d, f.scale as f64, s.softcap as f64);
+                    let (oc, lc) = &mut o_cpu[ci];
+                    oc[(t * hq + h * g) * d..(t * hq + h * g + g) * d].copy_from_slice(&o);
+                    lc[t * hq + h * g..t * hq + h * g + g].copy_from_slice(&l);
+                }
+                m.push(RowSrc { seq: q, q: qv, pos: if cal { (lo..n).collect() } else { gpos }, n }, ps.history);
+            }
+            t += ql;
+        }
+    }
+}
+
 /// Runs `policy` over the calls of fixture `spec` (see [`predictor_spec`]) on the CPU and on CUDA device 0.
 pub fn run_predictor_case(spec: &CaseSpec, policy: &str, seed: u64) -> PredictorResult {
-    let mut res = PredictorResult { name: spec.name.clone(), policy: policy.into(), seed, rows: 0, full_steps: 0, partial_steps: 0, decision_mismatch: None, counters_mismatch: None, rel_err: 0.0, lse_err: 0.0, pass: false, error: None };
+    let mut res = PredictorResult {
+        name: spec.name.clone(),
+        policy: policy.into(),
+        seed,
+        rows: 0,
+        full_steps: 0,
+        partial_steps: 0,
+        differing_rows: 0,
+        checked_rows: 0,
+        differing_blocks: 0,
+        worst_margin: 0.0,
+        delta_at_worst: 0.0,
+        decision_mismatch: None,
+        counters_mismatch: None,
+        rel_err: 0.0,
+        lse_err: 0.0,
+        pass: false,
+        error: None,
+    };
     let run = |res: &mut PredictorResult| -> Result<()> {
         let f = Fixture::new(spec, seed);
         let cs = calls(&f, seed);
-        let (v_cpu, o_cpu, c_cpu, _) = run_calls(&engine_for(&f, policy, Device::Cpu)?, &f, &cs, false, None)?;
+        let cpu = engine_for(&f, policy, Device::Cpu)?;
+        let Some(kvsparse::policy::Selector::Predictor(ps)) = cpu.policy().pipeline().map(|pl| pl.selector.clone()) else {
+            kvsparse::bail!(InvalidArgument, "{policy} is not a predictor policy")
+        };
+        let (v_cpu, mut o_cpu, c_cpu, _) = run_calls(&cpu, &f, &cs, false, None)?;
         let (v_gpu, o_gpu, c_gpu, _) = run_calls(&engine_for(&f, policy, Device::Cuda(0))?, &f, &cs, true, None)?;
-        for (i, (a, b)) in v_cpu.iter().zip(&v_gpu).enumerate() {
+        for (a, b) in v_cpu.iter().zip(&v_gpu) {
             res.rows += a.len();
-            if res.decision_mismatch.is_none() {
-                res.decision_mismatch = compare_visits(a, b).map(|m| format!("call {i}: {m}"));
+            if a.len() != b.len() {
+                res.decision_mismatch.get_or_insert(format!("{} CPU policy rows vs {} GPU rows", a.len(), b.len()));
             }
         }
+        check_agreement(&f, &ps, &cs, &v_cpu, &v_gpu, &mut o_cpu, res);
         for ((oc, lc), (og, lg)) in o_cpu.iter().zip(&o_gpu) {
             res.rel_err = res.rel_err.max(rel_err(og, oc));
             res.lse_err = res.lse_err.max(max_abs_err(lg, lc));
         }
-        res.counters_mismatch = compare_counters(&c_cpu, &c_gpu);
+        // Where sets differ, blocks visited and bytes read differ with them; the schedule never does.
+        if res.differing_rows == 0 {
+            res.counters_mismatch = compare_counters(&c_cpu, &c_gpu);
+        }
         if (c_cpu.refresh_full_steps, c_cpu.refresh_partial_steps) != (c_gpu.refresh_full_steps, c_gpu.refresh_partial_steps) {
             let m = format!("calibration/predicted steps CPU {}/{} GPU {}/{}", c_cpu.refresh_full_steps, c_cpu.refresh_partial_steps, c_gpu.refresh_full_steps, c_gpu.refresh_partial_steps);
             res.counters_mismatch = Some(res.counters_mismatch.take().map_or(m.clone(), |x| format!("{x}, {m}")));

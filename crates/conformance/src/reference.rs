@@ -64,6 +64,33 @@ pub fn attention_f64(s: &SeqRef, p: &RefParams) -> (Vec<f64>, Vec<f64>) {
     (out, lse)
 }
 
+/// f64 attention of `g` query rows `q` (`g x d`, unscaled) over keys `ks` and values `vs`: outputs (`g x d`)
+/// and LSEs (natural log, of the scaled and soft-capped logits). The agreement tests check a GPU output
+/// over the GPU's own positions with it.
+pub fn attend_rows(q: &[f64], ks: &[Vec<f64>], vs: &[Vec<f64>], g: usize, d: usize, scale: f64, softcap: f64) -> (Vec<f64>, Vec<f64>) {
+    let (mut out, mut lse) = (vec![0f64; g * d], vec![0f64; g]);
+    for r in 0..g {
+        let qr = &q[r * d..(r + 1) * d];
+        let l: Vec<f64> = ks
+            .iter()
+            .map(|k| {
+                let x = qr.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * scale;
+                if softcap > 0.0 { softcap * (x / softcap).tanh() } else { x }
+            })
+            .collect();
+        let m = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = l.iter().map(|&x| (x - m).exp()).sum();
+        for (j, v) in vs.iter().enumerate() {
+            let p = (l[j] - m).exp() / z;
+            for c in 0..d {
+                out[r * d + c] += p * v[c];
+            }
+        }
+        lse[r] = m + z.ln();
+    }
+    (out, lse)
+}
+
 /// ‖a − b‖ / ‖b‖ over two equally long vectors (NaN anywhere gives NaN, which fails every tolerance).
 pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     let mut num = 0.0;

@@ -13,7 +13,7 @@
 
 use super::cuda::view;
 use super::hostbuf::HostBuf;
-use super::reference::{max_abs_err, rel_err};
+use super::reference::{attend_rows, max_abs_err, rel_err};
 use super::refresh_agree::{check_row, positions, query_row, reference, RefScores, RowInputs, ScheduleMirror};
 use super::sparse_cuda::{compare_counters, compare_visits, sorted, sync};
 use std::collections::HashMap;
@@ -169,27 +169,7 @@ impl Work {
         let sp = &self.spec;
         let (d, g) = (sp.head_dim, sp.num_q_heads / sp.num_kv_heads);
         let (ks, vs): (Vec<Vec<f64>>, Vec<Vec<f64>>) = set.iter().map(|&p| (self.kv_row(s, p, h, false), self.kv_row(s, p, h, true))).unzip();
-        let (mut out, mut lse) = (vec![0f64; g * d], vec![0f64; g]);
-        for r in 0..g {
-            let qr = &q[(h * g + r) * d..(h * g + r + 1) * d];
-            let l: Vec<f64> = ks
-                .iter()
-                .map(|k| {
-                    let x = qr.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * self.scale as f64;
-                    if sp.softcap > 0.0 { sp.softcap as f64 * (x / sp.softcap as f64).tanh() } else { x }
-                })
-                .collect();
-            let m = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = l.iter().map(|&x| (x - m).exp()).sum();
-            for (j, v) in vs.iter().enumerate() {
-                let p = (l[j] - m).exp() / z;
-                for c in 0..d {
-                    out[r * d + c] += p * v[c];
-                }
-            }
-            lse[r] = m + z.ln();
-        }
-        (out, lse)
+        attend_rows(&q[h * g * d..(h + 1) * g * d], &ks, &vs, g, d, self.scale as f64, sp.softcap as f64)
     }
 
     fn slot(&self, s: usize, pos: usize) -> i64 {

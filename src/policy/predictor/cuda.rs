@@ -1,6 +1,7 @@
 //! AttentionPredictor on the CUDA backend (kernels/predictor.cu): the block-attention history, the
-//! calibration schedule, the CNN and the selection on the device, with the CPU engine's decisions
-//! (src/cpu/sparse/stateful.rs, src/policy/predictor.rs) bit for bit. No host decision inside a decode step:
+//! calibration schedule, the CNN and the selection on the device, agreeing with the CPU engine's decisions
+//! (`cpu.rs`, `mod.rs`) by the contract of design.md: the history rows bit for bit, the CNN's second
+//! convolution on tensor cores (3xTF32) within the error bound of docs/policies.md. No host decision inside a decode step:
 //! the launches and their grids follow from host-known bounds (block-table width, history, budgets), so a
 //! step is capturable in a CUDA graph.
 //!
@@ -35,10 +36,13 @@ use crate::{bail, ensure};
 /// The module: the predictor's kernels (with the batch, top-k and SnapKV scoring headers they include).
 pub use crate::cuda::kernel_src::PREDICTOR;
 
-/// CTAs per column tile of `kvs_pred_conv` (the kernel's PRED_NY).
-const NY: usize = 8;
-/// Largest first-layer width the conv kernel keeps in registers per column (9 values per channel).
+/// CTAs of one `kvs_pred_conv` launch, over all (sequence, KV head) pairs (each stages the weights once
+/// and walks its share of the (row, column tile) items).
+const CONV_CTAS: usize = 2048;
+/// Largest first-layer width the conv kernel accepts (its second convolution reduces over 9 x c1).
 const MAX_C1: usize = 32;
+/// CTAs of one history-row scoring launch, over all (sequence, KV head) pairs (a few waves on an H100).
+const SCORES_CTAS: usize = 2048;
 /// Static shared memory the conv kernel may use.
 const CONV_SMEM: usize = 47 * 1024;
 
@@ -162,6 +166,8 @@ pub(crate) struct PredWs {
     pub nbmax: usize,
     /// Query rows per (sequence, KV head) of the history's scoring (tokens × group).
     pub rcap: usize,
+    /// Logits kept per query row of a decode row's history (its positions: every visible one at most).
+    pub lcap: usize,
 }
 
 impl PredWs {
@@ -173,7 +179,8 @@ impl PredWs {
             0 => spec.history,
             q => spec.history.min(q as usize).max(1),
         };
-        Ok(PredWs { nbmax, rcap: checked(&[tokens, group])? })
+        ensure!(geo.max_pos < i32::MAX as usize, Unsupported, "predictor: sequences too long for the history's logits");
+        Ok(PredWs { nbmax, rcap: checked(&[tokens, group])?, lcap: geo.max_pos + 1 })
     }
 }
 
@@ -222,13 +229,18 @@ impl PredictorDev {
         k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(gen as i64).i64(mode as i64).i64(pctr as i64);
         launch::launch(f("kvs_pred_prepare")?, (ns as u32, 1, 1), threads, &mut k, stream, "kvs_pred_prepare launch")?;
 
-        let tiles = pw.nbmax.div_ceil(pd.pt);
-        ensure!(hk * NY < 65536 && tiles < (1 << 31), Unsupported, "predictor: too many KV heads or blocks for the CNN's grid");
+        let items = checked(&[pw.nbmax.div_ceil(pd.pt), ps.history])?;
+        ensure!(hk < 65536 && ns < 65536 && items < (1 << 31), Unsupported, "predictor: too many KV heads, sequences or blocks for the CNN's grid");
+        let per = CONV_CTAS.div_ceil(ns * hk).min(items).max(1);
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
-        launch::launch(f("kvs_pred_conv")?, (tiles as u32, (hk * NY) as u32, ns as u32), pd.pt as u32, &mut k, stream, "kvs_pred_conv launch")?;
+        launch::launch(f("kvs_pred_conv")?, (per as u32, hk as u32, ns as u32), pd.pt as u32, &mut k, stream, "kvs_pred_conv launch")?;
 
         mark(1)?;
+        let mut k = KArgs::new();
+        k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
+        k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
+        launch::launch(f("kvs_pred_average")?, (pw.nbmax.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_pred_average launch")?;
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
         k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
@@ -236,7 +248,8 @@ impl PredictorDev {
         launch::launch(f("kvs_pred_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_pred_select launch")?;
         mark(2)?;
 
-        // The history rows (decode rows and prefill seeds): three passes over their keys.
+        // The history rows (decode rows and prefill seeds): three passes, a decode row's keys read by the
+        // first only (its logits kept in the workspace for the other two).
         let n_rows = checked(&[ns, hk, pw.rcap])?;
         let api = cuda()?;
         // SAFETY: each region holds n_rows elements of its width (sized by PredictorStage::reserve from `pw`).
@@ -249,13 +262,16 @@ impl PredictorDev {
         let (tp, sthreads) = crate::policy::snapkv::cuda::scores_shape(d, g);
         let q = &a.query;
         let kc = &cache.k;
-        let key_tiles = (geo.max_pos + 1).div_ceil(tp);
+        // Key tiles per (sequence, KV head): each CTA walks tiles gridDim.x apart, so that a predicted row
+        // (only its plan's keys) does not launch a CTA per tile of the longest row.
+        let key_tiles = (geo.max_pos + 1).div_ceil(tp).min(SCORES_CTAS.div_ceil(ns * hk)).max(1);
         for phase in 0..3 {
             let mut k = KArgs::new();
             k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
             k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
             k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i32(phase);
             k.i64((ws + lay.pred_rmax as u64) as i64).i64((ws + lay.pred_z as u64) as i64).i64((ws + lay.pred_bad as u64) as i64).i32(pw.rcap as i32);
+            k.i64((ws + lay.pred_logits as u64) as i64).i32(pw.lcap as i32);
             launch::launch(f("kvs_pred_scores")?, (key_tiles as u32, hk as u32, ns as u32), sthreads as u32, &mut k, stream, "kvs_pred_scores launch")?;
         }
         let mut k = KArgs::new();
@@ -334,8 +350,9 @@ impl PolicyDevice for PredictorDev {
 }
 
 /// AttentionPredictor's regions in a call's policy workspace: mode per (seq, head), predicted block scores
-/// per (seq, head, block), and the history rows' maxima, fixed-point normalisers and NaN flags per query
-/// row; with the sequences' state slots (device addresses).
+/// per (seq, head, block), the history rows' maxima, fixed-point normalisers and NaN flags per query row,
+/// and a decode row's logits per (seq, head, query head, position); with the sequences' state slots
+/// (device addresses).
 pub(crate) struct PredRegions {
     slot: u64,
     slot_gen: u64,
@@ -344,6 +361,7 @@ pub(crate) struct PredRegions {
     pred_rmax: usize,
     pred_z: usize,
     pred_bad: usize,
+    pred_logits: usize,
 }
 
 /// The predictor's stage for one call (None: the weights were not uploaded).
@@ -352,12 +370,12 @@ pub(crate) struct PredictorStage<'a> {
     spec: PredictorSpec,
     pw: Option<PredWs>,
     /// Offsets of the regions (slots filled at launch).
-    at: [usize; 5],
+    at: [usize; 6],
 }
 
 impl<'a> PredictorStage<'a> {
     pub(crate) fn new(state: Option<&'a PredictorDev>, spec: PredictorSpec) -> Self {
-        PredictorStage { state, spec, pw: None, at: [0; 5] }
+        PredictorStage { state, spec, pw: None, at: [0; 6] }
     }
 }
 
@@ -371,6 +389,7 @@ impl CudaStage for PredictorStage<'_> {
             ws.take_n(&[ns, hk, pw.rcap, 4])?,
             ws.take_n(&[ns, hk, pw.rcap, 8])?,
             ws.take_n(&[ns, hk, pw.rcap, 4])?,
+            ws.take_n(&[ns, hk, cx.cfg.group_size(), pw.lcap, 4])?,
         ];
         self.pw = Some(pw);
         Ok(())
@@ -379,8 +398,8 @@ impl CudaStage for PredictorStage<'_> {
     fn select(&self, cx: &StepCx) -> Result<()> {
         let Some(pd) = self.state else { bail!(Internal, "predictor weights were not uploaded") };
         let pw = self.pw.as_ref().expect("predictor workspace");
-        let [pred_mode, pred_scores, pred_rmax, pred_z, pred_bad] = self.at;
-        let lay = PredRegions { slot: cx.slot, slot_gen: cx.slot_gen, pred_mode, pred_scores, pred_rmax, pred_z, pred_bad };
+        let [pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits] = self.at;
+        let lay = PredRegions { slot: cx.slot, slot_gen: cx.slot_gen, pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits };
         pd.predictor_step(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &lay, pw, &cx.fin, cx.ctr)
     }
 }
