@@ -30,8 +30,11 @@
 // lanes' leading accumulator element (row r = lane/4, dim 2*(lane%4)) with its running max and row sum,
 // one __syncthreads, and every warp computes the same CTA-normalised probe and the same decision (lane
 // sums in the xor-butterfly order, each operation rounded on its own), so the CTA stops as a whole.
-// A split is one of ART's segments (art(segment=...), a whole number of tiles; one split without it):
-// each terminates on its own from x(0) = 0, and the combine merges them by LSE, as the CPU engine does.
+// With art(segment=K) a split is one segment (a whole number of tiles): each terminates on its own from
+// x(0) = 0, and the combine merges them by LSE, as the CPU engine does. Without it (one segment) a row
+// split over several CTAs walks its traversal split-parallel: every round's probe partial is written out,
+// the row's last split decides (art_decide) and re-runs the split its stop falls in (pass 1); one split
+// leaves the loop at the stop. The last split also counts the blocks no visited tile reached.
 // LOGITS=1 (with PLAN=1): the decode rows' logits are also written out, for a policy that decides from
 // this attention's own weights (RefreshKV's full step, kernels/refresh.cu): every visible key's base-2
 // logit (the value the online softmax uses: after the softcap, times log2(e) and the scale) of each of the
@@ -62,6 +65,8 @@
 #endif
 #include "mma.cuh"
 #include "fp8.cuh"
+// ART=1's block count (unused otherwise).
+#include "art_blocks.cuh"
 
 #define NTHREADS (NWARPS * 32)
 #define CPR (HEAD_DIM / 8)          // 16-byte chunks per K/V row
@@ -102,7 +107,7 @@ __device__ __forceinline__ int kv8_dim(int n, int c) { return n < 4 * KV8_G ? 32
 #error "LOGITS needs PLAN"
 #endif
 #ifndef ART_NOPROBE
-#define ART_NOPROBE 0  // benchmarks only: ART's order and single split without the detector
+#define ART_NOPROBE 0  // benchmarks only: ART's order and splits without the detector
 #endif
 #if ART
 #define ART_PR (GQ < 8 ? GQ : 8)  // probed rows
@@ -110,6 +115,140 @@ __device__ __forceinline__ float art_lane_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+// Merges partial probe state (ln, ld, lm) into (pn, pd, pm): numerator, row sum, running max (base 2).
+__device__ __forceinline__ void art_merge(float& pn, float& pd, float& pm, float ln, float ld, float lm) {
+    const float mm = fmaxf(pm, lm);
+    const float a = pm == -INFINITY ? 0.f : exp2f(pm - mm), b = lm == -INFINITY ? 0.f : exp2f(lm - mm);
+    pn = pn * a + ln * b;
+    pd = pd * a + ld * b;
+    pm = mm;
+}
+
+// The split-parallel traversal's decision (the split that finishes a row last, all NWARPS * 32 threads):
+// from every round's probe partial `pr` ([T][48]: the split's running state after that round, 32
+// numerators, 8 row sums, 8 maxima) the probe x(t) of the whole traversal's running output after tile t
+// (the splits before t's merged with t's own), Eq. 2's stability of every tile against the one before,
+// and the first tile where `patience` consecutive tiles were stable: the stop tile, or -1. Same definition
+// as the sequential loop above and the CPU engine (docs/policies.md "art"); the arithmetic differs (merge
+// order, exp2f, fused products), which the agreement contract bounds. `sm`: nsplit * 48 floats of shared
+// memory. Tiles go to 16 groups of 8 lanes (a lane holds its probe row's 4 elements), each group a
+// contiguous range of tiles, summarised (leading stable run, trailing run, first stop after a break) and
+// chained by one thread.
+__device__ int art_decide(const float* pr, int T, int R, int nsplit, int nkeys, float tau, float phi, int patience, float* sm) {
+    __shared__ int sm_grp[NTHREADS / 8][5];
+    __shared__ int sm_stop;
+    const int chunk = R * 64;
+    // Each split's final partial (its last round), then the exclusive prefix over splits in place.
+    for (int i = threadIdx.x; i < nsplit * 48; i += NTHREADS) {
+        const int sp = i / 48, e = i % 48;
+        const int end = sp == nsplit - 1 ? nkeys : min((sp + 1) * chunk, nkeys);
+        const int rounds = end > sp * chunk ? (end - sp * chunk + 63) >> 6 : 0;
+        sm[i] = rounds > 0 ? __ldcg(pr + (i64)(sp * R + rounds - 1) * 48 + e) : (e < 40 ? 0.f : -INFINITY);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int j = threadIdx.x, rr = j >> 2;
+        float pn = 0.f, pd = 0.f, pm = -INFINITY;
+        for (int sp = 0; sp < nsplit; ++sp) {
+            float* q = sm + sp * 48;
+            const float ln = q[j], ld = q[32 + rr], lm = q[40 + rr];
+            __syncwarp();
+            q[j] = pn;
+            if ((j & 3) == 0) {
+                q[32 + rr] = pd;
+                q[40 + rr] = pm;
+            }
+            __syncwarp();
+            art_merge(pn, pd, pm, ln, ld, lm);
+        }
+    }
+    __syncthreads();
+    const int g = threadIdx.x >> 3, i = threadIdx.x & 7;
+    const int Tg = (T + NTHREADS / 8 - 1) / (NTHREADS / 8), t0 = g * Tg, t1 = min(T, t0 + Tg);
+    // x(tt) of probe row i (lanes 4i .. 4i + 3); 0 before the first tile and for rows not probed.
+    auto xat = [&](int tt, float x[4]) {
+        x[0] = x[1] = x[2] = x[3] = 0.f;
+        if (tt < 0 || tt >= T || i >= ART_PR) return;
+        const float* P = sm + (tt / R) * 48;
+        const float* L = pr + (i64)tt * 48;
+        const float4 ln = __ldcg(reinterpret_cast<const float4*>(L + 4 * i));
+        float pd = P[32 + i], pm = P[40 + i];
+        const float lnv[4] = {ln.x, ln.y, ln.z, ln.w};
+        const float mm = fmaxf(pm, __ldcg(L + 40 + i));
+        const float a = pm == -INFINITY ? 0.f : exp2f(pm - mm), b = __ldcg(L + 40 + i) == -INFINITY ? 0.f : exp2f(__ldcg(L + 40 + i) - mm);
+        const float den = pd * a + __ldcg(L + 32 + i) * b;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) x[c] = (P[4 * i + c] * a + lnv[c] * b) / den;
+    };
+    float xp[4], xc[4];
+    xat(t0 - 1, xp);
+    int lead = 0, run = 0, inner = -1;
+    bool broke = false;
+    for (int n = 0; n < Tg; ++n) {  // the same count in every lane (shuffles below)
+        const int tt = t0 + n;
+        xat(tt < t1 ? tt : T, xc);
+        float dd = 0.f, aa = 0.f, bb = 0.f, ab = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float dl = xc[c] - xp[c];
+            dd += dl * dl;
+            aa += xp[c] * xp[c];
+            bb += xc[c] * xc[c];
+            ab += xp[c] * xc[c];
+        }
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1) {
+            dd += __shfl_xor_sync(0xffffffffu, dd, o);
+            aa += __shfl_xor_sync(0xffffffffu, aa, o);
+            bb += __shfl_xor_sync(0xffffffffu, bb, o);
+            ab += __shfl_xor_sync(0xffffffffu, ab, o);
+        }
+        if (tt < t1) {
+            const float cosv = (aa == 0.f && bb == 0.f) ? 1.f : ((aa == 0.f || bb == 0.f) ? 0.f : ab / (sqrtf(aa) * sqrtf(bb)));
+            const bool stable = sqrtf(dd) < tau && 1.f - cosv < phi;
+            if (!broke) {
+                if (stable) ++lead;
+                else broke = true;
+            }
+            run = stable ? run + 1 : 0;
+            if (broke && inner < 0 && patience > 0 && run >= patience) inner = tt;
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) xp[c] = xc[c];
+    }
+    if (i == 0) {
+        sm_grp[g][0] = lead;
+        sm_grp[g][1] = !broke;
+        sm_grp[g][2] = inner;
+        sm_grp[g][3] = run;
+        sm_grp[g][4] = max(t1 - t0, 0);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        // Chain the groups in order: a run carried in plus a group's leading run may reach patience.
+        int c = 0, stop = -1;
+        for (int k = 0; patience > 0 && k < NTHREADS / 8; ++k) {
+            if (sm_grp[k][4] == 0) continue;
+            if (c + sm_grp[k][0] >= patience) {
+                stop = k * Tg + (patience - c - 1);
+                break;
+            }
+            if (!sm_grp[k][1]) {
+                if (sm_grp[k][2] >= 0) {
+                    stop = sm_grp[k][2];
+                    break;
+                }
+                c = sm_grp[k][3];
+            } else {
+                c += sm_grp[k][4];
+            }
+        }
+        sm_stop = stop;
+    }
+    __syncthreads();
+    return sm_stop;
 }
 #endif
 
@@ -169,8 +308,8 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #else
     const int rchunk = chunk;
 #endif
-    const int s_lo = split * rchunk;
-    const int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * rchunk, nkeys) - 1;
+    int s_lo = split * rchunk;  // (ART re-runs a split over its visited rounds: not const)
+    int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * rchunk, nkeys) - 1;
 #if ART
     // ART's order: plan entries [0, nsink) hold sink positions (the plan is in position order), then the
     // others newest first. Visit index i -> entry index.
@@ -244,6 +383,15 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             qa[ks][j] = v;
         }
 
+#if ART
+    // The split-parallel traversal (one segment walked by several splits, `art_global`): every round's
+    // probe partial goes to art.probe, the split that finishes the row last decides from all of them
+    // (art_decide), and a stop inside a split re-runs that split's visited rounds into its slot (pass 1).
+    const bool art_global = art.segment == 0 && nsplit > 1;
+    int art_pass = 0, art_slot = split, art_visited = 0, art_total = 0;
+    bool art_row_bad = false;
+art_pass_start:
+#endif
     float o[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -473,7 +621,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #endif
       }
 #if ART && !ART_NOPROBE
-        {
+        if (art_pass == 0) {
             // This lane's probe element and its row's running max and sum (the quad's partial sums added).
             float lq = l0s;
             lq += __shfl_xor_sync(0xffffffffu, lq, 1);
@@ -483,12 +631,10 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             slot[1] = lq;
             slot[2] = m0;
             __syncthreads();
-            float x = 0.f;
+            float M = -INFINITY, num = 0.f, den = 0.f;
             if (r < ART_PR) {
-                float M = -INFINITY;
 #pragma unroll
                 for (int w = 0; w < NWARPS; ++w) M = fmaxf(M, sm_art[k & 1][w][lane][2]);
-                float num = 0.f, den = 0.f;
 #pragma unroll
                 for (int w = 0; w < NWARPS; ++w) {
                     const float mw = sm_art[k & 1][w][lane][2];
@@ -496,8 +642,21 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                     num = __fadd_rn(num, __fmul_rn(sm_art[k & 1][w][lane][0], wt));
                     den = __fadd_rn(den, __fmul_rn(sm_art[k & 1][w][lane][1], wt));
                 }
-                x = __fdiv_rn(num, den);
             }
+            if (art_global) {
+                // The split's running partial after its round k = global tile s_lo / 64 + k (chunk is a
+                // whole number of tiles); the decision waits for every split (after the loop).
+                if (warp == 0) {
+                    float* pp = art.probe + ((i64)(row.seq * art.hk + kvh) * art.tmax + (s_lo >> 6) + k) * 48;
+                    pp[lane] = num;
+                    if (qd == 0) {
+                        pp[32 + r] = den;
+                        pp[40 + r] = M;
+                    }
+                }
+                continue;
+            }
+            const float x = r < ART_PR ? __fdiv_rn(num, den) : 0.f;
             const float dl = __fsub_rn(x, art_prev);
             const float dd = art_lane_sum(__fmul_rn(dl, dl));
             const float aa = art_lane_sum(__fmul_rn(art_prev, art_prev));
@@ -517,10 +676,10 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #if ART_NOPROBE
     art_done = nloop;
 #endif
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && !art_global && art_pass == 0) {
         // Tiles visited and in this split's part of the traversal (CTR 9, 10); per (sequence, KV head,
-        // split) the tiles visited, from which kvs_art_blocks (kernels/select.cu) counts the blocks no
-        // visited tile reached (CTR 8) once every split has run.
+        // segment) the tiles visited, from which the last split counts the blocks no visited tile
+        // reached (CTR 8, art_blocks.cuh). The split-parallel traversal writes them once it decided.
         art.tiles_out[(row.seq * art.hk + kvh) * nsplit + split] = art_done;
         atomicAdd(art.ctr + 9, (unsigned long long)art_done);
         atomicAdd(art.ctr + 10, (unsigned long long)nloop);
@@ -578,9 +737,23 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
         }
     }
     __syncthreads();
-    RowCheck rc;
-    const bool row_bad = kvs_finish_row_checks(kerr, sm_rc, num_seqs, &rc, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, bt_cols, bs_log2, &sm_col);
-    kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2, window, kv_row_bytes, &rc, row.seq);
+    bool row_bad;
+#if ART
+    if (art_pass == 1) {
+        row_bad = art_row_bad;  // judged (and recorded) in pass 0, which read a superset of these keys
+    } else
+#endif
+    {
+        RowCheck rc;
+        row_bad = kvs_finish_row_checks(kerr, sm_rc, num_seqs, &rc, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, bt_cols, bs_log2, &sm_col);
+        kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2, window, kv_row_bytes, &rc, row.seq);
+    }
+#if ART
+    art_row_bad = row_bad;
+    const int wsplit = art_slot;  // pass 1 rewrites the slot of the split it re-ran
+#else
+    const int wsplit = split;
+#endif
     for (int idx = threadIdx.x; idx < GQ * HEAD_DIM; idx += NTHREADS) {
         const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
         float M = -INFINITY;
@@ -605,9 +778,68 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             out[t * o0 + h * o1 + d * o2] = ET::st(ov);
             if (lse != 0 && d == 0) lse[t * l0 + h * l1] = lse_nat;
         } else {
-            const i64 slot = ((i64)t * num_q_heads + h) * nsplit + split;
+            const i64 slot = ((i64)t * num_q_heads + h) * nsplit + wsplit;
             ws_o[slot * HEAD_DIM + d] = ov;
             if (d == 0) ws_lse[slot] = lse_nat;
         }
     }
+#if ART
+    // Once every split of the row has run (the last to arrive goes on; the counter is reset for the next
+    // launch): the split-parallel decision, then the block count.
+    __shared__ int sm_art_last;
+    __shared__ unsigned long long sm_art_red[32];
+    if (art_pass == 0 && nsplit > 1) {
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int* arr = art.arrive + row.seq * art.hk + kvh;
+            sm_art_last = atomicAdd(arr, 1) == nsplit - 1;
+            if (sm_art_last) *arr = 0;
+        }
+        __syncthreads();
+        if (!sm_art_last) return;
+        __threadfence();
+    }
+    __syncthreads();  // the merge buffers are free
+    if (art_pass == 0 && art_global) {
+        const int T = (nkeys + 63) >> 6, R = chunk >> 6;
+#if ART_NOPROBE
+        const int stop = -1;
+#else
+        const int stop = art_decide(art.probe + (i64)(row.seq * art.hk + kvh) * art.tmax * 48, T, R, nsplit, nkeys, art.tau, art.phi, art.patience,
+                                    reinterpret_cast<float*>(smem));
+#endif
+        art_total = T;
+        art_visited = stop >= 0 ? stop + 1 : T;
+        if (stop >= 0) {
+            const int ss = stop / R, ks = stop - ss * R;
+            // The splits after the stop were not visited: out of the merge (kvs_attn_combine skips -inf).
+            for (int idx = threadIdx.x; idx < (nsplit - 1 - ss) * GQ; idx += NTHREADS)
+                ws_lse[((i64)t * num_q_heads + h0 + idx % GQ) * nsplit + ss + 1 + idx / GQ] = -INFINITY;
+            const int rounds = (min(ss == nsplit - 1 ? nkeys : (ss + 1) * chunk, nkeys) - ss * chunk + 63) >> 6;
+            if (ks + 1 < rounds) {
+                // The stop lies inside split ss: attend its rounds 0..ks again into its slot.
+                s_lo = ss * chunk;
+                s_hi = min(s_lo + (ks + 1) * 64, nkeys) - 1;
+                art_slot = ss;
+                art_pass = 1;
+                bt_bad = false;
+                __syncthreads();
+                goto art_pass_start;
+            }
+        }
+    }
+    if (art_global && threadIdx.x == 0) {
+        art.tiles_out[row.seq * art.hk + kvh] = art_visited;  // one segment: one count per row
+        atomicAdd(art.ctr + CTR_ART_TILES, (unsigned long long)art_visited);
+        atomicAdd(art.ctr + CTR_ART_TILES_TOTAL, (unsigned long long)art_total);
+    }
+    __syncthreads();
+    {
+        const int nseg = art_global ? 1 : nsplit;
+        const int* inv = art.inv ? art.inv + row.seq * plan.p_s + kvh * plan.p_h : nullptr;
+        art_count_blocks(row.lo, row.hi, bs_log2, pe, pl, plan.ulog2, art.sink_limit, art.tiles_out + (row.seq * art.hk + kvh) * nseg, nseg,
+                         art_global ? ((i64)1 << 40) : (i64)chunk, inv, art.ctr, sm_art_red);
+    }
+#endif
 }

@@ -296,8 +296,8 @@ impl CudaBackend {
         let plan_define = format!("PLAN={}", matches!(rows, Rows::Plan(..) | Rows::PlanLogits(..)) as i32);
         // Kernel variant: tensor cores where they apply, else the lane-group kernel.
         let (f_split, defines, head_groups, threads, smem, nsplit, chunk);
-        // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile), one CTA per KV head
-        // (GQ = GROUP) and one split per row (the traversal is sequential; docs/policies.md).
+        // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile) and one CTA per KV
+        // head (GQ = GROUP); its splits are whole tiles (docs/policies.md "art").
         let mma = self.mma_for(cfg, cache, art.is_some());
         ensure!(!fp8 || (mma.is_some() && matches!(rows, Rows::All)), Unsupported, "an FP8 cache needs the tensor-core kernel (16-byte aligned rows and strides, GQA group <= 16) and dense attention on the CUDA engine");
         ensure!(logits.is_none() || mma.is_some(), Internal, "the logits of a plan's attention need the tensor-core kernel (checked by the caller)");
@@ -329,7 +329,19 @@ impl CudaBackend {
             self.allow_smem_once(f_split, smem)?;
             let per_sm = launch::occupancy_smem(f_split, threads, smem)? as usize;
             head_groups = cfg.num_q_heads / ms.gq;
-            (nsplit, chunk) = if let Some(a) = &art { plan::art_splits(keys, (a.segment > 0).then_some(a.segment as u32)) } else { plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &self.split_policy(mode, keys, geo.max_len)) };
+            let waves = |max_splits: usize| {
+                let mut pol = self.split_policy(mode, keys, geo.max_len);
+                pol.max_splits = pol.max_splits.min(max_splits);
+                plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &pol)
+            };
+            (nsplit, chunk) = match &art {
+                // `art(segment=K)`: one split per segment. One segment (the paper's traversal): split like
+                // any plan, each split a run of whole 64-key tiles; the row's last split decides over all
+                // (attention_mma.cu, art_decide: its shared memory holds 48 floats per split).
+                Some(a) if a.segment > 0 => plan::art_splits(keys, Some(a.segment as u32)),
+                Some(_) => waves(smem / (48 * 4)),
+                None => waves(usize::MAX),
+            };
         } else {
             let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
             let mut d = Self::attn_defines(cfg, &shape);

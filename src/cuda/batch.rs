@@ -124,6 +124,14 @@ pub struct ArtLaunch {
     /// written by `kvs_art_priority`; 0 = recency order.
     pub order: u64,
     pub inv: u64,
+    /// A row's split-parallel traversal (one segment over several splits): every round's probe partial
+    /// `[seqs][kv_heads][tmax][48]` f32 (32 numerators, then 8 row sums and 8 running maxima) and the
+    /// rows' arrival counters `[seqs][kv_heads]` (zero before the launch; the last split resets its own).
+    pub probe: u64,
+    pub arrive: u64,
+    /// Tiles per row the probe region holds (>= the plan's capacity in 64-key tiles).
+    pub tmax: i32,
+    pub pad: i32,
 }
 
 /// The layouts a test compares with kernels/include/params.cuh.
@@ -133,7 +141,7 @@ pub(crate) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
     vec![
         c_layout!(BatchArg as "Batch" { bt, bt0, bt1, bt_cols, bs_log2, num_blocks, seq_lens, sl0, qsl, qsl0, num_seqs, num_tokens, window, pad }),
         c_layout!(PlanRef as "PlanRef" { e, p_s, p_h, len, ulog2, hk, cap, pad }),
-        c_layout!(ArtLaunch as "ArtArgs" { tau, phi, patience, sink_limit, ctr, tiles_out, hk, segment, order, inv }),
+        c_layout!(ArtLaunch as "ArtArgs" { tau, phi, patience, sink_limit, ctr, tiles_out, hk, segment, order, inv, probe, arrive, tmax, pad }),
     ]
 }
 

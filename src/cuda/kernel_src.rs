@@ -33,6 +33,7 @@ kernel_files! {
     "topk.cuh" => "include/topk.cuh",
     "quest.cuh" => "include/quest.cuh",
     "snap_score.cuh" => "include/snap_score.cuh",
+    "art_blocks.cuh" => "include/art_blocks.cuh",
     "attention.cu" => "attention.cu",
     "attention_mma.cu" => "attention_mma.cu",
     "attention_prefill.cu" => "attention_prefill.cu",

@@ -162,7 +162,7 @@ mod tests {
 
     /// The policy workspace's regions (offset, bytes) and total as src/cuda/sparse.rs laid them out before
     /// the stages had a trait (10d7224, `WsLayout`), transcribed: the reference the stages' layout must
-    /// equal byte for byte (same launches, same offsets); top-p's regions as issue 34 changed them.
+    /// equal byte for byte (same launches, same offsets); top-p's and ART's regions as issue 34 changed them.
     #[allow(clippy::too_many_arguments)]
     fn layout_10d7224(p: &Pipeline, cfg: &EngineConfig, geo: &Geometry, max_query_len: i32, smem_optin: usize, tensor_cores: bool, slots: bool) -> Result<(Vec<(usize, usize)>, usize)> {
         let (hk, bs, g) = (cfg.num_kv_heads, cfg.block_size, cfg.group_size());
@@ -190,6 +190,14 @@ mod tests {
             crate::ensure!(art_n2 * 8 + 1024 <= smem_optin, Unsupported, "priority");
             take(checked(&[rows_of(&fin), fin.0, 4])?);
             take(checked(&[rows_of(&fin), fin.0, 4])?);
+        }
+        if let Some(art) = p.art {
+            // Since issue 34 (one traversal walked split-parallel): every 64-key tile's probe partial (48
+            // f32) when the traversal is one segment, and the rows' arrival counters.
+            if art.segment.is_none() {
+                take(checked(&[ns * hk, (fin.0 << fin.1).div_ceil(64).max(1), 48, 4])?);
+            }
+            take(checked(&[ns * hk, 4])?);
         }
         let quest_pages = match p.selector {
             Selector::Quest { page, .. } => Some((page, geo.max_pos.div_ceil(page) + 1)),

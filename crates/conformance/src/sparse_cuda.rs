@@ -396,18 +396,33 @@ pub fn sparse_graph_replay_on(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b
 /// `spec_at(s)` is the policy with its thresholds scaled by `s` (tau·s, phi·s): the CPU runs at s = 1 and
 /// at 1 ± `eps`, which brackets the tiles a run whose decision values differ from the CPU's by less than
 /// a relative `eps` can stop at (looser thresholds can only stop earlier). Returns per row
-/// `(gpu, cpu, cpu_loose, cpu_tight, total)` in tiles.
-pub fn art_stop_tiles(spec: &CaseSpec, spec_at: &dyn Fn(f64) -> String, eps: f64, seed: u64) -> Result<Vec<(u32, u32, u32, u32, u32)>> {
+/// `(gpu, cpu, cpu_loose, cpu_tight, total)` in tiles, and the relative error of the GPU's output against
+/// the CPU engine's over the rows that stopped at the same tile (the same visited set; `spec` must be
+/// decode-only: token = sequence), NaN when no row did.
+pub fn art_stop_tiles(spec: &CaseSpec, spec_at: &dyn Fn(f64) -> String, eps: f64, seed: u64) -> Result<(Vec<(u32, u32, u32, u32, u32)>, f64)> {
     let mut f = Fixture::new(spec, seed);
-    let mut cpu_tiles = |s: f64| -> Result<Vec<(u32, u32)>> {
+    let mut cpu_run = |s: f64| -> Result<(Vec<VisitRecord>, Outputs)> {
         let cpu = Engine::new(cfg_for(&f, &spec_at(s), Device::Cpu))?;
         cpu.record_visits(true);
-        run_on_engine(&cpu, &mut f)?;
-        Ok(sorted(cpu.take_visits()).iter().map(|r| r.art_tiles.unwrap_or((0, 0))).collect())
+        let outs = run_on_engine(&cpu, &mut f)?;
+        Ok((sorted(cpu.take_visits()), outs))
     };
-    let (cpu, loose, tight) = (cpu_tiles(1.0)?, cpu_tiles(1.0 + eps)?, cpu_tiles(1.0 - eps)?);
-    let (gpu, _) = run_fixture_cuda_policy(&f, &spec_at(1.0))?;
-    let g: Vec<(u32, u32)> = sorted(gpu.take_visits()).iter().map(|r| r.art_tiles.unwrap_or((0, 0))).collect();
+    let tiles = |v: &[VisitRecord]| -> Vec<(u32, u32)> { v.iter().map(|r| r.art_tiles.unwrap_or((0, 0))).collect() };
+    let (v_cpu, outs_cpu) = cpu_run(1.0)?;
+    let (cpu, loose, tight) = (tiles(&v_cpu), tiles(&cpu_run(1.0 + eps)?.0), tiles(&cpu_run(1.0 - eps)?.0));
+    let (gpu, outs_gpu) = run_fixture_cuda_policy(&f, &spec_at(1.0))?;
+    let g = tiles(&sorted(gpu.take_visits()));
     kvsparse::ensure!(g.len() == cpu.len(), InvalidArgument, "{} GPU rows vs {} CPU rows", g.len(), cpu.len());
-    Ok((0..g.len()).map(|i| (g[i].0, cpu[i].0, loose[i].0, tight[i].0, cpu[i].1.max(g[i].1))).collect())
+    let (hq, hk, d) = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim);
+    let ((oc, _), (og, _)) = (outs_cpu.to_f64(&f), outs_gpu.to_f64(&f));
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for (_, r) in v_cpu.iter().enumerate().filter(|&(i, _)| g[i].0 == cpu[i].0) {
+        let t = f.seq_ids.iter().position(|&x| x as u64 == r.seq_id).expect("a fixture sequence");
+        let h0 = r.kv_head * (hq / hk);
+        let at = (t * hq + h0) * d..(t * hq + h0 + hq / hk) * d;
+        a.extend_from_slice(&og[at.clone()]);
+        b.extend_from_slice(&oc[at]);
+    }
+    let err = if a.is_empty() { f64::NAN } else { rel_err(&a, &b) };
+    Ok(((0..g.len()).map(|i| (g[i].0, cpu[i].0, loose[i].0, tight[i].0, cpu[i].1.max(g[i].1))).collect(), err))
 }

@@ -1,10 +1,11 @@
 //! ART on the CUDA backend: the termination itself runs inside the tensor-core attention kernel (ART=1 of
-//! kernels/attention_mma.cu, parameters `ArtLaunch`); this stage reserves its tile counts and priority
-//! order, sorts a Quest plan by page score (kvs_art_priority), and after the attention takes back the blocks
-//! no visited tile reached (kvs_art_blocks, kernels/policy/art.cu). Visit records rebuild each row's visited
-//! spans from the tile counts, in the kernel's order.
+//! kernels/attention_mma.cu, parameters `ArtLaunch`), which also counts the blocks no visited tile reached
+//! once a row's splits have all run; this stage reserves its priority order, probe partials and arrival
+//! counters, and sorts a Quest plan by page score (kvs_art_priority, kernels/policy/art.cu). Visit records
+//! rebuild each row's visited spans from the tile counts, in the kernel's order.
 
 use crate::cuda::batch::{download_raw, ArtLaunch, Rows};
+use crate::cuda::driver::{check, cuda};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::plan::art_splits;
 use crate::cuda::stage::{CallShape, CudaStage, RowVisits, StepCx, WsAlloc};
@@ -49,11 +50,16 @@ pub(crate) struct ArtStage {
     /// Priority order (behind Quest): the ordered entries and their inverse, in the plan's layout.
     order: usize,
     inv: usize,
+    /// The split-parallel traversal's probe partials (48 f32 per 64-key tile of a row's plan) and the
+    /// rows' arrival counters (ArtLaunch).
+    probe: usize,
+    arrive: usize,
+    tmax: usize,
 }
 
 impl ArtStage {
     pub(crate) fn new(art: Art, sink_limit: i32) -> Self {
-        ArtStage { art, sink_limit, n2: 0, order: 0, inv: 0 }
+        ArtStage { art, sink_limit, n2: 0, order: 0, inv: 0, probe: 0, arrive: 0, tmax: 0 }
     }
 
     fn priority(&self) -> bool {
@@ -86,14 +92,26 @@ impl CudaStage for ArtStage {
             self.order = ws.take_n(&[cx.rows_of(fin), fin.cap, 4])?;
             self.inv = ws.take_n(&[cx.rows_of(fin), fin.cap, 4])?;
         }
+        let rows = cx.geo.num_seqs * cx.cfg.num_kv_heads;
+        if self.art.segment.is_none() {
+            self.tmax = (fin.cap << fin.ulog2).div_ceil(super::ART_TILE).max(1);
+            ensure!(self.tmax < i32::MAX as usize, Unsupported, "`art` plan too long for 32-bit tile indices");
+            self.probe = ws.take_n(&[rows, self.tmax, 48, 4])?;
+        }
+        self.arrive = ws.take_n(&[rows, 4])?;
         Ok(())
     }
 
     fn select(&self, cx: &StepCx) -> Result<()> {
-        if !self.priority() {
-            return Ok(());
-        }
-        let Some(sc) = cx.scores else { return Ok(()) };
+        let (rows, arrive) = (cx.geo.num_seqs * cx.cfg.num_kv_heads, cx.ws + self.arrive as u64);
+        let sc = match cx.scores {
+            Some(sc) if self.priority() => sc,
+            _ => {
+                // The splits' arrival counters start at zero (kvs_art_priority zeroes them when it runs).
+                // SAFETY: a region of this call's workspace, `rows` counters.
+                return unsafe { check((cuda()?.cuMemsetD32Async)(arrive, 0, rows, cx.a.stream), "cuMemsetD32Async") };
+            }
+        };
         let (hk, ns, base) = (cx.cfg.num_kv_heads, cx.geo.num_seqs, &cx.base);
         let f_ord = cx.function("kvs_art_priority")?;
         let smem = self.n2 * 8;
@@ -104,7 +122,7 @@ impl CudaStage for ArtStage {
         let mut k = KArgs::new();
         k.by_value(&cx.batch).i32(hk as i32).i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap);
         k.i32(self.sink_limit).i32(sc.page as i32).i64(sc.at as i64).i32(sc.maxp as i32);
-        k.i64(order as i64).i64(inv as i64).i32(self.n2 as i32);
+        k.i64(order as i64).i64(inv as i64).i32(self.n2 as i32).i64(arrive as i64);
         launch::launch_smem(f_ord, (hk as u32, ns as u32, 1), 512, smem as u32, &mut k, cx.a.stream, "kvs_art_priority launch")
     }
 
@@ -121,20 +139,13 @@ impl CudaStage for ArtStage {
             segment: self.art.segment.map_or(0, |v| v.min(i32::MAX as u32) as i32),
             order,
             inv,
+            probe: if self.art.segment.is_none() { cx.ws + self.probe as u64 } else { 0 },
+            arrive: cx.ws + self.arrive as u64,
+            tmax: self.tmax as i32,
+            pad: 0,
         };
         // ART walks the plan in its segments (art_splits): the key bound is the plan's capacity.
         Some(Rows::Plan(cx.fin, (cx.fin.cap as usize) << cx.fin.ulog2, Some(art)))
-    }
-
-    fn after_attention(&self, cx: &StepCx, keys: usize) -> Result<()> {
-        // Blocks no visited tile reached, once every split has run (kernels/policy/art.cu).
-        let (hk, ns, fin) = (cx.cfg.num_kv_heads, cx.geo.num_seqs, &cx.fin);
-        let (nsplit, chunk) = art_splits(keys, self.art.segment);
-        let mut k = KArgs::new();
-        k.by_value(&cx.batch).i32(hk as i32).i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i32(fin.ulog2);
-        k.i32(self.sink_limit).i64(cx.tiles as i64).i32(nsplit as i32).i32(chunk.min(i32::MAX as usize) as i32);
-        k.i64(self.order_at(cx.ws).1 as i64).i64(cx.ctr);
-        launch::launch(cx.function("kvs_art_blocks")?, (hk as u32, ns as u32, 1), 256, &mut k, cx.a.stream, "kvs_art_blocks launch")
     }
 
     fn visits(&self, cx: &StepCx) -> Option<Box<dyn RowVisits>> {
