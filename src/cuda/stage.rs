@@ -115,11 +115,12 @@ pub(crate) struct WsAlloc {
 }
 
 impl WsAlloc {
-    /// A region of `bytes` bytes: its offset.
+    /// A region of `bytes` bytes: its offset. A layout whose end overflows ends at usize::MAX, so that
+    /// its allocation fails (OutOfMemory) instead of wrapping to a small workspace.
     pub fn take(&mut self, bytes: usize) -> usize {
         let at = self.off;
         self.regions.push((at, bytes));
-        self.off = (self.off + bytes).next_multiple_of(256);
+        self.off = self.off.checked_add(bytes).and_then(|e| e.checked_next_multiple_of(256)).unwrap_or(usize::MAX);
         at
     }
 

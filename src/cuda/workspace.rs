@@ -29,7 +29,7 @@ pub(crate) fn for_stream(map: &mut HashMap<usize, DevBuf>, retired: &Mutex<Vec<D
             };
             map.remove(&donor).expect("found above")
         } else {
-            DevBuf::alloc(need.next_power_of_two())?
+            DevBuf::alloc(need.checked_next_power_of_two().unwrap_or(need))?
         };
         if let Some(old) = map.insert(key, fresh) {
             retired.lock().push(old);

@@ -386,7 +386,7 @@ impl PrrDevice {
                 "this call needs {} bytes of PRR workspace on a stream that is being captured; run one call of the largest shape on this stream before capturing",
                 lay.total
             );
-            if let Some(old) = set.ws.replace(DevBuf::alloc(lay.total.next_power_of_two())?) {
+            if let Some(old) = set.ws.replace(DevBuf::alloc(lay.total.checked_next_power_of_two().unwrap_or(lay.total))?) {
                 dev.retired().lock().push(old);
             }
         }
