@@ -250,3 +250,21 @@ pub(crate) trait CudaStage {
         None
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::WsAlloc;
+
+    #[test]
+    fn a_workspace_layout_that_overflows_ends_at_usize_max() {
+        let mut ws = WsAlloc::default();
+        assert_eq!(ws.take(100), 0);
+        assert_eq!(ws.take(10), 256);
+        assert_eq!(ws.total(), 512);
+        ws.take(usize::MAX - 300);
+        assert_eq!(ws.total(), usize::MAX);
+        ws.take(1);
+        assert_eq!(ws.total(), usize::MAX);
+        assert!(ws.take_n(&[usize::MAX, 2]).is_err());
+    }
+}
