@@ -181,3 +181,60 @@ pub fn quest_alone(policy: &str) -> Option<QuestSet> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixture::run_on_engine;
+    use crate::sparse_cuda::{cfg_for, sorted};
+    use crate::CaseSpec;
+    use kvsparse::engine::Engine;
+    use kvsparse::tensor::{DType, Device};
+
+    /// Visits of `pages` (row-relative indices from `fp`) of a row, as the engines record them.
+    fn visit(like: &VisitRecord, pages: &[usize], fp: usize, page: usize, lo: usize, hi: usize) -> VisitRecord {
+        let spans = pages.iter().map(|&i| (((fp + i) * page).max(lo), ((fp + i + 1) * page).min(hi + 1))).collect();
+        VisitRecord { spans, ..like.clone() }
+    }
+
+    /// On the CPU engine's own run: the set of the exact (f64) bounds agrees with the CPU's (so the exact
+    /// bounds read the metadata, the query and the scale as the engine does), and a set that trades the
+    /// best candidate for the worst one is rejected.
+    #[test]
+    fn quest_agreement_accepts_the_exact_set_and_rejects_clear_swaps() {
+        let spec = CaseSpec::new("quest-agree", DType::BF16, 64, 8, 2, 16, vec![(1, 1500), (1, 700), (1, 300)]);
+        let set = QuestSet { budget: 128, page: 16, sink: 16 };
+        let policy = "quest(budget=128, sink=16)";
+        let mut f = Fixture::new(&spec, 7);
+        let cpu = Engine::new(cfg_for(&f, policy, Device::Cpu)).unwrap();
+        cpu.record_visits(true);
+        let outs = run_on_engine(&cpu, &mut f).unwrap();
+        let v = sorted(cpu.take_visits());
+        let meta = cpu.metadata_snapshot(0).unwrap().unwrap();
+        let (o, _) = outs.to_f64(&f);
+        assert!(!v.is_empty());
+        let (mut exact, mut swapped) = (Vec::new(), Vec::new());
+        for r in &v {
+            let (s, h) = ((r.seq_id - 1000) as usize, r.kv_head);
+            let hi = f.seq_lens[s] as usize - 1;
+            let (sc, _) = exact_bounds(&f, &meta, s, h, 0, hi, set.page);
+            let n = sc.len();
+            let (last, forced) = (n - 1, set.sink.div_ceil(set.page).min(n - 1));
+            let m = set.budget.div_ceil(set.page).saturating_sub(1 + forced).min(last - forced);
+            let mut cand: Vec<usize> = (forced..last).collect();
+            cand.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(b.cmp(&a)));
+            let mut keep: Vec<usize> = (0..forced).chain(cand[..m].iter().copied()).chain([last]).collect();
+            keep.sort_unstable();
+            exact.push(visit(r, &keep, 0, set.page, 0, hi));
+            // The best candidate out, the worst in.
+            let mut bad: Vec<usize> = keep.iter().copied().filter(|&i| i != cand[0]).chain([*cand.last().unwrap()]).collect();
+            bad.sort_unstable();
+            swapped.push(visit(r, &bad, 0, set.page, 0, hi));
+        }
+        let ok = quest_agreement(&f, set, &meta, &v, &exact, &o, &o);
+        assert!(ok.violation.is_none(), "{:?}", ok.violation);
+        assert!(ok.worst_ratio <= 1.0);
+        let bad = quest_agreement(&f, set, &meta, &v, &swapped, &o, &o);
+        assert!(bad.violation.is_some() && bad.differing >= 2 * v.len(), "{bad:?}");
+    }
+}
