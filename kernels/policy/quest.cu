@@ -10,6 +10,7 @@
 #include "block_reduce.cuh"
 #include "topk.cuh"
 #include "quest.cuh"
+#include "quest_mma.cuh"
 
 // Quest's page scores alone (PRR's selection, src/cuda/prr.rs; Quest itself runs kvs_quest_scores_hist
 // below, which scores the same way): the bound of every page of the row, max over the group's query rows and the page's
@@ -66,10 +67,12 @@ __device__ __forceinline__ QuestRow quest_row(const SeqRow& r, int budget, int p
     return q;
 }
 
-extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk,
-                                                                               const u16* qmin, const u16* qmax, int unit, int upb, int page,
-                                                                               int budget, int sink, float* scores, int maxp, unsigned* hist,
-                                                                               i64 row_bytes, unsigned long long* ctr) {
+// The body of both scoring kernels: MMA picks quest_score_tile_mma (unit == page, the launcher's choice)
+// over the exact quest_score_tile. Block-wide.
+template <bool MMA>
+__device__ __forceinline__ void quest_scores_hist(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk, const u16* qmin,
+                                                  const u16* qmax, int unit, int upb, int page, int budget, int sink, float* scores, int maxp,
+                                                  unsigned* hist, i64 row_bytes, unsigned long long* ctr) {
     __shared__ float qs[GROUP * 16 * (QC + 1)];
     __shared__ unsigned long long red[32];
     __shared__ unsigned tbin[QS_PAGES];
@@ -81,10 +84,17 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist(B
     const i64 row = (i64)s * hk + h;
     float* sc = scores + row * maxp;
     if (threadIdx.x < QS_PAGES) tbin[threadIdx.x] = QSEL_BINS;  // none
-    const unsigned long long units = quest_score_tile(b, r, s, h, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, maxp, qs, [&](int i, float best) {
+    auto put = [&](int i, float best) {
         sc[i] = best;
         if (qr.m > 0 && i >= qr.forced && i < qr.last) tbin[i - blockIdx.x * QS_PAGES] = kvs_order_key(best) >> (32 - QSEL_BITS);
-    });
+    };
+    unsigned long long units;
+#if QM_FITS
+    if (MMA)
+        units = quest_score_tile_mma(b, r, s, h, q, q0, q1, q2, scale, hk, qmin, qmax, upb, page, maxp, qs, put);
+    else
+#endif
+        units = quest_score_tile(b, r, s, h, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, maxp, qs, put);
     __syncthreads();
     // The tile's counts into the row's histogram: one atomic per distinct bin of each warp.
     if (threadIdx.x < QS_PAGES) {
@@ -93,6 +103,24 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist(B
         if (bin < QSEL_BINS && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[row * QSEL_BINS + bin], (unsigned)__popc(peers));
     }
     quest_count_units(units, red, ctr);
+}
+
+// The scores in the CPU's arithmetic (bit-equal to quest_page_scores): what ART's priority order reads,
+// and every unit size.
+extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk,
+                                                                               const u16* qmin, const u16* qmax, int unit, int upb, int page,
+                                                                               int budget, int sink, float* scores, int maxp, unsigned* hist,
+                                                                               i64 row_bytes, unsigned long long* ctr) {
+    quest_scores_hist<false>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr);
+}
+
+// The scores on tensor cores (quest_mma.cuh; agreement with the CPU's within the margin docs/policies.md
+// states), for unit == page only: Quest's own selection when no later stage reads the scores.
+extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist_mma(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
+                                                                                   int hk, const u16* qmin, const u16* qmax, int unit, int upb,
+                                                                                   int page, int budget, int sink, float* scores, int maxp,
+                                                                                   unsigned* hist, i64 row_bytes, unsigned long long* ctr) {
+    quest_scores_hist<true>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr);
 }
 
 // The row's cut (threshold key, first kept page among keys equal to it) of the m largest candidates,

@@ -32,6 +32,7 @@ kernel_files! {
     "batch.cuh" => "include/batch.cuh",
     "topk.cuh" => "include/topk.cuh",
     "quest.cuh" => "include/quest.cuh",
+    "quest_mma.cuh" => "include/quest_mma.cuh",
     "snap_score.cuh" => "include/snap_score.cuh",
     "art_blocks.cuh" => "include/art_blocks.cuh",
     "attention.cu" => "attention.cu",

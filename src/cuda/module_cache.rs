@@ -230,6 +230,12 @@ mod compile_tests {
                 }
                 let fm = "--fmad=false".to_string();
                 build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), fm.clone()]);
+                if d == 128 {
+                    // Quest's MMA scoring at its two round sizes (quest_mma.cuh QM_ROUND 64 and 32).
+                    for g in [4, 16] {
+                        build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), fm.clone()]);
+                    }
+                }
                 if dt > 0 {
                     // The default shape for dense and plan rows (super::super::plan::DEFAULT_WARPS x DEFAULT_STAGES), ART's.
                     let (w, st) = (super::super::plan::DEFAULT_WARPS, super::super::plan::DEFAULT_STAGES);

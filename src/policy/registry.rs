@@ -90,7 +90,7 @@ impl Pipeline {
         let selector: Box<dyn CudaStage + 'a> = match self.selector {
             Selector::All => Box::new(super::streaming::cuda::SimplePlan::all()),
             Selector::Streaming { sink, recent } => Box::new(super::streaming::cuda::SimplePlan::streaming(sink, recent)),
-            Selector::Quest { budget, page, sink } => Box::new(super::quest::cuda::Quest::new(budget, page, sink)),
+            Selector::Quest { budget, page, sink } => Box::new(super::quest::cuda::Quest::new(budget, page, sink, self.top_p.is_some() || self.art.is_some())),
             Selector::SnapKv { budget, window, pool } => Box::new(super::snapkv::cuda::SnapKv::new(budget, window, pool)),
             Selector::Speculate(sp) => Box::new(super::speculate::cuda::PrrStage { state: state(dev), sp }),
             Selector::Refresh(r) => Box::new(super::refresh::cuda::RefreshStage::new(state(dev), r)),

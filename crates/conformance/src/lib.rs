@@ -16,6 +16,7 @@ pub mod nonfinite;
 pub mod predictor_agree;
 pub mod predictor_cuda;
 pub mod prr_cuda;
+pub mod quest_agree;
 pub mod reference;
 pub mod refresh_agree;
 pub mod refresh_cuda;

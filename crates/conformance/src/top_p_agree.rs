@@ -166,7 +166,7 @@ fn row_reference(f: &Fixture, meta: &kvsparse::meta::MetaSnapshot, s: usize, h: 
 }
 
 /// An f64 attention output of query row `t`, query head `hq`, over `tokens` of sequence `s` (no window).
-fn attend_f64(f: &Fixture, s: usize, t: usize, hq: usize, tokens: &[usize]) -> Vec<f64> {
+pub(crate) fn attend_f64(f: &Fixture, s: usize, t: usize, hq: usize, tokens: &[usize]) -> Vec<f64> {
     let sp = &f.spec;
     let (d, g, bs) = (sp.head_dim, sp.num_q_heads / sp.num_kv_heads, sp.block_size);
     let (qs, st) = (f.q_strides.map(|x| x as usize), f.cache_strides.map(|x| x as usize));

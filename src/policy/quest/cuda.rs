@@ -1,7 +1,10 @@
 //! Quest on the CUDA backend (kernels/policy/quest.cu): the page scores with the first pass of the top-k
 //! folded in (per-row key histograms merged over the row's CTAs), then the top-k per row, which checks the
 //! histogram against the keys and zeroes it for the next call. The page scores stay in the workspace for
-//! ART's priority order.
+//! ART's priority order. The scores come from tensor cores (kvs_quest_scores_hist_mma: agreement with the
+//! CPU engine's within docs/policies.md's margin) when Quest runs alone; with a later stage (top-p reads
+//! Quest's set, ART its scores), or where a page spans several metadata units, from kvs_quest_scores_hist
+//! in the CPU's arithmetic bit for bit (those stages' tests compare with the CPU engine exactly).
 
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CallShape, CudaStage, PageScores, StepCx, WsAlloc};
@@ -18,6 +21,8 @@ pub(crate) struct Quest {
     pub budget: usize,
     pub page: usize,
     pub sink: usize,
+    /// Score in the CPU engine's arithmetic (a later stage reads Quest's set or scores).
+    exact: bool,
     /// Pages per row (the table's positions, plus one).
     maxp: usize,
     /// `[seqs * kv_heads][maxp]` f32 page scores.
@@ -29,8 +34,9 @@ pub(crate) struct Quest {
 }
 
 impl Quest {
-    pub(crate) fn new(budget: usize, page: usize, sink: usize) -> Self {
-        Quest { budget, page, sink, maxp: 0, scores: 0, qhist: 0 }
+    /// `exact`: the scores must be the CPU's bit for bit (a later stage reads the set or the scores).
+    pub(crate) fn new(budget: usize, page: usize, sink: usize, exact: bool) -> Self {
+        Quest { budget, page, sink, exact, maxp: 0, scores: 0, qhist: 0 }
     }
 }
 
@@ -59,7 +65,8 @@ impl CudaStage for Quest {
         k.by_value(&cx.batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
         k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
         k.i32(clamp(self.budget)).i32(clamp(self.sink)).i64(scores as i64).i32(maxp as i32).i64(qhist as i64).i64(cx.row_bytes).i64(cx.ctr);
-        launch::launch(cx.function("kvs_quest_scores_hist")?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores_hist launch")?;
+        let scorer = if self.exact || m.unit != page { "kvs_quest_scores_hist" } else { "kvs_quest_scores_hist_mma" };
+        launch::launch(cx.function(scorer)?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores_hist launch")?;
         // The page keys in dynamic shared memory when they fit (the device's opt-in limit less the
         // kernel's own static shared memory, ~18 KiB: the gathered bin and scratch).
         let dyn_max = (cx.dev.gpu().smem_optin as usize).saturating_sub(TOPK_STATIC_SMEM);

@@ -1,0 +1,160 @@
+// Quest's page scores on tensor cores (kvs_quest_scores_hist_mma, kernels/policy/quest.cu): the bound of
+// page P for query row g, sum over channels c of max(q_c * min_c, q_c * max_c), is
+//     sum_c q-_c * min_c + q+_c * max_c      (q- = min(q, 0), q+ = max(q, 0)),
+// a matrix product of the page's staged row [min | max] (K = 2 * HEAD_DIM, f16 as the cache write stores
+// them, lane-permuted: kernels/meta.cu) with the group's split query [q- | q+] in the same permutation.
+// mma.sync m16n8k16 f16 -> f32: pages are the 16 rows of A, query rows the 8 columns of B. Each query row
+// is scaled by 2^e (e from its max |q|, into [2^14, 2^15)) and split into two f16 terms hi + lo (residual
+// under 2^-22 of the row's max |q|); the products are exact in f32, the tensor core accumulates them, and
+// the score is acc * scale * 2^-e. docs/policies.md (Quest) states the error bound and the agreement
+// margin the tests use. A 0 * inf product (a zero half of the split against an infinite bound) makes the
+// page's score NaN, which the order key sorts first: the page is kept and its keys reach the attention.
+#pragma once
+#include "quest.cuh"
+#include "mma.cuh"
+
+#define QM_PAD 8                    // f16 per staged row against ldmatrix bank conflicts (16 bytes)
+#define QM_NT ((GROUP + 7) / 8)     // 8-column tiles of query rows
+#define QM_KS (2 * HEAD_DIM / 16)   // k-steps of one page row
+// Pages staged per round: the staged rows, the split query and the CTA's q scratch within 48 KiB.
+#if HEAD_DIM <= 128 && GROUP <= 8
+#define QM_ROUND 64
+#elif HEAD_DIM <= 128
+#define QM_ROUND 32
+#else
+#define QM_ROUND 16
+#endif
+// Geometries the MMA path covers (the others score exactly as quest_score_tile).
+#define QM_FITS (GROUP <= 16 && (HEAD_DIM <= 128 || GROUP <= 8))
+
+__device__ __forceinline__ void quest_mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Two f32 -> f16x2 (first in the low half), rounded to nearest.
+__device__ __forceinline__ unsigned quest_f16x2(float first, float second) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(second), "f"(first));
+    return r;
+}
+// The larger of a and b, NaN if either is NaN (fmaxf would drop a NaN).
+__device__ __forceinline__ float quest_nanmax(float a, float b) { return (b > a || b != b) ? b : a; }
+
+// Column k of the split query (K index in the staged row's order) for query row g, scaled by 2^e.
+__device__ __forceinline__ float quest_split_q(const float* qf, int g, int k, int e) {
+    if (g >= GROUP) return 0.f;
+    const int p = k % HEAD_DIM;
+    const float v = ldexpf(qf[g * HEAD_DIM + (p % QC) * 16 + p / QC], e);
+    // NaN stays NaN in both halves.
+    return k < HEAD_DIM ? (v > 0.f ? 0.f : v) : (v < 0.f ? 0.f : v);
+}
+
+// One CTA's tile of QS_PAGES pages of row (s, h), unit == page (the caller's choice), scored on tensor
+// cores; `put(i, score)` once per page i of the tile inside the row, `qs` shared scratch of at least
+// GROUP * HEAD_DIM floats. Returns the units this thread read. All threads of the CTA call this.
+template <typename Put>
+__device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& b, const SeqRow& r, int s, int h, const elem_t* q, i64 q0, i64 q1, i64 q2,
+                                                                   float scale, int hk, const u16* qmin, const u16* qmax, int upb, int page, int maxp,
+                                                                   float* qs, Put put) {
+    __shared__ __align__(16) u16 sb[QM_ROUND][2 * HEAD_DIM + QM_PAD];
+    __shared__ i64 sbase[QM_ROUND];  // the page's bounds offset, or -1 (outside the row, unmapped block)
+    __shared__ __align__(16) uint4 qb[QM_NT][QM_KS][32];  // B fragments per lane: hi b0, hi b1, lo b0, lo b1
+    __shared__ int qe[QM_NT * 8];                         // 2^e per query row
+    constexpr int CH = HEAD_DIM / 8;                      // 16-byte chunks of one bound row
+    const int fp = r.lo / page, np = r.hi / page - fp + 1;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    unsigned long long units = 0;
+    for (int r0 = 0; r0 < QS_PAGES; r0 += QM_ROUND) {
+        const int tile0 = blockIdx.x * QS_PAGES + r0;
+        if (r0 > 0) __syncthreads();  // the previous round's rows are read
+        for (int j = threadIdx.x; j < QM_ROUND; j += blockDim.x) {
+            const int i = tile0 + j;
+            const bool active = i < np && i < maxp;
+            units += active;
+            const i64 pb = active ? phys_block(b, s, (fp + i) / upb) : -1;
+            sbase[j] = pb < 0 ? -1 : ((pb * upb + (fp + i) % upb) * hk + h) * (i64)HEAD_DIM;
+        }
+        __syncthreads();
+        for (int c = threadIdx.x; c < QM_ROUND * 2 * CH; c += blockDim.x) {
+            const int j = c / (2 * CH), mx = (c / CH) % 2, ch = c % CH;
+            const i64 base = sbase[j];
+            if (base >= 0) quest_cp_async16(&sb[j][mx * HEAD_DIM + ch * 8], (mx ? qmax : qmin) + base + ch * 8);
+        }
+        if (r0 == 0) {
+            // The split query, built while the first round's bounds are in flight.
+            for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x)
+                qs[i] = ET::ld(q[(i64)r.t * q0 + (i64)(h * GROUP + i / HEAD_DIM) * q1 + (i64)(i % HEAD_DIM) * q2]);
+            __syncthreads();
+            for (int g = warp; g < QM_NT * 8; g += QS_THREADS / 32) {
+                float m = 0.f;
+                if (g < GROUP)
+                    for (int c = lane; c < HEAD_DIM; c += 32) m = quest_nanmax(m, fabsf(qs[g * HEAD_DIM + c]));
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) m = quest_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+                int x = 0;
+                const bool finite = m > 0.f && m <= 3.402823466e38f;
+                if (finite) frexpf(m, &x);
+                if (lane == 0) qe[g] = finite ? 15 - x : 0;  // max |q| * 2^e in [2^14, 2^15)
+            }
+            __syncthreads();
+            for (int i = threadIdx.x; i < QM_NT * QM_KS * 32; i += blockDim.x) {
+                const int l = i % 32, ks = (i / 32) % QM_KS, nt = i / (32 * QM_KS);
+                const int g = nt * 8 + l / 4;
+                const int e = qe[g];
+                unsigned hi[2], lo[2];
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {  // b0: k = 2 (l % 4) + {0, 1}; b1: the same + 8
+                    const int k0 = ks * 16 + 2 * (l % 4) + 8 * half;
+                    const float v0 = quest_split_q(qs, g, k0, e), v1 = quest_split_q(qs, g, k0 + 1, e);
+                    hi[half] = quest_f16x2(v0, v1);
+                    lo[half] = quest_f16x2(v0 - kvs_f16_to_f32((u16)hi[half]), v1 - kvs_f16_to_f32((u16)(hi[half] >> 16)));
+                }
+                qb[nt][ks][l] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
+            }
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();
+        if (warp < QM_ROUND / 16) {
+            float acc[QM_NT][4];
+#pragma unroll
+            for (int nt = 0; nt < QM_NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            const unsigned arow = smem_u32(&sb[warp * 16 + (lane & 15)][(lane >> 4) * 8]);
+#pragma unroll 4
+            for (int ks = 0; ks < QM_KS; ++ks) {
+                unsigned a[4];
+                ldsm_x4(a, arow + ks * 32);
+#pragma unroll
+                for (int nt = 0; nt < QM_NT; ++nt) {
+                    const uint4 bq = qb[nt][ks][lane];
+                    quest_mma_f16(acc[nt], a, bq.x, bq.y);
+                    quest_mma_f16(acc[nt], a, bq.z, bq.w);
+                }
+            }
+            // Rows lane / 4 and lane / 4 + 8 of the warp's 16 pages, columns 2 (lane % 4) + {0, 1}.
+            float best[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int nt = 0; nt < QM_NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int g = nt * 8 + 2 * (lane % 4) + j;
+                    if (g < GROUP) {
+                        best[0] = quest_nanmax(best[0], ldexpf(acc[nt][j] * scale, -qe[g]));
+                        best[1] = quest_nanmax(best[1], ldexpf(acc[nt][2 + j] * scale, -qe[g]));
+                    }
+                }
+#pragma unroll
+            for (int o = 1; o < 4; o <<= 1) {
+                best[0] = quest_nanmax(best[0], __shfl_xor_sync(0xffffffffu, best[0], o));
+                best[1] = quest_nanmax(best[1], __shfl_xor_sync(0xffffffffu, best[1], o));
+            }
+            if (lane % 4 == 0)
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const int j = warp * 16 + lane / 4 + 8 * rr, i = tile0 + j;
+                    if (i < np && i < maxp) put(i, sbase[j] >= 0 ? best[rr] : -INFINITY);
+                }
+        }
+    }
+    return units;
+}
