@@ -50,6 +50,10 @@ impl super::simd::Simd for Ymm {
         _mm256_add_ps(a, b)
     }
     #[inline(always)]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        _mm256_mul_ps(a, b)
+    }
+    #[inline(always)]
     unsafe fn sub(a: __m256, b: __m256) -> __m256 {
         _mm256_sub_ps(a, b)
     }
@@ -58,12 +62,24 @@ impl super::simd::Simd for Ymm {
         _mm256_max_ps(a, b)
     }
     #[inline(always)]
-    unsafe fn and(a: __m256, b: __m256) -> __m256 {
-        _mm256_and_ps(a, b)
-    }
-    #[inline(always)]
     unsafe fn exp(x: __m256) -> __m256 {
         exp8(x)
+    }
+    #[inline(always)]
+    unsafe fn exp_weight(x: __m256, keep: __m256) -> __m256 {
+        use super::math::{EXP_C, LN2_HI, LN2_LO, LOG2E};
+        let xc = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc));
+        let mut y = _mm256_set1_ps(EXP_C[0]);
+        for &c in &EXP_C[1..] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+        }
+        let one = _mm256_set1_ps(1.0);
+        y = _mm256_fmadd_ps(_mm256_fmadd_ps(y, r, one), r, one);
+        let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127))));
+        let live = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(-87.0)), keep);
+        _mm256_and_ps(_mm256_mul_ps(y, scale), live)
     }
 }
 

@@ -57,6 +57,10 @@ impl super::simd::Simd for Zmm {
         _mm512_add_ps(a, b)
     }
     #[inline(always)]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        _mm512_mul_ps(a, b)
+    }
+    #[inline(always)]
     unsafe fn sub(a: __m512, b: __m512) -> __m512 {
         _mm512_sub_ps(a, b)
     }
@@ -65,12 +69,24 @@ impl super::simd::Simd for Zmm {
         _mm512_max_ps(a, b)
     }
     #[inline(always)]
-    unsafe fn and(a: __m512, b: __m512) -> __m512 {
-        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
-    }
-    #[inline(always)]
     unsafe fn exp(x: __m512) -> __m512 {
         exp16(x)
+    }
+    #[inline(always)]
+    unsafe fn exp_weight(x: __m512, keep: __m512) -> __m512 {
+        use super::math::{EXP_C, LN2_HI, LN2_LO, LOG2E};
+        let xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc));
+        let mut y = _mm512_set1_ps(EXP_C[0]);
+        for &c in &EXP_C[1..] {
+            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+        }
+        let one = _mm512_set1_ps(1.0);
+        y = _mm512_fmadd_ps(_mm512_fmadd_ps(y, r, one), r, one);
+        let kept = _mm512_test_epi32_mask(_mm512_castps_si512(keep), _mm512_castps_si512(keep));
+        let live = _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(kept, x, _mm512_set1_ps(-87.0));
+        _mm512_maskz_scalef_ps(live, y, n)
     }
 }
 

@@ -15,11 +15,16 @@ pub(crate) trait Simd: Copy {
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn store(p: *mut f32, v: Self::V);
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
     /// Lane-wise maximum (either operand NaN: the second).
     unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
-    /// Bitwise and (a lane of all ones keeps `a`'s lane, zero clears it).
-    unsafe fn and(a: Self::V, b: Self::V) -> Self::V;
     /// [`fast_exp`] on every lane, bit for bit.
     unsafe fn exp(x: Self::V) -> Self::V;
+    /// The prefill tiles' softmax weights: `exp(x)` on lanes where `keep` is all ones and `x ≥ -87`, else
+    /// exactly 0 (a masked `-inf`, a row without weight), for `x ≤ 0` (a score minus its row's running
+    /// maximum). Fewer operations than [`exp`](Self::exp) (a rounding instruction, fused range reduction,
+    /// Horner's scheme, the exponent by `vscalefps` on AVX-512): relative error within 4e-7 of f64's
+    /// `exp`, not bit-equal to [`fast_exp`].
+    unsafe fn exp_weight(x: Self::V, keep: Self::V) -> Self::V;
 }
