@@ -1,7 +1,9 @@
-// SnapKV's scoring arithmetic and CTA shape, shared by SnapKV's choice (snapkv.cu) and RefreshKV's full
-// step (refresh.cu): decision_dot in lane order and the fixed-point softmax normaliser's unit.
+// SnapKV's scoring arithmetic and CTA shape, shared by SnapKV's choice (snapkv.cu), RefreshKV's full step
+// (refresh.cu) and the AttentionPredictor's history rows (predictor.cu): decision_dot in lane order, the
+// fixed-point softmax normaliser's unit, and the row maximum / normaliser reductions of their weights passes.
 #pragma once
 #include "common.cuh"
+#include "decide.cuh"
 
 // Positions per CTA and query heads served side by side: 32 x min(GROUP, 8) threads; at head sizes
 // above 128, 16 positions (the K tile stays in static shared memory) and an even count of query heads
@@ -33,4 +35,30 @@ __device__ __forceinline__ float snap_dot(const float* q, const float* k) {
 
 __device__ __forceinline__ float snap_unkey(unsigned k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Phase 0 of the scalar weights passes (snapkv.cu, refresh.cu, predictor.cu): the largest logit `l` over
+// one head's SNAP_TP lanes (fmaxf drops NaN, as f32::max) into *rmax as an order key, by the lane that
+// `lead`s. All SNAP_TP lanes call it.
+__device__ __forceinline__ void snap_row_max(float l, bool lead, unsigned* rmax) {
+    float m = l;
+#pragma unroll
+    for (int off = SNAP_TP / 2; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (lead && m > -INFINITY) atomicMax(rmax, kvs_order_key(m));
+}
+
+// Phase 1 of those passes: the weights `e` summed over the lanes in fixed point (exact, so in any order)
+// into *zfix, a NaN among them flagged in *zbad, by the lane that `lead`s. All SNAP_TP lanes call it.
+__device__ __forceinline__ void snap_row_sum(float e, bool lead, unsigned long long* zfix, unsigned* zbad) {
+    unsigned long long x = isnan(e) ? 0ull : (unsigned long long)((double)e * SNAP_NORM_ONE);
+    unsigned bad = isnan(e) ? 1u : 0u;
+#pragma unroll
+    for (int off = SNAP_TP / 2; off > 0; off >>= 1) {
+        x += __shfl_xor_sync(0xffffffffu, x, off);
+        bad |= __shfl_xor_sync(0xffffffffu, bad, off);
+    }
+    if (lead) {
+        if (x != 0ull) atomicAdd(zfix, x);
+        if (bad) atomicOr(zbad, 1u);
+    }
 }

@@ -540,26 +540,13 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
                     }
                 }
                 if (phase == 0) {
-                    float mx = l;
-#pragma unroll
-                    for (int off = SNAP_TP / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-                    if (p == 0 && row_ok && mx > -INFINITY) atomicMax(&rmax[rr], kvs_order_key(mx));
+                    snap_row_max(l, p == 0 && row_ok, &rmax[rr]);
                     continue;
                 }
                 const float mrow = row_ok ? snap_unkey(rmax[rr]) : -INFINITY;
                 const float ev = vis && mrow > -INFINITY ? kvs_fast_exp(l - mrow) : 0.0f;
                 if (phase == 1) {
-                    unsigned long long x = isnan(ev) ? 0ull : (unsigned long long)((double)ev * SNAP_NORM_ONE);
-                    unsigned bad = isnan(ev) ? 1u : 0u;
-#pragma unroll
-                    for (int off = SNAP_TP / 2; off > 0; off >>= 1) {
-                        x += __shfl_xor_sync(0xffffffffu, x, off);
-                        bad |= __shfl_xor_sync(0xffffffffu, bad, off);
-                    }
-                    if (p == 0 && row_ok && mrow > -INFINITY) {
-                        if (x != 0ull) atomicAdd(&zfix[rr], x);
-                        if (bad) atomicOr(&zbad[rr], 1u);
-                    }
+                    snap_row_sum(ev, p == 0 && row_ok && mrow > -INFINITY, &zfix[rr], &zbad[rr]);
                 } else if (vis && row_ok && mrow > -INFINITY) {
                     const double z = zbad[rr] ? (double)__int_as_float(0x7fffffff) : (double)zfix[rr] / SNAP_NORM_ONE;
                     const float w = (float)((double)ev / z);

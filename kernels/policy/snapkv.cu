@@ -108,26 +108,13 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
             float l = -INFINITY;
             if (vis && row_ok) l = kvs_decision_softcap(snap_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
             if (phase == 0) {
-                float m = l;  // fmaxf drops NaN, as f32::max
-#pragma unroll
-                for (int off = SNAP_TP / 2; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-                if (p == 0 && row_ok && m > -INFINITY) atomicMax(&rmax[r], kvs_order_key(m));
+                snap_row_max(l, p == 0 && row_ok, &rmax[r]);
                 continue;
             }
             const float m = row_ok ? snap_unkey(rmax[r]) : -INFINITY;
             const float e = vis && m > -INFINITY ? kvs_fast_exp(l - m) : 0.0f;
             if (phase == 1) {
-                unsigned long long x = isnan(e) ? 0ull : (unsigned long long)((double)e * SNAP_NORM_ONE);
-                unsigned bad = isnan(e) ? 1u : 0u;
-#pragma unroll
-                for (int off = SNAP_TP / 2; off > 0; off >>= 1) {
-                    x += __shfl_xor_sync(0xffffffffu, x, off);
-                    bad |= __shfl_xor_sync(0xffffffffu, bad, off);
-                }
-                if (p == 0 && row_ok && m > -INFINITY) {
-                    if (x != 0ull) atomicAdd(&zfix[r], x);
-                    if (bad) atomicOr(&zbad[r], 1u);
-                }
+                snap_row_sum(e, p == 0 && row_ok && m > -INFINITY, &zfix[r], &zbad[r]);
             } else if (row_ok && m > -INFINITY) {
                 // As the CPU: every prefix position of a row that saw something adds e / z (0 where the
                 // row does not see it; NaN everywhere when the normaliser is NaN).
