@@ -51,6 +51,30 @@ __device__ __forceinline__ void quest_cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
 
+// One round of a tile's page bounds into shared memory (both scorers, unit == page): sbase[j] the offset
+// of page tile0 + j's bounds, or -1 (outside the row, an unmapped block), then the page's [min | max] row
+// copied by cp.async to `rows + j * stride`. Returns the pages inside the row this thread looked up (for
+// CTR_KV_BYTES). The caller waits for the copies (cp.async.wait_all) and syncs. Block-wide.
+__device__ __forceinline__ unsigned long long quest_stage_round(const Batch& b, int s, int h, int hk, const u16* qmin, const u16* qmax, int upb, int fp,
+                                                                int np, int maxp, int tile0, int round, i64* sbase, u16* rows, int stride) {
+    unsigned long long units = 0;
+    for (int j = threadIdx.x; j < round; j += blockDim.x) {
+        const int i = tile0 + j;
+        const bool active = i < np && i < maxp;
+        units += active;
+        const i64 pb = active ? phys_block(b, s, (fp + i) / upb) : -1;
+        sbase[j] = pb < 0 ? -1 : ((pb * upb + (fp + i) % upb) * hk + h) * (i64)HEAD_DIM;
+    }
+    __syncthreads();
+    constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks of one bound row
+    for (int c = threadIdx.x; c < round * 2 * CH; c += blockDim.x) {
+        const int j = c / (2 * CH), mx = (c / CH) % 2, ch = c % CH;
+        const i64 base = sbase[j];
+        if (base >= 0) quest_cp_async16(rows + (i64)j * stride + mx * HEAD_DIM + ch * 8, (mx ? qmax : qmin) + base + ch * 8);
+    }
+    return units;
+}
+
 // One page's score from a lane's channels of its min and max (`lo`, `hi`): for each query row of the
 // group, the lane's sum of max(q * min, q * max) over its channels in order, a butterfly over the
 // half-warp, and the maximum over the rows, the CPU's quest_bound order. Half-warp-wide.
@@ -97,22 +121,11 @@ __device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, c
     float lo_[QC], hi_[QC];
     if (unit == page) {
         __shared__ __align__(16) u16 sb[QS_ROUND][2][HEAD_DIM];
-        __shared__ i64 sbase[QS_ROUND];  // the page's bounds offset, or -1 (outside the row, unmapped block)
-        constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks of one bound row
+        __shared__ i64 sbase[QS_ROUND];
         for (int r0 = 0; r0 < QS_PAGES; r0 += QS_ROUND) {
             const int tile0 = blockIdx.x * QS_PAGES + r0;
             if (r0 > 0) __syncthreads();  // the previous round's rows are read
-            for (int j = threadIdx.x; j < QS_ROUND; j += blockDim.x) {
-                const int i = tile0 + j;
-                const i64 pb = i < np && i < maxp ? phys_block(b, s, (fp + i) / upb) : -1;
-                sbase[j] = pb < 0 ? -1 : ((pb * upb + (fp + i) % upb) * hk + h) * (i64)HEAD_DIM;
-            }
-            __syncthreads();
-            for (int c = threadIdx.x; c < QS_ROUND * 2 * CH; c += blockDim.x) {
-                const int j = c / (2 * CH), mx = (c / CH) % 2, ch = c % CH;
-                const i64 base = sbase[j];
-                if (base >= 0) quest_cp_async16(&sb[j][mx][ch * 8], (mx ? qmax : qmin) + base + ch * 8);
-            }
+            units += quest_stage_round(b, s, h, hk, qmin, qmax, upb, fp, np, maxp, tile0, QS_ROUND, sbase, &sb[0][0][0], 2 * HEAD_DIM);
             asm volatile("cp.async.wait_all;" ::: "memory");
             __syncthreads();
             // Every half-warp runs the same trip count, so the butterflies use the full warp's mask (a
@@ -121,7 +134,6 @@ __device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, c
             for (int j = hw; j < QS_ROUND; j += QS_THREADS / 16) {
                 const int i = tile0 + j;  // the same for the half-warp
                 const bool active = i < np && i < maxp;
-                units += active && lane == 0;
                 load_lane_bounds(&sb[j][0][lane * QC], lo_);
                 load_lane_bounds(&sb[j][1][lane * QC], hi_);
                 const float best = quest_page_bound(qv, lo_, hi_, 0xffffffffu);

@@ -58,29 +58,16 @@ __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& 
                                                                    float scale, int hk, const u16* qmin, const u16* qmax, int upb, int page, int maxp,
                                                                    float* qs, Put put) {
     __shared__ __align__(16) u16 sb[QM_ROUND][2 * HEAD_DIM + QM_PAD];
-    __shared__ i64 sbase[QM_ROUND];  // the page's bounds offset, or -1 (outside the row, unmapped block)
+    __shared__ i64 sbase[QM_ROUND];
     __shared__ __align__(16) uint4 qb[QM_NT][QM_KS][32];  // B fragments per lane: hi b0, hi b1, lo b0, lo b1
     __shared__ int qe[QM_NT * 8];                         // 2^e per query row
-    constexpr int CH = HEAD_DIM / 8;                      // 16-byte chunks of one bound row
     const int fp = r.lo / page, np = r.hi / page - fp + 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     unsigned long long units = 0;
     for (int r0 = 0; r0 < QS_PAGES; r0 += QM_ROUND) {
         const int tile0 = blockIdx.x * QS_PAGES + r0;
         if (r0 > 0) __syncthreads();  // the previous round's rows are read
-        for (int j = threadIdx.x; j < QM_ROUND; j += blockDim.x) {
-            const int i = tile0 + j;
-            const bool active = i < np && i < maxp;
-            units += active;
-            const i64 pb = active ? phys_block(b, s, (fp + i) / upb) : -1;
-            sbase[j] = pb < 0 ? -1 : ((pb * upb + (fp + i) % upb) * hk + h) * (i64)HEAD_DIM;
-        }
-        __syncthreads();
-        for (int c = threadIdx.x; c < QM_ROUND * 2 * CH; c += blockDim.x) {
-            const int j = c / (2 * CH), mx = (c / CH) % 2, ch = c % CH;
-            const i64 base = sbase[j];
-            if (base >= 0) quest_cp_async16(&sb[j][mx * HEAD_DIM + ch * 8], (mx ? qmax : qmin) + base + ch * 8);
-        }
+        units += quest_stage_round(b, s, h, hk, qmin, qmax, upb, fp, np, maxp, tile0, QM_ROUND, sbase, &sb[0][0], 2 * HEAD_DIM + QM_PAD);
         if (r0 == 0) {
             // The split query, built while the first round's bounds are in flight.
             for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x)
