@@ -18,7 +18,7 @@
 //! token: 0 inside the mass band, else its relative distance to the band's weights; it must be <= 2 delta.
 
 use super::fixture::{run_on_engine, Fixture, Outputs};
-use super::reference::rel_err;
+use super::reference::{attend_rows, rel_err};
 use super::sparse_cuda::{cfg_for, override_keys, run_fixture_cuda_policy};
 use super::{tolerance, CaseSpec};
 use kvsparse::engine::Engine;
@@ -172,22 +172,13 @@ pub(crate) fn attend_f64(f: &Fixture, s: usize, t: usize, hq: usize, tokens: &[u
     let (qs, st) = (f.q_strides.map(|x| x as usize), f.cache_strides.map(|x| x as usize));
     let h = hq / g;
     let q: Vec<f64> = (0..d).map(|c| f.q.get(t * qs[0] + hq * qs[1] + c * qs[2])).collect();
-    let at = |pos: usize, c: usize| {
+    let row = |pos: usize, off: usize| -> Vec<f64> {
         let b = f.block_table[s * f.max_blocks + pos / bs] as usize;
-        b * st[0] + (pos % bs) * st[1] + h * st[2] + c * st[3]
+        (0..d).map(|c| f.cache.get(off + b * st[0] + (pos % bs) * st[1] + h * st[2] + c * st[3])).collect()
     };
-    let cap = sp.softcap as f64;
-    let l: Vec<f64> = tokens
-        .iter()
-        .map(|&pos| {
-            let x = f.scale as f64 * (0..d).map(|c| q[c] * f.cache.get(at(pos, c))).sum::<f64>();
-            if cap > 0.0 { cap * (x / cap).tanh() } else { x }
-        })
-        .collect();
-    let m = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let e: Vec<f64> = l.iter().map(|&x| (x - m).exp()).collect();
-    let z: f64 = e.iter().sum();
-    (0..d).map(|c| tokens.iter().zip(&e).map(|(&pos, &ei)| ei * f.cache.get(f.v_offset + at(pos, c))).sum::<f64>() / z).collect()
+    let ks: Vec<Vec<f64>> = tokens.iter().map(|&pos| row(pos, 0)).collect();
+    let vs: Vec<Vec<f64>> = tokens.iter().map(|&pos| row(pos, f.v_offset)).collect();
+    attend_rows(&q, &ks, &vs, 1, d, f.scale as f64, sp.softcap as f64).0
 }
 
 /// Runs `policy` (`base > top_p(p)`) on fixture `spec`/`seed` (every key replaced by `key(row)` when given)
