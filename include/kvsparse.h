@@ -166,9 +166,10 @@ typedef struct {
   // The K/V caches' dtype: `KVS_CACHE_DTYPE_AUTO` (0, default) = `dtype`, or FP8
   // (`KVS_CACHE_DTYPE_FP8_E4M3`, `KVS_CACHE_DTYPE_FP8_E5M2`, vLLM's `kv_cache_dtype="fp8"` / `"fp8_e5m2"`)
   // with per-layer scales from `kvs_engine_set_kv_scales`. Queries and outputs stay `dtype` (float32
-  // queries with an FP8 cache: CPU engines only). A CUDA engine serves FP8 caches with dense attention
-  // (no policy) on devices of compute capability 8.9 or newer, in its tensor-core kernel (16-byte aligned
-  // rows and strides); anything else is `KVS_ERR_UNSUPPORTED`. Appended in ABI 0: a caller whose
+  // queries with an FP8 cache: CPU engines only). A CUDA engine serves FP8 caches with dense attention and
+  // the policies `all`, `streaming` and `quest` (with or without `top_p`) on devices of compute capability
+  // 8.9 or newer, in its tensor-core kernel (16-byte aligned rows and strides); anything else is
+  // `KVS_ERR_UNSUPPORTED`. Appended in ABI 0: a caller whose
   // `struct_size` ends before it gets `AUTO`.
   kvs_cache_dtype cache_dtype;
   // 1: a forward call's query may end with padding rows past `query_start_loc[num_seqs]` (vLLM's and

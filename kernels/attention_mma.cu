@@ -43,7 +43,7 @@
 // It also spreads a row whose plan is shorter than the launch's bound over every split (a per-row chunk,
 // the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
 // (k positions) share the launch of its full rows (every position).
-// KV8 (fp8.cuh; dense rows only, the host refuses plans): FP8 caches. A tile's rows are copied as bytes
+// KV8 (fp8.cuh; dense rows and plans; the host refuses ART and logits over them): FP8 caches. A tile's rows are copied as bytes
 // into padded shared-memory rows (ROWB below) and each lane reads its MMA fragments from them
 // as 32-bit words, widening in registers (exact): no pass over shared memory. K: a word is 4 consecutive
 // channels of one key, so the k-step's channels are taken in the order (4j, 4j+1 | 4j+2, 4j+3) for lane
@@ -85,8 +85,8 @@
 #define SMEM_BYTES (STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES)
 #if KV8
 #define CPR8 (HEAD_DIM / 16)  // 16-byte chunks per FP8 row
-#if PLAN || ART || LOGITS
-#error "FP8 caches: dense rows only"
+#if ART || LOGITS
+#error "FP8 caches: dense rows and plans (no ART, no logits)"
 #endif
 // The output channel of accumulator column c (0..7) of PV tile n (kv8 fragment order, header); a head size
 // that is an odd multiple of 16 ends with two tiles over 16 channels read as 16-bit halves (2 channels).
@@ -443,7 +443,11 @@ art_pass_start:
                 const int c = i * 32 + lane, kr = min(c / CPR8, 15), cc = c % CPR8;
                 const int b = __shfl_sync(0xffffffffu, blk, kr);
                 const bool v = (msk >> kr) & 1;
+#if PLAN
+                const i64 off = __shfl_sync(0xffffffffu, p, kr) & bmask;
+#else
                 const i64 off = (pb + kr) & bmask;
+#endif
                 if (c < 16 * CPR8) {
                     const kv_t* ks = v ? kh + (i64)b * k0 + off * k1 + cc * 16 : kc;
                     const kv_t* vs = v ? vh + (i64)b * v0 + off * v1 + cc * 16 : vc;

@@ -15,10 +15,22 @@
 // A call of few tokens (a decode step) does the same in one launch, kvs_meta_step (at the end of this file).
 // With SnapKV's bits only (no Quest bounds, no INT4 copy) just `set` runs: nothing reads fill's cleared tail.
 // Slots are validated here as in kvs_cache_write (negative or out of range: skipped).
-// Requires KVS_DTYPE; compiled with --fmad=false (decide.cuh).
+// Requires KVS_DTYPE; compiled with --fmad=false (decide.cuh). KV8 (fp8.cuh): an FP8 key cache, read as the
+// CPU's load_cache_row reads it (the byte's exact value times k_scale, one f32 rounding).
 
 #include "common.cuh"
 #include "decide.cuh"
+#include "fp8.cuh"
+
+// One cached key element as f32.
+__device__ __forceinline__ float kc_ld(kv_t x, float kscale) {
+#if KV8
+    return kv8_to_f32(x) * kscale;
+#else
+    (void)kscale;
+    return ET::ld(x);
+#endif
+}
 
 __device__ __forceinline__ bool kvs_slot(const void* slots, i64 stride, int is64, int t, i64 capacity, int bs, i64* blk, int* off) {
     const i64 slot = is64 ? ((const i64*)slots)[t * stride] : (i64)((const int*)slots)[t * stride];
@@ -55,12 +67,12 @@ extern "C" __global__ void kvs_meta_clear(const void* slots, i64 slot_stride, in
 
 // The INT4 copy of one cached K row (slot b*bs + off, KV head h): fp16 (min, scale) and 4-bit codes, as
 // the CPU's quantize_row.
-__device__ __forceinline__ void quantize_row(const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, i64 b, int off, int h, int bs, int hk, int d,
+__device__ __forceinline__ void quantize_row(const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, float kscale, i64 b, int off, int h, int bs, int hk, int d,
                                              unsigned char* codes, u16* qparams) {
-    const elem_t* row = kc + b * kc0 + (i64)off * kc1 + (i64)h * kc2;
+    const kv_t* row = kc + b * kc0 + (i64)off * kc1 + (i64)h * kc2;
     float mn = INFINITY, mx = -INFINITY;
     for (int c = 0; c < d; ++c) {
-        const float v = ET::ld(row[c]);
+        const float v = kc_ld(row[c], kscale);
         mn = fminf(mn, v);
         mx = fmaxf(mx, v);
     }
@@ -75,8 +87,8 @@ __device__ __forceinline__ void quantize_row(const elem_t* kc, i64 kc0, i64 kc1,
     for (int c = 0; c < d; c += 2) {
         unsigned char byte = 0;
         if (ok) {
-            const float c0 = roundf((ET::ld(row[c]) - mnf) * inv);
-            const float c1 = roundf((ET::ld(row[c + 1]) - mnf) * inv);
+            const float c0 = roundf((kc_ld(row[c], kscale) - mnf) * inv);
+            const float c1 = roundf((kc_ld(row[c + 1], kscale) - mnf) * inv);
             // clamp(0, 15) with NaN -> 0, as Rust's `clamp(..) as u8`
             const unsigned q0 = c0 >= 0.0f ? (unsigned)fminf(c0, 15.0f) : 0u;
             const unsigned q1 = c1 >= 0.0f ? (unsigned)fminf(c1, 15.0f) : 0u;
@@ -91,8 +103,8 @@ __device__ __forceinline__ void quantize_row(const elem_t* kc, i64 kc0, i64 kc1,
 // One thread per (token, KV head): marks the slot filled (head 0), kept for SnapKV, and quantizes the row
 // to INT4.
 extern "C" __global__ void kvs_meta_set(const void* slots, i64 slot_stride, int is64, int tokens, i64 num_blocks, int bs,
-                                        unsigned long long* fill, const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int d,
-                                        unsigned char* codes, u16* qparams, unsigned long long* keep) {
+                                        unsigned long long* fill, const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int d,
+                                        unsigned char* codes, u16* qparams, unsigned long long* keep, float kscale) {
     const i64 n = (i64)tokens * hk;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const int t = (int)(i / hk), h = (int)(i % hk);
@@ -101,27 +113,27 @@ extern "C" __global__ void kvs_meta_set(const void* slots, i64 slot_stride, int 
         if (!kvs_slot(slots, slot_stride, is64, t, num_blocks * bs, bs, &b, &off)) continue;
         if (h == 0) atomicOr(&fill[b * 4 + off / 64], 1ull << (off % 64));
         if (keep != 0) atomicOr(&keep[(b * hk + h) * 4 + off / 64], 1ull << (off % 64));
-        if (codes != 0) quantize_row(kc, kc0, kc1, kc2, b, off, h, bs, hk, d, codes, qparams);
+        if (codes != 0) quantize_row(kc, kc0, kc1, kc2, kscale, b, off, h, bs, hk, d, codes, qparams);
     }
 }
 
 // Quest's units u0.. of block b recomputed: channel-wise min/max over the slots `filled(o)` of each unit,
 // stored in lane order (channel c at lane c % 16, slot c / 16) as kvs_quest_scores reads it. Block-wide.
 template <typename Filled>
-__device__ __forceinline__ void unit_bounds(i64 b, int u0, Filled filled, const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int d, int unit,
-                                            int upb, u16* qmin, u16* qmax) {
+__device__ __forceinline__ void unit_bounds(i64 b, int u0, Filled filled, const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, float kscale, int hk, int d,
+                                            int unit, int upb, u16* qmin, u16* qmax) {
     const int per = hk * d;
     const i64 n = (i64)(upb - u0) * per;
     for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
         const int u = u0 + (int)(i / per), h = (int)((i % per) / d), c = (int)(i % d);
         float mn = INFINITY, mx = -INFINITY;
-        const elem_t* col = kc + b * kc0 + (i64)h * kc2 + c;
+        const kv_t* col = kc + b * kc0 + (i64)h * kc2 + c;
         // Eight slots' loads in flight at a time (every slot of a valid block is inside the cache; the
         // unfilled ones are read and ignored), folded in slot order as before.
         for (int o0 = u * unit; o0 < (u + 1) * unit; o0 += 8) {
             float v[8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = o0 + j < (u + 1) * unit ? ET::ld(col[(i64)(o0 + j) * kc1]) : 0.0f;
+            for (int j = 0; j < 8; ++j) v[j] = o0 + j < (u + 1) * unit ? kc_ld(col[(i64)(o0 + j) * kc1], kscale) : 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
                 if (o0 + j < (u + 1) * unit && filled(o0 + j)) {
@@ -139,8 +151,8 @@ __device__ __forceinline__ void unit_bounds(i64 b, int u0, Filled filled, const 
 // with duplicate slots), resets its scratch and, when Quest is on (unit > 0), recomputes the block's units
 // from the first written one on: channel-wise min/max over the filled slots of each unit.
 extern "C" __global__ void kvs_meta_units(const void* slots, i64 slot_stride, int is64, int tokens, i64 num_blocks, int bs, int* first,
-                                          const unsigned long long* fill, const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int d,
-                                          int unit, int upb, u16* qmin, u16* qmax) {
+                                          const unsigned long long* fill, const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int d,
+                                          int unit, int upb, u16* qmin, u16* qmax, float kscale) {
     __shared__ int won;
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
         i64 b;
@@ -150,7 +162,7 @@ extern "C" __global__ void kvs_meta_units(const void* slots, i64 slot_stride, in
         if (threadIdx.x == 0) won = ok && first[b] == bs - off && atomicCAS(&first[b], bs - off, 0) == bs - off;
         __syncthreads();
         if (!won || unit == 0) continue;
-        unit_bounds(b, off / unit, [&](int o) { return (fill[b * 4 + o / 64] >> (o % 64)) & 1ull; }, kc, kc0, kc1, kc2, hk, d, unit, upb, qmin, qmax);
+        unit_bounds(b, off / unit, [&](int o) { return (fill[b * 4 + o / 64] >> (o % 64)) & 1ull; }, kc, kc0, kc1, kc2, kscale, hk, d, unit, upb, qmin, qmax);
     }
 }
 
@@ -162,8 +174,8 @@ extern "C" __global__ void kvs_meta_units(const void* slots, i64 slot_stride, in
 // new mask; every token sets its SnapKV bits and quantizes its own row. Same results as the four
 // launches; `first` is not used (it stays 0). Block-wide.
 extern "C" __global__ void __launch_bounds__(1024) kvs_meta_step(const void* slots, i64 slot_stride, int is64, int tokens, i64 num_blocks, int bs,
-                                         unsigned long long* fill, const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int d, int unit, int upb,
-                                         u16* qmin, u16* qmax, unsigned char* codes, u16* qparams, unsigned long long* keep) {
+                                         unsigned long long* fill, const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int d, int unit, int upb,
+                                         u16* qmin, u16* qmax, unsigned char* codes, u16* qparams, unsigned long long* keep, float kscale) {
     __shared__ int f, owner;
     __shared__ unsigned long long written[4], mask[4];
     const int t = blockIdx.x;
@@ -193,7 +205,7 @@ extern "C" __global__ void __launch_bounds__(1024) kvs_meta_step(const void* slo
     if (keep != 0)
         for (int h = threadIdx.x; h < hk; h += blockDim.x) atomicOr(&keep[(b * hk + h) * 4 + off / 64], 1ull << (off % 64));
     if (codes != 0)
-        for (int h = threadIdx.x; h < hk; h += blockDim.x) quantize_row(kc, kc0, kc1, kc2, b, off, h, bs, hk, d, codes, qparams);
+        for (int h = threadIdx.x; h < hk; h += blockDim.x) quantize_row(kc, kc0, kc1, kc2, kscale, b, off, h, bs, hk, d, codes, qparams);
     __syncthreads();
     if (owner != t) return;  // uniform
     if (threadIdx.x < 4) {
@@ -203,5 +215,5 @@ extern "C" __global__ void __launch_bounds__(1024) kvs_meta_step(const void* slo
         fill[b * 4 + threadIdx.x] = mask[threadIdx.x];
     }
     __syncthreads();
-    if (unit > 0) unit_bounds(b, f / unit, [&](int o) { return (mask[o / 64] >> (o % 64)) & 1ull; }, kc, kc0, kc1, kc2, hk, d, unit, upb, qmin, qmax);
+    if (unit > 0) unit_bounds(b, f / unit, [&](int o) { return (mask[o / 64] >> (o % 64)) & 1ull; }, kc, kc0, kc1, kc2, kscale, hk, d, unit, upb, qmin, qmax);
 }

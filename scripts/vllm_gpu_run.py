@@ -12,7 +12,7 @@ compilation and CUDA-graph mode) and measures, per part (--parts):
             recomputes; every request's output vs the same request run alone afterwards on the same engine
             (a prefix-cache hit); then the plugin's engine counters and sequence-id lifecycle from every
             worker (`kvsparse.vllm_backend.worker_report`): preemptions seen, ids live, state released.
-  badconfig bad kvsparse configurations (unknown policy, head size 72, an fp8 KV cache with a policy, a policy the CUDA engine
+  badconfig bad kvsparse configurations (unknown policy, head size 72, an fp8 KV cache with a policy that has no FP8 path, a policy the CUDA engine
             refuses, a policy without the kvsparse backend): `LLM(...)` must raise kvsparse's message within
             seconds (before any worker starts).
   speed     decode tokens/s with CUDA graphs at batch x context points (--points), per engine, from the
@@ -61,7 +61,7 @@ ENGINES = {
     "streaming": ("CUSTOM", "streaming(sink=64, recent={L16})"),
     "quest_art": ("CUSTOM", "quest(budget={L16}, sink=16) > art(tau=1e-3, phi=1e-2, patience=2)"),
     "refresh": ("CUSTOM", "refresh(k={L16}, every=4)"),
-    # FP8 (E4M3) KV cache, vLLM's kv_cache_dtype="fp8" with its per-layer scales (dense only on CUDA).
+    # FP8 (E4M3) KV cache, vLLM's kv_cache_dtype="fp8" with its per-layer scales (dense, streaming and Quest on CUDA).
     "FLASH_ATTN_fp8": ("FLASH_ATTN", None),
     "dense_fp8": ("CUSTOM", ""),
     # float32 model (FLASH_ATTN has no f32): the preempt part's batch-vs-alone check without bf16 ties.
@@ -308,8 +308,8 @@ def part_badconfig(args, root):
         ("unknown policy", {}, dict(attention_backend="CUSTOM",
                                     additional_config={"kvsparse": {"policy": "nosuchpolicy(budget=1)"}})),
         ("head size 72", dict(head_dim=72), dict(attention_backend="CUSTOM")),
-        ("fp8 KV cache with a policy", {}, dict(attention_backend="CUSTOM", kv_cache_dtype="fp8",
-                                                 additional_config={"kvsparse": {"policy": "quest(budget=256)"}})),
+        ("fp8 KV cache with a policy that has no FP8 path", {}, dict(attention_backend="CUSTOM", kv_cache_dtype="fp8",
+                                                 additional_config={"kvsparse": {"policy": "snapkv(budget=256)"}})),
         ("policy the CUDA engine refuses", {}, dict(
             attention_backend="CUSTOM",
             additional_config={"kvsparse": {"policy": "snapkv(budget=256) > art(tau=1e-3, phi=1e-2, patience=2)"}})),

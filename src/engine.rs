@@ -43,14 +43,14 @@ impl Engine {
         if let Err(why) = policy.supported_on(cfg.device, cfg.group_size()) {
             bail!(Unsupported, "policy {:?}: {why}", cfg.policy);
         }
-        // The CUDA engine reads FP8 caches in its tensor-core kernel, for dense attention (docs/abi.md).
-        let cuda_fp8_ok = cfg.dtype != crate::tensor::DType::F32 && policy.pipeline().is_none();
-        ensure!(
-            !cfg.cache_dtype.is_fp8() || cfg.device == crate::tensor::Device::Cpu || cuda_fp8_ok,
-            Unsupported,
-            "an FP8 cache ({}) on the CUDA engine needs float16 or bfloat16 queries and dense attention (no policy) in this build",
-            cfg.cache_dtype.name()
-        );
+        // The CUDA engine reads FP8 caches in its tensor-core kernel, for dense attention and the policies
+        // whose device path has an FP8 read (docs/abi.md).
+        if cfg.cache_dtype.is_fp8() && cfg.device != crate::tensor::Device::Cpu {
+            ensure!(cfg.dtype != crate::tensor::DType::F32, Unsupported, "an FP8 cache ({}) on the CUDA engine needs float16 or bfloat16 queries", cfg.cache_dtype.name());
+            if let Err(why) = policy.cuda_fp8_cache() {
+                bail!(Unsupported, "policy {:?} over an FP8 cache ({}) on the CUDA engine: {why}", cfg.policy, cfg.cache_dtype.name());
+            }
+        }
         Ok(policy)
     }
 

@@ -169,12 +169,15 @@ impl DeviceMeta {
             }
         }
         let m = g.as_ref().expect("set above");
+        // An FP8 key cache is read as bytes (KV8) and scaled by k_scale, as the CPU reads it; the module's
+        // element type is then unused (f16).
         let dt = match cache.dtype {
             DType::F32 => 0,
-            DType::F16 => 1,
-            _ => 2,
+            DType::BF16 => 2,
+            _ => 1,
         };
-        let defines = vec![format!("KVS_DTYPE={dt}"), "--fmad=false".to_string()];
+        let defines = vec![format!("KVS_DTYPE={dt}"), format!("KV8={}", super::backend::kv8_code(cache.dtype)), "--fmad=false".to_string()];
+        let kscale = if cache.dtype.is_fp8() { cache.k_scale } else { 1.0 };
         let f = |name: &'static str| modules.function(gpu, "meta", launch::META, &defines, name);
         let (bs, hk, d) = (m.block_size as i32, m.kv_heads as i32, m.dim as i32);
         let slots = |k: &mut KArgs| {
@@ -193,6 +196,7 @@ impl DeviceMeta {
             k.i64(m.fill.ptr as i64).ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk).i32(d);
             k.i32(m.unit as i32).i32(m.units_per_block as i32).i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64);
             k.i64(m.codes.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qparams.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.keep.as_ref().map_or(0, |b| b.ptr) as i64);
+            k.f32(kscale);
             return launch::launch(f("kvs_meta_step")?, (n as u32, 1, 1), 1024, &mut k, stream, "kvs_meta_step launch");
         }
         if !bits_only {
@@ -209,6 +213,7 @@ impl DeviceMeta {
         slots(&mut k);
         k.i64(m.fill.ptr as i64).ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk).i32(d);
         k.i64(m.codes.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qparams.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.keep.as_ref().map_or(0, |b| b.ptr) as i64);
+        k.f32(kscale);
         let rows = n * m.kv_heads;
         launch::launch(f("kvs_meta_set")?, (rows.div_ceil(128).min(65536) as u32, 1, 1), 128, &mut k, stream, "kvs_meta_set launch")?;
         if bits_only {
@@ -218,6 +223,7 @@ impl DeviceMeta {
         slots(&mut k);
         k.i64(m.first.ptr as i64).i64(m.fill.ptr as i64).ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk).i32(d);
         k.i32(m.unit as i32).i32(m.units_per_block as i32).i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64);
+        k.f32(kscale);
         launch::launch(f("kvs_meta_units")?, (n.min(65536) as u32, 1, 1), 256, &mut k, stream, "kvs_meta_units launch")
     }
 }

@@ -243,9 +243,9 @@ mod compile_tests {
                         let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), format!("ART={art}")].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
-                    // FP8 caches (dense rows only): both formats under either query type.
-                    for kv8 in [1, 2] {
-                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), "PLAN=0".into(), "ART=0".into(), format!("KV8={kv8}")].to_vec();
+                    // FP8 caches (dense rows and plans): both formats under either query type.
+                    for (kv8, plan) in [(1, 0), (2, 0), (1, 1), (2, 1)] {
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), "ART=0".into(), format!("KV8={kv8}")].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
                     let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={}", super::super::plan::ART_WARPS), format!("NSTAGE={}", super::super::plan::ART_STAGES), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();
@@ -272,7 +272,11 @@ mod compile_tests {
                     }
                 }
             }
-            build("meta", META, &[format!("KVS_DTYPE={dt}"), "--fmad=false".into()]);
+            build("meta", META, &[format!("KVS_DTYPE={dt}"), "KV8=0".into(), "--fmad=false".into()]);
+        }
+        // Key metadata over FP8 key caches (both formats).
+        for kv8 in [1, 2] {
+            build("meta", META, &["KVS_DTYPE=1".into(), format!("KV8={kv8}"), "--fmad=false".into()]);
         }
         build("select", SELECT, &["KVS_DTYPE=2".into(), "HEAD_DIM=128".into(), "GROUP=16".into(), "--fmad=false".into()]);
         // The prefill kernel at the Llama-8B shape (and GQA 8, f16).

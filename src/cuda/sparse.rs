@@ -177,7 +177,7 @@ impl SparseState {
             ws,
             defines: &defines,
             ctr: self.layer_counters(a.layer) as i64,
-            row_bytes: (2 * d * cfg.dtype.size_bytes()) as i64,
+            row_bytes: (2 * d * cfg.cache_dtype.size_bytes()) as i64,
             meta: None,
             base: base_ref,
             fin: fin_ref,

@@ -47,6 +47,13 @@ pub(crate) trait SelectorKind {
         false
     }
 
+    /// Its CUDA path serves an FP8 cache: it reads keys only through the key metadata (which the cache
+    /// writes keep from the dequantized keys, as on the CPU) and attends through the plan kernel, which
+    /// reads FP8 rows. False where a kernel of its own reads cache rows as 16-bit elements.
+    fn cuda_fp8_cache(&self) -> bool {
+        false
+    }
+
     /// Whether the CUDA backend accepts the host-set policy input (`PolicyInput`) for this selector:
     /// Err(why) where the selector reads it on the CPU only.
     fn device_input(&self) -> Result<(), String> {

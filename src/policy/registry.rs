@@ -36,6 +36,10 @@ impl Spec {
 struct All;
 impl CpuStage for All {}
 impl SelectorKind for All {
+    fn cuda_fp8_cache(&self) -> bool {
+        true
+    }
+
     fn graph_capturable(&self) -> bool {
         true
     }

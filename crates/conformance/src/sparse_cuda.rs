@@ -60,6 +60,9 @@ impl SparseResult {
 /// the default stream, the outputs downloaded.
 pub(super) fn run_fixture_cuda_policy(f: &Fixture, policy: &str) -> Result<(Engine, Outputs)> {
     let gpu = Engine::new(cfg_for(f, policy, Device::Cuda(0)))?;
+    if f.cache_dtype().is_fp8() {
+        gpu.set_kv_scales(Some(0), f.k_scale, f.v_scale)?;
+    }
     gpu.record_visits(true);
     let mut outs = Outputs::new(f);
     let dc = DeviceCase::upload(f, &outs)?;

@@ -172,12 +172,14 @@ pub(crate) fn attend_f64(f: &Fixture, s: usize, t: usize, hq: usize, tokens: &[u
     let (qs, st) = (f.q_strides.map(|x| x as usize), f.cache_strides.map(|x| x as usize));
     let h = hq / g;
     let q: Vec<f64> = (0..d).map(|c| f.q.get(t * qs[0] + hq * qs[1] + c * qs[2])).collect();
-    let row = |pos: usize, off: usize| -> Vec<f64> {
+    // What the cache holds: an FP8 row's bytes decode unscaled, so its scale is applied here.
+    let (k_scale, v_scale) = if f.cache_dtype().is_fp8() { (f.k_scale as f64, f.v_scale as f64) } else { (1.0, 1.0) };
+    let row = |pos: usize, off: usize, scale: f64| -> Vec<f64> {
         let b = f.block_table[s * f.max_blocks + pos / bs] as usize;
-        (0..d).map(|c| f.cache.get(off + b * st[0] + (pos % bs) * st[1] + h * st[2] + c * st[3])).collect()
+        (0..d).map(|c| f.cache.get(off + b * st[0] + (pos % bs) * st[1] + h * st[2] + c * st[3]) * scale).collect()
     };
-    let ks: Vec<Vec<f64>> = tokens.iter().map(|&pos| row(pos, 0)).collect();
-    let vs: Vec<Vec<f64>> = tokens.iter().map(|&pos| row(pos, f.v_offset)).collect();
+    let ks: Vec<Vec<f64>> = tokens.iter().map(|&pos| row(pos, 0, k_scale)).collect();
+    let vs: Vec<Vec<f64>> = tokens.iter().map(|&pos| row(pos, f.v_offset, v_scale)).collect();
     attend_rows(&q, &ks, &vs, 1, d, f.scale as f64, sp.softcap as f64).0
 }
 

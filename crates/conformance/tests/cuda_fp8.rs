@@ -45,6 +45,58 @@ fn cuda_fp8_cases_match_the_reference_and_the_host_quantization() {
     assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
 }
 
+/// The policies the CUDA engine runs over FP8 caches (Quest, streaming, top-p over either), each on the
+/// CPU engine and on the device over the same FP8 bytes: the same key metadata bit for bit (Quest bounds
+/// and the INT4 copy from the dequantized keys), the same visits (Quest alone by the agreement contract
+/// of its tensor-core scores, crates/conformance/src/quest_agree.rs), counters, and outputs within the
+/// query dtype's tolerance. A kernel that read raw FP8 codes, or dropped a scale, would differ (the
+/// fixture's scales are ~0.01).
+fn cuda_fp8_policies_match_the_cpu_engine() {
+    use kvsparse_conformance::fixture::CaseSpec;
+    use kvsparse_conformance::sparse_cuda::run_sparse_case;
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let policies = [
+        "streaming(sink=4, recent=64)",
+        "quest(budget=128)",
+        "quest(budget=96, page=8, sink=16)",
+        "quest(budget=256, sink=4) > top_p(p=0.95)",
+        "all > top_p(p=0.9)",
+    ];
+    let mk = |name: &str, dtype, head_dim, hq, hk, bs, window, cache| {
+        let mut c = CaseSpec::new(name, dtype, head_dim, hq, hk, bs, vec![(1, 1), (1, 17), (1, 300), (7, 900), (1, 1500), (1, 4000)]);
+        c.window = window;
+        c.cache_dtype = Some(cache);
+        c
+    };
+    let mut specs = vec![mk("fp8-e4m3-h128-bf16-gqa4-bs16", DType::BF16, 128, 8, 2, 16, 0, DType::F8E4M3), mk("fp8-e5m2-h64-f16-gqa8-bs8-window", DType::F16, 64, 16, 2, 8, 700, DType::F8E5M2)];
+    if quick() {
+        specs.truncate(1);
+    }
+    let mut failures = Vec::new();
+    for (i, spec) in specs.iter().enumerate() {
+        for (j, pol) in policies.iter().enumerate() {
+            let r = run_sparse_case(spec, pol, seed.wrapping_add((i * 16 + j) as u64));
+            println!(
+                "fp8 {:<36} {:<44} rows {:>3} decisions {} meta {} rel {:.2e} lse {:.2e}{} {}",
+                r.name,
+                pol,
+                r.rows,
+                if r.decision_mismatch.is_none() { "agree" } else { "DIFF" },
+                if r.meta_equal { "same" } else { "DIFF" },
+                r.rel_err,
+                r.lse_err,
+                r.quest.map_or(String::new(), |(n, w)| format!(" quest pages apart {n} (worst {w:.2} of delta)")),
+                if r.pass { "ok" } else { "FAIL" }
+            );
+            if r.rows == 0 || !r.pass {
+                failures.push(format!("{} / {pol} (seed {}): rows {} {:?} {:?} meta_equal={} rel {:.3e} lse {:.3e} error {:?}", r.name, r.seed, r.rows, r.decision_mismatch, r.counters_mismatch, r.meta_equal, r.rel_err, r.lse_err, r.error));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
+}
+
 fn main() {
     use libtest_mimic::{Arguments, Trial};
     let args = Arguments::from_args();
@@ -52,10 +104,17 @@ fn main() {
     if skip {
         println!("no CUDA device: the GPU tests below are skipped, listed as ignored (KVS_REQUIRE_CUDA=1 makes a missing device a failure)");
     }
-    let tests = vec![Trial::test("cuda_fp8_cases_match_the_reference_and_the_host_quantization", || {
-        cuda_fp8_cases_match_the_reference_and_the_host_quantization();
-        Ok(())
-    })
-    .with_ignored_flag(skip)];
+    let tests = vec![
+        Trial::test("cuda_fp8_cases_match_the_reference_and_the_host_quantization", || {
+            cuda_fp8_cases_match_the_reference_and_the_host_quantization();
+            Ok(())
+        })
+        .with_ignored_flag(skip),
+        Trial::test("cuda_fp8_policies_match_the_cpu_engine", || {
+            cuda_fp8_policies_match_the_cpu_engine();
+            Ok(())
+        })
+        .with_ignored_flag(skip),
+    ];
     libtest_mimic::run(&args, tests).exit();
 }

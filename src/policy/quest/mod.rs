@@ -24,6 +24,10 @@ pub(crate) fn args(src: &str, raw: Vec<Arg>) -> Result<(usize, usize, usize)> {
 }
 
 impl super::kind::SelectorKind for cpu::Quest {
+    fn cuda_fp8_cache(&self) -> bool {
+        true
+    }
+
     fn graph_capturable(&self) -> bool {
         true
     }

@@ -16,6 +16,10 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
 }
 
 impl super::kind::SelectorKind for cpu::Streaming {
+    fn cuda_fp8_cache(&self) -> bool {
+        true
+    }
+
     fn graph_capturable(&self) -> bool {
         true
     }
