@@ -19,7 +19,9 @@ Points whose KV cache would exceed --max-kv-gib (default 40) or free memory are 
 --table-width T times the step as a serving engine's CUDA graph runs it: block tables T tokens wide
 (at least the context) and max_seq_len = 0, so the launch is planned for T keys per row, not the context.
 --cache-dtype fp8 (or fp8_e4m3, fp8_e5m2) times dense decode over an FP8 cache (bf16 queries; random
-finite FP8 bytes, fixed scales): GB/s counts the bytes the step reads, one per cache element.
+finite FP8 bytes, fixed scales): GB/s counts the bytes the step reads, one per cache element. With
+--policy, the policy and its dense baseline both read an FP8 cache (bf16 rows written through the cache
+write, which quantizes them and keeps the key metadata).
 
 With --policy (repeatable; `L/16` in a spec stands for the context length over 16 at each point), times
 one sparse decode step per policy and point instead (default grid: batch 1,8,32 x context 16K,32K,128K,
@@ -55,14 +57,28 @@ fn expand(spec: &str, ctx: usize) -> Result<String, String> {
     Ok(out)
 }
 
+/// `--cache-dtype`: the K/V caches' dtype (bf16 queries either way).
+fn cache_dtype(a: &Args) -> Result<kvsparse::DType, String> {
+    Ok(match a.str("cache-dtype").unwrap_or("bf16") {
+        "bf16" | "auto" => kvsparse::DType::BF16,
+        "fp8" | "fp8_e4m3" => kvsparse::DType::F8E4M3,
+        "fp8_e5m2" => kvsparse::DType::F8E5M2,
+        o => return Err(format!("--cache-dtype {o:?}: use bf16, fp8 (= fp8_e4m3) or fp8_e5m2")),
+    })
+}
+
 fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
     let batches: Vec<usize> = list(a, "batch", &[1, 8, 32])?;
     let ctxs: Vec<usize> = list(a, "ctx", &[16384, 32768, 131072])?;
     let heads: Vec<String> = list(a, "heads", &["32/8".to_string()])?;
     let max_kv = (a.get("max-kv-gib", 40.0f64)? * (1u64 << 30) as f64) as usize;
+    let cache = cache_dtype(a)?;
     let _gpu = kvsparse::cuda::context::Gpu::open(0).map_err(|e| e.to_string())?;
     let copy = copy_bandwidth().map_err(|e| e.to_string())?;
     println!("device-to-device copy: {:.0} GB/s (read + write, 1 GiB, median of 20)", copy);
+    if cache != kvsparse::DType::BF16 {
+        println!("cache {} (bf16 queries; the policy and its dense baseline both read it), one byte per K/V element", cache.name());
+    }
     let mut csv = match a.str("csv") {
         Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{p}: {e}"))?),
         None => None,
@@ -88,7 +104,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                         println!("{spec:<40} {b:>5} {c:>7} {hq:>3}/{hk:<2} skipped: {:.1} GiB of KV (limit {:.1}, free {:.1})", kv as f64 / (1u64 << 30) as f64, max_kv as f64 / (1u64 << 30) as f64, free as f64 / (1u64 << 30) as f64);
                         continue;
                     }
-                    let r = bench_sparse_point(&p, &spec, 50 << 20, max_kv, 4321 + b as u64 * 7 + c as u64).map_err(|e| format!("{spec} at {p:?}: {e}"))?;
+                    let r = bench_sparse_point(&p, &spec, 50 << 20, max_kv, 4321 + b as u64 * 7 + c as u64, cache).map_err(|e| format!("{spec} at {p:?}: {e}"))?;
                     let floor_us = r.bound_bytes / (copy * 1e9) * 1e6; // the bounds' bytes at the copy's bytes/s
                     let sel_floor = if floor_us > 0.0 { format!("{:.2}", r.select_us / floor_us) } else { "-".into() };
                     let step_x = (r.write_dense_us + r.dense_us) / (r.write_us + r.forward_us);
@@ -165,12 +181,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     let heads: Vec<String> = list(&a, "heads", &["32/8".to_string(), "64/8".to_string()])?;
     let max_kv = (a.get("max-kv-gib", 40.0f64)? * (1u64 << 30) as f64) as usize;
     let table_width: usize = a.get("table-width", 0usize)?;
-    let cache = match a.str("cache-dtype").unwrap_or("bf16") {
-        "bf16" | "auto" => kvsparse::DType::BF16,
-        "fp8" | "fp8_e4m3" => kvsparse::DType::F8E4M3,
-        "fp8_e5m2" => kvsparse::DType::F8E5M2,
-        o => return Err(format!("--cache-dtype {o:?}: use bf16, fp8 (= fp8_e4m3) or fp8_e5m2")),
-    };
+    let cache = cache_dtype(&a)?;
     let mut grid: Vec<Point> = Vec::new();
     for h in &heads {
         let (hq, hk) = h.split_once('/').ok_or_else(|| format!("--heads wants Q/KV pairs like 32/8, got {h:?}"))?;

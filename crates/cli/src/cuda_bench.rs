@@ -355,7 +355,13 @@ fn plant_heavy_hitters(kc: &DevBuf, qh: &[f32], table: &[i32], p: &Point, rotati
 /// by one `cache_write` of every slot onto itself; the step's write rewrites each sequence's last row.
 /// Inputs rotate among copies so that the bytes a sparse step touches (bounds + selected rows) cover at
 /// least 4x the L2 cache (`max_kv_bytes` bounds the copies' memory).
-pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes: usize, seed: u64) -> Result<SparseRow> {
+/// The FP8 scales of the benches' caches (the random bf16 rows lie in ±4 for K, ±2 for V: no saturation).
+const FP8_K_SCALE: f32 = 1.0 / 64.0;
+const FP8_V_SCALE: f32 = 1.0 / 128.0;
+
+/// `cache`: the K/V caches' dtype, bf16 or FP8 (the rows are made in bf16 and written through the engine's
+/// cache write, which quantizes them and keeps the key metadata from what it stored).
+pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes: usize, seed: u64, cache: DType) -> Result<SparseRow> {
     let d = HEAD_DIM;
     let bps = p.ctx.div_ceil(BLOCK);
     let kv = kv_bytes(p);
@@ -378,7 +384,12 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         // per sequence of the rotation unless the spec names max_seqs.
         let opts = if stateful && !pol.contains("max_seqs") { format!("dense_layers=0, max_seqs={}", n_ids.max(1)) } else { "dense_layers=0".to_string() };
         cfg.policy = if pol.is_empty() { String::new() } else if pol.contains(';') { format!("{pol}, {opts}") } else { format!("{pol}; {opts}") };
-        Engine::new(cfg)
+        cfg.cache_dtype = cache;
+        let e = Engine::new(cfg)?;
+        if cache.is_fp8() {
+            e.set_kv_scales(None, FP8_K_SCALE, FP8_V_SCALE)?;
+        }
+        Ok(e)
     };
     let engine = mk(policy)?;
     let dense = mk("")?;
@@ -419,7 +430,14 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         unsafe { TensorRef::from_raw(ptr, dt, dev, shape, None) }
     };
     let cshape = [nb as i64, BLOCK as i64, p.hk as i64, d as i64];
-    // Metadata for every slot: write the cache onto itself, in chunks of 1M rows.
+    // The caches the steps read: the bf16 rows themselves, or an FP8 copy the writes below fill.
+    let fp8_caches = if cache.is_fp8() { Some((DevBuf::alloc(cache_elems)?, DevBuf::alloc(cache_elems)?)) } else { None };
+    let (kcache, vcache) = match &fp8_caches {
+        Some((k8, v8)) => (v(k8.as_ptr(), cache, &cshape)?, v(v8.as_ptr(), cache, &cshape)?),
+        None => (v(kc.as_ptr(), DType::BF16, &cshape)?, v(vc.as_ptr(), DType::BF16, &cshape)?),
+    };
+    // Metadata for every slot (and the FP8 copy): write the rows into the cache (onto themselves for bf16),
+    // in chunks of 1M rows.
     let all_slots: Vec<i64> = (0..(nb * BLOCK) as i64).collect();
     let slots_dev = DevBuf::from_host(bytes(&all_slots))?;
     let chunk = 1usize << 20;
@@ -432,8 +450,8 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             layer: 0,
             key: view_rows(&kc)?,
             value: view_rows(&vc)?,
-            key_cache: v(kc.as_ptr(), DType::BF16, &cshape)?,
-            value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
+            key_cache: kcache.clone(),
+            value_cache: vcache.clone(),
             slot_mapping: v(unsafe { slots_dev.as_ptr().add(at * 8) }, DType::I64, &[n as i64])?,
             stream: s,
         };
@@ -459,8 +477,8 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         layer: 0,
         key: v(nk.as_ptr(), DType::BF16, &[p.batch as i64, p.hk as i64, d as i64])?,
         value: v(nv.as_ptr(), DType::BF16, &[p.batch as i64, p.hk as i64, d as i64])?,
-        key_cache: v(kc.as_ptr(), DType::BF16, &cshape)?,
-        value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
+        key_cache: kcache.clone(),
+        value_cache: vcache.clone(),
         slot_mapping: v(step_slots.as_ptr(), DType::I64, &[p.batch as i64])?,
         stream: s,
     };
@@ -470,8 +488,8 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         args.push(ForwardArgs {
             layer: 0,
             query: v(unsafe { q.as_ptr().add(qoff) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
-            key_cache: v(kc.as_ptr(), DType::BF16, &cshape)?,
-            value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
+            key_cache: kcache.clone(),
+            value_cache: vcache.clone(),
             block_table: v(unsafe { bt.as_ptr().add(r * p.batch * bps * 4) }, DType::I32, &[p.batch as i64, bps as i64])?,
             seq_lens: v(seq_lens.as_ptr(), DType::I32, &[p.batch as i64])?,
             query_start_loc: v(qsl.as_ptr(), DType::I32, &[p.batch as i64 + 1])?,
