@@ -30,13 +30,19 @@
 // NaN; a visible non-finite logit makes its row NaN. Faults go to `kerr` (common.cuh). The sequences'
 // checks and counters (kvs_check_seqs) are the decode kernel's launch's, which runs first in each call.
 //
+// FP8 caches (KV8, fp8.cuh): a tile's FP8 rows are copied by cp.async into the upper half of each padded
+// row and, once the stage is in, widened in place to the query's type (exact: every E4M3/E5M2 value is an
+// f16 and a bf16), so the MMAs and the softmax are the 16-bit path's; k_scale multiplies the logit scale and
+// v_scale the output, in f32.
+//
 // Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM (multiple of 16), GQ (query heads
-// per CTA, a power of two dividing GROUP, at most 16), GROUP, NWARPS, MW, BN (multiple of 16), NSTAGE.
+// per CTA, a power of two dividing GROUP, at most 16), GROUP, NWARPS, MW, BN (multiple of 16), NSTAGE, KV8.
 // Dynamic shared memory: PF_SMEM_BYTES below (src/cuda/prefill.rs computes the same formula).
 
 #include "common.cuh"
 #include "combine.cuh"
 #include "mma.cuh"
+#include "fp8.cuh"
 
 #define NTHREADS (NWARPS * 32)
 #define BM (NWARPS * MW * 16)          // query rows per CTA
@@ -46,6 +52,8 @@
 #define KSTEPS (HEAD_DIM / 16)
 #define NT (HEAD_DIM / 8)
 #define NS (BN / 8)                    // n-tiles of S per row block
+#define LCPR (HEAD_DIM * (int)sizeof(kv_t) / 16)  // 16-byte chunks per cached row (copied by cp.async)
+#define LDST (KV8 ? HEAD_DIM : 0)                   // where a cached row lands in its padded row, bytes
 #define Q_BYTES (BM * ROWB)
 #define KV_STAGE_BYTES (2 * BN * ROWB)
 #define PF_SMEM_BYTES (Q_BYTES + NSTAGE * KV_STAGE_BYTES)
@@ -61,8 +69,8 @@
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
-                 const elem_t* __restrict__ kc, i64 k0, i64 k1, i64 k2,
-                 const elem_t* __restrict__ vc, i64 v0, i64 v1, i64 v2,
+                 const kv_t* __restrict__ kc, i64 k0, i64 k1, i64 k2,
+                 const kv_t* __restrict__ vc, i64 v0, i64 v1, i64 v2,
                  i64 num_blocks, int bs_log2,
                  const int* __restrict__ bt, i64 bt0, i64 bt1, int bt_cols,
                  const int* __restrict__ seq_lens, i64 sl0,
@@ -71,7 +79,11 @@ kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                  elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2,
                  float* __restrict__ lse, i64 l0, i64 l1,
                  float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads,
-                 unsigned long long* kerr) {
+                 unsigned long long* kerr
+#if KV8
+                 , float k_scale, float v_scale
+#endif
+                 ) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int tk_seq[TQ], tk_lo[TQ], tk_hi[TQ], tk_st[TQ];
     __shared__ int sm_col;
@@ -148,10 +160,15 @@ kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     }
     __syncthreads();
 
+#if KV8
+    scale *= k_scale;  // logits of the dequantized keys: scale * q . (k * k_scale)
+#else
+    const float v_scale = 1.f;
+#endif
     const float sl2 = scale * KVS_LOG2E;
     const int bmask = (1 << bs_log2) - 1;
-    const elem_t* kh = kc + kvh * k2;
-    const elem_t* vh = vc + kvh * v2;
+    const kv_t* kh = kc + kvh * k2;
+    const kv_t* vh = vc + kvh * v2;
     // ldmatrix lane offsets: Q (A operand, rows lane & 15, column half lane >> 4), K (B of S = Q K^T) and
     // V (transposed, B of O = P V), as in attention_mma.cu.
     const unsigned qoff = (lane & 15) * ROWB + (lane >> 4) * 16;
@@ -228,10 +245,10 @@ kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                 const int pb = tb0 + k * BN;
                 const unsigned kdst = skv + st * KV_STAGE_BYTES, vdst = kdst + BN * ROWB;
 #pragma unroll
-                for (int j = 0; j < (BN * CPR + NTHREADS - 1) / NTHREADS; ++j) {
+                for (int j = 0; j < (BN * LCPR + NTHREADS - 1) / NTHREADS; ++j) {
                     const int c = j * NTHREADS + tid;
-                    if ((BN * CPR) % NTHREADS == 0 || c < BN * CPR) {
-                        const int kr = c / CPR, cc = c % CPR, p = pb + kr;
+                    if ((BN * LCPR) % NTHREADS == 0 || c < BN * LCPR) {
+                        const int kr = c / LCPR, cc = c % LCPR, p = pb + kr;
                         bool ok = p >= s_lo && p <= s_hi;
                         int blk = 0;
                         if (ok) {
@@ -241,10 +258,10 @@ kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                             ok = good;
                         }
                         const i64 off = p & bmask;
-                        const elem_t* ks = ok ? kh + (i64)blk * k0 + off * k1 + cc * 8 : kc;
-                        const elem_t* vs = ok ? vh + (i64)blk * v0 + off * v1 + cc * 8 : vc;
-                        cp_async16(kdst + kr * ROWB + cc * 16, ks, ok ? 16 : 0);
-                        cp_async16(vdst + kr * ROWB + cc * 16, vs, ok ? 16 : 0);
+                        const kv_t* ks = ok ? kh + (i64)blk * k0 + off * k1 + cc * (16 / (int)sizeof(kv_t)) : kc;
+                        const kv_t* vs = ok ? vh + (i64)blk * v0 + off * v1 + cc * (16 / (int)sizeof(kv_t)) : vc;
+                        cp_async16(kdst + kr * ROWB + LDST + cc * 16, ks, ok ? 16 : 0);
+                        cp_async16(vdst + kr * ROWB + LDST + cc * 16, vs, ok ? 16 : 0);
                     }
                 }
             }
@@ -258,6 +275,34 @@ kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             cp_wait<NSTAGE - 2>();
             __syncthreads();  // stage k is in; every warp is done with stage k - 1, which the next load refills
             load(k + NSTAGE - 1, (k + NSTAGE - 1) % NSTAGE);
+#if KV8
+            // Stage k's FP8 rows (K then V: 2 BN padded rows) widened in place: every chunk is read into
+            // registers before any widened chunk is written over the bytes.
+            {
+                unsigned char* st_rows = smem + Q_BYTES + (k % NSTAGE) * KV_STAGE_BYTES;
+                constexpr int NCH = 2 * BN * LCPR, PER = (NCH + NTHREADS - 1) / NTHREADS;
+                uint4 raw[PER];
+#pragma unroll
+                for (int j = 0; j < PER; ++j) {
+                    const int c = j * NTHREADS + tid;
+                    if (c < NCH) raw[j] = *reinterpret_cast<const uint4*>(st_rows + (c / LCPR) * ROWB + LDST + (c % LCPR) * 16);
+                }
+                __syncthreads();
+#pragma unroll
+                for (int j = 0; j < PER; ++j) {
+                    const int c = j * NTHREADS + tid;
+                    if (c < NCH) {
+                        const unsigned w[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
+                        uint4* dst = reinterpret_cast<uint4*>(st_rows + (c / LCPR) * ROWB + (c % LCPR) * 32);
+                        dst[0] = make_uint4(kv8x2_to_elem2((unsigned short)(w[0] & 0xffffu)), kv8x2_to_elem2((unsigned short)(w[0] >> 16)),
+                                            kv8x2_to_elem2((unsigned short)(w[1] & 0xffffu)), kv8x2_to_elem2((unsigned short)(w[1] >> 16)));
+                        dst[1] = make_uint4(kv8x2_to_elem2((unsigned short)(w[2] & 0xffffu)), kv8x2_to_elem2((unsigned short)(w[2] >> 16)),
+                                            kv8x2_to_elem2((unsigned short)(w[3] & 0xffffu)), kv8x2_to_elem2((unsigned short)(w[3] >> 16)));
+                    }
+                }
+                __syncthreads();
+            }
+#endif
             const int pb = tb0 + k * BN;
             if (pb > wmax_hi || pb + BN - 1 < wmin_lo) continue;  // no row of this warp sees this tile
             const unsigned kb = skv + (k % NSTAGE) * KV_STAGE_BYTES, vb = kb + BN * ROWB;
@@ -404,7 +449,7 @@ kvs_attn_prefill(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                 const int m = wrow0 + mb * 16 + r + hf * 8;
                 const int t = t0 + m / GQ, h = h0 + m % GQ;
                 const bool any = L > 0.f;
-                const float inv = any ? 1.f / L : 0.f;
+                const float inv = any ? v_scale / L : 0.f;  // (v_scale 1 unless KV8)
                 const float M = mrow[mb][hf];
                 const float lse_nat = b ? nanv : (any ? (M + log2f(L)) * KVS_LN2 : -INFINITY);
                 if (nsplit == 1) {

@@ -273,9 +273,9 @@ impl CudaBackend {
         // Rows of query length != 1 go to the prefill kernel where it applies (src/cuda/prefill.rs): a
         // policy layer's dense rest entirely; in a call that may hold prefill rows, the decode kernel then
         // serves the decode rows only (mode 1 without a plan). A decode-only call is unchanged.
-        // An FP8 cache is read by the tensor-core kernel only (prefill rows too).
+        // An FP8 cache: decode rows on the tensor-core decode kernel, prefill rows on the prefill kernel (which
+        // widens its tiles in shared memory), as for 16-bit caches.
         let prefill = match rows {
-            _ if fp8 => None,
             Rows::All if a.max_query_len != 1 => self.prefill_kernel(cfg, aligned),
             Rows::DenseRest => self.prefill_kernel(cfg, aligned),
             _ => None,

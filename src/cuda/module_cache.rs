@@ -269,6 +269,12 @@ mod compile_tests {
                         let mut defs = ps.defines_for(dt as i32, d, g);
                         defs.push("KVS_CHECKS=7".into());
                         build("attention_prefill", ATTENTION_PREFILL, &defs);
+                        // FP8 caches (tiles widened in shared memory), both formats.
+                        for kv8 in [1, 2] {
+                            let mut defs = ps.defines_for(dt as i32, d, g);
+                            defs.push(format!("KV8={kv8}"));
+                            build("attention_prefill", ATTENTION_PREFILL, &defs);
+                        }
                     }
                 }
             }

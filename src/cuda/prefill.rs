@@ -112,6 +112,10 @@ impl CudaBackend {
     pub(crate) fn attend_prefill(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, ps: &PrefillShape) -> Result<()> {
         let mut defines = ps.defines_for(super::batch::dtype_code(cfg.dtype), cfg.head_dim, cfg.group_size());
         defines.push(self.checks_define.clone());
+        let fp8 = cache.dtype.is_fp8();
+        if fp8 {
+            defines.push(format!("KV8={}", super::backend::kv8_code(cache.dtype)));
+        }
         let f = self.modules.function(&self.gpu, "attention_prefill", launch::ATTENTION_PREFILL, &defines, "kvs_attn_prefill")?;
         let smem = ps.smem_bytes(cfg.head_dim);
         let threads = 32 * ps.warps as u32;
@@ -138,6 +142,9 @@ impl CudaBackend {
         k.ptr(lse_ptr).i64(l0).i64(l1);
         k.i64(ws_o as i64).i64(ws_lse as i64).i32(cfg.num_q_heads as i32);
         k.i64(self.checks.record_ptr() as i64);
+        if fp8 {
+            k.f32(cache.k_scale).f32(cache.v_scale);
+        }
         launch::launch_smem(f, (tiles as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_prefill launch")?;
         if nsplit > 1 {
             self.combine_splits(cfg, a, geo, &defines, (ws_o, ws_lse), nsplit, 2, ("attention_prefill", launch::ATTENTION_PREFILL))?;
