@@ -35,7 +35,7 @@ page and sink on the same inputs, with the step's timeline on both streams print
 
 With --prefill, times causal prefill attention (one layer's call, head 128, bf16, block 16) at --points
 BxQ[+P] (B sequences of Q new tokens after a cached prefix of P; default 1x4096,1x32768,8x4096,
-1x2048+30720) on the prefill kernel and on the decode kernel that served prefill rows before it
+1x2048+30720; --cache-dtype fp8 for an FP8 cache) on the prefill kernel and on the decode kernel that served prefill rows before it
 (KVS_CUDA_PREFILL=decode; median of --old-reps calls, default 3, 0 = not timed), in TFLOP/s of the causal FLOPs.";
 
 /// Replaces every `L/<n>` in a spec by `ctx / n`.
@@ -244,7 +244,11 @@ fn run_prefill(a: &Args) -> Result<(), String> {
     let points: Vec<String> = list(a, "points", &["1x4096".to_string(), "1x32768".into(), "8x4096".into(), "1x2048+30720".into()])?;
     let heads: Vec<String> = list(a, "heads", &["32/8".to_string()])?;
     let old_reps: usize = a.get("old-reps", 3)?;
+    let cache = cache_dtype(a)?;
     let _gpu = kvsparse::cuda::context::Gpu::open(0).map_err(|e| e.to_string())?;
+    if cache != kvsparse::DType::BF16 {
+        println!("cache {} (bf16 queries; random finite FP8 bytes, fixed scales)", cache.name());
+    }
     let mut csv = match a.str("csv") {
         Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{p}: {e}"))?),
         None => None,
@@ -259,7 +263,7 @@ fn run_prefill(a: &Args) -> Result<(), String> {
         for (i, s) in points.iter().enumerate() {
             let p = PrefillPoint::parse(s)?;
             let fl = p.flops(hq);
-            let r = bench_prefill_point(&p, hq, hk, old_reps, 0x5eed + i as u64).map_err(|e| format!("{s}: {e}"))?;
+            let r = bench_prefill_point(&p, hq, hk, old_reps, 0x5eed + i as u64, cache).map_err(|e| format!("{s}: {e}"))?;
             let (tn, to) = (fl / (r.new_ms * 1e-3) / 1e12, fl / (r.old_ms * 1e-3) / 1e12);
             println!("{s:<14} {hq:>3}/{hk:<2} {:>8.2} {:>11.3} {tn:>9.1} {:>12.3} {to:>9.1} {:>7.1}x {:>10.2e}", fl / 1e12, r.new_ms, r.old_ms, r.old_ms / r.new_ms, r.diff);
             if let Some(f) = csv.as_mut() {

@@ -142,7 +142,7 @@ pub fn copy_bandwidth() -> Result<f64> {
 }
 
 /// Random FP8 bytes (no NaN pattern of either format) for `n` cache elements: the FP8 bench's cache.
-fn random_fp8(n: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn random_fp8(n: usize, seed: u64) -> Vec<u8> {
     let mut x = seed | 1;
     (0..n)
         .map(|_| {

@@ -65,7 +65,8 @@ fn download_bf16(buf: &DevBuf, n: usize) -> kvsparse::error::Result<Vec<f32>> {
     Ok(raw.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)).collect())
 }
 
-pub fn bench_prefill_point(p: &PrefillPoint, hq: usize, hk: usize, old_reps: usize, seed: u64) -> kvsparse::error::Result<PrefillRow> {
+/// `cache`: bf16, or an FP8 format (random finite bytes, fixed scales) under bf16 queries.
+pub fn bench_prefill_point(p: &PrefillPoint, hq: usize, hk: usize, old_reps: usize, seed: u64, cache: DType) -> kvsparse::error::Result<PrefillRow> {
     let d = HEAD_DIM;
     let len = p.prefix + p.query;
     let bps = len.div_ceil(BLOCK);
@@ -73,13 +74,20 @@ pub fn bench_prefill_point(p: &PrefillPoint, hq: usize, hk: usize, old_reps: usi
     let mut cfg = EngineConfig::new(1, hq, hk, d, BLOCK, DType::BF16);
     cfg.device = Device::Cuda(0);
     cfg.num_threads = 1;
+    cfg.cache_dtype = cache;
     let engine = Engine::new(cfg)?;
     let backend = engine.backend().as_any().downcast_ref::<kvsparse::cuda::CudaBackend>().expect("CUDA engine");
     let s: CUstream = std::ptr::null_mut();
     let cache_elems = nb * BLOCK * hk * d;
-    let (kc, vc) = (DevBuf::alloc(cache_elems * 2)?, DevBuf::alloc(cache_elems * 2)?);
-    backend.fill_random(kc.ptr, cache_elems, DType::BF16, seed as u32, 4.0, s)?;
-    backend.fill_random(vc.ptr, cache_elems, DType::BF16, seed as u32 ^ 0x5555, 2.0, s)?;
+    let (kc, vc) = if cache.is_fp8() {
+        engine.set_kv_scales(None, 1.0 / 32.0, 1.0 / 64.0)?;
+        (DevBuf::from_host(&crate::cuda_bench::random_fp8(cache_elems, seed))?, DevBuf::from_host(&crate::cuda_bench::random_fp8(cache_elems, seed ^ 0x5555))?)
+    } else {
+        let (kc, vc) = (DevBuf::alloc(cache_elems * 2)?, DevBuf::alloc(cache_elems * 2)?);
+        backend.fill_random(kc.ptr, cache_elems, DType::BF16, seed as u32, 4.0, s)?;
+        backend.fill_random(vc.ptr, cache_elems, DType::BF16, seed as u32 ^ 0x5555, 2.0, s)?;
+        (kc, vc)
+    };
     let tokens = p.batch * p.query;
     let q = DevBuf::alloc(tokens * hq * d * 2)?;
     backend.fill_random(q.ptr, tokens * hq * d, DType::BF16, seed as u32 ^ 0xaaaa, 2.0, s)?;
@@ -99,8 +107,8 @@ pub fn bench_prefill_point(p: &PrefillPoint, hq: usize, hk: usize, old_reps: usi
     let args = ForwardArgs {
         layer: 0,
         query: v(q.as_ptr(), DType::BF16, &qshape)?,
-        key_cache: v(kc.as_ptr(), DType::BF16, &cshape)?,
-        value_cache: v(vc.as_ptr(), DType::BF16, &cshape)?,
+        key_cache: v(kc.as_ptr(), cache, &cshape)?,
+        value_cache: v(vc.as_ptr(), cache, &cshape)?,
         block_table: v(bt.as_ptr(), DType::I32, &[p.batch as i64, bps as i64])?,
         seq_lens: v(seq_lens.as_ptr(), DType::I32, &[p.batch as i64])?,
         query_start_loc: v(qsl.as_ptr(), DType::I32, &[p.batch as i64 + 1])?,
