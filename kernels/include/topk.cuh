@@ -63,6 +63,32 @@ __device__ __forceinline__ unsigned long long radix_kth(int lo, int hi, int m, i
     return sel_prefix;
 }
 
+// Among the keys equal to `thr` at lo <= i < hi, the index of the left-th one counted from the top (the
+// `left` later ones are i >= the result); lo when fewer than `left` are equal. One scan from the top, which
+// stops once `left` are found. Block-wide; wsum[blockDim/32] and sel[3] are shared scratch.
+template <typename KeyOf>
+__device__ __forceinline__ int tie_cut(int lo, int hi, int left, unsigned thr, KeyOf key_of, int* wsum, unsigned* sel) {
+    const int lane = threadIdx.x & 31;
+    __syncthreads();  // every thread has read sel
+    int acc = 0;
+    if (threadIdx.x == 0) sel[3] = (unsigned)lo;
+    for (int c0 = hi; c0 > lo; c0 -= blockDim.x) {
+        const int i = c0 - 1 - (int)threadIdx.x;
+        const bool t = i >= lo && key_of(i) == thr;
+        const unsigned bal = __ballot_sync(0xffffffffu, t);
+        int total;
+        // The warps before this one: lane 0 carries the warp's count, so lane 0's exclusive prefix is
+        // theirs (the other lanes' prefix would include their own warp's count).
+        const int before = __shfl_sync(0xffffffffu, block_excl_scan(lane == 0 ? __popc(bal) : 0, wsum, total), 0);
+        const int rank = acc + before + __popc(bal & ((2u << lane) - 1u));
+        if (t && rank == left) sel[3] = (unsigned)i;
+        acc += total;
+        if (acc >= left) break;  // uniform
+    }
+    __syncthreads();
+    return (int)sel[3];
+}
+
 // The m largest of the 32-bit keys key_of(i), lo <= i < hi (1 <= m <= hi - lo), ties on the key going to
 // the larger i: i is among them iff key_of(i) > thr, or key_of(i) == thr and i >= cut. The same set as
 // radix_kth over the unique keys (key << ibits | i), found with fewer passes: the radix starts below the
@@ -133,27 +159,7 @@ __device__ __forceinline__ TopCut topk32(int lo, int hi, int m, KeyOf key_of, un
         top = shift;
     }
     TopCut r{prefix, lo};
-    if (!done) {
-        __syncthreads();  // every thread has read sel
-        // Keys equal to `prefix` (all 32 bits): `left` of them, the later ones. Scan from the top.
-        int acc = 0;
-        if (threadIdx.x == 0) sel[3] = (unsigned)lo;
-        for (int c0 = hi; c0 > lo; c0 -= blockDim.x) {
-            const int i = c0 - 1 - (int)threadIdx.x;
-            const bool t = i >= lo && key_of(i) == prefix;
-            const unsigned bal = __ballot_sync(0xffffffffu, t);
-            int total;
-            // The warps before this one: lane 0 carries the warp's count, so lane 0's exclusive prefix is
-            // theirs (the other lanes' prefix would include their own warp's count).
-            const int before = __shfl_sync(0xffffffffu, block_excl_scan(lane == 0 ? __popc(bal) : 0, wsum, total), 0);
-            const int rank = acc + before + __popc(bal & ((2u << lane) - 1u));
-            if (t && rank == left) sel[3] = (unsigned)i;
-            acc += total;
-            if (acc >= left) break;  // uniform
-        }
-        __syncthreads();
-        r.cut = (int)sel[3];
-    }
+    if (!done) r.cut = tie_cut(lo, hi, left, prefix, key_of, wsum, sel);
     __syncthreads();  // sel / hist are free again
     return r;
 }

@@ -9,6 +9,7 @@
 #include "batch.cuh"
 #include "block_reduce.cuh"
 #include "topk.cuh"
+#include "cluster.cuh"
 #include "quest.cuh"
 #include "quest_mma.cuh"
 
@@ -46,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores(Batch 
 // the next call. Counts are exact integers and the cut reads the scores themselves, so the set is the
 // CPU's quest_pages whatever order the atomics land in; a histogram that does not match the keys (the
 // workspace's first use, or bytes another call left there) takes the whole-row path: same set.
+// `hist` null: no histogram (kvs_quest_topk_cluster below reads none).
 #define QSEL_BITS 11
 #define QSEL_BINS (1 << QSEL_BITS)
 #define QSEL_GATHER 2048
@@ -86,7 +88,7 @@ __device__ __forceinline__ void quest_scores_hist(Batch b, const elem_t* q, i64 
     if (threadIdx.x < QS_PAGES) tbin[threadIdx.x] = QSEL_BINS;  // none
     auto put = [&](int i, float best) {
         sc[i] = best;
-        if (qr.m > 0 && i >= qr.forced && i < qr.last) tbin[i - blockIdx.x * QS_PAGES] = kvs_order_key(best) >> (32 - QSEL_BITS);
+        if (hist != nullptr && qr.m > 0 && i >= qr.forced && i < qr.last) tbin[i - blockIdx.x * QS_PAGES] = kvs_order_key(best) >> (32 - QSEL_BITS);
     };
     unsigned long long units;
 #if QM_FITS
@@ -121,6 +123,34 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist_m
                                                                                    int page, int budget, int sink, float* scores, int maxp,
                                                                                    unsigned* hist, i64 row_bytes, unsigned long long* ctr) {
     quest_scores_hist<true>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr);
+}
+
+// The order keys of the scores sc[a0..a1) into skey[0..a1 - a0), eight loads in flight per thread: a
+// row's keys staged in a few L2 round trips, not one per key. Block-wide (the caller syncs after).
+__device__ __forceinline__ void stage_keys(const float* sc, int a0, int a1, unsigned* skey) {
+    for (int i0 = a0; i0 < a1; i0 += 8 * blockDim.x) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = i0 + j * blockDim.x + threadIdx.x;
+            v[j] = i < a1 ? sc[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = i0 + j * blockDim.x + threadIdx.x;
+            if (i < a1) skey[i - a0] = kvs_order_key(v[j]);
+        }
+    }
+}
+
+// Whether page i of the row (0 <= i < np) is in Quest's set, given the cut of the candidates: the forced
+// pages, the decode token's page, and the candidates the cut keeps.
+template <typename KeyOf>
+__device__ __forceinline__ bool quest_keeps(const QuestRow& qr, const TopCut& tc, int i, KeyOf key_of) {
+    if (i < qr.forced || i == qr.last) return true;
+    if (qr.m == 0) return false;
+    const unsigned kk = key_of(i);
+    return kk > tc.thr || (kk == tc.thr && i >= tc.cut);
 }
 
 // The row's cut (threshold key, first kept page among keys equal to it) of the m largest candidates,
@@ -202,31 +232,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
         __syncthreads();
     } else {
         const bool staged = qr.np <= smem_keys;
-        // Eight loads in flight per thread: a row's keys staged in a few L2 round trips, not one per key.
-        if (staged)
-            for (int i0 = 0; i0 < qr.np; i0 += 8 * blockDim.x) {
-                float v[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int i = i0 + j * blockDim.x + threadIdx.x;
-                    v[j] = i < qr.np ? sc[i] : 0.0f;
-                }
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int i = i0 + j * blockDim.x + threadIdx.x;
-                    if (i < qr.np) skey[i] = kvs_order_key(v[j]);
-                }
-            }
+        if (staged) stage_keys(sc, 0, qr.np, skey);
         __syncthreads();
         auto key_of = [&](int i) { return staged ? skey[i] : kvs_order_key(sc[i]); };
         TopCut tc{0u, qr.last};
         if (qr.m > 0) tc = quest_hist_cut(rh, qr, key_of, gkey, gidx, thist, cnt, sel, red);
-        auto keep = [&](int i) {
-            if (i < qr.forced || i == qr.last) return true;
-            if (qr.m == 0) return false;
-            const unsigned kk = key_of(i);
-            return kk > tc.thr || (kk == tc.thr && i >= tc.cut);
-        };
+        auto keep = [&](int i) { return quest_keeps(qr, tc, i, key_of); };
         n = compact(qr.np, keep, [&](int i) { return (unsigned)(qr.fp + i); }, e, cap, cnt);
     }
     for (int i = threadIdx.x; i < QSEL_BINS; i += blockDim.x) rh[i] = 0u;  // read above (compact synced)
@@ -239,4 +250,201 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
     int ulog2 = 0;
     while ((1 << ulog2) < page) ++ulog2;
     account(e, n, ulog2, r.lo, r.hi, b.bs_log2, 1, row_bytes, ctr, red);
+}
+
+// Quest, step 2 on Hopper (sm_90; the launcher's choice there): kvs_quest_topk's set from a thread-block
+// cluster of QC_CTAS CTAs per (KV head, sequence) instead of one CTA, so a long row's passes run over
+// QC_CTAS SMs. CTA `rank` holds the row's pages rank * per <= i < (rank + 1) * per (per = ceil(np /
+// QC_CTAS)), their keys in its shared memory when they fit; the cut of the candidates is topk32's radix
+// with each pass's counts summed over the cluster through distributed shared memory (quest_cluster_cut);
+// each CTA then writes its kept pages, in increasing page order, after those of the CTAs before it (an
+// exclusive prefix of the CTAs' counts). Same set as kvs_quest_topk (exact at ties), no key histogram
+// from the scoring kernel. Grid (hk * QC_CTAS, seqs), QC_THREADS threads.
+#define QC_CTAS 8      // src/policy/quest/cuda.rs QC_CTAS
+#define QC_THREADS 256 // src/policy/quest/cuda.rs QC_THREADS; at least 256 (one thread per bin of a pass)
+#if KVS_CLUSTERS
+#define QC_CLUSTER_DIMS __cluster_dims__(QC_CTAS, 1, 1)
+
+// The cut of the m largest candidate keys of the row (forced = lo <= i < hi = last), which the cluster's
+// CTAs hold in parts of `per` pages (this CTA: c0 <= i < c1), as topk32 finds it: a radix from below the
+// bits every key shares (the cluster's minimum and maximum), 8 bits per pass, that stops once the bin it
+// descends into holds exactly the keys still needed; each pass counts its part into xh (two alternating
+// 256-bin histograms, so a pass never overwrites counts a CTA may still read from the pass before) and
+// sums the QC_CTAS parts through distributed shared memory, one cluster barrier per pass. A tie on the
+// whole key is cut by each CTA over its own part: the later CTAs' equal keys go first, then this CTA's
+// from its top. The cut is exact for this CTA's pages: c0 <= i < c1 is kept iff key > thr, or key == thr
+// and i >= cut. Block-wide, every CTA of the cluster; xw[0..2) are read by the other CTAs.
+template <typename KeyOf>
+__device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int per, int m, unsigned rank, KeyOf key_of, unsigned* xh, unsigned* xw,
+                                                    unsigned* sel, unsigned* wmm, int* cnt) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int c0 = max(min((int)rank * per, np), lo), c1 = min(min((int)rank * per + per, np), hi);
+    unsigned mn = 0xffffffffu, mx = 0u;
+    for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
+        const unsigned k = key_of(i);
+        mn = min(mn, k);
+        mx = max(mx, k);
+    }
+    mn = __reduce_min_sync(0xffffffffu, mn);
+    mx = __reduce_max_sync(0xffffffffu, mx);
+    if (lane == 0) {
+        wmm[warp] = mn;
+        wmm[32 + warp] = mx;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < nw; ++w) {
+            mn = min(mn, wmm[w]);
+            mx = max(mx, wmm[32 + w]);
+        }
+        xw[0] = mn;
+        xw[1] = mx;
+    }
+    cluster_sync();
+    if (warp == 0) {
+        const bool peer = lane < QC_CTAS;
+        unsigned a = peer ? ld_cluster(&xw[0], lane) : 0xffffffffu, z = peer ? ld_cluster(&xw[1], lane) : 0u;
+        a = __reduce_min_sync(0xffffffffu, a);
+        z = __reduce_max_sync(0xffffffffu, z);
+        // Every candidate of CTA `lane`: its count of keys equal to the maximum when all keys are equal.
+        if (peer) sel[4 + lane] = (unsigned)max(min(min(lane * per + per, np), hi) - max(min(lane * per, np), lo), 0);
+        if (lane == 0) {
+            const int top = a == z ? 0 : 32 - __clz(a ^ z);
+            sel[0] = top == 32 ? 0u : (z & (0xffffffffu << top));
+            sel[1] = (unsigned)m;
+            sel[2] = 0u;
+            sel[3] = (unsigned)top;
+        }
+    }
+    __syncthreads();
+    unsigned prefix = sel[0];
+    int left = (int)sel[1], top = (int)sel[3];
+    bool done = false;
+    for (int buf = 0; top > 0 && !done; buf ^= 1) {
+        const int bits = min(8, top), shift = top - bits, nb = 1 << bits;
+        const unsigned himask = top >= 32 ? 0u : (0xffffffffu << top);
+        unsigned* part = xh + buf * 256;
+        for (int i = threadIdx.x; i < nb; i += blockDim.x) part[i] = 0u;
+        __syncthreads();
+        for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
+            const unsigned k = key_of(i);
+            if ((k & himask) == (prefix & himask)) atomicAdd(&part[(k >> shift) & (unsigned)(nb - 1)], 1u);
+        }
+        cluster_sync();
+        // Bins from the top (thread t holds bin nb - 1 - t), summed over the CTAs and scanned: the bin
+        // where the count crosses `left`, with each CTA's count in it.
+        unsigned v[QC_CTAS];
+        int c = 0;
+#pragma unroll
+        for (int q = 0; q < QC_CTAS; ++q) {
+            v[q] = (int)threadIdx.x < nb ? ld_cluster(&part[nb - 1 - threadIdx.x], q) : 0u;
+            c += (int)v[q];
+        }
+        int total;
+        const int excl = block_excl_scan(c, cnt, total);
+        if (c > 0 && excl < left && excl + c >= left) {
+            sel[0] = prefix | ((unsigned)(nb - 1 - threadIdx.x) << shift);
+            sel[1] = (unsigned)(left - excl);
+            sel[2] = (c == left - excl) ? 1u : 0u;
+#pragma unroll
+            for (int q = 0; q < QC_CTAS; ++q) sel[4 + q] = v[q];
+        }
+        __syncthreads();
+        prefix = sel[0];
+        left = (int)sel[1];
+        done = sel[2] != 0u;
+        top = shift;
+    }
+    TopCut r{prefix, c0};  // done: every key of the bin is kept
+    if (!done) {
+        // sel[4 + q]: CTA q's keys equal to `prefix`, of which the `left` latest are kept.
+        int after = 0;
+        for (int q = (int)rank + 1; q < QC_CTAS; ++q) after += (int)sel[4 + q];
+        const int mine = (int)sel[4 + rank];
+        if (after >= left)
+            r.cut = c1;
+        else if (after + mine > left)
+            r.cut = tie_cut(c0, c1, left - after, prefix, key_of, cnt, sel);
+    }
+    __syncthreads();  // sel is free again
+    return r;
+}
+#else
+#define QC_CLUSTER_DIMS
+#endif
+
+extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(QC_THREADS)
+    kvs_quest_topk_cluster(Batch b, int hk, int budget, int page, int sink, const float* scores, int maxp, unsigned* plan, i64 p_s, i64 p_h,
+                           int* plan_len, int cap, i64 row_bytes, int count, int smem_keys, unsigned long long* ctr) {
+#if KVS_CLUSTERS
+    extern __shared__ unsigned skey[];
+    __shared__ unsigned xh[2 * 256];  // this CTA's counts of a radix pass, read by the cluster
+    __shared__ unsigned xw[4];        // this CTA's words read by the cluster: key minimum, maximum; kept pages
+    __shared__ unsigned sel[4 + QC_CTAS];
+    __shared__ unsigned wmm[64];
+    __shared__ int cnt[QC_THREADS / 32 + 1];
+    __shared__ unsigned long long red[32];
+    static_assert(QC_THREADS >= 256 && QC_CTAS <= 32, "a pass needs a thread per bin; the peers are one warp's lanes");
+    const unsigned rank = cluster_rank();
+    const int h = blockIdx.x / QC_CTAS, s = blockIdx.y;
+    const SeqRow r = seq_row(b, s);
+    unsigned* e = plan + s * p_s + h * p_h;
+    if (!r.decode || r.hi < r.lo) {  // the whole cluster (one row) leaves here
+        if (rank == 0 && threadIdx.x == 0) plan_len[s * hk + h] = r.decode ? 0 : -1;
+        return;
+    }
+    const QuestRow qr = quest_row(r, budget, page, sink, maxp);
+    const int per = (qr.np + QC_CTAS - 1) / QC_CTAS;
+    const int a0 = min((int)rank * per, qr.np), a1 = min(a0 + per, qr.np);
+    const bool all = qr.np <= qr.k;
+    int n, j0, j1;  // the plan's length; this CTA's entries j0 <= j < j1
+    if (all) {
+        n = min(qr.np, cap);
+        j0 = min(a0, n);
+        j1 = min(a1, n);
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) e[j] = qr.fp + j;
+    } else {
+        const float* sc = scores + ((i64)s * hk + h) * maxp;
+        const bool staged = a1 - a0 <= smem_keys;
+        if (staged) stage_keys(sc, a0, a1, skey);
+        __syncthreads();
+        auto key_of = [&](int i) { return staged ? skey[i - a0] : kvs_order_key(sc[i]); };
+        TopCut tc{0u, qr.last};
+        if (qr.m > 0) tc = quest_cluster_cut(qr.forced, qr.last, qr.np, per, qr.m, rank, key_of, xh, xw, sel, wmm, cnt);
+        auto keep = [&](int i) { return quest_keeps(qr, tc, i, key_of); };
+        unsigned long long mine = 0;
+        for (int i = a0 + threadIdx.x; i < a1; i += blockDim.x) mine += keep(i);
+        mine = block_sum(mine, red);
+        if (threadIdx.x == 0) xw[2] = (unsigned)mine;
+        cluster_sync();
+        if (threadIdx.x < 32) {
+            const unsigned v = threadIdx.x < QC_CTAS ? ld_cluster(&xw[2], threadIdx.x) : 0u;
+            const unsigned before = __reduce_add_sync(0xffffffffu, threadIdx.x < rank ? v : 0u), sum = __reduce_add_sync(0xffffffffu, v);
+            if (threadIdx.x == 0) {
+                sel[0] = before;
+                sel[1] = sum;
+            }
+        }
+        __syncthreads();
+        const int off = (int)sel[0];
+        n = min((int)sel[1], cap);
+        j0 = min(off, n);
+        j1 = min(off + (int)mine, n);
+        compact(a1 - a0, [&](int i) { return keep(a0 + i); }, [&](int i) { return (unsigned)(qr.fp + a0 + i); }, e + j0, j1 - j0, cnt);
+        // No CTA leaves while another may read its shared memory; after this the whole plan is written.
+        cluster_sync();
+    }
+    if (rank == 0 && threadIdx.x == 0) plan_len[s * hk + h] = n;
+    if (!count) return;  // a later stage (top-p) makes the final plan and counts it
+    if (rank == 0 && threadIdx.x == 0) {
+        atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
+        atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((r.hi >> b.bs_log2) - (r.lo >> b.bs_log2) + 1));
+    }
+    int ulog2 = 0;
+    while ((1 << ulog2) < page) ++ulog2;
+    // The entry before this CTA's first is another CTA's: read through L2 after the cluster barrier.
+    account_entries([&](int j) { return all ? (i64)(qr.fp + j) : (i64)__ldcg(e + j); }, j0, j1, ulog2, r.lo, r.hi, b.bs_log2, 1, row_bytes, ctr, red);
+#else
+    __trap();  // launched only on sm_90 and newer
+#endif
 }
