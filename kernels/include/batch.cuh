@@ -18,17 +18,20 @@ __device__ __forceinline__ i64 phys_block(const Batch& b, int s, int lb) {
     return (id >= 0 && id < b.num_blocks) ? id : -1;
 }
 
-// Counts the blocks and tokens a plan (entries increasing) visits inside lo..=hi, as the CPU counts its
-// candidate units, and adds them (times `heads`) to the counters. Block-wide.
-__device__ __forceinline__ void account(const unsigned* e, int n, int ulog2, int lo, int hi, int bs_log2, int heads, i64 row_bytes,
-                                        unsigned long long* ctr, unsigned long long* red) {
+// Counts the blocks and tokens that the plan entries j0 <= j < j1 visit inside lo..=hi (entry(j): the
+// plan's j-th unit, increasing in j; entry(j0 - 1) is read for the block the previous entry shares), as the
+// CPU counts its candidate units, and adds them (times `heads`) to the counters. Block-wide; CTAs that
+// each count a part of one plan add up to the whole plan's counts.
+template <typename Entry>
+__device__ __forceinline__ void account_entries(Entry entry, int j0, int j1, int ulog2, int lo, int hi, int bs_log2, int heads, i64 row_bytes,
+                                                unsigned long long* ctr, unsigned long long* red) {
     unsigned long long blocks = 0, tokens = 0;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        const i64 a = max((i64)e[j] << ulog2, (i64)lo), z = min((((i64)e[j] + 1) << ulog2) - 1, (i64)hi);
+    for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+        const i64 ej = entry(j), a = max(ej << ulog2, (i64)lo), z = min(((ej + 1) << ulog2) - 1, (i64)hi);
         if (a > z) continue;
         i64 nb = (z >> bs_log2) - (a >> bs_log2) + 1;
         if (j > 0) {
-            const i64 pa = max((i64)e[j - 1] << ulog2, (i64)lo), pz = min((((i64)e[j - 1] + 1) << ulog2) - 1, (i64)hi);
+            const i64 ep = entry(j - 1), pa = max(ep << ulog2, (i64)lo), pz = min(((ep + 1) << ulog2) - 1, (i64)hi);
             if (pa <= pz && (pz >> bs_log2) == (a >> bs_log2)) nb -= 1;
         }
         blocks += nb;
@@ -36,10 +39,16 @@ __device__ __forceinline__ void account(const unsigned* e, int n, int ulog2, int
     }
     blocks = block_sum(blocks, red);
     tokens = block_sum(tokens, red);
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && (blocks | tokens) != 0) {
         atomicAdd(&ctr[CTR_BLOCKS_VISITED], blocks * heads);
         atomicAdd(&ctr[CTR_KV_BYTES], tokens * (unsigned long long)row_bytes * heads);
     }
+}
+
+// account_entries over a whole plan e[0..n).
+__device__ __forceinline__ void account(const unsigned* e, int n, int ulog2, int lo, int hi, int bs_log2, int heads, i64 row_bytes,
+                                        unsigned long long* ctr, unsigned long long* red) {
+    account_entries([&](int j) { return (i64)e[j]; }, 0, n, ulog2, lo, hi, bs_log2, heads, row_bytes, ctr, red);
 }
 
 // Per call: decode rows, prefill tokens and the dense rows' KV bytes, as the CPU counts them. Block-wide

@@ -9,6 +9,7 @@
 #include "batch.cuh"
 #include "block_reduce.cuh"
 #include "topk.cuh"
+#include "cluster.cuh"
 #include "quest.cuh"
 #include "quest_mma.cuh"
 
@@ -46,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores(Batch 
 // the next call. Counts are exact integers and the cut reads the scores themselves, so the set is the
 // CPU's quest_pages whatever order the atomics land in; a histogram that does not match the keys (the
 // workspace's first use, or bytes another call left there) takes the whole-row path: same set.
+// `hist` null: no histogram (kvs_quest_topk_cluster below reads none).
 #define QSEL_BITS 11
 #define QSEL_BINS (1 << QSEL_BITS)
 #define QSEL_GATHER 2048
@@ -86,7 +88,7 @@ __device__ __forceinline__ void quest_scores_hist(Batch b, const elem_t* q, i64 
     if (threadIdx.x < QS_PAGES) tbin[threadIdx.x] = QSEL_BINS;  // none
     auto put = [&](int i, float best) {
         sc[i] = best;
-        if (qr.m > 0 && i >= qr.forced && i < qr.last) tbin[i - blockIdx.x * QS_PAGES] = kvs_order_key(best) >> (32 - QSEL_BITS);
+        if (hist != nullptr && qr.m > 0 && i >= qr.forced && i < qr.last) tbin[i - blockIdx.x * QS_PAGES] = kvs_order_key(best) >> (32 - QSEL_BITS);
     };
     unsigned long long units;
 #if QM_FITS
@@ -121,6 +123,34 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist_m
                                                                                    int page, int budget, int sink, float* scores, int maxp,
                                                                                    unsigned* hist, i64 row_bytes, unsigned long long* ctr) {
     quest_scores_hist<true>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr);
+}
+
+// The order keys of the scores sc[a0..a1) into skey[0..a1 - a0), eight loads in flight per thread: a
+// row's keys staged in a few L2 round trips, not one per key. Block-wide (the caller syncs after).
+__device__ __forceinline__ void stage_keys(const float* sc, int a0, int a1, unsigned* skey) {
+    for (int i0 = a0; i0 < a1; i0 += 8 * blockDim.x) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = i0 + j * blockDim.x + threadIdx.x;
+            v[j] = i < a1 ? sc[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = i0 + j * blockDim.x + threadIdx.x;
+            if (i < a1) skey[i - a0] = kvs_order_key(v[j]);
+        }
+    }
+}
+
+// Whether page i of the row (0 <= i < np) is in Quest's set, given the cut of the candidates: the forced
+// pages, the decode token's page, and the candidates the cut keeps.
+template <typename KeyOf>
+__device__ __forceinline__ bool quest_keeps(const QuestRow& qr, const TopCut& tc, int i, KeyOf key_of) {
+    if (i < qr.forced || i == qr.last) return true;
+    if (qr.m == 0) return false;
+    const unsigned kk = key_of(i);
+    return kk > tc.thr || (kk == tc.thr && i >= tc.cut);
 }
 
 // The row's cut (threshold key, first kept page among keys equal to it) of the m largest candidates,
@@ -202,31 +232,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
         __syncthreads();
     } else {
         const bool staged = qr.np <= smem_keys;
-        // Eight loads in flight per thread: a row's keys staged in a few L2 round trips, not one per key.
-        if (staged)
-            for (int i0 = 0; i0 < qr.np; i0 += 8 * blockDim.x) {
-                float v[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int i = i0 + j * blockDim.x + threadIdx.x;
-                    v[j] = i < qr.np ? sc[i] : 0.0f;
-                }
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int i = i0 + j * blockDim.x + threadIdx.x;
-                    if (i < qr.np) skey[i] = kvs_order_key(v[j]);
-                }
-            }
+        if (staged) stage_keys(sc, 0, qr.np, skey);
         __syncthreads();
         auto key_of = [&](int i) { return staged ? skey[i] : kvs_order_key(sc[i]); };
         TopCut tc{0u, qr.last};
         if (qr.m > 0) tc = quest_hist_cut(rh, qr, key_of, gkey, gidx, thist, cnt, sel, red);
-        auto keep = [&](int i) {
-            if (i < qr.forced || i == qr.last) return true;
-            if (qr.m == 0) return false;
-            const unsigned kk = key_of(i);
-            return kk > tc.thr || (kk == tc.thr && i >= tc.cut);
-        };
+        auto keep = [&](int i) { return quest_keeps(qr, tc, i, key_of); };
         n = compact(qr.np, keep, [&](int i) { return (unsigned)(qr.fp + i); }, e, cap, cnt);
     }
     for (int i = threadIdx.x; i < QSEL_BINS; i += blockDim.x) rh[i] = 0u;  // read above (compact synced)
@@ -239,4 +250,219 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
     int ulog2 = 0;
     while ((1 << ulog2) < page) ++ulog2;
     account(e, n, ulog2, r.lo, r.hi, b.bs_log2, 1, row_bytes, ctr, red);
+}
+
+// Quest, step 2 on Hopper (sm_90; the launcher's choice there): kvs_quest_topk's set from a thread-block
+// cluster of QC_CTAS CTAs per (KV head, sequence) instead of one CTA, so a long row's passes run over
+// QC_CTAS SMs. CTA `rank` holds the row's pages rank * per <= i < (rank + 1) * per (per = ceil(np /
+// QC_CTAS)), their keys in its shared memory when they fit; the cut of the candidates is topk32's radix
+// with each pass's counts summed over the cluster through distributed shared memory (quest_cluster_cut);
+// each CTA then writes its kept pages, in increasing page order, after those of the CTAs before it (an
+// exclusive prefix of the CTAs' counts). Same set as kvs_quest_topk (exact at ties), no key histogram
+// from the scoring kernel. Grid (hk * QC_CTAS, seqs), QC_THREADS threads.
+#define QC_CTAS 8      // src/policy/quest/cuda.rs QC_CTAS
+#define QC_THREADS 256 // src/policy/quest/cuda.rs QC_THREADS; at least 256 (one thread per bin of a pass)
+#if KVS_CLUSTERS
+#define QC_CLUSTER_DIMS __cluster_dims__(QC_CTAS, 1, 1)
+#define QC_PASSES 4  // 8-bit radix passes over at most 32 bits
+
+// Exclusive prefix sums, in thread order, of QC_CTAS counts per thread (each CTA's count in the thread's
+// bin); `ws` is shared scratch of [blockDim / 32][QC_CTAS]. Block-wide.
+__device__ __forceinline__ void cluster_counts_excl_scan(const unsigned (&v)[QC_CTAS], unsigned (&excl)[QC_CTAS], unsigned* ws) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned x[QC_CTAS];
+#pragma unroll
+    for (int q = 0; q < QC_CTAS; ++q) {
+        x[q] = v[q];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned y = __shfl_up_sync(0xffffffffu, x[q], o);
+            if (lane >= o) x[q] += y;
+        }
+    }
+    __syncthreads();  // a previous call may still read ws
+    if (lane == 31)
+#pragma unroll
+        for (int q = 0; q < QC_CTAS; ++q) ws[warp * QC_CTAS + q] = x[q];
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < QC_CTAS; ++q) {
+        unsigned before = 0;
+        for (int w = 0; w < warp; ++w) before += ws[w * QC_CTAS + q];
+        excl[q] = before + x[q] - v[q];
+    }
+}
+
+// The cut of the m largest candidate keys of the row (forced = lo <= i < hi = last), which the cluster's
+// CTAs hold in parts of `per` pages (this CTA: c0 <= i < c1), as topk32 finds it: a radix from below the
+// bits every key shares (the cluster's minimum and maximum), 8 bits per pass, that stops once the bin it
+// descends into holds exactly the keys still needed. Each pass counts this CTA's keys into its own
+// 256-bin histogram in xh (one per pass, zeroed up front, so no pass overwrites counts another CTA may
+// still read), with the counts of equal bins of a warp added once; the QC_CTAS parts are read through
+// distributed shared memory, one cluster barrier per pass, and scanned per CTA, so every CTA knows every
+// CTA's count above the bin (kept[q]) and in it. A tie on the whole key is cut by each CTA over its own
+// part: the later CTAs' equal keys go first, then this CTA's from its top. The cut is exact for this
+// CTA's pages: c0 <= i < c1 is kept iff key > thr, or key == thr and i >= cut; kept[q] gets the count of
+// CTA q's kept candidates (for the plan's offsets). Block-wide, every CTA of the cluster; xh and xw are
+// read by the other CTAs until they pass their next cluster barrier.
+template <typename KeyOf>
+__device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int per, int m, unsigned rank, KeyOf key_of, unsigned* xh, unsigned* xw,
+                                                    unsigned* sel, unsigned* kept, unsigned* ws) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c0 = max(min((int)rank * per, np), lo), c1 = min(min((int)rank * per + per, np), hi);
+    for (int i = threadIdx.x; i < QC_PASSES * 256; i += blockDim.x) xh[i] = 0u;
+    unsigned mn, mx;
+    block_key_range(c0, c1, key_of, ws, mn, mx);
+    if (threadIdx.x == 0) {
+        xw[0] = mn;
+        xw[1] = mx;
+    }
+    cluster_sync();
+    if (warp == 0) {
+        const bool peer = lane < QC_CTAS;
+        unsigned a = peer ? ld_cluster(&xw[0], lane) : 0xffffffffu, z = peer ? ld_cluster(&xw[1], lane) : 0u;
+        a = __reduce_min_sync(0xffffffffu, a);
+        z = __reduce_max_sync(0xffffffffu, z);
+        // CTA `lane`'s candidates: all of them equal the maximum when every key does.
+        if (peer) {
+            sel[4 + lane] = (unsigned)max(min(min(lane * per + per, np), hi) - max(min(lane * per, np), lo), 0);
+            kept[lane] = 0u;
+        }
+        if (lane == 0) radix_start(a, z, m, sel);
+    }
+    __syncthreads();
+    unsigned prefix = sel[0];
+    int left = (int)sel[1], top = (int)sel[3];
+    bool done = false;
+    for (int pass = 0; top > 0 && !done; ++pass) {
+        const int bits = min(8, top), shift = top - bits, nb = 1 << bits;
+        const unsigned himask = top >= 32 ? 0u : (0xffffffffu << top);
+        unsigned* part = xh + pass * 256;
+        for (int i0 = c0; i0 < c1; i0 += blockDim.x) {  // uniform trip count: a warp adds its equal bins once
+            const int i = i0 + threadIdx.x;
+            unsigned bin = 256u;
+            if (i < c1) {
+                const unsigned k = key_of(i);
+                if ((k & himask) == (prefix & himask)) bin = (k >> shift) & (unsigned)(nb - 1);
+            }
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&part[bin], (unsigned)__popc(peers));
+        }
+        cluster_sync();
+        // Bins from the top (thread t holds bin nb - 1 - t): each CTA's count, scanned; the bin where the
+        // cluster's count crosses `left`.
+        unsigned v[QC_CTAS], ex[QC_CTAS];
+#pragma unroll
+        for (int q = 0; q < QC_CTAS; ++q) v[q] = (int)threadIdx.x < nb ? ld_cluster(&part[nb - 1 - threadIdx.x], q) : 0u;
+        cluster_counts_excl_scan(v, ex, ws);
+        int c = 0, excl = 0;
+#pragma unroll
+        for (int q = 0; q < QC_CTAS; ++q) {
+            c += (int)v[q];
+            excl += (int)ex[q];
+        }
+        if (radix_cross(c, excl, (unsigned)(nb - 1 - threadIdx.x), shift, prefix, left, sel))
+#pragma unroll
+            for (int q = 0; q < QC_CTAS; ++q) {
+                sel[4 + q] = v[q];
+                kept[q] += ex[q];
+            }
+        __syncthreads();
+        radix_descend(sel, prefix, left, done);
+        top = shift;
+    }
+    // The bin's keys (all equal when not done): CTA q keeps the `left` latest, the later CTAs' first.
+    TopCut r{prefix, c0};
+    int after = 0;
+    for (int q = QC_CTAS - 1; q > (int)rank; --q) after += (int)sel[4 + q];
+    const int mine = (int)sel[4 + rank];
+    if (!done && after >= left)
+        r.cut = c1;
+    else if (!done && after + mine > left)
+        r.cut = tie_cut(c0, c1, left - after, prefix, key_of, (int*)ws, sel);
+    if (threadIdx.x < QC_CTAS) {
+        int later = 0;
+        for (int q = QC_CTAS - 1; q > (int)threadIdx.x; --q) later += (int)sel[4 + q];
+        kept[threadIdx.x] += (unsigned)min(max(left - later, 0), (int)sel[4 + threadIdx.x]);
+    }
+    __syncthreads();  // sel is free again, kept complete
+    return r;
+}
+#else
+#define QC_CLUSTER_DIMS
+#endif
+
+extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(QC_THREADS)
+    kvs_quest_topk_cluster(Batch b, int hk, int budget, int page, int sink, const float* scores, int maxp, unsigned* plan, i64 p_s, i64 p_h,
+                           int* plan_len, int cap, i64 row_bytes, int count, int smem_keys, unsigned long long* ctr) {
+#if KVS_CLUSTERS
+    extern __shared__ unsigned skey[];
+    __shared__ unsigned xh[QC_PASSES * 256];  // this CTA's counts of each radix pass, read by the cluster
+    __shared__ unsigned xw[2];                // this CTA's key minimum and maximum, read by the cluster
+    __shared__ unsigned sel[4 + QC_CTAS], kept[QC_CTAS];
+    __shared__ unsigned ws[64 > (QC_THREADS / 32) * QC_CTAS ? 64 : (QC_THREADS / 32) * QC_CTAS];
+    __shared__ int cnt[QC_THREADS / 32 + 1];
+    __shared__ unsigned long long red[32];
+    static_assert(QC_THREADS >= 256 && QC_CTAS <= 32, "a pass needs a thread per bin; the peers are one warp's lanes");
+    const unsigned rank = cluster_rank();
+    const int h = blockIdx.x / QC_CTAS, s = blockIdx.y;
+    const SeqRow r = seq_row(b, s);
+    unsigned* e = plan + s * p_s + h * p_h;
+    if (!r.decode || r.hi < r.lo) {  // the whole cluster (one row) leaves here
+        if (rank == 0 && threadIdx.x == 0) plan_len[s * hk + h] = r.decode ? 0 : -1;
+        return;
+    }
+    const QuestRow qr = quest_row(r, budget, page, sink, maxp);
+    const int per = (qr.np + QC_CTAS - 1) / QC_CTAS;
+    const int a0 = min((int)rank * per, qr.np), a1 = min(a0 + per, qr.np);
+    const bool all = qr.np <= qr.k;
+    int n, j0, j1;  // the plan's length; this CTA's entries j0 <= j < j1
+    if (all) {
+        n = min(qr.np, cap);
+        j0 = min(a0, n);
+        j1 = min(a1, n);
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) e[j] = qr.fp + j;
+    } else {
+        const float* sc = scores + ((i64)s * hk + h) * maxp;
+        const bool staged = a1 - a0 <= smem_keys;
+        if (staged) stage_keys(sc, a0, a1, skey);
+        __syncthreads();
+        auto key_of = [&](int i) { return staged ? skey[i - a0] : kvs_order_key(sc[i]); };
+        TopCut tc{0u, qr.last};
+        if (qr.m > 0)
+            tc = quest_cluster_cut(qr.forced, qr.last, qr.np, per, qr.m, rank, key_of, xh, xw, sel, kept, ws);
+        else if (threadIdx.x < QC_CTAS)
+            kept[threadIdx.x] = 0u;
+        __syncthreads();
+        // Each CTA's kept pages (its kept candidates, forced pages and the decode token's page) before this
+        // one's: where this CTA's part of the plan starts.
+        int off = 0, sum = 0, mine = 0;
+        for (int q = 0; q < QC_CTAS; ++q) {
+            const int q0 = min(q * per, qr.np), q1 = min(q0 + per, qr.np);
+            const int c = (int)kept[q] + max(min(q1, qr.forced) - q0, 0) + (q0 <= qr.last && qr.last < q1);
+            off += q < (int)rank ? c : 0;
+            mine = q == (int)rank ? c : mine;
+            sum += c;
+        }
+        n = min(sum, cap);
+        j0 = min(off, n);
+        j1 = min(off + mine, n);
+        auto keep = [&](int i) { return quest_keeps(qr, tc, i, key_of); };
+        compact(a1 - a0, [&](int i) { return keep(a0 + i); }, [&](int i) { return (unsigned)(qr.fp + a0 + i); }, e + j0, j1 - j0, cnt);
+        // No CTA leaves while another may read its shared memory; after this the whole plan is written.
+        cluster_sync();
+    }
+    if (rank == 0 && threadIdx.x == 0) plan_len[s * hk + h] = n;
+    if (!count) return;  // a later stage (top-p) makes the final plan and counts it
+    if (rank == 0 && threadIdx.x == 0) {
+        atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
+        atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((r.hi >> b.bs_log2) - (r.lo >> b.bs_log2) + 1));
+    }
+    int ulog2 = 0;
+    while ((1 << ulog2) < page) ++ulog2;
+    // The entry before this CTA's first is another CTA's: read through L2 after the cluster barrier.
+    account_entries([&](int j) { return all ? (i64)(qr.fp + j) : (i64)__ldcg(e + j); }, j0, j1, ulog2, r.lo, r.hi, b.bs_log2, 1, row_bytes, ctr, red);
+#else
+    __trap();  // launched only on sm_90 and newer
+#endif
 }

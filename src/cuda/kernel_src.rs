@@ -31,6 +31,7 @@ kernel_files! {
     "block_reduce.cuh" => "include/block_reduce.cuh",
     "batch.cuh" => "include/batch.cuh",
     "topk.cuh" => "include/topk.cuh",
+    "cluster.cuh" => "include/cluster.cuh",
     "quest.cuh" => "include/quest.cuh",
     "quest_mma.cuh" => "include/quest_mma.cuh",
     "snap_score.cuh" => "include/snap_score.cuh",

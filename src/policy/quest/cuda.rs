@@ -1,10 +1,13 @@
-//! Quest on the CUDA backend (kernels/policy/quest.cu): the page scores with the first pass of the top-k
-//! folded in (per-row key histograms merged over the row's CTAs), then the top-k per row, which checks the
-//! histogram against the keys and zeroes it for the next call. The page scores stay in the workspace for
-//! ART's priority order. The scores come from tensor cores (kvs_quest_scores_hist_mma: agreement with the
-//! CPU engine's within docs/policies.md's margin) when Quest runs alone; with a later stage (top-p reads
-//! Quest's set, ART its scores), or where a page spans several metadata units, from kvs_quest_scores_hist
-//! in the CPU's arithmetic bit for bit (those stages' tests compare with the CPU engine exactly).
+//! Quest on the CUDA backend (kernels/policy/quest.cu): the page scores, then the top-k per row. On sm_90
+//! and newer the top-k of a row runs on a thread-block cluster (kvs_quest_topk_cluster: the row's keys
+//! split over QC_CTAS CTAs, each radix pass's counts summed through distributed shared memory); before
+//! that, on one CTA per row (kvs_quest_topk), with the scoring kernel folding in the first pass (per-row
+//! key histograms merged over the row's CTAs, checked against the keys and zeroed by the top-k). The page
+//! scores stay in the workspace for ART's priority order. The scores come from tensor cores
+//! (kvs_quest_scores_hist_mma: agreement with the CPU engine's within docs/policies.md's margin) when
+//! Quest runs alone; with a later stage (top-p reads Quest's set, ART its scores), or where a page spans
+//! several metadata units, from kvs_quest_scores_hist in the CPU's arithmetic bit for bit (those stages'
+//! tests compare with the CPU engine exactly).
 
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CallShape, CudaStage, PageScores, StepCx, WsAlloc};
@@ -15,6 +18,10 @@ const QSEL_BINS: usize = 2048;
 /// Static shared memory of kvs_quest_topk and a margin (its gathered bin is 16 KiB), kept out of the
 /// dynamic shared memory its page keys may take.
 const TOPK_STATIC_SMEM: usize = 24 << 10;
+/// CTAs per row (one thread-block cluster) and threads per CTA of kvs_quest_topk_cluster (kernels/policy/quest.cu
+/// QC_CTAS, QC_THREADS).
+const QC_CTAS: u32 = 8;
+const QC_THREADS: u32 = 256;
 
 /// Quest's stage for one call, and its workspace regions.
 pub(crate) struct Quest {
@@ -64,19 +71,34 @@ impl CudaStage for Quest {
         let mut k = KArgs::new();
         k.by_value(&cx.batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
         k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
-        k.i32(clamp(self.budget)).i32(clamp(self.sink)).i64(scores as i64).i32(maxp as i32).i64(qhist as i64).i64(cx.row_bytes).i64(cx.ctr);
+        k.i32(clamp(self.budget)).i32(clamp(self.sink)).i64(scores as i64).i32(maxp as i32);
+        // Thread-block clusters (sm_90 and newer), while the rows leave SMs idle: the top-k of a row over
+        // QC_CTAS CTAs, no key histogram. With more rows one CTA per row does less work in all.
+        let gpu = cx.dev.gpu();
+        let cluster = gpu.cc.0 >= 9 && ns * hk * QC_CTAS as usize <= 4 * gpu.num_sms.max(1) as usize;
+        k.i64(if cluster { 0 } else { qhist as i64 }).i64(cx.row_bytes).i64(cx.ctr);
         let scorer = if self.exact || m.unit != page { "kvs_quest_scores_hist" } else { "kvs_quest_scores_hist_mma" };
         launch::launch(cx.function(scorer)?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores_hist launch")?;
-        // The page keys in dynamic shared memory when they fit (the device's opt-in limit less the
-        // kernel's own static shared memory, ~18 KiB: the gathered bin and scratch).
-        let dyn_max = (cx.dev.gpu().smem_optin as usize).saturating_sub(TOPK_STATIC_SMEM);
-        let smem_keys = maxp.min(dyn_max / 4);
-        let f_topk = cx.function("kvs_quest_topk")?;
+        // The page keys (a row's, or with clusters a CTA's part of it) in dynamic shared memory when they
+        // fit (the device's opt-in limit less the kernel's own static shared memory: the gathered bin and
+        // scratch); longer rows read the scores from global memory.
+        let dyn_max = (gpu.smem_optin as usize).saturating_sub(TOPK_STATIC_SMEM);
+        let (name, grid, threads, keys) = if cluster {
+            ("kvs_quest_topk_cluster", (hk as u32 * QC_CTAS, ns as u32, 1), QC_THREADS, maxp.div_ceil(QC_CTAS as usize))
+        } else {
+            ("kvs_quest_topk", (hk as u32, ns as u32, 1), launch::TOPK_THREADS, maxp)
+        };
+        let smem_keys = keys.min(dyn_max / 4);
+        let f_topk = cx.function(name)?;
         cx.dev.allow_smem_once(f_topk, dyn_max)?;
         let mut k = KArgs::new();
         k.by_value(&cx.batch).i32(hk as i32).i32(clamp(self.budget)).i32(page as i32).i32(clamp(self.sink));
-        k.i64(scores as i64).i32(maxp as i32).i64(qhist as i64).i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap).i64(cx.row_bytes).i32(cx.count_base);
+        k.i64(scores as i64).i32(maxp as i32);
+        if !cluster {
+            k.i64(qhist as i64);
+        }
+        k.i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap).i64(cx.row_bytes).i32(cx.count_base);
         k.i32(smem_keys as i32).i64(cx.ctr);
-        launch::launch_smem(f_topk, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")
+        launch::launch_smem(f_topk, grid, threads, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")
     }
 }

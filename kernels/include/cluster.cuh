@@ -1,0 +1,33 @@
+// Thread-block cluster primitives (Hopper, sm_90): the CTA's rank in its cluster, the cluster-wide
+// barrier, and loads of another CTA's shared memory (distributed shared memory). Raw PTX, so NVRTC needs
+// no cooperative_groups header. Compiled only for sm_90 and newer (KVS_CLUSTERS); the launchers use the
+// cluster kernels only on such devices.
+#pragma once
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVS_CLUSTERS 1
+#else
+#define KVS_CLUSTERS 0
+#endif
+
+#if KVS_CLUSTERS
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// Every thread of every CTA of the cluster: the shared (and global) writes before it are visible to the
+// whole cluster after it (arrive has release, wait acquire semantics). A CTA must pass one after its
+// last read of another CTA's shared memory and before it exits, so that memory outlives the read.
+__device__ __forceinline__ void cluster_sync() { asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory"); }
+
+// The word at the same shared-memory address as `p` in the cluster's CTA `rank`.
+__device__ __forceinline__ unsigned ld_cluster(const unsigned* p, unsigned rank) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), ra, v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(ra) : "memory");
+    return v;
+}
+#endif
