@@ -70,10 +70,6 @@ struct RefreshArgs {
 #define RF_DENSE 2     // a decode row without a state slot: attend everything, keep no state
 #define RF_SEED 3      // a prefill chunk: the set from its last row, that row's mean query the reference
 
-// A partial step drops the set's `drop` smallest keys by as many block-wide min passes up to this many
-// (a decode step adds one position: one drop), by a radix select beyond.
-#define RF_DROP_SCAN 4
-
 // The row a sequence's decision reads: the decode row, or the chunk's last row (with the same limits).
 __device__ __forceinline__ int rf_row(const SeqRow& r) { return r.t + (r.q_len > 0 ? r.q_len : 1) - 1; }
 
@@ -313,52 +309,63 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
         }
     } else {
         // RefreshHead::advance: the old set's positions in lo ..< from (a contiguous run of the sorted
-        // set), then the new positions from..=hi at +inf; the k best kept (ties: the newer).
+        // set), then the new positions from..=hi at +inf; the k best kept (ties: the newer), i.e. the
+        // largest of the unique keys (score's order key, position).
         const int c = min(max(ra.cnt[sh], 0), K);
         const int lastp = ra.last[sh];
         const int from = max(min(lastp, hi) + 1, lo);
-        // Both counts in one pass and one reduction (each below 2^31).
-        unsigned long long below = 0;
+        int ibits = 1;
+        while ((1 << ibits) <= hi) ++ibits;
+        auto key = [&](float score, int pos) { return ((unsigned long long)kvs_order_key(score) << ibits) | (unsigned)pos; };
+        // One pass over the old set: both counts (each below 2^31, packed) and the smallest old key in
+        // range with its index (a decode step adds one position, so one key goes: this one or the new).
+        unsigned long long below = 0, mkey = ~0ull;
+        int midx = -1;
         for (int i = threadIdx.x; i < c; i += blockDim.x) {
             const int p = (int)tok[i];
             below += ((unsigned long long)(p < lo) << 32) | (unsigned long long)(p < from);
+            if (p >= lo && p < from) {
+                const unsigned long long kk = key(sc[i], p);
+                if (kk < mkey) mkey = kk, midx = i;
+            }
         }
         below = block_sum(below, red);
+        const unsigned long long tmin = block_min_u64(mkey, red);
+        __shared__ int drop_at;
+        if (threadIdx.x == 0) drop_at = -1;
+        __syncthreads();
+        if (midx >= 0 && mkey == tmin) drop_at = midx;  // keys are unique: one writer
+        __syncthreads();
         const int below_lo = (int)(below >> 32), below_from = (int)(below & 0xffffffffull);
         const int i0 = below_lo, n_old = max(below_from - below_lo, 0);
         const int n_new = hi - from + 1;
         const int total = n_old + n_new;
         auto pos_of = [&](int i) { return i < n_old ? (int)tok[i0 + i] : from + (i - n_old); };
         auto score_of = [&](int i) { return i < n_old ? sc[i0 + i] : INFINITY; };
-        int ibits = 1;
-        while ((1 << ibits) <= hi) ++ibits;
-        auto key_of = [&](int i) { return ((unsigned long long)kvs_order_key(score_of(i)) << ibits) | (unsigned)pos_of(i); };
-        // Keep the K largest of the unique keys: those >= thr. A decode step adds one position, so
-        // usually one key goes: the `drop` smallest are found by as many min passes; many drops (a
-        // rewound or jumped sequence) take the radix select.
+        auto key_of = [&](int i) { return key(score_of(i), pos_of(i)); };
         const int drop = total - K;
-        unsigned long long thr = 0;
-        if (drop > 0 && drop <= RF_DROP_SCAN) {
-            unsigned long long t = 0;
-            for (int j = 0; j < drop; ++j) {
-                unsigned long long m = ~0ull;
-                for (int i = threadIdx.x; i < total; i += blockDim.x) {
-                    const unsigned long long kk = key_of(i);
-                    if ((j == 0 || kk > t) && kk < m) m = kk;
-                }
-                t = block_min_u64(m, red);
-            }
-            thr = t + 1;  // keys are unique and K >= 1 of them are larger: no overflow
-        } else if (drop > 0) {
-            thr = radix_kth(0, total, K, (32 + ibits + 7) / 8, key_of, hist, wtot, sel_prefix, sel_left);
-        }
-        auto keep = [&](int i) { return drop <= 0 || key_of(i) >= thr; };
         float* tp = tmp + (i64)(s * hk + h) * K;
-        n_plan = compact_each(total, keep, [&](int p, int i) {
-            e[p] = (unsigned)pos_of(i);
-            tp[p] = score_of(i);
-        }, min(cap, K), cnt);
-        // compact_each ended with a barrier: every old entry is read, the set can be rewritten.
+        if (drop <= 1) {
+            // Nothing or one entry goes (index j of the old run then the new positions): the rest in order.
+            int j = total;
+            if (drop == 1) j = n_new > 0 && key(INFINITY, from) < tmin ? n_old : drop_at - i0;
+            n_plan = min(total - (drop == 1 ? 1 : 0), min(cap, K));
+            for (int p = threadIdx.x; p < n_plan; p += blockDim.x) {
+                const int i = p < j ? p : p + 1;
+                e[p] = (unsigned)pos_of(i);
+                tp[p] = score_of(i);
+            }
+            __syncthreads();  // every old entry is read: the set can be rewritten
+        } else {
+            // Several go (a rewound or jumped sequence): the K-th largest key by a radix select.
+            const unsigned long long thr = radix_kth(0, total, K, (32 + ibits + 7) / 8, key_of, hist, wtot, sel_prefix, sel_left);
+            auto keep = [&](int i) { return key_of(i) >= thr; };
+            n_plan = compact_each(total, keep, [&](int p, int i) {
+                e[p] = (unsigned)pos_of(i);
+                tp[p] = score_of(i);
+            }, min(cap, K), cnt);
+            // compact_each ended with a barrier: every old entry is read, the set can be rewritten.
+        }
         for (int i = threadIdx.x; i < n_plan; i += blockDim.x) {
             const unsigned p = e[i];
             tok[i] = p;
