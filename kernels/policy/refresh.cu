@@ -28,8 +28,9 @@
 //   kvs_refresh_top_*    FULL rows: the set rebuilt across CTAs: the row's LSE from the chunks (in chunk
 //                        order: deterministic), w = max over the group of 2^(l - lse) per position and
 //                        its pool, a three-pass radix select of the k-th key (each pass's bin chosen by
-//                        the row's last chunk), per-chunk counts, the chunks' kept positions. A partial
-//                        step's calls find no FULL row and return at once (six launches).
+//                        the row's last chunk; the last pass keeps per-chunk counts), the chunks' kept
+//                        positions. A partial step's calls find no FULL row and return at once (five
+//                        launches).
 //
 // State per layer, indexed by the sequence's slot (kernels/slots.cu) and stamped with its generation (a
 // stamp different from the slot's generation reads as "no state": a new or reused slot): the reference
@@ -396,6 +397,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
 #define RF_SEL 4        // words per row of `sel` (src/policy/refresh/cuda.rs SEL_WORDS): prefix, keys still
                         // needed, the current pass's arrived chunks, unused
 #define RF_RADMAX 64    // pooling radius up to which a chunk stages its weights in shared memory
+#define RF_CCW 258      // words per chunk of `ccnt` (src/policy/refresh/cuda.rs CHUNK_COUNT_WORDS): keys above
+                        // the last pass's 24-bit prefix, then suffix sums of its 256 low-byte bins (257)
 
 // Per (seq, head, query head, chunk): the chunk's maximum logit and sum of 2^(l - max) (fmaxf drops NaN;
 // a NaN logit makes the sum NaN, and every weight of the row then reads 0, as the CPU's max from 0 does).
@@ -462,8 +465,8 @@ __device__ __forceinline__ float rf_weight(const float* L, int pos, const float*
 // add their histograms of the keys under the prefix chosen so far (global atomics: counts, so any order
 // gives the same result), and the row's last chunk to finish (an arrival count) descends into the bin that
 // holds the k-th key. `hist` [rows][3][4096] and the arrival counts are cleared by kvs_refresh_lse_parts;
-// `sel` [rows][RF_SEL] holds (prefix, keys still needed in it, arrivals); `ccnt` [rows][chunks][2] the
-// chunks' counts above and at the threshold.
+// `sel` [rows][RF_SEL] holds (prefix, keys still needed in it, arrivals); `ccnt` [rows][chunks][RF_CCW]
+// what the last pass saw per chunk, from which each chunk's counts above and at the threshold follow.
 __device__ __forceinline__ void rf_pass_bits(int pass, int& shift, int& bits) {
     shift = pass == 0 ? 20 : (pass == 1 ? 8 : 0);
     bits = pass == 2 ? 8 : 12;
@@ -501,13 +504,17 @@ __device__ __forceinline__ void rf_select(const unsigned* gh, unsigned* sel, int
 // One radix pass over a chunk, and the pass's selection by the row's last chunk. Pass 0 first computes the
 // weights the chunk's pooling reads (from the logits and the row's LSE; staged in shared memory up to
 // radius RF_RADMAX, recomputed per use beyond: the same bits) and max-pools them into `pooled` (positions
-// relative to lo).
+// relative to lo). Pass 2 also keeps the chunk's counts for kvs_refresh_top_write (`ccnt`): its keys
+// above the 24-bit prefix and, per low byte b, its keys under the prefix with a low byte >= b.
 extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(Batch b, RefreshArgs ra, const float* lg, const float2* parts, int nchunk,
-                                                                               float* pooled, int maxpos, unsigned* hist, unsigned* sel, int pass) {
+                                                                               float* pooled, int maxpos, unsigned* hist, unsigned* sel, unsigned* ccnt,
+                                                                               int pass) {
     __shared__ unsigned sh[RF_BINS];
     __shared__ float wv[RF_CH + 2 * RF_RADMAX];
     __shared__ float lse[GROUP];
     __shared__ int last;
+    __shared__ int wsum[RF_WTHREADS / 32];
+    __shared__ unsigned red[32];
     const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
     if (ra.mode[s] != RF_FULL) return;
     const SeqRow r = seq_row(b, s);
@@ -540,15 +547,30 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     const unsigned prefix = pass == 0 ? 0u : sel[row * RF_SEL];
     for (int i = threadIdx.x; i < (int)nb; i += blockDim.x) sh[i] = 0u;
     __syncthreads();
+    unsigned above = 0;  // keys above the prefix (pass 2 keeps the count)
     for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
         const unsigned k = kvs_order_key(pl[i]);
         if ((k & himask) == (prefix & himask)) {
             const unsigned bin = (k >> shift) & (nb - 1);
             const unsigned peers = __match_any_sync(__activemask(), bin);
             if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&sh[bin], (unsigned)__popc(peers));
+        } else if ((k & himask) > (prefix & himask)) {
+            ++above;
         }
     }
     __syncthreads();
+    if (pass == 2) {
+        // nb == RF_WTHREADS: thread t holds bin t; suffix sums by an exclusive scan from the bottom.
+        above = block_sum(above, red);
+        int in_chunk;
+        const int below_t = block_excl_scan((int)sh[threadIdx.x], wsum, in_chunk);
+        unsigned* cc = ccnt + (row * nchunk + c) * RF_CCW;
+        cc[1 + threadIdx.x] = (unsigned)(in_chunk - below_t);
+        if (threadIdx.x == 0) {
+            cc[0] = above;
+            cc[1 + RF_WTHREADS] = 0u;
+        }
+    }
     unsigned* gh = hist + (row * 3 + pass) * RF_BINS;
     for (int i = threadIdx.x; i < (int)nb; i += blockDim.x)
         if (sh[i]) atomicAdd(&gh[i], sh[i]);
@@ -564,40 +586,13 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     if (threadIdx.x == 0) sel[row * RF_SEL + 2] = 0u;  // the next pass's arrivals
 }
 
-// Per chunk: how many pooled keys lie above the threshold (the k-th largest key, sel's final prefix) and
-// how many equal it.
-extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_count(Batch b, RefreshArgs ra, const float* pooled, int maxpos, const unsigned* sel, unsigned* ccnt,
-                                                                                int nchunk) {
-    __shared__ unsigned red[32];
-    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
-    if (ra.mode[s] != RF_FULL) return;
-    const SeqRow r = seq_row(b, s);
-    const int n = min(r.hi, maxpos - 1) - r.lo + 1;
-    if (n <= ra.k) return;
-    const i64 row = (i64)s * hk + h;
-    const float* pl = pooled + row * maxpos;
-    const unsigned thr = sel[row * RF_SEL];
-    const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
-    unsigned gt = 0, eq = 0;
-    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
-        const unsigned k = kvs_order_key(pl[i]);
-        gt += k > thr;
-        eq += k == thr;
-    }
-    gt = block_sum(gt, red);
-    eq = block_sum(eq, red);
-    if (threadIdx.x == 0) {
-        ccnt[(row * nchunk + c) * 2] = gt;
-        ccnt[(row * nchunk + c) * 2 + 1] = eq;
-    }
-}
-
 // Per chunk: its kept positions (above the threshold, or at it among the first `left` of the row) written
 // in position order at their rank in the row's set, with their pooled scores; chunk 0 writes the set's
 // size, last position and stamp.
 extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(Batch b, RefreshArgs ra, const float* pooled, int maxpos, const unsigned* sel,
                                                                                 const unsigned* ccnt, int nchunk) {
     __shared__ int wsum[RF_WTHREADS / 32];
+    __shared__ unsigned red[32];
     const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
     if (ra.mode[s] != RF_FULL) return;
     const SeqRow r = seq_row(b, s);
@@ -619,10 +614,18 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(
     if (!all) {
         thr = sel[row * RF_SEL];
         left = sel[row * RF_SEL + 1];
-        for (int j = 0; j < c; ++j) {
-            base += ccnt[(row * nchunk + j) * 2];
-            eq_before += ccnt[(row * nchunk + j) * 2 + 1];
+        // The chunks before this one (a thread each): above the threshold = above the 24-bit prefix or
+        // under it with a larger low byte d; at it = under it with low byte d (kvs_refresh_top_hist, pass 2).
+        const int d = (int)(thr & 255u);
+        unsigned a = 0, q = 0;
+        for (int j = threadIdx.x; j < c; j += blockDim.x) {
+            const unsigned* cc = ccnt + (row * nchunk + j) * RF_CCW;
+            const unsigned ge = cc[1 + d], gt = cc[1 + d + 1];
+            a += cc[0] + gt;
+            q += ge - gt;
         }
+        base = block_sum(a, red);
+        eq_before = block_sum(q, red);
     }
     // Kept before this chunk: the ones above the threshold, and min(eq_before, left) of those at it.
     int out = all ? i0 : (int)(base + min(eq_before, left));

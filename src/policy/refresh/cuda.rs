@@ -76,7 +76,8 @@ pub(crate) struct RefreshWs {
     lg: usize,
     parts: usize,
     /// The multi-CTA rebuild's radix histograms ([ns, hk, 3, 4096] u32), selections and arrival counts
-    /// ([ns, hk, SEL_WORDS] u32) and per-chunk counts ([ns, hk, chunks, 2] u32).
+    /// ([ns, hk, SEL_WORDS] u32) and the last pass's per-chunk counts ([ns, hk, chunks, CHUNK_COUNT_WORDS]
+    /// u32).
     hist: usize,
     sel: usize,
     ccnt: usize,
@@ -90,6 +91,8 @@ const WEIGHT_CHUNK: usize = 4096;
 const HIST_BINS: usize = 4096;
 /// Words per row of the rebuild's selection state (kernels/refresh.cu RF_SEL).
 const SEL_WORDS: usize = 4;
+/// Words per chunk of the rebuild's last-pass counts (kernels/refresh.cu RF_CCW).
+const CHUNK_COUNT_WORDS: usize = 258;
 
 fn weight_chunks(max_pos: usize) -> usize {
     max_pos.max(1).div_ceil(WEIGHT_CHUNK)
@@ -111,7 +114,7 @@ impl RefreshWs {
         let rows = checked(&[ns, hk, group])?;
         let heads = checked(&[ns, hk])?;
         let (lg, parts) = if logits { (take(checked(&[rows, max_pos.max(1), 4])?), take(checked(&[rows, weight_chunks(max_pos), 8])?)) } else { (0, 0) };
-        let (hist, sel, ccnt) = if logits { (take(checked(&[heads, 3 * HIST_BINS, 4])?), take(checked(&[heads, SEL_WORDS, 4])?), take(checked(&[heads, weight_chunks(max_pos), 8])?)) } else { (0, 0, 0) };
+        let (hist, sel, ccnt) = if logits { (take(checked(&[heads, 3 * HIST_BINS, 4])?), take(checked(&[heads, SEL_WORDS, 4])?), take(checked(&[heads, weight_chunks(max_pos), CHUNK_COUNT_WORDS, 4])?)) } else { (0, 0, 0) };
         Ok(RefreshWs {
             lg,
             parts,
@@ -245,22 +248,20 @@ impl RefreshDevice {
             let (lg, parts) = ((ws + rw.lg as u64) as i64, (ws + rw.parts as u64) as i64);
             let (pooled, hist, sel, ccnt) = ((ws + rw.pooled as u64) as i64, (ws + rw.hist as u64) as i64, (ws + rw.sel as u64) as i64, (ws + rw.ccnt as u64) as i64);
             let grid = (chunks as u32, hk as u32, ns as u32);
-            // Six launches (a partial step's find no FULL row): the chunks' softmax parts (and the
+            // Five launches (a partial step's find no FULL row): the chunks' softmax parts (and the
             // histograms cleared); three radix passes (the first computes and pools the weights, each
-            // pass's last chunk chooses its bin); the chunks' counts; their kept positions.
+            // pass's last chunk chooses its bin, the last keeps the chunks' counts); their kept positions.
             let mut k = KArgs::new();
             k.by_value(batch).i64(mode).i64(lg).i32(maxpos as i32).i32(hk as i32).i64(parts).i32(chunks as i32).i64(hist).i64(sel);
             launch::launch(f("kvs_refresh_lse_parts")?, grid, 256, &mut k, stream, "kvs_refresh_lse_parts launch")?;
             for pass in 0..3 {
                 let mut k = KArgs::new();
-                k.by_value(batch).by_value(&ra).i64(lg).i64(parts).i32(chunks as i32).i64(pooled).i32(maxpos as i32).i64(hist).i64(sel).i32(pass);
+                k.by_value(batch).by_value(&ra).i64(lg).i64(parts).i32(chunks as i32).i64(pooled).i32(maxpos as i32).i64(hist).i64(sel).i64(ccnt).i32(pass);
                 launch::launch(f("kvs_refresh_top_hist")?, grid, 256, &mut k, stream, "kvs_refresh_top_hist launch")?;
             }
-            for name in ["kvs_refresh_top_count", "kvs_refresh_top_write"] {
-                let mut k = KArgs::new();
-                k.by_value(batch).by_value(&ra).i64(pooled).i32(maxpos as i32).i64(sel).i64(ccnt).i32(chunks as i32);
-                launch::launch(f(name)?, grid, 256, &mut k, stream, name)?;
-            }
+            let mut k = KArgs::new();
+            k.by_value(batch).by_value(&ra).i64(pooled).i32(maxpos as i32).i64(sel).i64(ccnt).i32(chunks as i32);
+            launch::launch(f("kvs_refresh_top_write")?, grid, 256, &mut k, stream, "kvs_refresh_top_write launch")?;
             return Ok(());
         }
         // The CPU's arithmetic: the prefill's seed, and the full decode rows without the tensor-core path.
