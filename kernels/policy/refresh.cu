@@ -23,11 +23,14 @@
 //                        visible position; PARTIAL: the set; DENSE: every visible position), counters.
 //   (attention)          the decode rows through their plans on tensor cores (attention_mma.cu, LOGITS=1),
 //                        writing every visited key's base-2 logit per query head to `lg`.
-//   kvs_refresh_lse_parts / kvs_refresh_weights   FULL rows only: per chunk of RF_CH positions the rows'
-//                        (max, sum of 2^(l - max)) from `lg`; then the row's LSE from the chunks (in chunk
-//                        order: deterministic) and w = max over the group of 2^(l - lse) per position.
-//   kvs_refresh_top_*    FULL rows: the set rebuilt from those weights across CTAs (pool, a three-pass
-//                        radix select of the k-th key, per-chunk counts, the chunks' kept positions).
+//   kvs_refresh_lse_parts  FULL rows only: per chunk of RF_CH positions the rows' (max, sum of
+//                        2^(l - max)) from `lg` (and the rebuild's histograms cleared).
+//   kvs_refresh_top_*    FULL rows: the set rebuilt across CTAs: the row's LSE from the chunks (in chunk
+//                        order: deterministic), w = max over the group of 2^(l - lse) per position and
+//                        its pool, a three-pass radix select of the k-th key (each pass's bin chosen by
+//                        the row's last chunk; the last pass keeps per-chunk counts), the chunks' kept
+//                        positions. A partial step's calls find no FULL row and return at once (five
+//                        launches).
 //
 // State per layer, indexed by the sequence's slot (kernels/slots.cu) and stamped with its generation (a
 // stamp different from the slot's generation reads as "no state": a new or reused slot): the reference
@@ -260,6 +263,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
     unsigned* tok = ra.tok + sh * K;
     float* sc = ra.sc + sh * K;
     int n_plan;
+    // The plan's visited blocks (this thread's share), as `account` counts them: every entry lies in
+    // lo..=hi and the entries increase, so a block is counted at its first entry.
+    unsigned long long blocks = 0;
     if (mode == RF_FULL || mode == RF_SEED) {
         const int n = hi - lo + 1;
         if (mode == RF_SEED || !deferred) {
@@ -296,64 +302,109 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
             return;
         }
         n_plan = min(n, cap);
+        // Every visible position: written (stores only), counted by arithmetic, not read back.
         for (int i = threadIdx.x; i < n_plan; i += blockDim.x) e[i] = (unsigned)(lo + i);
-        if (threadIdx.x == 0) atomicAdd(&ctr[CTR_KV_BYTES], (unsigned long long)n * (unsigned long long)k_bytes);  // K read again to score
+        if (threadIdx.x == 0) {
+            atomicAdd(&ctr[CTR_KV_BYTES], (unsigned long long)n * (unsigned long long)k_bytes);  // K read again to score
+            if (n_plan > 0) blocks = (unsigned long long)(((lo + n_plan - 1) >> b.bs_log2) - (lo >> b.bs_log2) + 1);
+        }
     } else {
         // RefreshHead::advance: the old set's positions in lo ..< from (a contiguous run of the sorted
-        // set), then the new positions from..=hi at +inf; the k best kept (ties: the newer).
+        // set), then the new positions from..=hi at +inf; the k best kept (ties: the newer), i.e. the
+        // largest of the unique keys (score's order key, position).
         const int c = min(max(ra.cnt[sh], 0), K);
         const int lastp = ra.last[sh];
         const int from = max(min(lastp, hi) + 1, lo);
-        int below_lo = 0, below_from = 0;
+        int ibits = 1;
+        while ((1 << ibits) <= hi) ++ibits;
+        auto key = [&](float score, int pos) { return ((unsigned long long)kvs_order_key(score) << ibits) | (unsigned)pos; };
+        // One pass over the old set: both counts (each below 2^31, packed) and the smallest old key in
+        // range with its index (a decode step adds one position, so one key goes: this one or the new).
+        unsigned long long below = 0, mkey = ~0ull;
+        int midx = -1;
         for (int i = threadIdx.x; i < c; i += blockDim.x) {
-            below_lo += (int)tok[i] < lo;
-            below_from += (int)tok[i] < from;
+            const int p = (int)tok[i];
+            below += ((unsigned long long)(p < lo) << 32) | (unsigned long long)(p < from);
+            if (p >= lo && p < from) {
+                const unsigned long long kk = key(sc[i], p);
+                if (kk < mkey) mkey = kk, midx = i;
+            }
         }
-        below_lo = block_sum(below_lo, (int*)red);
-        below_from = block_sum(below_from, (int*)red);
+        below = block_sum(below, red);
+        const unsigned long long tmin = block_min_u64(mkey, red);
+        __shared__ int drop_at;
+        if (threadIdx.x == 0) drop_at = -1;
+        __syncthreads();
+        if (midx >= 0 && mkey == tmin) drop_at = midx;  // keys are unique: one writer
+        __syncthreads();
+        const int below_lo = (int)(below >> 32), below_from = (int)(below & 0xffffffffull);
         const int i0 = below_lo, n_old = max(below_from - below_lo, 0);
         const int n_new = hi - from + 1;
         const int total = n_old + n_new;
         auto pos_of = [&](int i) { return i < n_old ? (int)tok[i0 + i] : from + (i - n_old); };
         auto score_of = [&](int i) { return i < n_old ? sc[i0 + i] : INFINITY; };
-        int ibits = 1;
-        while ((1 << ibits) <= hi) ++ibits;
-        auto key_of = [&](int i) { return ((unsigned long long)kvs_order_key(score_of(i)) << ibits) | (unsigned)pos_of(i); };
-        const int m = total > K ? K : 0;
-        const unsigned long long thr = radix_kth(0, total, m, (32 + ibits + 7) / 8, key_of, hist, wtot, sel_prefix, sel_left);
-        auto keep = [&](int i) { return total <= K || key_of(i) >= thr; };
+        auto key_of = [&](int i) { return key(score_of(i), pos_of(i)); };
+        const int drop = total - K;
         float* tp = tmp + (i64)(s * hk + h) * K;
-        n_plan = compact(total, keep, [&](int i) { return (unsigned)pos_of(i); }, e, min(cap, K), cnt);
-        compact(total, keep, [&](int i) { return __float_as_uint(score_of(i)); }, reinterpret_cast<unsigned*>(tp), K, cnt);
-        __syncthreads();  // every old entry is read: the set can be rewritten
+        if (drop <= 1) {
+            // Nothing or one entry goes (index j of the old run then the new positions): the rest in order.
+            int j = total;
+            if (drop == 1) j = n_new > 0 && key(INFINITY, from) < tmin ? n_old : drop_at - i0;
+            n_plan = min(total - (drop == 1 ? 1 : 0), min(cap, K));
+            for (int p = threadIdx.x; p < n_plan; p += blockDim.x) {
+                const int i = p < j ? p : p + 1;
+                e[p] = (unsigned)pos_of(i);
+                tp[p] = score_of(i);
+            }
+            __syncthreads();  // every old entry is read: the set can be rewritten
+        } else {
+            // Several go (a rewound or jumped sequence): the K-th largest key by a radix select.
+            const unsigned long long thr = radix_kth(0, total, K, (32 + ibits + 7) / 8, key_of, hist, wtot, sel_prefix, sel_left);
+            auto keep = [&](int i) { return key_of(i) >= thr; };
+            n_plan = compact_each(total, keep, [&](int p, int i) {
+                e[p] = (unsigned)pos_of(i);
+                tp[p] = score_of(i);
+            }, min(cap, K), cnt);
+            // compact_each ended with a barrier: every old entry is read, the set can be rewritten.
+        }
         for (int i = threadIdx.x; i < n_plan; i += blockDim.x) {
-            tok[i] = e[i];
+            const unsigned p = e[i];
+            tok[i] = p;
             sc[i] = tp[i];
+            blocks += i == 0 || (e[i - 1] >> b.bs_log2) != (p >> b.bs_log2);
         }
         if (threadIdx.x == 0) {
             ra.cnt[sh] = n_plan;
             ra.last[sh] = hi;
         }
     }
+    blocks = block_sum(blocks, red);
     if (threadIdx.x == 0) {
         plan_len[s * hk + h] = n_plan;
         atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
         atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((hi >> b.bs_log2) - (lo >> b.bs_log2) + 1));
+        atomicAdd(&ctr[CTR_BLOCKS_VISITED], blocks);
+        atomicAdd(&ctr[CTR_KV_BYTES], (unsigned long long)n_plan * (unsigned long long)row_bytes);
     }
-    __syncthreads();  // the plan's entries are read back by account
-    account(e, n_plan, 0, lo, hi, b.bs_log2, 1, row_bytes, ctr, red);
 }
 
 // The weights of the FULL rows from the logits their attention wrote (attention_mma.cu, LOGITS=1):
 // lg[((s * hk + h) * maxpos + pos) * GROUP + g] holds query head g's base-2 logit of position pos. Grid
 // (chunks of RF_CH positions, hk, sequences), RF_WTHREADS threads; chunk c covers lo + c * RF_CH ...
-#define RF_CH 4096      // src/cuda/refresh.rs WEIGHT_CHUNK
+#define RF_CH 4096      // src/policy/refresh/cuda.rs WEIGHT_CHUNK
 #define RF_WTHREADS 256
+#define RF_BINS 4096    // src/policy/refresh/cuda.rs HIST_BINS
+#define RF_SEL 4        // words per row of `sel` (src/policy/refresh/cuda.rs SEL_WORDS): prefix, keys still
+                        // needed, the current pass's arrived chunks, unused
+#define RF_RADMAX 64    // pooling radius up to which a chunk stages its weights in shared memory
+#define RF_CCW 258      // words per chunk of `ccnt` (src/policy/refresh/cuda.rs CHUNK_COUNT_WORDS): keys above
+                        // the last pass's 24-bit prefix, then suffix sums of its 256 low-byte bins (257)
 
 // Per (seq, head, query head, chunk): the chunk's maximum logit and sum of 2^(l - max) (fmaxf drops NaN;
 // a NaN logit makes the sum NaN, and every weight of the row then reads 0, as the CPU's max from 0 does).
+// Also clears the row's radix histograms and arrival count for kvs_refresh_top_hist (each chunk a slice).
 extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_lse_parts(Batch b, const int* mode, const float* lg, int maxpos, int hk,
-                                                                                float2* parts, int nchunk) {
+                                                                                float2* parts, int nchunk, unsigned* hist, unsigned* sel) {
     __shared__ float red[32];
     const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
     if (mode[s] != RF_FULL) return;
@@ -362,6 +413,12 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_lse_parts(
     const int p0 = lo + c * RF_CH, p1 = min(hi, p0 + RF_CH - 1);
     const float* L = lg + (i64)(s * hk + h) * maxpos * GROUP;
     float2* out = parts + (i64)(s * hk + h) * GROUP * nchunk + c;
+    {
+        const int words = 3 * RF_BINS, per = (words + nchunk - 1) / nchunk;
+        unsigned* gh = hist + ((i64)s * hk + h) * words;
+        for (int i = c * per + threadIdx.x; i < min(words, (c + 1) * per); i += blockDim.x) gh[i] = 0u;
+        if (c == 0 && threadIdx.x == 0) sel[((i64)s * hk + h) * RF_SEL + 2] = 0u;
+    }
     float m[GROUP], z[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) m[g] = -INFINITY, z[g] = 0.0f;
@@ -381,56 +438,83 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_lse_parts(
         for (int g = 0; g < GROUP; ++g) out[(i64)g * nchunk] = make_float2(m[g], z[g]);
 }
 
-// agg[(s * hk + h) * maxpos + pos] = max(0, max over the group of 2^(l - lse)), lse = the row's base-2 LSE
-// merged from the chunks in chunk order (so the same inputs give the same bits).
-extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_weights(Batch b, const int* mode, const float* lg, int maxpos, int hk,
-                                                                              const float2* parts, int nchunk, float* agg) {
-    __shared__ float lse[GROUP];
-    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
-    if (mode[s] != RF_FULL) return;
-    const SeqRow r = seq_row(b, s);
-    const int lo = r.lo, hi = min(r.hi, maxpos - 1);
-    const int p0 = lo + c * RF_CH, p1 = min(hi, p0 + RF_CH - 1);
-    if (threadIdx.x < GROUP) {
-        const float2* pr = parts + ((i64)(s * hk + h) * GROUP + threadIdx.x) * nchunk;
-        float m = -INFINITY;
-        for (int i = 0; i < nchunk; ++i) m = fmaxf(m, pr[i].x);
-        float z = 0.0f;
-        if (m > -INFINITY)
-            for (int i = 0; i < nchunk; ++i)
-                if (pr[i].x > -INFINITY) z += pr[i].y * exp2f(pr[i].x - m);
-        lse[threadIdx.x] = m > -INFINITY ? m + log2f(z) : INFINITY;  // no finite logit: every weight 0
-    }
-    __syncthreads();
-    const float* L = lg + (i64)(s * hk + h) * maxpos * GROUP;
-    float* out = agg + (i64)(s * hk + h) * maxpos;
-    for (int pos = p0 + threadIdx.x; pos <= p1; pos += blockDim.x) {
-        float a = 0.0f;
+// A query head's base-2 LSE over the row, merged from its chunks' parts in chunk order (so the same inputs
+// give the same bits); +inf when no logit is finite (every weight then 0).
+__device__ __forceinline__ float rf_row_lse(const float2* pr, int nchunk) {
+    float m = -INFINITY;
+    for (int i = 0; i < nchunk; ++i) m = fmaxf(m, pr[i].x);
+    float z = 0.0f;
+    if (m > -INFINITY)
+        for (int i = 0; i < nchunk; ++i)
+            if (pr[i].x > -INFINITY) z += pr[i].y * exp2f(pr[i].x - m);
+    return m > -INFINITY ? m + log2f(z) : INFINITY;
+}
+
+// Position pos's weight: max(0, max over the group of 2^(l - lse)) (L: the row's logits).
+__device__ __forceinline__ float rf_weight(const float* L, int pos, const float* lse) {
+    float a = 0.0f;
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) a = fmaxf(a, exp2f(L[(i64)pos * GROUP + g] - lse[g]));
-        out[pos] = a;
-    }
+    for (int g = 0; g < GROUP; ++g) a = fmaxf(a, exp2f(L[(i64)pos * GROUP + g] - lse[g]));
+    return a;
 }
 
 // The full rows' sets rebuilt across CTAs (RefreshHead::rebuild: max_pool(weights, pool), the top k by
 // (score, earlier position)), so that a row of 128K positions is not one CTA's serial work. Grids
-// (chunks of RF_CH positions, hk, sequences) or (hk, sequences); FULL rows only. The k-th largest pooled
-// key is found by a radix select over the 32-bit order keys in three passes (bits 31..20, 19..8, 7..0):
-// per pass the chunks add their histograms of the keys under the prefix chosen so far (global atomics:
-// counts, so any order gives the same result), then one CTA per row descends into the bin that holds the
-// k-th key. `hist` [rows][3][4096] is zeroed by the host before the first pass; `sel` [rows][2] holds
-// (prefix, keys still needed in it); `ccnt` [rows][chunks][2] the chunks' counts above and at the threshold.
-#define RF_BINS 4096
-
+// (chunks of RF_CH positions, hk, sequences); FULL rows only. The k-th largest pooled key is found by a
+// radix select over the 32-bit order keys in three passes (bits 31..20, 19..8, 7..0): per pass the chunks
+// add their histograms of the keys under the prefix chosen so far (global atomics: counts, so any order
+// gives the same result), and the row's last chunk to finish (an arrival count) descends into the bin that
+// holds the k-th key. `hist` [rows][3][4096] and the arrival counts are cleared by kvs_refresh_lse_parts;
+// `sel` [rows][RF_SEL] holds (prefix, keys still needed in it, arrivals); `ccnt` [rows][chunks][RF_CCW]
+// what the last pass saw per chunk, from which each chunk's counts above and at the threshold follow.
 __device__ __forceinline__ void rf_pass_bits(int pass, int& shift, int& bits) {
     shift = pass == 0 ? 20 : (pass == 1 ? 8 : 0);
     bits = pass == 2 ? 8 : 12;
 }
 
-// Pass 0 also max-pools the chunk's weights into `pooled` (positions relative to lo).
-extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(Batch b, RefreshArgs ra, const float* agg, float* pooled, int maxpos,
-                                                                               unsigned* hist, const unsigned* sel, int pass) {
+// The bin of this pass that holds the k-th largest key: sel = (prefix, keys still needed among those equal
+// to it so far). Block-wide, RF_WTHREADS threads; reads the histogram and `sel` from L2 (other CTAs wrote
+// them).
+__device__ __forceinline__ void rf_select(const unsigned* gh, unsigned* sel, int pass, int k) {
+    __shared__ int wsum[RF_WTHREADS / 32];
+    int shift, bits;
+    rf_pass_bits(pass, shift, bits);
+    const int nb = 1 << bits, per = nb / RF_WTHREADS;  // bins per thread, from the top
+    const unsigned prefix = pass == 0 ? 0u : __ldcg(&sel[0]);
+    const int left = pass == 0 ? k : (int)__ldcg(&sel[1]);
+    __syncthreads();  // sel is read by every thread before thread `hit` rewrites it
+    const int top = nb - 1 - threadIdx.x * per;  // this thread's bins: top, top - 1, ..., top - per + 1
+    int mine = 0;
+    for (int j = 0; j < per; ++j) mine += (int)__ldcg(&gh[top - j]);
+    int total;
+    int acc = block_excl_scan(mine, wsum, total);
+    if (acc < left && acc + mine >= left) {
+        for (int j = 0; j < per; ++j) {
+            const int cnt = (int)__ldcg(&gh[top - j]);
+            if (acc + cnt >= left) {
+                sel[0] = prefix | ((unsigned)(top - j) << shift);
+                sel[1] = (unsigned)(left - acc);
+                break;
+            }
+            acc += cnt;
+        }
+    }
+}
+
+// One radix pass over a chunk, and the pass's selection by the row's last chunk. Pass 0 first computes the
+// weights the chunk's pooling reads (from the logits and the row's LSE; staged in shared memory up to
+// radius RF_RADMAX, recomputed per use beyond: the same bits) and max-pools them into `pooled` (positions
+// relative to lo). Pass 2 also keeps the chunk's counts for kvs_refresh_top_write (`ccnt`): its keys
+// above the 24-bit prefix and, per low byte b, its keys under the prefix with a low byte >= b.
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(Batch b, RefreshArgs ra, const float* lg, const float2* parts, int nchunk,
+                                                                               float* pooled, int maxpos, unsigned* hist, unsigned* sel, unsigned* ccnt,
+                                                                               int pass) {
     __shared__ unsigned sh[RF_BINS];
+    __shared__ float wv[RF_CH + 2 * RF_RADMAX];
+    __shared__ float lse[GROUP];
+    __shared__ int last;
+    __shared__ int wsum[RF_WTHREADS / 32];
+    __shared__ unsigned red[32];
     const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
     if (ra.mode[s] != RF_FULL) return;
     const SeqRow r = seq_row(b, s);
@@ -440,11 +524,19 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     const i64 row = (i64)s * hk + h;
     float* pl = pooled + row * maxpos;
     if (pass == 0) {
-        const float* ag = agg + row * maxpos + lo;
+        if (threadIdx.x < GROUP) lse[threadIdx.x] = rf_row_lse(parts + (row * GROUP + threadIdx.x) * nchunk, nchunk);
+        __syncthreads();
+        const float* L = lg + row * maxpos * GROUP;
         const int rad = ra.pool / 2;
+        const int w0 = max(i0 - rad, 0), w1 = min(i1 + rad, n);
+        const bool staged = rad <= RF_RADMAX;
+        if (staged) {
+            for (int x = w0 + threadIdx.x; x < w1; x += blockDim.x) wv[x - w0] = rf_weight(L, lo + x, lse);
+            __syncthreads();
+        }
         for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
             float v = -INFINITY;
-            for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, ag[x]);
+            for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, staged ? wv[x - w0] : rf_weight(L, lo + x, lse));
             pl[i] = v;
         }
     }
@@ -452,84 +544,46 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     int shift, bits;
     rf_pass_bits(pass, shift, bits);
     const unsigned nb = 1u << bits, himask = pass == 0 ? 0u : (0xffffffffu << (shift + bits));
-    const unsigned prefix = pass == 0 ? 0u : sel[row * 2];
+    const unsigned prefix = pass == 0 ? 0u : sel[row * RF_SEL];
     for (int i = threadIdx.x; i < (int)nb; i += blockDim.x) sh[i] = 0u;
     __syncthreads();
+    unsigned above = 0;  // keys above the prefix (pass 2 keeps the count)
     for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
         const unsigned k = kvs_order_key(pl[i]);
         if ((k & himask) == (prefix & himask)) {
             const unsigned bin = (k >> shift) & (nb - 1);
             const unsigned peers = __match_any_sync(__activemask(), bin);
             if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&sh[bin], (unsigned)__popc(peers));
+        } else if ((k & himask) > (prefix & himask)) {
+            ++above;
         }
     }
     __syncthreads();
+    if (pass == 2) {
+        // nb == RF_WTHREADS: thread t holds bin t; suffix sums by an exclusive scan from the bottom.
+        above = block_sum(above, red);
+        int in_chunk;
+        const int below_t = block_excl_scan((int)sh[threadIdx.x], wsum, in_chunk);
+        unsigned* cc = ccnt + (row * nchunk + c) * RF_CCW;
+        cc[1 + threadIdx.x] = (unsigned)(in_chunk - below_t);
+        if (threadIdx.x == 0) {
+            cc[0] = above;
+            cc[1 + RF_WTHREADS] = 0u;
+        }
+    }
     unsigned* gh = hist + (row * 3 + pass) * RF_BINS;
     for (int i = threadIdx.x; i < (int)nb; i += blockDim.x)
         if (sh[i]) atomicAdd(&gh[i], sh[i]);
-}
-
-// One CTA per (KV head, sequence): the bin of this pass that holds the k-th largest key; sel = (prefix,
-// keys still needed among those equal to it so far).
-extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_select(Batch b, RefreshArgs ra, int maxpos, const unsigned* hist, unsigned* sel, int pass) {
-    __shared__ int wsum[RF_WTHREADS / 32];
-    const int h = blockIdx.x, s = blockIdx.y, hk = ra.hk;
-    if (ra.mode[s] != RF_FULL) return;
-    const SeqRow r = seq_row(b, s);
-    const int n = min(r.hi, maxpos - 1) - r.lo + 1;
-    if (n <= ra.k) return;
-    const i64 row = (i64)s * hk + h;
-    int shift, bits;
-    rf_pass_bits(pass, shift, bits);
-    const int nb = 1 << bits, per = nb / RF_WTHREADS;  // bins per thread, from the top
-    const unsigned prefix = pass == 0 ? 0u : sel[row * 2];
-    const int left = pass == 0 ? ra.k : (int)sel[row * 2 + 1];
-    __syncthreads();  // sel is read by every thread before thread `hit` rewrites it
-    const unsigned* gh = hist + (row * 3 + pass) * RF_BINS;
-    const int top = nb - 1 - threadIdx.x * per;  // this thread's bins: top, top - 1, ..., top - per + 1
-    int mine = 0;
-    for (int j = 0; j < per; ++j) mine += (int)gh[top - j];
-    int total;
-    int acc = block_excl_scan(mine, wsum, total);
-    if (acc < left && acc + mine >= left) {
-        for (int j = 0; j < per; ++j) {
-            const int cnt = (int)gh[top - j];
-            if (acc + cnt >= left) {
-                sel[row * 2] = prefix | ((unsigned)(top - j) << shift);
-                sel[row * 2 + 1] = (unsigned)(left - acc);
-                break;
-            }
-            acc += cnt;
-        }
-    }
-}
-
-// Per chunk: how many pooled keys lie above the threshold (the k-th largest key, sel's final prefix) and
-// how many equal it.
-extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_count(Batch b, RefreshArgs ra, const float* pooled, int maxpos, const unsigned* sel, unsigned* ccnt,
-                                                                                int nchunk) {
-    __shared__ unsigned red[32];
-    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
-    if (ra.mode[s] != RF_FULL) return;
-    const SeqRow r = seq_row(b, s);
-    const int n = min(r.hi, maxpos - 1) - r.lo + 1;
-    if (n <= ra.k) return;
-    const i64 row = (i64)s * hk + h;
-    const float* pl = pooled + row * maxpos;
-    const unsigned thr = sel[row * 2];
-    const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
-    unsigned gt = 0, eq = 0;
-    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
-        const unsigned k = kvs_order_key(pl[i]);
-        gt += k > thr;
-        eq += k == thr;
-    }
-    gt = block_sum(gt, red);
-    eq = block_sum(eq, red);
-    if (threadIdx.x == 0) {
-        ccnt[(row * nchunk + c) * 2] = gt;
-        ccnt[(row * nchunk + c) * 2 + 1] = eq;
-    }
+    // The row's last chunk to add its counts chooses the pass's bin (the others' adds are visible to it:
+    // each thread fences before the barrier, the count is taken after it).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&sel[row * RF_SEL + 2], 1u) == (unsigned)((n + RF_CH - 1) / RF_CH - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    rf_select(gh, sel + row * RF_SEL, pass, ra.k);
+    if (threadIdx.x == 0) sel[row * RF_SEL + 2] = 0u;  // the next pass's arrivals
 }
 
 // Per chunk: its kept positions (above the threshold, or at it among the first `left` of the row) written
@@ -538,6 +592,7 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_count(
 extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(Batch b, RefreshArgs ra, const float* pooled, int maxpos, const unsigned* sel,
                                                                                 const unsigned* ccnt, int nchunk) {
     __shared__ int wsum[RF_WTHREADS / 32];
+    __shared__ unsigned red[32];
     const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
     if (ra.mode[s] != RF_FULL) return;
     const SeqRow r = seq_row(b, s);
@@ -557,12 +612,20 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(
     float* sc = ra.sc + sh * K;
     unsigned thr = 0, left = 0, base = 0, eq_before = 0;
     if (!all) {
-        thr = sel[row * 2];
-        left = sel[row * 2 + 1];
-        for (int j = 0; j < c; ++j) {
-            base += ccnt[(row * nchunk + j) * 2];
-            eq_before += ccnt[(row * nchunk + j) * 2 + 1];
+        thr = sel[row * RF_SEL];
+        left = sel[row * RF_SEL + 1];
+        // The chunks before this one (a thread each): above the threshold = above the 24-bit prefix or
+        // under it with a larger low byte d; at it = under it with low byte d (kvs_refresh_top_hist, pass 2).
+        const int d = (int)(thr & 255u);
+        unsigned a = 0, q = 0;
+        for (int j = threadIdx.x; j < c; j += blockDim.x) {
+            const unsigned* cc = ccnt + (row * nchunk + j) * RF_CCW;
+            const unsigned ge = cc[1 + d], gt = cc[1 + d + 1];
+            a += cc[0] + gt;
+            q += ge - gt;
         }
+        base = block_sum(a, red);
+        eq_before = block_sum(q, red);
     }
     // Kept before this chunk: the ones above the threshold, and min(eq_before, left) of those at it.
     int out = all ? i0 : (int)(base + min(eq_before, left));

@@ -6,7 +6,7 @@
 //! decode step replayed step after step equals eager. Without a CUDA device every test is listed as ignored
 //! (a visible skip), and fails instead when KVS_REQUIRE_CUDA=1. KVS_QUICK=1 runs a reduced matrix (for compute-sanitizer).
 
-use kvsparse_conformance::refresh_cuda::{refresh_graph_replay, refresh_policies, run_refresh_case, Variant};
+use kvsparse_conformance::refresh_cuda::{refresh_graph_replay, refresh_policies, run_refresh_case, RefreshResult, Variant};
 use kvsparse_conformance::sparse_cuda::sparse_specs;
 use kvsparse::DType;
 
@@ -14,6 +14,25 @@ mod common;
 use common::{have_cuda, quick};
 
 const LENS: [usize; 4] = [40, 300, 900, 1500];
+
+/// One case's result on a line: steps, agreement (differing positions, worst margin), counters, errors.
+fn describe(r: &RefreshResult) -> String {
+    format!(
+        "rows {:>4} full {:>3} partial {:>3} decisions {} differing {} worst margin {:.2e} (delta {:.2e}) {} counters {} rel {:.2e} lse {:.2e} {}",
+        r.rows,
+        r.full_steps,
+        r.partial_steps,
+        r.decision_mismatch.as_deref().unwrap_or("same schedule"),
+        r.agreement.differing,
+        r.agreement.worst_margin,
+        r.agreement.delta_at_worst,
+        r.agreement.violation.as_deref().unwrap_or("all borderline"),
+        r.counters_mismatch.as_deref().unwrap_or("equal"),
+        r.rel_err,
+        r.lse_err,
+        r.error.as_deref().unwrap_or("")
+    )
+}
 
 fn cuda_refresh_decisions_agree_with_the_cpu_engine_at_every_step() {
     if !have_cuda("cuda_refresh_decisions") {
@@ -29,23 +48,7 @@ fn cuda_refresh_decisions_agree_with_the_cpu_engine_at_every_step() {
             }
             let v = Variant { unseen: true, release_at: Some(steps / 2), max_seqs: None };
             let r = run_refresh_case(spec, pol, &LENS, steps, v, 77 + (i * 100 + j) as u64);
-            println!(
-                "refresh {:<36} {:<44} rows {:>4} full {:>3} partial {:>3} decisions {} differing {} worst margin {:.2e} (delta {:.2e}) {} counters {} rel {:.2e} lse {:.2e} {}",
-                spec.name,
-                pol,
-                r.rows,
-                r.full_steps,
-                r.partial_steps,
-                r.decision_mismatch.as_deref().unwrap_or("same schedule"),
-                r.agreement.differing,
-                r.agreement.worst_margin,
-                r.agreement.delta_at_worst,
-                r.agreement.violation.as_deref().unwrap_or("all borderline"),
-                r.counters_mismatch.as_deref().unwrap_or("equal"),
-                r.rel_err,
-                r.lse_err,
-                r.error.as_deref().unwrap_or("")
-            );
+            println!("refresh {:<36} {:<44} {}", spec.name, pol, describe(&r));
             total += 1;
             agree.merge(&r.agreement);
             rows += r.rows;
@@ -79,6 +82,23 @@ fn cuda_refresh_without_a_slot_runs_dense() {
     assert!(r.pass, "{r:?}");
 }
 
+/// Rows longer than one chunk of the device's rebuild (4,096 positions, kernels/policy/refresh.cu RF_CH):
+/// the weights, histograms and kept positions of several chunks, the radix select's bin chosen by the
+/// row's last chunk to finish, and the partial steps' advance over sets of hundreds of positions.
+fn cuda_refresh_rows_longer_than_a_chunk_agree() {
+    if !have_cuda("cuda_refresh_long_rows") {
+        return;
+    }
+    let spec = &sparse_specs(true)[0];
+    for (i, pol) in ["refresh(k=700, every=2)", "refresh(k=300, stride=1, s=0.9, pool=131)"].iter().enumerate() {
+        let v = Variant { unseen: true, release_at: None, max_seqs: None };
+        let r = run_refresh_case(spec, pol, &[9000, 4500, 300], 6, v, 901 + i as u64);
+        println!("long rows {pol}: {}", describe(&r));
+        assert!(r.pass, "{pol}: {r:?}");
+        assert!(r.full_steps > 0 && r.partial_steps > 0, "{pol}: both full and partial steps");
+    }
+}
+
 fn cuda_refresh_decode_step_graph_replays_equal_eager() {
     if !have_cuda("cuda_refresh_graph") {
         return;
@@ -97,6 +117,7 @@ fn main() {
     common::run("RefreshKV", vec![
         ("cuda_refresh_decisions_agree_with_the_cpu_engine_at_every_step", cuda_refresh_decisions_agree_with_the_cpu_engine_at_every_step as fn(), true),
         ("cuda_refresh_without_a_slot_runs_dense", cuda_refresh_without_a_slot_runs_dense as fn(), true),
+        ("cuda_refresh_rows_longer_than_a_chunk_agree", cuda_refresh_rows_longer_than_a_chunk_agree as fn(), true),
         ("cuda_refresh_decode_step_graph_replays_equal_eager", cuda_refresh_decode_step_graph_replays_equal_eager as fn(), true),
     ]);
 }

@@ -75,8 +75,9 @@ pub(crate) struct RefreshWs {
     /// per-chunk row statistics ([ns, hk, group, chunks] f32 pairs); empty without the tensor-core path.
     lg: usize,
     parts: usize,
-    /// The multi-CTA rebuild's radix histograms ([ns, hk, 3, 4096] u32), selections ([ns, hk, 2] u32)
-    /// and per-chunk counts ([ns, hk, chunks, 2] u32).
+    /// The multi-CTA rebuild's radix histograms ([ns, hk, 3, 4096] u32), selections and arrival counts
+    /// ([ns, hk, SEL_WORDS] u32) and the last pass's per-chunk counts ([ns, hk, chunks, CHUNK_COUNT_WORDS]
+    /// u32).
     hist: usize,
     sel: usize,
     ccnt: usize,
@@ -88,6 +89,10 @@ pub(crate) struct RefreshWs {
 const WEIGHT_CHUNK: usize = 4096;
 /// Bins of the rebuild's radix histograms (kernels/refresh.cu RF_BINS).
 const HIST_BINS: usize = 4096;
+/// Words per row of the rebuild's selection state (kernels/refresh.cu RF_SEL).
+const SEL_WORDS: usize = 4;
+/// Words per chunk of the rebuild's last-pass counts (kernels/refresh.cu RF_CCW).
+const CHUNK_COUNT_WORDS: usize = 258;
 
 fn weight_chunks(max_pos: usize) -> usize {
     max_pos.max(1).div_ceil(WEIGHT_CHUNK)
@@ -109,7 +114,7 @@ impl RefreshWs {
         let rows = checked(&[ns, hk, group])?;
         let heads = checked(&[ns, hk])?;
         let (lg, parts) = if logits { (take(checked(&[rows, max_pos.max(1), 4])?), take(checked(&[rows, weight_chunks(max_pos), 8])?)) } else { (0, 0) };
-        let (hist, sel, ccnt) = if logits { (take(checked(&[heads, 3 * HIST_BINS, 4])?), take(checked(&[heads, 8])?), take(checked(&[heads, weight_chunks(max_pos), 8])?)) } else { (0, 0, 0) };
+        let (hist, sel, ccnt) = if logits { (take(checked(&[heads, 3 * HIST_BINS, 4])?), take(checked(&[heads, SEL_WORDS, 4])?), take(checked(&[heads, weight_chunks(max_pos), CHUNK_COUNT_WORDS, 4])?)) } else { (0, 0, 0) };
         Ok(RefreshWs {
             lg,
             parts,
@@ -205,7 +210,7 @@ impl RefreshDevice {
     /// tensor-core path, the full) rows, the sets and every decode row's plan `plan` (token-granular,
     /// `plan.cap` entries per row). With `after_attention`, called after the attention of a call whose
     /// full rows wrote their logits (`RefreshWs::logits`): those rows' weights and their sets rebuilt
-    /// across CTAs (kvs_refresh_lse_parts, kvs_refresh_weights, kvs_refresh_top_*).
+    /// across CTAs (kvs_refresh_lse_parts, kvs_refresh_top_*).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn refresh_select(
         &self,
@@ -241,43 +246,36 @@ impl RefreshDevice {
             let chunks = weight_chunks(maxpos);
             let mode = (ws + rw.mode as u64) as i64;
             let (lg, parts) = ((ws + rw.lg as u64) as i64, (ws + rw.parts as u64) as i64);
+            let (pooled, hist, sel, ccnt) = ((ws + rw.pooled as u64) as i64, (ws + rw.hist as u64) as i64, (ws + rw.sel as u64) as i64, (ws + rw.ccnt as u64) as i64);
             let grid = (chunks as u32, hk as u32, ns as u32);
-            for (name, with_agg) in [("kvs_refresh_lse_parts", false), ("kvs_refresh_weights", true)] {
-                let mut k = KArgs::new();
-                k.by_value(batch).i64(mode).i64(lg).i32(maxpos as i32).i32(hk as i32).i64(parts).i32(chunks as i32);
-                if with_agg {
-                    k.i64((ws + rw.agg as u64) as i64);
-                }
-                launch::launch(f(name)?, grid, 256, &mut k, stream, name)?;
-            }
-            // The sets rebuilt across CTAs: pool + histogram, select, twice more, count, write.
-            let (agg, pooled) = ((ws + rw.agg as u64) as i64, (ws + rw.pooled as u64) as i64);
-            let (hist, sel, ccnt) = ((ws + rw.hist as u64) as i64, (ws + rw.sel as u64) as i64, (ws + rw.ccnt as u64) as i64);
-            // SAFETY: the histogram region holds ns * hk * 3 * HIST_BINS u32 (RefreshWs::reserve).
-            unsafe { check((cuda()?.cuMemsetD8Async)(hist as u64, 0, ns * hk * 3 * HIST_BINS * 4, stream), "cuMemsetD8Async")? };
+            // Five launches (a partial step's find no FULL row): the chunks' softmax parts (and the
+            // histograms cleared); three radix passes (the first computes and pools the weights, each
+            // pass's last chunk chooses its bin, the last keeps the chunks' counts); their kept positions.
+            let mut k = KArgs::new();
+            k.by_value(batch).i64(mode).i64(lg).i32(maxpos as i32).i32(hk as i32).i64(parts).i32(chunks as i32).i64(hist).i64(sel);
+            launch::launch(f("kvs_refresh_lse_parts")?, grid, 256, &mut k, stream, "kvs_refresh_lse_parts launch")?;
             for pass in 0..3 {
                 let mut k = KArgs::new();
-                k.by_value(batch).by_value(&ra).i64(agg).i64(pooled).i32(maxpos as i32).i64(hist).i64(sel).i32(pass);
+                k.by_value(batch).by_value(&ra).i64(lg).i64(parts).i32(chunks as i32).i64(pooled).i32(maxpos as i32).i64(hist).i64(sel).i64(ccnt).i32(pass);
                 launch::launch(f("kvs_refresh_top_hist")?, grid, 256, &mut k, stream, "kvs_refresh_top_hist launch")?;
-                let mut k = KArgs::new();
-                k.by_value(batch).by_value(&ra).i32(maxpos as i32).i64(hist).i64(sel).i32(pass);
-                launch::launch(f("kvs_refresh_top_select")?, (hk as u32, ns as u32, 1), 256, &mut k, stream, "kvs_refresh_top_select launch")?;
             }
-            for name in ["kvs_refresh_top_count", "kvs_refresh_top_write"] {
-                let mut k = KArgs::new();
-                k.by_value(batch).by_value(&ra).i64(pooled).i32(maxpos as i32).i64(sel).i64(ccnt).i32(chunks as i32);
-                launch::launch(f(name)?, grid, 256, &mut k, stream, name)?;
-            }
+            let mut k = KArgs::new();
+            k.by_value(batch).by_value(&ra).i64(pooled).i32(maxpos as i32).i64(sel).i64(ccnt).i32(chunks as i32);
+            launch::launch(f("kvs_refresh_top_write")?, grid, 256, &mut k, stream, "kvs_refresh_top_write launch")?;
             return Ok(());
         }
-        let rows = ns * hk * group;
-        let api = cuda()?;
-        // SAFETY: each region holds `rows` elements of its width (RefreshWs, sized by the caller).
-        unsafe {
-            // -inf's order key (kernels/include/decide.cuh kvs_order_key).
-            check((api.cuMemsetD32Async)(ws + rw.rmax as u64, 0x007f_ffff, rows, stream), "cuMemsetD32Async")?;
-            check((api.cuMemsetD8Async)(ws + rw.z as u64, 0, rows * 8, stream), "cuMemsetD8Async")?;
-            check((api.cuMemsetD8Async)(ws + rw.bad as u64, 0, rows * 4, stream), "cuMemsetD8Async")?;
+        // The CPU's arithmetic: the prefill's seed, and the full decode rows without the tensor-core path.
+        let scalar_phases = if a.max_query_len != 1 || !rw.logits { 0..3 } else { 0..0 };
+        if !scalar_phases.is_empty() {
+            let rows = ns * hk * group;
+            let api = cuda()?;
+            // SAFETY: each region holds `rows` elements of its width (RefreshWs, sized by the caller).
+            unsafe {
+                // -inf's order key (kernels/include/decide.cuh kvs_order_key).
+                check((api.cuMemsetD32Async)(ws + rw.rmax as u64, 0x007f_ffff, rows, stream), "cuMemsetD32Async")?;
+                check((api.cuMemsetD8Async)(ws + rw.z as u64, 0, rows * 8, stream), "cuMemsetD8Async")?;
+                check((api.cuMemsetD8Async)(ws + rw.bad as u64, 0, rows * 4, stream), "cuMemsetD8Async")?;
+            }
         }
         let q = &a.query;
         let mut k = KArgs::new();
@@ -288,8 +286,6 @@ impl RefreshDevice {
         let (tp, threads) = crate::policy::snapkv::cuda::scores_shape(d, group);
         let ctas = score_ctas(dev.gpu().num_sms as usize, hk, maxpos, tp);
         let kc = &cache.k;
-        // The CPU's arithmetic: the prefill's seed, and the full decode rows without the tensor-core path.
-        let scalar_phases = if a.max_query_len != 1 || !rw.logits { 0..3 } else { 0..0 };
         for phase in scalar_phases {
             let mut k = KArgs::new();
             k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
