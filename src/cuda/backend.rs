@@ -42,7 +42,6 @@ pub const ID_REGISTRY_SEQS: usize = 8192;
 const PLAN_MIN_CHUNK: usize = 256;
 
 pub struct CudaBackend {
-    pub gpu: Gpu,
     pub(crate) modules: Modules,
     /// Split-KV workspace per stream handle.
     pub(crate) workspaces: Mutex<HashMap<usize, DevBuf>>,
@@ -71,13 +70,21 @@ pub struct CudaBackend {
     validate_sync: bool,
     /// The attention modules' `KVS_CHECKS` define (`checks::kernel_define`, read once).
     pub(crate) checks_define: String,
+    /// The device's primary context, held for the engine's life. Last: fields drop in declaration order,
+    /// so every buffer, module and stream above is freed while the context still exists (released first,
+    /// the context could be destroyed with them still to free: compute-sanitizer reported each of those
+    /// frees as CUDA_ERROR_CONTEXT_IS_DESTROYED).
+    pub gpu: Gpu,
 }
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        // A policy's streams and events (PRR's) belong to the context `gpu` releases when it drops.
-        if let (true, Some(pd)) = (self.gpu.make_current().is_ok(), &self.policy_dev) {
-            pd.release();
+        // The fields are freed after this, in the engine's context: make it current for them.
+        if self.gpu.make_current().is_ok() {
+            // A policy's streams and events (PRR's) belong to that context too.
+            if let Some(pd) = &self.policy_dev {
+                pd.release();
+            }
         }
     }
 }
