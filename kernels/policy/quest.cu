@@ -308,12 +308,27 @@ __device__ __forceinline__ void cluster_counts_excl_scan(const unsigned (&v)[QC_
 template <typename KeyOf>
 __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int per, int m, unsigned rank, KeyOf key_of, unsigned* xh, unsigned* xw,
                                                     unsigned* sel, unsigned* kept, unsigned* ws) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int c0 = max(min((int)rank * per, np), lo), c1 = min(min((int)rank * per + per, np), hi);
     for (int i = threadIdx.x; i < QC_PASSES * 256; i += blockDim.x) xh[i] = 0u;
-    unsigned mn, mx;
-    block_key_range(c0, c1, key_of, ws, mn, mx);
+    unsigned mn = 0xffffffffu, mx = 0u;
+    for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
+        const unsigned k = key_of(i);
+        mn = min(mn, k);
+        mx = max(mx, k);
+    }
+    mn = __reduce_min_sync(0xffffffffu, mn);
+    mx = __reduce_max_sync(0xffffffffu, mx);
+    if (lane == 0) {
+        ws[warp] = mn;
+        ws[32 + warp] = mx;
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
+        for (int w = 1; w < nw; ++w) {
+            mn = min(mn, ws[w]);
+            mx = max(mx, ws[32 + w]);
+        }
         xw[0] = mn;
         xw[1] = mx;
     }
@@ -328,7 +343,13 @@ __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int 
             sel[4 + lane] = (unsigned)max(min(min(lane * per + per, np), hi) - max(min(lane * per, np), lo), 0);
             kept[lane] = 0u;
         }
-        if (lane == 0) radix_start(a, z, m, sel);
+        if (lane == 0) {
+            const int top = a == z ? 0 : 32 - __clz(a ^ z);
+            sel[0] = top == 32 ? 0u : (z & (0xffffffffu << top));
+            sel[1] = (unsigned)m;
+            sel[2] = 0u;
+            sel[3] = (unsigned)top;
+        }
     }
     __syncthreads();
     unsigned prefix = sel[0];
@@ -361,14 +382,20 @@ __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int 
             c += (int)v[q];
             excl += (int)ex[q];
         }
-        if (radix_cross(c, excl, (unsigned)(nb - 1 - threadIdx.x), shift, prefix, left, sel))
+        if (c > 0 && excl < left && excl + c >= left) {
+            sel[0] = prefix | ((unsigned)(nb - 1 - threadIdx.x) << shift);
+            sel[1] = (unsigned)(left - excl);
+            sel[2] = (c == left - excl) ? 1u : 0u;
 #pragma unroll
             for (int q = 0; q < QC_CTAS; ++q) {
                 sel[4 + q] = v[q];
                 kept[q] += ex[q];
             }
+        }
         __syncthreads();
-        radix_descend(sel, prefix, left, done);
+        prefix = sel[0];
+        left = (int)sel[1];
+        done = sel[2] != 0u;
         top = shift;
     }
     // The bin's keys (all equal when not done): CTA q keeps the `left` latest, the later CTAs' first.
