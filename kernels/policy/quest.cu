@@ -264,53 +264,21 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
 #define QC_THREADS 256 // src/policy/quest/cuda.rs QC_THREADS; at least 256 (one thread per bin of a pass)
 #if KVS_CLUSTERS
 #define QC_CLUSTER_DIMS __cluster_dims__(QC_CTAS, 1, 1)
-#define QC_PASSES 4  // 8-bit radix passes over at most 32 bits
-
-// Exclusive prefix sums, in thread order, of QC_CTAS counts per thread (each CTA's count in the thread's
-// bin); `ws` is shared scratch of [blockDim / 32][QC_CTAS]. Block-wide.
-__device__ __forceinline__ void cluster_counts_excl_scan(const unsigned (&v)[QC_CTAS], unsigned (&excl)[QC_CTAS], unsigned* ws) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned x[QC_CTAS];
-#pragma unroll
-    for (int q = 0; q < QC_CTAS; ++q) {
-        x[q] = v[q];
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const unsigned y = __shfl_up_sync(0xffffffffu, x[q], o);
-            if (lane >= o) x[q] += y;
-        }
-    }
-    __syncthreads();  // a previous call may still read ws
-    if (lane == 31)
-#pragma unroll
-        for (int q = 0; q < QC_CTAS; ++q) ws[warp * QC_CTAS + q] = x[q];
-    __syncthreads();
-#pragma unroll
-    for (int q = 0; q < QC_CTAS; ++q) {
-        unsigned before = 0;
-        for (int w = 0; w < warp; ++w) before += ws[w * QC_CTAS + q];
-        excl[q] = before + x[q] - v[q];
-    }
-}
 
 // The cut of the m largest candidate keys of the row (forced = lo <= i < hi = last), which the cluster's
 // CTAs hold in parts of `per` pages (this CTA: c0 <= i < c1), as topk32 finds it: a radix from below the
 // bits every key shares (the cluster's minimum and maximum), 8 bits per pass, that stops once the bin it
-// descends into holds exactly the keys still needed. Each pass counts this CTA's keys into its own
-// 256-bin histogram in xh (one per pass, zeroed up front, so no pass overwrites counts another CTA may
-// still read), with the counts of equal bins of a warp added once; the QC_CTAS parts are read through
-// distributed shared memory, one cluster barrier per pass, and scanned per CTA, so every CTA knows every
-// CTA's count above the bin (kept[q]) and in it. A tie on the whole key is cut by each CTA over its own
-// part: the later CTAs' equal keys go first, then this CTA's from its top. The cut is exact for this
-// CTA's pages: c0 <= i < c1 is kept iff key > thr, or key == thr and i >= cut; kept[q] gets the count of
-// CTA q's kept candidates (for the plan's offsets). Block-wide, every CTA of the cluster; xh and xw are
-// read by the other CTAs until they pass their next cluster barrier.
+// descends into holds exactly the keys still needed; each pass counts its part into xh (two alternating
+// 256-bin histograms, so a pass never overwrites counts a CTA may still read from the pass before) and
+// sums the QC_CTAS parts through distributed shared memory, one cluster barrier per pass. A tie on the
+// whole key is cut by each CTA over its own part: the later CTAs' equal keys go first, then this CTA's
+// from its top. The cut is exact for this CTA's pages: c0 <= i < c1 is kept iff key > thr, or key == thr
+// and i >= cut. Block-wide, every CTA of the cluster; xw[0..2) are read by the other CTAs.
 template <typename KeyOf>
 __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int per, int m, unsigned rank, KeyOf key_of, unsigned* xh, unsigned* xw,
-                                                    unsigned* sel, unsigned* kept, unsigned* ws) {
+                                                    unsigned* sel, unsigned* wmm, int* cnt) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int c0 = max(min((int)rank * per, np), lo), c1 = min(min((int)rank * per + per, np), hi);
-    for (int i = threadIdx.x; i < QC_PASSES * 256; i += blockDim.x) xh[i] = 0u;
     unsigned mn = 0xffffffffu, mx = 0u;
     for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
         const unsigned k = key_of(i);
@@ -320,14 +288,14 @@ __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int 
     mn = __reduce_min_sync(0xffffffffu, mn);
     mx = __reduce_max_sync(0xffffffffu, mx);
     if (lane == 0) {
-        ws[warp] = mn;
-        ws[32 + warp] = mx;
+        wmm[warp] = mn;
+        wmm[32 + warp] = mx;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < nw; ++w) {
-            mn = min(mn, ws[w]);
-            mx = max(mx, ws[32 + w]);
+            mn = min(mn, wmm[w]);
+            mx = max(mx, wmm[32 + w]);
         }
         xw[0] = mn;
         xw[1] = mx;
@@ -338,11 +306,8 @@ __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int 
         unsigned a = peer ? ld_cluster(&xw[0], lane) : 0xffffffffu, z = peer ? ld_cluster(&xw[1], lane) : 0u;
         a = __reduce_min_sync(0xffffffffu, a);
         z = __reduce_max_sync(0xffffffffu, z);
-        // CTA `lane`'s candidates: all of them equal the maximum when every key does.
-        if (peer) {
-            sel[4 + lane] = (unsigned)max(min(min(lane * per + per, np), hi) - max(min(lane * per, np), lo), 0);
-            kept[lane] = 0u;
-        }
+        // Every candidate of CTA `lane`: its count of keys equal to the maximum when all keys are equal.
+        if (peer) sel[4 + lane] = (unsigned)max(min(min(lane * per + per, np), hi) - max(min(lane * per, np), lo), 0);
         if (lane == 0) {
             const int top = a == z ? 0 : 32 - __clz(a ^ z);
             sel[0] = top == 32 ? 0u : (z & (0xffffffffu << top));
@@ -355,42 +320,34 @@ __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int 
     unsigned prefix = sel[0];
     int left = (int)sel[1], top = (int)sel[3];
     bool done = false;
-    for (int pass = 0; top > 0 && !done; ++pass) {
+    for (int buf = 0; top > 0 && !done; buf ^= 1) {
         const int bits = min(8, top), shift = top - bits, nb = 1 << bits;
         const unsigned himask = top >= 32 ? 0u : (0xffffffffu << top);
-        unsigned* part = xh + pass * 256;
-        for (int i0 = c0; i0 < c1; i0 += blockDim.x) {  // uniform trip count: a warp adds its equal bins once
-            const int i = i0 + threadIdx.x;
-            unsigned bin = 256u;
-            if (i < c1) {
-                const unsigned k = key_of(i);
-                if ((k & himask) == (prefix & himask)) bin = (k >> shift) & (unsigned)(nb - 1);
-            }
-            const unsigned peers = __match_any_sync(0xffffffffu, bin);
-            if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&part[bin], (unsigned)__popc(peers));
+        unsigned* part = xh + buf * 256;
+        for (int i = threadIdx.x; i < nb; i += blockDim.x) part[i] = 0u;
+        __syncthreads();
+        for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
+            const unsigned k = key_of(i);
+            if ((k & himask) == (prefix & himask)) atomicAdd(&part[(k >> shift) & (unsigned)(nb - 1)], 1u);
         }
         cluster_sync();
-        // Bins from the top (thread t holds bin nb - 1 - t): each CTA's count, scanned; the bin where the
-        // cluster's count crosses `left`.
-        unsigned v[QC_CTAS], ex[QC_CTAS];
-#pragma unroll
-        for (int q = 0; q < QC_CTAS; ++q) v[q] = (int)threadIdx.x < nb ? ld_cluster(&part[nb - 1 - threadIdx.x], q) : 0u;
-        cluster_counts_excl_scan(v, ex, ws);
-        int c = 0, excl = 0;
+        // Bins from the top (thread t holds bin nb - 1 - t), summed over the CTAs and scanned: the bin
+        // where the count crosses `left`, with each CTA's count in it.
+        unsigned v[QC_CTAS];
+        int c = 0;
 #pragma unroll
         for (int q = 0; q < QC_CTAS; ++q) {
+            v[q] = (int)threadIdx.x < nb ? ld_cluster(&part[nb - 1 - threadIdx.x], q) : 0u;
             c += (int)v[q];
-            excl += (int)ex[q];
         }
+        int total;
+        const int excl = block_excl_scan(c, cnt, total);
         if (c > 0 && excl < left && excl + c >= left) {
             sel[0] = prefix | ((unsigned)(nb - 1 - threadIdx.x) << shift);
             sel[1] = (unsigned)(left - excl);
             sel[2] = (c == left - excl) ? 1u : 0u;
 #pragma unroll
-            for (int q = 0; q < QC_CTAS; ++q) {
-                sel[4 + q] = v[q];
-                kept[q] += ex[q];
-            }
+            for (int q = 0; q < QC_CTAS; ++q) sel[4 + q] = v[q];
         }
         __syncthreads();
         prefix = sel[0];
@@ -398,21 +355,18 @@ __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int 
         done = sel[2] != 0u;
         top = shift;
     }
-    // The bin's keys (all equal when not done): CTA q keeps the `left` latest, the later CTAs' first.
-    TopCut r{prefix, c0};
-    int after = 0;
-    for (int q = QC_CTAS - 1; q > (int)rank; --q) after += (int)sel[4 + q];
-    const int mine = (int)sel[4 + rank];
-    if (!done && after >= left)
-        r.cut = c1;
-    else if (!done && after + mine > left)
-        r.cut = tie_cut(c0, c1, left - after, prefix, key_of, (int*)ws, sel);
-    if (threadIdx.x < QC_CTAS) {
-        int later = 0;
-        for (int q = QC_CTAS - 1; q > (int)threadIdx.x; --q) later += (int)sel[4 + q];
-        kept[threadIdx.x] += (unsigned)min(max(left - later, 0), (int)sel[4 + threadIdx.x]);
+    TopCut r{prefix, c0};  // done: every key of the bin is kept
+    if (!done) {
+        // sel[4 + q]: CTA q's keys equal to `prefix`, of which the `left` latest are kept.
+        int after = 0;
+        for (int q = (int)rank + 1; q < QC_CTAS; ++q) after += (int)sel[4 + q];
+        const int mine = (int)sel[4 + rank];
+        if (after >= left)
+            r.cut = c1;
+        else if (after + mine > left)
+            r.cut = tie_cut(c0, c1, left - after, prefix, key_of, cnt, sel);
     }
-    __syncthreads();  // sel is free again, kept complete
+    __syncthreads();  // sel is free again
     return r;
 }
 #else
@@ -424,10 +378,10 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(QC_THREADS)
                            int* plan_len, int cap, i64 row_bytes, int count, int smem_keys, unsigned long long* ctr) {
 #if KVS_CLUSTERS
     extern __shared__ unsigned skey[];
-    __shared__ unsigned xh[QC_PASSES * 256];  // this CTA's counts of each radix pass, read by the cluster
-    __shared__ unsigned xw[2];                // this CTA's key minimum and maximum, read by the cluster
-    __shared__ unsigned sel[4 + QC_CTAS], kept[QC_CTAS];
-    __shared__ unsigned ws[64 > (QC_THREADS / 32) * QC_CTAS ? 64 : (QC_THREADS / 32) * QC_CTAS];
+    __shared__ unsigned xh[2 * 256];  // this CTA's counts of a radix pass, read by the cluster
+    __shared__ unsigned xw[4];        // this CTA's words read by the cluster: key minimum, maximum; kept pages
+    __shared__ unsigned sel[4 + QC_CTAS];
+    __shared__ unsigned wmm[64];
     __shared__ int cnt[QC_THREADS / 32 + 1];
     __shared__ unsigned long long red[32];
     static_assert(QC_THREADS >= 256 && QC_CTAS <= 32, "a pass needs a thread per bin; the peers are one warp's lanes");
@@ -456,25 +410,26 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(QC_THREADS)
         __syncthreads();
         auto key_of = [&](int i) { return staged ? skey[i - a0] : kvs_order_key(sc[i]); };
         TopCut tc{0u, qr.last};
-        if (qr.m > 0)
-            tc = quest_cluster_cut(qr.forced, qr.last, qr.np, per, qr.m, rank, key_of, xh, xw, sel, kept, ws);
-        else if (threadIdx.x < QC_CTAS)
-            kept[threadIdx.x] = 0u;
-        __syncthreads();
-        // Each CTA's kept pages (its kept candidates, forced pages and the decode token's page) before this
-        // one's: where this CTA's part of the plan starts.
-        int off = 0, sum = 0, mine = 0;
-        for (int q = 0; q < QC_CTAS; ++q) {
-            const int q0 = min(q * per, qr.np), q1 = min(q0 + per, qr.np);
-            const int c = (int)kept[q] + max(min(q1, qr.forced) - q0, 0) + (q0 <= qr.last && qr.last < q1);
-            off += q < (int)rank ? c : 0;
-            mine = q == (int)rank ? c : mine;
-            sum += c;
-        }
-        n = min(sum, cap);
-        j0 = min(off, n);
-        j1 = min(off + mine, n);
+        if (qr.m > 0) tc = quest_cluster_cut(qr.forced, qr.last, qr.np, per, qr.m, rank, key_of, xh, xw, sel, wmm, cnt);
         auto keep = [&](int i) { return quest_keeps(qr, tc, i, key_of); };
+        unsigned long long mine = 0;
+        for (int i = a0 + threadIdx.x; i < a1; i += blockDim.x) mine += keep(i);
+        mine = block_sum(mine, red);
+        if (threadIdx.x == 0) xw[2] = (unsigned)mine;
+        cluster_sync();
+        if (threadIdx.x < 32) {
+            const unsigned v = threadIdx.x < QC_CTAS ? ld_cluster(&xw[2], threadIdx.x) : 0u;
+            const unsigned before = __reduce_add_sync(0xffffffffu, threadIdx.x < rank ? v : 0u), sum = __reduce_add_sync(0xffffffffu, v);
+            if (threadIdx.x == 0) {
+                sel[0] = before;
+                sel[1] = sum;
+            }
+        }
+        __syncthreads();
+        const int off = (int)sel[0];
+        n = min((int)sel[1], cap);
+        j0 = min(off, n);
+        j1 = min(off + (int)mine, n);
         compact(a1 - a0, [&](int i) { return keep(a0 + i); }, [&](int i) { return (unsigned)(qr.fp + a0 + i); }, e + j0, j1 - j0, cnt);
         // No CTA leaves while another may read its shared memory; after this the whole plan is written.
         cluster_sync();
