@@ -63,6 +63,61 @@ __device__ __forceinline__ unsigned long long radix_kth(int lo, int hi, int m, i
     return sel_prefix;
 }
 
+// The minimum (a) and maximum (z) of the keys key_of(i), lo <= i < hi, in thread 0 (0xffffffff and 0 for an
+// empty range). Block-wide; scratch[64] is shared.
+template <typename KeyOf>
+__device__ __forceinline__ void block_key_range(int lo, int hi, KeyOf key_of, unsigned* scratch, unsigned& a, unsigned& z) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    unsigned mn = 0xffffffffu, mx = 0u;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const unsigned k = key_of(i);
+        mn = min(mn, k);
+        mx = max(mx, k);
+    }
+    mn = __reduce_min_sync(0xffffffffu, mn);
+    mx = __reduce_max_sync(0xffffffffu, mx);
+    __syncthreads();  // scratch may still be read by a previous user
+    if (lane == 0) {
+        scratch[warp] = mn;
+        scratch[32 + warp] = mx;
+    }
+    __syncthreads();
+    a = 0xffffffffu;
+    z = 0u;
+    if (threadIdx.x == 0)
+        for (int w = 0; w < nw; ++w) {
+            a = min(a, scratch[w]);
+            z = max(z, scratch[32 + w]);
+        }
+}
+
+// A radix select's start from its keys' minimum a and maximum z: sel[0] = the bits every key shares (above
+// bit `top`, the lower ones zero), sel[1] = m keys still needed, sel[2] = 0 (not done), sel[3] = top.
+__device__ __forceinline__ void radix_start(unsigned a, unsigned z, int m, unsigned* sel) {
+    const int top = a == z ? 0 : 32 - __clz(a ^ z);  // the low bits that differ among the keys
+    sel[0] = top == 32 ? 0u : (z & (0xffffffffu << top));
+    sel[1] = (unsigned)m;
+    sel[2] = 0u;
+    sel[3] = (unsigned)top;
+}
+
+// A radix pass's crossing: the thread whose bin `digit` (at `shift`; c keys, excl keys in the bins above)
+// holds the left-th key from the top records the bin's prefix, the keys still needed in it, and whether
+// the bin holds exactly those (done); returns whether it was that thread. radix_descend reads them back
+// in every thread after a barrier.
+__device__ __forceinline__ bool radix_cross(int c, int excl, unsigned digit, int shift, unsigned prefix, int left, unsigned* sel) {
+    if (c == 0 || excl >= left || excl + c < left) return false;
+    sel[0] = prefix | (digit << shift);
+    sel[1] = (unsigned)(left - excl);
+    sel[2] = (c == left - excl) ? 1u : 0u;
+    return true;
+}
+__device__ __forceinline__ void radix_descend(const unsigned* sel, unsigned& prefix, int& left, bool& done) {
+    prefix = sel[0];
+    left = (int)sel[1];
+    done = sel[2] != 0u;
+}
+
 // Among the keys equal to `thr` at lo <= i < hi, the index of the left-th one counted from the top (the
 // `left` later ones are i >= the result); lo when fewer than `left` are equal. One scan from the top, which
 // stops once `left` are found. Block-wide; wsum[blockDim/32] and sel[3] are shared scratch.
@@ -102,33 +157,9 @@ struct TopCut {
 };
 template <typename KeyOf>
 __device__ __forceinline__ TopCut topk32(int lo, int hi, int m, KeyOf key_of, unsigned* hist, int* wsum, unsigned* sel) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    unsigned mn = 0xffffffffu, mx = 0u;
-    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const unsigned k = key_of(i);
-        mn = min(mn, k);
-        mx = max(mx, k);
-    }
-    mn = __reduce_min_sync(0xffffffffu, mn);
-    mx = __reduce_max_sync(0xffffffffu, mx);
-    __syncthreads();  // hist / sel may still be read by a previous user
-    if (lane == 0) {
-        hist[warp] = mn;
-        hist[32 + warp] = mx;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned a = 0xffffffffu, z = 0u;
-        for (int w = 0; w < nw; ++w) {
-            a = min(a, hist[w]);
-            z = max(z, hist[32 + w]);
-        }
-        const int top = a == z ? 0 : 32 - __clz(a ^ z);  // the low bits that differ among the keys
-        sel[0] = top == 32 ? 0u : (z & (0xffffffffu << top));
-        sel[1] = (unsigned)m;
-        sel[2] = 0u;
-        sel[3] = (unsigned)top;
-    }
+    unsigned a, z;
+    block_key_range(lo, hi, key_of, hist, a, z);
+    if (threadIdx.x == 0) radix_start(a, z, m, sel);
     __syncthreads();
     unsigned prefix = sel[0];
     int left = (int)sel[1], top = (int)sel[3];
@@ -147,15 +178,9 @@ __device__ __forceinline__ TopCut topk32(int lo, int hi, int m, KeyOf key_of, un
         const int c = (int)threadIdx.x < nb ? (int)hist[nb - 1 - threadIdx.x] : 0;
         int total;
         const int excl = block_excl_scan(c, wsum, total);
-        if (c > 0 && excl < left && excl + c >= left) {
-            sel[0] = prefix | ((unsigned)(nb - 1 - threadIdx.x) << shift);
-            sel[1] = (unsigned)(left - excl);
-            sel[2] = (c == left - excl) ? 1u : 0u;
-        }
+        radix_cross(c, excl, (unsigned)(nb - 1 - threadIdx.x), shift, prefix, left, sel);
         __syncthreads();
-        prefix = sel[0];
-        left = (int)sel[1];
-        done = sel[2] != 0u;
+        radix_descend(sel, prefix, left, done);
         top = shift;
     }
     TopCut r{prefix, lo};

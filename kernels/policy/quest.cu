@@ -277,28 +277,13 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
 template <typename KeyOf>
 __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int per, int m, unsigned rank, KeyOf key_of, unsigned* xh, unsigned* xw,
                                                     unsigned* sel, unsigned* wmm, int* cnt) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c0 = max(min((int)rank * per, np), lo), c1 = min(min((int)rank * per + per, np), hi);
-    unsigned mn = 0xffffffffu, mx = 0u;
-    for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
-        const unsigned k = key_of(i);
-        mn = min(mn, k);
-        mx = max(mx, k);
-    }
-    mn = __reduce_min_sync(0xffffffffu, mn);
-    mx = __reduce_max_sync(0xffffffffu, mx);
-    if (lane == 0) {
-        wmm[warp] = mn;
-        wmm[32 + warp] = mx;
-    }
-    __syncthreads();
+    unsigned a0, z0;
+    block_key_range(c0, c1, key_of, wmm, a0, z0);
     if (threadIdx.x == 0) {
-        for (int w = 1; w < nw; ++w) {
-            mn = min(mn, wmm[w]);
-            mx = max(mx, wmm[32 + w]);
-        }
-        xw[0] = mn;
-        xw[1] = mx;
+        xw[0] = a0;
+        xw[1] = z0;
     }
     cluster_sync();
     if (warp == 0) {
@@ -308,13 +293,7 @@ __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int 
         z = __reduce_max_sync(0xffffffffu, z);
         // Every candidate of CTA `lane`: its count of keys equal to the maximum when all keys are equal.
         if (peer) sel[4 + lane] = (unsigned)max(min(min(lane * per + per, np), hi) - max(min(lane * per, np), lo), 0);
-        if (lane == 0) {
-            const int top = a == z ? 0 : 32 - __clz(a ^ z);
-            sel[0] = top == 32 ? 0u : (z & (0xffffffffu << top));
-            sel[1] = (unsigned)m;
-            sel[2] = 0u;
-            sel[3] = (unsigned)top;
-        }
+        if (lane == 0) radix_start(a, z, m, sel);
     }
     __syncthreads();
     unsigned prefix = sel[0];
@@ -342,17 +321,12 @@ __device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int 
         }
         int total;
         const int excl = block_excl_scan(c, cnt, total);
-        if (c > 0 && excl < left && excl + c >= left) {
-            sel[0] = prefix | ((unsigned)(nb - 1 - threadIdx.x) << shift);
-            sel[1] = (unsigned)(left - excl);
-            sel[2] = (c == left - excl) ? 1u : 0u;
+        if (radix_cross(c, excl, (unsigned)(nb - 1 - threadIdx.x), shift, prefix, left, sel)) {
 #pragma unroll
             for (int q = 0; q < QC_CTAS; ++q) sel[4 + q] = v[q];
         }
         __syncthreads();
-        prefix = sel[0];
-        left = (int)sel[1];
-        done = sel[2] != 0u;
+        radix_descend(sel, prefix, left, done);
         top = shift;
     }
     TopCut r{prefix, c0};  // done: every key of the bin is kept

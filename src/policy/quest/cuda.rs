@@ -72,10 +72,12 @@ impl CudaStage for Quest {
         k.by_value(&cx.batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
         k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
         k.i32(clamp(self.budget)).i32(clamp(self.sink)).i64(scores as i64).i32(maxp as i32);
-        // Thread-block clusters (sm_90 and newer), while the rows leave SMs idle: the top-k of a row over
-        // QC_CTAS CTAs, no key histogram. With more rows one CTA per row does less work in all.
+        // Thread-block clusters (sm_90 and newer) while the clusters fit in one wave of one CTA per SM: the
+        // top-k of a row over QC_CTAS CTAs, no key histogram. With more rows one CTA per row does less work
+        // in all (H200, 32/8 heads, select µs one CTA / cluster: 1 x 128K 47.1 / 40.1, 8 x 32K 58.8 / 60.3,
+        // 32 x 32K 152 / 182; journal 2026-11-26, "Sixth session").
         let gpu = cx.dev.gpu();
-        let cluster = gpu.cc.0 >= 9 && ns * hk * QC_CTAS as usize <= 4 * gpu.num_sms.max(1) as usize;
+        let cluster = gpu.cc.0 >= 9 && ns * hk * QC_CTAS as usize <= gpu.num_sms.max(1) as usize;
         k.i64(if cluster { 0 } else { qhist as i64 }).i64(cx.row_bytes).i64(cx.ctr);
         let scorer = if self.exact || m.unit != page { "kvs_quest_scores_hist" } else { "kvs_quest_scores_hist_mma" };
         launch::launch(cx.function(scorer)?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores_hist launch")?;
