@@ -64,12 +64,15 @@ ENGINES = {
     # FP8 (E4M3) KV cache, vLLM's kv_cache_dtype="fp8" with its per-layer scales (dense, streaming and Quest on CUDA).
     "FLASH_ATTN_fp8": ("FLASH_ATTN", None),
     "dense_fp8": ("CUSTOM", ""),
+    "quest_fp8": ("CUSTOM", "quest(budget={L16})"),
+    "streaming_fp8": ("CUSTOM", "streaming(sink=64, recent={L16})"),
     # float32 model (FLASH_ATTN has no f32): the preempt part's batch-vs-alone check without bf16 ties.
     "dense_f32": ("CUSTOM", ""),
     "quest_f32": ("CUSTOM", "quest(budget={L16})"),
 }
 # Engine options beside the backend and policy.
 ENGINE_OPTS = {"FLASH_ATTN_fp8": dict(kv_cache_dtype="fp8"), "dense_fp8": dict(kv_cache_dtype="fp8"),
+               "quest_fp8": dict(kv_cache_dtype="fp8"), "streaming_fp8": dict(kv_cache_dtype="fp8"),
                "dense_f32": dict(dtype="float32"), "quest_f32": dict(dtype="float32")}
 SMALL_L16 = 256
 ENGINE_START_S = 75  # what one engine start may take (38-68 s measured for FLASH_ATTN), for the budget
