@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet};
 
 use parking_lot::Mutex;
 
-use super::batch::{dtype_code, Geometry, PlanRef, Rows};
+use super::batch::{dtype_code, kv8_code, Geometry, PlanRef, Rows};
 use super::context::{DevBuf, Gpu};
 use super::launch::{self, KArgs, Modules};
 use super::plan::{self, SplitPolicy};
@@ -89,14 +89,6 @@ impl Drop for CudaBackend {
     }
 }
 
-/// The kernels' `KV8` define (kernels/include/fp8.cuh): 1 = E4M3 cache, 2 = E5M2, 0 = the engine's dtype.
-pub(crate) fn kv8_code(cache: DType) -> i32 {
-    match cache {
-        DType::F8E4M3 => 1,
-        DType::F8E5M2 => 2,
-        _ => 0,
-    }
-}
 
 pub(crate) fn p(t: &TensorRef) -> *const u8 {
     t.data

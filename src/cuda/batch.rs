@@ -154,6 +154,15 @@ pub(crate) fn dtype_code(d: DType) -> i32 {
     }
 }
 
+/// The kernels' `KV8` define (kernels/include/fp8.cuh): 1 = E4M3 cache, 2 = E5M2, 0 = the engine's dtype.
+pub(crate) fn kv8_code(cache: DType) -> i32 {
+    match cache {
+        DType::F8E4M3 => 1,
+        DType::F8E5M2 => 2,
+        _ => 0,
+    }
+}
+
 /// Copies `dst.len()` bytes from device address `ptr` (synchronous).
 pub(crate) fn download_raw(ptr: u64, dst: &mut [u8]) -> Result<()> {
     if dst.is_empty() {

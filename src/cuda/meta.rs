@@ -176,7 +176,7 @@ impl DeviceMeta {
             DType::BF16 => 2,
             _ => 1,
         };
-        let defines = vec![format!("KVS_DTYPE={dt}"), format!("KV8={}", super::backend::kv8_code(cache.dtype)), "--fmad=false".to_string()];
+        let defines = vec![format!("KVS_DTYPE={dt}"), format!("KV8={}", super::batch::kv8_code(cache.dtype)), "--fmad=false".to_string()];
         let kscale = if cache.dtype.is_fp8() { cache.k_scale } else { 1.0 };
         let f = |name: &'static str| modules.function(gpu, "meta", launch::META, &defines, name);
         let (bs, hk, d) = (m.block_size as i32, m.kv_heads as i32, m.dim as i32);

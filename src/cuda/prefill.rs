@@ -114,7 +114,7 @@ impl CudaBackend {
         defines.push(self.checks_define.clone());
         let fp8 = cache.dtype.is_fp8();
         if fp8 {
-            defines.push(format!("KV8={}", super::backend::kv8_code(cache.dtype)));
+            defines.push(format!("KV8={}", super::batch::kv8_code(cache.dtype)));
         }
         let f = self.modules.function(&self.gpu, "attention_prefill", launch::ATTENTION_PREFILL, &defines, "kvs_attn_prefill")?;
         let smem = ps.smem_bytes(cfg.head_dim);
