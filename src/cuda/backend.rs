@@ -89,7 +89,6 @@ impl Drop for CudaBackend {
     }
 }
 
-
 pub(crate) fn p(t: &TensorRef) -> *const u8 {
     t.data
 }

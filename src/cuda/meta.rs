@@ -171,12 +171,8 @@ impl DeviceMeta {
         let m = g.as_ref().expect("set above");
         // An FP8 key cache is read as bytes (KV8) and scaled by k_scale, as the CPU reads it; the module's
         // element type is then unused (f16).
-        let dt = match cache.dtype {
-            DType::F32 => 0,
-            DType::BF16 => 2,
-            _ => 1,
-        };
-        let defines = vec![format!("KVS_DTYPE={dt}"), format!("KV8={}", super::batch::kv8_code(cache.dtype)), "--fmad=false".to_string()];
+        let elem = if cache.dtype.is_fp8() { DType::F16 } else { cache.dtype };
+        let defines = vec![format!("KVS_DTYPE={}", super::batch::dtype_code(elem)), format!("KV8={}", super::batch::kv8_code(cache.dtype)), "--fmad=false".to_string()];
         let kscale = if cache.dtype.is_fp8() { cache.k_scale } else { 1.0 };
         let f = |name: &'static str| modules.function(gpu, "meta", launch::META, &defines, name);
         let (bs, hk, d) = (m.block_size as i32, m.kv_heads as i32, m.dim as i32);

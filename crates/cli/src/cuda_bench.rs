@@ -142,7 +142,7 @@ pub fn copy_bandwidth() -> Result<f64> {
 }
 
 /// Random FP8 bytes (no NaN pattern of either format) for `n` cache elements: the FP8 bench's cache.
-pub(crate) fn random_fp8(n: usize, seed: u64) -> Vec<u8> {
+fn random_fp8(n: usize, seed: u64) -> Vec<u8> {
     let mut x = seed | 1;
     (0..n)
         .map(|_| {
@@ -153,6 +153,13 @@ pub(crate) fn random_fp8(n: usize, seed: u64) -> Vec<u8> {
             (x >> 24) as u8 & 0xf7
         })
         .collect()
+}
+
+/// K and V caches of `n` random FP8 elements each for `engine` (its FP8 `cache_dtype`), with the fixed
+/// scales the FP8 benches use set on every layer.
+pub(crate) fn random_fp8_caches(engine: &Engine, n: usize, seed: u64) -> Result<(DevBuf, DevBuf)> {
+    engine.set_kv_scales(None, 1.0 / 32.0, 1.0 / 64.0)?;
+    Ok((DevBuf::from_host(&random_fp8(n, seed))?, DevBuf::from_host(&random_fp8(n, seed ^ 0x5555))?))
 }
 
 /// Times dense decode at `p` over a cache of `cache` (bf16, or an FP8 format under bf16 queries);
@@ -176,8 +183,7 @@ pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_
     let cache_elems = nb * BLOCK * p.hk * d;
     let s: CUstream = std::ptr::null_mut();
     let (kc, vc) = if cache.is_fp8() {
-        engine.set_kv_scales(None, 1.0 / 32.0, 1.0 / 64.0)?;
-        (DevBuf::from_host(&random_fp8(cache_elems, seed))?, DevBuf::from_host(&random_fp8(cache_elems, seed ^ 0x5555))?)
+        random_fp8_caches(&engine, cache_elems, seed)?
     } else {
         let (kc, vc) = (DevBuf::alloc(cache_elems * 2)?, DevBuf::alloc(cache_elems * 2)?);
         backend.fill_random(kc.ptr, cache_elems, DType::BF16, seed as u32, 4.0, s)?;

@@ -80,8 +80,7 @@ pub fn bench_prefill_point(p: &PrefillPoint, hq: usize, hk: usize, old_reps: usi
     let s: CUstream = std::ptr::null_mut();
     let cache_elems = nb * BLOCK * hk * d;
     let (kc, vc) = if cache.is_fp8() {
-        engine.set_kv_scales(None, 1.0 / 32.0, 1.0 / 64.0)?;
-        (DevBuf::from_host(&crate::cuda_bench::random_fp8(cache_elems, seed))?, DevBuf::from_host(&crate::cuda_bench::random_fp8(cache_elems, seed ^ 0x5555))?)
+        crate::cuda_bench::random_fp8_caches(&engine, cache_elems, seed)?
     } else {
         let (kc, vc) = (DevBuf::alloc(cache_elems * 2)?, DevBuf::alloc(cache_elems * 2)?);
         backend.fill_random(kc.ptr, cache_elems, DType::BF16, seed as u32, 4.0, s)?;
