@@ -10,7 +10,7 @@ use crate::args::Args;
 
 const HELP: &str = "kvsparse bench --device cuda [--batch 1,4,...] [--ctx 1024,...] [--heads 32/8,64/8]
                     [--max-kv-gib N] [--csv PATH] [--table-width TOKENS] [--cache-dtype bf16|fp8|fp8_e5m2]
-                    [--policy SPEC ...]
+                    [--cache-layout nhd|hnd] [--policy SPEC ...]
 
 Times one dense decode step (query length 1, head 128, bf16, block 16, shuffled block tables) per grid
 point with CUDA events (median of 15 groups of 10 steps, inputs rotated so that the set touched is at
@@ -22,6 +22,8 @@ Points whose KV cache would exceed --max-kv-gib (default 40) or free memory are 
 finite FP8 bytes, fixed scales): GB/s counts the bytes the step reads, one per cache element. With
 --policy, the policy and its dense baseline both read an FP8 cache (bf16 rows written through the cache
 write, which quantizes them and keeps the key metadata).
+--cache-layout hnd (dense only) stores each block head-major ([block][head][token][dim], a KV head's rows
+contiguous, as FlashInfer's backends allocate it) instead of vLLM's NHD ([block][token][head][dim]).
 
 With --policy (repeatable; `L/16` in a spec stands for the context length over 16 at each point), times
 one sparse decode step per policy and point instead (default grid: batch 1,8,32 x context 16K,32K,128K,
@@ -161,7 +163,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
 }
 
 pub fn run(argv: &[String]) -> Result<(), String> {
-    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy", "table-width", "points", "old-reps", "cache-dtype"], &["prefill"], HELP)?;
+    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy", "table-width", "points", "old-reps", "cache-dtype", "cache-layout"], &["prefill"], HELP)?;
     if a.str("device") != Some("cuda") {
         return Err(format!("this module serves --device cuda only\n\n{HELP}"));
     }
@@ -182,6 +184,11 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     let max_kv = (a.get("max-kv-gib", 40.0f64)? * (1u64 << 30) as f64) as usize;
     let table_width: usize = a.get("table-width", 0usize)?;
     let cache = cache_dtype(&a)?;
+    let hnd = match a.str("cache-layout").unwrap_or("nhd") {
+        "nhd" => false,
+        "hnd" => true,
+        o => return Err(format!("--cache-layout {o:?}: use nhd (vLLM's FLASH_ATTN layout) or hnd (FlashInfer's)")),
+    };
     let mut grid: Vec<Point> = Vec::new();
     for h in &heads {
         let (hq, hk) = h.split_once('/').ok_or_else(|| format!("--heads wants Q/KV pairs like 32/8, got {h:?}"))?;
@@ -210,6 +217,9 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     if cache != kvsparse::DType::BF16 {
         println!("cache {} (bf16 queries), one byte per K/V element", cache.name());
     }
+    if hnd {
+        println!("cache layout HND: a block's rows of one KV head are contiguous ([block][head][token][dim])");
+    }
     if table_width > 0 {
         println!("block tables {table_width} tokens wide, max_seq_len = 0 (as a captured CUDA graph plans)");
     }
@@ -221,7 +231,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
             println!("{:>5} {:>7} {:>3}/{:<2} skipped: {:.1} GiB of KV (limit {:.1}, free {:.1})", p.batch, p.ctx, p.hq, p.hk, kv as f64 / (1u64 << 30) as f64, max_kv as f64 / (1u64 << 30) as f64, free as f64 / (1u64 << 30) as f64);
             continue;
         }
-        let r = bench_point(p, copy, l2, 1234 + i as u64, table_width, cache).map_err(|e| format!("point {p:?}: {e}"))?;
+        let r = bench_point(p, copy, l2, 1234 + i as u64, table_width, cache, hnd).map_err(|e| format!("point {p:?}: {e}"))?;
         println!("{:>5} {:>7} {:>3}/{:<2} {:>10.1} {:>9.0} {:>5.1}%  {:>4}", p.batch, p.ctx, p.hq, p.hk, r.us, r.gbps, 100.0 * r.frac_copy, r.rotation);
         if let Some(f) = csv.as_mut() {
             writeln!(f, "{},{},{},{},{:.3},{:.0},{:.1},{:.4},{:.1},{}", p.batch, p.ctx, p.hq, p.hk, r.us, r.bytes, r.gbps, r.frac_copy, copy, r.rotation).map_err(|e| e.to_string())?;

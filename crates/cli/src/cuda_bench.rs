@@ -165,8 +165,9 @@ pub(crate) fn random_fp8_caches(engine: &Engine, n: usize, seed: u64) -> Result<
 /// Times dense decode at `p` over a cache of `cache` (bf16, or an FP8 format under bf16 queries);
 /// `copy_gbps` is the reference bandwidth. `table_width` > 0: block tables of that many tokens (at
 /// least the context; the columns past it hold valid, unread ids) and max_seq_len = 0, as a CUDA graph
-/// captured for any length is launched.
-pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_width: usize, cache: DType) -> Result<Row> {
+/// captured for any length is launched. `hnd`: the cache in HND order inside each block (a KV head's rows
+/// contiguous, as FlashInfer's backends allocate it) instead of vLLM's NHD.
+pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_width: usize, cache: DType, hnd: bool) -> Result<Row> {
     let d = HEAD_DIM;
     let blocks_per_seq = p.ctx.div_ceil(BLOCK);
     let cols = table_width.div_ceil(BLOCK).max(blocks_per_seq);
@@ -216,14 +217,20 @@ pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_
         unsafe { TensorRef::from_raw(ptr, dt, dev, shape, None) }
     };
     let cshape = [nb as i64, BLOCK as i64, p.hk as i64, d as i64];
+    let (blk, hk, di) = (BLOCK as i64, p.hk as i64, d as i64);
+    let hnd_strides = [blk * hk * di, di, blk * di, 1];
+    let cache_view = |ptr: *mut u8| -> Result<TensorRef> {
+        // SAFETY: both layouts address exactly the allocation's nb blocks.
+        unsafe { TensorRef::from_raw(ptr, cache, dev, &cshape, if hnd { Some(&hnd_strides[..]) } else { None }) }
+    };
     let mut args = Vec::with_capacity(rotation);
     for r in 0..rotation {
         let qoff = r * p.batch * p.hq * d * 2;
         args.push(ForwardArgs {
             layer: 0,
             query: v(unsafe { q.as_ptr().add(qoff) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
-            key_cache: v(kc.as_ptr(), cache, &cshape)?,
-            value_cache: v(vc.as_ptr(), cache, &cshape)?,
+            key_cache: cache_view(kc.as_ptr())?,
+            value_cache: cache_view(vc.as_ptr())?,
             block_table: v(unsafe { bt.as_ptr().add(r * p.batch * cols * 4) }, DType::I32, &[p.batch as i64, cols as i64])?,
             seq_lens: v(seq_lens.as_ptr(), DType::I32, &[p.batch as i64])?,
             query_start_loc: v(qsl.as_ptr(), DType::I32, &[p.batch as i64 + 1])?,
