@@ -1,4 +1,4 @@
-"""CUDA-event timing shared by the decode peer benchmarks (sdpa_bench.py, fa3_decode_bench.py), which must
+"""CUDA-event timing shared by the decode peer benchmarks (sdpa_bench.py, peer_decode_bench.py), which must
 time calls exactly as `kvsparse bench --device cuda` does: a warm-up, then the median of `groups` groups of
 `per` back-to-back calls."""
 import statistics

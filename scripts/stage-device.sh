@@ -19,5 +19,5 @@ for t in cuda_refresh cuda_prr cuda_predictor; do
     strip --strip-debug "$dest/bin/${t}_tests"
   fi
 done
-cp scripts/gpu-check.sh scripts/gpu-sparse.sh scripts/mma-tune.sh scripts/clock-probe.sh scripts/sdpa_bench.py scripts/fa3_decode_bench.py scripts/cuda_timing.py scripts/compare.py scripts/compare_sparse.py "$dest/"
+cp scripts/gpu-check.sh scripts/gpu-sparse.sh scripts/mma-tune.sh scripts/clock-probe.sh scripts/sdpa_bench.py scripts/peer_decode_bench.py scripts/cuda_timing.py scripts/compare.py scripts/compare_sparse.py "$dest/"
 du -sh "$dest"
