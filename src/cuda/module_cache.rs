@@ -194,6 +194,7 @@ mod compile_tests {
             opts.push("--std=c++17".into());
             if std::env::var("KVS_PTXAS_VERBOSE").is_ok() {
                 opts.push("--ptxas-options=-v".into());
+                eprintln!("module {name} {}", defs.join(" "));  // names the ptxas lines that follow
             }
             cubin(name, &expand(src).expect("kernel sources expand"), &opts, "sm_90").unwrap_or_else(|e| panic!("{name} {defs:?}: {e}"));
         };
