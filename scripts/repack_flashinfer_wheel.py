@@ -18,11 +18,15 @@ import zipfile
 from pathlib import Path
 
 # The paged decode, and the FA2 prefill kernel that its tensor-core decode (use_tensor_cores=True, backend
-# "fa2") runs.
+# "fa2") runs: every batch_prefill* source but the SM90 (FA3, CUTLASS) ones.
 KEEP_CSRC = ("batch_decode.cu", "batch_decode_jit_binding.cu", "batch_decode_customize_config.jinja",
-             "batch_decode_kernel_inst.jinja", "batch_prefill.cu", "batch_prefill_jit_binding.cu",
-             "batch_prefill_customize_config.jinja", "batch_prefill_paged_kernel_inst.jinja",
-             "batch_prefill_ragged_kernel_inst.jinja")
+             "batch_decode_kernel_inst.jinja")
+
+
+def keep_csrc(f):
+    return f in KEEP_CSRC or (f.startswith("batch_prefill") and "sm90" not in f)
+
+
 KEEP_CCCL = ("cccl/libcudacxx/include/", "cccl/cub/cub/", "cccl/thrust/thrust/")
 # Subpackages for other kernels that neither `import flashinfer` nor the decode wrapper imports (checked with
 # sys.modules after importing flashinfer, .decode, .prefill, .page, .cascade and .jit.attention).
@@ -40,7 +44,7 @@ def keep(name):
         d = rel[len("data/"):]
         if d.startswith("csrc/"):
             f = d[len("csrc/"):]
-            return f in KEEP_CSRC or ("/" not in f and f.endswith((".h", ".cuh", ".inc")))
+            return keep_csrc(f) or ("/" not in f and f.endswith((".h", ".cuh", ".inc")))
         if d.startswith("cccl/"):
             return d.startswith(KEEP_CCCL)
         if d.startswith("cutlass/"):
