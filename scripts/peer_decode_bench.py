@@ -76,13 +76,15 @@ _WS = {}
 def flashinfer_point(b, L, hq, hkv, kc, vc, tables, q, out):
     import flashinfer
 
-    ws = _WS.setdefault("ws", torch.zeros(256 << 20, dtype=torch.uint8, device=dev))
+    if "ws" not in _WS:  # one workspace for every point (setdefault would allocate 256 MiB per call)
+        _WS["ws"] = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    ws = _WS["ws"]
     bps = L // BS
     indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * bps
     last = torch.full((b,), BS, dtype=torch.int32, device=dev)
     wrappers = []
+    tc = dict(use_tensor_cores=True, backend="fa2") if args.tensor_cores else {}
     for t in tables:  # one plan per rotation (FlashInfer's plan is host work done once per batch shape)
-        tc = dict(use_tensor_cores=True, backend="fa2") if args.tensor_cores else {}
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, args.layout.upper(), **tc)
         w.plan(indptr, t.reshape(-1).contiguous(), last, hq, hkv, D, BS, pos_encoding_mode="NONE",
                q_data_type=torch.bfloat16, kv_data_type=kc.dtype, sm_scale=D ** -0.5)
