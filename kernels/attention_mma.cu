@@ -47,10 +47,17 @@
 // into padded shared-memory rows (ROWB below) and each lane reads its MMA fragments from them
 // as 32-bit words, widening in registers (exact): no pass over shared memory. K: a word is 4 consecutive
 // channels of one key, so the k-step's channels are taken in the order (4j, 4j+1 | 4j+2, 4j+3) for lane
-// pair j, and Q's A fragment is loaded in the same order (a dot product does not care). V: the PV MMA
-// wants consecutive keys per lane; a lane reads the same word (4 channels) of 4 keys and byte-permutes
-// them, so the word's 4 channels feed 4 output tiles: tile n's column c is channel
-// 32 (n / 4) + 4 c + n % 4 (kv8_dim below), undone when the accumulators are stored. The MMAs are f16
+// pair j, and Q's A fragment is loaded in the same order (a dot product does not care). V: the PV product
+// runs transposed, O^T += V^T P^T (M = 16 channels, N = 8 query heads, K = the tile's 16 keys), whose B
+// fragment is the S accumulator's layout, so P feeds it as it is, and a tile's 16 keys cost HEAD_DIM / 16
+// MMAs into half the accumulators (GQ <= 8; two MMAs per channel tile for GQ > 8). The A fragment wants
+// two consecutive keys per register; a lane reads the same words of 4 keys and byte-permutes them, so a
+// word's 4 channels feed rows r, r + 8 of two channel tiles. A lane's words of a row are contiguous
+// (kv8_vw below: 16 bytes per 128-channel block, one 16-byte load per key), and the accumulators are
+// stored back in channel order; each output element sums the same products in the same key order as the
+// untransposed product. The FP8 loop is issue-bound (not memory-bound as bf16 is), so it also copies a
+// whole tile (16 visible keys of one block) from one address per lane, stepped, and skips the O rescale
+// while no head's running maximum moved. The MMAs are f16
 // (e4m3 and e5m2 widen to f16 exactly, one cvt per pair; P in f16 is finer than in bf16): Q, f16 or bf16,
 // is multiplied by 2^qe, qe chosen so that its largest magnitude lies in [2^14, 2^15) (exact: a power of
 // two; only elements below 2^-28 of the largest lose bits, as f16 subnormals), and the logits by 2^-qe.
@@ -88,10 +95,32 @@
 #if ART || LOGITS
 #error "FP8 caches: dense rows and plans (no ART, no logits)"
 #endif
-// The output channel of accumulator column c (0..7) of PV tile n (kv8 fragment order, header); a head size
-// that is an odd multiple of 16 ends with two tiles over 16 channels read as 16-bit halves (2 channels).
-#define KV8_G (HEAD_DIM / 32)  // whole 32-channel groups
-__device__ __forceinline__ int kv8_dim(int n, int c) { return n < 4 * KV8_G ? 32 * (n >> 2) + 4 * c + (n & 3) : 32 * KV8_G + 2 * c + (n & 1); }
+// V^T tiles (header): lane c's word g (kv8_vw) holds rows c, c + 8 of channel tiles 2 g and 2 g + 1
+// (bytes 0, 1 and 2, 3); a head size that is an odd multiple of 16 ends with one tile over 16 channels read
+// as 16-bit halves (lane c: channels 32 KV8_G + 2 c, + 1).
+#define KV8_G (HEAD_DIM / 32)  // whole 32-channel groups: V words per lane and key
+#define KV8_GF (KV8_G / 4)       // whole 128-channel blocks (4 words, 16 bytes, per lane)
+#define KV8_GR (KV8_G % 4)       // words per lane in the last, partial block
+// Byte offset in a V row of lane c's word g: per block of 128 channels the lane's words are contiguous
+// (8 lanes x 16 bytes; the partial block 8 lanes x 4 KV8_GR bytes), conflict-free over the quarter-warps
+// of a 16-byte load with the padded rows (ROWB).
+__device__ __forceinline__ int kv8_vw(int g, int c) { return 128 * (g >> 2) + 4 * ((g >> 2) < KV8_GF ? 4 : KV8_GR) * c + 4 * (g & 3); }
+#define KV8_MT (HEAD_DIM / 16)   // 16-channel tiles of O^T (transposed PV, header)
+#define KV8_HH (GQ > 8 ? 2 : 1)    // halves of the CTA's query heads (the N = 8 side of an O^T tile)
+// Rescales the O^T tiles of one head half by the online softmax's alpha. Lane (r, qd) computed alpha of
+// head r (+ 8) and holds heads 2 qd, 2 qd + 1: theirs come from lanes 8 qd and 8 qd + 4.
+// Skipped while no head's maximum moved (alpha == 1 in every lane; x * 1 == x): most tiles of a long row.
+__device__ __forceinline__ void kv8_rescale(float (*o)[4], float alpha, int qd) {
+    if (!__any_sync(0xffffffffu, alpha != 1.f)) return;
+    const float a0 = __shfl_sync(0xffffffffu, alpha, 8 * qd), a1 = __shfl_sync(0xffffffffu, alpha, 8 * qd + 4);
+#pragma unroll
+    for (int m = 0; m < KV8_MT; ++m) {
+        o[m][0] *= a0;
+        o[m][1] *= a1;
+        o[m][2] *= a0;
+        o[m][3] *= a1;
+    }
+}
 #endif
 
 #ifndef ART
@@ -382,6 +411,16 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
             }
             qa[ks][j] = v;
         }
+#if KV8 && GQ <= 8
+    // Rows r + 8 of the A operand are padding: zero, made by a byte permute that ptxas does not fold, so
+    // that it keeps every quad whole in registers instead of re-zeroing and copying quads around each MMA
+    // of the loop (the FP8 loop is issue-bound).
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+        asm("prmt.b32 %0, %1, 0, 0x4444;" : "=r"(qa[ks][1]) : "r"(qa[ks][0]));
+        asm("prmt.b32 %0, %1, 0, 0x4444;" : "=r"(qa[ks][3]) : "r"(qa[ks][2]));
+    }
+#endif
 
 #if ART
     // The split-parallel traversal (one segment walked by several splits, `art_global`): every round's
@@ -392,9 +431,15 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     bool art_row_bad = false;
 art_pass_start:
 #endif
+#if KV8
+    float o[KV8_HH * KV8_MT][4];  // O^T tiles (transposed PV, header): [head half][16-channel tile]
+#pragma unroll
+    for (int n = 0; n < KV8_HH * KV8_MT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+#else
     float o[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+#endif
     float m0 = -INFINITY, m1 = -INFINITY, l0s = 0.f, l1s = 0.f;
     bool bad0 = false, bad1 = false;  // this lane's rows r and r + 8 met a non-finite visible logit
 
@@ -406,6 +451,14 @@ art_pass_start:
     const unsigned wbase = smem_u32(smem) + warp * (NSTAGE * 2 * TILEB);
     const kv_t* kh = kc + kvh * k2;
     const kv_t* vh = vc + kvh * v2;
+#if KV8 && 32 % CPR8 == 0
+    // A whole tile's copies (below): lane l's first chunk is row l / CPR8, chunk l % CPR8 of the row.
+    // Opaque to the compiler, so that it keeps them in registers instead of recomputing them every tile.
+    const kv_t* kv8_kl = kh + (lane / CPR8) * k1 + (lane % CPR8) * 16;
+    const kv_t* kv8_vl = vh + (lane / CPR8) * v1 + (lane % CPR8) * 16;
+    unsigned kv8_dl = (lane / CPR8) * ROWB + (lane % CPR8) * 16;
+    asm("" : "+l"(kv8_kl), "+l"(kv8_vl), "+r"(kv8_dl));
+#endif
 
     // Issues the cp.async of this warp's k-th tile into stage st (always commits a group).
     auto load = [&](int k, int st) {
@@ -438,21 +491,61 @@ art_pass_start:
             const unsigned kdst = wbase + st * (2 * TILEB), vdst = kdst + TILEB;
 #if KV8
             // FP8 rows: HEAD_DIM bytes per padded row (widened in registers when the fragments are read).
-#pragma unroll
-            for (int i = 0; i < (16 * CPR8 + 31) / 32; ++i) {
-                const int c = i * 32 + lane, kr = min(c / CPR8, 15), cc = c % CPR8;
-                const int b = __shfl_sync(0xffffffffu, blk, kr);
-                const bool v = (msk >> kr) & 1;
+            // A whole tile (16 visible keys at consecutive positions of one block: every interior tile of a
+            // dense row with blocks of >= 16 positions, a plan's runs of >= 16 keys) has affine row
+            // addresses: one base per tile, stepped per chunk, no shuffles and no 64-bit products per
+            // chunk (the FP8 path is issue-bound). Other tiles take the per-chunk path below.
 #if PLAN
-                const i64 off = __shfl_sync(0xffffffffu, p, kr) & bmask;
+            const int p0 = __shfl_sync(0xffffffffu, p, 0);
+            const bool whole = __all_sync(0xffffffffu, p == p0 + key) && msk == 0xffffu && (p0 & bmask) + 15 <= bmask;
 #else
-                const i64 off = (pb + kr) & bmask;
+            const int p0 = pb;
+            const bool whole = msk == 0xffffu && bs_log2 >= 4;
 #endif
-                if (c < 16 * CPR8) {
-                    const kv_t* ks = v ? kh + (i64)b * k0 + off * k1 + cc * 16 : kc;
-                    const kv_t* vs = v ? vh + (i64)b * v0 + off * v1 + cc * 16 : vc;
-                    cp_async16(kdst + kr * ROWB + cc * 16, ks, v ? 16 : 0);
-                    cp_async16(vdst + kr * ROWB + cc * 16, vs, v ? 16 : 0);
+            if (whole) {
+                // Every lane's blk is the tile's block (valid, so not negative; nor is the row).
+                const i64 row0 = (unsigned)(p0 & bmask);
+#if 32 % CPR8 == 0
+                // Chunk i of lane l: row i * (32 / CPR8) + l / CPR8, chunk l % CPR8 of the row.
+                const kv_t* ks = kv8_kl + (i64)(unsigned)blk * k0 + row0 * k1;
+                const kv_t* vs = kv8_vl + (i64)(unsigned)blk * v0 + row0 * v1;
+                const unsigned kd = kdst + kv8_dl;
+#pragma unroll
+                for (int i = 0; i < (16 * CPR8 + 31) / 32; ++i) {
+                    if (CPR8 > 1 || lane < 16) {  // head size 16: one chunk per row, 16 lanes
+                        cp_async16(kd + i * (32 / CPR8) * ROWB, ks + i * (32 / CPR8) * k1, 16);
+                        cp_async16(kd + TILEB + i * (32 / CPR8) * ROWB, vs + i * (32 / CPR8) * v1, 16);
+                    }
+                }
+#else
+                const kv_t* kr0 = kh + (i64)(unsigned)blk * k0 + row0 * k1;
+                const kv_t* vr0 = vh + (i64)(unsigned)blk * v0 + row0 * v1;
+#pragma unroll
+                for (int i = 0; i < (16 * CPR8 + 31) / 32; ++i) {
+                    const int c = i * 32 + lane, kr = c / CPR8, cc = c % CPR8;
+                    if (c < 16 * CPR8) {
+                        cp_async16(kdst + kr * ROWB + cc * 16, kr0 + kr * k1 + cc * 16, 16);
+                        cp_async16(vdst + kr * ROWB + cc * 16, vr0 + kr * v1 + cc * 16, 16);
+                    }
+                }
+#endif
+            } else {
+#pragma unroll
+                for (int i = 0; i < (16 * CPR8 + 31) / 32; ++i) {
+                    const int c = i * 32 + lane, kr = min(c / CPR8, 15), cc = c % CPR8;
+                    const int b = __shfl_sync(0xffffffffu, blk, kr);
+                    const bool v = (msk >> kr) & 1;
+#if PLAN
+                    const i64 off = __shfl_sync(0xffffffffu, p, kr) & bmask;
+#else
+                    const i64 off = (pb + kr) & bmask;
+#endif
+                    if (c < 16 * CPR8) {
+                        const kv_t* ks = v ? kh + (i64)b * k0 + off * k1 + cc * 16 : kc;
+                        const kv_t* vs = v ? vh + (i64)b * v0 + off * v1 + cc * 16 : vc;
+                        cp_async16(kdst + kr * ROWB + cc * 16, ks, v ? 16 : 0);
+                        cp_async16(vdst + kr * ROWB + cc * 16, vs, v ? 16 : 0);
+                    }
                 }
             }
 #else
@@ -528,6 +621,9 @@ art_pass_start:
         for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
+#if KV8 && GQ <= 8
+                if (e >= 2) continue;  // rows r + 8 are padding, never read on this path
+#endif
                 float x = s[n][e];
                 const bool vis = (msk >> (n * 8 + qd * 2 + (e & 1))) & 1;
                 if (vis && !isfinite(x)) {
@@ -560,8 +656,12 @@ art_pass_start:
             pa[0] = pack2(exp2f(s[0][0] - mu), exp2f(s[0][1] - mu), &sum);
             pa[2] = pack2(exp2f(s[1][0] - mu), exp2f(s[1][1] - mu), &sum);
             l0s = l0s * alpha + sum;
+#if KV8
+            kv8_rescale(o, alpha, qd);
+#else
 #pragma unroll
             for (int n = 0; n < NT; ++n) { o[n][0] *= alpha; o[n][1] *= alpha; }
+#endif
         }
 #if GQ > 8
         {
@@ -575,43 +675,67 @@ art_pass_start:
             pa[1] = pack2(exp2f(s[0][2] - mu), exp2f(s[0][3] - mu), &sum);
             pa[3] = pack2(exp2f(s[1][2] - mu), exp2f(s[1][3] - mu), &sum);
             l1s = l1s * alpha + sum;
+#if KV8
+            kv8_rescale(o + KV8_MT, alpha, qd);
+#else
 #pragma unroll
             for (int n = 0; n < NT; ++n) { o[n][2] *= alpha; o[n][3] *= alpha; }
+#endif
         }
 #else
         pa[1] = pa[3] = 0u;
 #endif
 #if KV8
-        // Lane (r, qd): keys 2 qd, 2 qd + 1, 2 qd + 8, 2 qd + 9, word r of each 32-channel group; byte c of
-        // the words is column r of tile 4 g + c (kv8_dim).
-        const unsigned char* v8 = smem + (vb - smem_u32(smem)) + 2 * qd * ROWB + r * 4;
+        // O^T += V^T P^T: lane (r, qd) reads keys 2 qd, 2 qd + 1, 2 qd + 8, 2 qd + 9, its words of each
+        // (kv8_vw, 16-byte loads); bytes 2 h, 2 h + 1 of word g are rows r, r + 8 of channel tile 2 g + h.
+        // P^T's B fragment is the S accumulator's layout (head r, keys 2 qd, 2 qd + 1 | + 8): pa.
+        const unsigned char* v8 = smem + (vb - smem_u32(smem)) + 2 * qd * ROWB;
+        // Channel tile mt from the 16-bit pairs (bytes b0, b1 of the 4 keys' words): rows r, r + 8.
+        auto pv = [&](int mt, unsigned w0, unsigned w1, unsigned w8, unsigned w9, unsigned b0, unsigned b1) {
+            const unsigned s0 = b0 | ((4 + b0) << 4), s1 = b1 | ((4 + b1) << 4);
+            const unsigned a0 = kv8x2_to_f16x2((unsigned short)__byte_perm(w0, w1, s0)), a1 = kv8x2_to_f16x2((unsigned short)__byte_perm(w0, w1, s1));
+            const unsigned a2 = kv8x2_to_f16x2((unsigned short)__byte_perm(w8, w9, s0)), a3 = kv8x2_to_f16x2((unsigned short)__byte_perm(w8, w9, s1));
+            mma16816(o[mt], a0, a1, a2, a3, pa[0], pa[2]);
+#if GQ > 8
+            mma16816(o[KV8_MT + mt], a0, a1, a2, a3, pa[1], pa[3]);
+#endif
+        };
+        auto pv4 = [&](int g, unsigned w0, unsigned w1, unsigned w8, unsigned w9) {
+            pv(2 * g, w0, w1, w8, w9, 0, 1);
+            pv(2 * g + 1, w0, w1, w8, w9, 2, 3);
+        };
 #pragma unroll
-        for (int g = 0; g < KV8_G; ++g) {
-            const unsigned w0 = *reinterpret_cast<const unsigned*>(v8 + g * 32);
-            const unsigned w1 = *reinterpret_cast<const unsigned*>(v8 + ROWB + g * 32);
-            const unsigned w8 = *reinterpret_cast<const unsigned*>(v8 + 8 * ROWB + g * 32);
-            const unsigned w9 = *reinterpret_cast<const unsigned*>(v8 + 9 * ROWB + g * 32);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const unsigned sel = c | ((4 + c) << 4);
-                mma16816(o[4 * g + c], pa[0], pa[1], pa[2], pa[3], kv8x2_to_f16x2((unsigned short)__byte_perm(w0, w1, sel)),
-                         kv8x2_to_f16x2((unsigned short)__byte_perm(w8, w9, sel)));
-            }
+        for (int b = 0; b < KV8_GF; ++b) {
+            const unsigned char* vw = v8 + kv8_vw(4 * b, r);
+            const uint4 a0 = *reinterpret_cast<const uint4*>(vw), a1 = *reinterpret_cast<const uint4*>(vw + ROWB);
+            const uint4 a8 = *reinterpret_cast<const uint4*>(vw + 8 * ROWB), a9 = *reinterpret_cast<const uint4*>(vw + 9 * ROWB);
+            pv4(4 * b, a0.x, a1.x, a8.x, a9.x);
+            pv4(4 * b + 1, a0.y, a1.y, a8.y, a9.y);
+            pv4(4 * b + 2, a0.z, a1.z, a8.z, a9.z);
+            pv4(4 * b + 3, a0.w, a1.w, a8.w, a9.w);
         }
+#if KV8_GR == 2
+        {
+            const unsigned char* vw = v8 + kv8_vw(4 * KV8_GF, r);
+            const uint2 a0 = *reinterpret_cast<const uint2*>(vw), a1 = *reinterpret_cast<const uint2*>(vw + ROWB);
+            const uint2 a8 = *reinterpret_cast<const uint2*>(vw + 8 * ROWB), a9 = *reinterpret_cast<const uint2*>(vw + 9 * ROWB);
+            pv4(4 * KV8_GF, a0.x, a1.x, a8.x, a9.x);
+            pv4(4 * KV8_GF + 1, a0.y, a1.y, a8.y, a9.y);
+        }
+#else
+#pragma unroll
+        for (int g = 4 * KV8_GF; g < KV8_G; ++g) {
+            const unsigned char* vw = v8 + kv8_vw(g, r);
+            pv4(g, *reinterpret_cast<const unsigned*>(vw), *reinterpret_cast<const unsigned*>(vw + ROWB), *reinterpret_cast<const unsigned*>(vw + 8 * ROWB),
+                *reinterpret_cast<const unsigned*>(vw + 9 * ROWB));
+        }
+#endif
 #if HEAD_DIM % 32
         {
-            // Lane r: channels 32 KV8_G + 2 r, + 1 of the same 4 keys.
-            const unsigned char* v8r = smem + (vb - smem_u32(smem)) + 2 * qd * ROWB + KV8_G * 32 + r * 2;
-            const unsigned h0 = *reinterpret_cast<const unsigned short*>(v8r);
-            const unsigned h1 = *reinterpret_cast<const unsigned short*>(v8r + ROWB);
-            const unsigned h8 = *reinterpret_cast<const unsigned short*>(v8r + 8 * ROWB);
-            const unsigned h9 = *reinterpret_cast<const unsigned short*>(v8r + 9 * ROWB);
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const unsigned sel = c | ((4 + c) << 4);
-                mma16816(o[4 * KV8_G + c], pa[0], pa[1], pa[2], pa[3], kv8x2_to_f16x2((unsigned short)__byte_perm(h0, h1, sel)),
-                         kv8x2_to_f16x2((unsigned short)__byte_perm(h8, h9, sel)));
-            }
+            // The last 16 channels, one tile: lane r reads channels 32 KV8_G + 2 r, + 1 of the same 4 keys.
+            const unsigned char* vw = v8 + 32 * KV8_G + 2 * r;
+            pv(2 * KV8_G, *reinterpret_cast<const unsigned short*>(vw), *reinterpret_cast<const unsigned short*>(vw + ROWB),
+               *reinterpret_cast<const unsigned short*>(vw + 8 * ROWB), *reinterpret_cast<const unsigned short*>(vw + 9 * ROWB), 0, 1);
         }
 #endif
 #else
@@ -723,14 +847,7 @@ art_pass_start:
                 sm_m[warp * GQ + hr] = half ? m1 : m0;
                 sm_l[warp * GQ + hr] = half ? l1s : l0s;
             }
-#if KV8
-            float* dst = sm_o + (warp * GQ + hr) * HEAD_DIM;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                dst[kv8_dim(n, qd * 2)] = o[n][half * 2];
-                dst[kv8_dim(n, qd * 2 + 1)] = o[n][half * 2 + 1];
-            }
-#else
+#if !KV8
             float* dst = sm_o + (warp * GQ + hr) * HEAD_DIM + qd * 2;
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
@@ -740,6 +857,26 @@ art_pass_start:
 #endif
         }
     }
+#if KV8
+    // O^T tiles: lane (r, qd) holds heads 2 qd, 2 qd + 1 (+ 8 hh) at rows r, r + 8; the 4 bytes of its word g
+    // (tiles 2 g, 2 g + 1) are 4 consecutive channels: one 16-byte store per word and head.
+#pragma unroll
+    for (int hh = 0; hh < KV8_HH; ++hh)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int hr = hh * 8 + 2 * qd + j;
+            if (hr < GQ) {
+                float* dst = sm_o + (warp * GQ + hr) * HEAD_DIM;
+                const float(*ot)[4] = o + hh * KV8_MT;
+#pragma unroll
+                for (int g = 0; g < KV8_G; ++g)
+                    *reinterpret_cast<float4*>(dst + kv8_vw(g, r)) = make_float4(ot[2 * g][j], ot[2 * g][2 + j], ot[2 * g + 1][j], ot[2 * g + 1][2 + j]);
+#if HEAD_DIM % 32
+                *reinterpret_cast<float2*>(dst + 32 * KV8_G + 2 * r) = make_float2(ot[2 * KV8_G][j], ot[2 * KV8_G][2 + j]);
+#endif
+            }
+        }
+#endif
     __syncthreads();
     bool row_bad;
 #if ART
