@@ -66,11 +66,18 @@ __device__ __forceinline__ unsigned long long quest_stage_round(const Batch& b, 
         sbase[j] = pb < 0 ? -1 : ((pb * upb + (fp + i) % upb) * hk + h) * (i64)HEAD_DIM;
     }
     __syncthreads();
+    // A warp copies one page's [min | max] row at a time, lane x its 16-byte chunk x (and x + 32): the
+    // chunk's source and destination offsets are the lane's for every page, computed once.
     constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks of one bound row
-    for (int c = threadIdx.x; c < round * 2 * CH; c += blockDim.x) {
-        const int j = c / (2 * CH), mx = (c / CH) % 2, ch = c % CH;
-        const i64 base = sbase[j];
-        if (base >= 0) quest_cp_async16(rows + (i64)j * stride + mx * HEAD_DIM + ch * 8, (mx ? qmax : qmin) + base + ch * 8);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int x = lane; x < 2 * CH; x += 32) {
+        const int mx = x / CH, ch = x % CH;
+        const u16* src = (mx ? qmax : qmin) + ch * 8;
+        u16* dst = rows + mx * HEAD_DIM + ch * 8;
+        for (int j = warp; j < round; j += nw) {
+            const i64 base = sbase[j];
+            if (base >= 0) quest_cp_async16(dst + j * stride, src + base);
+        }
     }
     return units;
 }

@@ -41,18 +41,25 @@ __device__ __forceinline__ unsigned quest_f16x2(float first, float second) {
 // The larger of a and b, NaN if either is NaN (fmaxf would drop a NaN).
 __device__ __forceinline__ float quest_nanmax(float a, float b) { return (b > a || b != b) ? b : a; }
 
-// Column k of the split query (K index in the staged row's order) for query row g, scaled by 2^e.
-__device__ __forceinline__ float quest_split_q(const float* qf, int g, int k, int e) {
-    if (g >= GROUP) return 0.f;
-    const int p = k % HEAD_DIM;
-    const float v = ldexpf(qf[g * HEAD_DIM + (p % QC) * 16 + p / QC], e);
-    // NaN stays NaN in both halves.
-    return k < HEAD_DIM ? (v > 0.f ? 0.f : v) : (v < 0.f ? 0.f : v);
+// Query rows in the CTA's scratch `qs`: row g at g * QM_QSTR, in the staged rows' lane order (position p
+// holds channel (p % QC) * 16 + p / QC). The 8-float pad puts the fragment build's float2 reads (8 rows x 4
+// column pairs per warp) on distinct banks; the caller's scratch holds GROUP * (HEAD_DIM + 16) floats.
+#define QM_QSTR (HEAD_DIM + 8)
+
+// 2^e as a float, for -126 <= e <= 127 (exact).
+__device__ __forceinline__ float quest_pow2(int e) { return __int_as_float((e + 127) << 23); }
+
+// One half of the split query, scaled: v * 2^e (as two exact power-of-two products; |v| * 2^e stays below
+// 2^15, and a product that would round below f16's range is 0 in both f16 terms either way), then the
+// negative part (min(v, 0)) or the positive part (max(v, 0)). NaN stays NaN in both halves.
+__device__ __forceinline__ float quest_split_part(float v, float s1, float s2, bool neg) {
+    v = v * s1 * s2;
+    return neg ? (v > 0.f ? 0.f : v) : (v < 0.f ? 0.f : v);
 }
 
 // One CTA's tile of QS_PAGES pages of row (s, h), unit == page (the caller's choice), scored on tensor
-// cores; `put(i, score)` once per page i of the tile inside the row, `qs` shared scratch of at least
-// GROUP * HEAD_DIM floats. Returns the units this thread read. All threads of the CTA call this.
+// cores; `put(i, score)` once per page i of the tile inside the row, `qs` 16-byte aligned shared scratch of
+// GROUP * QM_QSTR floats or more. Returns the units this thread read. All threads of the CTA call this.
 template <typename Put>
 __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& b, const SeqRow& r, int s, int h, const elem_t* q, i64 q0, i64 q1, i64 q2,
                                                                    float scale, int hk, const u16* qmin, const u16* qmax, int upb, int page, int maxp,
@@ -61,6 +68,7 @@ __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& 
     __shared__ i64 sbase[QM_ROUND];
     __shared__ __align__(16) uint4 qb[QM_NT][QM_KS][32];  // B fragments per lane: hi b0, hi b1, lo b0, lo b1
     __shared__ int qe[QM_NT * 8];                         // 2^e per query row
+    static_assert(HEAD_DIM % 16 == 0, "a k-step of 16 lies in one half of the split query");
     const int fp = r.lo / page, np = r.hi / page - fp + 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     unsigned long long units = 0;
@@ -70,13 +78,15 @@ __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& 
         units += quest_stage_round(b, s, h, hk, qmin, qmax, upb, fp, np, maxp, tile0, QM_ROUND, sbase, &sb[0][0], 2 * HEAD_DIM + QM_PAD);
         if (r0 == 0) {
             // The split query, built while the first round's bounds are in flight.
-            for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x)
-                qs[i] = ET::ld(q[(i64)r.t * q0 + (i64)(h * GROUP + i / HEAD_DIM) * q1 + (i64)(i % HEAD_DIM) * q2]);
+            for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
+                const int g = i / HEAD_DIM, c = i % HEAD_DIM;
+                qs[g * QM_QSTR + (c % 16) * QC + c / 16] = ET::ld(q[(i64)r.t * q0 + (i64)(h * GROUP + g) * q1 + (i64)c * q2]);
+            }
             __syncthreads();
             for (int g = warp; g < QM_NT * 8; g += QS_THREADS / 32) {
                 float m = 0.f;
                 if (g < GROUP)
-                    for (int c = lane; c < HEAD_DIM; c += 32) m = quest_nanmax(m, fabsf(qs[g * HEAD_DIM + c]));
+                    for (int c = lane; c < HEAD_DIM; c += 32) m = quest_nanmax(m, fabsf(qs[g * QM_QSTR + c]));
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) m = quest_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
                 int x = 0;
@@ -85,17 +95,26 @@ __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& 
                 if (lane == 0) qe[g] = finite ? 15 - x : 0;  // max |q| * 2^e in [2^14, 2^15)
             }
             __syncthreads();
+            // Lane l of k-step ks holds, for query row nt * 8 + l / 4, the K indices k = ks * 16 + 2 (l % 4)
+            // + {0, 1} (b0) and the same + 8 (b1): positions p, p + 1, p + 8, p + 9 of the row, p below, of
+            // its negative half when k < HEAD_DIM (a k-step lies in one half: HEAD_DIM is a multiple of 16).
             for (int i = threadIdx.x; i < QM_NT * QM_KS * 32; i += blockDim.x) {
                 const int l = i % 32, ks = (i / 32) % QM_KS, nt = i / (32 * QM_KS);
                 const int g = nt * 8 + l / 4;
-                const int e = qe[g];
-                unsigned hi[2], lo[2];
+                unsigned hi[2] = {0u, 0u}, lo[2] = {0u, 0u};
+                if (g < GROUP) {
+                    const int e = qe[g];
+                    const float s1 = quest_pow2(e - e / 2), s2 = quest_pow2(e / 2);  // qe in [-113, 163]
+                    const bool neg = ks * 16 < HEAD_DIM;
+                    const float* row = qs + g * QM_QSTR + (ks * 16) % HEAD_DIM + 2 * (l % 4);
+                    const float2 a = *reinterpret_cast<const float2*>(row), c = *reinterpret_cast<const float2*>(row + 8);
+                    const float v[4] = {quest_split_part(a.x, s1, s2, neg), quest_split_part(a.y, s1, s2, neg), quest_split_part(c.x, s1, s2, neg),
+                                        quest_split_part(c.y, s1, s2, neg)};
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {  // b0: k = 2 (l % 4) + {0, 1}; b1: the same + 8
-                    const int k0 = ks * 16 + 2 * (l % 4) + 8 * half;
-                    const float v0 = quest_split_q(qs, g, k0, e), v1 = quest_split_q(qs, g, k0 + 1, e);
-                    hi[half] = quest_f16x2(v0, v1);
-                    lo[half] = quest_f16x2(v0 - kvs_f16_to_f32((u16)hi[half]), v1 - kvs_f16_to_f32((u16)(hi[half] >> 16)));
+                    for (int half = 0; half < 2; ++half) {
+                        hi[half] = quest_f16x2(v[2 * half], v[2 * half + 1]);
+                        lo[half] = quest_f16x2(v[2 * half] - kvs_f16_to_f32((u16)hi[half]), v[2 * half + 1] - kvs_f16_to_f32((u16)(hi[half] >> 16)));
+                    }
                 }
                 qb[nt][ks][l] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
             }

@@ -75,7 +75,7 @@ template <bool MMA>
 __device__ __forceinline__ void quest_scores_hist(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk, const u16* qmin,
                                                   const u16* qmax, int unit, int upb, int page, int budget, int sink, float* scores, int maxp,
                                                   unsigned* hist, i64 row_bytes, unsigned long long* ctr) {
-    __shared__ float qs[GROUP * 16 * (QC + 1)];
+    __shared__ __align__(16) float qs[GROUP * 16 * (QC + 1)];  // q rows (quest_mma.cuh: float2 reads)
     __shared__ unsigned long long red[32];
     __shared__ unsigned tbin[QS_PAGES];
     if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) rows_count(b, hk, row_bytes, ctr, red);
