@@ -43,7 +43,7 @@
 // It also spreads a row whose plan is shorter than the launch's bound over every split (a per-row chunk,
 // the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
 // (k positions) share the launch of its full rows (every position).
-// KV8 (fp8.cuh; dense rows and plans; the host refuses ART and logits over them): FP8 caches. A tile's rows are copied as bytes
+// KV8 (fp8.cuh; dense rows, plans and ART; the host refuses logits over them): FP8 caches. A tile's rows are copied as bytes
 // into padded shared-memory rows (ROWB below) and each lane reads its MMA fragments from them
 // as 32-bit words, widening in registers (exact): no pass over shared memory. K: a word is 4 consecutive
 // channels of one key, so the k-step's channels are taken in the order (4j, 4j+1 | 4j+2, 4j+3) for lane
@@ -85,8 +85,8 @@
 #define SMEM_BYTES (STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES)
 #if KV8
 #define CPR8 (HEAD_DIM / 16)  // 16-byte chunks per FP8 row
-#if ART || LOGITS
-#error "FP8 caches: dense rows and plans (no ART, no logits)"
+#if LOGITS
+#error "FP8 caches: dense rows, plans and ART (no logits)"
 #endif
 // The output channel of accumulator column c (0..7) of PV tile n (kv8 fragment order, header); a head size
 // that is an odd multiple of 16 ends with two tiles over 16 channels read as 16-bit halves (2 channels).
@@ -631,7 +631,28 @@ art_pass_start:
             lq += __shfl_xor_sync(0xffffffffu, lq, 1);
             lq += __shfl_xor_sync(0xffffffffu, lq, 2);
             float* slot = sm_art[k & 1][warp][lane];  // double-buffered: one barrier per round
+#if KV8
+            // The probe element (row r, channel 2 qd, as over 16-bit caches) lies in the FP8 fragment
+            // order (kv8_dim; channels 0..6 in the first four tiles) in some lane of the quad: for each
+            // probe channel its holder offers it, the others 0, summed over the quad (exact), and each
+            // lane keeps its own; times v_scale, the CPU's values of V.
+            float pe = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float v = 0.f;
+#pragma unroll
+                for (int n = 0; n < (NT < 4 ? NT : 4); ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        if (kv8_dim(n, qd * 2 + e) == 2 * j) v = o[n][e];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                if (qd == j) pe = v;
+            }
+            slot[0] = pe * v_scale;
+#else
             slot[0] = o[0][0];
+#endif
             slot[1] = lq;
             slot[2] = m0;
             __syncthreads();
