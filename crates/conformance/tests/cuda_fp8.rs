@@ -247,12 +247,20 @@ fn cuda_fp8_policies_match_the_cpu_engine_art() {
         ("quest(512) > art(1e-3, 1e-2, 2)", |s| format!("quest(budget=512) > art(tau={}, phi={}, patience=2)", 1e-3 * s, 1e-2 * s)),
         ("streaming > art(3e-3, 3e-2, 1, seg 128)", |s| format!("streaming(sink=4, recent=1000) > art(tau={}, phi={}, patience=1, segment=128)", 3e-3 * s, 3e-2 * s)),
     ];
-    let mut specs = fp8_specs();
-    // One long row walked by many splits (the split-parallel traversal and its re-run).
-    let mut long = CaseSpec::new("fp8-e4m3-h128-bf16-gqa4-bs16-long", DType::BF16, 128, 8, 2, 16, vec![(1, 20000)]);
-    long.cache_dtype = Some(DType::F8E4M3);
-    if !quick() {
-        specs.push(long);
+    // Decode-only fixtures (art_stop_tiles maps rows to tokens), as cuda_art_stops_at_the_cpu_engine_tile's;
+    // the last, one long row walked by many splits (the split-parallel traversal and its re-run).
+    let fp8_case = |name: &str, dtype, head_dim, hq, hk, seqs, cache| {
+        let mut c = CaseSpec::new(name, dtype, head_dim, hq, hk, 16, seqs);
+        c.cache_dtype = Some(cache);
+        c
+    };
+    let mut specs = vec![
+        fp8_case("fp8-e4m3-art-h128-bf16-gqa4-bs16", DType::BF16, 128, 8, 2, vec![(1, 1), (1, 17), (1, 300), (1, 900), (1, 1500), (1, 4000)], DType::F8E4M3),
+        fp8_case("fp8-e5m2-art-h64-f16-gqa3-bs16", DType::F16, 64, 9, 3, vec![(1, 65), (1, 777), (1, 2047), (1, 3000)], DType::F8E5M2),
+        fp8_case("fp8-e4m3-art-h128-bf16-gqa4-bs16-long", DType::BF16, 128, 8, 2, vec![(1, 20000)], DType::F8E4M3),
+    ];
+    if quick() {
+        specs.truncate(1);
     }
     let (rows, same, border, early) = check_art_stops("fp8 art", &specs, &pols, eps, seed);
     println!("{rows} rows: {same} same stop tile, {border} borderline (within ±{eps} of a threshold), {early} stopped early on the CPU");
