@@ -43,7 +43,7 @@
 // It also spreads a row whose plan is shorter than the launch's bound over every split (a per-row chunk,
 // the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
 // (k positions) share the launch of its full rows (every position).
-// KV8 (fp8.cuh; dense rows and plans; the host refuses ART and logits over them): FP8 caches. A tile's rows are copied as bytes
+// KV8 (fp8.cuh; dense rows, plans and ART; the host refuses logits over them): FP8 caches. A tile's rows are copied as bytes
 // into padded shared-memory rows (ROWB below) and each lane reads its MMA fragments from them
 // as 32-bit words, widening in registers (exact): no pass over shared memory. K: a word is 4 consecutive
 // channels of one key, so the k-step's channels are taken in the order (4j, 4j+1 | 4j+2, 4j+3) for lane
@@ -92,8 +92,8 @@
 #define SMEM_BYTES (STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES)
 #if KV8
 #define CPR8 (HEAD_DIM / 16)  // 16-byte chunks per FP8 row
-#if ART || LOGITS
-#error "FP8 caches: dense rows and plans (no ART, no logits)"
+#if LOGITS
+#error "FP8 caches: dense rows, plans and ART (no logits)"
 #endif
 // V^T tiles (header): lane c's word g (kv8_vw) holds rows c, c + 8 of channel tiles 2 g and 2 g + 1
 // (bytes 0, 1 and 2, 3); a head size that is an odd multiple of 16 ends with one tile over 16 channels read
@@ -755,7 +755,23 @@ art_pass_start:
             lq += __shfl_xor_sync(0xffffffffu, lq, 1);
             lq += __shfl_xor_sync(0xffffffffu, lq, 2);
             float* slot = sm_art[k & 1][warp][lane];  // double-buffered: one barrier per round
+#if KV8
+            // The probe element (head r, channel 2 qd, as over 16-bit caches) in the O^T tiles (the store
+            // below): channels 0..7 are lane (0, h / 2)'s words 0 and 1 (kv8_vw), channel 2 qd of head h
+            // its tile qd, column h % 2. Fetched by shuffles; times v_scale, the CPU's values of V.
+            static_assert(KV8_GF > 0 || KV8_GR >= 2, "channels 0..7 in lane row 0's words 0 and 1");
+            float pe = 0.f;
+#pragma unroll
+            for (int t = 0; t < 4; ++t)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const float v = __shfl_sync(0xffffffffu, o[t][j], r >> 1);
+                    if (t == qd && j == (r & 1)) pe = v;
+                }
+            slot[0] = pe * v_scale;
+#else
             slot[0] = o[0][0];
+#endif
             slot[1] = lq;
             slot[2] = m0;
             __syncthreads();

@@ -20,17 +20,7 @@
 
 #include "common.cuh"
 #include "decide.cuh"
-#include "fp8.cuh"
-
-// One cached key element as f32.
-__device__ __forceinline__ float kc_ld(kv_t x, float kscale) {
-#if KV8
-    return kv8_to_f32(x) * kscale;
-#else
-    (void)kscale;
-    return ET::ld(x);
-#endif
-}
+#include "kv_load.cuh"
 
 __device__ __forceinline__ bool kvs_slot(const void* slots, i64 stride, int is64, int t, i64 capacity, int bs, i64* blk, int* off) {
     const i64 slot = is64 ? ((const i64*)slots)[t * stride] : (i64)((const int*)slots)[t * stride];
@@ -72,7 +62,7 @@ __device__ __forceinline__ void quantize_row(const kv_t* kc, i64 kc0, i64 kc1, i
     const kv_t* row = kc + b * kc0 + (i64)off * kc1 + (i64)h * kc2;
     float mn = INFINITY, mx = -INFINITY;
     for (int c = 0; c < d; ++c) {
-        const float v = kc_ld(row[c], kscale);
+        const float v = kv_ld(row[c], kscale);
         mn = fminf(mn, v);
         mx = fmaxf(mx, v);
     }
@@ -87,8 +77,8 @@ __device__ __forceinline__ void quantize_row(const kv_t* kc, i64 kc0, i64 kc1, i
     for (int c = 0; c < d; c += 2) {
         unsigned char byte = 0;
         if (ok) {
-            const float c0 = roundf((kc_ld(row[c], kscale) - mnf) * inv);
-            const float c1 = roundf((kc_ld(row[c + 1], kscale) - mnf) * inv);
+            const float c0 = roundf((kv_ld(row[c], kscale) - mnf) * inv);
+            const float c1 = roundf((kv_ld(row[c + 1], kscale) - mnf) * inv);
             // clamp(0, 15) with NaN -> 0, as Rust's `clamp(..) as u8`
             const unsigned q0 = c0 >= 0.0f ? (unsigned)fminf(c0, 15.0f) : 0u;
             const unsigned q1 = c1 >= 0.0f ? (unsigned)fminf(c1, 15.0f) : 0u;
@@ -133,7 +123,7 @@ __device__ __forceinline__ void unit_bounds(i64 b, int u0, Filled filled, const 
         for (int o0 = u * unit; o0 < (u + 1) * unit; o0 += 8) {
             float v[8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = o0 + j < (u + 1) * unit ? kc_ld(col[(i64)(o0 + j) * kc1], kscale) : 0.0f;
+            for (int j = 0; j < 8; ++j) v[j] = o0 + j < (u + 1) * unit ? kv_ld(col[(i64)(o0 + j) * kc1], kscale) : 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
                 if (o0 + j < (u + 1) * unit && filled(o0 + j)) {

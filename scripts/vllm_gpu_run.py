@@ -12,8 +12,8 @@ compilation and CUDA-graph mode) and measures, per part (--parts):
             recomputes; every request's output vs the same request run alone afterwards on the same engine
             (a prefix-cache hit); then the plugin's engine counters and sequence-id lifecycle from every
             worker (`kvsparse.vllm_backend.worker_report`): preemptions seen, ids live, state released.
-  badconfig bad kvsparse configurations (unknown policy, head size 72, an fp8 KV cache with a policy that has no FP8 path, a policy the CUDA engine
-            refuses, a policy without the kvsparse backend): `LLM(...)` must raise kvsparse's message within
+  badconfig bad kvsparse configurations (unknown policy, head size 72, a policy the CUDA engine refuses, a
+            policy without the kvsparse backend; every policy has an FP8 path on CUDA since issue 28): `LLM(...)` must raise kvsparse's message within
             seconds (before any worker starts).
   speed     decode tokens/s with CUDA graphs at batch x context points (--points), per engine, from the
             arrival times of the tokens (vLLM's LLMEngine.step loop): decode starts when the last
@@ -311,8 +311,6 @@ def part_badconfig(args, root):
         ("unknown policy", {}, dict(attention_backend="CUSTOM",
                                     additional_config={"kvsparse": {"policy": "nosuchpolicy(budget=1)"}})),
         ("head size 72", dict(head_dim=72), dict(attention_backend="CUSTOM")),
-        ("fp8 KV cache with a policy that has no FP8 path", {}, dict(attention_backend="CUSTOM", kv_cache_dtype="fp8",
-                                                 additional_config={"kvsparse": {"policy": "snapkv(budget=256)"}})),
         ("policy the CUDA engine refuses", {}, dict(
             attention_backend="CUSTOM",
             additional_config={"kvsparse": {"policy": "snapkv(budget=256) > art(tau=1e-3, phi=1e-2, patience=2)"}})),

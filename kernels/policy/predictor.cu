@@ -30,6 +30,7 @@
 #include "block_reduce.cuh"
 #include "topk.cuh"
 #include "snap_score.cuh"
+#include "kv_load.cuh"
 
 // The predictor's layer state and parameters, passed by value; mirrored by `StateArg` and `SpecArg` in
 // src/policy/predictor/cuda.rs (a test, src/cuda/kernel_src.rs, compares sizes and field offsets).
@@ -457,13 +458,14 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
 // bits (non-negative floats order as their bits; NaN and 0 never written). A decode row's phase 0 also
 // writes its logits to `lgs`, which phases 1 and 2 read instead of K (one pass over the keys; the same
 // values, so the same bits). Grid (key tiles of SNAP_TP, capped; KV heads; seqs); rows r = token * GROUP +
-// query head, `rcap` per (sequence, head).
+// query head, `rcap` per (sequence, head). An FP8 cache's keys (KV8) are read as the CPU reads them,
+// decoded times `kscale` (kv_load.cuh; unused otherwise).
 extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
-                                                                           const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, PredState st, PredSpec ps,
+                                                                           const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, PredState st, PredSpec ps,
                                                                            const int* slot, const int* mode, const unsigned* plan, i64 p_s, i64 p_h,
                                                                            const int* plan_len, int cap, int phase, unsigned* rmax,
                                                                            unsigned long long* zfix, unsigned* zbad, int rcap, float* lgs,
-                                                                           int lcap) {
+                                                                           int lcap, float kscale) {
     __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
     __shared__ float wsh[SNAP_J][SNAP_TP];
@@ -503,14 +505,14 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
         if (!(keep && phase > 0)) {
             // SNAP_J threads per key: one position and block lookup each, then the row's loads in flight.
             const int kp = threadIdx.x / SNAP_J, kq = threadIdx.x % SNAP_J, kj = j0 + kp;
-            const elem_t* krow = nullptr;
+            const kv_t* krow = nullptr;
             if (kj < jend) {
                 const int kpos = use_plan ? (int)pe[kj] : jlo + kj;
                 const i64 pb = phys_block(b, s, kpos >> b.bs_log2);
                 if (pb >= 0) krow = kc + pb * kc0 + (i64)(kpos & (bs - 1)) * kc1 + (i64)h * kc2;
             }
 #pragma unroll
-            for (int c = kq; c < HEAD_DIM; c += SNAP_J) ks[kp][c] = krow ? ET::ld(krow[c]) : 0.0f;
+            for (int c = kq; c < HEAD_DIM; c += SNAP_J) ks[kp][c] = krow ? kv_ld(krow[c], kscale) : 0.0f;
         }
         const int p = threadIdx.x % SNAP_TP, j = threadIdx.x / SNAP_TP, jj = j0 + p;
         const int pos = jj < jend ? (use_plan ? (int)pe[jj] : jlo + jj) : -1;

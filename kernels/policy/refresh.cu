@@ -44,6 +44,7 @@
 #include "block_reduce.cuh"
 #include "topk.cuh"
 #include "snap_score.cuh"
+#include "kv_load.cuh"
 
 // RefreshKV's layer state and parameters, passed by value; mirrored by `RefreshArgs` in
 // src/policy/refresh/cuda.rs (a test, src/cuda/kernel_src.rs, compares sizes and field offsets).
@@ -147,11 +148,13 @@ extern "C" __global__ void __launch_bounds__(128) kvs_refresh_decide(Batch b, co
 // GROUP rows' maxima rmax (order keys, preset to -inf's), fixed-point normalisers zfix (preset 0) and NaN
 // flags zbad (preset 0); phase 2 writes agg[(s*hk+h)*maxpos + pos] = max over the group of e / z, for
 // pos in lo..=hi. Grid (CTAs per head, hk): each CTA walks the tiles blockIdx.x, blockIdx.x + gridDim.x,
-// ... of every such sequence (uniform loops: every thread reaches every barrier and shuffle).
+// ... of every such sequence (uniform loops: every thread reaches every barrier and shuffle). An FP8
+// cache's keys (KV8; its full steps always score here) are read as the CPU reads them, decoded times
+// `kscale` (kv_load.cuh; unused otherwise).
 extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
-                                                                              const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, const int* mode,
+                                                                              const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, const int* mode,
                                                                               int phase, unsigned* rmax, unsigned long long* zfix, unsigned* zbad,
-                                                                              float* agg, int maxpos, int seed_only) {
+                                                                              float* agg, int maxpos, int seed_only, float kscale) {
     __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
     __shared__ float accs[GROUP][SNAP_TP];
@@ -179,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Ba
                 float v = 0.0f;
                 if (pos >= lo && pos <= hi) {
                     const i64 blk = phys_block(b, s, pos >> b.bs_log2);
-                    if (blk >= 0) v = ET::ld(kc[blk * kc0 + (i64)(pos & (bs - 1)) * kc1 + (i64)h * kc2 + c]);
+                    if (blk >= 0) v = kv_ld(kc[blk * kc0 + (i64)(pos & (bs - 1)) * kc1 + (i64)h * kc2 + c], kscale);
                 }
                 ks[pp][c] = v;
             }

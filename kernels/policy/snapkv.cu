@@ -2,7 +2,8 @@
 // weights come from tensor cores where the cache allows (kvs_snap_lse_mma, kvs_snap_weights_mma below:
 // agreement with the CPU engine's choice within a stated margin, docs/policies.md), otherwise from the
 // scalar phases of kvs_snap_scores in the CPU's arithmetic (src/policy/snapkv/cpu.rs; decide.cuh,
-// --fmad=false), which equal the CPU's choice bit for bit. Its batch, reduction and top-k helpers and its
+// --fmad=false), which equal the CPU's choice bit for bit; over an FP8 cache (KV8) always the latter,
+// reading each key as the CPU does (decoded, times k_scale: kv_load.cuh). Its batch, reduction and top-k helpers and its
 // scoring arithmetic are headers in kernels/include/.
 //
 // Where the choice lives: with the cache, not with a sequence id. The layer's metadata holds one bit per
@@ -33,6 +34,8 @@
 #include "block_reduce.cuh"
 #include "topk.cuh"
 #include "snap_score.cuh"
+// kv_load.cuh: the scalar phases read FP8 keys (KV8) as the CPU does, decoded times k_scale.
+#include "kv_load.cuh"
 // mma.cuh: the tensor-core choice below (f16/bf16 caches).
 #include "mma.cuh"
 
@@ -61,11 +64,11 @@ __device__ __forceinline__ int snap_lo(const Batch& b, int pos) { return (b.wind
 
 // Grid (position tiles of SNAP_TP, KV heads, seqs). Per (seq, head), rows r = token * GROUP + query head:
 // rmax[r] (order keys, preset to the key of -inf), zfix[r] (preset 0), zbad[r] (preset 0), rcap rows each;
-// agg[maxpos] per (seq, head).
+// agg[maxpos] per (seq, head). kscale: an FP8 cache's k_scale (unused otherwise).
 extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
-                                                                           const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int budget, int window,
+                                                                           const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int budget, int window,
                                                                            int phase, unsigned* rmax, unsigned long long* zfix, unsigned* zbad, int rcap,
-                                                                           float* agg, int maxpos) {
+                                                                           float* agg, int maxpos, float kscale) {
     __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
     __shared__ float accs[GROUP][SNAP_TP];
@@ -81,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
         float v = 0.0f;
         if (pos < pend) {
             const i64 blk = phys_block(b, s, pos >> b.bs_log2);
-            if (blk >= 0) v = ET::ld(kc[blk * kc0 + (i64)(pos & (bs - 1)) * kc1 + (i64)h * kc2 + c]);
+            if (blk >= 0) v = kv_ld(kc[blk * kc0 + (i64)(pos & (bs - 1)) * kc1 + (i64)h * kc2 + c], kscale);
         }
         ks[p][c] = v;
     }
@@ -135,10 +138,10 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
     }
 }
 
-#if (KVS_DTYPE == 1 || KVS_DTYPE == 2) && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128
+#if (KVS_DTYPE == 1 || KVS_DTYPE == 2) && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128 && !KV8
 // The choice's weights on tensor cores (f16/bf16 caches, head sizes up to 128 in multiples of 16;
 // src/policy/snapkv/cuda.rs picks these kernels where K rows are 16-byte aligned, the scalar phases above
-// otherwise). Two passes over K instead of three:
+// otherwise and over FP8 caches). Two passes over K instead of three:
 //   kvs_snap_lse_mma: each observation row's base-2 log-sum-exp over every key it sees (NaN when a visible
 //       logit is not finite), written over `rmax` as f32 bits;
 //   kvs_snap_weights_mma: per prefix position, the weights 2^(l - lse) summed over the window per query

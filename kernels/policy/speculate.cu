@@ -21,6 +21,7 @@
 #include "block_reduce.cuh"
 #include "topk.cuh"
 #include "quest.cuh"
+#include "kv_load.cuh"
 
 #define PRR_PARAMS 1u  // the entry carries its sequence's Holt parameters
 #define PRR_PREV 2u    // the page was in the previous step's true set (for the reuse-previous counter)
@@ -310,18 +311,19 @@ extern "C" __global__ void kvs_prr_update(Batch b, int hk, int page, const float
 // as the attention kernels do; a non-finite logit poisons the row (NaN out, NaN LSE). Each part writes its
 // partial state (pw_o / pw_l, [(s*hk+h)*parts + p][GROUP][HEAD_DIM] / [..][GROUP]); the row's last part to
 // finish (a counter per row in done[], zeroed by the side stream at the fork) merges the parts with the
-// speculative state by the rules of kernels/merge.cu.
+// speculative state by the rules of kernels/merge.cu. An FP8 cache's rows (KV8) are read as the CPU reads
+// them: decoded, K times `kscale`, V times `vscale` (kv_load.cuh; unused otherwise).
 #define PRR_FIN_THREADS 128
 #define PRR_FIN_ROWS ((GROUP + 3) / 4)
 #define PRR_FIN_CH ((HEAD_DIM + 31) / 32)
 #define PRR_FIN_UNROLL 2
 #define PRR_FIN_MAX_PARTS 8
 extern "C" __global__ void __launch_bounds__(PRR_FIN_THREADS) kvs_prr_finish(Batch b, int hk, int nq, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
-                                                                           float softcap, const elem_t* kc, i64 k0, i64 k1, i64 k2, const elem_t* vc,
+                                                                           float softcap, const kv_t* kc, i64 k0, i64 k1, i64 k2, const kv_t* vc,
                                                                            i64 v0, i64 v1, i64 v2, const unsigned* missed, const int* missed_len,
                                                                            int m_cap, int ulog2, const elem_t* o1, const float* l1, float* pw_o,
                                                                            float* pw_l, unsigned* done, elem_t* out, i64 o0, i64 oq, i64 od, float* lse,
-                                                                           i64 ls0, i64 ls1) {
+                                                                           i64 ls0, i64 ls1, float kscale, float vscale) {
     __shared__ int last_part;
     const int s = blockIdx.x, h = blockIdx.y, part = blockIdx.z, parts = gridDim.z, row = s * hk + h;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -361,13 +363,13 @@ extern "C" __global__ void __launch_bounds__(PRR_FIN_THREADS) kvs_prr_finish(Bat
             const i64 pb = pos <= z ? phys_block(b, s, (int)(pos >> b.bs_log2)) : -1;
             ok[u] = pb >= 0;  // as the attention kernels: a block id out of range contributes nothing
             const i64 slot = pos & (bs - 1);
-            const elem_t* kr = kc + (ok[u] ? pb * k0 + slot * k1 + (i64)h * k2 : 0);
-            const elem_t* vr = vc + (ok[u] ? pb * v0 + slot * v1 + (i64)h * v2 : 0);
+            const kv_t* kr = kc + (ok[u] ? pb * k0 + slot * k1 + (i64)h * k2 : 0);
+            const kv_t* vr = vc + (ok[u] ? pb * v0 + slot * v1 + (i64)h * v2 : 0);
 #pragma unroll
             for (int c = 0; c < PRR_FIN_CH; ++c) {
                 const int d = lane + 32 * c;
-                kx[u][c] = (ok[u] && d < HEAD_DIM) ? ET::ld(kr[d]) : 0.f;
-                vx[u][c] = (ok[u] && d < HEAD_DIM) ? ET::ld(vr[d]) : 0.f;
+                kx[u][c] = (ok[u] && d < HEAD_DIM) ? kv_ld(kr[d], kscale) : 0.f;
+                vx[u][c] = (ok[u] && d < HEAD_DIM) ? kv_ld(vr[d], vscale) : 0.f;
             }
           }
 #pragma unroll

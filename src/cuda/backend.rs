@@ -297,10 +297,10 @@ impl CudaBackend {
         // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile) and one CTA per KV
         // head (GQ = GROUP); its splits are whole tiles (docs/policies.md "art").
         let mma = self.mma_for(cfg, cache, art.is_some());
-        ensure!(!fp8 || (mma.is_some() && art.is_none() && logits.is_none()), Unsupported, "an FP8 cache needs the tensor-core kernel (16-byte aligned rows and strides, GQA group <= 16) on the CUDA engine, without ART or logits");
+        ensure!(!fp8 || (mma.is_some() && logits.is_none()), Unsupported, "an FP8 cache needs the tensor-core kernel (16-byte aligned rows and strides, GQA group <= 16) on the CUDA engine, without logits");
         ensure!(logits.is_none() || mma.is_some(), Internal, "the logits of a plan's attention need the tensor-core kernel (checked by the caller)");
         if art.is_some() {
-            ensure!(matches!(mma, Some(ms) if ms.warps == 4 && ms.gq == cfg.group_size()), Unsupported, "`art` on the CUDA backend needs the tensor-core kernel (f16/bf16 cache, 16-byte aligned rows, head size a multiple of 16, GQA group <= 16) with 4 warps");
+            ensure!(matches!(mma, Some(ms) if ms.warps == 4 && ms.gq == cfg.group_size()), Unsupported, "`art` on the CUDA backend needs the tensor-core kernel (f16/bf16 or FP8 cache, 16-byte aligned rows, head size a multiple of 16, GQA group <= 16) with 4 warps");
         }
         if let Some(ms) = mma {
             defines = vec![

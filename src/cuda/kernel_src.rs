@@ -28,6 +28,7 @@ kernel_files! {
     "combine.cuh" => "include/combine.cuh",
     "mma.cuh" => "include/mma.cuh",
     "fp8.cuh" => "include/fp8.cuh",
+    "kv_load.cuh" => "include/kv_load.cuh",
     "block_reduce.cuh" => "include/block_reduce.cuh",
     "batch.cuh" => "include/batch.cuh",
     "topk.cuh" => "include/topk.cuh",

@@ -249,6 +249,11 @@ mod compile_tests {
                         let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), "ART=0".into(), format!("KV8={kv8}")].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
+                    // ART over FP8 caches, both formats.
+                    for kv8 in [1, 2] {
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={}", super::super::plan::ART_WARPS), format!("NSTAGE={}", super::super::plan::ART_STAGES), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into(), format!("KV8={kv8}")].to_vec();
+                        build("attention_mma", ATTENTION_MMA, &defs);
+                    }
                     let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={}", super::super::plan::ART_WARPS), format!("NSTAGE={}", super::super::plan::ART_STAGES), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();
                     defs.push("ART_NOPROBE=1".into());
                     build("attention_mma", ATTENTION_MMA, &defs);
@@ -286,6 +291,14 @@ mod compile_tests {
             build("meta", META, &["KVS_DTYPE=1".into(), format!("KV8={kv8}"), "--fmad=false".into()]);
         }
         build("select", SELECT, &["KVS_DTYPE=2".into(), "HEAD_DIM=128".into(), "GROUP=16".into(), "--fmad=false".into()]);
+        // The selection kernels and the predictor's over FP8 caches (kv_load.cuh), both formats.
+        for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 64, 8), (2, 256, 8)] {
+            for kv8 in [1, 2] {
+                build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), format!("KV8={kv8}"), "--fmad=false".into()]);
+                let defs = vec![format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), format!("KV8={kv8}"), "--fmad=false".into(), "PRED_C1=16".into(), "PRED_C2=32".into(), "PRED_PT=128".into()];
+                build("predictor", PREDICTOR, &defs);
+            }
+        }
         // The prefill kernel at the Llama-8B shape (and GQA 8, f16).
         for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 128, 8)] {
             let ps = super::super::prefill::prefill_shape(g, d, 2, true, 225 * 1024).expect("prefill shape");

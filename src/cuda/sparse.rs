@@ -147,7 +147,8 @@ impl SparseState {
             slots.lookup(dev.gpu(), dev.modules(), ids, ns, ws + lay.slot as u64, ws + lay.slot_gen as u64, stream)?;
         }
 
-        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={d}"), format!("GROUP={g}"), "--fmad=false".to_string()];
+        // KV8: the selection kernels that read cache rows read an FP8 cache's bytes (kernels/include/kv_load.cuh).
+        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={d}"), format!("GROUP={g}"), format!("KV8={}", super::batch::kv8_code(cfg.cache_dtype)), "--fmad=false".to_string()];
         let plan_at = |region: usize, sh: &PlanShape, len_region: usize| PlanRef {
             e: ws + region as u64,
             p_s: if sh.shared { sh.cap as i64 } else { (hk * sh.cap) as i64 },

@@ -15,16 +15,13 @@ impl Policy {
     }
 
     /// Whether the CUDA backend runs this policy over an FP8 cache: dense, and pipelines whose selector
-    /// reads keys only through the key metadata and attends through the plan kernel (all, streaming,
-    /// Quest; top-p reads the INT4 copy, which the cache writes keep from the dequantized keys). ART's
-    /// terminating kernel and the other selectors' own kernels read 16-bit rows only. Err(why) otherwise.
+    /// reads keys through the key metadata or reads FP8 rows in its own kernels as the CPU does
+    /// (`SelectorKind::cuda_fp8_cache`; top-p reads the INT4 copy, which the cache writes keep from the
+    /// dequantized keys; ART's terminating kernel reads FP8 rows). Err(why) otherwise.
     pub fn cuda_fp8_cache(&self) -> std::result::Result<(), String> {
         let Some(p) = self.pipeline() else { return Ok(()) };
-        if p.art.is_some() {
-            return Err("`art`'s terminating attention kernel has no FP8 path".into());
-        }
         if !p.selector.kind().cuda_fp8_cache() {
-            return Err("this selector's own kernels read 16-bit cache rows only (the CUDA engine runs `all`, `streaming` and `quest`, with or without `top_p`, over FP8 caches)".into());
+            return Err("this selector's own kernels read 16-bit cache rows only".into());
         }
         Ok(())
     }

@@ -47,9 +47,10 @@ pub(crate) trait SelectorKind {
         false
     }
 
-    /// Its CUDA path serves an FP8 cache: it reads keys only through the key metadata (which the cache
-    /// writes keep from the dequantized keys, as on the CPU) and attends through the plan kernel, which
-    /// reads FP8 rows. False where a kernel of its own reads cache rows as 16-bit elements.
+    /// Its CUDA path serves an FP8 cache: it reads keys through the key metadata (which the cache writes
+    /// keep from the dequantized keys, as on the CPU) or in kernels of its own that read FP8 rows decoded
+    /// times their scales (kernels/include/kv_load.cuh), and attends through the plan kernel, which reads
+    /// FP8 rows. False where a kernel of its own reads cache rows as 16-bit elements.
     fn cuda_fp8_cache(&self) -> bool {
         false
     }

@@ -32,14 +32,16 @@ options:
   --budget N       token budget of the default settings (default 512)
   --only NAME      replay only this trace (repeatable), e.g. --only needle_8k
   --stride N       attend every N-th decode step only (cache writes still every step; default 1)
-  --dtype T        engine dtype: f32, f16 or bf16 (default f32; the traces are f16, so f32 is exact)
+  --dtype T        engine dtype: f32, f16 or bf16 (default f32; the traces are f16, so f32 is exact; with
+                   --device cuda and an FP8 --cache-dtype the default is bf16, and f32 is refused)
   --cache-dtype C  fp8 (= fp8_e4m3) or fp8_e5m2: an FP8 cache under --dtype queries, the traces' K/V
                    quantized on write with k_scale = v_scale = --kv-scale (default 1, vLLM's uncalibrated
                    scale); every row is then measured against dense over that FP8 cache, and one more line
                    gives dense over the FP8 cache against dense over a --dtype cache
   --threads N      engine worker threads, 0 = all cores (default 0)
-  --device D       cpu (default) or cuda: replay through the CUDA engine (policies it does not run yet
-                   are listed and left out; ms/call then includes the copies to and from the device)
+  --device D       cpu (default) or cuda: replay through the CUDA engine (policies it does not run yet,
+                   over the --cache-dtype given, are listed and left out; ms/call then includes the
+                   copies to and from the device)
   --out DIR        also sweep each family's main knob, write DIR/eval.csv and DIR/eval.png";
 
 /// A policy family and its main knob, swept for the plot.
@@ -265,18 +267,29 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     if budget == 0 {
         return Err("--budget must be >= 1".into());
     }
+    let cache_dtype = match a.str("cache-dtype") {
+        None | Some("auto") => None,
+        Some("fp8") | Some("fp8_e4m3") => Some(kvsparse::DType::F8E4M3),
+        Some("fp8_e5m2") => Some(kvsparse::DType::F8E5M2),
+        Some(o) => return Err(format!("--cache-dtype {o:?}: expected fp8, fp8_e4m3 or fp8_e5m2")),
+    };
+    // The CUDA engine reads FP8 caches under 16-bit queries only: bf16 unless --dtype says f16.
+    let fp8_on_cuda = cache_dtype.is_some() && matches!(device, kvsparse::Device::Cuda(_));
+    let engine_dtype = match a.str("dtype") {
+        Some(t) => dtype(t)?,
+        None if fp8_on_cuda => kvsparse::DType::BF16,
+        None => kvsparse::DType::F32,
+    };
+    if fp8_on_cuda && engine_dtype == kvsparse::DType::F32 {
+        return Err("--device cuda with an FP8 --cache-dtype needs --dtype f16 or bf16 (the CUDA engine reads FP8 caches under 16-bit queries)".into());
+    }
     let opts = ReplayOptions {
-        dtype: dtype(a.str("dtype").unwrap_or("f32"))?,
+        dtype: engine_dtype,
         step_stride: a.get("stride", 1)?,
         threads: a.get("threads", 0)?,
         record_visits: true,
         device,
-        cache_dtype: match a.str("cache-dtype") {
-            None | Some("auto") => None,
-            Some("fp8") | Some("fp8_e4m3") => Some(kvsparse::DType::F8E4M3),
-            Some("fp8_e5m2") => Some(kvsparse::DType::F8E5M2),
-            Some(o) => return Err(format!("--cache-dtype {o:?}: expected fp8, fp8_e4m3 or fp8_e5m2")),
-        },
+        cache_dtype,
         kv_scales: {
             let s: f32 = a.get("kv-scale", 1.0f32)?;
             (s, s)
@@ -306,7 +319,9 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     if matches!(device, kvsparse::Device::Cuda(_)) {
         let group = manifest.num_q_heads / manifest.num_kv_heads.max(1);
         let (keep, skip): (Vec<Row>, Vec<Row>) = rows.into_iter().partition(|r| {
-            expand(&r.spec, 1024).ok().and_then(|s| Policy::parse(&s).ok()).and_then(|p| p.pipeline().cloned()).map_or(true, |pl| kvsparse::cuda::sparse::supported(&pl, group).is_ok())
+            expand(&r.spec, 1024).ok().and_then(|s| Policy::parse(&s).ok()).map_or(true, |p| {
+                p.pipeline().map_or(true, |pl| kvsparse::cuda::sparse::supported(pl, group).is_ok()) && (opts.cache_dtype.is_none() || p.cuda_fp8_cache().is_ok())
+            })
         });
         if !skip.is_empty() {
             println!("not on the CUDA backend yet, left out: {}", skip.iter().map(|r| r.spec.as_str()).collect::<Vec<_>>().join(", "));

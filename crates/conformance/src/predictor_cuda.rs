@@ -112,7 +112,20 @@ fn calls(f: &Fixture, seed: u64) -> Vec<Call> {
     out
 }
 
-/// Rows `[n, hk, d]` of K and V at the cache slots of `rows`, from the fully written cache `w`.
+/// Element `i` of the fully written cache `w` (a V element: `v`) as the engines read it: an FP8 cache's
+/// byte decoded times its scale.
+fn stored(f: &Fixture, w: &HostBuf, i: usize, v: bool) -> f64 {
+    let x = w.get(i);
+    if f.cache_dtype().is_fp8() {
+        let scale = if v { f.v_scale } else { f.k_scale };
+        x * scale as f64
+    } else {
+        x
+    }
+}
+
+/// Rows `[n, hk, d]` of K and V at the cache slots of `rows`, from the fully written cache `w` (an FP8
+/// cache's dequantized values: the engines' writes quantize them back to the same bytes).
 fn gather(f: &Fixture, w: &HostBuf, rows: &[(usize, usize)]) -> (HostBuf, HostBuf, Vec<i64>) {
     let (hk, d, bs) = (f.spec.num_kv_heads, f.spec.head_dim, f.spec.block_size);
     let st = f.cache_strides.map(|x| x as usize);
@@ -125,8 +138,8 @@ fn gather(f: &Fixture, w: &HostBuf, rows: &[(usize, usize)]) -> (HostBuf, HostBu
         for h in 0..hk {
             for i in 0..d {
                 let at = b * st[0] + (p % bs) * st[1] + h * st[2] + i;
-                k.set((r * hk + h) * d + i, w.get(at));
-                v.set((r * hk + h) * d + i, w.get(f.v_offset + at));
+                k.set((r * hk + h) * d + i, stored(f, w, at, false));
+                v.set((r * hk + h) * d + i, stored(f, w, f.v_offset + at, true));
             }
         }
     }
@@ -211,9 +224,10 @@ fn run_calls_on(
     } else {
         None
     };
+    let (cdt, ces) = (f.cache_dtype(), f.cache_dtype().size_bytes());
     let cache_views = |hc: &mut HostBuf| -> Result<(TensorRef, TensorRef)> {
         Ok(match &dev_cache {
-            Some(b) => (view(b, 0, dt, &f.cache_shape, &f.cache_strides)?, view(b, f.v_offset * es, dt, &f.cache_shape, &f.cache_strides)?),
+            Some(b) => (view(b, 0, cdt, &f.cache_shape, &f.cache_strides)?, view(b, f.v_offset * ces, cdt, &f.cache_shape, &f.cache_strides)?),
             None => (hc.view(0, &f.cache_shape, &f.cache_strides), hc.view(f.v_offset, &f.cache_shape, &f.cache_strides)),
         })
     };
@@ -399,6 +413,9 @@ pub struct PredictorResult {
 
 fn engine_for(f: &Fixture, policy: &str, device: Device) -> Result<Engine> {
     let e = Engine::new(cfg_for(f, policy, device))?;
+    if f.cache_dtype().is_fp8() {
+        e.set_kv_scales(Some(0), f.k_scale, f.v_scale)?;
+    }
     e.record_visits(true);
     Ok(e)
 }
@@ -412,8 +429,8 @@ fn check_agreement(f: &Fixture, ps: &PredictorSpec, cs: &[Call], v_cpu: &[Vec<Vi
     let w = f.written_cache();
     let st = f.cache_strides.map(|x| x as usize);
     let at = |q: usize, p: usize, h: usize| f.block_table[q * f.max_blocks + p / bs] as usize * st[0] + (p % bs) * st[1] + h * st[2];
-    let key = |q: usize, p: usize, h: usize| (0..d).map(|i| w.get(at(q, p, h) + i)).collect::<Vec<f64>>();
-    let value = |q: usize, p: usize, h: usize| (0..d).map(|i| w.get(f.v_offset + at(q, p, h) + i)).collect::<Vec<f64>>();
+    let key = |q: usize, p: usize, h: usize| (0..d).map(|i| stored(f, &w, at(q, p, h) + i, false)).collect::<Vec<f64>>();
+    let value = |q: usize, p: usize, h: usize| (0..d).map(|i| stored(f, &w, f.v_offset + at(q, p, h) + i, true)).collect::<Vec<f64>>();
     let cnn = Cnn64::new(PredictorWeights::builtin().expect("built-in weights"));
     let mut mirrors: HashMap<(i64, usize), Mirror> = HashMap::new();
     let lo_of = |n: usize| if s.window > 0 { n.saturating_sub(s.window) } else { 0 };

@@ -89,6 +89,8 @@ enum Side {
 
 struct Geo {
     dtype: DType,
+    /// The caches' dtype (the spec's `cache_dtype`, else `dtype`).
+    cache: DType,
     hq: usize,
     hk: usize,
     d: usize,
@@ -177,9 +179,9 @@ impl Side {
                 }
             }
             Side::Gpu(e, cache) => {
-                let es = g.dtype.size_bytes();
-                let kc = view(cache, 0, g.dtype, &shape, &st)?;
-                let vc = view(cache, g.cache_len() * es, g.dtype, &shape, &st)?;
+                let es = g.cache.size_bytes();
+                let kc = view(cache, 0, g.cache, &shape, &st)?;
+                let vc = view(cache, g.cache_len() * es, g.cache, &shape, &st)?;
                 // Kept alive until the device is synchronized below.
                 let (kd, vd, sd) = (DevBuf::from_host(c.k.as_bytes())?, DevBuf::from_host(c.v.as_bytes())?, DevBuf::from_host(bytes(&c.slots))?);
                 if n > 0 {
@@ -252,7 +254,7 @@ fn build_case(spec: &CaseSpec, steps: usize, seed: u64, prefill: bool) -> CaseIn
             next += 1;
         }
     }
-    let g = Geo { dtype: spec.dtype, hq, hk, d, bs, nb, window: spec.window, softcap: spec.softcap, max_blocks };
+    let g = Geo { dtype: spec.dtype, cache: spec.cache_dtype.unwrap_or(spec.dtype), hq, hk, d, bs, nb, window: spec.window, softcap: spec.softcap, max_blocks };
     let ids: Vec<i64> = (0..ns as i64).map(|s| 1000 + 7 * s).collect();
     let scale = 1.0 / (d as f32).sqrt();
     // Per-sequence base queries; a query at a position is its base plus noise.
@@ -301,12 +303,25 @@ fn build_case(spec: &CaseSpec, steps: usize, seed: u64, prefill: bool) -> CaseIn
     CaseInputs { g, calls, table, ids, scale }
 }
 
+/// An FP8 cache's (k_scale, v_scale): the rows are uniform in [-1, 1], so |x| / scale stays below E4M3's
+/// largest value (448).
+const FP8_SCALES: (f32, f32) = (1.0 / 320.0, 1.0 / 288.0);
+
 fn engine_for(spec: &CaseSpec, policy: &str, dev: Device) -> Result<Engine> {
     let mut cfg = kvsparse::EngineConfig::new(1, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.block_size, spec.dtype);
     cfg.policy = format!("{policy}; dense_layers=0");
     cfg.device = dev;
     cfg.num_threads = 2;
-    Engine::new(cfg)
+    cfg.cache_dtype = spec.cache_dtype.unwrap_or(spec.dtype);
+    let e = Engine::new(cfg)?;
+    if fp8_cache(spec) {
+        e.set_kv_scales(Some(0), FP8_SCALES.0, FP8_SCALES.1)?;
+    }
+    Ok(e)
+}
+
+fn fp8_cache(spec: &CaseSpec) -> bool {
+    spec.cache_dtype.is_some_and(|d| d.is_fp8())
 }
 
 /// The case on the CPU engine alone (no GPU needed): its final counters. Tests use it to check that a
@@ -314,7 +329,7 @@ fn engine_for(spec: &CaseSpec, policy: &str, dev: Device) -> Result<Engine> {
 pub fn run_prr_cpu(spec: &CaseSpec, policy: &str, steps: usize, seed: u64) -> Result<Counters> {
     let ci = build_case(spec, steps, seed, true);
     let e = engine_for(spec, policy, Device::Cpu)?;
-    let mut cpu = Side::Cpu(e, HostBuf::zeros(ci.g.dtype, 2 * ci.g.cache_len()));
+    let mut cpu = Side::Cpu(e, HostBuf::zeros(ci.g.cache, 2 * ci.g.cache_len()));
     for c in &ci.calls {
         cpu.run(&ci.g, c, &ci.table, &ci.ids, ci.scale)?;
     }
@@ -352,8 +367,8 @@ pub fn run_prr_case_with(spec: &CaseSpec, policy: &str, steps: usize, seed: u64,
         cpu_e.record_visits(true);
         let gpu_e = engine_for(spec, policy, Device::Cuda(0))?;
         gpu_e.record_visits(true);
-        let mut cpu = Side::Cpu(cpu_e, HostBuf::zeros(g.dtype, 2 * g.cache_len()));
-        let mut gpu = Side::Gpu(gpu_e, DevBuf::from_host(HostBuf::zeros(g.dtype, 2 * g.cache_len()).as_bytes())?);
+        let mut cpu = Side::Cpu(cpu_e, HostBuf::zeros(g.cache, 2 * g.cache_len()));
+        let mut gpu = Side::Gpu(gpu_e, DevBuf::from_host(HostBuf::zeros(g.cache, 2 * g.cache_len()).as_bytes())?);
         let (tol_o, tol_l) = tolerance(spec.dtype);
         for (i, c) in calls.iter().enumerate() {
             let (oc, lc) = cpu.run(&g, c, &table, &ids, scale)?;

@@ -87,6 +87,10 @@ pub struct Work {
     q_pre: Vec<HostBuf>,
     q_step: Vec<HostBuf>,
     pub scale: f32,
+    /// The caches' dtype (the spec's `cache_dtype`, else its dtype) and an FP8 cache's scales (1 otherwise).
+    cache_dtype: DType,
+    k_scale: f32,
+    v_scale: f32,
 }
 
 impl Work {
@@ -143,14 +147,39 @@ impl Work {
             q_step.push(q);
         }
         let d_f = d as f32;
-        Work { spec: spec.clone(), ids: (0..ns as i64).map(|i| 1000 + 7 * i).collect(), len0: len0.to_vec(), steps, nb, max_blocks, table, k_rows, v_rows, cap_len, q_pre, q_step, scale: 1.0 / d_f.sqrt() }
+        // Drawn last, so that a 16-bit case's data stay what they were.
+        let cache_dtype = spec.cache_dtype.unwrap_or(spec.dtype);
+        let (k_scale, v_scale) = if cache_dtype.is_fp8() { ((0.012 * (1.0 + rng.uniform())) as f32, (0.012 * (1.0 + rng.uniform())) as f32) } else { (1.0, 1.0) };
+        Work {
+            spec: spec.clone(),
+            ids: (0..ns as i64).map(|i| 1000 + 7 * i).collect(),
+            len0: len0.to_vec(),
+            steps,
+            nb,
+            max_blocks,
+            table,
+            k_rows,
+            v_rows,
+            cap_len,
+            q_pre,
+            q_step,
+            scale: 1.0 / d_f.sqrt(),
+            cache_dtype,
+            k_scale,
+            v_scale,
+        }
     }
 
-    /// Row `p` of KV head `h` of sequence `s`, K (`v` = false) or V, as f64.
+    /// Row `p` of KV head `h` of sequence `s`, K (`v` = false) or V, as f64, as the engines read it from
+    /// the cache (an FP8 cache: quantized on write, decoded times the scale).
     fn kv_row(&self, s: usize, p: usize, h: usize, v: bool) -> Vec<f64> {
         let (hk, d) = (self.spec.num_kv_heads, self.spec.head_dim);
-        let buf = if v { &self.v_rows } else { &self.k_rows };
-        (0..d).map(|i| buf.get(((s * self.cap_len + p) * hk + h) * d + i)).collect()
+        let (buf, scale) = if v { (&self.v_rows, self.v_scale) } else { (&self.k_rows, self.k_scale) };
+        let fp8 = self.cache_dtype.is_fp8();
+        (0..d)
+            .map(|i| buf.get(((s * self.cap_len + p) * hk + h) * d + i))
+            .map(|x| if fp8 { kvsparse::fp8::dequantize(self.cache_dtype, kvsparse::fp8::quantize(self.cache_dtype, x as f32, scale), scale) as f64 } else { x })
+            .collect()
     }
 
     /// The f64 reference of KV head `h`'s pooled weights for sequence `s` at length `len`, query `q`.
@@ -237,13 +266,17 @@ impl Side {
         cfg.policy = if policy.is_empty() { String::new() } else if policy.contains(';') { format!("{policy}, dense_layers=0") } else { format!("{policy}; dense_layers=0") };
         cfg.device = device;
         cfg.num_threads = 2;
+        cfg.cache_dtype = w.cache_dtype;
         let n = w.nb * s.block_size * s.num_kv_heads * s.head_dim;
         let e = Engine::new(cfg)?;
+        if w.cache_dtype.is_fp8() {
+            e.set_kv_scales(Some(0), w.k_scale, w.v_scale)?;
+        }
         e.record_visits(true);
         Ok(match device {
-            Device::Cpu => Side::Cpu(e, HostBuf::zeros(s.dtype, n), HostBuf::zeros(s.dtype, n)),
+            Device::Cpu => Side::Cpu(e, HostBuf::zeros(w.cache_dtype, n), HostBuf::zeros(w.cache_dtype, n)),
             _ => {
-                let z = vec![0u8; n * s.dtype.size_bytes()];
+                let z = vec![0u8; n * w.cache_dtype.size_bytes()];
                 Side::Gpu(e, DevBuf::from_host(&z)?, DevBuf::from_host(&z)?)
             }
         })
@@ -278,8 +311,8 @@ impl Side {
                     layer: 0,
                     key: view(&kd, 0, dt, &[n, hk, d], &[hk * d, d, 1])?,
                     value: view(&vd, 0, dt, &[n, hk, d], &[hk * d, d, 1])?,
-                    key_cache: view(kc, 0, dt, &shape, &st)?,
-                    value_cache: view(vc, 0, dt, &shape, &st)?,
+                    key_cache: view(kc, 0, w.cache_dtype, &shape, &st)?,
+                    value_cache: view(vc, 0, w.cache_dtype, &shape, &st)?,
                     slot_mapping: view(&sd, 0, DType::I64, &[n], &[1])?,
                     stream: std::ptr::null_mut(),
                 };
@@ -344,8 +377,8 @@ impl Side {
                 let (od, lsd) = (DevBuf::from_host(out.as_bytes())?, DevBuf::from_host(bytes(&lse))?);
                 let a = mk(
                     view(&qd, 0, dt, &[nt, hq, d], &[hq * d, d, 1])?,
-                    view(kc, 0, dt, &shape, &st)?,
-                    view(vc, 0, dt, &shape, &st)?,
+                    view(kc, 0, w.cache_dtype, &shape, &st)?,
+                    view(vc, 0, w.cache_dtype, &shape, &st)?,
                     view(&td, 0, DType::I32, &[ns, mb], &[mb, 1])?,
                     view(&ld, 0, DType::I32, &[ns], &[1])?,
                     view(&sd, 0, DType::I32, &[ns + 1], &[1])?,
@@ -610,16 +643,16 @@ impl StepBufs {
             layer: 0,
             key: view(&self.kn, 0, dt, &[ns, hk, d], &[hk * d, d, 1])?,
             value: view(&self.vn, 0, dt, &[ns, hk, d], &[hk * d, d, 1])?,
-            key_cache: view(kc, 0, dt, &shape, &st)?,
-            value_cache: view(vc, 0, dt, &shape, &st)?,
+            key_cache: view(kc, 0, w.cache_dtype, &shape, &st)?,
+            value_cache: view(vc, 0, w.cache_dtype, &shape, &st)?,
             slot_mapping: view(&self.slots, 0, DType::I64, &[ns], &[1])?,
             stream,
         };
         let fw = ForwardArgs {
             layer: 0,
             query: view(&self.q, 0, dt, &[ns, hq, d], &[hq * d, d, 1])?,
-            key_cache: view(kc, 0, dt, &shape, &st)?,
-            value_cache: view(vc, 0, dt, &shape, &st)?,
+            key_cache: view(kc, 0, w.cache_dtype, &shape, &st)?,
+            value_cache: view(vc, 0, w.cache_dtype, &shape, &st)?,
             block_table: view(&self.table, 0, DType::I32, &[ns, mb], &[mb, 1])?,
             seq_lens: view(&self.lens, 0, DType::I32, &[ns], &[1])?,
             query_start_loc: view(&self.qsl, 0, DType::I32, &[ns + 1], &[1])?,

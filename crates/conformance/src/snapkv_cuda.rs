@@ -233,6 +233,9 @@ pub fn run_snapkv_case(spec: &CaseSpec, policy: &str, seed: u64) -> SnapResult {
 
         // GPU: the same two calls on device copies.
         let gpu = Engine::new(cfg_for(f, policy, Device::Cuda(0)))?;
+        if f.cache_dtype().is_fp8() {
+            gpu.set_kv_scales(Some(0), f.k_scale, f.v_scale)?;
+        }
         gpu.record_visits(true);
         let outs = Outputs::new(f);
         let dc = DeviceCase::upload(f, &outs)?;

@@ -428,6 +428,33 @@ pub fn sparse_graph_replay_on(spec: &CaseSpec, policy: &str, seed_a: u64, seed_b
 /// `(gpu, cpu, cpu_loose, cpu_tight, total)` in tiles, and the relative error of the GPU's output against
 /// the CPU engine's over the rows that stopped at the same tile (the same visited set; `spec` must be
 /// decode-only: token = sequence), NaN when no row did.
+/// ART's stop-tile contract over `specs` × `pols` (name, policy at a threshold scale; `art_stop_tiles` per
+/// case, seed `seed + 10 i + j`): panics where a row that stopped at the CPU's tile differs in output beyond
+/// the dense tolerance or a row stopped outside its ±`eps` bracket; prints a line per case (`label` first).
+/// Returns (rows, same stop tile, borderline, stopped early on the CPU) for the caller's totals.
+pub fn check_art_stops(label: &str, specs: &[CaseSpec], pols: &[(&str, fn(f64) -> String)], eps: f64, seed: u64) -> (usize, usize, usize, usize) {
+    let (mut rows, mut same, mut border, mut early) = (0, 0, 0, 0);
+    for (i, spec) in specs.iter().enumerate() {
+        for (j, (name, f)) in pols.iter().enumerate() {
+            let (r, err) = art_stop_tiles(spec, f, eps, seed.wrapping_add((i * 10 + j) as u64)).unwrap_or_else(|e| panic!("{} {name}: {e}", spec.name));
+            let tol = tolerance(spec.dtype).0;
+            assert!(!(err > tol), "{} {name} (seed {seed}): output over the same visited tiles differs from the CPU engine's: rel {err:.3e} > {tol:.0e}", spec.name);
+            for &(g, c, lo, hi, total) in &r {
+                rows += 1;
+                early += (c < total) as usize;
+                if g == c {
+                    same += 1;
+                } else {
+                    assert!(lo <= g && g <= hi, "{} {name} (seed {seed}): GPU stopped after {g} tiles, CPU after {c} (bracket {lo}..={hi} at ±{eps})", spec.name);
+                    border += 1;
+                }
+            }
+            println!("{label} {:<36} {:<40} rows {:>3} rel {err:.2e} (same stop)", spec.name, name, r.len());
+        }
+    }
+    (rows, same, border, early)
+}
+
 pub fn art_stop_tiles(spec: &CaseSpec, spec_at: &dyn Fn(f64) -> String, eps: f64, seed: u64) -> Result<(Vec<(u32, u32, u32, u32, u32)>, f64)> {
     let mut f = Fixture::new(spec, seed);
     let mut cpu_run = |s: f64| -> Result<(Vec<VisitRecord>, Outputs)> {

@@ -8,7 +8,7 @@
 
 use kvsparse_conformance::cuda::DeviceCase;
 use kvsparse_conformance::snapkv_cuda::{run_snapkv_case, snapkv_policies, snapkv_spec, SnapResult};
-use kvsparse_conformance::sparse_cuda::{art_stop_tiles, decode_step_meta_equal, run_sparse_case, run_sparse_case_keys, sparse_graph_replay, sparse_graph_replay_on, sparse_policies, sparse_specs};
+use kvsparse_conformance::sparse_cuda::{check_art_stops, decode_step_meta_equal, run_sparse_case, run_sparse_case_keys, sparse_graph_replay, sparse_graph_replay_on, sparse_policies, sparse_specs};
 use kvsparse_conformance::{judge, CaseSpec, Fixture, Outputs};
 use kvsparse::rng::Rng;
 use kvsparse::{DType, Device, Engine};
@@ -303,25 +303,7 @@ fn cuda_art_stops_at_the_cpu_engine_tile() {
         ("quest(1024, sink=16, page=8) > art(3e-3, 3e-2, 1, seg 128)", |s| format!("quest(budget=1024, sink=16, page=8) > art(tau={}, phi={}, patience=1, segment=128)", 3e-3 * s, 3e-2 * s)),
         ("quest(512) > art(recent, 1e-3, 1e-2, 2)", |s| format!("quest(budget=512) > art(tau={}, phi={}, patience=2, order=recent)", 1e-3 * s, 1e-2 * s)),
     ];
-    let (mut rows, mut same, mut border, mut early) = (0, 0, 0, 0);
-    for (i, spec) in specs.iter().enumerate() {
-        for (j, (name, f)) in pols.iter().enumerate() {
-            let (r, err) = art_stop_tiles(spec, f, eps, seed.wrapping_add((i * 10 + j) as u64)).unwrap_or_else(|e| panic!("{} {name}: {e}", spec.name));
-            let tol = kvsparse_conformance::tolerance(spec.dtype).0;
-            assert!(!(err > tol), "{} {name} (seed {seed}): output over the same visited tiles differs from the CPU engine's: rel {err:.3e} > {tol:.0e}", spec.name);
-            for &(g, c, lo, hi, total) in &r {
-                rows += 1;
-                early += (c < total) as usize;
-                if g == c {
-                    same += 1;
-                } else {
-                    assert!(lo <= g && g <= hi, "{} {name} (seed {seed}): GPU stopped after {g} tiles, CPU after {c} (bracket {lo}..={hi} at ±{eps})", spec.name);
-                    border += 1;
-                }
-            }
-            println!("art {:<28} {:<32} rows {:>3} rel {err:.2e} (same stop)", spec.name, name, r.len());
-        }
-    }
+    let (rows, same, border, early) = check_art_stops("art", &specs, &pols, eps, seed);
     println!("{rows} rows: {same} same stop tile, {border} borderline (within ±{eps} of a threshold), {early} stopped early on the CPU");
     assert!(border * 10 <= rows, "seed {seed}: {border} of {rows} rows borderline");
     assert!(early > 0, "seed {seed}: no row stopped early; the settings test nothing");

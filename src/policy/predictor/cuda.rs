@@ -271,7 +271,7 @@ impl PredictorDev {
             k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
             k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i32(phase);
             k.i64((ws + lay.pred_rmax as u64) as i64).i64((ws + lay.pred_z as u64) as i64).i64((ws + lay.pred_bad as u64) as i64).i32(pw.rcap as i32);
-            k.i64((ws + lay.pred_logits as u64) as i64).i32(pw.lcap as i32);
+            k.i64((ws + lay.pred_logits as u64) as i64).i32(pw.lcap as i32).f32(cache.k_scale);
             launch::launch(f("kvs_pred_scores")?, (key_tiles as u32, hk as u32, ns as u32), sthreads as u32, &mut k, stream, "kvs_pred_scores launch")?;
         }
         let mut k = KArgs::new();

@@ -369,6 +369,11 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
 }
 
 impl super::kind::SelectorKind for PredictorSpec {
+    /// Over FP8 its history rows read the keys decoded times k_scale, in the CPU's arithmetic.
+    fn cuda_fp8_cache(&self) -> bool {
+        true
+    }
+
     fn stateful(&self) -> bool {
         true
     }

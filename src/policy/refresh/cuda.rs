@@ -4,8 +4,9 @@
 //! (`policy::refresh`, `cpu::sparse::run_refresh`); a full decode step's weights come out of its own
 //! attention on tensor cores (the kernel writes the logits, `Rows::PlanLogits`; two small kernels turn
 //! them into weights; the set is rebuilt after the attention) and agree with the CPU's within the margin
-//! docs/policies.md states. Where the tensor-core kernel does not apply (f32 caches, unaligned rows), the
-//! full step scores in the CPU's arithmetic before the attention, as the prefill's seed does.
+//! docs/policies.md states. Where the tensor-core kernel does not apply (f32 caches, unaligned rows) or
+//! cannot write the logits (FP8 caches), the full step scores in the CPU's arithmetic before the attention,
+//! as the prefill's seed does (FP8 keys decoded times k_scale, as the CPU reads them): the CPU's bits.
 //!
 //! Plans: token-granular (unit_log2 = 0) with a capacity of the block table's width, because a full step
 //! (which the host cannot foresee) visits every visible position; the attention launch is therefore sized
@@ -291,7 +292,7 @@ impl RefreshDevice {
             k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
             k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk as i32).i64((ws + rw.mode as u64) as i64);
             k.i32(phase).i64((ws + rw.rmax as u64) as i64).i64((ws + rw.z as u64) as i64).i64((ws + rw.bad as u64) as i64);
-            k.i64((ws + rw.agg as u64) as i64).i32(maxpos as i32).i32(rw.logits as i32);
+            k.i64((ws + rw.agg as u64) as i64).i32(maxpos as i32).i32(rw.logits as i32).f32(cache.k_scale);
             launch::launch(f("kvs_refresh_scores")?, (ctas as u32, hk as u32, 1), threads as u32, &mut k, stream, "kvs_refresh_scores launch")?;
         }
         plan_launch()
@@ -374,9 +375,12 @@ impl<'a> RefreshStage<'a> {
 
 impl CudaStage for RefreshStage<'_> {
     fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
-        // The full step's weights from its own attention where the tensor-core kernel runs it.
+        // The full step's weights from its own attention where the tensor-core kernel runs it and can write
+        // the logits (16-bit caches: its FP8 variant has no LOGITS; an FP8 cache's full steps score in the
+        // CPU's arithmetic over the dequantized keys, as its prefill seeds do).
         let (ns, hk, g) = (cx.geo.num_seqs, cx.cfg.num_kv_heads, cx.cfg.group_size());
-        self.ws = RefreshWs::reserve(&mut |b| ws.take(b), ns, hk, g, cx.geo.max_pos, self.r.k, cx.tensor_cores)?;
+        let logits = cx.tensor_cores && !cx.cfg.cache_dtype.is_fp8();
+        self.ws = RefreshWs::reserve(&mut |b| ws.take(b), ns, hk, g, cx.geo.max_pos, self.r.k, logits)?;
         Ok(())
     }
 

@@ -149,6 +149,11 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
 }
 
 impl super::kind::SelectorKind for Refresh {
+    /// Over FP8 its scores read the keys decoded times k_scale, in the CPU's arithmetic (refresh::cuda).
+    fn cuda_fp8_cache(&self) -> bool {
+        true
+    }
+
     fn stateful(&self) -> bool {
         true
     }

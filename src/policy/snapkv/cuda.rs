@@ -6,8 +6,9 @@
 //! to 128, K rows 16-byte aligned): `kvs_snap_lse_mma` (each window row's log-sum-exp over its keys), then
 //! `kvs_snap_weights_mma` (the weights summed per position over the window, max over the group), K read
 //! twice. They agree with the CPU's `snapkv::cpu::choose` within the margin of docs/policies.md ("SnapKV's
-//! choice on the device"), not bit for bit. Otherwise three scalar passes in the CPU's arithmetic (row
-//! maxima, fixed-point normalisers, weights), which equal the CPU's choice bit for bit.
+//! choice on the device"), not bit for bit. Otherwise (and over FP8 caches, whose keys they read decoded
+//! times k_scale, as the CPU) three scalar passes in the CPU's arithmetic (row maxima, fixed-point
+//! normalisers, weights), which equal the CPU's choice bit for bit.
 
 use crate::cuda::batch::{BatchArg, Geometry};
 use crate::cuda::driver::{check, cuda, CUfunction};
@@ -108,7 +109,7 @@ impl SnapKv {
                 let mut k = KArgs::new();
                 common(&mut k);
                 k.i32(phase).i64(lse as i64).i64((ws + lay.snap_z as u64) as i64).i64((ws + lay.snap_bad as u64) as i64).i32(rows as i32);
-                k.i64(agg as i64).i32(maxpos as i32);
+                k.i64(agg as i64).i32(maxpos as i32).f32(cache.k_scale);
                 launch::launch(f("kvs_snap_scores")?, (maxpos.div_ceil(tp) as u32, hk as u32, ns as u32), threads as u32, &mut k, stream, "kvs_snap_scores launch")?;
             }
         }

@@ -35,6 +35,11 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
 }
 
 impl super::kind::SelectorKind for cpu::SnapKv {
+    /// Over FP8 its choice takes the scalar phases, which read the keys decoded times k_scale (snapkv::cuda).
+    fn cuda_fp8_cache(&self) -> bool {
+        true
+    }
+
     fn stateful(&self) -> bool {
         true
     }

@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::cuda::batch::{download_ints, dtype_code, BatchArg, Geometry, PlanRef, Rows};
+use crate::cuda::batch::{download_ints, dtype_code, kv8_code, BatchArg, Geometry, PlanRef, Rows};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUevent, CUstream, CU_STREAM_NON_BLOCKING};
 use crate::cuda::launch::{self, KArgs};
@@ -242,7 +242,8 @@ impl PrrDevice {
     }
 
     fn prr_fn(&self, dev: &dyn Device, cfg: &EngineConfig, name: &'static str) -> Result<crate::cuda::driver::CUfunction> {
-        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={}", cfg.head_dim), format!("GROUP={}", cfg.group_size()), "--fmad=false".to_string()];
+        // The selection module of src/cuda/sparse.rs (the same defines, so one compiled module).
+        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={}", cfg.head_dim), format!("GROUP={}", cfg.group_size()), format!("KV8={}", kv8_code(cfg.cache_dtype)), "--fmad=false".to_string()];
         dev.modules().function(dev.gpu(), "select", launch::SELECT, &defines, name)
     }
 
@@ -405,7 +406,7 @@ impl PrrDevice {
         let at = |o: usize| ws + o as u64;
         let f = |name: &'static str| self.prr_fn(dev, cfg, name);
         let ctr = dev.layer_counters(a.layer) as i64;
-        let row_bytes = (2 * d * es) as i64;
+        let row_bytes = (2 * d * cfg.cache_dtype.size_bytes()) as i64;
         let smem_keys = maxp.min((dev.gpu().smem_optin as usize).saturating_sub(4096) / 4);
         let plan = |e: usize, len: usize, cap: usize| PlanRef { e: at(e), p_s: (hk * cap) as i64, p_h: cap as i64, len: at(len), ulog2, hk: hk as i32, cap: cap as i32, pad: 0 };
         let (fa, fb, fg) = (sp.alpha.unwrap_or(speculate::DEFAULT_PARAMS.alpha), sp.beta.unwrap_or(speculate::DEFAULT_PARAMS.beta), sp.gamma.unwrap_or(speculate::DEFAULT_PARAMS.gamma));
@@ -501,6 +502,7 @@ impl PrrDevice {
         k.i64(at(lay.missed) as i64).i64(at(lay.missed_len) as i64).i32(m_cap as i32).i32(ulog2);
         k.i64(at(lay.o1) as i64).i64(at(lay.l1) as i64).i64(at(lay.pw_o) as i64).i64(at(lay.pw_l) as i64).i64(at(lay.done) as i64);
         k.ptr(a.out.data).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64).i64(lse_ptr).i64(l0).i64(l1);
+        k.f32(cache.k_scale).f32(cache.v_scale);
         launch::launch(f("kvs_prr_finish")?, (ns as u32, hk as u32, parts as u32), 128, &mut k, stream, "kvs_prr_finish launch")?;
         mark(6, stream)?;
         // Join C: the update is done; the step ends on the caller's stream.

@@ -308,6 +308,12 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
 }
 
 impl super::kind::SelectorKind for Speculate {
+    /// Over FP8 its repair attention reads rows decoded times their scales (kernels/policy/speculate.cu);
+    /// its scores read Quest's bounds and its speculative attention the plan kernel.
+    fn cuda_fp8_cache(&self) -> bool {
+        true
+    }
+
     fn stateful(&self) -> bool {
         true
     }
