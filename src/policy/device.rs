@@ -20,11 +20,11 @@ impl Policy {
     /// terminating kernel and the other selectors' own kernels read 16-bit rows only. Err(why) otherwise.
     pub fn cuda_fp8_cache(&self) -> std::result::Result<(), String> {
         let Some(p) = self.pipeline() else { return Ok(()) };
-        if p.art.is_some() {
-            return Err("`art`'s terminating attention kernel has no FP8 path".into());
+        for s in p.later_stages().iter().rev() {
+            s.cuda_fp8_cache()?;
         }
         if !p.selector.kind().cuda_fp8_cache() {
-            return Err("this selector's own kernels read 16-bit cache rows only (the CUDA engine runs `all`, `streaming` and `quest`, with or without `top_p`, over FP8 caches)".into());
+            return Err(super::registry::SELECTOR_NO_FP8.into());
         }
         Ok(())
     }

@@ -29,7 +29,7 @@ use std::collections::HashMap;
 use crate::meta::MetaNeeds;
 use crate::error::Result;
 pub use plan::HeadPlan;
-pub use spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
+pub use registry::*;
 
 /// What the caller set for the policy at run time, for its stages to read (`kvs_engine_set_speculation_budgets`:
 /// PRR's budget table); its type is the policy's.
@@ -43,7 +43,7 @@ pub struct Policy {
 
 impl Default for Policy {
     fn default() -> Self {
-        Policy { spec: Spec { pipeline: None, dense_layers: spec::DEFAULT_DENSE_LAYERS, predictor_weights: None, max_seqs: spec::DEFAULT_MAX_SEQS } }
+        Policy { spec: Spec::default() }
     }
 }
 
@@ -70,9 +70,9 @@ impl Policy {
         self.pipeline().is_some_and(|p| p.selector.kind().stateful())
     }
 
-    /// Number of stages of the pipeline (selector, then top-p and ART when present); 0 = dense.
+    /// Number of stages of the pipeline (the selector, then the later stages present); 0 = dense.
     pub fn num_stages(&self) -> usize {
-        self.pipeline().map_or(0, |p| 1 + p.top_p.is_some() as usize + p.art.is_some() as usize)
+        self.pipeline().map_or(0, |p| 1 + p.later_stages().len())
     }
 
     /// Whether a CUDA engine's decode steps under this policy may be captured in a CUDA graph by a serving
@@ -93,7 +93,9 @@ impl Policy {
         let mut needs = MetaNeeds::default();
         if let Some(p) = self.pipeline() {
             p.selector.kind().meta_needs(&mut needs);
-            needs.int4 = p.top_p.is_some();
+            for s in p.later_stages() {
+                s.meta_needs(&mut needs);
+            }
         }
         needs
     }

@@ -1,34 +1,148 @@
-//! The policy registry: each selector's implementation, one line per policy and backend. The engine and
-//! the backends reach a stage through here (`Selector::cpu`, `Pipeline::cuda`, `Policy::cuda_device`), so
-//! nothing outside src/policy matches on a policy's name.
+//! The policy registry: each policy's place in the closed set of stages, one line per policy and table:
+//! its stage name and parser entry, its variant of [`Selector`] or slot of [`Pipeline`], its CPU and CUDA
+//! implementations. The engine and the backends reach a stage through here (`Selector::cpu`,
+//! `Pipeline::cuda`, `Policy::cuda_device`), so nothing outside src/policy matches on a policy's name.
 
-use super::spec::{self, Role, Spec, StageDef};
-use super::kind::SelectorKind;
-use super::{Pipeline, Policy, Selector};
+use super::spec::{self, Arg, Args, Role, StageDef};
+use super::kind::{LaterStageKind, SelectorKind};
+use super::Policy;
 use crate::config::EngineConfig;
 use crate::cpu::sparse::CpuStage;
 use crate::cuda::stage::{CudaStage, PolicyDevice};
 use crate::error::Result;
 
+pub use super::art::{Art, Order, Probe};
+pub use super::predictor::PredictorSpec;
+pub use super::refresh::Refresh;
+pub use super::speculate::{Predict, Speculate};
+pub use super::top_p::TopP;
+
+/// Which blocks/tokens are eligible for a decode row (each selector's parameters are defined, parsed and
+/// implemented in its folder).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Selector {
+    /// Every position the row may see (dense).
+    All,
+    Streaming { sink: usize, recent: usize },
+    Quest { budget: usize, page: usize, sink: usize },
+    SnapKv { budget: usize, window: usize, pool: usize },
+    Speculate(Speculate),
+    Refresh(Refresh),
+    Predictor(PredictorSpec),
+}
+
+/// A non-dense pipeline: select, then optionally prune (top-p), then optionally terminate (ART).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pipeline {
+    pub selector: Selector,
+    pub top_p: Option<TopP>,
+    pub art: Option<Art>,
+}
+
+/// A parsed spec: `pipeline == None` is dense attention everywhere.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Spec {
+    pub pipeline: Option<Pipeline>,
+    pub dense_layers: usize,
+    /// `predictor(weights="...")`: the weights file the engine loads (None = the built-in weights).
+    pub predictor_weights: Option<String>,
+    /// Option `max_seqs`: the most sequences a CUDA engine keeps per-sequence policy state for at once
+    /// (its device slot map, src/cuda/slots.rs); the CPU engine's state is bounded by `max_state_bytes`.
+    pub max_seqs: usize,
+}
+
+impl Default for Spec {
+    /// Dense attention everywhere, the options' defaults.
+    fn default() -> Self {
+        Spec { pipeline: None, dense_layers: spec::DEFAULT_DENSE_LAYERS, predictor_weights: None, max_seqs: spec::DEFAULT_MAX_SEQS }
+    }
+}
+
+/// A stage's parsed arguments (what its folder's `parse` returns).
+pub(crate) enum Parsed {
+    Dense,
+    /// The selector, and a weights file it names (`predictor(weights="...")`).
+    Selector(Selector, Option<String>),
+    TopP(TopP),
+    /// ART, and its order when the spec gives one (else `art::resolve_order` picks the default).
+    Art(Art, Option<Order>),
+}
+
+impl Pipeline {
+    /// The stages after the selector, in pipeline order, as the shared code asks about them.
+    pub(crate) fn later_stages(&self) -> Vec<&dyn LaterStageKind> {
+        let mut v: Vec<&dyn LaterStageKind> = Vec::new();
+        if let Some(t) = &self.top_p {
+            v.push(t);
+        }
+        if let Some(a) = &self.art {
+            v.push(a);
+        }
+        v
+    }
+}
+
+/// Why a selector whose `SelectorKind::cuda_fp8_cache` is false is refused over an FP8 cache on CUDA.
+pub(super) const SELECTOR_NO_FP8: &str = "this selector's own kernels read 16-bit cache rows only (the CUDA engine runs `all`, `streaming` and `quest`, with or without `top_p`, over FP8 caches)";
+
+/// The one argument that takes a nested stage (`key=name(args)`), as error messages name it.
+pub(super) const NESTED_ARG: &str = "speculate.over";
+
 /// Every stage name of the spec grammar with its parser entry (in the policy's folder), in the order
 /// messages list them.
-const STAGES: &[StageDef] = &[
-    StageDef { name: "dense", role: Role::Dense, whole_pipeline: false, parse: spec::parse_dense },
-    StageDef { name: "all", role: Role::Selector, whole_pipeline: false, parse: spec::parse_all },
+const STAGES: &[StageDef<Parsed>] = &[
+    StageDef { name: "dense", role: Role::Dense, whole_pipeline: false, parse: parse_dense },
+    StageDef { name: "all", role: Role::Selector, whole_pipeline: false, parse: parse_all },
     StageDef { name: "streaming", role: Role::Selector, whole_pipeline: false, parse: super::streaming::parse },
     StageDef { name: "quest", role: Role::Selector, whole_pipeline: false, parse: super::quest::parse },
     StageDef { name: "snapkv", role: Role::Selector, whole_pipeline: false, parse: super::snapkv::parse },
     StageDef { name: "speculate", role: Role::Selector, whole_pipeline: true, parse: super::speculate::parse },
     StageDef { name: "refresh", role: Role::Selector, whole_pipeline: true, parse: super::refresh::parse },
     StageDef { name: "predictor", role: Role::Selector, whole_pipeline: true, parse: super::predictor::parse },
-    StageDef { name: "top_p", role: Role::TopP, whole_pipeline: false, parse: super::top_p::parse },
-    StageDef { name: "art", role: Role::Art, whole_pipeline: false, parse: super::art::parse },
+    StageDef { name: "top_p", role: Role::Prune, whole_pipeline: false, parse: super::top_p::parse },
+    StageDef { name: "art", role: Role::Terminate, whole_pipeline: false, parse: super::art::parse },
 ];
 
+/// `dense` and `all` take no arguments.
+fn parse_dense(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    Args::new(src, "dense", raw, &[])?;
+    Ok(Parsed::Dense)
+}
+
+fn parse_all(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    Args::new(src, "all", raw, &[])?;
+    Ok(Parsed::Selector(Selector::All, None))
+}
+
 impl Spec {
-    /// Parses a whole spec: the grammar in src/policy/spec.rs, each stage's arguments in its folder.
+    /// Parses a whole spec: the grammar in src/policy/spec.rs, each stage's arguments in its folder; then
+    /// assembles the stages' values (the selector `all` when the spec names none; ART's order).
     pub fn parse(src: &str) -> Result<Spec> {
-        spec::parse_with(src, STAGES, super::art::resolve_order)
+        let parsed = spec::parse_with(src, STAGES)?;
+        let mut predictor_weights = None;
+        let pipeline = parsed.stages.map(|values| {
+            let mut p = Pipeline { selector: Selector::All, top_p: None, art: None };
+            let mut art_order = None;
+            for v in values {
+                match v {
+                    Parsed::Dense => {}
+                    Parsed::Selector(s, weights) => {
+                        p.selector = s;
+                        if weights.is_some() {
+                            predictor_weights = weights;
+                        }
+                    }
+                    Parsed::TopP(t) => p.top_p = Some(t),
+                    Parsed::Art(a, order) => {
+                        p.art = Some(a);
+                        art_order = order;
+                    }
+                }
+            }
+            super::art::resolve_order(&mut p, art_order);
+            p
+        });
+        Ok(Spec { pipeline, dense_layers: parsed.dense_layers, predictor_weights, max_seqs: parsed.max_seqs })
     }
 }
 

@@ -19,11 +19,51 @@
 
 pub mod cuda;
 
-use super::spec::{Arg, Args, Art, Parsed, Pipeline, Selector};
+use super::spec::{Arg, Args};
+use super::{Parsed, Pipeline, Selector};
 use crate::error::Result;
 
 use super::plan::HeadPlan;
-use super::spec::{Order, Probe};
+
+/// Traversal order of ART (sink units always come first). The spec's `order=auto` (default) is resolved
+/// at parse time from the selector (ART paper §3.3): recency for `all`/`streaming`, priority for the
+/// scored selectors (`quest`, `snapkv`, and any pipeline with `top_p`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    Recent,
+    Priority,
+}
+
+/// What ART compares between tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// The paper's probe (§3.2): the leading accumulator element of each of the 32 lanes of warp 0 in the
+    /// tensor-core layout (see `termination::probe_lanes`).
+    Lanes,
+    /// The whole normalised output of every query row of the group (the paper's oracle, Appendix B).
+    Full,
+}
+
+/// Adaptive (early) termination of the block traversal.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Art {
+    pub tau: f32,
+    pub phi: f32,
+    /// Consecutive stable blocks before stopping; `None` = never stop (`patience=inf`).
+    pub patience: Option<u32>,
+    pub order: Order,
+    pub probe: Probe,
+    /// Keys per independent segment of the traversal (a multiple of the 64-key tile), each terminated on
+    /// its own and merged by log-sum-exp; `None` = one segment (the paper). Lets a GPU split the row.
+    pub segment: Option<u32>,
+}
+
+/// ART terminates the traversal of the selector's plan (its order, not its entries).
+impl super::kind::LaterStageKind for Art {
+    fn cuda_fp8_cache(&self) -> std::result::Result<(), String> {
+        Err("`art`'s terminating attention kernel has no FP8 path".into())
+    }
+}
 
 /// Slots (keys) per ART step.
 pub const ART_TILE: usize = 64;
@@ -418,5 +458,57 @@ mod tests {
         // Adjacent ascending pieces inside one tile merge.
         t.build(&[0, 1, 2, 3, 4], 0, 0, 10);
         assert_eq!(t.tile(0), &[(0, 5)]);
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::refusal as msg;
+    use crate::policy::*;
+
+    fn parse(src: &str) -> crate::error::Result<Spec> {
+        Spec::parse(src)
+    }
+
+    #[test]
+    fn parses_the_example() {
+        let s = parse("quest(budget=4096) > top_p(p=0.95) > art(tau=1e-5, phi=1e-3, patience=5)").unwrap();
+        let p = s.pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Quest { budget: 4096, page: 16, sink: 0 });
+        assert_eq!(p.top_p, Some(TopP { p: 0.95 }));
+        let a = p.art.unwrap();
+        assert_eq!((a.tau, a.phi, a.patience, a.order, a.probe), (1e-5, 1e-3, Some(5), Order::Priority, Probe::Lanes));
+        let order = |spec: &str| parse(spec).unwrap().pipeline.unwrap().art.unwrap().order;
+        assert_eq!(order("art"), Order::Recent);
+        assert_eq!(order("streaming(recent=64) > art"), Order::Recent);
+        assert_eq!(order("quest(budget=64) > art"), Order::Priority);
+        assert_eq!(order("snapkv(budget=64) > art"), Order::Priority);
+        assert_eq!(order("top_p > art"), Order::Priority);
+        assert_eq!(order("quest(budget=64) > art(order=recent)"), Order::Recent);
+        assert_eq!(order("art(order=priority)"), Order::Priority);
+        assert_eq!(s.dense_layers, 2);
+    }
+
+    #[test]
+    fn art_spec() {
+        let s = parse("art(patience=inf, order=priority, probe=full); dense_layers=3").unwrap();
+        assert_eq!(s.dense_layers, 3);
+        let p = s.pipeline.unwrap();
+        assert_eq!(p.selector, Selector::All);
+        assert_eq!(p.art.unwrap().patience, None);
+        assert!(msg("art(tau=-1e-5)").contains("art.tau"));
+        assert!(msg("art(phi=-1)").contains("art.phi"));
+        assert!(msg("art(patience=0)").contains("patience"));
+        assert!(msg("art(segment=100)").contains("art.segment"));
+        assert!(msg("art(segment=0)").contains("art.segment"));
+        assert_eq!(parse("art(segment=4096)").unwrap().pipeline.unwrap().art.unwrap().segment, Some(4096));
+        assert_eq!(parse("art").unwrap().pipeline.unwrap().art.unwrap().segment, None);
+        assert_eq!(parse("art(segment=inf)").unwrap().pipeline.unwrap().art.unwrap().segment, None);
+        assert!(msg("art(order=oldest)").contains("recent, priority"));
+        assert!(msg("art > quest(budget=8)").contains("first stage"));
+        assert!(msg("art > top_p").contains("before `art`"));
+        assert!(msg("dense > art").contains("alone"));
+        assert!(msg("all ! art").contains("position 4"));
     }
 }

@@ -19,7 +19,8 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args, Parsed, PredictorSpec, Selector};
+use super::spec::{Arg, Args};
+use super::{Parsed, Selector};
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -27,6 +28,17 @@ use std::sync::Arc;
 use once_cell::sync::Lazy;
 
 use crate::error::{Error, ErrorKind, Result};
+
+/// `predictor(budget, block, history, calib, sink, local)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PredictorSpec {
+    pub budget: usize,
+    pub block: usize,
+    pub history: usize,
+    pub calib: usize,
+    pub sink: usize,
+    pub local: usize,
+}
 
 /// The history of one (sequence, layer, KV head).
 #[derive(Clone, Debug, Default)]
@@ -505,5 +517,32 @@ mod tests {
         assert_eq!(select(&scores, 320, 100, 16, 64, 64), vec![(0, 64), (256, 320)]);
         assert_eq!(block_max(&[0.1, 0.3, 0.2], 2), vec![0.3, 0.2]);
         assert_eq!(crop(3, 16, 64, 64), (3, 0));
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::refusal as msg;
+    use crate::policy::*;
+
+    fn parse(src: &str) -> crate::error::Result<Spec> {
+        Spec::parse(src)
+    }
+
+    #[test]
+    fn predictor_spec() {
+        let p = parse("predictor(budget=1024)").unwrap().pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Predictor(PredictorSpec { budget: 1024, block: 16, history: 64, calib: 5, sink: 64, local: 64 }));
+        assert!(msg("predictor()").contains("needs `budget="));
+        assert!(msg("predictor(budget=64, block=12)").contains("power of two"));
+        assert!(msg("predictor(budget=64, history=1)").contains("predictor.history"));
+        assert!(msg("predictor(budget=64, weights=model)").contains("predictor.weights"));
+        assert!(msg("predictor(budget=64, weights=\"\")").contains("predictor.weights"));
+        assert!(msg("predictor(budget=64, weights=\"a.safetensors)").contains("closing"));
+        assert!(msg(&format!("predictor(budget=64, weights=\"{}\")", "x".repeat(crate::policy::spec::MAX_STRING + 1))).contains("at most"));
+        let s = parse("predictor(budget=64, weights=\"/tmp/my model.safetensors\")").unwrap();
+        assert_eq!(s.predictor_weights.as_deref(), Some("/tmp/my model.safetensors"));
+        assert_eq!(parse("predictor(budget=64)").unwrap().predictor_weights, None);
     }
 }

@@ -5,7 +5,8 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args, Parsed, Selector};
+use super::spec::{Arg, Args};
+use super::{Parsed, Selector};
 use crate::error::Result;
 
 /// `quest(budget, page, sink)`'s arguments (src/policy/registry.rs names the stage).
@@ -44,5 +45,30 @@ impl super::kind::SelectorKind for cpu::Quest {
     /// The budget's pages, the sink pages and the decode token's page.
     fn budget_entries(&self) -> Option<usize> {
         Some(self.budget.div_ceil(self.page).max(1) + self.sink.div_ceil(self.page) + 1)
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::refusal as msg;
+    use crate::policy::*;
+
+    fn parse(src: &str) -> crate::error::Result<Spec> {
+        Spec::parse(src)
+    }
+
+    #[test]
+    fn quest_spec() {
+        assert_eq!(parse("quest(budget=64)").unwrap().max_seqs, crate::policy::spec::DEFAULT_MAX_SEQS);
+        let m = msg("quest(budget=4, pages=16)");
+        assert!(m.contains("position 16") && m.contains("unknown key `pages`") && m.contains("budget, page"), "{m}");
+        assert!(msg("quest(budget=0)").contains("quest.budget"));
+        assert!(msg("quest()").contains("needs `budget=")); // nothing defaulted silently
+        assert!(msg("quest(budget=64, page=12)").contains("power of two"));
+        assert!(msg("quest(budget=\"64\")").contains("quest.budget"));
+        assert!(msg("quest(budget=8) > quest(budget=8)").contains("at most one selector"));
+        assert!(msg("quest(budget=8").contains("`,` or `)`"));
+        assert!(msg("quest(budget=8,budget=9)").contains("at most once"));
     }
 }

@@ -20,11 +20,26 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args, Parsed, Selector};
+use super::spec::{Arg, Args};
+use super::{Parsed, Selector};
 use crate::error::Result;
 
 use super::select::top_k_positions;
-use super::spec::Refresh;
+
+/// `refresh(k, stride, s, pool, every)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Refresh {
+    /// Tokens kept per KV head at partial steps.
+    pub k: usize,
+    /// Steps between similarity checks.
+    pub stride: usize,
+    /// Cosine threshold: a check keeps the partial set only while the similarity stays above `s`.
+    pub s: f32,
+    /// Max-pooling width (odd) of the full step's attention scores.
+    pub pool: usize,
+    /// Fixed schedule: a full step every `every` steps (no similarity check).
+    pub every: Option<usize>,
+}
 
 /// Layer-level state of one sequence.
 #[derive(Clone, Debug, Default)]
@@ -191,5 +206,33 @@ mod tests {
         assert_eq!(h.tokens, vec![1, 5, 6]);
         h.advance(0, 5, 3); // sequence rewound
         assert_eq!(h.tokens, vec![1, 5]);
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::refusal as msg;
+    use crate::policy::*;
+
+    fn parse(src: &str) -> crate::error::Result<Spec> {
+        Spec::parse(src)
+    }
+
+    #[test]
+    fn refresh_spec() {
+        assert_eq!(parse("refresh(k=64); max_seqs=8, dense_layers=1").unwrap().max_seqs, 8);
+        let p = parse("refresh").unwrap().pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Refresh(Refresh { k: 2048, stride: 5, s: 0.85, pool: 7, every: None }));
+        let p = parse("refresh(k=64, stride=1, s=1.0, every=10)").unwrap().pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Refresh(Refresh { k: 64, stride: 1, s: 1.0, pool: 7, every: Some(10) }));
+        assert!(msg("refresh(k=0)").contains("refresh.k"));
+        assert!(msg("refresh(s=1.5)").contains("refresh.s"));
+        assert!(msg("refresh(pool=4)").contains("odd"));
+        assert!(msg("refresh(stride=0)").contains("refresh.stride"));
+        assert!(msg("refresh(every=0)").contains("refresh.every"));
+        assert!(msg("refresh(k=quest(budget=1))").contains("only `speculate.over`"));
+        assert!(msg("refresh > top_p").contains("nothing after"));
+        assert!(msg("quest(budget=8) > refresh").contains("at most one selector"));
     }
 }

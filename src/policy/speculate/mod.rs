@@ -17,11 +17,41 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{err, quoted, Arg, Args, Parsed, Selector, Speculate, Tok};
+use super::spec::{err, quoted, Arg, Args, Tok};
+use super::{Parsed, Selector};
 use crate::error::{Error, ErrorKind, Result};
 
 use super::quest::cpu::quest_pages;
-use super::spec::Predict;
+
+/// How PRR predicts the speculative block set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Predict {
+    /// Holt double exponential smoothing of each block's score (the method).
+    Holt,
+    /// The previous step's true set (the baseline the method is compared with).
+    Previous,
+    /// The lowest-predicted blocks: a deliberately bad predictor, for testing the repair path.
+    Inverse,
+}
+
+/// `speculate(over=quest(budget, page), alpha, beta, gamma, budget, predict, extra)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Speculate {
+    /// The true selector: Quest with this token budget, page size and sink (tokens).
+    pub quest_budget: usize,
+    pub page: usize,
+    pub quest_sink: usize,
+    /// Holt parameters; `None` = calibrated at the sequence's prefill (see `policy::speculate`).
+    pub alpha: Option<f32>,
+    pub beta: Option<f32>,
+    pub gamma: Option<f32>,
+    /// Speculation budget in tokens (the constant of the default latency table); `None` = the Quest budget.
+    pub budget: Option<usize>,
+    pub predict: Predict,
+    /// Keep predicted blocks outside the true set as extra context (`extra=keep`, the paper's behaviour and
+    /// the default); `extra=drop` makes the output attention over the true set only.
+    pub keep_extra: bool,
+}
 
 /// Holt parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -410,5 +440,46 @@ mod tests {
         assert!(SpecBudgetTable::new(vec![]).is_err());
         assert!(SpecBudgetTable::new(vec![(1, 2), (1, 3)]).is_err());
         assert_eq!(SpecBudgetTable::constant(64).budget_for(1 << 20), 64);
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::refusal as msg;
+    use crate::policy::*;
+
+    fn parse(src: &str) -> crate::error::Result<Spec> {
+        Spec::parse(src)
+    }
+
+    #[test]
+    fn speculate_spec() {
+        let p = parse("speculate(over=quest(budget=1024, page=32), alpha=0.3, gamma=auto, budget=512)").unwrap().pipeline.unwrap();
+        assert_eq!(
+            p.selector,
+            Selector::Speculate(Speculate { quest_budget: 1024, page: 32, quest_sink: 0, alpha: Some(0.3), beta: None, gamma: None, budget: Some(512), predict: Predict::Holt, keep_extra: true })
+        );
+        let p = parse("speculate(over=quest(budget=64), predict=inverse, extra=drop)").unwrap().pipeline.unwrap();
+        assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, page: 16, quest_sink: 0, predict: Predict::Inverse, keep_extra: false, .. })));
+        let p = parse("speculate(over=quest(budget=64, sink=16))").unwrap().pipeline.unwrap();
+        assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, quest_sink: 16, .. })));
+        // The deepest legal spec parses.
+        assert!(parse("speculate(over=quest(budget=8))").is_ok());
+    }
+
+    #[test]
+    fn bad_speculate_specs() {
+        assert!(msg("speculate(alpha=0.5)").contains("needs `over=quest"));
+        let m = msg("speculate(over=snapkv(budget=8))");
+        assert!(m.contains("position 15") && m.contains("`quest(...)`"), "{m}");
+        let m = msg("speculate(over=quest(budget=8, pag=16))");
+        assert!(m.contains("position 31") && m.contains("unknown key `pag`"), "{m}");
+        assert!(msg("speculate(over=quest())").contains("needs `budget="));
+        assert!(msg("speculate(over=quest(budget=8), alpha=1.5)").contains("speculate.alpha"));
+        assert!(msg("speculate(over=quest(budget=8), gamma=-1)").contains("speculate.gamma"));
+        assert!(msg("speculate(over=quest(budget=8), predict=oracle)").contains("holt, previous, inverse"));
+        assert!(msg("speculate(over=quest(budget=8), budget=0)").contains("speculate.budget"));
+        assert!(msg("speculate(over=quest(budget=8)) > art").contains("nothing after"));
     }
 }

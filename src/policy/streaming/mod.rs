@@ -4,7 +4,8 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args, Parsed, Selector};
+use super::spec::{Arg, Args};
+use super::{Parsed, Selector};
 use crate::error::Result;
 
 /// `streaming(sink, recent)`'s arguments (src/policy/registry.rs names the stage).
@@ -30,5 +31,22 @@ impl super::kind::SelectorKind for cpu::Streaming {
 
     fn shared_plan(&self) -> bool {
         true
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::refusal as msg;
+    use crate::policy::*;
+
+    fn parse(src: &str) -> crate::error::Result<Spec> {
+        Spec::parse(src)
+    }
+
+    #[test]
+    fn streaming_spec() {
+        assert_eq!(parse("streaming(recent=64)").unwrap().pipeline.unwrap().selector, Selector::Streaming { sink: 4, recent: 64 });
+        assert!(msg("streaming(sink=4)").contains("needs `recent="));
     }
 }

@@ -14,8 +14,26 @@
 
 pub mod cuda;
 
-use super::spec::{Arg, Args, Parsed, TopP};
+use super::spec::{Arg, Args};
+use super::Parsed;
 use crate::error::Result;
+
+/// Twilight's select-then-prune: keep the smallest set whose estimated attention mass reaches `p`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TopP {
+    pub p: f32,
+}
+
+/// Top-p keeps a subset of the candidates' tokens per KV head, estimated from the INT4 copy of the keys.
+impl super::kind::LaterStageKind for TopP {
+    fn plans_tokens(&self) -> bool {
+        true
+    }
+
+    fn meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
+        needs.int4 = true;
+    }
+}
 
 /// Relative width of the bracket at which the binary search stops.
 pub const EPS: f32 = 1e-3;
@@ -191,5 +209,25 @@ mod tests {
         assert_eq!(select(&pr, 1, 4, 1.0, &mut w, &mut keep), 4);
         assert_eq!(select(&pr, 1, 4, 0.9, &mut w, &mut keep), 1);
         assert!(keep[0]);
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::refusal as msg;
+    use crate::policy::*;
+
+    fn parse(src: &str) -> crate::error::Result<Spec> {
+        Spec::parse(src)
+    }
+
+    #[test]
+    fn top_p_spec() {
+        assert_eq!(parse("top_p").unwrap().pipeline.unwrap().top_p, Some(TopP { p: 0.95 }));
+        let m = msg("top_p(p=1.5)");
+        assert!(m.contains("(0, 1]") && m.contains("position 8"), "{m}");
+        assert!(msg("top_p(p=0)").contains("(0, 1]"));
+        assert!(msg("quest(budget=8) top_p").contains("`>`, `;` or end of spec"));
     }
 }
