@@ -8,20 +8,15 @@
 //! Stateful stages keep per-(sequence, layer, KV head) state in [`SequencePolicyState`], owned by the
 //! engine's sequence registry: created on first use, freed by `kvs_sequence_release`.
 
-pub mod art;
 pub mod device;
 mod kind;
 pub mod plan;
-pub mod predictor;
-pub mod quest;
-pub mod refresh;
+#[macro_use]
 mod registry;
 pub mod select;
-pub mod snapkv;
 pub mod spec;
-pub mod speculate;
-pub mod streaming;
-pub mod top_p;
+// Each policy's folder (`src/policy/<name>/`), as the registry lists them.
+policy_modules!();
 
 use std::any::Any;
 use std::collections::HashMap;

@@ -7,9 +7,24 @@ use super::spec::{self, Arg, Args, Role, StageDef};
 use super::kind::{LaterStageKind, SelectorKind};
 use super::Policy;
 use crate::config::EngineConfig;
-use crate::cpu::sparse::CpuStage;
+use crate::cpu::sparse::{CpuLaterStage, CpuStage};
 use crate::cuda::stage::{CudaStage, PolicyDevice};
 use crate::error::Result;
+
+/// Declares each policy's folder as a module of `policy` (expanded in src/policy/mod.rs, so the folders
+/// are `crate::policy::<name>`).
+macro_rules! policy_modules {
+    () => {
+        pub mod art;
+        pub mod predictor;
+        pub mod quest;
+        pub mod refresh;
+        pub mod snapkv;
+        pub mod speculate;
+        pub mod streaming;
+        pub mod top_p;
+    };
+}
 
 pub use super::art::{Art, Order, Probe};
 pub use super::predictor::PredictorSpec;
@@ -72,6 +87,18 @@ impl Pipeline {
     /// The stages after the selector, in pipeline order, as the shared code asks about them.
     pub(crate) fn later_stages(&self) -> Vec<&dyn LaterStageKind> {
         let mut v: Vec<&dyn LaterStageKind> = Vec::new();
+        if let Some(t) = &self.top_p {
+            v.push(t);
+        }
+        if let Some(a) = &self.art {
+            v.push(a);
+        }
+        v
+    }
+
+    /// The stages after the selector as CPU stages, in pipeline order.
+    pub(crate) fn cpu_later(&self) -> Vec<&dyn CpuLaterStage> {
+        let mut v: Vec<&dyn CpuLaterStage> = Vec::new();
         if let Some(t) = &self.top_p {
             v.push(t);
         }

@@ -65,6 +65,9 @@ impl super::kind::LaterStageKind for Art {
     }
 }
 
+/// ART does not prune on the CPU: it orders the plan and terminates the traversal (`cpu::sparse`).
+impl crate::cpu::sparse::CpuLaterStage for Art {}
+
 /// Slots (keys) per ART step.
 pub const ART_TILE: usize = 64;
 /// Lanes of the probe (one warp).

@@ -35,7 +35,7 @@ impl super::kind::SelectorKind for cpu::Quest {
 
     /// The min/max key bounds of every page.
     fn meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
-        needs.quest_page = Some(self.page);
+        needs.bounds_page = Some(self.page);
     }
 
     fn unit_log2(&self, _block_size: usize) -> u32 {

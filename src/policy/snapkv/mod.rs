@@ -42,7 +42,7 @@ impl super::kind::SelectorKind for cpu::SnapKv {
 
     /// On the device the choice lives with the cache blocks (kept-slot bits, kernels/policy/snapkv.cu).
     fn device_meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
-        needs.snap_keep = true;
+        needs.keep_bits = true;
     }
 }
 

@@ -344,7 +344,7 @@ impl super::kind::SelectorKind for Speculate {
 
     /// Quest's page bounds (the true selection).
     fn meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
-        needs.quest_page = Some(self.page);
+        needs.bounds_page = Some(self.page);
     }
 
     fn device_input(&self) -> std::result::Result<(), String> {

@@ -12,6 +12,7 @@
 //! the candidates sorted by weight (descending; equal weights by position, ascending) that reaches the
 //! mass for every row, which is how the CUDA kernel finds the same set (a radix search on the weights).
 
+pub mod cpu;
 pub mod cuda;
 
 use super::spec::{Arg, Args};
