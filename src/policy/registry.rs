@@ -3,7 +3,7 @@
 //! implementations. The engine and the backends reach a stage through here (`Selector::cpu`,
 //! `Pipeline::cuda`, `Policy::cuda_device`), so nothing outside src/policy matches on a policy's name.
 
-use super::spec::{self, Arg, Args, Role, StageDef};
+use super::spec::{self, Arg, Args, Parsed, Role, StageDef};
 use super::kind::{LaterStageKind, SelectorKind};
 use super::Policy;
 use crate::config::EngineConfig;
@@ -26,62 +26,7 @@ macro_rules! policy_modules {
     };
 }
 
-pub use super::art::{Art, Order, Probe};
-pub use super::predictor::PredictorSpec;
-pub use super::refresh::Refresh;
-pub use super::speculate::{Predict, Speculate};
-pub use super::top_p::TopP;
-
-/// Which blocks/tokens are eligible for a decode row (each selector's parameters are defined, parsed and
-/// implemented in its folder).
-#[derive(Clone, Debug, PartialEq)]
-pub enum Selector {
-    /// Every position the row may see (dense).
-    All,
-    Streaming { sink: usize, recent: usize },
-    Quest { budget: usize, page: usize, sink: usize },
-    SnapKv { budget: usize, window: usize, pool: usize },
-    Speculate(Speculate),
-    Refresh(Refresh),
-    Predictor(PredictorSpec),
-}
-
-/// A non-dense pipeline: select, then optionally prune (top-p), then optionally terminate (ART).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Pipeline {
-    pub selector: Selector,
-    pub top_p: Option<TopP>,
-    pub art: Option<Art>,
-}
-
-/// A parsed spec: `pipeline == None` is dense attention everywhere.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Spec {
-    pub pipeline: Option<Pipeline>,
-    pub dense_layers: usize,
-    /// `predictor(weights="...")`: the weights file the engine loads (None = the built-in weights).
-    pub predictor_weights: Option<String>,
-    /// Option `max_seqs`: the most sequences a CUDA engine keeps per-sequence policy state for at once
-    /// (its device slot map, src/cuda/slots.rs); the CPU engine's state is bounded by `max_state_bytes`.
-    pub max_seqs: usize,
-}
-
-impl Default for Spec {
-    /// Dense attention everywhere, the options' defaults.
-    fn default() -> Self {
-        Spec { pipeline: None, dense_layers: spec::DEFAULT_DENSE_LAYERS, predictor_weights: None, max_seqs: spec::DEFAULT_MAX_SEQS }
-    }
-}
-
-/// A stage's parsed arguments (what its folder's `parse` returns).
-pub(crate) enum Parsed {
-    Dense,
-    /// The selector, and a weights file it names (`predictor(weights="...")`).
-    Selector(Selector, Option<String>),
-    TopP(TopP),
-    /// ART, and its order when the spec gives one (else `art::resolve_order` picks the default).
-    Art(Art, Option<Order>),
-}
+pub use super::spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
 
 impl Pipeline {
     /// The stages after the selector, in pipeline order, as the shared code asks about them.
@@ -109,11 +54,11 @@ impl Pipeline {
     }
 }
 
+/// ART does not prune on the CPU: it orders the plan and terminates the traversal (`cpu::sparse`).
+impl CpuLaterStage for Art {}
+
 /// Why a selector whose `SelectorKind::cuda_fp8_cache` is false is refused over an FP8 cache on CUDA.
 pub(super) const SELECTOR_NO_FP8: &str = "this selector's own kernels read 16-bit cache rows only (the CUDA engine runs `all`, `streaming` and `quest`, with or without `top_p`, over FP8 caches)";
-
-/// The one argument that takes a nested stage (`key=name(args)`), as error messages name it.
-pub(super) const NESTED_ARG: &str = "speculate.over";
 
 /// Every stage name of the spec grammar with its parser entry (in the policy's folder), in the order
 /// messages list them.

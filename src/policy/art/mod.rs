@@ -19,44 +19,10 @@
 
 pub mod cuda;
 
-use super::spec::{Arg, Args};
-use super::{Parsed, Pipeline, Selector};
+use super::spec::{Arg, Args, Art, Order, Parsed, Pipeline, Probe, Selector};
 use crate::error::Result;
 
 use super::plan::HeadPlan;
-
-/// Traversal order of ART (sink units always come first). The spec's `order=auto` (default) is resolved
-/// at parse time from the selector (ART paper §3.3): recency for `all`/`streaming`, priority for the
-/// scored selectors (`quest`, `snapkv`, and any pipeline with `top_p`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Order {
-    Recent,
-    Priority,
-}
-
-/// What ART compares between tiles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Probe {
-    /// The paper's probe (§3.2): the leading accumulator element of each of the 32 lanes of warp 0 in the
-    /// tensor-core layout (see `termination::probe_lanes`).
-    Lanes,
-    /// The whole normalised output of every query row of the group (the paper's oracle, Appendix B).
-    Full,
-}
-
-/// Adaptive (early) termination of the block traversal.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Art {
-    pub tau: f32,
-    pub phi: f32,
-    /// Consecutive stable blocks before stopping; `None` = never stop (`patience=inf`).
-    pub patience: Option<u32>,
-    pub order: Order,
-    pub probe: Probe,
-    /// Keys per independent segment of the traversal (a multiple of the 64-key tile), each terminated on
-    /// its own and merged by log-sum-exp; `None` = one segment (the paper). Lets a GPU split the row.
-    pub segment: Option<u32>,
-}
 
 /// ART terminates the traversal of the selector's plan (its order, not its entries).
 impl super::kind::LaterStageKind for Art {
@@ -64,9 +30,6 @@ impl super::kind::LaterStageKind for Art {
         Err("`art`'s terminating attention kernel has no FP8 path".into())
     }
 }
-
-/// ART does not prune on the CPU: it orders the plan and terminates the traversal (`cpu::sparse`).
-impl crate::cpu::sparse::CpuLaterStage for Art {}
 
 /// Slots (keys) per ART step.
 pub const ART_TILE: usize = 64;

@@ -19,8 +19,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args};
-use super::{Parsed, Selector};
+use super::spec::{Arg, Args, Parsed, PredictorSpec, Selector};
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -28,17 +27,6 @@ use std::sync::Arc;
 use once_cell::sync::Lazy;
 
 use crate::error::{Error, ErrorKind, Result};
-
-/// `predictor(budget, block, history, calib, sink, local)`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PredictorSpec {
-    pub budget: usize,
-    pub block: usize,
-    pub history: usize,
-    pub calib: usize,
-    pub sink: usize,
-    pub local: usize,
-}
 
 /// The history of one (sequence, layer, KV head).
 #[derive(Clone, Debug, Default)]

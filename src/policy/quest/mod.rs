@@ -5,8 +5,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args};
-use super::{Parsed, Selector};
+use super::spec::{Arg, Args, Parsed, Selector};
 use crate::error::Result;
 
 /// `quest(budget, page, sink)`'s arguments (src/policy/registry.rs names the stage).

@@ -20,26 +20,10 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args};
-use super::{Parsed, Selector};
+use super::spec::{Arg, Args, Parsed, Refresh, Selector};
 use crate::error::Result;
 
 use super::select::top_k_positions;
-
-/// `refresh(k, stride, s, pool, every)`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Refresh {
-    /// Tokens kept per KV head at partial steps.
-    pub k: usize,
-    /// Steps between similarity checks.
-    pub stride: usize,
-    /// Cosine threshold: a check keeps the partial set only while the similarity stays above `s`.
-    pub s: f32,
-    /// Max-pooling width (odd) of the full step's attention scores.
-    pub pool: usize,
-    /// Fixed schedule: a full step every `every` steps (no similarity check).
-    pub every: Option<usize>,
-}
 
 /// Layer-level state of one sequence.
 #[derive(Clone, Debug, Default)]

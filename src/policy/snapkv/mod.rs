@@ -4,8 +4,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args};
-use super::{Parsed, Selector};
+use super::spec::{Arg, Args, Parsed, Selector};
 use crate::error::Result;
 
 /// SnapKV's choice for one (sequence, layer, KV head), made at the sequence's last prefill chunk.

@@ -17,41 +17,10 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{err, quoted, Arg, Args, Tok};
-use super::{Parsed, Selector};
+use super::spec::{err, quoted, Arg, Args, Parsed, Predict, Selector, Speculate, Tok};
 use crate::error::{Error, ErrorKind, Result};
 
 use super::quest::cpu::quest_pages;
-
-/// How PRR predicts the speculative block set.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Predict {
-    /// Holt double exponential smoothing of each block's score (the method).
-    Holt,
-    /// The previous step's true set (the baseline the method is compared with).
-    Previous,
-    /// The lowest-predicted blocks: a deliberately bad predictor, for testing the repair path.
-    Inverse,
-}
-
-/// `speculate(over=quest(budget, page), alpha, beta, gamma, budget, predict, extra)`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Speculate {
-    /// The true selector: Quest with this token budget, page size and sink (tokens).
-    pub quest_budget: usize,
-    pub page: usize,
-    pub quest_sink: usize,
-    /// Holt parameters; `None` = calibrated at the sequence's prefill (see `policy::speculate`).
-    pub alpha: Option<f32>,
-    pub beta: Option<f32>,
-    pub gamma: Option<f32>,
-    /// Speculation budget in tokens (the constant of the default latency table); `None` = the Quest budget.
-    pub budget: Option<usize>,
-    pub predict: Predict,
-    /// Keep predicted blocks outside the true set as extra context (`extra=keep`, the paper's behaviour and
-    /// the default); `extra=drop` makes the output attention over the true set only.
-    pub keep_extra: bool,
-}
 
 /// Holt parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]

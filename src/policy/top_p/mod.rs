@@ -15,15 +15,8 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args};
-use super::Parsed;
+use super::spec::{Arg, Args, Parsed, TopP};
 use crate::error::Result;
-
-/// Twilight's select-then-prune: keep the smallest set whose estimated attention mass reaches `p`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct TopP {
-    pub p: f32,
-}
 
 /// Top-p keeps a subset of the candidates' tokens per KV head, estimated from the INT4 copy of the keys.
 impl super::kind::LaterStageKind for TopP {
