@@ -28,22 +28,14 @@ macro_rules! policy_modules {
 
 pub use super::spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
 
-impl Pipeline {
-    /// The stages after the selector, in pipeline order, as the shared code asks about them.
-    pub(crate) fn later_stages(&self) -> Vec<&dyn LaterStageKind> {
-        let mut v: Vec<&dyn LaterStageKind> = Vec::new();
-        if let Some(t) = &self.top_p {
-            v.push(t);
-        }
-        if let Some(a) = &self.art {
-            v.push(a);
-        }
-        v
-    }
+/// A later stage's value: its CPU part and its answers to the shared code.
+pub(crate) trait LaterStage: CpuLaterStage + LaterStageKind {}
+impl<T: CpuLaterStage + LaterStageKind> LaterStage for T {}
 
-    /// The stages after the selector as CPU stages, in pipeline order.
-    pub(crate) fn cpu_later(&self) -> Vec<&dyn CpuLaterStage> {
-        let mut v: Vec<&dyn CpuLaterStage> = Vec::new();
+impl Pipeline {
+    /// The stages after the selector (top-p, then ART), in pipeline order.
+    pub(crate) fn later_stages(&self) -> Vec<&dyn LaterStage> {
+        let mut v: Vec<&dyn LaterStage> = Vec::new();
         if let Some(t) = &self.top_p {
             v.push(t);
         }

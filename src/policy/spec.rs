@@ -604,6 +604,12 @@ fn or_list(items: &[String]) -> String {
     }
 }
 
+/// `Spec::parse` (for the stages' tests in their folders).
+#[cfg(test)]
+pub(crate) fn parse(spec: &str) -> Result<Spec> {
+    Spec::parse(spec)
+}
+
 /// The message of the error a spec is refused with (for the stages' tests in their folders).
 #[cfg(test)]
 pub(crate) fn refusal(spec: &str) -> String {
@@ -615,16 +621,7 @@ pub(crate) fn refusal(spec: &str) -> String {
 /// The grammar's own forms (each stage's arguments are tested in its folder, `spec_tests`).
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::policy::Spec;
-
-    fn parse(src: &str) -> Result<Spec> {
-        Spec::parse(src)
-    }
-
-    fn msg(spec: &str) -> String {
-        refusal(spec)
-    }
+    use super::{parse, refusal as msg, *};
 
     #[test]
     fn dense_forms_and_options() {

@@ -443,7 +443,7 @@ pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u
 
     // 2. Prune: the later stages' part on the selector's positions (top-p: the plan becomes the kept
     // tokens, each entry's priority its estimated mass).
-    for stage in p.cpu_later() {
+    for stage in p.later_stages() {
         meta_bytes += stage.prune(&cx, hw, sc, &mut c);
     }
 

@@ -41,7 +41,7 @@ pub(crate) struct SelectCx<'a> {
 }
 
 /// A stage after the selector on the CPU (src/policy/<name>/cpu.rs; the registry lists a pipeline's,
-/// `Pipeline::cpu_later`). Every method has the behaviour of a stage that does not need it.
+/// `Pipeline::later_stages`). Every method has the behaviour of a stage that does not need it.
 pub(crate) trait CpuLaterStage: Sync {
     /// Prunes one KV head's selection on the generic path (`hw.plan`, `hw.cand` and `hw.entry_score`,
     /// as `CpuStage::select` left them); returns the key metadata bytes read.

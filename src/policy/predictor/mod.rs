@@ -511,12 +511,8 @@ mod tests {
 /// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
 #[cfg(test)]
 mod spec_tests {
-    use crate::policy::spec::refusal as msg;
+    use crate::policy::spec::{parse, refusal as msg};
     use crate::policy::*;
-
-    fn parse(src: &str) -> crate::error::Result<Spec> {
-        Spec::parse(src)
-    }
 
     #[test]
     fn predictor_spec() {
