@@ -51,7 +51,6 @@ impl super::kind::SelectorKind for cpu::Quest {
 #[cfg(test)]
 mod spec_tests {
     use crate::policy::spec::{parse, refusal as msg};
-    use crate::policy::*;
 
     #[test]
     fn quest_spec() {
