@@ -2,19 +2,23 @@
 //! writes ([`MetaNeeds`]) and one layer's metadata as plain arrays ([`MetaSnapshot`]). The CPU keeps it in
 //! `cpu::metadata`, the CUDA backend in `cuda::meta`.
 
-/// What the configured policy needs maintained.
+/// What the configured policy needs maintained, as generic kinds of metadata (each policy declares its
+/// own in its folder: `SelectorKind::meta_needs`, `LaterStageKind::meta_needs`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MetaNeeds {
-    /// Quest page size in tokens (the unit kept is `min(page, block_size)`).
-    pub quest_page: Option<usize>,
+    /// Per-page element-wise key minima and maxima, for pages of this many tokens (the unit kept is
+    /// `min(page, block_size)`; Quest's and PRR's page bounds).
+    pub bounds_page: Option<usize>,
+    /// An INT4 copy of every key row (top-p's weight estimate).
     pub int4: bool,
-    /// SnapKV's kept-slot bits (CUDA engines only: the CPU keeps its choice per sequence id).
-    pub snap_keep: bool,
+    /// One kept bit per cache slot, written by a selector's prefill choice (SnapKV; CUDA engines only:
+    /// the CPU keeps its choice per sequence id).
+    pub keep_bits: bool,
 }
 
 impl MetaNeeds {
     pub fn any(&self) -> bool {
-        self.quest_page.is_some() || self.int4 || self.snap_keep
+        self.bounds_page.is_some() || self.int4 || self.keep_bits
     }
 }
 

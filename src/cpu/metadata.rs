@@ -49,9 +49,9 @@ impl LayerMeta {
     /// Sized by the cache (fallibly: the cache's block count comes from the caller).
     fn new(needs: MetaNeeds, cache: &KvCache) -> Result<Self> {
         let (nb, bs, hk, d) = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim);
-        let unit = needs.quest_page.map_or(0, |p| p.min(bs));
+        let unit = needs.bounds_page.map_or(0, |p| p.min(bs));
         let upb = if unit > 0 { bs / unit } else { 0 };
-        let qn = alloc::checked_product(&[nb, upb, hk, d], "Quest metadata entries")?;
+        let qn = alloc::checked_product(&[nb, upb, hk, d], "per-page key bound entries")?;
         let rows = if needs.int4 { alloc::checked_product(&[nb, bs, hk], "INT4 key rows")? } else { 0 };
         let code_len = alloc::checked_product(&[rows, code_bytes(d)], "INT4 code bytes")?;
         Ok(LayerMeta {
@@ -62,8 +62,8 @@ impl LayerMeta {
             filled: alloc::try_vec(nb, [0; 4], "the metadata fill mask")?,
             unit,
             units_per_block: upb,
-            qmin: alloc::try_vec(qn, F16_POS_INF, "Quest key minima")?,
-            qmax: alloc::try_vec(qn, F16_NEG_INF, "Quest key maxima")?,
+            qmin: alloc::try_vec(qn, F16_POS_INF, "per-page key minima")?,
+            qmax: alloc::try_vec(qn, F16_NEG_INF, "per-page key maxima")?,
             codes: alloc::try_vec(code_len, 0, "INT4 key codes")?,
             qparams: alloc::try_vec(rows, (0, 0), "INT4 key scales")?,
         })

@@ -44,7 +44,7 @@ pub struct LayerDevMeta {
 impl LayerDevMeta {
     fn new(needs: MetaNeeds, cache: &KvCache, stream: CUstream) -> Result<Self> {
         let (nb, bs, hk, d) = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim);
-        let unit = needs.quest_page.map_or(0, |p| p.min(bs));
+        let unit = needs.bounds_page.map_or(0, |p| p.min(bs));
         let upb = if unit > 0 { bs / unit } else { 0 };
         let api = cuda()?;
         let checked = |a: usize, b: usize| a.checked_mul(b).ok_or_else(|| crate::error::Error::new(crate::error::ErrorKind::OutOfMemory, "metadata size overflows"));
@@ -79,7 +79,7 @@ impl LayerDevMeta {
             qparams = Some(p);
         }
         let mut keep = None;
-        if needs.snap_keep {
+        if needs.keep_bits {
             // Every slot starts kept: a sequence whose prefill SnapKV never saw attends everything (as on
             // the CPU); a write sets its slot's bit, SnapKV's choice rewrites the bits below its length.
             let n = checked(checked(nb, hk)?, 32)?;

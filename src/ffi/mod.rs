@@ -440,32 +440,7 @@ pub extern "C" fn kvs_status_name(status: i32) -> *const c_char {
 
 /// Copies counters into a caller struct, honouring its `struct_size`.
 unsafe fn write_stats(out: *mut kvs_stats, c: &Counters, engine: Option<&crate::stats::EngineStats>) {
-    let full = kvs_stats {
-        struct_size: std::mem::size_of::<kvs_stats>() as u32,
-        reserved: 0,
-        calls: c.calls,
-        prefill_tokens: c.prefill_tokens,
-        decode_rows: c.decode_rows,
-        policy_rows: c.policy_rows,
-        blocks_eligible: c.blocks_eligible,
-        blocks_visited: c.blocks_visited,
-        blocks_skipped_termination: c.blocks_skipped_termination,
-        top_p_candidates: c.top_p_candidates,
-        top_p_kept: c.top_p_kept,
-        spec_predicted_blocks: c.spec_predicted_blocks,
-        spec_hit_blocks: c.spec_hit_blocks,
-        spec_true_blocks: c.spec_true_blocks,
-        spec_repaired_blocks: c.spec_repaired_blocks,
-        refresh_full_steps: c.refresh_full_steps,
-        refresh_partial_steps: c.refresh_partial_steps,
-        kv_bytes_read: c.kv_bytes_read,
-        live_sequences: engine.map_or(0, |s| s.live_sequences),
-        sequences_created: engine.map_or(0, |s| s.sequences_created),
-        sequences_released: engine.map_or(0, |s| s.sequences_released),
-        state_bytes: engine.map_or(0, |s| s.state_bytes),
-        policy_rows_without_state: engine.map_or(0, |s| s.policy_rows_without_state),
-        pending_status: engine.map_or(0, |s| s.pending_status),
-    };
+    let full = kvs_stats::from_counters(c, engine);
     let caller_size = (*out).struct_size as usize;
     let n = caller_size.min(std::mem::size_of::<kvs_stats>());
     // Keep the caller's struct_size; copy the rest up to what the caller declared.

@@ -287,6 +287,38 @@ pub struct kvs_stats {
     pub pending_status: u64,
 }
 
+impl kvs_stats {
+    /// The C struct of the library's counters (the fields' names are the ABI's).
+    pub(crate) fn from_counters(c: &crate::stats::Counters, engine: Option<&crate::stats::EngineStats>) -> Self {
+        kvs_stats {
+            struct_size: std::mem::size_of::<kvs_stats>() as u32,
+            reserved: 0,
+            calls: c.calls,
+            prefill_tokens: c.prefill_tokens,
+            decode_rows: c.decode_rows,
+            policy_rows: c.policy_rows,
+            blocks_eligible: c.blocks_eligible,
+            blocks_visited: c.blocks_visited,
+            blocks_skipped_termination: c.blocks_skipped_termination,
+            top_p_candidates: c.top_p_candidates,
+            top_p_kept: c.top_p_kept,
+            spec_predicted_blocks: c.spec_predicted_blocks,
+            spec_hit_blocks: c.spec_hit_blocks,
+            spec_true_blocks: c.spec_true_blocks,
+            spec_repaired_blocks: c.spec_repaired_blocks,
+            refresh_full_steps: c.refresh_full_steps,
+            refresh_partial_steps: c.refresh_partial_steps,
+            kv_bytes_read: c.kv_bytes_read,
+            live_sequences: engine.map_or(0, |s| s.live_sequences),
+            sequences_created: engine.map_or(0, |s| s.sequences_created),
+            sequences_released: engine.map_or(0, |s| s.sequences_released),
+            state_bytes: engine.map_or(0, |s| s.state_bytes),
+            policy_rows_without_state: engine.map_or(0, |s| s.policy_rows_without_state),
+            pending_status: engine.map_or(0, |s| s.pending_status),
+        }
+    }
+}
+
 /// What the library says about a policy (`kvs_policy_query`, `kvs_engine_policy`): what a serving plugin
 /// needs to decide without parsing the spec itself.
 #[repr(C)]

@@ -20,8 +20,11 @@ impl Policy {
     /// dequantized keys; ART's terminating kernel reads FP8 rows). Err(why) otherwise.
     pub fn cuda_fp8_cache(&self) -> std::result::Result<(), String> {
         let Some(p) = self.pipeline() else { return Ok(()) };
+        for s in p.later_stages().iter().rev() {
+            s.cuda_fp8_cache()?;
+        }
         if !p.selector.kind().cuda_fp8_cache() {
-            return Err("this selector's own kernels read 16-bit cache rows only".into());
+            return Err(super::registry::SELECTOR_NO_FP8.into());
         }
         Ok(())
     }

@@ -61,3 +61,22 @@ pub(crate) trait SelectorKind {
         Ok(())
     }
 }
+
+/// What the shared code asks of a pipeline's stage after the selector (one that prunes or terminates the
+/// selector's plan), answered in the stage's own folder; the registry lists a pipeline's
+/// (`Pipeline::later_stages`). The defaults are those of a stage that leaves the plan's shape alone.
+pub(crate) trait LaterStageKind {
+    /// Its plans name single tokens (a subset of the selector's candidates' positions), whatever the
+    /// selector's granularity, and differ between the KV heads of a sequence.
+    fn plans_tokens(&self) -> bool {
+        false
+    }
+
+    /// Adds the key metadata the cache writes must maintain for this stage (both backends).
+    fn meta_needs(&self, _needs: &mut MetaNeeds) {}
+
+    /// Whether its CUDA path serves an FP8 cache: Err(why) where a kernel of its own reads 16-bit rows.
+    fn cuda_fp8_cache(&self) -> Result<(), String> {
+        Ok(())
+    }
+}

@@ -8,20 +8,15 @@
 //! Stateful stages keep per-(sequence, layer, KV head) state in [`SequencePolicyState`], owned by the
 //! engine's sequence registry: created on first use, freed by `kvs_sequence_release`.
 
-pub mod art;
 pub mod device;
 mod kind;
 pub mod plan;
-pub mod predictor;
-pub mod quest;
-pub mod refresh;
+#[macro_use]
 mod registry;
 pub mod select;
-pub mod snapkv;
 pub mod spec;
-pub mod speculate;
-pub mod streaming;
-pub mod top_p;
+// Each policy's folder (`src/policy/<name>/`), as the registry lists them.
+policy_modules!();
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -29,7 +24,7 @@ use std::collections::HashMap;
 use crate::meta::MetaNeeds;
 use crate::error::Result;
 pub use plan::HeadPlan;
-pub use spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
+pub use registry::*;
 
 /// What the caller set for the policy at run time, for its stages to read (`kvs_engine_set_speculation_budgets`:
 /// PRR's budget table); its type is the policy's.
@@ -43,7 +38,7 @@ pub struct Policy {
 
 impl Default for Policy {
     fn default() -> Self {
-        Policy { spec: Spec { pipeline: None, dense_layers: spec::DEFAULT_DENSE_LAYERS, predictor_weights: None, max_seqs: spec::DEFAULT_MAX_SEQS } }
+        Policy { spec: Spec::default() }
     }
 }
 
@@ -70,9 +65,9 @@ impl Policy {
         self.pipeline().is_some_and(|p| p.selector.kind().stateful())
     }
 
-    /// Number of stages of the pipeline (selector, then top-p and ART when present); 0 = dense.
+    /// Number of stages of the pipeline (the selector, then the later stages present); 0 = dense.
     pub fn num_stages(&self) -> usize {
-        self.pipeline().map_or(0, |p| 1 + p.top_p.is_some() as usize + p.art.is_some() as usize)
+        self.pipeline().map_or(0, |p| 1 + p.later_stages().len())
     }
 
     /// Whether a CUDA engine's decode steps under this policy may be captured in a CUDA graph by a serving
@@ -93,7 +88,9 @@ impl Policy {
         let mut needs = MetaNeeds::default();
         if let Some(p) = self.pipeline() {
             p.selector.kind().meta_needs(&mut needs);
-            needs.int4 = p.top_p.is_some();
+            for s in p.later_stages() {
+                s.meta_needs(&mut needs);
+            }
         }
         needs
     }

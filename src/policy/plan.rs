@@ -13,7 +13,7 @@
 //! largest length is bounded before the step from the budget and the block table's capacity (see
 //! [`plan_capacity`]), which is what lets a GPU decode step be captured in a graph.
 
-use super::spec::{Pipeline, Selector};
+use super::{Pipeline, Selector};
 
 /// One (decode row, KV head)'s plan.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -67,10 +67,15 @@ impl HeadPlan {
 /// Granularity of the plans a pipeline produces: tokens when the last stage chooses tokens (top-p,
 /// SnapKV, StreamingLLM's token windows), Quest's page, or the cache block for `all`.
 pub fn plan_unit_log2(p: &Pipeline, block_size: usize) -> u32 {
-    if p.top_p.is_some() {
+    if plans_tokens(p) {
         return 0;
     }
     p.selector.kind().unit_log2(block_size)
+}
+
+/// A later stage (top-p) turns the selector's candidates into single tokens, one set per KV head.
+fn plans_tokens(p: &Pipeline) -> bool {
+    p.later_stages().iter().any(|s| s.plans_tokens())
 }
 
 /// Granularity of the *base selector's* plan (what top-p, when present, prunes).
@@ -90,7 +95,7 @@ pub fn selector_capacity(sel: &Selector, block_size: usize, max_len: usize) -> u
 /// Most entries a row's final plan can hold (top-p keeps a subset of its candidates' tokens).
 pub fn plan_capacity(p: &Pipeline, block_size: usize, max_len: usize) -> usize {
     let base = selector_capacity(&p.selector, block_size, max_len);
-    if p.top_p.is_some() {
+    if plans_tokens(p) {
         let unit = 1usize << selector_unit_log2(&p.selector, block_size);
         base.saturating_mul(unit).min(max_len + 1)
     } else {
@@ -104,7 +109,7 @@ pub fn device_plan_shapes(p: &Pipeline, block_size: usize, max_len: usize) -> [(
     let shared = p.selector.kind().shared_plan();
     [
         (selector_capacity(&p.selector, block_size, max_len).max(1), selector_unit_log2(&p.selector, block_size), shared),
-        (plan_capacity(p, block_size, max_len).max(1), plan_unit_log2(p, block_size), shared && p.top_p.is_none()),
+        (plan_capacity(p, block_size, max_len).max(1), plan_unit_log2(p, block_size), shared && !plans_tokens(p)),
     ]
 }
 

@@ -1,34 +1,112 @@
-//! The policy registry: each selector's implementation, one line per policy and backend. The engine and
-//! the backends reach a stage through here (`Selector::cpu`, `Pipeline::cuda`, `Policy::cuda_device`), so
-//! nothing outside src/policy matches on a policy's name.
+//! The policy registry: each policy's place in the closed set of stages, one line per policy and table:
+//! its stage name and parser entry, its variant of [`Selector`] or slot of [`Pipeline`], its CPU and CUDA
+//! implementations. The engine and the backends reach a stage through here (`Selector::cpu`,
+//! `Pipeline::cuda`, `Policy::cuda_device`), so nothing outside src/policy matches on a policy's name.
 
-use super::spec::{self, Role, Spec, StageDef};
-use super::kind::SelectorKind;
-use super::{Pipeline, Policy, Selector};
+use super::spec::{self, Arg, Args, Parsed, Role, StageDef};
+use super::kind::{LaterStageKind, SelectorKind};
+use super::Policy;
 use crate::config::EngineConfig;
-use crate::cpu::sparse::CpuStage;
+use crate::cpu::sparse::{CpuLaterStage, CpuStage};
 use crate::cuda::stage::{CudaStage, PolicyDevice};
 use crate::error::Result;
 
+/// Declares each policy's folder as a module of `policy` (expanded in src/policy/mod.rs, so the folders
+/// are `crate::policy::<name>`).
+macro_rules! policy_modules {
+    () => {
+        pub mod art;
+        pub mod predictor;
+        pub mod quest;
+        pub mod refresh;
+        pub mod snapkv;
+        pub mod speculate;
+        pub mod streaming;
+        pub mod top_p;
+    };
+}
+
+pub use super::spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
+
+/// A later stage's value: its CPU part and its answers to the shared code.
+pub(crate) trait LaterStage: CpuLaterStage + LaterStageKind {}
+impl<T: CpuLaterStage + LaterStageKind> LaterStage for T {}
+
+impl Pipeline {
+    /// The stages after the selector (top-p, then ART), in pipeline order.
+    pub(crate) fn later_stages(&self) -> Vec<&dyn LaterStage> {
+        let mut v: Vec<&dyn LaterStage> = Vec::new();
+        if let Some(t) = &self.top_p {
+            v.push(t);
+        }
+        if let Some(a) = &self.art {
+            v.push(a);
+        }
+        v
+    }
+}
+
+/// ART does not prune on the CPU: it orders the plan and terminates the traversal (`cpu::sparse`).
+impl CpuLaterStage for Art {}
+
+/// Why a selector whose `SelectorKind::cuda_fp8_cache` is false is refused over an FP8 cache on CUDA.
+pub(super) const SELECTOR_NO_FP8: &str = "this selector's own kernels read 16-bit cache rows only";
+
 /// Every stage name of the spec grammar with its parser entry (in the policy's folder), in the order
 /// messages list them.
-const STAGES: &[StageDef] = &[
-    StageDef { name: "dense", role: Role::Dense, whole_pipeline: false, parse: spec::parse_dense },
-    StageDef { name: "all", role: Role::Selector, whole_pipeline: false, parse: spec::parse_all },
+const STAGES: &[StageDef<Parsed>] = &[
+    StageDef { name: "dense", role: Role::Dense, whole_pipeline: false, parse: parse_dense },
+    StageDef { name: "all", role: Role::Selector, whole_pipeline: false, parse: parse_all },
     StageDef { name: "streaming", role: Role::Selector, whole_pipeline: false, parse: super::streaming::parse },
     StageDef { name: "quest", role: Role::Selector, whole_pipeline: false, parse: super::quest::parse },
     StageDef { name: "snapkv", role: Role::Selector, whole_pipeline: false, parse: super::snapkv::parse },
     StageDef { name: "speculate", role: Role::Selector, whole_pipeline: true, parse: super::speculate::parse },
     StageDef { name: "refresh", role: Role::Selector, whole_pipeline: true, parse: super::refresh::parse },
     StageDef { name: "predictor", role: Role::Selector, whole_pipeline: true, parse: super::predictor::parse },
-    StageDef { name: "top_p", role: Role::TopP, whole_pipeline: false, parse: super::top_p::parse },
-    StageDef { name: "art", role: Role::Art, whole_pipeline: false, parse: super::art::parse },
+    StageDef { name: "top_p", role: Role::Prune, whole_pipeline: false, parse: super::top_p::parse },
+    StageDef { name: "art", role: Role::Terminate, whole_pipeline: false, parse: super::art::parse },
 ];
 
+/// `dense` and `all` take no arguments.
+fn parse_dense(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    Args::new(src, "dense", raw, &[])?;
+    Ok(Parsed::Dense)
+}
+
+fn parse_all(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+    Args::new(src, "all", raw, &[])?;
+    Ok(Parsed::Selector(Selector::All, None))
+}
+
 impl Spec {
-    /// Parses a whole spec: the grammar in src/policy/spec.rs, each stage's arguments in its folder.
+    /// Parses a whole spec: the grammar in src/policy/spec.rs, each stage's arguments in its folder; then
+    /// assembles the stages' values (the selector `all` when the spec names none; ART's order).
     pub fn parse(src: &str) -> Result<Spec> {
-        spec::parse_with(src, STAGES, super::art::resolve_order)
+        let parsed = spec::parse_with(src, STAGES)?;
+        let mut predictor_weights = None;
+        let pipeline = parsed.stages.map(|values| {
+            let mut p = Pipeline { selector: Selector::All, top_p: None, art: None };
+            let mut art_order = None;
+            for v in values {
+                match v {
+                    Parsed::Dense => {}
+                    Parsed::Selector(s, weights) => {
+                        p.selector = s;
+                        if weights.is_some() {
+                            predictor_weights = weights;
+                        }
+                    }
+                    Parsed::TopP(t) => p.top_p = Some(t),
+                    Parsed::Art(a, order) => {
+                        p.art = Some(a);
+                        art_order = order;
+                    }
+                }
+            }
+            super::art::resolve_order(&mut p, art_order);
+            p
+        });
+        Ok(Spec { pipeline, dense_layers: parsed.dense_layers, predictor_weights, max_seqs: parsed.max_seqs })
     }
 }
 

@@ -8,7 +8,7 @@ use kvsparse_conformance::hostbuf::HostBuf;
 use kvsparse_conformance::matrix;
 use kvsparse_conformance::reference::{attention_f64, rel_err, RefParams, SeqRef};
 use kvsparse::cpu::metadata::{CacheMeta, MetaNeeds};
-use kvsparse::cpu::sparse::quest_bound;
+use kvsparse::policy::quest::cpu::quest_bound;
 use kvsparse::engine::{CacheWriteArgs, Engine};
 use kvsparse::layout::KvCache;
 use kvsparse::rng::Rng;
@@ -299,7 +299,7 @@ fn quest_bound_holds_and_survives_block_reuse() {
     let (kt, vt) = (kbuf.view_contiguous(&shape), vbuf.view_contiguous(&shape));
     let cache = KvCache::new(&cfg, kt, vt, Device::Cpu).unwrap();
     for page in [4usize, 16] {
-        let meta = CacheMeta::new(MetaNeeds { quest_page: Some(page), int4: true, snap_keep: false }, 1).expect("metadata");
+        let meta = CacheMeta::new(MetaNeeds { bounds_page: Some(page), int4: true, keep_bits: false }, 1).expect("metadata");
         // First life: fill every block with loud keys; second life: block 2 rewritten from offset 0 with
         // 5 quiet rows only. The bound must follow the second life exactly.
         for life in 0..2 {

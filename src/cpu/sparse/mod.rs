@@ -2,15 +2,14 @@
 //! parallel on the engine's pool, select → prune (top-p) → order/terminate (ART), and attend exactly over
 //! what is left with the same kernel dense attention uses ([`attend_spans`] / [`attend_tokens`]).
 //!
-//! The stateful policies' rows (PRR, RefreshKV, AttentionPredictor) are in [`stateful`]; the scoring
-//! kernels the decisions need (Quest's page bound, Twilight's INT4 estimate, exact weights for full steps)
+//! The scoring kernels the decisions share (Twilight's INT4 estimate, exact weights for full steps) are
 //! in [`scoring`].
 
 mod scoring;
 mod stage;
 
-pub(crate) use stage::{CpuStage, PrefillCx, SelectCx};
-pub use scoring::{estimate_weights, quest_bound, quest_page_scores, token_weights, weights_at};
+pub(crate) use stage::{CpuLaterStage, CpuStage, PrefillCx, SelectCx};
+pub use scoring::{estimate_weights, token_weights, weights_at};
 
 pub(crate) use std::sync::Arc;
 
@@ -26,7 +25,7 @@ pub(crate) use super::convert::load_cache_row;
 pub(crate) use crate::policy::select::{max_pool, normalize_spans, Candidates};
 pub(crate) use crate::policy::art::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};
 pub(crate) use crate::policy::Probe;
-pub(crate) use crate::policy::{top_p, HeadPlan, Pipeline};
+pub(crate) use crate::policy::{HeadPlan, Pipeline};
 pub(crate) use crate::sequences::SequenceState;
 pub(crate) use crate::stats::{Counters, VisitRecord};
 
@@ -442,39 +441,10 @@ pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u
         hw.cand.from_plan(&hw.plan, lim.lo, lim.hi, bs, sink_limit, |_| f32::NAN, &mut sc.part);
     }
 
-    // 2. Prune: Twilight top-p on INT4 estimates, over the selector's positions; the plan becomes the kept
-    // tokens.
-    if let Some(tp) = p.top_p {
-        let meta = ctx.meta.expect("engine checked int4 metadata");
-        sc.tokens.clear();
-        for &(a, b) in &hw.cand.spans {
-            sc.tokens.extend(a as u32..b as u32);
-        }
-        let n = sc.tokens.len();
-        c.top_p_candidates += n as u64;
-        meta_bytes += (n * (code_bytes(d) + 4)) as u64;
-        estimate_weights(&hw.q, g, d, &sc.tokens, blocks, bs, head, meta, io.params.softcap, &mut sc.p_rows);
-        let kept = top_p::select(&sc.p_rows, g, n, tp.p, &mut sc.w, &mut sc.keep);
-        c.top_p_kept += kept as u64;
-        // A unit's priority becomes its estimated mass.
-        let mut mass: Vec<(usize, f32)> = Vec::new();
-        hw.plan.clear(0);
-        for (j, &t) in sc.tokens.iter().enumerate() {
-            if !sc.keep[j] {
-                continue;
-            }
-            hw.plan.entries.push(t);
-            let wj = (0..g).map(|r| sc.p_rows[r * n + j]).fold(0f32, f32::max);
-            let blk = t as usize / bs;
-            match mass.last_mut() {
-                Some(m) if m.0 == blk => m.1 += wj,
-                _ => mass.push((blk, wj)),
-            }
-        }
-        let score = |blk: usize| mass.binary_search_by_key(&blk, |m| m.0).map_or(f32::NAN, |i| mass[i].1);
-        hw.entry_score.clear();
-        hw.entry_score.extend(hw.plan.entries.iter().map(|&t| score(t as usize / bs)));
-        hw.cand.from_plan(&hw.plan, lim.lo, lim.hi, bs, 1, score, &mut sc.part);
+    // 2. Prune: the later stages' part on the selector's positions (top-p: the plan becomes the kept
+    // tokens, each entry's priority its estimated mass).
+    for stage in p.later_stages() {
+        meta_bytes += stage.prune(&cx, hw, sc, &mut c);
     }
 
     // 3. Order (ART) or coalesce (units split spans at block boundaries; merge them so chunks stay full).

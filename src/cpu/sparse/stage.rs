@@ -40,6 +40,16 @@ pub(crate) struct SelectCx<'a> {
     pub ctx: &'a SparseCtx<'a>,
 }
 
+/// A stage after the selector on the CPU (src/policy/<name>/cpu.rs; the registry lists a pipeline's,
+/// `Pipeline::later_stages`). Every method has the behaviour of a stage that does not need it.
+pub(crate) trait CpuLaterStage: Sync {
+    /// Prunes one KV head's selection on the generic path (`hw.plan`, `hw.cand` and `hw.entry_score`,
+    /// as `CpuStage::select` left them); returns the key metadata bytes read.
+    fn prune(&self, _cx: &SelectCx, _hw: &mut HeadWork, _sc: &mut Scratch, _c: &mut Counters) -> u64 {
+        0
+    }
+}
+
 /// A selector stage on the CPU. Every method has the behaviour of a stage that does not need it.
 pub(crate) trait CpuStage: Sync {
     /// Sees the call's prefill chunks before anything is attended; an error leaves everything unchanged.

@@ -19,11 +19,14 @@
 
 pub mod cuda;
 
-use super::spec::{Arg, Args, Art, Parsed, Pipeline, Selector};
+use super::spec::{Arg, Args, Art, Order, Parsed, Pipeline, Probe, Selector};
 use crate::error::Result;
 
 use super::plan::HeadPlan;
-use super::spec::{Order, Probe};
+
+/// ART terminates the traversal of the selector's plan (its order, not its entries); its terminating
+/// attention kernel reads FP8 rows as the plan kernel does (the trait's defaults).
+impl super::kind::LaterStageKind for Art {}
 
 /// Slots (keys) per ART step.
 pub const ART_TILE: usize = 64;
@@ -418,5 +421,53 @@ mod tests {
         // Adjacent ascending pieces inside one tile merge.
         t.build(&[0, 1, 2, 3, 4], 0, 0, 10);
         assert_eq!(t.tile(0), &[(0, 5)]);
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::*;
+
+    #[test]
+    fn parses_the_example() {
+        let s = parse("quest(budget=4096) > top_p(p=0.95) > art(tau=1e-5, phi=1e-3, patience=5)").unwrap();
+        let p = s.pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Quest { budget: 4096, page: 16, sink: 0 });
+        assert_eq!(p.top_p, Some(TopP { p: 0.95 }));
+        let a = p.art.unwrap();
+        assert_eq!((a.tau, a.phi, a.patience, a.order, a.probe), (1e-5, 1e-3, Some(5), Order::Priority, Probe::Lanes));
+        let order = |spec: &str| parse(spec).unwrap().pipeline.unwrap().art.unwrap().order;
+        assert_eq!(order("art"), Order::Recent);
+        assert_eq!(order("streaming(recent=64) > art"), Order::Recent);
+        assert_eq!(order("quest(budget=64) > art"), Order::Priority);
+        assert_eq!(order("snapkv(budget=64) > art"), Order::Priority);
+        assert_eq!(order("top_p > art"), Order::Priority);
+        assert_eq!(order("quest(budget=64) > art(order=recent)"), Order::Recent);
+        assert_eq!(order("art(order=priority)"), Order::Priority);
+        assert_eq!(s.dense_layers, 2);
+    }
+
+    #[test]
+    fn art_spec() {
+        let s = parse("art(patience=inf, order=priority, probe=full); dense_layers=3").unwrap();
+        assert_eq!(s.dense_layers, 3);
+        let p = s.pipeline.unwrap();
+        assert_eq!(p.selector, Selector::All);
+        assert_eq!(p.art.unwrap().patience, None);
+        assert!(msg("art(tau=-1e-5)").contains("art.tau"));
+        assert!(msg("art(phi=-1)").contains("art.phi"));
+        assert!(msg("art(patience=0)").contains("patience"));
+        assert!(msg("art(segment=100)").contains("art.segment"));
+        assert!(msg("art(segment=0)").contains("art.segment"));
+        assert_eq!(parse("art(segment=4096)").unwrap().pipeline.unwrap().art.unwrap().segment, Some(4096));
+        assert_eq!(parse("art").unwrap().pipeline.unwrap().art.unwrap().segment, None);
+        assert_eq!(parse("art(segment=inf)").unwrap().pipeline.unwrap().art.unwrap().segment, None);
+        assert!(msg("art(order=oldest)").contains("recent, priority"));
+        assert!(msg("art > quest(budget=8)").contains("first stage"));
+        assert!(msg("art > top_p").contains("before `art`"));
+        assert!(msg("dense > art").contains("alone"));
+        assert!(msg("all ! art").contains("position 4"));
     }
 }

@@ -512,3 +512,26 @@ mod tests {
         assert_eq!(crop(3, 16, 64, 64), (3, 0));
     }
 }
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::*;
+
+    #[test]
+    fn predictor_spec() {
+        let p = parse("predictor(budget=1024)").unwrap().pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Predictor(PredictorSpec { budget: 1024, block: 16, history: 64, calib: 5, sink: 64, local: 64 }));
+        assert!(msg("predictor()").contains("needs `budget="));
+        assert!(msg("predictor(budget=64, block=12)").contains("power of two"));
+        assert!(msg("predictor(budget=64, history=1)").contains("predictor.history"));
+        assert!(msg("predictor(budget=64, weights=model)").contains("predictor.weights"));
+        assert!(msg("predictor(budget=64, weights=\"\")").contains("predictor.weights"));
+        assert!(msg("predictor(budget=64, weights=\"a.safetensors)").contains("closing"));
+        assert!(msg(&format!("predictor(budget=64, weights=\"{}\")", "x".repeat(crate::policy::spec::MAX_STRING + 1))).contains("at most"));
+        let s = parse("predictor(budget=64, weights=\"/tmp/my model.safetensors\")").unwrap();
+        assert_eq!(s.predictor_weights.as_deref(), Some("/tmp/my model.safetensors"));
+        assert_eq!(parse("predictor(budget=64)").unwrap().predictor_weights, None);
+    }
+}

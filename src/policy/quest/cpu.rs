@@ -1,8 +1,87 @@
 //! Quest on the CPU: the `ceil(budget / page)` pages with the highest upper-bound score from the key
 //! metadata (min/max per page), the sink pages and the decode token's page always kept.
 
-use crate::cpu::sparse::{quest_page_scores, CpuStage, HeadWork, Scratch, SelectCx};
+use crate::cpu::sparse::{isa, CpuStage, HeadWork, Isa, IsaLevel, LayerMeta, Portable, RowLimits, Scratch, SelectCx};
 use crate::policy::plan::HeadPlan;
+
+/// Quest's upper bound of `q·k` over a page with channel-wise key bounds `[mn, mx]`:
+/// `Σ_i max(q_i·mn_i, q_i·mx_i)`, which is `>=` the score of every key in the page.
+///
+/// The sum has a fixed order that the CUDA selection kernel (kernels/policy/quest.cu) repeats bit for bit with
+/// one half-warp per page: sixteen lane sums, lane `l` over channels `l, l+16, l+32, ...` in order (each
+/// product rounded on its own), then a butterfly `v[j] += v[j ^ s]` for s = 8, 4, 2, 1, the result in
+/// lane 0. The sixteen lanes vectorise on the CPU too. `q.len()` must be a multiple of 16 (every
+/// supported head size is).
+#[inline(always)]
+pub fn quest_bound(q: &[f32], mn: &[f32], mx: &[f32]) -> f32 {
+    debug_assert!(q.len() % 16 == 0);
+    let mut acc = [0f32; 16];
+    for ((x, a), b) in q.chunks_exact(16).zip(mn.chunks_exact(16)).zip(mx.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] += (x[l] * a[l]).max(x[l] * b[l]);
+        }
+    }
+    butterfly16(acc)
+}
+
+/// `v[j] += v[j ^ s]` for s = 8, 4, 2, 1 (a warp's xor-shuffle reduction over 16 lanes); lane 0's value.
+#[inline(always)]
+pub fn butterfly16(mut v: [f32; 16]) -> f32 {
+    for s in [8usize, 4, 2, 1] {
+        let prev = v;
+        for j in 0..16 {
+            v[j] = prev[j] + prev[j ^ s];
+        }
+    }
+    v[0]
+}
+
+/// Bounds of the pages `lo/page ..= hi/page` (max over the group's rows and over the page's units) into
+/// `out`; returns the metadata bytes read.
+#[allow(clippy::too_many_arguments)]
+pub fn quest_page_scores(q: &[f32], rows: usize, d: usize, lim: RowLimits, page: usize, blocks: &[u32], head: usize, meta: &LayerMeta, out: &mut Vec<f32>) -> u64 {
+    match isa::decisions() {
+        #[cfg(target_arch = "x86_64")]
+        IsaLevel::Avx2 | IsaLevel::Avx512 => unsafe { quest_scores_avx2(q, rows, d, lim, page, blocks, head, meta, out) },
+        IsaLevel::Portable => quest_scores_generic::<Portable>(q, rows, d, lim, page, blocks, head, meta, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn quest_scores_avx2(q: &[f32], rows: usize, d: usize, lim: RowLimits, page: usize, blocks: &[u32], head: usize, meta: &LayerMeta, out: &mut Vec<f32>) -> u64 {
+    quest_scores_generic::<crate::cpu::convert::Avx2>(q, rows, d, lim, page, blocks, head, meta, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn quest_scores_generic<I: Isa>(q: &[f32], rows: usize, d: usize, lim: RowLimits, page: usize, blocks: &[u32], head: usize, meta: &LayerMeta, out: &mut Vec<f32>) -> u64 {
+    let (mut mn, mut mx) = (vec![0f32; d], vec![0f32; d]);
+    let mut bytes = 0u64;
+    out.clear();
+    for pg in lim.lo / page..=lim.hi / page {
+        let (a, b) = ((pg * page).max(lim.lo), ((pg + 1) * page).min(lim.hi + 1));
+        let mut best = f32::NEG_INFINITY;
+        let mut u0 = a / meta.unit;
+        while u0 * meta.unit < b {
+            let (blk, u) = (u0 / meta.units_per_block, u0 % meta.units_per_block);
+            let (mnb, mxb) = meta.unit_minmax(blocks[blk] as usize, u, head);
+            // SAFETY: both slices hold `d` fp16 values.
+            unsafe {
+                I::f16_to_f32(mnb.as_ptr(), &mut mn, d);
+                I::f16_to_f32(mxb.as_ptr(), &mut mx, d);
+            }
+            for r in 0..rows {
+                best = best.max(quest_bound(&q[r * d..(r + 1) * d], &mn, &mx));
+            }
+            bytes += (2 * d * 2) as u64;
+            u0 += 1;
+        }
+        out.push(best);
+    }
+    bytes
+}
 
 /// `quest(budget, page, sink)` as a CPU stage.
 pub struct Quest {

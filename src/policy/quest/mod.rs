@@ -34,7 +34,7 @@ impl super::kind::SelectorKind for cpu::Quest {
 
     /// The min/max key bounds of every page.
     fn meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
-        needs.quest_page = Some(self.page);
+        needs.bounds_page = Some(self.page);
     }
 
     fn unit_log2(&self, _block_size: usize) -> u32 {
@@ -44,5 +44,25 @@ impl super::kind::SelectorKind for cpu::Quest {
     /// The budget's pages, the sink pages and the decode token's page.
     fn budget_entries(&self) -> Option<usize> {
         Some(self.budget.div_ceil(self.page).max(1) + self.sink.div_ceil(self.page) + 1)
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::{parse, refusal as msg};
+
+    #[test]
+    fn quest_spec() {
+        assert_eq!(parse("quest(budget=64)").unwrap().max_seqs, crate::policy::spec::DEFAULT_MAX_SEQS);
+        let m = msg("quest(budget=4, pages=16)");
+        assert!(m.contains("position 16") && m.contains("unknown key `pages`") && m.contains("budget, page"), "{m}");
+        assert!(msg("quest(budget=0)").contains("quest.budget"));
+        assert!(msg("quest()").contains("needs `budget=")); // nothing defaulted silently
+        assert!(msg("quest(budget=64, page=12)").contains("power of two"));
+        assert!(msg("quest(budget=\"64\")").contains("quest.budget"));
+        assert!(msg("quest(budget=8) > quest(budget=8)").contains("at most one selector"));
+        assert!(msg("quest(budget=8").contains("`,` or `)`"));
+        assert!(msg("quest(budget=8,budget=9)").contains("at most once"));
     }
 }

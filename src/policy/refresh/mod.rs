@@ -20,11 +20,10 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args, Parsed, Selector};
+use super::spec::{Arg, Args, Parsed, Refresh, Selector};
 use crate::error::Result;
 
 use super::select::top_k_positions;
-use super::spec::Refresh;
 
 /// Layer-level state of one sequence.
 #[derive(Clone, Debug, Default)]
@@ -196,5 +195,29 @@ mod tests {
         assert_eq!(h.tokens, vec![1, 5, 6]);
         h.advance(0, 5, 3); // sequence rewound
         assert_eq!(h.tokens, vec![1, 5]);
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::*;
+
+    #[test]
+    fn refresh_spec() {
+        assert_eq!(parse("refresh(k=64); max_seqs=8, dense_layers=1").unwrap().max_seqs, 8);
+        let p = parse("refresh").unwrap().pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Refresh(Refresh { k: 2048, stride: 5, s: 0.85, pool: 7, every: None }));
+        let p = parse("refresh(k=64, stride=1, s=1.0, every=10)").unwrap().pipeline.unwrap();
+        assert_eq!(p.selector, Selector::Refresh(Refresh { k: 64, stride: 1, s: 1.0, pool: 7, every: Some(10) }));
+        assert!(msg("refresh(k=0)").contains("refresh.k"));
+        assert!(msg("refresh(s=1.5)").contains("refresh.s"));
+        assert!(msg("refresh(pool=4)").contains("odd"));
+        assert!(msg("refresh(stride=0)").contains("refresh.stride"));
+        assert!(msg("refresh(every=0)").contains("refresh.every"));
+        assert!(msg("refresh(k=quest(budget=1))").contains("only `speculate.over`"));
+        assert!(msg("refresh > top_p").contains("nothing after"));
+        assert!(msg("quest(budget=8) > refresh").contains("at most one selector"));
     }
 }

@@ -46,6 +46,20 @@ impl super::kind::SelectorKind for cpu::SnapKv {
 
     /// On the device the choice lives with the cache blocks (kept-slot bits, kernels/policy/snapkv.cu).
     fn device_meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
-        needs.snap_keep = true;
+        needs.keep_bits = true;
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::*;
+
+    #[test]
+    fn snapkv_spec() {
+        assert_eq!(parse("snapkv(budget=100)").unwrap().pipeline.unwrap().selector, Selector::SnapKv { budget: 100, window: 32, pool: 7 });
+        assert!(msg("snapkv(budget=0)").contains("snapkv.budget"));
+        assert!(msg("snapkv(budget=8, pool=4)").contains("odd"));
     }
 }

@@ -17,11 +17,10 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{err, quoted, Arg, Args, Parsed, Selector, Speculate, Tok};
+use super::spec::{err, quoted, Arg, Args, Parsed, Predict, Selector, Speculate, Tok};
 use crate::error::{Error, ErrorKind, Result};
 
 use super::quest::cpu::quest_pages;
-use super::spec::Predict;
 
 /// Holt parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -320,7 +319,7 @@ impl super::kind::SelectorKind for Speculate {
 
     /// Quest's page bounds (the true selection).
     fn meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
-        needs.quest_page = Some(self.page);
+        needs.bounds_page = Some(self.page);
     }
 
     fn device_input(&self) -> std::result::Result<(), String> {
@@ -416,5 +415,42 @@ mod tests {
         assert!(SpecBudgetTable::new(vec![]).is_err());
         assert!(SpecBudgetTable::new(vec![(1, 2), (1, 3)]).is_err());
         assert_eq!(SpecBudgetTable::constant(64).budget_for(1 << 20), 64);
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::*;
+
+    #[test]
+    fn speculate_spec() {
+        let p = parse("speculate(over=quest(budget=1024, page=32), alpha=0.3, gamma=auto, budget=512)").unwrap().pipeline.unwrap();
+        assert_eq!(
+            p.selector,
+            Selector::Speculate(Speculate { quest_budget: 1024, page: 32, quest_sink: 0, alpha: Some(0.3), beta: None, gamma: None, budget: Some(512), predict: Predict::Holt, keep_extra: true })
+        );
+        let p = parse("speculate(over=quest(budget=64), predict=inverse, extra=drop)").unwrap().pipeline.unwrap();
+        assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, page: 16, quest_sink: 0, predict: Predict::Inverse, keep_extra: false, .. })));
+        let p = parse("speculate(over=quest(budget=64, sink=16))").unwrap().pipeline.unwrap();
+        assert!(matches!(p.selector, Selector::Speculate(Speculate { quest_budget: 64, quest_sink: 16, .. })));
+        // The deepest legal spec parses.
+        assert!(parse("speculate(over=quest(budget=8))").is_ok());
+    }
+
+    #[test]
+    fn bad_speculate_specs() {
+        assert!(msg("speculate(alpha=0.5)").contains("needs `over=quest"));
+        let m = msg("speculate(over=snapkv(budget=8))");
+        assert!(m.contains("position 15") && m.contains("`quest(...)`"), "{m}");
+        let m = msg("speculate(over=quest(budget=8, pag=16))");
+        assert!(m.contains("position 31") && m.contains("unknown key `pag`"), "{m}");
+        assert!(msg("speculate(over=quest())").contains("needs `budget="));
+        assert!(msg("speculate(over=quest(budget=8), alpha=1.5)").contains("speculate.alpha"));
+        assert!(msg("speculate(over=quest(budget=8), gamma=-1)").contains("speculate.gamma"));
+        assert!(msg("speculate(over=quest(budget=8), predict=oracle)").contains("holt, previous, inverse"));
+        assert!(msg("speculate(over=quest(budget=8), budget=0)").contains("speculate.budget"));
+        assert!(msg("speculate(over=quest(budget=8)) > art").contains("nothing after"));
     }
 }

@@ -32,3 +32,16 @@ impl super::kind::SelectorKind for cpu::Streaming {
         true
     }
 }
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::*;
+
+    #[test]
+    fn streaming_spec() {
+        assert_eq!(parse("streaming(recent=64)").unwrap().pipeline.unwrap().selector, Selector::Streaming { sink: 4, recent: 64 });
+        assert!(msg("streaming(sink=4)").contains("needs `recent="));
+    }
+}

@@ -12,10 +12,22 @@
 //! the candidates sorted by weight (descending; equal weights by position, ascending) that reaches the
 //! mass for every row, which is how the CUDA kernel finds the same set (a radix search on the weights).
 
+pub mod cpu;
 pub mod cuda;
 
 use super::spec::{Arg, Args, Parsed, TopP};
 use crate::error::Result;
+
+/// Top-p keeps a subset of the candidates' tokens per KV head, estimated from the INT4 copy of the keys.
+impl super::kind::LaterStageKind for TopP {
+    fn plans_tokens(&self) -> bool {
+        true
+    }
+
+    fn meta_needs(&self, needs: &mut crate::meta::MetaNeeds) {
+        needs.int4 = true;
+    }
+}
 
 /// Relative width of the bracket at which the binary search stops.
 pub const EPS: f32 = 1e-3;
@@ -191,5 +203,21 @@ mod tests {
         assert_eq!(select(&pr, 1, 4, 1.0, &mut w, &mut keep), 4);
         assert_eq!(select(&pr, 1, 4, 0.9, &mut w, &mut keep), 1);
         assert!(keep[0]);
+    }
+}
+
+/// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
+#[cfg(test)]
+mod spec_tests {
+    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::*;
+
+    #[test]
+    fn top_p_spec() {
+        assert_eq!(parse("top_p").unwrap().pipeline.unwrap().top_p, Some(TopP { p: 0.95 }));
+        let m = msg("top_p(p=1.5)");
+        assert!(m.contains("(0, 1]") && m.contains("position 8"), "{m}");
+        assert!(msg("top_p(p=0)").contains("(0, 1]"));
+        assert!(msg("quest(budget=8) top_p").contains("`>`, `;` or end of spec"));
     }
 }
