@@ -142,7 +142,9 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
 // The choice's weights on tensor cores (f16/bf16 caches, head sizes up to 128 in multiples of 16;
 // src/policy/snapkv/cuda.rs picks these kernels where K rows are 16-byte aligned, the scalar phases above
 // otherwise and over FP8 caches). Two passes over K instead of three:
-//   kvs_snap_lse_mma: each observation row's base-2 log-sum-exp over every key it sees (NaN when a visible
+//   kvs_snap_lse_mma: each observation row's base-2 (max, sum) over the keys of one split of SNM_SPLIT
+//       positions (many CTAs per row: one per split, so a long prompt's window rows use the whole GPU);
+//   kvs_snap_lse_merge: the splits merged in split order into each row's log-sum-exp (NaN when a visible
 //       logit is not finite), written over `rmax` as f32 bits;
 //   kvs_snap_weights_mma: per prefix position, the weights 2^(l - lse) summed over the window per query
 //       head, then the max over the group (from 0, NaN dropped, as the CPU): agg[pos].
@@ -161,6 +163,7 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
 #define SNM_WKEYS 32                  // weights pass: keys per warp
 #define SNM_CW (4 * SNM_WKEYS)        // weights pass: positions per CTA
 #define SNM_QR 32                     // weights pass: rows staged at a time
+#define SNM_SPLIT 2048                // lse pass: positions per split (a multiple of SNM_LBN; the host's LSE_SPLIT)
 
 __device__ __forceinline__ int snm_np(int rcap) { return ((rcap / GROUP) + 15) & ~15; }
 
@@ -192,11 +195,14 @@ __device__ __forceinline__ float snm_logit2(float x, float scale, float softcap)
     return softcap > 0.f ? softcap * tanhf(x * scale / softcap) * KVS_LOG2E : x * (scale * KVS_LOG2E);
 }
 
-// Grid (ceil(GROUP * SNM_NP / SNM_LROWS), KV heads, seqs). Every warp serves the CTA's 32 rows over its
-// 16 keys of each 64-key tile (two-stage cp.async ring); the warps' (max, sum) are merged in warp order.
+// Grid (ceil(GROUP * SNM_NP / SNM_LROWS) * nsplit, KV heads, seqs): CTA x serves rows (x / nsplit) * 32 ..
+// over the positions [sp * SNM_SPLIT, (sp + 1) * SNM_SPLIT) of split sp = x % nsplit (the last split: to the
+// end). Every warp serves the CTA's 32 rows over its 16 keys of each 64-key tile (two-stage cp.async ring);
+// the warps' (max, sum) are merged in warp order into part[row][sp] (max NaN: a visible logit was not
+// finite; (-inf, 0): no visible key in the split).
 extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_lse_mma(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
                                                                            const elem_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int budget, int window,
-                                                                           float* lse, int rcap) {
+                                                                           float2* part, int nsplit, int rcap) {
     __shared__ __align__(16) unsigned char sq[SNM_LROWS * SNM_ROWB];
     __shared__ __align__(16) unsigned char sk[2][SNM_LBN * SNM_ROWB];
     __shared__ float part_m[4][SNM_LROWS], part_l[4][SNM_LROWS];
@@ -204,7 +210,7 @@ extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_lse_mma(Batch
     const int s = blockIdx.z, h = blockIdx.y;
     const SnapSeq o = snap_seq(b, s, window);
     if (!o.prefill || o.len <= budget || o.n > rcap / GROUP) return;
-    const int np = snm_np(rcap), rr0 = blockIdx.x * SNM_LROWS;
+    const int np = snm_np(rcap), sp = blockIdx.x % nsplit, rr0 = (blockIdx.x / nsplit) * SNM_LROWS;
     if (rr0 >= GROUP * np) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, qd = lane & 3;
     // This lane's rows (block mb, half hf): active when t < n; each sees [lo, tpos].
@@ -229,8 +235,10 @@ extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_lse_mma(Batch
         }
     }
     snm_stage_q(sq, q, q0, q1, q2, o, h, np, rr0, SNM_LROWS);
-    const int tb0 = khi >= 0 ? (klo & ~(SNM_LBN - 1)) : 0;
-    const int ntiles = khi >= 0 ? (khi - tb0) / SNM_LBN + 1 : 0;
+    // This split's tiles: 64-key tiles from a multiple of 64, so the splits' tiles never overlap.
+    const int tb0 = max(khi >= 0 ? (klo & ~(SNM_LBN - 1)) : 0, sp * SNM_SPLIT);
+    const int ke = sp == nsplit - 1 ? khi + 1 : min(khi + 1, (sp + 1) * SNM_SPLIT);
+    const int ntiles = khi >= 0 && tb0 < ke ? (ke - 1 - tb0) / SNM_LBN + 1 : 0;
     const unsigned sq_a = smem_u32(sq), sk_a = smem_u32(sk[0]);
     const unsigned qoff = (lane & 15) * SNM_ROWB + (lane >> 4) * 16;
     const unsigned koff = ((lane & 7) + ((lane >> 4) << 3)) * SNM_ROWB + ((lane >> 3) & 1) * 16;
@@ -321,22 +329,42 @@ extern "C" __global__ void __launch_bounds__(SNM_THREADS) kvs_snap_lse_mma(Batch
             }
         }
     __syncthreads();
-    if (threadIdx.x < SNM_LROWS) {
-        const int rr = rr0 + threadIdx.x, g = rr / np, t = rr % np;
-        if (g < GROUP && t < o.n) {
-            float m = -INFINITY;
-            int bd = 0;
-            for (int w = 0; w < 4; ++w) {
-                m = fmaxf(m, part_m[w][threadIdx.x]);
-                bd |= part_bad[w][threadIdx.x];
-            }
-            float l = 0.f;
-            if (m > -INFINITY)
-                for (int w = 0; w < 4; ++w) l += part_l[w][threadIdx.x] * exp2f(part_m[w][threadIdx.x] - m);
-            const float v = bd ? __int_as_float(0x7fffffff) : (m > -INFINITY ? m + log2f(l) : -INFINITY);
-            lse[(i64)(s * hk + h) * rcap + t * GROUP + g] = v;
+    if (threadIdx.x < SNM_LROWS && rr0 + (int)threadIdx.x < GROUP * np) {
+        const int rr = rr0 + threadIdx.x;
+        float m = -INFINITY;
+        int bd = 0;
+        for (int w = 0; w < 4; ++w) {
+            m = fmaxf(m, part_m[w][threadIdx.x]);
+            bd |= part_bad[w][threadIdx.x];
         }
+        float l = 0.f;
+        if (m > -INFINITY)
+            for (int w = 0; w < 4; ++w) l += part_l[w][threadIdx.x] * exp2f(part_m[w][threadIdx.x] - m);
+        part[((i64)(s * hk + h) * (GROUP * np) + rr) * nsplit + sp] = make_float2(bd ? __int_as_float(0x7fffffff) : m, l);
     }
+}
+
+// Grid (ceil(GROUP * SNM_NP / 128), KV heads, seqs), 128 threads: row rr's log-sum-exp from its nsplit
+// parts, merged in split order (the same bits whatever order the split CTAs ran in), NaN if a part is.
+extern "C" __global__ void __launch_bounds__(128) kvs_snap_lse_merge(Batch b, int hk, int budget, int window, const float2* part, int nsplit, float* lse,
+                                                                     int rcap) {
+    const int s = blockIdx.z, h = blockIdx.y;
+    const SnapSeq o = snap_seq(b, s, window);
+    if (!o.prefill || o.len <= budget || o.n > rcap / GROUP) return;
+    const int np = snm_np(rcap), rr = blockIdx.x * 128 + threadIdx.x, g = rr / np, t = rr % np;
+    if (g >= GROUP || t >= o.n) return;
+    const float2* p = part + ((i64)(s * hk + h) * (GROUP * np) + rr) * nsplit;
+    float m = -INFINITY;
+    bool bad = false;
+    for (int i = 0; i < nsplit; ++i) {
+        const float x = p[i].x;
+        bad = bad || isnan(x);
+        m = fmaxf(m, x);
+    }
+    float l = 0.f;
+    if (!bad && m > -INFINITY)
+        for (int i = 0; i < nsplit; ++i) l += p[i].y * exp2f(p[i].x - m);
+    lse[(i64)(s * hk + h) * rcap + t * GROUP + g] = bad ? __int_as_float(0x7fffffff) : (m > -INFINITY ? m + log2f(l) : -INFINITY);
 }
 
 // Grid (ceil(maxpos / SNM_CW), KV heads, seqs). The CTA's positions stay in shared memory while the

@@ -3,9 +3,10 @@
 //! the layer's metadata, which the decode plan (`kvs_plan_snap`, launched by this stage) reads.
 //!
 //! The weights on tensor cores where the kernels hold the cache (f16/bf16, head size a multiple of 16 up
-//! to 128, K rows 16-byte aligned): `kvs_snap_lse_mma` (each window row's log-sum-exp over its keys), then
-//! `kvs_snap_weights_mma` (the weights summed per position over the window, max over the group), K read
-//! twice. They agree with the CPU's `snapkv::cpu::choose` within the margin of docs/policies.md ("SnapKV's
+//! to 128, K rows 16-byte aligned): `kvs_snap_lse_mma` (each window row's max and sum over one split of
+//! `LSE_SPLIT` positions, a CTA per split) and `kvs_snap_lse_merge` (the splits in order: the row's
+//! log-sum-exp), then `kvs_snap_weights_mma` (the weights summed per position over the window, max over the
+//! group), K read twice. They agree with the CPU's `snapkv::cpu::choose` within the margin of docs/policies.md ("SnapKV's
 //! choice on the device"), not bit for bit. Otherwise (and over FP8 caches, whose keys they read decoded
 //! times k_scale, as the CPU) three scalar passes in the CPU's arithmetic (row maxima, fixed-point
 //! normalisers, weights), which equal the CPU's choice bit for bit.
@@ -58,6 +59,21 @@ fn score_args(k: &mut KArgs, a: &ForwardArgs, cache: &KvCache, batch: &BatchArg,
 /// Rows per CTA of `kvs_snap_lse_mma` and positions per CTA of `kvs_snap_weights_mma` (SNM_LROWS, SNM_CW).
 const MMA_LSE_ROWS: usize = 32;
 const MMA_WEIGHT_POSITIONS: usize = 128;
+/// Positions per split of `kvs_snap_lse_mma` (SNM_SPLIT): a 32K prompt's window rows over 16 splits, so the
+/// pass runs on hundreds of CTAs instead of 4 per KV head.
+const LSE_SPLIT: usize = 2048;
+/// Threads (rows) per CTA of `kvs_snap_lse_merge`.
+const LSE_MERGE_ROWS: usize = 128;
+
+/// Kernel rows per (sequence, KV head) of the tensor-core passes: the group's heads times the window's tokens
+/// rounded up to 16 (SNM_NP), for `rows` observation rows.
+fn mma_rows(rows: usize, group: usize) -> usize {
+    group * (rows / group).next_multiple_of(16)
+}
+
+fn grid_dim(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v).ok().filter(|&x| x > 0 && x < i32::MAX as u32).ok_or_else(|| crate::error::Error::new(crate::error::ErrorKind::OutOfRange, format!("{what}: grid of {v} CTAs")))
+}
 
 impl SnapKv {
     /// Enqueues SnapKV's choice for the call's prefill sequences (`rows` observation rows per (sequence,
@@ -83,12 +99,16 @@ impl SnapKv {
         let common = |k: &mut KArgs| score_args(k, a, cache, batch, budget, window);
         let (lse, agg) = (ws + lay.snap_rmax as u64, ws + lay.snap_agg as u64);
         if mma_choice(cache) {
-            // Rows in the kernels: the group's heads times the window's tokens rounded up to 16.
-            let np = (rows / g).next_multiple_of(16);
+            let (kr, part) = (mma_rows(rows, g), ws + lay.snap_part as u64);
             let mut k = KArgs::new();
             common(&mut k);
-            k.i64(lse as i64).i32(rows as i32);
-            launch::launch(f("kvs_snap_lse_mma")?, ((g * np).div_ceil(MMA_LSE_ROWS) as u32, hk as u32, ns as u32), 128, &mut k, stream, "kvs_snap_lse_mma launch")?;
+            k.i64(part as i64).i32(lay.lse_splits as i32).i32(rows as i32);
+            let x = grid_dim(kr.div_ceil(MMA_LSE_ROWS).saturating_mul(lay.lse_splits), "kvs_snap_lse_mma")?;
+            launch::launch(f("kvs_snap_lse_mma")?, (x, hk as u32, ns as u32), 128, &mut k, stream, "kvs_snap_lse_mma launch")?;
+            let mut k = KArgs::new();
+            k.by_value(batch).i32(hk as i32).i32(clamp(budget)).i32(clamp(window)).i64(part as i64).i32(lay.lse_splits as i32).i64(lse as i64).i32(rows as i32);
+            let x = grid_dim(kr.div_ceil(LSE_MERGE_ROWS), "kvs_snap_lse_merge")?;
+            launch::launch(f("kvs_snap_lse_merge")?, (x, hk as u32, ns as u32), LSE_MERGE_ROWS as u32, &mut k, stream, "kvs_snap_lse_merge launch")?;
             let mut k = KArgs::new();
             common(&mut k);
             k.i64(lse as i64).i32(rows as i32).i64(agg as i64).i32(maxpos as i32);
@@ -121,15 +141,18 @@ impl SnapKv {
 }
 
 /// SnapKV's choice regions in a call's policy workspace (calls that may hold a prefill chunk): per (seq,
-/// head) rows' max keys, fixed-point normalisers, NaN flags, and the aggregated and pooled scores per
-/// position.
+/// head) rows' max keys (or log-sum-exps), fixed-point normalisers, NaN flags, the tensor-core pass's
+/// (max, sum) per kernel row and split, and the aggregated and pooled scores per position.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct SnapWs {
     pub(crate) snap_rmax: usize,
     pub(crate) snap_z: usize,
     pub(crate) snap_bad: usize,
+    pub(crate) snap_part: usize,
     pub(crate) snap_agg: usize,
     pub(crate) snap_pool: usize,
+    /// Splits of the tensor-core log-sum-exp pass (`LSE_SPLIT` positions each, the last to the end).
+    pub(crate) lse_splits: usize,
 }
 
 /// SnapKV's stage for one call: the choice at calls that may hold a prefill chunk, then every decode
@@ -158,12 +181,15 @@ impl CudaStage for SnapKv {
         }
         let mq = if mql > 0 { mql as usize } else { window };
         let rows = checked(&[window.min(mq).max(1), g])?;
+        let lse_splits = geo.max_pos.max(1).div_ceil(LSE_SPLIT);
         let lay = SnapWs {
             snap_rmax: ws.take_n(&[ns, hk, rows, 4])?,
             snap_z: ws.take_n(&[ns, hk, rows, 8])?,
             snap_bad: ws.take_n(&[ns, hk, rows, 4])?,
+            snap_part: ws.take_n(&[ns, hk, mma_rows(rows, g), lse_splits, 8])?,
             snap_agg: ws.take_n(&[ns, hk, geo.max_pos.max(1), 4])?,
             snap_pool: ws.take_n(&[ns, hk, geo.max_pos.max(1), 4])?,
+            lse_splits,
         };
         self.choice = Some((rows, lay));
         Ok(())
