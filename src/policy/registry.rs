@@ -317,6 +317,9 @@ mod tests {
             take(checked(&[ns, hk, rows, 4])?);
             take(checked(&[ns, hk, rows, 8])?);
             take(checked(&[ns, hk, rows, 4])?);
+            // Since issue 35 (SnapKV's log-sum-exp pass over spans of 2,048 positions): (max, sum) per kernel
+            // row (the group times the window rounded up to 16) and span.
+            take(checked(&[ns, hk, g * (rows / g).next_multiple_of(16), geo.max_pos.max(1).div_ceil(2048), 8])?);
             take(checked(&[ns, hk, geo.max_pos.max(1), 4])?);
             take(checked(&[ns, hk, geo.max_pos.max(1), 4])?);
         }
