@@ -136,6 +136,12 @@ pub fn launch_smem(f: CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, 
     check(unsafe { (cuda()?.cuLaunchKernel)(f, grid.0, grid.1, grid.2, block, 1, 1, smem, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()) }, what)
 }
 
+/// A grid dimension computed from sizes the caller controls: an OutOfRange error (naming `what`) where it
+/// is 0 or does not fit the launch's 31 bits, instead of a truncating cast.
+pub fn grid_dim(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v).ok().filter(|&x| x > 0 && x < i32::MAX as u32).ok_or_else(|| crate::error::Error::new(crate::error::ErrorKind::OutOfRange, format!("{what}: grid of {v} CTAs")))
+}
+
 /// CTAs of `f` with `block` threads that fit on one multiprocessor.
 pub fn occupancy(f: CUfunction, block: u32) -> Result<i32> {
     occupancy_smem(f, block, 0)

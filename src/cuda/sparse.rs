@@ -28,6 +28,19 @@ use crate::policy::Pipeline;
 use crate::stats::{Counters, VisitRecord};
 use crate::{bail, ensure};
 
+/// The compile-time defines of the selection module (`launch::SELECT`) for an engine: every launcher of its
+/// kernels (the pipeline here, PRR's own kernels) passes these, so they share one compiled module. KV8: the
+/// selection kernels that read cache rows read an FP8 cache's bytes (kernels/include/kv_load.cuh).
+pub(crate) fn select_defines(cfg: &EngineConfig) -> Vec<String> {
+    vec![
+        format!("KVS_DTYPE={}", dtype_code(cfg.dtype)),
+        format!("HEAD_DIM={}", cfg.head_dim),
+        format!("GROUP={}", cfg.group_size()),
+        format!("KV8={}", super::batch::kv8_code(cfg.cache_dtype)),
+        "--fmad=false".to_string(),
+    ]
+}
+
 /// Counter slots on the device (kernels/include/decide.cuh CTR_*).
 const CTR_COUNT: usize = 16;
 
@@ -117,7 +130,7 @@ impl SparseState {
         if let Some(r) = stages[0].forward(dev, cfg, a, cache, geo) {
             return r;
         }
-        let (hk, bs, d, g) = (cfg.num_kv_heads, cfg.block_size, cfg.head_dim, cfg.group_size());
+        let (hk, bs, d) = (cfg.num_kv_heads, cfg.block_size, cfg.head_dim);
         ensure!(geo.num_seqs < 65536, Unsupported, "policies on the CUDA backend take at most 65535 sequences per call (got {})", geo.num_seqs);
         let stream = a.stream;
         let [base, fin] = device_plan_shapes(p, bs, geo.max_pos).map(|(cap, ulog2, shared)| PlanShape { cap, ulog2, shared });
@@ -147,8 +160,7 @@ impl SparseState {
             slots.lookup(dev.gpu(), dev.modules(), ids, ns, ws + lay.slot as u64, ws + lay.slot_gen as u64, stream)?;
         }
 
-        // KV8: the selection kernels that read cache rows read an FP8 cache's bytes (kernels/include/kv_load.cuh).
-        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={d}"), format!("GROUP={g}"), format!("KV8={}", super::batch::kv8_code(cfg.cache_dtype)), "--fmad=false".to_string()];
+        let defines = select_defines(cfg);
         let plan_at = |region: usize, sh: &PlanShape, len_region: usize| PlanRef {
             e: ws + region as u64,
             p_s: if sh.shared { sh.cap as i64 } else { (hk * sh.cap) as i64 },

@@ -16,13 +16,11 @@ impl Policy {
 
     /// Whether the CUDA backend runs this policy over an FP8 cache: dense, and pipelines whose selector
     /// reads keys through the key metadata or reads FP8 rows in its own kernels as the CPU does
-    /// (`SelectorKind::cuda_fp8_cache`; top-p reads the INT4 copy, which the cache writes keep from the
-    /// dequantized keys; ART's terminating kernel reads FP8 rows). Err(why) otherwise.
+    /// (`SelectorKind::cuda_fp8_cache`). The later stages serve FP8 caches as they are: top-p reads the
+    /// INT4 copy, which the cache writes keep from the dequantized keys; ART's terminating kernel reads
+    /// FP8 rows. Err(why) otherwise.
     pub fn cuda_fp8_cache(&self) -> std::result::Result<(), String> {
         let Some(p) = self.pipeline() else { return Ok(()) };
-        for s in p.later_stages().iter().rev() {
-            s.cuda_fp8_cache()?;
-        }
         if !p.selector.kind().cuda_fp8_cache() {
             return Err(super::registry::SELECTOR_NO_FP8.into());
         }

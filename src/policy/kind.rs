@@ -74,9 +74,4 @@ pub(crate) trait LaterStageKind {
 
     /// Adds the key metadata the cache writes must maintain for this stage (both backends).
     fn meta_needs(&self, _needs: &mut MetaNeeds) {}
-
-    /// Whether its CUDA path serves an FP8 cache: Err(why) where a kernel of its own reads 16-bit rows.
-    fn cuda_fp8_cache(&self) -> Result<(), String> {
-        Ok(())
-    }
 }

@@ -67,7 +67,7 @@ impl Policy {
 
     /// Number of stages of the pipeline (the selector, then the later stages present); 0 = dense.
     pub fn num_stages(&self) -> usize {
-        self.pipeline().map_or(0, |p| 1 + p.later_stages().len())
+        self.pipeline().map_or(0, |p| 1 + p.later_stages().count())
     }
 
     /// Whether a CUDA engine's decode steps under this policy may be captured in a CUDA graph by a serving

@@ -75,7 +75,7 @@ pub fn plan_unit_log2(p: &Pipeline, block_size: usize) -> u32 {
 
 /// A later stage (top-p) turns the selector's candidates into single tokens, one set per KV head.
 fn plans_tokens(p: &Pipeline) -> bool {
-    p.later_stages().iter().any(|s| s.plans_tokens())
+    p.later_stages().any(|s| s.plans_tokens())
 }
 
 /// Granularity of the *base selector's* plan (what top-p, when present, prunes).

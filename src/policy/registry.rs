@@ -33,16 +33,11 @@ pub(crate) trait LaterStage: CpuLaterStage + LaterStageKind {}
 impl<T: CpuLaterStage + LaterStageKind> LaterStage for T {}
 
 impl Pipeline {
-    /// The stages after the selector (top-p, then ART), in pipeline order.
-    pub(crate) fn later_stages(&self) -> Vec<&dyn LaterStage> {
-        let mut v: Vec<&dyn LaterStage> = Vec::new();
-        if let Some(t) = &self.top_p {
-            v.push(t);
-        }
-        if let Some(a) = &self.art {
-            v.push(a);
-        }
-        v
+    /// The stages after the selector (top-p, then ART), in pipeline order. An iterator, not a collection:
+    /// the CPU engine asks once per decode row and KV head.
+    pub(crate) fn later_stages(&self) -> impl Iterator<Item = &dyn LaterStage> {
+        let top_p = self.top_p.as_ref().map(|t| t as &dyn LaterStage);
+        top_p.into_iter().chain(self.art.as_ref().map(|a| a as &dyn LaterStage))
     }
 }
 

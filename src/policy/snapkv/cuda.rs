@@ -71,9 +71,6 @@ fn mma_rows(rows: usize, group: usize) -> usize {
     group * (rows / group).next_multiple_of(16)
 }
 
-fn grid_dim(v: usize, what: &str) -> Result<u32> {
-    u32::try_from(v).ok().filter(|&x| x > 0 && x < i32::MAX as u32).ok_or_else(|| crate::error::Error::new(crate::error::ErrorKind::OutOfRange, format!("{what}: grid of {v} CTAs")))
-}
 
 impl SnapKv {
     /// Enqueues SnapKV's choice for the call's prefill sequences (`rows` observation rows per (sequence,
@@ -103,11 +100,11 @@ impl SnapKv {
             let mut k = KArgs::new();
             common(&mut k);
             k.i64(part as i64).i32(lay.lse_splits as i32).i32(rows as i32);
-            let x = grid_dim(kr.div_ceil(MMA_LSE_ROWS).saturating_mul(lay.lse_splits), "kvs_snap_lse_mma")?;
+            let x = launch::grid_dim(kr.div_ceil(MMA_LSE_ROWS).saturating_mul(lay.lse_splits), "kvs_snap_lse_mma")?;
             launch::launch(f("kvs_snap_lse_mma")?, (x, hk as u32, ns as u32), 128, &mut k, stream, "kvs_snap_lse_mma launch")?;
             let mut k = KArgs::new();
             k.by_value(batch).i32(hk as i32).i32(clamp(budget)).i32(clamp(window)).i64(part as i64).i32(lay.lse_splits as i32).i64(lse as i64).i32(rows as i32);
-            let x = grid_dim(kr.div_ceil(LSE_MERGE_ROWS), "kvs_snap_lse_merge")?;
+            let x = launch::grid_dim(kr.div_ceil(LSE_MERGE_ROWS), "kvs_snap_lse_merge")?;
             launch::launch(f("kvs_snap_lse_merge")?, (x, hk as u32, ns as u32), LSE_MERGE_ROWS as u32, &mut k, stream, "kvs_snap_lse_merge launch")?;
             let mut k = KArgs::new();
             common(&mut k);

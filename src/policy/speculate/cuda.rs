@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::cuda::batch::{download_ints, dtype_code, kv8_code, BatchArg, Geometry, PlanRef, Rows};
+use crate::cuda::batch::{download_ints, BatchArg, Geometry, PlanRef, Rows};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUevent, CUstream, CU_STREAM_NON_BLOCKING};
 use crate::cuda::launch::{self, KArgs};
@@ -242,9 +242,8 @@ impl PrrDevice {
     }
 
     fn prr_fn(&self, dev: &dyn Device, cfg: &EngineConfig, name: &'static str) -> Result<crate::cuda::driver::CUfunction> {
-        // The selection module of src/cuda/sparse.rs (the same defines, so one compiled module).
-        let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("HEAD_DIM={}", cfg.head_dim), format!("GROUP={}", cfg.group_size()), format!("KV8={}", kv8_code(cfg.cache_dtype)), "--fmad=false".to_string()];
-        dev.modules().function(dev.gpu(), "select", launch::SELECT, &defines, name)
+        // The selection module of src/cuda/sparse.rs (its defines, so one compiled module).
+        dev.modules().function(dev.gpu(), "select", launch::SELECT, &crate::cuda::sparse::select_defines(cfg), name)
     }
 
     /// Benchmarks only: record the phases of later PRR steps with timing events (see `timeline`).
