@@ -6,7 +6,7 @@ machine without internet (the device tool carries at most 64 MiB).
 
 writes .whl/slim/flashinfer_python-...whl (same name, so pip takes it as that version). Kept: every Python
 file (the package imports most of them eagerly), the FlashInfer headers (data/include), the batch-decode
-and FA2 batch-prefill (its tensor-core decode) sources and templates of data/csrc with its top-level headers, the CCCL and spdlog headers the JIT puts on
+and FA2 batch-prefill (its tensor-core decode) and top-k sources and templates of data/csrc with its top-level headers, the CCCL and spdlog headers the JIT puts on
 the include path. Dropped: all other kernel sources in data/csrc (~258 MB), CUTLASS (the decode kernel
 includes none of it; an empty include directory is left for the -isystem flags), CUDA sources shipped for
 other kernels inside the Python tree, subpackages of other kernels that are never imported (DROP_PY), tests
@@ -20,7 +20,9 @@ from pathlib import Path
 # The paged decode, and the FA2 prefill kernel that its tensor-core decode (use_tensor_cores=True, backend
 # "fa2") runs: every batch_prefill* source but the SM90 (FA3, CUTLASS) ones.
 KEEP_CSRC = ("batch_decode.cu", "batch_decode_jit_binding.cu", "batch_decode_customize_config.jinja",
-             "batch_decode_kernel_inst.jinja")
+             "batch_decode_kernel_inst.jinja",
+             # flashinfer.top_k / top_k_page_table_transform (scripts/peer_quest_bench.py): jit/topk.py's sources
+             "topk.cu", "cub_topk.cu", "flashinfer_topk_binding.cu", "flashinfer_fast_topk_clusters_binding.cu")
 
 
 def keep_csrc(f):
