@@ -99,6 +99,33 @@ pub fn ordered_sum(a: &[f32]) -> f32 {
     s
 }
 
+/// The smaller of `a` and `b` as IEEE 754-2019's minimumNumber: a NaN is ignored (NaN only when both are)
+/// and -0 < +0. The key metadata's folds use it so that their result does not depend on the order of the
+/// fold (the device folds in other orders; `f32::min` leaves the sign of a zero result unspecified, and
+/// compiled code picks either).
+#[inline]
+pub fn min_num(a: f32, b: f32) -> f32 {
+    if a < b || b.is_nan() {
+        a
+    } else if b < a || a.is_nan() {
+        b
+    } else {
+        f32::from_bits(a.to_bits() | b.to_bits()) // equal: -0 if either is
+    }
+}
+
+/// The larger of `a` and `b` as IEEE 754-2019's maximumNumber: a NaN is ignored and +0 > -0 (see [`min_num`]).
+#[inline]
+pub fn max_num(a: f32, b: f32) -> f32 {
+    if a > b || b.is_nan() {
+        a
+    } else if b > a || a.is_nan() {
+        b
+    } else {
+        f32::from_bits(a.to_bits() & b.to_bits()) // equal: +0 if either is
+    }
+}
+
 /// The largest fp16 value `<= x` (as bits).
 pub fn f16_down(x: f32) -> u16 {
     let h = half::f16::from_f32(x);
@@ -123,6 +150,32 @@ pub fn f16_up(x: f32) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// min_num / max_num: NaN ignored, -0 < +0, so a fold gives the same bits in every order.
+    #[test]
+    fn min_max_num_folds_do_not_depend_on_the_order() {
+        let vals = [0.0f32, -0.0, 1.5, -2.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-40, -1e-40];
+        assert_eq!(min_num(0.0, -0.0).to_bits(), (-0.0f32).to_bits());
+        assert_eq!(min_num(-0.0, 0.0).to_bits(), (-0.0f32).to_bits());
+        assert_eq!(max_num(-0.0, 0.0).to_bits(), 0.0f32.to_bits());
+        assert_eq!(max_num(0.0, -0.0).to_bits(), 0.0f32.to_bits());
+        assert_eq!(min_num(f32::NAN, 2.0), 2.0);
+        assert_eq!(max_num(2.0, f32::NAN), 2.0);
+        assert!(min_num(f32::NAN, f32::NAN).is_nan());
+        // Every pair and rotation of a few subsets: the fold's bits are those of the first order.
+        for mask in 1u32..(1 << vals.len()) {
+            let sub: Vec<f32> = (0..vals.len()).filter(|i| mask >> i & 1 == 1).map(|i| vals[i]).collect();
+            let fold = |v: &[f32]| (v.iter().fold(f32::INFINITY, |a, &x| min_num(a, x)).to_bits(), v.iter().fold(f32::NEG_INFINITY, |a, &x| max_num(a, x)).to_bits());
+            let want = fold(&sub);
+            let mut r = sub.clone();
+            for _ in 0..sub.len() {
+                r.rotate_left(1);
+                assert_eq!(fold(&r), want, "{sub:?}");
+                let rev: Vec<f32> = r.iter().rev().copied().collect();
+                assert_eq!(fold(&rev), want, "{sub:?}");
+            }
+        }
+    }
 
     #[test]
     fn fast_exp_matches_f64_exp() {

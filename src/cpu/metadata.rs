@@ -21,6 +21,7 @@ use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use super::convert::{load_cache_row, Portable};
 use super::quantize::{code_bytes, quantize_row};
 pub use super::math::{f16_down, f16_up};
+use super::math::{max_num, min_num};
 pub use crate::meta::{MetaNeeds, MetaSnapshot};
 use crate::error::Result;
 use crate::layout::KvCache;
@@ -199,8 +200,8 @@ impl LayerMeta {
                 // SAFETY: b < num_blocks (validated slot), off < block_size, h < num_kv_heads.
                 unsafe { load_cache_row::<Portable>(cache.k_row(b, off, h), cache.dtype, cache.k_scale, cache.k_dim_stride(), d, row) };
                 for ((a, z), &x) in mn.iter_mut().zip(mx.iter_mut()).zip(row.iter()) {
-                    *a = a.min(x);
-                    *z = z.max(x);
+                    *a = min_num(*a, x);
+                    *z = max_num(*z, x);
                 }
             }
             for c in 0..d {

@@ -17,12 +17,12 @@ pub fn code_bytes(dim: usize) -> usize {
 /// A row with a non-finite value, or whose range does not fit fp16, gets zero codes and parameters (its
 /// estimate is 0; documented in docs/policies.md).
 pub fn quantize_row(x: &[f32], codes: &mut [u8]) -> (u16, u16) {
-    use crate::cpu::math::{f16_down, f16_up};
+    use crate::cpu::math::{f16_down, f16_up, max_num, min_num};
     let mut mn = f32::INFINITY;
     let mut mx = f32::NEG_INFINITY;
     for &v in x {
-        mn = mn.min(v);
-        mx = mx.max(v);
+        mn = min_num(mn, v);
+        mx = max_num(mx, v);
     }
     codes.fill(0);
     let mn16 = f16_down(mn);

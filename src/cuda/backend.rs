@@ -70,6 +70,8 @@ pub struct CudaBackend {
     validate_sync: bool,
     /// The attention modules' `KVS_CHECKS` define (`checks::kernel_define`, read once).
     pub(crate) checks_define: String,
+    /// A decode step's one-launch cache write, looked up once (see `write_step`).
+    pub(crate) write_step: super::write_step::WriteStepFn,
     /// The device's primary context, held for the engine's life. Last: fields drop in declaration order,
     /// so every buffer, module and stream above is freed while the context still exists (released first,
     /// the context could be destroyed with them still to free: compute-sanitizer reported each of those
@@ -143,6 +145,7 @@ impl CudaBackend {
             checks: super::checks::DeviceChecks::new(cfg.num_layers, cfg.block_size)?,
             validate_sync: cfg.validate == crate::config::Validate::Sync,
             checks_define: super::checks::kernel_define(cfg.padded_batches),
+            write_step: Default::default(),
         })
     }
 
@@ -416,17 +419,28 @@ impl CudaBackend {
     }
 
     /// Cache write by slot mapping on the device (validated shapes; every slot is checked on the device
-    /// before any is written, see `checks`).
+    /// before any is written, see `checks`). A call of few tokens (a decode step) is one launch
+    /// (`write_step`); a longer one checks, stores and keeps the metadata in launches of their own.
     pub fn cache_write(&self, cfg: &EngineConfig, a: &CacheWriteArgs, cache: &KvCache, n: usize) -> Result<()> {
         ensure!(a.slot_mapping.strides()[0] >= 0, InvalidShape, "slot_mapping has a negative stride");
         if n == 0 {
             return Ok(());
         }
-        let total = n * cfg.num_kv_heads * cfg.head_dim;
         self.gpu.make_current()?;
         if self.validate_sync {
             super::checks::refuse_sync_in_capture(&self.gpu, a.stream)?;
         }
+        let slots = if n <= super::write_step::WRITE_STEP_MAX_TOKENS { self.write_step(cfg, a, cache, n)? } else { self.write_rows(cfg, a, cache, n)? };
+        if let Some(pd) = &self.policy_dev {
+            pd.on_cache_write(self, cfg, a.layer, cache, &slots, n, a.stream)?;
+        }
+        self.sync_checks(a.stream)
+    }
+
+    /// The general cache write: `kvs_slots_check`, `kvs_cache_write`, then the key metadata's launches;
+    /// returns the checked slots.
+    fn write_rows(&self, cfg: &EngineConfig, a: &CacheWriteArgs, cache: &KvCache, n: usize) -> Result<TensorRef> {
+        let total = n * cfg.num_kv_heads * cfg.head_dim;
         let defines = vec![format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("KV8={}", kv8_code(cache.dtype))];
         // Every slot is checked on the device before any is written: the kernels below read the checked
         // copy, all -1 (skip) when any slot is out of range.
@@ -450,10 +464,7 @@ impl CudaBackend {
         let grid = total.div_ceil(256).min(65536 * 4) as u32;
         launch::launch(f, (grid, 1, 1), 256, &mut k, a.stream, "kvs_cache_write launch")?;
         self.meta.update(&self.gpu, &self.modules, a.layer, cache, &slots, n, a.stream)?;
-        if let Some(pd) = &self.policy_dev {
-            pd.on_cache_write(self, cfg, a.layer, cache, &slots, n, a.stream)?;
-        }
-        self.sync_checks(a.stream)
+        Ok(slots)
     }
 
     /// Merge of two partial states on the device (shapes validated by the engine).

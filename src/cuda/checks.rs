@@ -10,7 +10,8 @@
 //!
 //! Cache writes: `kvs_slots_check` (kernels/cache_write.cu) copies the slot mapping into a per-layer
 //! int64 buffer here, every entry -1 (skip) when any slot is out of range, and every kernel of the write
-//! reads that copy: a bad slot anywhere writes nothing, without a host sync.
+//! reads that copy: a bad slot anywhere writes nothing, without a host sync. A decode step's write
+//! (`write_step`, one launch) checks the slots in the same launch and fills the same buffer.
 
 use parking_lot::Mutex;
 
@@ -69,9 +70,21 @@ impl DeviceChecks {
     /// Enqueues `kvs_slots_check` for a cache write of `n` rows into layer `layer`'s cache of `capacity`
     /// slots; returns the view of the checked slots that the write's kernels must read instead of
     /// `slot_mapping`. Grows the layer's buffer outside a capture only.
-    #[allow(clippy::too_many_arguments)]
     /// `defines`: those of the engine's cache-write module (kernels/cache_write.cu holds both kernels).
+    #[allow(clippy::too_many_arguments)]
     pub fn check_slots(&self, gpu: &Gpu, modules: &Modules, defines: &[String], layer: usize, slot_mapping: &TensorRef, n: usize, capacity: usize, stream: CUstream) -> Result<TensorRef> {
+        let buf = self.clean_buffer(gpu, layer, n, stream)?;
+        let f = modules.function(gpu, "cache_write", launch::CACHE_WRITE, defines, "kvs_slots_check")?;
+        let mut k = KArgs::new();
+        k.ptr(slot_mapping.data).i64(slot_mapping.stride(0) as i64).i32((slot_mapping.dtype == DType::I64) as i32).i32(n as i32);
+        k.i64(capacity as i64).i64(buf as i64).i64(self.record.ptr as i64);
+        launch::launch(f, (1, 1, 1), 1024, &mut k, stream, "kvs_slots_check launch")?;
+        clean_view(buf, n, slot_mapping.device)
+    }
+
+    /// Device address of layer `layer`'s clean slot buffer, grown (outside a capture only) to at least
+    /// `n` entries. A decode step's write (`write_step`) fills it itself.
+    pub fn clean_buffer(&self, gpu: &Gpu, layer: usize, n: usize, stream: CUstream) -> Result<u64> {
         let mut g = self.clean[layer].lock();
         if g.as_ref().map_or(true, |b| b.bytes < n * 8) {
             ensure!(
@@ -84,15 +97,7 @@ impl DeviceChecks {
                 self.retired.lock().push(old);
             }
         }
-        let buf = g.as_ref().expect("allocated above");
-        let f = modules.function(gpu, "cache_write", launch::CACHE_WRITE, defines, "kvs_slots_check")?;
-        let mut k = KArgs::new();
-        k.ptr(slot_mapping.data).i64(slot_mapping.stride(0) as i64).i32((slot_mapping.dtype == DType::I64) as i32).i32(n as i32);
-        k.i64(capacity as i64).i64(buf.ptr as i64).i64(self.record.ptr as i64);
-        launch::launch(f, (1, 1, 1), 1024, &mut k, stream, "kvs_slots_check launch")?;
-        // SAFETY: n int64 elements of a live device buffer of at least n * 8 bytes, kept alive by the
-        // engine (never freed while the engine lives).
-        unsafe { TensorRef::from_raw(buf.as_ptr(), DType::I64, slot_mapping.device, &[n as i64], Some(&[1])) }
+        Ok(g.as_ref().expect("allocated above").ptr)
     }
 
     /// Waits for `stream`, then reads the record and clears it: the fault recorded since the last take,
@@ -121,6 +126,14 @@ impl DeviceChecks {
         let w = |i: usize| u64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
         Ok((w(1) != 0).then(|| Fault { key: w(1), a: w(2) as i64, b: w(3) as i64 }))
     }
+}
+
+/// The first `n` entries of a clean slot buffer (`DeviceChecks::clean_buffer`) as the int64 slot list
+/// the write's kernels and the policies' write hooks read.
+pub fn clean_view(buf: u64, n: usize, device: crate::tensor::Device) -> Result<TensorRef> {
+    // SAFETY: n int64 elements of a live device buffer of at least n * 8 bytes, kept alive by the engine
+    // (never freed while the engine lives).
+    unsafe { TensorRef::from_raw(buf as usize as *mut u8, DType::I64, device, &[n as i64], Some(&[1])) }
 }
 
 /// The CPU engine's status and message for a recorded fault (layout::Batch, cpu::cache_write), with the

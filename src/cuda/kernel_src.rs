@@ -29,6 +29,7 @@ kernel_files! {
     "mma.cuh" => "include/mma.cuh",
     "fp8.cuh" => "include/fp8.cuh",
     "kv_load.cuh" => "include/kv_load.cuh",
+    "key_rows.cuh" => "include/key_rows.cuh",
     "block_reduce.cuh" => "include/block_reduce.cuh",
     "batch.cuh" => "include/batch.cuh",
     "topk.cuh" => "include/topk.cuh",
@@ -44,6 +45,7 @@ kernel_files! {
     "merge.cu" => "merge.cu",
     "fill.cu" => "fill.cu",
     "meta.cu" => "meta.cu",
+    "write_step.cu" => "write_step.cu",
     "select.cu" => "select.cu",
     "quest.cu" => "policy/quest.cu",
     "top_p.cu" => "policy/top_p.cu",
@@ -63,6 +65,8 @@ pub const CACHE_WRITE: &str = "#include \"cache_write.cu\"";
 pub const MERGE: &str = "#include \"merge.cu\"";
 pub const FILL: &str = "#include \"fill.cu\"";
 pub const META: &str = "#include \"meta.cu\"";
+/// A decode step's cache write in one launch (slot check, store and key metadata).
+pub const WRITE_STEP: &str = "#include \"write_step.cu\"";
 /// The selection kernels: the plain plans (select.cu) and those of Quest, top-p, ART, SnapKV, RefreshKV
 /// and PRR (kernels/policy/): one module, so a sparse engine compiles them once per (dtype, head size,
 /// group).
@@ -187,7 +191,7 @@ mod tests {
                 }
             }
         }
-        for m in [ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, MERGE, FILL, META, SELECT, PREDICTOR, SLOTS] {
+        for m in [ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, MERGE, FILL, META, WRITE_STEP, SELECT, PREDICTOR, SLOTS] {
             let text = expand(m).unwrap();
             assert!(!text.contains("#include") && !text.contains("#pragma once"), "{m}");
             // common.cuh's typedefs appear exactly once however many files include it.

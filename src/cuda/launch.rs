@@ -12,7 +12,7 @@ use super::module_cache;
 use crate::error::Result;
 
 /// The modules' sources (each a list of `#include`s of kernels/, expanded before compiling).
-pub use super::kernel_src::{ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, SELECT};
+pub use super::kernel_src::{ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, SELECT, WRITE_STEP};
 /// Threads of the selection kernels whose launch bound is kernels/include/topk.cuh's TOPK_THREADS (Quest's and
 /// PRR's top-k, SnapKV's choice and plan, RefreshKV's plan, the predictor's selection): one CTA per row.
 /// (1024 was measured no faster for the top-k: its time is a serial chain of block-wide phases.)

@@ -1,6 +1,7 @@
 //! Key metadata on the device (Quest's per-unit key bounds, the INT4 copy of K, the fill mask, SnapKV's
 //! kept-slot bits), kept by
-//! `kvs_cache_write` in stream order with the semantics of the CPU's `LayerMeta` (see kernels/meta.cu).
+//! `kvs_cache_write` in stream order with the semantics of the CPU's `LayerMeta` (see kernels/meta.cu), or
+//! for a decode step's few tokens by the write's one launch (`write_step`, kernels/write_step.cu).
 //!
 //! Allocated per layer on the first cache write that needs it, sized from that cache's `num_blocks`, and
 //! initialised to what the CPU starts from (empty bounds: +inf / -inf; no slot filled). A later write or
@@ -17,10 +18,6 @@ use crate::error::Result;
 use crate::layout::KvCache;
 use crate::tensor::{DType, TensorRef};
 use crate::{bail, ensure};
-
-/// Calls of at most this many tokens keep the metadata in one launch (kvs_meta_step: each CTA reads every
-/// slot of the call, so its cost grows with the square of the tokens); longer ones in four.
-const META_STEP_MAX_TOKENS: usize = 1024;
 
 /// One layer's device metadata.
 pub struct LayerDevMeta {
@@ -144,12 +141,11 @@ impl DeviceMeta {
         self.layers.iter().map(|l| l.lock().as_ref().map_or(0, |m| m.bytes())).sum()
     }
 
-    /// Brings layer `layer`'s metadata up to date after the rows of `slot_mapping` were written into
-    /// `cache` (same stream, already enqueued). Allocates the layer's metadata on first use.
-    #[allow(clippy::too_many_arguments)]
-    pub fn update(&self, gpu: &Gpu, modules: &Modules, layer: usize, cache: &KvCache, slot_mapping: &TensorRef, n: usize, stream: CUstream) -> Result<()> {
-        if !self.needs.any() || n == 0 {
-            return Ok(());
+    /// Layer `layer`'s metadata for a write into `cache`, allocated on first use (outside a capture only);
+    /// None when the policy needs none. Fails when the cache does not fit it.
+    pub fn prepare(&self, gpu: &Gpu, layer: usize, cache: &KvCache, stream: CUstream) -> Result<Option<parking_lot::MutexGuard<'_, Option<LayerDevMeta>>>> {
+        if !self.needs.any() {
+            return Ok(None);
         }
         ensure!(cache.k_dim_stride() == 1, Unsupported, "policy key metadata on the CUDA backend needs a key cache whose head_dim stride is 1 (got {})", cache.k_dim_stride());
         let mut g = self.layers[layer].lock();
@@ -168,6 +164,18 @@ impl DeviceMeta {
                 *g = Some(LayerDevMeta::new(self.needs, cache, stream)?);
             }
         }
+        Ok(Some(g))
+    }
+
+    /// Brings layer `layer`'s metadata up to date after the rows of `slot_mapping` were written into
+    /// `cache` (same stream, already enqueued) by a call of many tokens (a decode step's few are kept by
+    /// `write_step`'s one launch). Allocates the layer's metadata on first use.
+    #[allow(clippy::too_many_arguments)]
+    pub fn update(&self, gpu: &Gpu, modules: &Modules, layer: usize, cache: &KvCache, slot_mapping: &TensorRef, n: usize, stream: CUstream) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let Some(g) = self.prepare(gpu, layer, cache, stream)? else { return Ok(()) };
         let m = g.as_ref().expect("set above");
         // An FP8 key cache is read as bytes (KV8) and scaled by k_scale, as the CPU reads it; the module's
         // element type is then unused (f16).
@@ -182,19 +190,9 @@ impl DeviceMeta {
         };
         let grid = (n.div_ceil(256).min(4096) as u32, 1, 1);
         // Only SnapKV's bits (no Quest bounds, no INT4 copy): nothing on the device reads the fill mask's
-        // cleared tail, so one launch (set) instead of four; a decode step's write pays one launch.
+        // cleared tail, so one launch (set) instead of four.
         let bits_only = m.unit == 0 && m.codes.is_none();
         let kc = &cache.k;
-        if !bits_only && n <= META_STEP_MAX_TOKENS {
-            // A decode step's few tokens: the four steps in one launch (kernels/meta.cu, kvs_meta_step).
-            let mut k = KArgs::new();
-            slots(&mut k);
-            k.i64(m.fill.ptr as i64).ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk).i32(d);
-            k.i32(m.unit as i32).i32(m.units_per_block as i32).i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64);
-            k.i64(m.codes.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qparams.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.keep.as_ref().map_or(0, |b| b.ptr) as i64);
-            k.f32(kscale);
-            return launch::launch(f("kvs_meta_step")?, (n as u32, 1, 1), 1024, &mut k, stream, "kvs_meta_step launch");
-        }
         if !bits_only {
             let mut k = KArgs::new();
             slots(&mut k);

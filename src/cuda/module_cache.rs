@@ -164,7 +164,7 @@ mod tests {
 /// GPU (NVRTC only; skipped when NVRTC is not installed). Catches source errors before a device run.
 #[cfg(test)]
 mod compile_tests {
-    use super::super::kernel_src::{expand, ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, PREDICTOR, SELECT, SLOTS};
+    use super::super::kernel_src::{expand, ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, PREDICTOR, SELECT, SLOTS, WRITE_STEP};
     use super::*;
 
     #[test]
@@ -202,6 +202,10 @@ mod compile_tests {
             build("cache_write", CACHE_WRITE, &[format!("KVS_DTYPE={dt}")]);
             for kv8 in [1, 2] {
                 build("cache_write", CACHE_WRITE, &[format!("KVS_DTYPE={dt}"), format!("KV8={kv8}")]);
+            }
+            // A decode step's write in one launch, over every cache format.
+            for kv8 in [0, 1, 2] {
+                build("write_step", WRITE_STEP, &[format!("KVS_DTYPE={dt}"), format!("KV8={kv8}"), "--fmad=false".into()]);
             }
             build("fill", FILL, &[format!("KVS_DTYPE={dt}")]);
             for &(d, g) in &[(64usize, 4usize), (80, 4), (256, 8), (128, 1), (192, 8)] {

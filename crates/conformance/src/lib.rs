@@ -24,6 +24,7 @@ pub mod snapkv_agree;
 pub mod snapkv_cuda;
 pub mod sparse;
 pub mod sparse_cuda;
+pub mod step_writes;
 pub mod synthetic;
 pub mod top_p_agree;
 pub mod traces;

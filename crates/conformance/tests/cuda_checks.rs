@@ -265,7 +265,8 @@ fn cache_bytes(dc: &DeviceCase) -> Vec<u8> {
     v
 }
 
-/// A write whose last slot (or a middle one) is at or beyond the capacity writes nothing.
+/// A write whose last slot (or a middle one) is at or beyond the capacity writes nothing; so does a call of
+/// few tokens (the one-launch write).
 fn bad_cache_write_changes_nothing() {
     let seed = Rng::fresh_seed();
     println!("seed {seed}");
@@ -277,14 +278,33 @@ fn bad_cache_write_changes_nothing() {
             let outs = Outputs::new(&f);
             let dc = DeviceCase::upload(&f, &outs).unwrap();
             let n = f.slots.len();
-            for (what, at, value) in [("last slot = capacity", n - 1, cap), ("middle slot INT64_MAX", n / 2, i64::MAX), ("first slot capacity+1", 0, cap + 1)] {
+            // A call of few tokens (a decode step's one-launch write): the first rows only.
+            let few = 6.min(n);
+            let first_rows = |a: &kvsparse::engine::CacheWriteArgs| {
+                let narrow = |t: &kvsparse::TensorRef| {
+                    let mut shape = t.shape().to_vec();
+                    shape[0] = few as i64;
+                    // SAFETY: a prefix of the rows `t` addresses.
+                    unsafe { kvsparse::TensorRef::from_raw(t.data, t.dtype, t.device, &shape, Some(t.strides())).unwrap() }
+                };
+                kvsparse::engine::CacheWriteArgs { key: narrow(&a.key), value: narrow(&a.value), slot_mapping: narrow(&a.slot_mapping), ..*a }
+            };
+            let cases = [
+                ("last slot = capacity", n - 1, cap, false),
+                ("middle slot INT64_MAX", n / 2, i64::MAX, false),
+                ("first slot capacity+1", 0, cap + 1, false),
+                ("few tokens, last slot = capacity", few - 1, cap, true),
+                ("few tokens, first slot INT64_MAX", 0, i64::MAX, true),
+            ];
+            for (what, at, value, short) in cases {
                 let name = format!("{} {validate:?} {what}", spec.name);
                 let mut slots = f.slots.clone();
                 slots[at] = value;
                 let want = cpu_error(&mut f, None, Some(&slots));
                 dc.slots.upload(0, bytes(&slots)).unwrap();
                 let before = cache_bytes(&dc);
-                let r = e.cache_write(&dc.cache_write_args(&f, std::ptr::null_mut()).unwrap());
+                let args = dc.cache_write_args(&f, std::ptr::null_mut()).unwrap();
+                let r = e.cache_write(&if short { first_rows(&args) } else { args });
                 let err = match validate {
                     Validate::Deferred => {
                         assert!(r.is_ok(), "{name}: {r:?}");
@@ -298,8 +318,12 @@ fn bad_cache_write_changes_nothing() {
                 assert!(cache_bytes(&dc) == before, "{name}: the cache changed");
                 println!("{name}: cache unchanged; {}", want.message);
             }
-            // The clean write still writes.
             dc.slots.upload(0, bytes(&f.slots)).unwrap();
+            let before = cache_bytes(&dc);
+            e.cache_write(&first_rows(&dc.cache_write_args(&f, std::ptr::null_mut()).unwrap())).unwrap();
+            e.check(std::ptr::null_mut()).unwrap();
+            assert!(f.slots[..few].iter().all(|&s| s < 0) || cache_bytes(&dc) != before, "{}: a clean write of few tokens must write", spec.name);
+            // The clean write still writes.
             let before = cache_bytes(&dc);
             e.cache_write(&dc.cache_write_args(&f, std::ptr::null_mut()).unwrap()).unwrap();
             e.check(std::ptr::null_mut()).unwrap();

@@ -7,6 +7,7 @@
 //! (for compute-sanitizer).
 
 use kvsparse_conformance::cuda::DeviceCase;
+use kvsparse_conformance::step_writes::step_writes_agree;
 use kvsparse_conformance::snapkv_cuda::{run_snapkv_case, snapkv_policies, snapkv_spec, SnapResult};
 use kvsparse_conformance::sparse_cuda::{check_art_stops, decode_step_meta_equal, run_sparse_case, run_sparse_case_keys, sparse_graph_replay, sparse_graph_replay_on, sparse_policies, sparse_specs};
 use kvsparse_conformance::{judge, CaseSpec, Fixture, Outputs};
@@ -90,7 +91,7 @@ fn cuda_quest_ties_equal_the_cpu_engine() {
     assert!(failures.is_empty(), "failing tie cases:\n{}", failures.join("\n"));
 }
 
-/// A decode step's write keeps the key metadata in one launch on CUDA (kvs_meta_step): after it, the
+/// A decode step's write keeps the key metadata in one launch on CUDA (kvs_write_step): after it, the
 /// fill mask, Quest's bounds and the INT4 copy equal the CPU engine's bit for bit (block sizes 1..256).
 fn cuda_decode_step_write_keeps_the_cpu_metadata() {
     if !have_cuda("cuda_decode_step_meta") {
@@ -111,6 +112,50 @@ fn cuda_decode_step_write_keeps_the_cpu_metadata() {
         }
     }
     assert!(failures.is_empty(), "metadata differs after a decode step's write:\n{}", failures.join("\n"));
+}
+
+/// Few-token cache writes (the one-launch write on CUDA, kernels/write_step.cu) against the CPU engine after
+/// a long prefix write: appends of one and of several tokens per call and block, a rewrite from the middle
+/// of a block, a rewrite of its last row, a slot written twice in one call, a slot out of range (nothing
+/// written, the CPU engine's error). After every call: the same outcome, cache bytes and key metadata
+/// (fill mask, Quest bounds, INT4 copy), bit for bit; block sizes 1 to 256, 16-bit, f32 and FP8 caches;
+/// also keys whose rows and units have zeros of both signs as their minimum.
+fn cuda_step_writes_keep_the_cpu_cache_and_metadata() {
+    if !have_cuda("cuda_step_writes") {
+        return;
+    }
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let seqs = vec![(1, 1000), (1, 1), (1, 17), (1, 300), (1, 777), (1, 64), (1, 257), (1, 3)];
+    let mut specs: Vec<CaseSpec> = [(DType::BF16, 128, 32, 8, 16), (DType::F16, 64, 16, 2, 8), (DType::BF16, 112, 4, 2, 256), (DType::F32, 80, 4, 4, 1)]
+        .into_iter()
+        .map(|(dt, d, hq, hk, bs)| CaseSpec::new(format!("step-writes-h{d}-bs{bs}"), dt, d, hq, hk, bs, seqs.clone()))
+        .collect();
+    let mut fp8 = CaseSpec::new("step-writes-h128-bs16-e4m3", DType::BF16, 128, 32, 8, 16, seqs.clone());
+    fp8.cache_dtype = Some(DType::F8E4M3);
+    specs.push(fp8);
+    let mut failures = Vec::new();
+    // Both policies on the first and the FP8 geometry, one on the others (alternating); keys with zeros of
+    // both signs on the first. KVS_QUICK=1 (compute-sanitizer): the first and the FP8 geometry, one policy.
+    for (i, spec) in specs.iter().enumerate() {
+        for (j, pol) in ["quest(budget=256, sink=4) > top_p(p=0.95)", "quest(budget=96, page=8, sink=16)"].into_iter().enumerate() {
+            for zeros in [false, true] {
+                let both = i == 0 || i == 4;
+                if (zeros && (i != 0 || j != 0)) || (!both && j != i % 2) || (quick() && (j > 0 || !both)) {
+                    continue;
+                }
+                let runs = step_writes_agree(spec, pol, seed.wrapping_add(i as u64), zeros).unwrap_or_else(|e| panic!("{} / {pol}: {e}", spec.name));
+                for r in runs {
+                    let zs = if zeros { ", signed zeros" } else { "" };
+                    println!("step writes {:<28} {pol:<44} {:<52} {} calls: {}", format!("{}{zs}", spec.name), r.scenario, r.calls, r.mismatch.as_deref().unwrap_or("same"));
+                    if let Some(m) = r.mismatch {
+                        failures.push(format!("{}{zs} / {pol} / {} (seed {seed}): {m}", spec.name, r.scenario));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "few-token writes differ from the CPU engine's:\n{}", failures.join("\n"));
 }
 
 /// SnapKV: a prefill call (the choice) then a decode call (the plan) on the same cache, over the sparse
@@ -328,6 +373,7 @@ fn main() {
         ("cuda_sparse_decisions_agree_with_the_cpu_engine", cuda_sparse_decisions_agree_with_the_cpu_engine as fn(), true),
         ("cuda_quest_ties_equal_the_cpu_engine", cuda_quest_ties_equal_the_cpu_engine as fn(), true),
         ("cuda_decode_step_write_keeps_the_cpu_metadata", cuda_decode_step_write_keeps_the_cpu_metadata as fn(), true),
+        ("cuda_step_writes_keep_the_cpu_cache_and_metadata", cuda_step_writes_keep_the_cpu_cache_and_metadata as fn(), true),
         ("cuda_snapkv_decisions_agree_with_the_cpu_engine", cuda_snapkv_decisions_agree_with_the_cpu_engine as fn(), true),
         ("cuda_lossless_policies_equal_dense", cuda_lossless_policies_equal_dense as fn(), true),
         ("cuda_sparse_decode_step_graph_replays_on_new_data", cuda_sparse_decode_step_graph_replays_on_new_data as fn(), true),
