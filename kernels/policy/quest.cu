@@ -467,14 +467,15 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(QC_THREADS)
 #endif
 }
 
-// Quest's whole selection in one launch on Hopper while the rows' clusters fit in one wave (the launcher's
-// choice, tensor-core scores only): the cluster of QC_CTAS CTAs of row (s, h) scores its pages as
-// kvs_quest_scores_hist_mma does (CTA `rank` the pages a0 <= i < a1 of kvs_quest_topk_cluster's split),
-// keeps their order keys in its shared memory, and cuts them as kvs_quest_topk_cluster: the same set from
-// the same scores, with no second launch and no trip of the scores through global memory. One CTA per SM
-// must read its part near copy bandwidth on its own: the bounds stream through QF_STAGES stages of `round`
-// pages (cp.async groups; two stages in flight while every warp scores its 16-page tiles of the third).
-// The scores are also written to `scores` (the workspace's page scores).
+// Quest's whole selection in one launch on Hopper while the rows' clusters fit in one wave (experimental,
+// off by default: the launcher's choice with KVS_QUEST_ONE_LAUNCH=1, tensor-core scores only): the cluster
+// of QC_CTAS CTAs of row (s, h) scores its pages as kvs_quest_scores_hist_mma does (CTA `rank` the pages
+// a0 <= i < a1 of kvs_quest_topk_cluster's split; the MMAs in four chains, quest_mma_rows16<4>), keeps
+// their order keys in its shared memory and cuts them as kvs_quest_topk_cluster, with no second launch and
+// no trip of the scores through global memory. One CTA per SM must then read its part near copy bandwidth
+// on its own: the bounds stream through QF_STAGES stages of `round` pages (cp.async groups; two stages in
+// flight while every warp scores its 16-page tiles of the third). The scores are also written to `scores`
+// (the workspace's page scores).
 // Dynamic shared memory, in this order (src/policy/quest/cuda.rs quest_fused_smem sizes it): QF_STAGES *
 // round staged rows (QM_STRIDE f16 each), the query's B fragments (QM_NT * QM_KS * 32 uint4), the query
 // rows (GROUP * QM_QSTR floats), then `per_max` units (ints) and `per_max` keys.
@@ -548,7 +549,7 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(QC_THREADS)
         const int j0 = rd * round;
         const u16* st = rows + (size_t)(rd % QF_STAGES) * round * QM_STRIDE;
         for (int t = warp * 16; t < round && j0 + t < na; t += nw * 16)
-            quest_mma_rows16(st + t * QM_STRIDE, qb, qe, scale, [&](int jj, float best) {
+            quest_mma_rows16<4>(st + t * QM_STRIDE, qb, qe, scale, [&](int jj, float best) {
                 const int j = j0 + t + jj;
                 if (j < na) {
                     const float v = unitv[j] >= 0 ? best : -INFINITY;

@@ -90,14 +90,14 @@ fn cuda_quest_ties_equal_the_cpu_engine() {
     assert!(failures.is_empty(), "failing tie cases:\n{}", failures.join("\n"));
 }
 
-/// Quest's one-launch selection (kvs_quest_select_cluster, sm_90 and newer: a row's cluster scores its
-/// pages on tensor cores and cuts them from its shared memory), taken while the rows' clusters fit in one
-/// wave: few rows (here 6 or 12 row x KV-head pairs, 8 CTAs each), rows of 1 to 2,500 pages, head sizes
-/// 64-256 and groups 4-16 (one or two query tiles). Agreement as the sparse matrix states it: differing
+/// Quest with few rows, where the clusters fit in one wave (here 6 or 12 row x KV-head pairs, 8 CTAs each;
+/// sm_90 and newer): the cluster top-k over tensor-core scores, or with KVS_QUEST_ONE_LAUNCH=1 the
+/// one-launch selection (kvs_quest_select_cluster: a row's cluster scores its pages and cuts them from
+/// its shared memory); rows of 1 to 2,500 pages, head sizes 64-256 and groups 4-16 (one or two query tiles). Agreement as the sparse matrix states it: differing
 /// pages only within delta of the cut, counters and outputs as the contract says. KVS_QUICK=1: the first
 /// geometry, rows up to 4,000 tokens, two budgets (for compute-sanitizer).
-fn cuda_quest_one_launch_agrees_with_the_cpu_engine() {
-    if !have_cuda("cuda_quest_one_launch") {
+fn cuda_quest_few_rows_agree_with_the_cpu_engine() {
+    if !have_cuda("cuda_quest_few_rows") {
         return;
     }
     let seed = Rng::fresh_seed();
@@ -121,7 +121,7 @@ fn cuda_quest_one_launch_agrees_with_the_cpu_engine() {
             let (n, ratio) = r.quest.unwrap_or((0, 0.0));
             apart += n;
             worst = worst.max(ratio);
-            println!("one launch {:<26} {pol:<28} rows {:>3} decisions {} counters {} rel {:.2e} lse {:.2e} {}", spec.name, r.rows,
+            println!("few rows {:<26} {pol:<28} rows {:>3} decisions {} counters {} rel {:.2e} lse {:.2e} {}", spec.name, r.rows,
                 match &r.decision_mismatch { Some(_) => "DIFF".to_string(), None if n > 0 => format!("agree ({n} pages apart, worst |S - S_k| / delta {ratio:.2e})"), None => "same".to_string() },
                 if r.counters_mismatch.is_none() { "same" } else { "DIFF" }, r.rel_err, r.lse_err, if r.pass { "ok" } else { "FAIL" });
             if !r.pass {
@@ -129,8 +129,8 @@ fn cuda_quest_one_launch_agrees_with_the_cpu_engine() {
             }
         }
     }
-    println!("Quest one launch: {apart} pages kept by one engine only, worst |S - S_k| / delta {worst:.3e} (<= 1 required)");
-    assert!(failures.is_empty(), "failing one-launch cases:\n{}", failures.join("\n"));
+    println!("Quest few rows: {apart} pages kept by one engine only, worst |S - S_k| / delta {worst:.3e} (<= 1 required)");
+    assert!(failures.is_empty(), "failing few-row cases:\n{}", failures.join("\n"));
 }
 
 /// A decode step's write keeps the key metadata in one launch on CUDA (kvs_meta_step): after it, the
@@ -370,7 +370,7 @@ fn main() {
     common::run("sparse", vec![
         ("cuda_sparse_decisions_agree_with_the_cpu_engine", cuda_sparse_decisions_agree_with_the_cpu_engine as fn(), true),
         ("cuda_quest_ties_equal_the_cpu_engine", cuda_quest_ties_equal_the_cpu_engine as fn(), true),
-        ("cuda_quest_one_launch_agrees_with_the_cpu_engine", cuda_quest_one_launch_agrees_with_the_cpu_engine as fn(), true),
+        ("cuda_quest_few_rows_agree_with_the_cpu_engine", cuda_quest_few_rows_agree_with_the_cpu_engine as fn(), true),
         ("cuda_decode_step_write_keeps_the_cpu_metadata", cuda_decode_step_write_keeps_the_cpu_metadata as fn(), true),
         ("cuda_snapkv_decisions_agree_with_the_cpu_engine", cuda_snapkv_decisions_agree_with_the_cpu_engine as fn(), true),
         ("cuda_lossless_policies_equal_dense", cuda_lossless_policies_equal_dense as fn(), true),

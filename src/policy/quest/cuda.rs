@@ -1,7 +1,7 @@
-//! Quest on the CUDA backend (kernels/policy/quest.cu): the page scores, then the top-k per row. On sm_90
-//! and newer, while the rows' clusters fit in one wave and the scores come from tensor cores, both in one
-//! launch (kvs_quest_select_cluster: a row's cluster scores its pages and cuts them from its shared memory).
-//! Otherwise, on sm_90 and newer the top-k of a row runs on a thread-block cluster (kvs_quest_topk_cluster: the row's keys
+//! Quest on the CUDA backend (kernels/policy/quest.cu): the page scores, then the top-k per row. With
+//! `KVS_QUEST_ONE_LAUNCH=1`, on sm_90 and newer, while the rows' clusters fit in one wave and the scores
+//! come from tensor cores, both in one launch (kvs_quest_select_cluster: a row's cluster scores its pages
+//! and cuts them from its shared memory). Otherwise, on sm_90 and newer the top-k of a row runs on a thread-block cluster (kvs_quest_topk_cluster: the row's keys
 //! split over QC_CTAS CTAs, each radix pass's counts summed through distributed shared memory); before
 //! that, on one CTA per row (kvs_quest_topk), with the scoring kernel folding in the first pass (per-row
 //! key histograms merged over the row's CTAs, checked against the keys and zeroed by the top-k). The page
@@ -44,11 +44,12 @@ fn quest_fused_round(head_dim: usize, group: usize, per: usize, smem_optin: usiz
     [128, 64, 32, 16].into_iter().map(|r| (r, quest_fused_smem(head_dim, group, per, r))).find(|&(_, b)| fits && b + QF_STATIC_SMEM <= smem_optin)
 }
 
-/// `KVS_QUEST_ONE_LAUNCH=0` turns the one-launch selection off (the two launches run), for comparing the
-/// two on one binary; read once.
+/// `KVS_QUEST_ONE_LAUNCH=1` turns the one-launch selection on (off by default: its first version measured
+/// slower than the two launches on an H200, and the second has not run on a device yet; journal
+/// 2026-11-27, "Issue 34: Quest's selection in one launch"); read once per process.
 fn one_launch_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVS_QUEST_ONE_LAUNCH").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| std::env::var("KVS_QUEST_ONE_LAUNCH").is_ok_and(|v| v == "1"))
 }
 
 /// Quest's stage for one call, and its workspace regions.
@@ -107,9 +108,9 @@ impl CudaStage for Quest {
         let gpu = cx.dev.gpu();
         let cluster = gpu.cc.0 >= 9 && ns * hk * QC_CTAS as usize <= gpu.num_sms.max(1) as usize;
         let mma = !self.exact && m.unit == page;
-        // The whole selection in one launch (kvs_quest_select_cluster) where the clusters fit and the
-        // scores come from tensor cores: no launch and no trip of the scores through global memory
-        // between scoring and the cut.
+        // With KVS_QUEST_ONE_LAUNCH=1, the whole selection in one launch (kvs_quest_select_cluster) where the
+        // clusters fit and the scores come from tensor cores: no second launch and no trip of the scores
+        // through global memory between scoring and the cut.
         let per = maxp.div_ceil(QC_CTAS as usize);
         let fused = if cluster && mma && one_launch_enabled() { quest_fused_round(cx.cfg.head_dim, cx.cfg.group_size(), per, gpu.smem_optin as usize) } else { None };
         if let Some((round, smem)) = fused {
