@@ -91,6 +91,49 @@ fn cuda_quest_ties_equal_the_cpu_engine() {
     assert!(failures.is_empty(), "failing tie cases:\n{}", failures.join("\n"));
 }
 
+/// Quest with few rows, where the clusters fit in one wave (here 6 or 12 row x KV-head pairs, 8 CTAs each;
+/// sm_90 and newer): the cluster top-k over tensor-core scores, or with KVS_QUEST_ONE_LAUNCH=1 the
+/// one-launch selection (kvs_quest_select_cluster: a row's cluster scores its pages and cuts them from
+/// its shared memory); rows of 1 to 2,500 pages, head sizes 64-256 and groups 4-16 (one or two query tiles). Agreement as the sparse matrix states it: differing
+/// pages only within delta of the cut, counters and outputs as the contract says. KVS_QUICK=1: the first
+/// geometry, rows up to 4,000 tokens, two budgets (for compute-sanitizer).
+fn cuda_quest_few_rows_agree_with_the_cpu_engine() {
+    if !have_cuda("cuda_quest_few_rows") {
+        return;
+    }
+    let seed = Rng::fresh_seed();
+    println!("seed {seed}");
+    let mut seqs = vec![(1, 1), (1, 17), (1, 300), (1, 1500), (1, 4000), (1, 40000)];
+    if quick() {
+        seqs.pop();
+    }
+    let specs = [
+        CaseSpec::new("h128-bf16-gqa4-bs16-few", DType::BF16, 128, 8, 2, 16, seqs.clone()),
+        CaseSpec::new("h64-f16-gqa8-bs16-few", DType::F16, 64, 16, 2, 16, seqs.clone()),
+        CaseSpec::new("h256-bf16-gqa8-bs16-few", DType::BF16, 256, 8, 1, 16, seqs.clone()),
+        CaseSpec::new("h128-f16-gqa16-bs16-few", DType::F16, 128, 32, 2, 16, seqs),
+    ];
+    let (mut failures, mut apart, mut worst) = (Vec::new(), 0usize, 0f64);
+    let policies = ["quest(budget=128)", "quest(budget=512, sink=64)", "quest(budget=4096)", "quest(budget=1000000)"];
+    let (specs, policies) = if quick() { (&specs[..1], &policies[..2]) } else { (&specs[..], &policies[..]) };
+    for (i, spec) in specs.iter().enumerate() {
+        for (j, pol) in policies.iter().enumerate() {
+            let r = run_sparse_case(spec, pol, seed.wrapping_add((i * 10 + j) as u64));
+            let (n, ratio) = r.quest.unwrap_or((0, 0.0));
+            apart += n;
+            worst = worst.max(ratio);
+            println!("few rows {:<26} {pol:<28} rows {:>3} decisions {} counters {} rel {:.2e} lse {:.2e} {}", spec.name, r.rows,
+                match &r.decision_mismatch { Some(_) => "DIFF".to_string(), None if n > 0 => format!("agree ({n} pages apart, worst |S - S_k| / delta {ratio:.2e})"), None => "same".to_string() },
+                if r.counters_mismatch.is_none() { "same" } else { "DIFF" }, r.rel_err, r.lse_err, if r.pass { "ok" } else { "FAIL" });
+            if !r.pass {
+                failures.push(format!("{} / {pol} (seed {}): {:?} {:?} meta_equal={} rel {:.3e} error {:?}", spec.name, r.seed, r.decision_mismatch, r.counters_mismatch, r.meta_equal, r.rel_err, r.error));
+            }
+        }
+    }
+    println!("Quest few rows: {apart} pages kept by one engine only, worst |S - S_k| / delta {worst:.3e} (<= 1 required)");
+    assert!(failures.is_empty(), "failing few-row cases:\n{}", failures.join("\n"));
+}
+
 /// A decode step's write keeps the key metadata in one launch on CUDA (kvs_write_step): after it, the
 /// fill mask, Quest's bounds and the INT4 copy equal the CPU engine's bit for bit (block sizes 1..256).
 fn cuda_decode_step_write_keeps_the_cpu_metadata() {
@@ -372,6 +415,7 @@ fn main() {
     common::run("sparse", vec![
         ("cuda_sparse_decisions_agree_with_the_cpu_engine", cuda_sparse_decisions_agree_with_the_cpu_engine as fn(), true),
         ("cuda_quest_ties_equal_the_cpu_engine", cuda_quest_ties_equal_the_cpu_engine as fn(), true),
+        ("cuda_quest_few_rows_agree_with_the_cpu_engine", cuda_quest_few_rows_agree_with_the_cpu_engine as fn(), true),
         ("cuda_decode_step_write_keeps_the_cpu_metadata", cuda_decode_step_write_keeps_the_cpu_metadata as fn(), true),
         ("cuda_step_writes_keep_the_cpu_cache_and_metadata", cuda_step_writes_keep_the_cpu_cache_and_metadata as fn(), true),
         ("cuda_snapkv_decisions_agree_with_the_cpu_engine", cuda_snapkv_decisions_agree_with_the_cpu_engine as fn(), true),
