@@ -234,7 +234,8 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Ba
 // Per (KV head, sequence): the set and the plan (see the top of this file). `pooled` [maxpos] and `tmp`
 // [k] per (seq, head) are workspace; the plan is token-granular with `cap` entries per row. `deferred`: a
 // FULL row's set is rebuilt after its attention wrote the weights (kvs_refresh_top_*; here only its plan,
-// and the rebuild's histograms `rhist` [rows][3][RF_BINS] and arrival count in `rsel` cleared).
+// and the rebuild's histograms `rhist` [rows][3][RF_BINS] and arrival count in `rsel` cleared). Grid (hk,
+// sequences, slices of a FULL row's plan).
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batch b, RefreshArgs ra, const float* agg, float* pooled, int maxpos,
                                                                             unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, float* tmp,
                                                                             i64 row_bytes, i64 k_bytes, unsigned long long* ctr, int deferred,
@@ -255,6 +256,16 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
     const unsigned gen = ra.gen[s];
     const i64 sh = (i64)slot * hk + h;  // this head's state row (slot >= 0 in FULL, SEED and PARTIAL)
     const int K = ra.k;
+    // A FULL row's plan (every visible position) is written in gridDim.z slices, slice z by the CTAs of
+    // blockIdx.z = z, so that a long row's entries are not one CTA's stores; the CTAs of z > 0 do nothing else.
+    const int full_slice = (min(hi - lo + 1, cap) + (int)gridDim.z - 1) / (int)gridDim.z;
+    if (blockIdx.z > 0) {
+        if (mode == RF_FULL && r.decode) {
+            const int n_plan = min(hi - lo + 1, cap), i1 = min(n_plan, ((int)blockIdx.z + 1) * full_slice);
+            for (int i = (int)blockIdx.z * full_slice + threadIdx.x; i < i1; i += blockDim.x) e[i] = (unsigned)(lo + i);
+        }
+        return;
+    }
     bool dense = mode == RF_DENSE || (mode == RF_PARTIAL && ra.hstamp[sh] != gen);  // the latter: no set (unreachable)
     if (mode == RF_NONE || (mode != RF_SEED && !r.decode)) {
         if (threadIdx.x == 0) plan_len[s * hk + h] = r.decode ? 0 : -1;
@@ -317,8 +328,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
             if (threadIdx.x == 0) rsel[((i64)s * hk + h) * RF_SEL + 2] = 0u;
         }
         n_plan = min(n, cap);
-        // Every visible position: written (stores only), counted by arithmetic, not read back.
-        for (int i = threadIdx.x; i < n_plan; i += blockDim.x) e[i] = (unsigned)(lo + i);
+        // Every visible position: written (stores only; this CTA the first slice), counted by arithmetic,
+        // not read back.
+        for (int i = threadIdx.x; i < min(n_plan, full_slice); i += blockDim.x) e[i] = (unsigned)(lo + i);
         if (threadIdx.x == 0) {
             atomicAdd(&ctr[CTR_KV_BYTES], (unsigned long long)n * (unsigned long long)k_bytes);  // K read again to score
             if (n_plan > 0) blocks = (unsigned long long)(((lo + n_plan - 1) >> b.bs_log2) - (lo >> b.bs_log2) + 1);

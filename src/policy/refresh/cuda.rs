@@ -209,6 +209,12 @@ fn score_ctas(num_sms: usize, hk: usize, max_pos: usize, tp: usize) -> usize {
     (8 * num_sms).div_ceil(hk.max(1)).clamp(1, max_pos.div_ceil(tp).max(1))
 }
 
+/// Slices of a full row's plan entries (kvs_refresh_plan's grid z): about 8 CTAs per SM over all rows, at
+/// most 16 per row.
+fn plan_slices(num_sms: usize, hk: usize, ns: usize) -> usize {
+    (8 * num_sms).div_ceil((hk * ns).max(1)).clamp(1, 16)
+}
+
 impl RefreshDevice {
     /// Enqueues RefreshKV's decision for a policy call: schedule, scores of the prefill (and, without the
     /// tensor-core path, the full) rows, the sets and every decode row's plan `plan` (token-granular,
@@ -245,7 +251,7 @@ impl RefreshDevice {
             k.i64(plan.e as i64).i64(plan.p_s).i64(plan.p_h).i64(plan.len as i64).i32(plan.cap).i64((ws + rw.tmp as u64) as i64);
             k.i64(row_bytes).i64((d * cache.dtype.size_bytes()) as i64).i64(ctr).i32(rw.logits as i32);
             k.i64((ws + rw.hist as u64) as i64).i64((ws + rw.sel as u64) as i64);
-            launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_refresh_plan launch")
+            launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, plan_slices(dev.gpu().num_sms as usize, hk, ns) as u32), launch::TOPK_THREADS, &mut k, stream, "kvs_refresh_plan launch")
         };
         if after_attention {
             let chunks = weight_chunks(maxpos);
