@@ -16,8 +16,9 @@
 //                        calls that hold a prefill chunk (or on that fallback): the row's logits per query
 //                        head, its maximum, its fixed-point normaliser, then w = e / z, max over the
 //                        group, per position (the CPU's bits).
-//   kvs_refresh_plan     one CTA per (KV head, sequence), before the attention: SEED (and FULL
-//                        when not deferred) rebuild the set (max-pool, top k, ties: the earlier
+//   kvs_refresh_plan     one CTA per (KV head, sequence) (and grid z > 0: slices of a FULL row's plan
+//                        entries), before the attention: SEED (and FULL when not deferred) rebuild the
+//                        set (max-pool, top k, ties: the earlier
 //                        position); PARTIAL advances it (positions outside the range dropped, new ones
 //                        appended at +inf, the k best kept, ties: the newer); the row's plan (FULL: every
 //                        visible position; PARTIAL: the set; DENSE: every visible position), counters.
