@@ -39,11 +39,16 @@
 // this attention's own weights (RefreshKV's full step, kernels/refresh.cu): every visible key's base-2
 // logit (the value the online softmax uses: after the softcap, times log2(e) and the scale) of each of the
 // CTA's query heads goes to lg[((seq * hk + kvh) * lg_maxpos + pos) * GROUP + (head - kvh * GROUP)], so K
-// is read once for the attention and the weights. Positions at or past lg_maxpos are not written.
+// is read once for the attention and the weights. Positions at or past lg_maxpos are not written. Each
+// split also writes its softmax statistics per query head, (max, sum of 2^(l - max)) in base 2, to
+// lg_parts[((seq * hk + kvh) * GROUP + head - kvh * GROUP) * lg_nparts + split] (the host keeps nsplit <=
+// lg_nparts; split 0 writes (-inf, 0) to the slots past nsplit), so the row's LSE needs no pass over the
+// logits. Over an
+// FP8 cache (KV8) they are the logits of the dequantized keys (k_scale folded into the scale, as below).
 // It also spreads a row whose plan is shorter than the launch's bound over every split (a per-row chunk,
 // the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
 // (k positions) share the launch of its full rows (every position).
-// KV8 (fp8.cuh; dense rows, plans and ART; the host refuses logits over them): FP8 caches. A tile's rows are copied as bytes
+// KV8 (fp8.cuh; dense rows, plans, ART and LOGITS): FP8 caches. A tile's rows are copied as bytes
 // into padded shared-memory rows (ROWB below) and each lane reads its MMA fragments from them
 // as 32-bit words, widening in registers (exact): no pass over shared memory. K: a word is 4 consecutive
 // channels of one key, so the k-step's channels are taken in the order (4j, 4j+1 | 4j+2, 4j+3) for lane
@@ -92,9 +97,6 @@
 #define SMEM_BYTES (STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES)
 #if KV8
 #define CPR8 (HEAD_DIM / 16)  // 16-byte chunks per FP8 row
-#if LOGITS
-#error "FP8 caches: dense rows, plans and ART (no logits)"
-#endif
 // V^T tiles (header): lane c's word g (kv8_vw) holds rows c, c + 8 of channel tiles 2 g and 2 g + 1
 // (bytes 0, 1 and 2, 3); a head size that is an odd multiple of 16 ends with one tile over 16 channels read
 // as 16-bit halves (lane c: channels 32 KV8_G + 2 c, + 1).
@@ -299,7 +301,7 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
              , ArtArgs art
 #endif
 #if LOGITS
-             , float* __restrict__ lg, int lg_maxpos
+             , float* __restrict__ lg, int lg_maxpos, float2* __restrict__ lg_parts, int lg_nparts
 #endif
 #if KV8
              , float k_scale, float v_scale
@@ -460,6 +462,16 @@ art_pass_start:
     asm("" : "+l"(kv8_kl), "+l"(kv8_vl), "+r"(kv8_dl));
 #endif
 
+#if PLAN && !ART
+    // The plan entries of a tile are read one tile ahead: load(k) uses those load(k - 1) read and reads
+    // tile k + 1's (load runs for k = 0, 1, 2, ... in order), so a tile's copy waits for its block id only,
+    // as a dense row's does, not for a plan read before it.
+    auto plan_entry = [&](int k) -> unsigned {
+        const int g = tb0 + (warp + k * NWARPS) * 16 + (lane & 15);
+        return k < my_n && g <= s_hi ? PLAN_E(g >> plan.ulog2) : 0u;
+    };
+    unsigned pf_e = plan_entry(0);
+#endif
     // Issues the cp.async of this warp's k-th tile into stage st (always commits a group).
     auto load = [&](int k, int st) {
         if (k < my_n) {
@@ -468,9 +480,17 @@ art_pass_start:
 #if PLAN
             int p = -1;
             bool ok = pb + key <= s_hi;
+#if !ART
+            const unsigned e_k = pf_e;
+            pf_e = plan_entry(k + 1);
+#endif
             if (ok) {
                 const int g = pb + key;
+#if ART
                 p = (int)((PLAN_E(g >> plan.ulog2) << plan.ulog2) | (unsigned)(g & umask));
+#else
+                p = (int)((e_k << plan.ulog2) | (unsigned)(g & umask));
+#endif
                 ok = p >= row.lo && p <= row.hi;
             }
 #else
@@ -911,6 +931,12 @@ art_pass_start:
 #else
     const int wsplit = split;
 #endif
+#if LOGITS
+    // Split 0 marks the slots of splits this launch does not have as empty (-inf, 0).
+    if (split == 0)
+        for (int i = threadIdx.x; i < GQ * (lg_nparts - nsplit); i += NTHREADS)
+            lg_parts[((i64)(row.seq * plan.hk + kvh) * GROUP + (h0 - kvh * GROUP) + i % GQ) * lg_nparts + nsplit + i / GQ] = make_float2(-INFINITY, 0.f);
+#endif
     for (int idx = threadIdx.x; idx < GQ * HEAD_DIM; idx += NTHREADS) {
         const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
         float M = -INFINITY;
@@ -931,6 +957,11 @@ art_pass_start:
         const float ov = bad ? nan : (any ? O / L * v_scale : 0.f);
         const float lse_nat = bad ? nan : (any ? (M + log2f(L)) * KVS_LN2 : -INFINITY);
         const int h = h0 + g;
+#if LOGITS
+        // The split's softmax statistics of this head (base 2: max logit, sum of 2^(l - max); raw, a NaN
+        // logit's NaN included), from which the policy merges the row's LSE (lg_parts, header).
+        if (d == 0 && split < lg_nparts) lg_parts[((i64)(row.seq * plan.hk + kvh) * GROUP + (h0 - kvh * GROUP) + g) * lg_nparts + split] = make_float2(M, L);
+#endif
         if (nsplit == 1) {
             out[t * o0 + h * o1 + d * o2] = ET::st(ov);
             if (lse != 0 && d == 0) lse[t * l0 + h * l1] = lse_nat;

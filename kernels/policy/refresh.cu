@@ -16,20 +16,21 @@
 //                        calls that hold a prefill chunk (or on that fallback): the row's logits per query
 //                        head, its maximum, its fixed-point normaliser, then w = e / z, max over the
 //                        group, per position (the CPU's bits).
-//   kvs_refresh_plan     one CTA per (KV head, sequence), before the attention: SEED (and FULL
-//                        when not deferred) rebuild the set (max-pool, top k, ties: the earlier
+//   kvs_refresh_plan     one CTA per (KV head, sequence) (and grid z > 0: slices of a FULL row's plan
+//                        entries), before the attention: SEED (and FULL when not deferred) rebuild the
+//                        set (max-pool, top k, ties: the earlier
 //                        position); PARTIAL advances it (positions outside the range dropped, new ones
 //                        appended at +inf, the k best kept, ties: the newer); the row's plan (FULL: every
 //                        visible position; PARTIAL: the set; DENSE: every visible position), counters.
 //   (attention)          the decode rows through their plans on tensor cores (attention_mma.cu, LOGITS=1),
-//                        writing every visited key's base-2 logit per query head to `lg`.
-//   kvs_refresh_lse_parts  FULL rows only: per chunk of RF_CH positions the rows' (max, sum of
-//                        2^(l - max)) from `lg` (and the rebuild's histograms cleared).
-//   kvs_refresh_top_*    FULL rows: the set rebuilt across CTAs: the row's LSE from the chunks (in chunk
-//                        order: deterministic), w = max over the group of 2^(l - lse) per position and
+//                        writing every visited key's base-2 logit per query head to `lg` and each split's
+//                        (max, sum of 2^(l - max)) per query head to `parts`.
+//   kvs_refresh_top_*    FULL rows: the set rebuilt across CTAs: the row's LSE from the attention's
+//                        split statistics (in split order: deterministic), w = max over the group of
+//                        2^(l - lse) per position and
 //                        its pool, a three-pass radix select of the k-th key (each pass's bin chosen by
 //                        the row's last chunk; the last pass keeps per-chunk counts), the chunks' kept
-//                        positions. A partial step's calls find no FULL row and return at once (five
+//                        positions. A partial step's calls find no FULL row and return at once (four
 //                        launches).
 //
 // State per layer, indexed by the sequence's slot (kernels/slots.cu) and stamped with its generation (a
@@ -226,12 +227,20 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Ba
     }
 }
 
+// The rebuild's radix histograms and selection state (kvs_refresh_top_*; cleared by kvs_refresh_plan).
+#define RF_BINS 4096    // src/policy/refresh/cuda.rs HIST_BINS
+#define RF_SEL 4        // words per row of `sel` (src/policy/refresh/cuda.rs SEL_WORDS): prefix, keys still
+                        // needed, the current pass's arrived chunks, unused
+
 // Per (KV head, sequence): the set and the plan (see the top of this file). `pooled` [maxpos] and `tmp`
 // [k] per (seq, head) are workspace; the plan is token-granular with `cap` entries per row. `deferred`: a
-// FULL row's set is rebuilt after its attention wrote the weights (kvs_refresh_top_*; here only its plan).
+// FULL row's set is rebuilt after its attention wrote the weights (kvs_refresh_top_*; here only its plan,
+// and the rebuild's histograms `rhist` [rows][3][RF_BINS] and arrival count in `rsel` cleared). Grid (hk,
+// sequences, slices of a FULL row's plan).
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batch b, RefreshArgs ra, const float* agg, float* pooled, int maxpos,
                                                                             unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, float* tmp,
-                                                                            i64 row_bytes, i64 k_bytes, unsigned long long* ctr, int deferred) {
+                                                                            i64 row_bytes, i64 k_bytes, unsigned long long* ctr, int deferred,
+                                                                            unsigned* rhist, unsigned* rsel) {
     __shared__ unsigned hist[256];
     __shared__ unsigned wtot[8];
     __shared__ unsigned long long sel_prefix;
@@ -248,6 +257,16 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
     const unsigned gen = ra.gen[s];
     const i64 sh = (i64)slot * hk + h;  // this head's state row (slot >= 0 in FULL, SEED and PARTIAL)
     const int K = ra.k;
+    // A FULL row's plan (every visible position) is written in gridDim.z slices, slice z by the CTAs of
+    // blockIdx.z = z, so that a long row's entries are not one CTA's stores; the CTAs of z > 0 do nothing else.
+    const int full_slice = (min(hi - lo + 1, cap) + (int)gridDim.z - 1) / (int)gridDim.z;
+    if (blockIdx.z > 0) {
+        if (mode == RF_FULL && r.decode) {
+            const int n_plan = min(hi - lo + 1, cap), i1 = min(n_plan, ((int)blockIdx.z + 1) * full_slice);
+            for (int i = (int)blockIdx.z * full_slice + threadIdx.x; i < i1; i += blockDim.x) e[i] = (unsigned)(lo + i);
+        }
+        return;
+    }
     bool dense = mode == RF_DENSE || (mode == RF_PARTIAL && ra.hstamp[sh] != gen);  // the latter: no set (unreachable)
     if (mode == RF_NONE || (mode != RF_SEED && !r.decode)) {
         if (threadIdx.x == 0) plan_len[s * hk + h] = r.decode ? 0 : -1;
@@ -304,9 +323,15 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
             if (threadIdx.x == 0) plan_len[s * hk + h] = -1;  // the chunk itself is attended densely
             return;
         }
+        if (deferred) {
+            unsigned* gh = rhist + ((i64)s * hk + h) * (3 * RF_BINS);
+            for (int i = threadIdx.x; i < 3 * RF_BINS; i += blockDim.x) gh[i] = 0u;
+            if (threadIdx.x == 0) rsel[((i64)s * hk + h) * RF_SEL + 2] = 0u;
+        }
         n_plan = min(n, cap);
-        // Every visible position: written (stores only), counted by arithmetic, not read back.
-        for (int i = threadIdx.x; i < n_plan; i += blockDim.x) e[i] = (unsigned)(lo + i);
+        // Every visible position: written (stores only; this CTA the first slice), counted by arithmetic,
+        // not read back.
+        for (int i = threadIdx.x; i < min(n_plan, full_slice); i += blockDim.x) e[i] = (unsigned)(lo + i);
         if (threadIdx.x == 0) {
             atomicAdd(&ctr[CTR_KV_BYTES], (unsigned long long)n * (unsigned long long)k_bytes);  // K read again to score
             if (n_plan > 0) blocks = (unsigned long long)(((lo + n_plan - 1) >> b.bs_log2) - (lo >> b.bs_log2) + 1);
@@ -394,55 +419,16 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
 // The weights of the FULL rows from the logits their attention wrote (attention_mma.cu, LOGITS=1):
 // lg[((s * hk + h) * maxpos + pos) * GROUP + g] holds query head g's base-2 logit of position pos. Grid
 // (chunks of RF_CH positions, hk, sequences), RF_WTHREADS threads; chunk c covers lo + c * RF_CH ...
-#define RF_CH 4096      // src/policy/refresh/cuda.rs WEIGHT_CHUNK
+#define RF_CH 2048      // src/policy/refresh/cuda.rs WEIGHT_CHUNK
 #define RF_WTHREADS 256
-#define RF_BINS 4096    // src/policy/refresh/cuda.rs HIST_BINS
-#define RF_SEL 4        // words per row of `sel` (src/policy/refresh/cuda.rs SEL_WORDS): prefix, keys still
-                        // needed, the current pass's arrived chunks, unused
 #define RF_RADMAX 64    // pooling radius up to which a chunk stages its weights in shared memory
 #define RF_CCW 258      // words per chunk of `ccnt` (src/policy/refresh/cuda.rs CHUNK_COUNT_WORDS): keys above
                         // the last pass's 24-bit prefix, then suffix sums of its 256 low-byte bins (257)
 
-// Per (seq, head, query head, chunk): the chunk's maximum logit and sum of 2^(l - max) (fmaxf drops NaN;
-// a NaN logit makes the sum NaN, and every weight of the row then reads 0, as the CPU's max from 0 does).
-// Also clears the row's radix histograms and arrival count for kvs_refresh_top_hist (each chunk a slice).
-extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_lse_parts(Batch b, const int* mode, const float* lg, int maxpos, int hk,
-                                                                                float2* parts, int nchunk, unsigned* hist, unsigned* sel) {
-    __shared__ float red[32];
-    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
-    if (mode[s] != RF_FULL) return;
-    const SeqRow r = seq_row(b, s);
-    const int lo = r.lo, hi = min(r.hi, maxpos - 1);
-    const int p0 = lo + c * RF_CH, p1 = min(hi, p0 + RF_CH - 1);
-    const float* L = lg + (i64)(s * hk + h) * maxpos * GROUP;
-    float2* out = parts + (i64)(s * hk + h) * GROUP * nchunk + c;
-    {
-        const int words = 3 * RF_BINS, per = (words + nchunk - 1) / nchunk;
-        unsigned* gh = hist + ((i64)s * hk + h) * words;
-        for (int i = c * per + threadIdx.x; i < min(words, (c + 1) * per); i += blockDim.x) gh[i] = 0u;
-        if (c == 0 && threadIdx.x == 0) sel[((i64)s * hk + h) * RF_SEL + 2] = 0u;
-    }
-    float m[GROUP], z[GROUP];
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) m[g] = -INFINITY, z[g] = 0.0f;
-    for (int pos = p0 + threadIdx.x; pos <= p1; pos += blockDim.x)
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g) m[g] = fmaxf(m[g], L[(i64)pos * GROUP + g]);
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) m[g] = block_max(m[g], red);
-    for (int pos = p0 + threadIdx.x; pos <= p1; pos += blockDim.x)
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g)
-            if (m[g] > -INFINITY) z[g] += exp2f(L[(i64)pos * GROUP + g] - m[g]);
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) z[g] = block_sum(z[g], red);
-    if (threadIdx.x == 0)
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g) out[(i64)g * nchunk] = make_float2(m[g], z[g]);
-}
-
-// A query head's base-2 LSE over the row, merged from its chunks' parts in chunk order (so the same inputs
-// give the same bits); +inf when no logit is finite (every weight then 0).
+// A query head's base-2 LSE over the row, merged from the attention's split statistics (max, sum of
+// 2^(l - max)) in split order (so the same inputs give the same bits; empty splits are (-inf, 0)); +inf when
+// no logit is finite (every weight then 0). A NaN logit makes its split's sum NaN, the LSE NaN, and every
+// weight of the row 0 (fmaxf from 0), as the CPU's max from 0 does.
 __device__ __forceinline__ float rf_row_lse(const float2* pr, int nchunk) {
     float m = -INFINITY;
     for (int i = 0; i < nchunk; ++i) m = fmaxf(m, pr[i].x);
@@ -467,7 +453,7 @@ __device__ __forceinline__ float rf_weight(const float* L, int pos, const float*
 // radix select over the 32-bit order keys in three passes (bits 31..20, 19..8, 7..0): per pass the chunks
 // add their histograms of the keys under the prefix chosen so far (global atomics: counts, so any order
 // gives the same result), and the row's last chunk to finish (an arrival count) descends into the bin that
-// holds the k-th key. `hist` [rows][3][4096] and the arrival counts are cleared by kvs_refresh_lse_parts;
+// holds the k-th key. `hist` [rows][3][4096] and the arrival counts are cleared by kvs_refresh_plan;
 // `sel` [rows][RF_SEL] holds (prefix, keys still needed in it, arrivals); `ccnt` [rows][chunks][RF_CCW]
 // what the last pass saw per chunk, from which each chunk's counts above and at the threshold follow.
 __device__ __forceinline__ void rf_pass_bits(int pass, int& shift, int& bits) {
@@ -509,7 +495,7 @@ __device__ __forceinline__ void rf_select(const unsigned* gh, unsigned* sel, int
 // radius RF_RADMAX, recomputed per use beyond: the same bits) and max-pools them into `pooled` (positions
 // relative to lo). Pass 2 also keeps the chunk's counts for kvs_refresh_top_write (`ccnt`): its keys
 // above the 24-bit prefix and, per low byte b, its keys under the prefix with a low byte >= b.
-extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(Batch b, RefreshArgs ra, const float* lg, const float2* parts, int nchunk,
+extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(Batch b, RefreshArgs ra, const float* lg, const float2* parts, int nparts, int nchunk,
                                                                                float* pooled, int maxpos, unsigned* hist, unsigned* sel, unsigned* ccnt,
                                                                                int pass) {
     __shared__ unsigned sh[RF_BINS];
@@ -527,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     const i64 row = (i64)s * hk + h;
     float* pl = pooled + row * maxpos;
     if (pass == 0) {
-        if (threadIdx.x < GROUP) lse[threadIdx.x] = rf_row_lse(parts + (row * GROUP + threadIdx.x) * nchunk, nchunk);
+        if (threadIdx.x < GROUP) lse[threadIdx.x] = rf_row_lse(parts + (row * GROUP + threadIdx.x) * nparts, nparts);
         __syncthreads();
         const float* L = lg + row * maxpos * GROUP;
         const int rad = ra.pool / 2;

@@ -300,7 +300,7 @@ impl CudaBackend {
         // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile) and one CTA per KV
         // head (GQ = GROUP); its splits are whole tiles (docs/policies.md "art").
         let mma = self.mma_for(cfg, cache, art.is_some());
-        ensure!(!fp8 || (mma.is_some() && logits.is_none()), Unsupported, "an FP8 cache needs the tensor-core kernel (16-byte aligned rows and strides, GQA group <= 16) on the CUDA engine, without logits");
+        ensure!(!fp8 || mma.is_some(), Unsupported, "an FP8 cache needs the tensor-core kernel (16-byte aligned rows and strides, GQA group <= 16) on the CUDA engine");
         ensure!(logits.is_none() || mma.is_some(), Internal, "the logits of a plan's attention need the tensor-core kernel (checked by the caller)");
         if art.is_some() {
             ensure!(matches!(mma, Some(ms) if ms.warps == 4 && ms.gq == cfg.group_size()), Unsupported, "`art` on the CUDA backend needs the tensor-core kernel (f16/bf16 or FP8 cache, 16-byte aligned rows, head size a multiple of 16, GQA group <= 16) with 4 warps");
@@ -341,7 +341,8 @@ impl CudaBackend {
                 // (attention_mma.cu, art_decide: its shared memory holds 48 floats per split).
                 Some(a) if a.segment > 0 => plan::art_splits(keys, Some(a.segment as u32)),
                 Some(_) => waves(smem / (48 * 4)),
-                None => waves(usize::MAX),
+                // The logits' launch: at most the split statistics' slots per head (LogitsOut::nparts).
+                None => waves(logits.map_or(usize::MAX, |lo| lo.nparts.max(1) as usize)),
             };
         } else {
             let shape = plan::kernel_shape(cfg.group_size(), cfg.head_dim, es, aligned);
@@ -385,7 +386,7 @@ impl CudaBackend {
             k.by_value(art);
         }
         if let (Some(lo), true) = (logits, mma.is_some()) {
-            k.i64(lo.lg as i64).i32(lo.maxpos);
+            k.i64(lo.lg as i64).i32(lo.maxpos).i64(lo.parts as i64).i32(lo.nparts);
         }
         if fp8 {
             k.f32(cache.k_scale).f32(cache.v_scale);

@@ -32,15 +32,19 @@ pub(crate) enum Rows {
     /// inside the kernel.
     Plan(PlanRef, usize, Option<ArtLaunch>),
     /// As `Plan` (no ART), the tensor-core kernel also writing the rows' logits (kernels/attention_mma.cu
-    /// LOGITS=1): to `lg` (device address), `maxpos` positions per (sequence, KV head).
+    /// LOGITS=1): to `lg` (device address), `maxpos` positions per (sequence, KV head), and each split's
+    /// softmax statistics per query head to `parts` (`nparts` slots per head: the launch splits no more).
     PlanLogits(PlanRef, usize, LogitsOut),
 }
 
-/// Where `Rows::PlanLogits` writes the logits (see kernels/attention_mma.cu, LOGITS).
+/// Where `Rows::PlanLogits` writes the logits and the splits' statistics (see kernels/attention_mma.cu,
+/// LOGITS).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct LogitsOut {
     pub lg: u64,
     pub maxpos: i32,
+    pub parts: u64,
+    pub nparts: i32,
 }
 
 /// A plan as the attention kernel reads it (kernels/include/params.cuh `PlanRef`; a test compares the layouts).

@@ -271,9 +271,11 @@ mod compile_tests {
                         let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), "ART=0".into(), "KVS_CHECKS=7".into()].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
-                    // RefreshKV's full step: the plan's attention writing its logits.
-                    let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), "PLAN=1".into(), "ART=0".into(), "LOGITS=1".into()].to_vec();
-                    build("attention_mma", ATTENTION_MMA, &defs);
+                    // RefreshKV's full step: the plan's attention writing its logits (16-bit and FP8 caches).
+                    for kv8 in [0, 1, 2] {
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), "PLAN=1".into(), "ART=0".into(), "LOGITS=1".into(), format!("KV8={kv8}")].to_vec();
+                        build("attention_mma", ATTENTION_MMA, &defs);
+                    }
                     if let Some(ps) = super::super::prefill::prefill_shape(g, d, 2, true, 225 * 1024) {
                         build("attention_prefill", ATTENTION_PREFILL, &ps.defines_for(dt as i32, d, g));
                         let mut defs = ps.defines_for(dt as i32, d, g);

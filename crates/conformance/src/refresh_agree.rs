@@ -11,9 +11,13 @@
 //! exact ones by at most Lambda = scale * max sum_i |q_i k_i| * (d * 2^-23 + (d + 1) * 2^-24) (the
 //! tensor cores' f32 accumulation of exact bf16/f16 products, truncating: 2^-23 per addition; the CPU's
 //! f32 dot of the scaled query: 2^-24 per operation), plus 8 * 2^-24 * max |logit| for the scaling and
-//! exp2/log2 steps, plus softcap * 2^-17 for the two tanh's. A weight exp(l - lse) then moves by at most
-//! a factor exp(2 Lambda) on either engine; two scores compared across the boundary: delta =
-//! 2 * (exp(2 Lambda) - 1) + 2^-20 (the CPU's fast_exp and fixed-point normaliser, 5e-7 relative).
+//! exp2/log2 steps, plus softcap * 2^-17 for the two tanh's; over an FP8 cache (`scaled_keys`) plus
+//! 2 * 2^-24 * scale * max sum_i |q_i k_i| (the CPU rounds each decoded key times k_scale, the GPU the
+//! product scale * k_scale; FP8 widens to f16 exactly). The GPU's normaliser is the attention's f32 softmax
+//! sum (per lane over its tiles, then the quad, the warps and the splits): relative error at most
+//! Z = (n / 8 + 256) * 2^-24 for n positions. A weight exp(l - lse) then moves by at most a factor
+//! exp(2 Lambda + Z) on either engine; two scores compared across the boundary: delta =
+//! 2 * (exp(2 Lambda + Z) - 1) + 2^-20 (the CPU's fast_exp and fixed-point normaliser, 5e-7 relative).
 
 use std::collections::HashMap;
 
@@ -64,6 +68,8 @@ pub struct RowInputs<'a> {
     pub k: &'a dyn Fn(usize, usize) -> Vec<f64>,
     pub scale: f64,
     pub softcap: f64,
+    /// The keys are FP8 bytes decoded times k_scale (module doc: two more roundings in Lambda).
+    pub scaled_keys: bool,
 }
 
 /// f64 reference of the pooled weights of KV head `head` (query heads head*g .. head*g+g) over lo..=hi,
@@ -96,8 +102,10 @@ pub fn reference(inp: &RowInputs, head: usize, group: usize, d: usize, lo: usize
     let rad = pool / 2;
     let pooled = (0..n).map(|i| w[i.saturating_sub(rad)..(i + rad + 1).min(n)].iter().copied().fold(f64::NEG_INFINITY, f64::max)).collect();
     let u = 2f64.powi(-24);
-    let lambda = max_abs_dot * (d as f64 * 2.0 * u + (d as f64 + 1.0) * u) + 8.0 * u * max_logit + inp.softcap * 2f64.powi(-17);
-    RefScores { lo, hi, pooled, delta: 2.0 * ((2.0 * lambda).exp() - 1.0) + 2f64.powi(-20) }
+    let kscale = if inp.scaled_keys { 2.0 } else { 0.0 };
+    let lambda = max_abs_dot * (d as f64 * 2.0 * u + (d as f64 + 1.0 + kscale) * u) + 8.0 * u * max_logit + inp.softcap * 2f64.powi(-17);
+    let zsum = (n as f64 / 8.0 + 256.0) * u;
+    RefScores { lo, hi, pooled, delta: 2.0 * ((2.0 * lambda + zsum).exp() - 1.0) + 2f64.powi(-20) }
 }
 
 /// The schedule of every sequence id (`RefreshLayer::decide` on the mean query as the CPU engine forms it:
@@ -198,12 +206,12 @@ mod tests {
     fn reference_weights_are_a_softmax_maximum() {
         // One head, two query rows, d = 1: logits q*k*scale.
         let k = |p: usize, _h: usize| vec![p as f64];
-        let inp = RowInputs { q: vec![1.0, -1.0], k: &k, scale: 1.0, softcap: 0.0 };
+        let inp = RowInputs { q: vec![1.0, -1.0], k: &k, scale: 1.0, softcap: 0.0, scaled_keys: false };
         let r = reference(&inp, 0, 2, 1, 0, 2, 1);
         let z: f64 = (0..3).map(|p| (p as f64).exp()).sum();
         assert!((r.pooled[2] - 2f64.exp() / z).abs() < 1e-12);
         let z2: f64 = (0..3).map(|p| (-(p as f64)).exp()).sum();
         assert!((r.pooled[0] - 1.0 / z2).abs() < 1e-12);
-        assert!(r.delta > 0.0 && r.delta < 1e-5, "{}", r.delta);
+        assert!(r.delta > 0.0 && r.delta < 1e-4, "{}", r.delta);
     }
 }

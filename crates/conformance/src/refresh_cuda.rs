@@ -188,7 +188,7 @@ impl Work {
         let hi = len - 1;
         let lo = if sp.window > 0 { len.saturating_sub(sp.window) } else { 0 };
         let k = |p: usize, h: usize| self.kv_row(s, p, h, false);
-        let inp = RowInputs { q: q.to_vec(), k: &k, scale: self.scale as f64, softcap: sp.softcap as f64 };
+        let inp = RowInputs { q: q.to_vec(), k: &k, scale: self.scale as f64, softcap: sp.softcap as f64, scaled_keys: self.cache_dtype.is_fp8() };
         reference(&inp, h, sp.num_q_heads / sp.num_kv_heads, sp.head_dim, lo, hi, pool)
     }
 

@@ -148,14 +148,17 @@ fn cuda_fp8_policies_match_the_cpu_engine_snapkv() {
 }
 
 /// RefreshKV over FP8, over many steps (refresh_cuda.rs; the caches quantized on write, the references
-/// over the dequantized rows): its full steps and prefill seeds score in the CPU's arithmetic over keys
-/// decoded times k_scale (the tensor-core kernel's logits variant reads 16-bit rows only), so every set
-/// equals the CPU engine's (no differing position); the same schedule and counters, outputs within the
-/// query dtype's tolerance; a sequence unseen at prefill and a released id included.
+/// over the dequantized rows): its full steps take their weights from the tensor-core attention's logits
+/// over the FP8 rows (attention_mma.cu KV8 with LOGITS: keys widened to f16, k_scale in the logit scale), so
+/// sets agree with the CPU engine's by the contract (every differing position within the stated margin of
+/// the boundary, refresh_agree.rs, its FP8 term included; the count and the worst margin printed); the
+/// prefill seeds score in the CPU's arithmetic over keys decoded times k_scale; the same schedule and
+/// counters, outputs within the query dtype's tolerance (of f64 attention over the GPU's own set where a
+/// set differs); a sequence unseen at prefill and a released id included.
 fn cuda_fp8_policies_match_the_cpu_engine_refresh() {
     use kvsparse_conformance::refresh_cuda::{refresh_policies, run_refresh_case, Variant};
     let steps = if quick() { 5 } else { 9 };
-    let (mut failures, mut full, mut partial) = (Vec::new(), 0, 0);
+    let (mut failures, mut full, mut partial, mut differing) = (Vec::new(), 0, 0, 0);
     for (i, spec) in fp8_specs().iter().enumerate() {
         for (j, pol) in refresh_policies().iter().enumerate() {
             let v = Variant { unseen: true, release_at: Some(steps / 2), max_seqs: None };
@@ -163,25 +166,30 @@ fn cuda_fp8_policies_match_the_cpu_engine_refresh() {
             let r = run_refresh_case(spec, pol, &[40, 300, 900, 1500], steps, v, seed);
             full += r.full_steps;
             partial += r.partial_steps;
+            differing += r.agreement.differing;
             println!(
-                "fp8 {:<36} {:<40} rows {:>4} full {:>3} partial {:>3} differing {} {} counters {} rel {:.2e} lse {:.2e} {}",
+                "fp8 {:<36} {:<40} rows {:>4} full {:>3} partial {:>3} differing {} worst margin {:.2e} (delta {:.2e}) {} {} counters {} rel {:.2e} lse {:.2e} {}",
                 spec.name,
                 pol,
                 r.rows,
                 r.full_steps,
                 r.partial_steps,
                 r.agreement.differing,
+                r.agreement.worst_margin,
+                r.agreement.delta_at_worst,
+                r.agreement.violation.as_deref().unwrap_or("all borderline"),
                 r.decision_mismatch.as_deref().unwrap_or("same schedule"),
                 r.counters_mismatch.as_deref().unwrap_or("equal"),
                 r.rel_err,
                 r.lse_err,
-                if r.pass && r.agreement.differing == 0 { "ok" } else { "FAIL" }
+                if r.pass { "ok" } else { "FAIL" }
             );
-            if !r.pass || r.agreement.differing > 0 {
+            if !r.pass {
                 failures.push(format!("{} / {pol} (seed {seed}): differing {} {:?} {:?} {:?} rel {:.3e} lse {:.3e} error {:?}", spec.name, r.agreement.differing, r.decision_mismatch, r.agreement.violation, r.counters_mismatch, r.rel_err, r.lse_err, r.error));
             }
         }
     }
+    println!("fp8 refresh: {full} full and {partial} partial steps, {differing} differing positions");
     assert!(failures.is_empty(), "failing cases:\n{}", failures.join("\n"));
     assert!(full > 0 && partial > 0, "the queries must drift enough for both full and partial steps");
 }

@@ -82,7 +82,7 @@ fn cuda_refresh_without_a_slot_runs_dense() {
     assert!(r.pass, "{r:?}");
 }
 
-/// Rows longer than one chunk of the device's rebuild (4,096 positions, kernels/policy/refresh.cu RF_CH):
+/// Rows longer than one chunk of the device's rebuild (2,048 positions, kernels/policy/refresh.cu RF_CH):
 /// the weights, histograms and kept positions of several chunks, the radix select's bin chosen by the
 /// row's last chunk to finish, and the partial steps' advance over sets of hundreds of positions.
 fn cuda_refresh_rows_longer_than_a_chunk_agree() {

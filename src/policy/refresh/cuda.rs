@@ -2,11 +2,12 @@
 //! sets on the device, per sequence slot (src/cuda/slots.rs), so a decode step has no host decision and
 //! stays capturable. The schedule and the prefill's seed are the CPU engine's decisions bit for bit
 //! (`policy::refresh`, `cpu::sparse::run_refresh`); a full decode step's weights come out of its own
-//! attention on tensor cores (the kernel writes the logits, `Rows::PlanLogits`; two small kernels turn
-//! them into weights; the set is rebuilt after the attention) and agree with the CPU's within the margin
-//! docs/policies.md states. Where the tensor-core kernel does not apply (f32 caches, unaligned rows) or
-//! cannot write the logits (FP8 caches), the full step scores in the CPU's arithmetic before the attention,
-//! as the prefill's seed does (FP8 keys decoded times k_scale, as the CPU reads them): the CPU's bits.
+//! attention on tensor cores (the kernel writes the logits and its splits' softmax statistics,
+//! `Rows::PlanLogits`; the set is rebuilt from them after the attention) and agree with the CPU's within the margin
+//! docs/policies.md states (FP8 caches included: the kernel's FP8 variant writes the logits of the keys
+//! decoded times k_scale). Where the tensor-core kernel does not apply (f32 caches, unaligned rows), the
+//! full step scores in the CPU's arithmetic before the attention, as the prefill's seed does (FP8 keys
+//! decoded times k_scale, as the CPU reads them): the CPU's bits.
 //!
 //! Plans: token-granular (unit_log2 = 0) with a capacity of the block table's width, because a full step
 //! (which the host cannot foresee) visits every visible position; the attention launch is therefore sized
@@ -72,8 +73,8 @@ pub(crate) struct RefreshWs {
     agg: usize,
     pooled: usize,
     tmp: usize,
-    /// The full rows' logits from their attention ([ns, hk, max_pos, group] f32) and the weights pass's
-    /// per-chunk row statistics ([ns, hk, group, chunks] f32 pairs); empty without the tensor-core path.
+    /// The full rows' logits from their attention ([ns, hk, max_pos, group] f32) and its splits' softmax
+    /// statistics ([ns, hk, group, LOGIT_PARTS] f32 pairs); empty without the tensor-core path.
     lg: usize,
     parts: usize,
     /// The multi-CTA rebuild's radix histograms ([ns, hk, 3, 4096] u32), selections and arrival counts
@@ -87,7 +88,9 @@ pub(crate) struct RefreshWs {
 }
 
 /// Positions per chunk of the weights pass and the rebuild (kernels/refresh.cu RF_CH).
-const WEIGHT_CHUNK: usize = 4096;
+const WEIGHT_CHUNK: usize = 2048;
+/// Slots per query head for the attention's split statistics (the logits' launch splits no more).
+const LOGIT_PARTS: usize = 64;
 /// Bins of the rebuild's radix histograms (kernels/refresh.cu RF_BINS).
 const HIST_BINS: usize = 4096;
 /// Words per row of the rebuild's selection state (kernels/refresh.cu RF_SEL).
@@ -106,7 +109,7 @@ fn checked(parts: &[usize]) -> Result<usize> {
 impl RefreshWs {
     /// Where the full rows' logits go (`Rows::PlanLogits`), in the workspace at `ws`.
     pub(crate) fn logits_out(&self, geo: &Geometry, ws: u64) -> LogitsOut {
-        LogitsOut { lg: ws + self.lg as u64, maxpos: geo.max_pos.max(1) as i32 }
+        LogitsOut { lg: ws + self.lg as u64, maxpos: geo.max_pos.max(1) as i32, parts: ws + self.parts as u64, nparts: LOGIT_PARTS as i32 }
     }
 
     /// Reserves the regions of a call of `ns` sequences through `take` (bytes -> offset).
@@ -114,7 +117,7 @@ impl RefreshWs {
     pub(crate) fn reserve(take: &mut dyn FnMut(usize) -> usize, ns: usize, hk: usize, group: usize, max_pos: usize, k: usize, logits: bool) -> Result<Self> {
         let rows = checked(&[ns, hk, group])?;
         let heads = checked(&[ns, hk])?;
-        let (lg, parts) = if logits { (take(checked(&[rows, max_pos.max(1), 4])?), take(checked(&[rows, weight_chunks(max_pos), 8])?)) } else { (0, 0) };
+        let (lg, parts) = if logits { (take(checked(&[rows, max_pos.max(1), 4])?), take(checked(&[rows, LOGIT_PARTS, 8])?)) } else { (0, 0) };
         let (hist, sel, ccnt) = if logits { (take(checked(&[heads, 3 * HIST_BINS, 4])?), take(checked(&[heads, SEL_WORDS, 4])?), take(checked(&[heads, weight_chunks(max_pos), CHUNK_COUNT_WORDS, 4])?)) } else { (0, 0, 0) };
         Ok(RefreshWs {
             lg,
@@ -206,12 +209,18 @@ fn score_ctas(num_sms: usize, hk: usize, max_pos: usize, tp: usize) -> usize {
     (8 * num_sms).div_ceil(hk.max(1)).clamp(1, max_pos.div_ceil(tp).max(1))
 }
 
+/// Slices of a full row's plan entries (kvs_refresh_plan's grid z): about 8 CTAs per SM over all rows, at
+/// most 16 per row.
+fn plan_slices(num_sms: usize, hk: usize, ns: usize) -> usize {
+    (8 * num_sms).div_ceil((hk * ns).max(1)).clamp(1, 16)
+}
+
 impl RefreshDevice {
     /// Enqueues RefreshKV's decision for a policy call: schedule, scores of the prefill (and, without the
     /// tensor-core path, the full) rows, the sets and every decode row's plan `plan` (token-granular,
     /// `plan.cap` entries per row). With `after_attention`, called after the attention of a call whose
     /// full rows wrote their logits (`RefreshWs::logits`): those rows' weights and their sets rebuilt
-    /// across CTAs (kvs_refresh_lse_parts, kvs_refresh_top_*).
+    /// across CTAs (kvs_refresh_top_*, from the logits and the attention's split statistics).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn refresh_select(
         &self,
@@ -241,23 +250,21 @@ impl RefreshDevice {
             k.by_value(batch).by_value(&ra).i64((ws + rw.agg as u64) as i64).i64((ws + rw.pooled as u64) as i64).i32(maxpos as i32);
             k.i64(plan.e as i64).i64(plan.p_s).i64(plan.p_h).i64(plan.len as i64).i32(plan.cap).i64((ws + rw.tmp as u64) as i64);
             k.i64(row_bytes).i64((d * cache.dtype.size_bytes()) as i64).i64(ctr).i32(rw.logits as i32);
-            launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_refresh_plan launch")
+            k.i64((ws + rw.hist as u64) as i64).i64((ws + rw.sel as u64) as i64);
+            launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, plan_slices(dev.gpu().num_sms as usize, hk, ns) as u32), launch::TOPK_THREADS, &mut k, stream, "kvs_refresh_plan launch")
         };
         if after_attention {
             let chunks = weight_chunks(maxpos);
-            let mode = (ws + rw.mode as u64) as i64;
             let (lg, parts) = ((ws + rw.lg as u64) as i64, (ws + rw.parts as u64) as i64);
             let (pooled, hist, sel, ccnt) = ((ws + rw.pooled as u64) as i64, (ws + rw.hist as u64) as i64, (ws + rw.sel as u64) as i64, (ws + rw.ccnt as u64) as i64);
             let grid = (chunks as u32, hk as u32, ns as u32);
-            // Five launches (a partial step's find no FULL row): the chunks' softmax parts (and the
-            // histograms cleared); three radix passes (the first computes and pools the weights, each
-            // pass's last chunk chooses its bin, the last keeps the chunks' counts); their kept positions.
-            let mut k = KArgs::new();
-            k.by_value(batch).i64(mode).i64(lg).i32(maxpos as i32).i32(hk as i32).i64(parts).i32(chunks as i32).i64(hist).i64(sel);
-            launch::launch(f("kvs_refresh_lse_parts")?, grid, 256, &mut k, stream, "kvs_refresh_lse_parts launch")?;
+            // Four launches (a partial step's find no FULL row; the plan kernel cleared the histograms):
+            // three radix passes (the first computes and pools the weights from the logits and the row's
+            // LSE, merged from the attention's split statistics; each pass's last chunk chooses its bin;
+            // the last keeps the chunks' counts); their kept positions.
             for pass in 0..3 {
                 let mut k = KArgs::new();
-                k.by_value(batch).by_value(&ra).i64(lg).i64(parts).i32(chunks as i32).i64(pooled).i32(maxpos as i32).i64(hist).i64(sel).i64(ccnt).i32(pass);
+                k.by_value(batch).by_value(&ra).i64(lg).i64(parts).i32(LOGIT_PARTS as i32).i32(chunks as i32).i64(pooled).i32(maxpos as i32).i64(hist).i64(sel).i64(ccnt).i32(pass);
                 launch::launch(f("kvs_refresh_top_hist")?, grid, 256, &mut k, stream, "kvs_refresh_top_hist launch")?;
             }
             let mut k = KArgs::new();
@@ -375,11 +382,10 @@ impl<'a> RefreshStage<'a> {
 
 impl CudaStage for RefreshStage<'_> {
     fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
-        // The full step's weights from its own attention where the tensor-core kernel runs it and can write
-        // the logits (16-bit caches: its FP8 variant has no LOGITS; an FP8 cache's full steps score in the
-        // CPU's arithmetic over the dequantized keys, as its prefill seeds do).
+        // The full step's weights from its own attention wherever the tensor-core kernel runs it (16-bit
+        // and FP8 caches; over FP8 the logits of the keys decoded times k_scale).
         let (ns, hk, g) = (cx.geo.num_seqs, cx.cfg.num_kv_heads, cx.cfg.group_size());
-        let logits = cx.tensor_cores && !cx.cfg.cache_dtype.is_fp8();
+        let logits = cx.tensor_cores;
         self.ws = RefreshWs::reserve(&mut |b| ws.take(b), ns, hk, g, cx.geo.max_pos, self.r.k, logits)?;
         Ok(())
     }
