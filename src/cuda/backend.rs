@@ -41,6 +41,10 @@ pub const ID_REGISTRY_SEQS: usize = 8192;
 /// `SplitPolicy::min_chunk`): short plans are split finer to fill the device at small batch.
 const PLAN_MIN_CHUNK: usize = 256;
 
+/// Cache writes of at most this many tokens run in one launch (`write_step`: each CTA reads every slot of
+/// the call, so the launch's cost grows with the square of the tokens); longer ones by the general path.
+pub(crate) const WRITE_STEP_MAX_TOKENS: usize = 1024;
+
 pub struct CudaBackend {
     pub(crate) modules: Modules,
     /// Split-KV workspace per stream handle.
@@ -70,8 +74,9 @@ pub struct CudaBackend {
     validate_sync: bool,
     /// The attention modules' `KVS_CHECKS` define (`checks::kernel_define`, read once).
     pub(crate) checks_define: String,
-    /// A decode step's one-launch cache write, looked up once (see `write_step`).
-    pub(crate) write_step: super::write_step::WriteStepFn,
+    /// A decode step's one-launch cache write (src/cuda/write_step.rs), looked up on its first use (its
+    /// defines follow from the engine's dtypes, which never change).
+    pub(crate) write_step: std::sync::OnceLock<usize>,
     /// The device's primary context, held for the engine's life. Last: fields drop in declaration order,
     /// so every buffer, module and stream above is freed while the context still exists (released first,
     /// the context could be destroyed with them still to free: compute-sanitizer reported each of those
@@ -431,7 +436,7 @@ impl CudaBackend {
         if self.validate_sync {
             super::checks::refuse_sync_in_capture(&self.gpu, a.stream)?;
         }
-        let slots = if n <= super::write_step::WRITE_STEP_MAX_TOKENS { self.write_step(cfg, a, cache, n)? } else { self.write_rows(cfg, a, cache, n)? };
+        let slots = if n <= WRITE_STEP_MAX_TOKENS { self.write_step(cfg, a, cache, n)? } else { self.write_rows(cfg, a, cache, n)? };
         if let Some(pd) = &self.policy_dev {
             pd.on_cache_write(self, cfg, a.layer, cache, &slots, n, a.stream)?;
         }

@@ -4,26 +4,16 @@
 //! batch 1 a decode step's write is bound by the host's launches, so this path also keeps the host's work
 //! per call small: the kernel is looked up once per engine, no define strings are built per call.
 
-use std::sync::OnceLock;
-
 use super::batch::{dtype_code, kv8_code};
 use super::checks::clean_view;
 use super::launch::{self, KArgs};
+use super::backend::WRITE_STEP_MAX_TOKENS;
 use super::CudaBackend;
 use crate::args::CacheWriteArgs;
 use crate::config::EngineConfig;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::tensor::{DType, TensorRef};
-
-/// Calls of at most this many tokens are written in one launch (each CTA reads every slot of the call, so
-/// the launch's cost grows with the square of the tokens); longer ones by the general path.
-pub const WRITE_STEP_MAX_TOKENS: usize = 1024;
-
-/// The engine's `kvs_write_step`, looked up on its first use (its defines follow from the engine's
-/// dtypes, which never change).
-#[derive(Default)]
-pub struct WriteStepFn(OnceLock<usize>);
 
 impl CudaBackend {
     /// Writes the `n` (1..=WRITE_STEP_MAX_TOKENS) rows of `a` and keeps the layer's key metadata in one
@@ -62,12 +52,12 @@ impl CudaBackend {
     }
 
     fn write_step_fn(&self, cfg: &EngineConfig, cache: &KvCache) -> Result<super::driver::CUfunction> {
-        if let Some(&f) = self.write_step.0.get() {
+        if let Some(&f) = self.write_step.get() {
             return Ok(f as super::driver::CUfunction);
         }
         let defines = [format!("KVS_DTYPE={}", dtype_code(cfg.dtype)), format!("KV8={}", kv8_code(cache.dtype)), "--fmad=false".to_string()];
         let f = self.modules.function(&self.gpu, "write_step", launch::WRITE_STEP, &defines, "kvs_write_step")?;
-        let _ = self.write_step.0.set(f as usize);
+        let _ = self.write_step.set(f as usize);
         Ok(f)
     }
 }
