@@ -6,7 +6,7 @@
 // One thread per (token, kv head, element), grid-stride.
 
 #include "common.cuh"
-#include "fp8.cuh"
+#include "kv_load.cuh"
 
 extern "C" __global__ void kvs_cache_write(const elem_t* key, i64 k0, i64 k1, i64 k2,
                                            const elem_t* val, i64 v0, i64 v1, i64 v2,
@@ -18,6 +18,9 @@ extern "C" __global__ void kvs_cache_write(const elem_t* key, i64 k0, i64 k1, i6
                                            , float k_scale, float v_scale
 #endif
                                            ) {
+#if !KV8
+    const float k_scale = 1.f, v_scale = 1.f;  // unused: kv_st stores the element itself
+#endif
     i64 n = (i64)tokens * heads * dim;
     i64 capacity = num_blocks * block_size;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
@@ -27,13 +30,8 @@ extern "C" __global__ void kvs_cache_write(const elem_t* key, i64 k0, i64 k1, i6
         i64 slot = slots_are_i64 ? ((const i64*)slots)[t * slot_stride] : (i64)((const int*)slots)[t * slot_stride];
         if (slot < 0 || slot >= capacity) continue;
         i64 blk = slot / block_size, off = slot % block_size;
-#if KV8
-        kc[blk * kc0 + off * kc1 + h * kc2 + d * kc3] = kv8_from_f32(ET::ld(key[t * k0 + h * k1 + d * k2]) / k_scale);
-        vc[blk * vc0 + off * vc1 + h * vc2 + d * vc3] = kv8_from_f32(ET::ld(val[t * v0 + h * v1 + d * v2]) / v_scale);
-#else
-        kc[blk * kc0 + off * kc1 + h * kc2 + d * kc3] = key[t * k0 + h * k1 + d * k2];
-        vc[blk * vc0 + off * vc1 + h * vc2 + d * vc3] = val[t * v0 + h * v1 + d * v2];
-#endif
+        kc[blk * kc0 + off * kc1 + h * kc2 + d * kc3] = kv_st(key[t * k0 + h * k1 + d * k2], k_scale);
+        vc[blk * vc0 + off * vc1 + h * vc2 + d * vc3] = kv_st(val[t * v0 + h * v1 + d * v2], v_scale);
     }
 }
 

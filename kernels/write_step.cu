@@ -25,23 +25,7 @@
 
 // Element c of head h of new row u as the cache stores it and kv_ld reads it back.
 __device__ __forceinline__ float stored_value(const elem_t* x, i64 x0, i64 x1, i64 x2, int u, int h, int c, float scale) {
-    const float v = ET::ld(x[(i64)u * x0 + (i64)h * x1 + (i64)c * x2]);
-#if KV8
-    return kv8_to_f32(kv8_from_f32(v / scale)) * scale;
-#else
-    (void)scale;
-    return v;
-#endif
-}
-
-// What the cache stores for element x (an FP8 cache: x / scale quantized, as kvs_cache_write).
-__device__ __forceinline__ kv_t cache_value(elem_t x, float scale) {
-#if KV8
-    return kv8_from_f32(ET::ld(x) / scale);
-#else
-    (void)scale;
-    return x;
-#endif
+    return kv_ld(kv_st(x[(i64)u * x0 + (i64)h * x1 + (i64)c * x2], scale), scale);
 }
 
 // The bits of fill word w for the offsets in [lo, hi).
@@ -136,8 +120,8 @@ kvs_write_step(const elem_t* key, i64 k0, i64 k1, i64 k2, const elem_t* val, i64
     if (tok_at[off] == t) {
         for (int i = threadIdx.x; i < hk * d; i += blockDim.x) {
             const int h = i / d, c = i % d;
-            kc[b * kc0 + off * kc1 + h * kc2 + c * kc3] = cache_value(key[t * k0 + h * k1 + c * k2], kscale);
-            vc[b * vc0 + off * vc1 + h * vc2 + c * vc3] = cache_value(val[t * v0 + h * v1 + c * v2], vscale);
+            kc[b * kc0 + off * kc1 + h * kc2 + c * kc3] = kv_st(key[t * k0 + h * k1 + c * k2], kscale);
+            vc[b * vc0 + off * vc1 + h * vc2 + c * vc3] = kv_st(val[t * v0 + h * v1 + c * v2], vscale);
         }
         if (keep != 0)
             for (int h = threadIdx.x; h < hk; h += blockDim.x) atomicOr(&keep[(b * hk + h) * 4 + off / 64], 1ull << (off % 64));
