@@ -110,55 +110,26 @@ __device__ __forceinline__ void quest_mma_query(const SeqRow& r, int h, const el
 // quest_stage_round copies them) for the group's query: warp-wide; `put(j, score)` for j = 0..15 by the
 // lanes j % 8 * 4 (row j of the 16), the score before the caller's check of the page's presence.
 #define QM_STRIDE (2 * HEAD_DIM + QM_PAD)
-// CHAINS 1: the k-steps accumulate in one chain, hi then lo term of each (the two-launch scorer's order).
-// CHAINS 4: in four independent chains (hi and lo terms of even and odd k-steps) added at the end, so a
-// warp waits on a chain of QM_KS / 2 MMAs instead of 2 * QM_KS (the one-launch kernel, where one CTA per
-// SM scores a long part of a row; docs/policies.md's error bound counts the three additions).
-template <int CHAINS, typename Put>
+template <typename Put>
 __device__ __forceinline__ void quest_mma_rows16(const u16* rows, const uint4 (*qb)[QM_KS][32], const int* qe, float scale, Put put) {
-    static_assert(CHAINS == 1 || CHAINS == 4, "one chain or four");
-    static_assert(QM_KS % 2 == 0, "k-steps come in pairs");
     const int lane = threadIdx.x & 31;
-    float acc[QM_NT][4], part[QM_NT][3][4];
+    float acc[QM_NT][4];
 #pragma unroll
     for (int nt = 0; nt < QM_NT; ++nt)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            acc[nt][c] = 0.f;
-            part[nt][0][c] = part[nt][1][c] = part[nt][2][c] = 0.f;
-        }
+        for (int c = 0; c < 4; ++c) acc[nt][c] = 0.f;
     const unsigned arow = smem_u32(rows + (lane & 15) * QM_STRIDE + (lane >> 4) * 8);
-    if constexpr (CHAINS == 1) {
+    // The k-steps accumulate in one chain, hi then lo term of each.
 #pragma unroll 4
-        for (int ks = 0; ks < QM_KS; ++ks) {
-            unsigned a[4];
-            ldsm_x4(a, arow + ks * 32);
+    for (int ks = 0; ks < QM_KS; ++ks) {
+        unsigned a[4];
+        ldsm_x4(a, arow + ks * 32);
 #pragma unroll
-            for (int nt = 0; nt < QM_NT; ++nt) {
-                const uint4 bq = qb[nt][ks][lane];
-                quest_mma_f16(acc[nt], a, bq.x, bq.y);
-                quest_mma_f16(acc[nt], a, bq.z, bq.w);
-            }
+        for (int nt = 0; nt < QM_NT; ++nt) {
+            const uint4 bq = qb[nt][ks][lane];
+            quest_mma_f16(acc[nt], a, bq.x, bq.y);
+            quest_mma_f16(acc[nt], a, bq.z, bq.w);
         }
-    } else {
-#pragma unroll 4
-        for (int ks = 0; ks < QM_KS; ks += 2) {
-            unsigned a0[4], a1[4];
-            ldsm_x4(a0, arow + ks * 32);
-            ldsm_x4(a1, arow + ks * 32 + 32);
-#pragma unroll
-            for (int nt = 0; nt < QM_NT; ++nt) {
-                const uint4 b0 = qb[nt][ks][lane], b1 = qb[nt][ks + 1][lane];
-                quest_mma_f16(acc[nt], a0, b0.x, b0.y);
-                quest_mma_f16(part[nt][0], a0, b0.z, b0.w);
-                quest_mma_f16(part[nt][1], a1, b1.x, b1.y);
-                quest_mma_f16(part[nt][2], a1, b1.z, b1.w);
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < QM_NT; ++nt)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[nt][c] = (acc[nt][c] + part[nt][0][c]) + (part[nt][1][c] + part[nt][2][c]);
     }
     // Rows lane / 4 and lane / 4 + 8 of the 16 pages, columns 2 (lane % 4) + {0, 1}.
     float best[2] = {-INFINITY, -INFINITY};
@@ -206,7 +177,7 @@ __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& 
         asm volatile("cp.async.wait_all;" ::: "memory");
         __syncthreads();
         if (warp < QM_ROUND / 16)
-            quest_mma_rows16<1>(&sb[warp * 16][0], qb, qe, scale, [&](int j, float best) {
+            quest_mma_rows16(&sb[warp * 16][0], qb, qe, scale, [&](int j, float best) {
                 const int i = tile0 + warp * 16 + j;
                 if (i < np && i < maxp) put(i, sbase[warp * 16 + j] >= 0 ? best : -INFINITY);
             });

@@ -366,7 +366,7 @@ struct QcScratch {
 // Row (s, h)'s plan from the cluster of QC_CTAS CTAs that holds it, CTA `rank` holding pages a0 <= i < a1
 // (= rank * per ..., clamped to np) with their keys key_of(i) (np > k only): the cut (quest_cluster_cut),
 // this CTA's kept pages written after those of the CTAs before it, the plan's length and, with `count`,
-// the counters. The tail of kvs_quest_topk_cluster and kvs_quest_select_cluster. Every CTA of the
+// the counters. The tail of kvs_quest_topk_cluster. Every CTA of the
 // cluster; no CTA returns before the cluster's last barrier (its shared memory may still be read).
 template <typename KeyOf>
 __device__ __forceinline__ void quest_cluster_plan(const Batch& b, const SeqRow& r, int s, int h, int hk, int page, const QuestRow& qr, unsigned rank, int per,
@@ -464,105 +464,5 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(QC_THREADS)
     quest_cluster_plan(b, p.r, p.s, p.h, hk, page, p.qr, p.rank, p.per, p.a0, p.a1, key_of, p.e, plan_len, cap, row_bytes, count, ctr, xs);
 #else
     __trap();  // launched only on sm_90 and newer
-#endif
-}
-
-// Quest's whole selection in one launch on Hopper while the rows' clusters fit in one wave (experimental,
-// off by default: the launcher's choice with KVS_QUEST_ONE_LAUNCH=1, tensor-core scores only): the cluster
-// of QC_CTAS CTAs of row (s, h) scores its pages as kvs_quest_scores_hist_mma does (CTA `rank` the pages
-// a0 <= i < a1 of kvs_quest_topk_cluster's split; the MMAs in four chains, quest_mma_rows16<4>), keeps
-// their order keys in its shared memory and cuts them as kvs_quest_topk_cluster, with no second launch and
-// no trip of the scores through global memory. One CTA per SM must then read its part near copy bandwidth
-// on its own: the bounds stream through QF_STAGES stages of `round` pages (cp.async groups; two stages in
-// flight while every warp scores its 16-page tiles of the third). The scores are also written to `scores`
-// (the workspace's page scores).
-// Dynamic shared memory, in this order (src/policy/quest/cuda.rs quest_fused_smem sizes it): QF_STAGES *
-// round staged rows (QM_STRIDE f16 each), the query's B fragments (QM_NT * QM_KS * 32 uint4), the query
-// rows (GROUP * QM_QSTR floats), then `per_max` units (ints) and `per_max` keys.
-// Grid (hk * QC_CTAS, seqs), QC_THREADS threads; `round` a multiple of 16.
-#define QF_STAGES 3  // src/policy/quest/cuda.rs QF_STAGES
-extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(QC_THREADS)
-    kvs_quest_select_cluster(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk, const u16* qmin, const u16* qmax, int unit, int upb,
-                             int page, int budget, int sink, float* scores, int maxp, unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap,
-                             i64 row_bytes, int count, int per_max, int round, unsigned long long* ctr) {
-#if KVS_CLUSTERS && QM_FITS
-    extern __shared__ __align__(16) unsigned char qf_smem[];
-    u16* rows = reinterpret_cast<u16*>(qf_smem);
-    uint4(*qb)[QM_KS][32] = reinterpret_cast<uint4(*)[QM_KS][32]>(qf_smem + (size_t)QF_STAGES * round * QM_STRIDE * 2);
-    float* qs = reinterpret_cast<float*>(qb + QM_NT);
-    int* unitv = reinterpret_cast<int*>(qs + GROUP * QM_QSTR);
-    unsigned* skey = reinterpret_cast<unsigned*>(unitv + per_max);
-    __shared__ int qe[QM_NT * 8];
-    QC_SCRATCH;
-    if (blockIdx.x == 0 && blockIdx.y == 0) rows_count(b, hk, row_bytes, ctr, xs.red);
-    QcPart p;
-    if (!quest_cluster_part(b, hk, budget, page, sink, maxp, plan, p_s, p_h, plan_len, p)) return;
-    const SeqRow& r = p.r;
-    const QuestRow& qr = p.qr;
-    const int h = p.h, s = p.s, a0 = p.a0, na = p.a1 - p.a0;  // p.per <= per_max (the launcher's bound)
-    float* sc = scores + ((i64)s * hk + h) * maxp;
-    // The part's metadata units (block table looked up once, four loads in flight per thread), -1 for an
-    // unmapped block.
-    for (int j0 = threadIdx.x; j0 < na; j0 += 4 * blockDim.x) {
-        i64 pb[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int j = j0 + k * blockDim.x;
-            pb[k] = j < na ? phys_block(b, s, (qr.fp + a0 + j) / upb) : -1;
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int j = j0 + k * blockDim.x;
-            if (j < na) unitv[j] = pb[k] < 0 ? -1 : (int)(pb[k] * upb + (qr.fp + a0 + j) % upb);
-        }
-    }
-    __syncthreads();
-    constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks of one bound row
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    // Round rd's copies into stage rd % QF_STAGES: a warp per page, lane x its chunk x (and x + 32).
-    auto issue = [&](int rd) {
-        const int j0 = rd * round, nr = min(round, na - j0);
-        u16* st = rows + (size_t)(rd % QF_STAGES) * round * QM_STRIDE;
-        for (int x = lane; x < 2 * CH; x += 32) {
-            const int mx = x / CH, ch = x % CH;
-            const u16* src = (mx ? qmax : qmin) + ch * 8;
-            u16* dst = st + mx * HEAD_DIM + ch * 8;
-            for (int j = warp; j < nr; j += nw) {
-                const int u = unitv[j0 + j];
-                if (u >= 0) quest_cp_async16(dst + j * QM_STRIDE, src + ((i64)u * hk + h) * HEAD_DIM);
-            }
-        }
-    };
-    const int R = (na + round - 1) / round;
-#pragma unroll 1
-    for (int rd = 0; rd < QF_STAGES - 1; ++rd) {
-        if (rd < R) issue(rd);
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    }
-    quest_mma_query(r, h, q, q0, q1, q2, qs, qb, qe);  // while the first rounds are in flight
-#pragma unroll 1
-    for (int rd = 0; rd < R; ++rd) {
-        if (rd + QF_STAGES - 1 < R) issue(rd + QF_STAGES - 1);  // into the stage round rd - 1 left
-        asm volatile("cp.async.commit_group;" ::: "memory");
-        asm volatile("cp.async.wait_group %0;" ::"n"(QF_STAGES - 1) : "memory");
-        __syncthreads();
-        const int j0 = rd * round;
-        const u16* st = rows + (size_t)(rd % QF_STAGES) * round * QM_STRIDE;
-        for (int t = warp * 16; t < round && j0 + t < na; t += nw * 16)
-            quest_mma_rows16<4>(st + t * QM_STRIDE, qb, qe, scale, [&](int jj, float best) {
-                const int j = j0 + t + jj;
-                if (j < na) {
-                    const float v = unitv[j] >= 0 ? best : -INFINITY;
-                    sc[a0 + j] = v;
-                    skey[j] = kvs_order_key(v);
-                }
-            });
-        __syncthreads();  // the stage is read: the next iteration refills it
-    }
-    if (threadIdx.x == 0) atomicAdd(&ctr[CTR_KV_BYTES], (unsigned long long)na * (2 * HEAD_DIM * 2));
-    auto key_of = [&](int i) { return skey[i - a0]; };
-    quest_cluster_plan(b, r, s, h, hk, page, qr, p.rank, p.per, a0, p.a1, key_of, p.e, plan_len, cap, row_bytes, count, ctr, xs);
-#else
-    __trap();  // launched only on sm_90 and newer, for geometries the tensor-core scores cover
 #endif
 }

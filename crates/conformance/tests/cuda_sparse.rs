@@ -92,9 +92,7 @@ fn cuda_quest_ties_equal_the_cpu_engine() {
 }
 
 /// Quest with few rows, where the clusters fit in one wave (here 6 or 12 row x KV-head pairs, 8 CTAs each;
-/// sm_90 and newer): the cluster top-k over tensor-core scores, or with KVS_QUEST_ONE_LAUNCH=1 the
-/// one-launch selection (kvs_quest_select_cluster: a row's cluster scores its pages and cuts them from
-/// its shared memory); rows of 1 to 2,500 pages, head sizes 64-256 and groups 4-16 (one or two query tiles). Agreement as the sparse matrix states it: differing
+/// sm_90 and newer): the cluster top-k over tensor-core scores; rows of 1 to 2,500 pages, head sizes 64-256 and groups 4-16 (one or two query tiles). Agreement as the sparse matrix states it: differing
 /// pages only within delta of the cut, counters and outputs as the contract says. KVS_QUICK=1: the first
 /// geometry, rows up to 4,000 tokens, two budgets (for compute-sanitizer).
 fn cuda_quest_few_rows_agree_with_the_cpu_engine() {

@@ -1,7 +1,5 @@
-//! Quest on the CUDA backend (kernels/policy/quest.cu): the page scores, then the top-k per row. With
-//! `KVS_QUEST_ONE_LAUNCH=1`, on sm_90 and newer, while the rows' clusters fit in one wave and the scores
-//! come from tensor cores, both in one launch (kvs_quest_select_cluster: a row's cluster scores its pages
-//! and cuts them from its shared memory). Otherwise, on sm_90 and newer the top-k of a row runs on a thread-block cluster (kvs_quest_topk_cluster: the row's keys
+//! Quest on the CUDA backend (kernels/policy/quest.cu): the page scores, then the top-k per row. On sm_90
+//! and newer, while the rows' clusters fit in one wave, the top-k of a row runs on a thread-block cluster (kvs_quest_topk_cluster: the row's keys
 //! split over QC_CTAS CTAs, each radix pass's counts summed through distributed shared memory); before
 //! that, on one CTA per row (kvs_quest_topk), with the scoring kernel folding in the first pass (per-row
 //! key histograms merged over the row's CTAs, checked against the keys and zeroed by the top-k). The page
@@ -24,34 +22,6 @@ const TOPK_STATIC_SMEM: usize = 24 << 10;
 /// QC_CTAS, QC_THREADS).
 const QC_CTAS: u32 = 8;
 const QC_THREADS: u32 = 256;
-/// Stages of page bounds per CTA of kvs_quest_select_cluster (kernels/policy/quest.cu QF_STAGES).
-const QF_STAGES: usize = 3;
-/// Static shared memory of kvs_quest_select_cluster (the cluster's radix scratch) and a margin.
-const QF_STATIC_SMEM: usize = 4 << 10;
-
-/// Dynamic shared memory of kvs_quest_select_cluster (kernels/policy/quest.cu, in its order): QF_STAGES
-/// stages of `round` staged page rows of 2 * head_dim + 8 f16 (kernels/include/quest_mma.cuh QM_STRIDE),
-/// the query's B fragments (QM_NT * QM_KS * 32 of 16 bytes), the query rows (group * QM_QSTR f32), then
-/// `per` units and `per` keys (4 bytes each).
-fn quest_fused_smem(head_dim: usize, group: usize, per: usize, round: usize) -> usize {
-    QF_STAGES * round * (2 * head_dim + 8) * 2 + group.div_ceil(8) * (2 * head_dim / 16) * 32 * 16 + group * (head_dim + 8) * 4 + per * 8
-}
-
-/// The one-launch selection's pages per stage for this geometry: the most (128, 64, 32 or 16) whose
-/// shared memory fits the device's opt-in limit, or None (the two launches run).
-fn quest_fused_round(head_dim: usize, group: usize, per: usize, smem_optin: usize) -> Option<(usize, usize)> {
-    let fits = group <= 16 && (head_dim <= 128 || group <= 8); // kernels/include/quest_mma.cuh QM_FITS
-    [128, 64, 32, 16].into_iter().map(|r| (r, quest_fused_smem(head_dim, group, per, r))).find(|&(_, b)| fits && b + QF_STATIC_SMEM <= smem_optin)
-}
-
-/// `KVS_QUEST_ONE_LAUNCH=1` turns the one-launch selection on (off by default: its first version measured
-/// slower than the two launches on an H200, and the second has not run on a device yet; journal
-/// 2026-11-27, "Issue 34: Quest's selection in one launch"); read once per process.
-fn one_launch_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVS_QUEST_ONE_LAUNCH").is_ok_and(|v| v == "1"))
-}
-
 /// Quest's stage for one call, and its workspace regions.
 pub(crate) struct Quest {
     pub budget: usize,
@@ -108,19 +78,6 @@ impl CudaStage for Quest {
         let gpu = cx.dev.gpu();
         let cluster = gpu.cc.0 >= 9 && ns * hk * QC_CTAS as usize <= gpu.num_sms.max(1) as usize;
         let mma = !self.exact && m.unit == page;
-        // With KVS_QUEST_ONE_LAUNCH=1, the whole selection in one launch (kvs_quest_select_cluster) where the
-        // clusters fit and the scores come from tensor cores: no second launch and no trip of the scores
-        // through global memory between scoring and the cut.
-        let per = maxp.div_ceil(QC_CTAS as usize);
-        let fused = if cluster && mma && one_launch_enabled() { quest_fused_round(cx.cfg.head_dim, cx.cfg.group_size(), per, gpu.smem_optin as usize) } else { None };
-        if let Some((round, smem)) = fused {
-            let f = cx.function("kvs_quest_select_cluster")?;
-            cx.dev.allow_smem_once(f, (gpu.smem_optin as usize).saturating_sub(QF_STATIC_SMEM))?;
-            k.i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap).i64(cx.row_bytes).i32(cx.count_base);
-            k.i32(per as i32).i32(round as i32).i64(cx.ctr);
-            let grid = (hk as u32 * QC_CTAS, ns as u32, 1);
-            return launch::launch_smem(f, grid, QC_THREADS, smem as u32, &mut k, stream, "kvs_quest_select_cluster launch");
-        }
         k.i64(if cluster { 0 } else { qhist as i64 }).i64(cx.row_bytes).i64(cx.ctr);
         let scorer = if mma { "kvs_quest_scores_hist_mma" } else { "kvs_quest_scores_hist" };
         launch::launch(cx.function(scorer)?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores_hist launch")?;
