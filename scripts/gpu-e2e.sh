@@ -16,7 +16,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --f
 python3 -m pip install -q --no-index --no-deps --target /tmp/site "$SHIM"/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site KVSPARSE_LIB="$SHIM/libkvsparse.so" PYTHONUNBUFFERED=1
 export KVS_KERNEL_CACHE=${KVS_KERNEL_CACHE:-/tmp/kvs-kernel-cache} KVS_LOG=${KVS_LOG:-1}
-# --budget-s: nothing new starts after 420 s (one backend of the largest point takes ~10 s), so the table is
+# --budget-s: nothing new starts after 420 s (one backend of the largest point takes ~10 s; the default list has
+# 8 policies: pass --policy ... to time fewer at every point), so the table is
 # printed well before the per-call limit; timeout is the last resort (the CSV is written point by point).
 timeout 540 python3 scripts/gpu_e2e.py --budget-s 420 --csv "$OUT/gpu_e2e.csv" "$@" 2>&1 | tee "$OUT/gpu_e2e.log"
 rc=${PIPESTATUS[0]}

@@ -15,7 +15,9 @@ the GPU machine). Its attention is one of:
 Per grid point (batch x context L): prefill of B random prompts of L tokens through the model (per sequence,
 projections and MLP in token chunks, causal SDPA) writes each layer's K/V into the paged cache, and its last
 logits give each sequence's first decode token. The kvsparse backends run on that cache (a policy engine
-first rewrites it through its own cache_write, which builds its key metadata); then the cache is gathered
+first rewrites it through its own cache_write, which builds its key metadata, then takes the prompts' last
+`--prefill-tail` positions as a prefill chunk of its own, so that SnapKV chooses, RefreshKV builds its first
+set, and the predictor and PRR seed their history as they would in serving); then the cache is gathered
 layer by layer into the contiguous K/V SDPA reads (the same prefill K/V), the paged one freed.
 
 A timed decode step is the whole model for B tokens at position L: embedding, per layer norm, QKV, RoPE,
@@ -88,7 +90,8 @@ LLAMA3_8B = Shape(32, 4096, 32, 8, 128, 14336, 128256, 500000.0)
 TINY = Shape(2, 256, 4, 2, 64, 512, 512, 10000.0)
 
 DEFAULT_POLICIES = ["streaming(sink=64, recent=L/16)", "quest(budget=L/16)", "quest(budget=L/4) > top_p(p=0.95)",
-                    "top_p(p=0.95)"]
+                    "top_p(p=0.95)", "speculate(over=quest(budget=L/16), budget=L/16)", "snapkv(budget=L/16)",
+                    "refresh(k=L/16, every=5)", "predictor(budget=L/32)"]
 
 
 def spec_at(spec: str, ctx: int) -> str:
@@ -236,15 +239,17 @@ def fused_sdpa(dev):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
 
 
-def prefill(w: Weights, sh: Shape, cache: Paged, tokens, chunk):
+def prefill(w: Weights, sh: Shape, cache: Paged, tokens, chunk, tail):
     """Runs the prompts [B, ctx] through the model, writing every layer's K/V into the paged cache; returns
-    each sequence's greedy next token [B]."""
+    each sequence's greedy next token [B] and, per layer, the queries of the last `tail` prompt positions
+    [B, tail, heads, hd] (after RoPE), for the kvsparse backends' own prefill chunk (`prefill_tail`)."""
     B, L = tokens.shape
     dev = tokens.device
     cos, sin = rope_tables(torch.arange(L, device=dev), sh)
     slots = cache.prompt_slots()
     out = torch.empty(B, dtype=torch.int64, device=dev)
     group = sh.heads // sh.kv_heads
+    q_tail = [torch.empty(B, tail, sh.heads, sh.head_dim, dtype=w.embed.dtype, device=dev) for _ in w.layers]
     for b in range(B):
         x = w.embed[tokens[b]]
         for layer, lw in enumerate(w.layers):
@@ -260,6 +265,7 @@ def prefill(w: Weights, sh: Shape, cache: Paged, tokens, chunk):
                 v_all[c0:c1] = v
             kf[slots[b]] = k_all
             vf[slots[b]] = v_all
+            q_tail[layer][b] = q_all[L - tail:]
             # Causal attention of the whole prompt (GQA expanded: flash/efficient SDPA without enable_gqa).
             qh = q_all.transpose(0, 1).unsqueeze(0)
             kh = k_all.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
@@ -276,7 +282,7 @@ def prefill(w: Weights, sh: Shape, cache: Paged, tokens, chunk):
             del o
         out[b] = (rms_norm(x[-1:], w.norm, sh.eps) @ w.lm_head).float().argmax(-1)[0]
         del x
-    return out
+    return out, q_tail
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -325,6 +331,28 @@ class KvsAttention:
             for c0 in range(0, slots.numel(), chunk):
                 idx = slots[c0:c0 + chunk]
                 c.write(kf[idx], vf[idx], idx, s)
+
+    def prefill_tail(self, q_tail):
+        """The prompts' last `tail` positions as one prefill chunk through this engine, layer by layer (the
+        queries `q_tail[layer]` [B, tail, heads, hd] from the shared prefill, their K/V already in the cache,
+        written again through cache_write): what a serving engine's last prefill chunk gives a policy, so
+        one that decides or seeds its state at prefill (SnapKV's choice from its observation window,
+        RefreshKV's first set, the predictor's and PRR's history) starts its decode steps as it would in
+        serving. The outputs are dropped (the shared prefill's SDPA already fed the model)."""
+        B, T = q_tail[0].shape[:2]
+        if T == 0:
+            return
+        L = self.cache.ctx
+        slots = self.cache.prompt_slots()[:, L - T:].reshape(-1)
+        seq_lens = torch.full((B,), L, dtype=torch.int32, device=self.dev)
+        qsl = torch.arange(B + 1, dtype=torch.int32, device=self.dev) * T
+        meta = StepMeta(self.cache.table, seq_lens, qsl, self.ids, num_tokens=B * T, max_query_len=T, max_seq_len=L)
+        out = torch.empty(B * T, *q_tail[0].shape[2:], dtype=q_tail[0].dtype, device=self.dev)
+        s = raw_stream(self.dev)
+        for layer, c in enumerate(self.calls):
+            kf, vf = self.cache.flat(layer)
+            c.write(kf[slots], vf[slots], slots, s)
+            c.attend(q_tail[layer].reshape(B * T, *q_tail[layer].shape[2:]), out, meta, s)
 
     def __call__(self, layer, q, k, v):
         s = raw_stream(self.dev)
@@ -583,8 +611,9 @@ def run_point(a, sh, w, dev, runner, B, L, t_start, device_name):
     tokens = torch.randint(0, sh.vocab, (B, L), generator=gen).to(dev)
     cache = Paged(B, L, sh, a.dtype, dev, gen)
     t0 = time.monotonic()
+    tail = min(a.prefill_tail, L)
     with runner.on_stream():
-        tok0 = prefill(w, sh, cache, tokens, a.chunk)
+        tok0, q_tail = prefill(w, sh, cache, tokens, a.chunk, tail)
     runner.sync()
     print(f"[B={B} L={L}] prefill {time.monotonic() - t0:.1f} s", flush=True)
     model = Decoder(w, sh, tok0, L)
@@ -608,6 +637,7 @@ def run_point(a, sh, w, dev, runner, B, L, t_start, device_name):
                 if spec:
                     with runner.on_stream():
                         attn.rewrite_cache()
+                        attn.prefill_tail(q_tail)
             runner.measure(model, attn, r)
             if isinstance(attn, KvsAttention) and spec:
                 r["kv_visited"] = attn.visited()
@@ -625,6 +655,7 @@ def run_point(a, sh, w, dev, runner, B, L, t_start, device_name):
         print(f"[B={B} L={L}] {name}: eager {fmt(r.get('eager_ms'))} ms, graph {fmt(r.get('graph_ms'))} ms "
               f"({time.monotonic() - t0:.1f} s)", flush=True)
 
+    del q_tail
     # SDPA over contiguous K/V gathered from the same cache.
     r = row("sdpa", "")
     if over_budget():
@@ -690,6 +721,9 @@ def main(argv=None):
     p.add_argument("--check-steps", type=int, default=4, help="steps compared between eager and graph replay")
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--chunk", type=int, default=8192, help="prefill token chunk for projections and MLP")
+    p.add_argument("--prefill-tail", type=int, default=64,
+                   help="the prompt's last N positions go through each policy engine as its prefill chunk (default "
+                        "64: SnapKV's default window of 32 and more; 0 = the policies never see a prefill)")
     p.add_argument("--threads", type=int, default=0, help="CPU engine threads (0 = all cores)")
     p.add_argument("--budget-s", type=float, default=0, help="skip what starts after this many seconds (0 = none)")
     p.add_argument("--seed", type=int, default=0)
