@@ -14,7 +14,7 @@ lib="${KVS_LIBNVRTC:-$PWD/target/nvrtc/nvidia/cu13/lib/libnvrtc.so.13}"
 [[ -f "$lib" ]] || { echo "no NVRTC at $lib (set KVS_LIBNVRTC)" >&2; exit 2; }
 cache=$(mktemp -d)
 trap 'rm -rf "$cache"' EXIT
-KVS_KERNEL_CACHE="$cache" KVS_REQUIRE_NVRTC=1 KVS_LIBNVRTC="$lib" LD_LIBRARY_PATH="$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+KVS_DUMP_CUBIN="$cache" KVS_REQUIRE_NVRTC=1 KVS_LIBNVRTC="$lib" LD_LIBRARY_PATH="$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   cargo test --release -q -p kvsparse --lib kernel_sources_compile_with_nvrtc >&2
 python3 - "$cache" "${1:-/dev/stdout}" <<'PY'
 import hashlib, pathlib, sys
