@@ -13,7 +13,8 @@
 //! largest length is bounded before the step from the budget and the block table's capacity (see
 //! [`plan_capacity`]), which is what lets a GPU decode step be captured in a graph.
 
-use super::{Pipeline, Selector};
+use super::kind::SelectorKind;
+use super::Pipeline;
 
 /// One (decode row, KV head)'s plan.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -79,24 +80,25 @@ fn plans_tokens(p: &Pipeline) -> bool {
 }
 
 /// Granularity of the *base selector's* plan (what top-p, when present, prunes).
-pub fn selector_unit_log2(sel: &Selector, block_size: usize) -> u32 {
-    sel.kind().unit_log2(block_size)
+pub(crate) fn selector_unit_log2(sel: &dyn SelectorKind, block_size: usize) -> u32 {
+    sel.unit_log2(block_size)
 }
 
 /// Most entries the base selector's plan of a row can hold, for rows of at most `max_len` positions
 /// (the block table's capacity): its budget in entries (plus the forced pages), never more than the
 /// entries that cover `max_len` positions.
-pub fn selector_capacity(sel: &Selector, block_size: usize, max_len: usize) -> usize {
+pub(crate) fn selector_capacity(sel: &dyn SelectorKind, block_size: usize, max_len: usize) -> usize {
     let unit = 1usize << selector_unit_log2(sel, block_size);
     let cover = max_len.div_ceil(unit) + 1;
-    sel.kind().budget_entries().unwrap_or(cover).min(cover)
+    sel.budget_entries().unwrap_or(cover).min(cover)
 }
 
 /// Most entries a row's final plan can hold (top-p keeps a subset of its candidates' tokens).
 pub fn plan_capacity(p: &Pipeline, block_size: usize, max_len: usize) -> usize {
-    let base = selector_capacity(&p.selector, block_size, max_len);
+    let sel = p.selector.kind();
+    let base = selector_capacity(&*sel, block_size, max_len);
     if plans_tokens(p) {
-        let unit = 1usize << selector_unit_log2(&p.selector, block_size);
+        let unit = 1usize << selector_unit_log2(&*sel, block_size);
         base.saturating_mul(unit).min(max_len + 1)
     } else {
         base
@@ -106,9 +108,10 @@ pub fn plan_capacity(p: &Pipeline, block_size: usize, max_len: usize) -> usize {
 /// A call's plans on the device as (entries per row, unit_log2, one plan shared by every KV head): the
 /// selector's and the final ones (after top-p), for rows of at most `max_len` positions.
 pub fn device_plan_shapes(p: &Pipeline, block_size: usize, max_len: usize) -> [(usize, u32, bool); 2] {
-    let shared = p.selector.kind().shared_plan();
+    let sel = p.selector.kind();
+    let shared = sel.shared_plan();
     [
-        (selector_capacity(&p.selector, block_size, max_len).max(1), selector_unit_log2(&p.selector, block_size), shared),
+        (selector_capacity(&*sel, block_size, max_len).max(1), selector_unit_log2(&*sel, block_size), shared),
         (plan_capacity(p, block_size, max_len).max(1), plan_unit_log2(p, block_size), shared && !plans_tokens(p)),
     ]
 }

@@ -177,7 +177,7 @@ pub fn quest_alone(policy: &str) -> Option<QuestSet> {
     let p = kvsparse::policy::Policy::parse(policy).ok()?;
     let pl = p.pipeline()?;
     match pl.selector {
-        kvsparse::policy::Selector::Quest { budget, page, sink } if pl.top_p.is_none() && pl.art.is_none() => Some(QuestSet { budget, page, sink }),
+        kvsparse::policy::Selector::Quest(kvsparse::policy::Quest { budget, page, sink }) if pl.top_p.is_none() && pl.art.is_none() => Some(QuestSet { budget, page, sink }),
         _ => None,
     }
 }

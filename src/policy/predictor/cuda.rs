@@ -30,7 +30,7 @@ use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::predictor::PredictorWeights;
-use crate::policy::PredictorSpec;
+use super::PredictorSpec;
 use crate::{bail, ensure};
 
 /// The module: the predictor's kernels (with the batch, top-k and SnapKV scoring headers they include).
