@@ -236,7 +236,7 @@ mod compile_tests {
                 let fm = "--fmad=false".to_string();
                 build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), fm.clone()]);
                 if d == 128 {
-                    // Quest's MMA scoring at its two round sizes (quest_mma.cuh QM_ROUND 64 and 32).
+                    // Quest's MMA scoring at its two round sizes (policy/quest.cu QM_ROUND 64 and 32).
                     for g in [4, 16] {
                         build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), fm.clone()]);
                     }

@@ -1,6 +1,7 @@
 //! Quest (query-aware page selection). Its parameters are parsed here ([`parse`]); the CPU stage in
-//! [`cpu`], the device stage in [`cuda`] with its kernels in kernels/policy/quest.cu and
-//! kernels/include/quest.cuh; its key metadata (min/max per page) is kept by cpu::metadata and cuda::meta.
+//! [`cpu`], the device stage in [`cuda`] with its kernels in kernels/policy/quest.cu (its page scoring in
+//! kernels/include/page_bounds.cuh, shared with PRR); its key metadata (min/max per page) is kept by
+//! cpu::metadata and cuda::meta.
 
 pub mod cpu;
 pub mod cuda;
