@@ -28,6 +28,30 @@ macro_rules! policy_modules {
     };
 }
 
+/// Each stage's counters, one line per policy: the fields of `stats::Counters` after the shared ones
+/// (`name @ n`: device counter slot `n` holds it on the CUDA backend, kernels/include/decide.cuh CTR_*).
+/// src/stats.rs expands the list (`stage_counters!(counters)`); a stage fills its fields where it runs.
+macro_rules! stage_counters {
+    ($define:ident) => {
+        $define! {
+            /// Tokens offered to top-p, and tokens it kept.
+            top_p_candidates @ 5, top_p_kept @ 6,
+            /// Speculate/repair: blocks predicted, of those in the true set, and missed blocks repaired.
+            spec_predicted_blocks @ 11, spec_hit_blocks @ 13, spec_true_blocks @ 12, spec_repaired_blocks @ 14,
+            /// Speculate/repair baseline: blocks of the true set that the previous step's true set held
+            /// (what reusing the previous selection would have hit; compare with `spec_hit_blocks`).
+            spec_reuse_hit_blocks @ 15,
+            /// PRR calibrations run at prefill (per sequence × KV head) and their total time in microseconds.
+            spec_calibrations, spec_calib_us,
+            /// Refresh scheduling: full-attention steps and partial (token-set) steps.
+            refresh_full_steps, refresh_partial_steps,
+            /// ART: tiles (64 slots of the visit order) visited, and tiles of the whole traversals (Rust only).
+            art_tiles_visited @ 9, art_tiles_total @ 10,
+        }
+    };
+}
+pub(crate) use stage_counters;
+
 /// Each stage's parsed form, defined in its folder.
 pub use super::art::{Art, Order, Probe};
 pub use super::predictor::PredictorSpec;
