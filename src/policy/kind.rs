@@ -86,6 +86,16 @@ pub(crate) trait SelectorKind {
     }
 }
 
+/// A pipeline as the plan arithmetic (src/policy/plan.rs) sees it: its selector's answers, and whether a
+/// later stage turns the plans into tokens. The registry's `Pipeline` implements it, so plan.rs does not
+/// name the registry's closed set.
+pub(crate) trait PipelineKind {
+    fn selector_kind(&self) -> Box<dyn SelectorKind>;
+
+    /// A later stage (top-p) turns the selector's candidates into single tokens, one set per KV head.
+    fn plans_tokens(&self) -> bool;
+}
+
 /// What the shared code asks of a pipeline's stage after the selector (one that prunes or terminates the
 /// selector's plan), answered in the stage's own folder; the registry lists a pipeline's
 /// (`Pipeline::later_stages`). The defaults are those of a stage that leaves the plan's shape alone.

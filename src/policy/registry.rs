@@ -6,7 +6,7 @@
 //! types (it answers through [`SelectorKind`] and takes its own parsed form).
 
 use super::spec::{self, Arg, Args, Role, StageDef, DEFAULT_DENSE_LAYERS, DEFAULT_MAX_SEQS};
-use super::kind::{LaterStageKind, SelectorKind};
+use super::kind::{LaterStageKind, PipelineKind, SelectorKind};
 use super::Policy;
 use crate::config::EngineConfig;
 use crate::cpu::sparse::{CpuLaterStage, CpuStage};
@@ -115,6 +115,16 @@ impl Pipeline {
     pub(crate) fn later_stages(&self) -> impl Iterator<Item = &dyn LaterStage> {
         let top_p = self.top_p.as_ref().map(|t| t as &dyn LaterStage);
         top_p.into_iter().chain(self.art.as_ref().map(|a| a as &dyn LaterStage))
+    }
+}
+
+impl PipelineKind for Pipeline {
+    fn selector_kind(&self) -> Box<dyn SelectorKind> {
+        self.selector.kind()
+    }
+
+    fn plans_tokens(&self) -> bool {
+        self.later_stages().any(|s| s.plans_tokens())
     }
 }
 
