@@ -1,124 +1,86 @@
 //! Counters users tune policies with: what was eligible, what was visited, what each stage removed.
 //! Kept per layer (plus totals) in the engine, and per call for the caller that asks.
 
-/// One set of counters. Also the payload of the C struct `kvs_stats` (see `ffi::types`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counters {
-    /// Forward calls (per layer: calls that touched that layer).
-    pub calls: u64,
-    /// Query rows of prefill / chunked-prefill sequences (query length > 1).
-    pub prefill_tokens: u64,
-    /// Decode rows (query length 1), dense or not.
-    pub decode_rows: u64,
-    /// Decode rows × KV heads that went through a non-dense policy.
-    pub policy_rows: u64,
-    /// KV blocks that dense attention would have visited for those policy rows (per KV head).
-    pub blocks_eligible: u64,
-    /// KV blocks (per KV head) whose keys were actually read.
-    pub blocks_visited: u64,
-    /// Blocks the selector offered but early termination (ART) did not visit.
-    pub blocks_skipped_termination: u64,
-    /// Tokens offered to top-p, and tokens it kept.
-    pub top_p_candidates: u64,
-    pub top_p_kept: u64,
-    /// Speculate/repair: blocks predicted, of those in the true set, and missed blocks repaired.
-    pub spec_predicted_blocks: u64,
-    pub spec_hit_blocks: u64,
-    pub spec_true_blocks: u64,
-    pub spec_repaired_blocks: u64,
-    /// Speculate/repair baseline: blocks of the true set that the previous step's true set held (what
-    /// reusing the previous selection would have hit; compare with `spec_hit_blocks`).
-    pub spec_reuse_hit_blocks: u64,
-    /// PRR calibrations run at prefill (per sequence × KV head) and their total time in microseconds.
-    pub spec_calibrations: u64,
-    pub spec_calib_us: u64,
-    /// Refresh scheduling: full-attention steps and partial (token-set) steps.
-    pub refresh_full_steps: u64,
-    pub refresh_partial_steps: u64,
-    /// Bytes of K and V read by attention (all rows, dense and sparse).
-    pub kv_bytes_read: u64,
-    /// ART: tiles (64 slots of the visit order) visited, and tiles of the whole traversals (Rust only).
-    pub art_tiles_visited: u64,
-    pub art_tiles_total: u64,
+/// Defines [`Counters`]: the shared counters below, then each stage's own, which the policy registry lists
+/// (src/policy/registry.rs, `stage_counters!`, one line per policy): `name @ n` where device counter slot
+/// `n` (kernels/include/decide.cuh CTR_*) holds it on the CUDA backend. Every field is added and
+/// subtracted alike, so a stage's counters need nothing here but its registry line.
+macro_rules! counters {
+    ( $( $(#[$doc:meta])* $field:ident $(@ $slot:literal)? ),* $(,)? ) => {
+        /// One set of counters. Also the payload of the C struct `kvs_stats` (see `ffi::types`).
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct Counters {
+            /// Forward calls (per layer: calls that touched that layer).
+            pub calls: u64,
+            /// Query rows of prefill / chunked-prefill sequences (query length > 1).
+            pub prefill_tokens: u64,
+            /// Decode rows (query length 1), dense or not.
+            pub decode_rows: u64,
+            /// Decode rows × KV heads that went through a non-dense policy.
+            pub policy_rows: u64,
+            /// KV blocks that dense attention would have visited for those policy rows (per KV head).
+            pub blocks_eligible: u64,
+            /// KV blocks (per KV head) whose keys were actually read.
+            pub blocks_visited: u64,
+            /// Blocks the selector offered but early termination did not visit.
+            pub blocks_skipped_termination: u64,
+            /// Bytes of K and V read by attention (all rows, dense and sparse).
+            pub kv_bytes_read: u64,
+            $( $(#[$doc])* pub $field: u64, )*
+        }
+
+        impl Counters {
+            /// The counters a layer's device slots hold (kernels/include/decide.cuh CTR_*); the others zero.
+            pub(crate) fn from_device_slots(c: &[u64]) -> Counters {
+                #[allow(unused_mut)]
+                let mut out = Counters {
+                    decode_rows: c[0],
+                    prefill_tokens: c[1],
+                    policy_rows: c[2],
+                    blocks_eligible: c[3],
+                    blocks_visited: c[4],
+                    kv_bytes_read: c[7],
+                    blocks_skipped_termination: c[8],
+                    ..Counters::default()
+                };
+                $( $( out.$field = c[$slot]; )? )*
+                out
+            }
+
+            pub fn add(&mut self, o: &Counters) {
+                self.calls += o.calls;
+                self.prefill_tokens += o.prefill_tokens;
+                self.decode_rows += o.decode_rows;
+                self.policy_rows += o.policy_rows;
+                self.blocks_eligible += o.blocks_eligible;
+                self.blocks_visited += o.blocks_visited;
+                self.blocks_skipped_termination += o.blocks_skipped_termination;
+                self.kv_bytes_read += o.kv_bytes_read;
+                $( self.$field += o.$field; )*
+            }
+
+            /// What was counted since `before` (an earlier reading of the same, only growing, counters).
+            pub fn since(&self, before: &Counters) -> Counters {
+                let f = |a: u64, b: u64| a.saturating_sub(b);
+                Counters {
+                    calls: f(self.calls, before.calls),
+                    prefill_tokens: f(self.prefill_tokens, before.prefill_tokens),
+                    decode_rows: f(self.decode_rows, before.decode_rows),
+                    policy_rows: f(self.policy_rows, before.policy_rows),
+                    blocks_eligible: f(self.blocks_eligible, before.blocks_eligible),
+                    blocks_visited: f(self.blocks_visited, before.blocks_visited),
+                    blocks_skipped_termination: f(self.blocks_skipped_termination, before.blocks_skipped_termination),
+                    kv_bytes_read: f(self.kv_bytes_read, before.kv_bytes_read),
+                    $( $field: f(self.$field, before.$field), )*
+                }
+            }
+        }
+    };
 }
 
+crate::policy::stage_counters!(counters);
+
 impl Counters {
-    /// The counters a layer's device slots hold (kernels/include/decide.cuh CTR_*, in that order); the
-    /// others zero.
-    pub(crate) fn from_device_slots(c: &[u64]) -> Counters {
-        Counters {
-            decode_rows: c[0],
-            prefill_tokens: c[1],
-            policy_rows: c[2],
-            blocks_eligible: c[3],
-            blocks_visited: c[4],
-            top_p_candidates: c[5],
-            top_p_kept: c[6],
-            kv_bytes_read: c[7],
-            blocks_skipped_termination: c[8],
-            art_tiles_visited: c[9],
-            art_tiles_total: c[10],
-            spec_predicted_blocks: c[11],
-            spec_true_blocks: c[12],
-            spec_hit_blocks: c[13],
-            spec_repaired_blocks: c[14],
-            spec_reuse_hit_blocks: c[15],
-            ..Counters::default()
-        }
-    }
-
-    pub fn add(&mut self, o: &Counters) {
-        self.calls += o.calls;
-        self.prefill_tokens += o.prefill_tokens;
-        self.decode_rows += o.decode_rows;
-        self.policy_rows += o.policy_rows;
-        self.blocks_eligible += o.blocks_eligible;
-        self.blocks_visited += o.blocks_visited;
-        self.blocks_skipped_termination += o.blocks_skipped_termination;
-        self.top_p_candidates += o.top_p_candidates;
-        self.top_p_kept += o.top_p_kept;
-        self.spec_predicted_blocks += o.spec_predicted_blocks;
-        self.spec_hit_blocks += o.spec_hit_blocks;
-        self.spec_true_blocks += o.spec_true_blocks;
-        self.spec_repaired_blocks += o.spec_repaired_blocks;
-        self.spec_reuse_hit_blocks += o.spec_reuse_hit_blocks;
-        self.spec_calibrations += o.spec_calibrations;
-        self.spec_calib_us += o.spec_calib_us;
-        self.refresh_full_steps += o.refresh_full_steps;
-        self.refresh_partial_steps += o.refresh_partial_steps;
-        self.kv_bytes_read += o.kv_bytes_read;
-        self.art_tiles_visited += o.art_tiles_visited;
-        self.art_tiles_total += o.art_tiles_total;
-    }
-
-    /// What was counted since `before` (an earlier reading of the same, only growing, counters).
-    pub fn since(&self, before: &Counters) -> Counters {
-        let f = |a: u64, b: u64| a.saturating_sub(b);
-        Counters {
-            calls: f(self.calls, before.calls),
-            prefill_tokens: f(self.prefill_tokens, before.prefill_tokens),
-            decode_rows: f(self.decode_rows, before.decode_rows),
-            policy_rows: f(self.policy_rows, before.policy_rows),
-            blocks_eligible: f(self.blocks_eligible, before.blocks_eligible),
-            blocks_visited: f(self.blocks_visited, before.blocks_visited),
-            blocks_skipped_termination: f(self.blocks_skipped_termination, before.blocks_skipped_termination),
-            top_p_candidates: f(self.top_p_candidates, before.top_p_candidates),
-            top_p_kept: f(self.top_p_kept, before.top_p_kept),
-            spec_predicted_blocks: f(self.spec_predicted_blocks, before.spec_predicted_blocks),
-            spec_hit_blocks: f(self.spec_hit_blocks, before.spec_hit_blocks),
-            spec_true_blocks: f(self.spec_true_blocks, before.spec_true_blocks),
-            spec_repaired_blocks: f(self.spec_repaired_blocks, before.spec_repaired_blocks),
-            spec_reuse_hit_blocks: f(self.spec_reuse_hit_blocks, before.spec_reuse_hit_blocks),
-            spec_calibrations: f(self.spec_calibrations, before.spec_calibrations),
-            spec_calib_us: f(self.spec_calib_us, before.spec_calib_us),
-            refresh_full_steps: f(self.refresh_full_steps, before.refresh_full_steps),
-            refresh_partial_steps: f(self.refresh_partial_steps, before.refresh_partial_steps),
-            kv_bytes_read: f(self.kv_bytes_read, before.kv_bytes_read),
-            art_tiles_visited: f(self.art_tiles_visited, before.art_tiles_visited),
-            art_tiles_total: f(self.art_tiles_total, before.art_tiles_total),
-        }
-    }
-
     /// Fraction of eligible blocks visited by policy rows (1.0 when nothing was eligible).
     pub fn visited_fraction(&self) -> f64 {
         if self.blocks_eligible == 0 {

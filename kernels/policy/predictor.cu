@@ -5,7 +5,7 @@
 // history_row; this module is compiled with --fmad=false), the CNN's second convolution on the tensor cores
 // in 3xTF32 (a stated error bound, docs/policies.md), so a set may differ from the CPU's at borderline
 // blocks only. Batch geometry, radix top-k, accounting and SnapKV's scoring arithmetic
-// (snap_dot, SNAP_TP) come from kernels/include/.
+// (wp_dot, WP_TP) come from kernels/include/.
 //
 // State of one layer (allocated per layer outside capture, indexed by the slot map's slot, kernels/slots.cu):
 //   hdr  [max_seqs][hk][8]   generation stamp, rows pushed (count), steps since calibration, rows pushed
@@ -29,7 +29,7 @@
 #include "batch.cuh"
 #include "block_reduce.cuh"
 #include "topk.cuh"
-#include "snap_score.cuh"
+#include "weights_pass.cuh"
 #include "kv_load.cuh"
 
 // The predictor's layer state and parameters, passed by value; mirrored by `StateArg` and `SpecArg` in
@@ -457,18 +457,18 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
 // `zbad` preset to 0), 2 the weights f32(e / z) (f64 division) into the ring row by atomicMax on their
 // bits (non-negative floats order as their bits; NaN and 0 never written). A decode row's phase 0 also
 // writes its logits to `lgs`, which phases 1 and 2 read instead of K (one pass over the keys; the same
-// values, so the same bits). Grid (key tiles of SNAP_TP, capped; KV heads; seqs); rows r = token * GROUP +
+// values, so the same bits). Grid (key tiles of WP_TP, capped; KV heads; seqs); rows r = token * GROUP +
 // query head, `rcap` per (sequence, head). An FP8 cache's keys (KV8) are read as the CPU reads them,
 // decoded times `kscale` (kv_load.cuh; unused otherwise).
-extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
+extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
                                                                            const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, PredState st, PredSpec ps,
                                                                            const int* slot, const int* mode, const unsigned* plan, i64 p_s, i64 p_h,
                                                                            const int* plan_len, int cap, int phase, unsigned* rmax,
                                                                            unsigned long long* zfix, unsigned* zbad, int rcap, float* lgs,
                                                                            int lcap, float kscale) {
-    __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
+    __shared__ float ks[WP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
-    __shared__ float wsh[SNAP_J][SNAP_TP];
+    __shared__ float wsh[WP_J][WP_TP];
     const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
     const int m = mode[s * hk + h];
     if (m != PM_NOHIST && m != PM_CALIB && m != PM_PRED && m != PM_SEED) return;
@@ -499,12 +499,12 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
     // workspace has room for them (`lgs` [seqs][hk][GROUP][lcap]); a seed's rows recompute them.
     const bool keep = lgs != nullptr && !seed && jend <= lcap;
     float* lrow = keep ? lgs + (i64)(s * hk + h) * GROUP * lcap : nullptr;
-    // Key tiles j0, j0 + gridDim.x * SNAP_TP, ...: the grid is capped (a predicted row lists only its plan).
-    for (int j0 = blockIdx.x * SNAP_TP; j0 < jend; j0 += gridDim.x * SNAP_TP) {
+    // Key tiles j0, j0 + gridDim.x * WP_TP, ...: the grid is capped (a predicted row lists only its plan).
+    for (int j0 = blockIdx.x * WP_TP; j0 < jend; j0 += gridDim.x * WP_TP) {
         __syncthreads();  // the previous tile's keys and weights are no longer read
         if (!(keep && phase > 0)) {
-            // SNAP_J threads per key: one position and block lookup each, then the row's loads in flight.
-            const int kp = threadIdx.x / SNAP_J, kq = threadIdx.x % SNAP_J, kj = j0 + kp;
+            // WP_J threads per key: one position and block lookup each, then the row's loads in flight.
+            const int kp = threadIdx.x / WP_J, kq = threadIdx.x % WP_J, kj = j0 + kp;
             const kv_t* krow = nullptr;
             if (kj < jend) {
                 const int kpos = use_plan ? (int)pe[kj] : jlo + kj;
@@ -512,9 +512,9 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
                 if (pb >= 0) krow = kc + pb * kc0 + (i64)(kpos & (bs - 1)) * kc1 + (i64)h * kc2;
             }
 #pragma unroll
-            for (int c = kq; c < HEAD_DIM; c += SNAP_J) ks[kp][c] = krow ? kv_ld(krow[c], kscale) : 0.0f;
+            for (int c = kq; c < HEAD_DIM; c += WP_J) ks[kp][c] = krow ? kv_ld(krow[c], kscale) : 0.0f;
         }
-        const int p = threadIdx.x % SNAP_TP, j = threadIdx.x / SNAP_TP, jj = j0 + p;
+        const int p = threadIdx.x % WP_TP, j = threadIdx.x / WP_TP, jj = j0 + p;
         const int pos = jj < jend ? (use_plan ? (int)pe[jj] : jlo + jj) : -1;
         for (int tt = 0; tt < ntok; ++tt) {
             const int tpos = pos0 + tt;
@@ -528,8 +528,8 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
             const bool vis = pos >= lo && pos <= tpos;
             float wmax = 0.0f;
 #pragma unroll
-            for (int k = 0; k < SNAP_KPER; ++k) {
-                const int gi = j + SNAP_J * k;
+            for (int k = 0; k < WP_KPER; ++k) {
+                const int gi = j + WP_J * k;
                 const bool row_ok = gi < GROUP;
                 const i64 rr = rows + tt * GROUP + (row_ok ? gi : 0);
                 float l = -INFINITY;
@@ -537,20 +537,20 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
                     if (keep && phase > 0) {
                         l = lrow[(i64)gi * lcap + jj];
                     } else {
-                        l = kvs_decision_softcap(snap_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
+                        l = kvs_decision_softcap(wp_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
                         if (keep) lrow[(i64)gi * lcap + jj] = l;
                     }
                 }
                 if (phase == 0) {
-                    snap_row_max(l, p == 0 && row_ok, &rmax[rr]);
+                    wp_row_max(l, p == 0 && row_ok, &rmax[rr]);
                     continue;
                 }
-                const float mrow = row_ok ? snap_unkey(rmax[rr]) : -INFINITY;
+                const float mrow = row_ok ? wp_unkey(rmax[rr]) : -INFINITY;
                 const float ev = vis && mrow > -INFINITY ? kvs_fast_exp(l - mrow) : 0.0f;
                 if (phase == 1) {
-                    snap_row_sum(ev, p == 0 && row_ok && mrow > -INFINITY, &zfix[rr], &zbad[rr]);
+                    wp_row_sum(ev, p == 0 && row_ok && mrow > -INFINITY, &zfix[rr], &zbad[rr]);
                 } else if (vis && row_ok && mrow > -INFINITY) {
-                    const double z = zbad[rr] ? (double)__int_as_float(0x7fffffff) : (double)zfix[rr] / SNAP_NORM_ONE;
+                    const double z = zbad[rr] ? (double)__int_as_float(0x7fffffff) : (double)zfix[rr] / WP_NORM_ONE;
                     const float w = (float)((double)ev / z);
                     if (w > wmax) wmax = w;  // NaN never wins
                 }
@@ -560,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_pred_scores(Batch
             __syncthreads();
             if (j == 0 && vis) {
                 float wm = 0.0f;
-                for (int k = 0; k < SNAP_J; ++k) wm = wsh[k][p] > wm ? wsh[k][p] : wm;
+                for (int k = 0; k < WP_J; ++k) wm = wsh[k][p] > wm ? wsh[k][p] : wm;
                 if (wm > 0.0f) atomicMax(reinterpret_cast<unsigned*>(row_of(tt)) + pos / blk, __float_as_uint(wm));
             }
         }

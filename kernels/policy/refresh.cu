@@ -3,7 +3,7 @@
 // src/cpu/sparse/stateful.rs; decide.cuh, --fmad=false); a full decode step's weights come out of its own
 // attention on tensor cores and agree with the CPU's within a stated margin (docs/policies.md, "refresh").
 // Batch helpers (seq_row, phys_block, rows_count, account, compact, radix_kth) and SnapKV's
-// scoring arithmetic (snap_dot, snap_unkey, the SNAP_* CTA shape, the fixed-point normaliser) come from
+// scoring arithmetic (wp_dot, wp_unkey, the SNAP_* CTA shape, the fixed-point normaliser) come from
 // kernels/include/.
 //
 // A policy call enqueues, with grids fixed by host-known bounds (capturable, no host decision):
@@ -44,7 +44,7 @@
 #include "batch.cuh"
 #include "block_reduce.cuh"
 #include "topk.cuh"
-#include "snap_score.cuh"
+#include "weights_pass.cuh"
 #include "kv_load.cuh"
 
 // RefreshKV's layer state and parameters, passed by value; mirrored by `RefreshArgs` in
@@ -152,23 +152,23 @@ extern "C" __global__ void __launch_bounds__(128) kvs_refresh_decide(Batch b, co
 // ... of every such sequence (uniform loops: every thread reaches every barrier and shuffle). An FP8
 // cache's keys (KV8; its full steps always score here) are read as the CPU reads them, decoded times
 // `kscale` (kv_load.cuh; unused otherwise).
-extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
+extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_refresh_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
                                                                               const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, const int* mode,
                                                                               int phase, unsigned* rmax, unsigned long long* zfix, unsigned* zbad,
                                                                               float* agg, int maxpos, int seed_only, float kscale) {
-    __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
+    __shared__ float ks[WP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
-    __shared__ float accs[GROUP][SNAP_TP];
+    __shared__ float accs[GROUP][WP_TP];
     const int h = blockIdx.y;
     const int bs = 1 << b.bs_log2;
-    const int p = threadIdx.x % SNAP_TP, j = threadIdx.x / SNAP_TP;
+    const int p = threadIdx.x % WP_TP, j = threadIdx.x / WP_TP;
     for (int s = 0; s < b.num_seqs; ++s) {
         const int m_s = mode[s];
         if (m_s != RF_SEED && (seed_only || m_s != RF_FULL)) continue;
         const SeqRow r = seq_row(b, s);
         const int lo = r.lo, hi = min(r.hi, maxpos - 1);
-        const int first = (lo / SNAP_TP) * SNAP_TP;
-        if (first + blockIdx.x * SNAP_TP > hi) continue;
+        const int first = (lo / WP_TP) * WP_TP;
+        if (first + blockIdx.x * WP_TP > hi) continue;
         const int t = rf_row(r);
         __syncthreads();  // the previous sequence's queries and tiles are no longer read
         for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
@@ -176,9 +176,9 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Ba
             qs[i] = ET::ld(q[(i64)t * q0 + (i64)(h * GROUP + g) * q1 + (i64)c * q2]) * scale;
         }
         const i64 rows = (i64)(s * hk + h) * GROUP;
-        for (int p0 = first + blockIdx.x * SNAP_TP; p0 <= hi; p0 += gridDim.x * SNAP_TP) {
+        for (int p0 = first + blockIdx.x * WP_TP; p0 <= hi; p0 += gridDim.x * WP_TP) {
             __syncthreads();  // the previous tile is no longer read (and the queries are staged)
-            for (int i = threadIdx.x; i < SNAP_TP * HEAD_DIM; i += blockDim.x) {
+            for (int i = threadIdx.x; i < WP_TP * HEAD_DIM; i += blockDim.x) {
                 const int pp = i / HEAD_DIM, c = i % HEAD_DIM, pos = p0 + pp;
                 float v = 0.0f;
                 if (pos >= lo && pos <= hi) {
@@ -190,33 +190,33 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_refresh_scores(Ba
             __syncthreads();
             const int pos = p0 + p;
             const bool vis = pos >= lo && pos <= hi;
-            float acc[SNAP_KPER];
+            float acc[WP_KPER];
 #pragma unroll
-            for (int k = 0; k < SNAP_KPER; ++k) {
+            for (int k = 0; k < WP_KPER; ++k) {
                 acc[k] = 0.0f;
-                const int gi = j + SNAP_J * k;
+                const int gi = j + WP_J * k;
                 const bool row_ok = gi < GROUP;
                 const i64 rr = rows + (row_ok ? gi : 0);
                 float l = -INFINITY;
-                if (vis && row_ok) l = kvs_decision_softcap(snap_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
+                if (vis && row_ok) l = kvs_decision_softcap(wp_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
                 if (phase == 0) {
-                    snap_row_max(l, p == 0 && row_ok, &rmax[rr]);
+                    wp_row_max(l, p == 0 && row_ok, &rmax[rr]);
                     continue;
                 }
-                const float m = row_ok ? snap_unkey(rmax[rr]) : -INFINITY;
+                const float m = row_ok ? wp_unkey(rmax[rr]) : -INFINITY;
                 const float e = vis && m > -INFINITY ? kvs_fast_exp(l - m) : 0.0f;
                 if (phase == 1) {
-                    snap_row_sum(e, p == 0 && row_ok && m > -INFINITY, &zfix[rr], &zbad[rr]);
+                    wp_row_sum(e, p == 0 && row_ok && m > -INFINITY, &zfix[rr], &zbad[rr]);
                 } else if (row_ok && m > -INFINITY) {
                     // refresh_weights: 0 + f32(e / z) (NaN everywhere when the normaliser is NaN).
-                    const double z = zbad[rr] ? (double)__int_as_float(0x7fffffff) : (double)zfix[rr] / SNAP_NORM_ONE;
+                    const double z = zbad[rr] ? (double)__int_as_float(0x7fffffff) : (double)zfix[rr] / WP_NORM_ONE;
                     acc[k] = 0.0f + (float)((double)e / z);
                 }
             }
             if (phase != 2) continue;
 #pragma unroll
-            for (int k = 0; k < SNAP_KPER; ++k)
-                if (j + SNAP_J * k < GROUP) accs[j + SNAP_J * k][p] = acc[k];
+            for (int k = 0; k < WP_KPER; ++k)
+                if (j + WP_J * k < GROUP) accs[j + WP_J * k][p] = acc[k];
             __syncthreads();
             if (j == 0 && vis) {
                 float a = 0.0f;

@@ -33,7 +33,7 @@
 #include "batch.cuh"
 #include "block_reduce.cuh"
 #include "topk.cuh"
-#include "snap_score.cuh"
+#include "weights_pass.cuh"
 // kv_load.cuh: the scalar phases read FP8 keys (KV8) as the CPU does, decoded times k_scale.
 #include "kv_load.cuh"
 // mma.cuh: the tensor-core choice below (f16/bf16 caches).
@@ -62,24 +62,24 @@ __device__ __forceinline__ SnapSeq snap_seq(const Batch& b, int s, int window) {
 __device__ __forceinline__ int snap_lo(const Batch& b, int pos) { return (b.window > 0 && pos + 1 - b.window > 0) ? pos + 1 - b.window : 0; }
 
 
-// Grid (position tiles of SNAP_TP, KV heads, seqs). Per (seq, head), rows r = token * GROUP + query head:
+// Grid (position tiles of WP_TP, KV heads, seqs). Per (seq, head), rows r = token * GROUP + query head:
 // rmax[r] (order keys, preset to the key of -inf), zfix[r] (preset 0), zbad[r] (preset 0), rcap rows each;
 // agg[maxpos] per (seq, head). kscale: an FP8 cache's k_scale (unused otherwise).
-extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
+extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_snap_scores(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
                                                                            const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int budget, int window,
                                                                            int phase, unsigned* rmax, unsigned long long* zfix, unsigned* zbad, int rcap,
                                                                            float* agg, int maxpos, float kscale) {
-    __shared__ float ks[SNAP_TP][HEAD_DIM + 1];
+    __shared__ float ks[WP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
-    __shared__ float accs[GROUP][SNAP_TP];
+    __shared__ float accs[GROUP][WP_TP];
     const int s = blockIdx.z, h = blockIdx.y;
     const SnapSeq o = snap_seq(b, s, window);
     if (!o.prefill || o.len <= budget || o.n > rcap / GROUP) return;
     const int pend = phase == 2 ? min(o.obs_start, maxpos) : o.len;
-    const int p0 = blockIdx.x * SNAP_TP;
+    const int p0 = blockIdx.x * WP_TP;
     if (p0 >= pend) return;
     const int bs = 1 << b.bs_log2;
-    for (int i = threadIdx.x; i < SNAP_TP * HEAD_DIM; i += blockDim.x) {
+    for (int i = threadIdx.x; i < WP_TP * HEAD_DIM; i += blockDim.x) {
         const int p = i / HEAD_DIM, c = i % HEAD_DIM, pos = p0 + p;
         float v = 0.0f;
         if (pos < pend) {
@@ -88,11 +88,11 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
         }
         ks[p][c] = v;
     }
-    const int p = threadIdx.x % SNAP_TP, j = threadIdx.x / SNAP_TP, pos = p0 + p;
+    const int p = threadIdx.x % WP_TP, j = threadIdx.x / WP_TP, pos = p0 + p;
     const i64 rows = (i64)(s * hk + h) * rcap;
-    float acc[SNAP_KPER];
+    float acc[WP_KPER];
 #pragma unroll
-    for (int k = 0; k < SNAP_KPER; ++k) acc[k] = 0.0f;
+    for (int k = 0; k < WP_KPER; ++k) acc[k] = 0.0f;
     for (int tt = 0; tt < o.n; ++tt) {
         const int tpos = o.pos0 + tt;
         const int lo = snap_lo(b, tpos);
@@ -104,32 +104,32 @@ extern "C" __global__ void __launch_bounds__(SNAP_THREADS) kvs_snap_scores(Batch
         __syncthreads();
         const bool vis = pos >= lo && pos <= tpos && pos < pend;
 #pragma unroll
-        for (int k = 0; k < SNAP_KPER; ++k) {
-            const int gi = j + SNAP_J * k;
+        for (int k = 0; k < WP_KPER; ++k) {
+            const int gi = j + WP_J * k;
             const bool row_ok = gi < GROUP;
             const i64 r = rows + tt * GROUP + (row_ok ? gi : 0);
             float l = -INFINITY;
-            if (vis && row_ok) l = kvs_decision_softcap(snap_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
+            if (vis && row_ok) l = kvs_decision_softcap(wp_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
             if (phase == 0) {
-                snap_row_max(l, p == 0 && row_ok, &rmax[r]);
+                wp_row_max(l, p == 0 && row_ok, &rmax[r]);
                 continue;
             }
-            const float m = row_ok ? snap_unkey(rmax[r]) : -INFINITY;
+            const float m = row_ok ? wp_unkey(rmax[r]) : -INFINITY;
             const float e = vis && m > -INFINITY ? kvs_fast_exp(l - m) : 0.0f;
             if (phase == 1) {
-                snap_row_sum(e, p == 0 && row_ok && m > -INFINITY, &zfix[r], &zbad[r]);
+                wp_row_sum(e, p == 0 && row_ok && m > -INFINITY, &zfix[r], &zbad[r]);
             } else if (row_ok && m > -INFINITY) {
                 // As the CPU: every prefix position of a row that saw something adds e / z (0 where the
                 // row does not see it; NaN everywhere when the normaliser is NaN).
-                const double z = zbad[r] ? (double)__int_as_float(0x7fffffff) : (double)zfix[r] / SNAP_NORM_ONE;
+                const double z = zbad[r] ? (double)__int_as_float(0x7fffffff) : (double)zfix[r] / WP_NORM_ONE;
                 acc[k] += (float)((double)e / z);
             }
         }
     }
     if (phase != 2) return;
 #pragma unroll
-    for (int k = 0; k < SNAP_KPER; ++k)
-        if (j + SNAP_J * k < GROUP) accs[j + SNAP_J * k][p] = acc[k];
+    for (int k = 0; k < WP_KPER; ++k)
+        if (j + WP_J * k < GROUP) accs[j + WP_J * k][p] = acc[k];
     __syncthreads();
     if (j == 0 && pos < pend) {
         float a = 0.0f;

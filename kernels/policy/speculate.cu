@@ -20,7 +20,7 @@
 #include "batch.cuh"
 #include "block_reduce.cuh"
 #include "topk.cuh"
-#include "quest.cuh"
+#include "page_bounds.cuh"
 #include "kv_load.cuh"
 
 #define PRR_PARAMS 1u  // the entry carries its sequence's Holt parameters
@@ -196,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_prr_select(Batch 
     const int s = blockIdx.y, h = blockIdx.x, row = s * hk + h;
     const SeqRow r = seq_row(b, s);
     unsigned* T = truth + (i64)row * t_cap;
-    const int n = quest_topk_row(b, r, s, h, hk, budget, page, sink, scores, maxp, T, t_cap, smem_keys, skey, hist, sel, cnt);
+    const int n = page_topk_row(b, r, s, h, hk, budget, page, sink, scores, maxp, T, t_cap, smem_keys, skey, hist, sel, cnt);
     if (n <= 0 || r.hi < r.lo) {
         if (threadIdx.x == 0) {
             truth_len[row] = n;

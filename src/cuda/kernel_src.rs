@@ -1,7 +1,7 @@
 //! The CUDA C sources, embedded at build time, and the modules made of them.
 //!
 //! Each `.cu` file is self-contained: it `#include`s the shared device code it uses from `kernels/include/`
-//! (batch geometry, reductions and compaction, top-k, Quest's bounds, SnapKV's scoring arithmetic, the
+//! (batch geometry, reductions and compaction, top-k, page bounds, the attention-weights passes, the
 //! decisions' arithmetic, element types). NVRTC gets one text per module: [`expand`] replaces each
 //! `#include "name"` by the named file of [`FILES`], once per module (every file is include-once, as with
 //! `#pragma once`), so NVRTC needs no include path and the disk cache's key is the whole text. A module is
@@ -34,9 +34,8 @@ kernel_files! {
     "batch.cuh" => "include/batch.cuh",
     "topk.cuh" => "include/topk.cuh",
     "cluster.cuh" => "include/cluster.cuh",
-    "quest.cuh" => "include/quest.cuh",
-    "quest_mma.cuh" => "include/quest_mma.cuh",
-    "snap_score.cuh" => "include/snap_score.cuh",
+    "page_bounds.cuh" => "include/page_bounds.cuh",
+    "weights_pass.cuh" => "include/weights_pass.cuh",
     "art_blocks.cuh" => "include/art_blocks.cuh",
     "attention.cu" => "attention.cu",
     "attention_mma.cu" => "attention_mma.cu",

@@ -160,44 +160,67 @@ mod tests {
     }
 }
 
-/// Compiles every kernel source in the variants the conformance matrix and the benchmark use, without a
-/// GPU (NVRTC only; skipped when NVRTC is not installed). Catches source errors before a device run.
+/// The NVRTC compile checks (`kernel_sources_compile_with_nvrtc`, here for the shared modules and in a
+/// policy's folder for a module of its own): compile a module's variants without a GPU, skipped when
+/// NVRTC is not installed (unless `KVS_REQUIRE_NVRTC=1`). Catch source errors before a device run.
 #[cfg(test)]
-mod compile_tests {
-    use super::super::kernel_src::{expand, ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, PREDICTOR, SELECT, SLOTS, WRITE_STEP};
-    use super::*;
+pub(crate) struct CompileCheck {
+    /// `KVS_COMPILE_ONLY=<module>[:<define>]` limits the run (e.g. with KVS_PTXAS_VERBOSE=1 KVS_LOG=1).
+    only: String,
+    /// `KVS_COMPILE_QUICK=1`: the first variant of each module only (CI: every source file compiled once).
+    quick: bool,
+    done: std::cell::RefCell<std::collections::HashSet<String>>,
+}
 
-    #[test]
-    fn kernel_sources_compile_with_nvrtc() {
+#[cfg(test)]
+impl CompileCheck {
+    /// None when NVRTC is not available (the check is skipped); panics then under `KVS_REQUIRE_NVRTC=1`.
+    pub(crate) fn new() -> Option<Self> {
         if let Err(e) = nvrtc() {
             assert!(std::env::var("KVS_REQUIRE_NVRTC").map_or(true, |v| v != "1"), "KVS_REQUIRE_NVRTC=1: {e}");
             eprintln!("NVRTC not available, skipped");
-            return;
+            return None;
         }
         // KVS_DUMP_CUBIN=<dir>: keep the cubins there (cache files: the ELF follows the key text), e.g. to
         // read a kernel's SASS with cuobjdump without a GPU.
         std::env::set_var("KVS_KERNEL_CACHE", std::env::var("KVS_DUMP_CUBIN").unwrap_or("off".into()));
-        // KVS_COMPILE_ONLY=<module>[:<define>] limits the run (e.g. with KVS_PTXAS_VERBOSE=1 KVS_LOG=1).
         let only = std::env::var("KVS_COMPILE_ONLY").unwrap_or_default();
-        // KVS_COMPILE_QUICK=1: the first variant of each module only (CI: every source file compiled once).
         let quick = std::env::var("KVS_COMPILE_QUICK").is_ok_and(|v| v == "1");
-        let done = std::cell::RefCell::new(std::collections::HashSet::new());
-        let build = |name: &str, src: &str, defs: &[String]| {
-            let (om, od) = only.split_once(':').unwrap_or((only.as_str(), ""));
-            if !om.is_empty() && (om != name || (!od.is_empty() && !defs.iter().any(|d| d.contains(od)))) {
-                return;
-            }
-            if quick && !done.borrow_mut().insert(name.to_string()) {
-                return;
-            }
-            let mut opts: Vec<String> = defs.iter().map(|d| if d.starts_with("--") { d.clone() } else { format!("-D{d}") }).collect();
-            opts.push("--std=c++17".into());
-            if std::env::var("KVS_PTXAS_VERBOSE").is_ok() {
-                opts.push("--ptxas-options=-v".into());
-                eprintln!("module {name} {}", defs.join(" "));  // names the ptxas lines that follow
-            }
-            cubin(name, &expand(src).expect("kernel sources expand"), &opts, "sm_90").unwrap_or_else(|e| panic!("{name} {defs:?}: {e}"));
-        };
+        Some(CompileCheck { only, quick, done: Default::default() })
+    }
+
+    /// Compiles module `name` (its text `src`, expanded) for sm_90 with `defs` (`NAME=value` defines and
+    /// `--` options); panics on an error.
+    pub(crate) fn build(&self, name: &str, src: &str, defs: &[String]) {
+        let (om, od) = self.only.split_once(':').unwrap_or((self.only.as_str(), ""));
+        if !om.is_empty() && (om != name || (!od.is_empty() && !defs.iter().any(|d| d.contains(od)))) {
+            return;
+        }
+        if self.quick && !self.done.borrow_mut().insert(name.to_string()) {
+            return;
+        }
+        let mut opts: Vec<String> = defs.iter().map(|d| if d.starts_with("--") { d.clone() } else { format!("-D{d}") }).collect();
+        opts.push("--std=c++17".into());
+        if std::env::var("KVS_PTXAS_VERBOSE").is_ok() {
+            opts.push("--ptxas-options=-v".into());
+            eprintln!("module {name} {}", defs.join(" "));  // names the ptxas lines that follow
+        }
+        let text = super::kernel_src::expand(src).expect("kernel sources expand");
+        cubin(name, &text, &opts, "sm_90").unwrap_or_else(|e| panic!("{name} {defs:?}: {e}"));
+    }
+}
+
+/// Compiles every shared kernel module in the variants the conformance matrix and the benchmark use
+/// (a policy's own module is checked in its folder, under the same test name).
+#[cfg(test)]
+mod compile_tests {
+    use super::super::kernel_src::{ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, SELECT, SLOTS, WRITE_STEP};
+    use super::CompileCheck;
+
+    #[test]
+    fn kernel_sources_compile_with_nvrtc() {
+        let Some(check) = CompileCheck::new() else { return };
+        let build = |name: &str, src: &str, defs: &[String]| check.build(name, src, defs);
         for dt in 0..3 {
             build("cache_write", CACHE_WRITE, &[format!("KVS_DTYPE={dt}")]);
             for kv8 in [1, 2] {
@@ -236,7 +259,7 @@ mod compile_tests {
                 let fm = "--fmad=false".to_string();
                 build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), fm.clone()]);
                 if d == 128 {
-                    // Quest's MMA scoring at its two round sizes (quest_mma.cuh QM_ROUND 64 and 32).
+                    // Quest's MMA scoring at its two round sizes (policy/quest.cu QM_ROUND 64 and 32).
                     for g in [4, 16] {
                         build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), fm.clone()]);
                     }
@@ -297,23 +320,16 @@ mod compile_tests {
             build("meta", META, &["KVS_DTYPE=1".into(), format!("KV8={kv8}"), "--fmad=false".into()]);
         }
         build("select", SELECT, &["KVS_DTYPE=2".into(), "HEAD_DIM=128".into(), "GROUP=16".into(), "--fmad=false".into()]);
-        // The selection kernels and the predictor's over FP8 caches (kv_load.cuh), both formats.
+        // The selection kernels over FP8 caches (kv_load.cuh), both formats.
         for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 64, 8), (2, 256, 8)] {
             for kv8 in [1, 2] {
                 build("select", SELECT, &[format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), format!("KV8={kv8}"), "--fmad=false".into()]);
-                let defs = vec![format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), format!("KV8={kv8}"), "--fmad=false".into(), "PRED_C1=16".into(), "PRED_C2=32".into(), "PRED_PT=128".into()];
-                build("predictor", PREDICTOR, &defs);
             }
         }
         // The prefill kernel at the Llama-8B shape (and GQA 8, f16).
         for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 128, 8)] {
             let ps = super::super::prefill::prefill_shape(g, d, 2, true, 225 * 1024).expect("prefill shape");
             build("attention_prefill", ATTENTION_PREFILL, &ps.defines_for(dt, d, g));
-        }
-        // AttentionPredictor (the built-in network's widths; PT as PredictorDev picks it).
-        for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 64, 8), (0, 128, 4), (2, 96, 16), (1, 80, 1), (2, 256, 8), (0, 192, 4)] {
-            let defs = vec![format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), "--fmad=false".into(), "PRED_C1=16".into(), "PRED_C2=32".into(), "PRED_PT=128".into()];
-            build("predictor", PREDICTOR, &defs);
         }
         build("merge", MERGE, &[]);
         build("slots", SLOTS, &[]);

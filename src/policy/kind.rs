@@ -60,6 +60,40 @@ pub(crate) trait SelectorKind {
     fn device_input(&self) -> Result<(), String> {
         Ok(())
     }
+
+    /// Its plan's entries carry scores that rank them, so a stage that orders the traversal visits them by
+    /// priority by default; false for the patterns (`all`, `streaming`), which keep position order.
+    fn ranks_by_score(&self) -> bool {
+        true
+    }
+
+    /// Positions at the start of every row its plan always keeps (sinks), which an ordered traversal
+    /// visits first.
+    fn sink_positions(&self) -> usize {
+        0
+    }
+
+    /// On the CUDA backend the terminating attention kernel (kernels/attention_mma.cu) walks its plans:
+    /// whole blocks, pages or token windows, written before the attention launch.
+    fn device_terminable(&self) -> bool {
+        false
+    }
+
+    /// On the CUDA backend its stage keeps each page's score in the workspace (`CudaStage::page_scores`),
+    /// for a later stage to order the plan by.
+    fn device_page_scores(&self) -> bool {
+        false
+    }
+}
+
+/// A pipeline as the plan arithmetic (src/policy/plan.rs) sees it: its selector's answers, and whether a
+/// later stage turns the plans into tokens. The registry's `Pipeline` implements it, so plan.rs does not
+/// name the registry's closed set.
+pub(crate) trait PipelineKind {
+    fn selector_kind(&self) -> Box<dyn SelectorKind>;
+
+    /// A later stage (top-p) turns the selector's candidates into single tokens, one set per KV head.
+    fn plans_tokens(&self) -> bool;
 }
 
 /// What the shared code asks of a pipeline's stage after the selector (one that prunes or terminates the

@@ -13,7 +13,7 @@
 //! largest length is bounded before the step from the budget and the block table's capacity (see
 //! [`plan_capacity`]), which is what lets a GPU decode step be captured in a graph.
 
-use super::{Pipeline, Selector};
+use super::kind::{PipelineKind, SelectorKind};
 
 /// One (decode row, KV head)'s plan.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -66,37 +66,33 @@ impl HeadPlan {
 
 /// Granularity of the plans a pipeline produces: tokens when the last stage chooses tokens (top-p,
 /// SnapKV, StreamingLLM's token windows), Quest's page, or the cache block for `all`.
-pub fn plan_unit_log2(p: &Pipeline, block_size: usize) -> u32 {
-    if plans_tokens(p) {
+pub(crate) fn plan_unit_log2(p: &impl PipelineKind, block_size: usize) -> u32 {
+    if p.plans_tokens() {
         return 0;
     }
-    p.selector.kind().unit_log2(block_size)
-}
-
-/// A later stage (top-p) turns the selector's candidates into single tokens, one set per KV head.
-fn plans_tokens(p: &Pipeline) -> bool {
-    p.later_stages().any(|s| s.plans_tokens())
+    p.selector_kind().unit_log2(block_size)
 }
 
 /// Granularity of the *base selector's* plan (what top-p, when present, prunes).
-pub fn selector_unit_log2(sel: &Selector, block_size: usize) -> u32 {
-    sel.kind().unit_log2(block_size)
+pub(crate) fn selector_unit_log2(sel: &dyn SelectorKind, block_size: usize) -> u32 {
+    sel.unit_log2(block_size)
 }
 
 /// Most entries the base selector's plan of a row can hold, for rows of at most `max_len` positions
 /// (the block table's capacity): its budget in entries (plus the forced pages), never more than the
 /// entries that cover `max_len` positions.
-pub fn selector_capacity(sel: &Selector, block_size: usize, max_len: usize) -> usize {
+pub(crate) fn selector_capacity(sel: &dyn SelectorKind, block_size: usize, max_len: usize) -> usize {
     let unit = 1usize << selector_unit_log2(sel, block_size);
     let cover = max_len.div_ceil(unit) + 1;
-    sel.kind().budget_entries().unwrap_or(cover).min(cover)
+    sel.budget_entries().unwrap_or(cover).min(cover)
 }
 
 /// Most entries a row's final plan can hold (top-p keeps a subset of its candidates' tokens).
-pub fn plan_capacity(p: &Pipeline, block_size: usize, max_len: usize) -> usize {
-    let base = selector_capacity(&p.selector, block_size, max_len);
-    if plans_tokens(p) {
-        let unit = 1usize << selector_unit_log2(&p.selector, block_size);
+pub(crate) fn plan_capacity(p: &impl PipelineKind, block_size: usize, max_len: usize) -> usize {
+    let sel = p.selector_kind();
+    let base = selector_capacity(&*sel, block_size, max_len);
+    if p.plans_tokens() {
+        let unit = 1usize << selector_unit_log2(&*sel, block_size);
         base.saturating_mul(unit).min(max_len + 1)
     } else {
         base
@@ -105,11 +101,12 @@ pub fn plan_capacity(p: &Pipeline, block_size: usize, max_len: usize) -> usize {
 
 /// A call's plans on the device as (entries per row, unit_log2, one plan shared by every KV head): the
 /// selector's and the final ones (after top-p), for rows of at most `max_len` positions.
-pub fn device_plan_shapes(p: &Pipeline, block_size: usize, max_len: usize) -> [(usize, u32, bool); 2] {
-    let shared = p.selector.kind().shared_plan();
+pub(crate) fn device_plan_shapes(p: &impl PipelineKind, block_size: usize, max_len: usize) -> [(usize, u32, bool); 2] {
+    let sel = p.selector_kind();
+    let shared = sel.shared_plan();
     [
-        (selector_capacity(&p.selector, block_size, max_len).max(1), selector_unit_log2(&p.selector, block_size), shared),
-        (plan_capacity(p, block_size, max_len).max(1), plan_unit_log2(p, block_size), shared && !plans_tokens(p)),
+        (selector_capacity(&*sel, block_size, max_len).max(1), selector_unit_log2(&*sel, block_size), shared),
+        (plan_capacity(p, block_size, max_len).max(1), plan_unit_log2(p, block_size), shared && !p.plans_tokens()),
     ]
 }
 

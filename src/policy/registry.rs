@@ -1,10 +1,12 @@
 //! The policy registry: each policy's place in the closed set of stages, one line per policy and table:
-//! its stage name and parser entry, its variant of [`Selector`] or slot of [`Pipeline`], its CPU and CUDA
-//! implementations. The engine and the backends reach a stage through here (`Selector::cpu`,
-//! `Pipeline::cuda`, `Policy::cuda_device`), so nothing outside src/policy matches on a policy's name.
+//! its stage name and parser entry, its variant of [`Selector`] or slot of [`Pipeline`] (over its
+//! folder's parsed form), its CPU and CUDA implementations. The engine and the backends reach a stage
+//! through here (`Selector::cpu`, `Pipeline::cuda`, `Policy::cuda_device`), so nothing outside src/policy
+//! matches on a policy's name. The registry imports the folders; a folder never names the registry's
+//! types (it answers through [`SelectorKind`] and takes its own parsed form).
 
-use super::spec::{self, Arg, Args, Parsed, Role, StageDef};
-use super::kind::{LaterStageKind, SelectorKind};
+use super::spec::{self, Arg, Args, Role, StageDef, DEFAULT_DENSE_LAYERS, DEFAULT_MAX_SEQS};
+use super::kind::{LaterStageKind, PipelineKind, SelectorKind};
 use super::Policy;
 use crate::config::EngineConfig;
 use crate::cpu::sparse::{CpuLaterStage, CpuStage};
@@ -26,7 +28,82 @@ macro_rules! policy_modules {
     };
 }
 
-pub use super::spec::{Art, Order, Pipeline, Predict, PredictorSpec, Probe, Refresh, Selector, Spec, Speculate, TopP};
+/// Each stage's counters, one line per policy: the fields of `stats::Counters` after the shared ones
+/// (`name @ n`: device counter slot `n` holds it on the CUDA backend, kernels/include/decide.cuh CTR_*).
+/// src/stats.rs expands the list (`stage_counters!(counters)`); a stage fills its fields where it runs.
+macro_rules! stage_counters {
+    ($define:ident) => {
+        $define! {
+            /// Tokens offered to top-p, and tokens it kept.
+            top_p_candidates @ 5, top_p_kept @ 6,
+            /// Speculate/repair: blocks predicted, of those in the true set, and missed blocks repaired.
+            spec_predicted_blocks @ 11, spec_hit_blocks @ 13, spec_true_blocks @ 12, spec_repaired_blocks @ 14,
+            /// Speculate/repair baseline: blocks of the true set that the previous step's true set held
+            /// (what reusing the previous selection would have hit; compare with `spec_hit_blocks`).
+            spec_reuse_hit_blocks @ 15,
+            /// PRR calibrations run at prefill (per sequence × KV head) and their total time in microseconds.
+            spec_calibrations, spec_calib_us,
+            /// Refresh scheduling: full-attention steps and partial (token-set) steps.
+            refresh_full_steps, refresh_partial_steps,
+            /// ART: tiles (64 slots of the visit order) visited, and tiles of the whole traversals (Rust only).
+            art_tiles_visited @ 9, art_tiles_total @ 10,
+        }
+    };
+}
+pub(crate) use stage_counters;
+
+/// Each stage's parsed form, defined in its folder.
+pub use super::art::{Art, Order, Probe};
+pub use super::predictor::PredictorSpec;
+pub use super::quest::Quest;
+pub use super::refresh::Refresh;
+pub use super::snapkv::SnapKv;
+pub use super::speculate::{Predict, Speculate};
+pub use super::streaming::Streaming;
+pub use super::top_p::TopP;
+
+/// Which blocks/tokens are eligible for a decode row: the closed set of selectors.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Selector {
+    /// Every position the row may see (dense).
+    All,
+    Streaming(Streaming),
+    Quest(Quest),
+    SnapKv(SnapKv),
+    /// PRR: Quest's true selection `over`, attended as a speculative (predicted) set plus repaired misses.
+    Speculate(Speculate),
+    /// RefreshKV: a per-(sequence, layer) partial token set rebuilt at full-attention steps.
+    Refresh(Refresh),
+    /// AttentionPredictor: a small CNN predicts the next step's block attention from its history.
+    Predictor(PredictorSpec),
+}
+
+/// A non-dense pipeline: select, then optionally prune (top-p), then optionally terminate (ART).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pipeline {
+    pub selector: Selector,
+    pub top_p: Option<TopP>,
+    pub art: Option<Art>,
+}
+
+/// A parsed spec: `pipeline == None` is dense attention everywhere.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Spec {
+    pub pipeline: Option<Pipeline>,
+    pub dense_layers: usize,
+    /// `predictor(weights="...")`: the weights file the engine loads (None = the built-in weights).
+    pub predictor_weights: Option<String>,
+    /// Option `max_seqs`: the most sequences a CUDA engine keeps per-sequence policy state for at once
+    /// (its device slot map, src/cuda/slots.rs); the CPU engine's state is bounded by `max_state_bytes`.
+    pub max_seqs: usize,
+}
+
+impl Default for Spec {
+    /// Dense attention everywhere, the options' defaults.
+    fn default() -> Self {
+        Spec { pipeline: None, dense_layers: DEFAULT_DENSE_LAYERS, predictor_weights: None, max_seqs: DEFAULT_MAX_SEQS }
+    }
+}
 
 /// A later stage's value: its CPU part and its answers to the shared code.
 pub(crate) trait LaterStage: CpuLaterStage + LaterStageKind {}
@@ -41,25 +118,50 @@ impl Pipeline {
     }
 }
 
+impl PipelineKind for Pipeline {
+    fn selector_kind(&self) -> Box<dyn SelectorKind> {
+        self.selector.kind()
+    }
+
+    fn plans_tokens(&self) -> bool {
+        self.later_stages().any(|s| s.plans_tokens())
+    }
+}
+
 /// ART does not prune on the CPU: it orders the plan and terminates the traversal (`cpu::sparse`).
 impl CpuLaterStage for Art {}
 
 /// Why a selector whose `SelectorKind::cuda_fp8_cache` is false is refused over an FP8 cache on CUDA.
 pub(super) const SELECTOR_NO_FP8: &str = "this selector's own kernels read 16-bit cache rows only";
 
+/// A stage's parsed value, as the registry's table hands it to [`Spec::parse`].
+enum Parsed {
+    Dense,
+    /// The selector, and a weights file it names (`predictor(weights="...")`).
+    Selector(Selector, Option<String>),
+    TopP(TopP),
+    /// ART, and its order when the spec gives one (else `art::default_order` picks it).
+    Art(Art, Option<Order>),
+}
+
+/// A selector without a weights file.
+fn selector(s: Selector) -> Parsed {
+    Parsed::Selector(s, None)
+}
+
 /// Every stage name of the spec grammar with its parser entry (in the policy's folder), in the order
 /// messages list them.
 const STAGES: &[StageDef<Parsed>] = &[
     StageDef { name: "dense", role: Role::Dense, whole_pipeline: false, parse: parse_dense },
     StageDef { name: "all", role: Role::Selector, whole_pipeline: false, parse: parse_all },
-    StageDef { name: "streaming", role: Role::Selector, whole_pipeline: false, parse: super::streaming::parse },
-    StageDef { name: "quest", role: Role::Selector, whole_pipeline: false, parse: super::quest::parse },
-    StageDef { name: "snapkv", role: Role::Selector, whole_pipeline: false, parse: super::snapkv::parse },
-    StageDef { name: "speculate", role: Role::Selector, whole_pipeline: true, parse: super::speculate::parse },
-    StageDef { name: "refresh", role: Role::Selector, whole_pipeline: true, parse: super::refresh::parse },
-    StageDef { name: "predictor", role: Role::Selector, whole_pipeline: true, parse: super::predictor::parse },
-    StageDef { name: "top_p", role: Role::Prune, whole_pipeline: false, parse: super::top_p::parse },
-    StageDef { name: "art", role: Role::Terminate, whole_pipeline: false, parse: super::art::parse },
+    StageDef { name: "streaming", role: Role::Selector, whole_pipeline: false, parse: |s, a| Ok(selector(Selector::Streaming(super::streaming::parse(s, a)?))) },
+    StageDef { name: "quest", role: Role::Selector, whole_pipeline: false, parse: |s, a| Ok(selector(Selector::Quest(super::quest::parse(s, a)?))) },
+    StageDef { name: "snapkv", role: Role::Selector, whole_pipeline: false, parse: |s, a| Ok(selector(Selector::SnapKv(super::snapkv::parse(s, a)?))) },
+    StageDef { name: "speculate", role: Role::Selector, whole_pipeline: true, parse: |s, a| Ok(selector(Selector::Speculate(super::speculate::parse(s, a)?))) },
+    StageDef { name: "refresh", role: Role::Selector, whole_pipeline: true, parse: |s, a| Ok(selector(Selector::Refresh(super::refresh::parse(s, a)?))) },
+    StageDef { name: "predictor", role: Role::Selector, whole_pipeline: true, parse: |s, a| super::predictor::parse(s, a).map(|(p, w)| Parsed::Selector(Selector::Predictor(p), w)) },
+    StageDef { name: "top_p", role: Role::Prune, whole_pipeline: false, parse: |s, a| Ok(Parsed::TopP(super::top_p::parse(s, a)?)) },
+    StageDef { name: "art", role: Role::Terminate, whole_pipeline: false, parse: |s, a| super::art::parse(s, a).map(|(art, order)| Parsed::Art(art, order)) },
 ];
 
 /// `dense` and `all` take no arguments.
@@ -70,7 +172,7 @@ fn parse_dense(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
 
 fn parse_all(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
     Args::new(src, "all", raw, &[])?;
-    Ok(Parsed::Selector(Selector::All, None))
+    Ok(selector(Selector::All))
 }
 
 impl Spec {
@@ -98,11 +200,27 @@ impl Spec {
                     }
                 }
             }
-            super::art::resolve_order(&mut p, art_order);
+            if let Some(a) = p.art.as_mut() {
+                a.order = art_order.unwrap_or_else(|| super::art::default_order(&*p.selector.kind(), p.top_p.is_some()));
+            }
             p
         });
         Ok(Spec { pipeline, dense_layers: parsed.dense_layers, predictor_weights, max_seqs: parsed.max_seqs })
     }
+}
+
+/// `Spec::parse` (for the stages' tests in their folders).
+#[cfg(test)]
+pub(crate) fn parse(spec: &str) -> Result<Spec> {
+    Spec::parse(spec)
+}
+
+/// The message of the error a spec is refused with (for the stages' tests in their folders).
+#[cfg(test)]
+pub(crate) fn refusal(spec: &str) -> String {
+    let e = Spec::parse(spec).expect_err(spec);
+    assert_eq!(e.kind, crate::error::ErrorKind::InvalidArgument);
+    e.message
 }
 
 /// `all`: every visible position (the stage's defaults): one plan of whole cache blocks for every head.
@@ -124,6 +242,16 @@ impl SelectorKind for All {
     fn shared_plan(&self) -> bool {
         true
     }
+
+    /// A pattern, not a ranking: later stages keep position order.
+    fn ranks_by_score(&self) -> bool {
+        false
+    }
+
+    /// Its plans are whole cache blocks the terminating attention kernel walks in order.
+    fn device_terminable(&self) -> bool {
+        true
+    }
 }
 
 /// A selector's value: its CPU stage, and its answers to the shared code.
@@ -135,9 +263,9 @@ impl Selector {
     fn value(&self) -> Box<dyn SelectorValue> {
         match *self {
             Selector::All => Box::new(All),
-            Selector::Streaming { sink, recent } => Box::new(super::streaming::cpu::Streaming { sink, recent }),
-            Selector::Quest { budget, page, sink } => Box::new(super::quest::cpu::Quest { budget, page, sink }),
-            Selector::SnapKv { budget, window, pool } => Box::new(super::snapkv::cpu::SnapKv { budget, window, pool }),
+            Selector::Streaming(s) => Box::new(s),
+            Selector::Quest(q) => Box::new(q),
+            Selector::SnapKv(s) => Box::new(s),
             Selector::Speculate(s) => Box::new(s),
             Selector::Refresh(r) => Box::new(r),
             Selector::Predictor(p) => Box::new(p),
@@ -166,9 +294,9 @@ impl Pipeline {
     pub(crate) fn cuda<'a>(&'a self, dev: Option<&'a dyn PolicyDevice>) -> Vec<Box<dyn CudaStage + 'a>> {
         let selector: Box<dyn CudaStage + 'a> = match self.selector {
             Selector::All => Box::new(super::streaming::cuda::SimplePlan::all()),
-            Selector::Streaming { sink, recent } => Box::new(super::streaming::cuda::SimplePlan::streaming(sink, recent)),
-            Selector::Quest { budget, page, sink } => Box::new(super::quest::cuda::Quest::new(budget, page, sink, self.top_p.is_some() || self.art.is_some())),
-            Selector::SnapKv { budget, window, pool } => Box::new(super::snapkv::cuda::SnapKv::new(budget, window, pool)),
+            Selector::Streaming(s) => Box::new(super::streaming::cuda::SimplePlan::streaming(s.sink, s.recent)),
+            Selector::Quest(q) => Box::new(super::quest::cuda::Quest::new(q.budget, q.page, q.sink, self.top_p.is_some() || self.art.is_some())),
+            Selector::SnapKv(s) => Box::new(super::snapkv::cuda::SnapKv::new(s.budget, s.window, s.pool)),
             Selector::Speculate(sp) => Box::new(super::speculate::cuda::PrrStage { state: state(dev), sp }),
             Selector::Refresh(r) => Box::new(super::refresh::cuda::RefreshStage::new(state(dev), r)),
             Selector::Predictor(ps) => Box::new(super::predictor::cuda::PredictorStage::new(state(dev), ps)),
@@ -178,7 +306,7 @@ impl Pipeline {
             stages.push(Box::new(super::top_p::cuda::TopPStage::new(tp.p)));
         }
         if let Some(art) = self.art {
-            stages.push(Box::new(super::art::cuda::ArtStage::new(art, super::art::cuda::sink_limit(self))));
+            stages.push(Box::new(super::art::cuda::ArtStage::new(art, super::art::cuda::sink_limit(&*self.selector.kind()))));
         }
         stages
     }
@@ -186,7 +314,9 @@ impl Pipeline {
     /// Whether the CUDA backend runs this pipeline for a GQA group of `group` query heads per KV head
     /// (at most `max_group`).
     pub fn cuda_supported(&self, group: usize, max_group: usize) -> std::result::Result<(), String> {
-        super::art::cuda::supported(self)?;
+        if let Some(art) = &self.art {
+            super::art::cuda::supported(art, &*self.selector.kind(), self.top_p.is_some())?;
+        }
         if group > max_group {
             return Err(format!("policies on the CUDA backend support GQA groups of at most {max_group} query heads per KV head (this model has {group})"));
         }
@@ -202,7 +332,7 @@ impl Policy {
     /// the predictor's weights; None for the others.
     pub(crate) fn cpu_data(&self) -> Result<Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>> {
         Ok(match self.pipeline().map(|p| &p.selector) {
-            Some(Selector::Predictor(_)) => Some(super::predictor::PredictorWeights::for_spec(&self.spec)?),
+            Some(Selector::Predictor(_)) => Some(super::predictor::PredictorWeights::for_spec(self.spec.predictor_weights.as_deref())?),
             _ => None,
         })
     }
@@ -218,7 +348,7 @@ impl Policy {
             }
             Some(Selector::Refresh(_)) => Some(Box::new(super::refresh::cuda::RefreshDevice::new(cfg.num_layers)?)),
             Some(Selector::Predictor(ps)) => {
-                let w = super::predictor::PredictorWeights::for_spec(&self.spec)?;
+                let w = super::predictor::PredictorWeights::for_spec(self.spec.predictor_weights.as_deref())?;
                 Some(Box::new(super::predictor::cuda::PredictorDev::upload(&w, *ps, cfg.num_layers, cfg.num_kv_heads, self.spec.max_seqs)?))
             }
             _ => None,
@@ -234,7 +364,7 @@ mod tests {
     use crate::cuda::stage::{CallShape, PlanShape};
     use crate::error::Result;
     use crate::policy::plan::{device_plan_shapes, plan_capacity, plan_unit_log2, selector_capacity, selector_unit_log2};
-    use crate::policy::{Order, Pipeline, Policy, Selector};
+    use crate::policy::{Order, Pipeline, Policy, Quest, SnapKv, Selector, Streaming};
     use crate::tensor::DType;
 
     /// The policy workspace's regions (offset, bytes) and total as src/cuda/sparse.rs laid them out before
@@ -244,7 +374,7 @@ mod tests {
     fn layout_10d7224(p: &Pipeline, cfg: &EngineConfig, geo: &Geometry, max_query_len: i32, smem_optin: usize, tensor_cores: bool, slots: bool) -> Result<(Vec<(usize, usize)>, usize)> {
         let (hk, bs, g) = (cfg.num_kv_heads, cfg.block_size, cfg.group_size());
         let checked = |parts: &[usize]| crate::cuda::stage::checked(parts);
-        let base = (selector_capacity(&p.selector, bs, geo.max_pos).max(1), selector_unit_log2(&p.selector, bs), matches!(p.selector, Selector::All | Selector::Streaming { .. }));
+        let base = (selector_capacity(&*p.selector.kind(), bs, geo.max_pos).max(1), selector_unit_log2(&*p.selector.kind(), bs), matches!(p.selector, Selector::All | Selector::Streaming(_)));
         let fin = (plan_capacity(p, bs, geo.max_pos).max(1), plan_unit_log2(p, bs), base.2 && p.top_p.is_none());
         let ns = geo.num_seqs;
         let rows_of = |sh: &(usize, u32, bool)| if sh.2 { ns } else { ns * hk };
@@ -277,7 +407,7 @@ mod tests {
             take(checked(&[ns * hk, 4])?);
         }
         let quest_pages = match p.selector {
-            Selector::Quest { page, .. } => Some((page, geo.max_pos.div_ceil(page) + 1)),
+            Selector::Quest(Quest { page, .. }) => Some((page, geo.max_pos.div_ceil(page) + 1)),
             _ => None,
         };
         let maxc = (base.0 << base.1).min(geo.max_pos + (1usize << base.1)).next_multiple_of(4);
@@ -302,7 +432,7 @@ mod tests {
             take(checked(&[ns, hk, 2048, 4])?);
         }
         let snap_rows = match p.selector {
-            Selector::SnapKv { window, .. } if max_query_len != 1 => {
+            Selector::SnapKv(SnapKv { window, .. }) if max_query_len != 1 => {
                 let mq = if max_query_len > 0 { max_query_len as usize } else { window };
                 Some(checked(&[window.min(mq).max(1), g])?)
             }
@@ -403,12 +533,12 @@ mod tests {
 
     #[test]
     fn capacity_bounds_every_selector() {
-        let q = Pipeline { selector: Selector::Quest { budget: 100, page: 16, sink: 16 }, top_p: None, art: None };
+        let q = Pipeline { selector: Selector::Quest(Quest { budget: 100, page: 16, sink: 16 }), top_p: None, art: None };
         assert_eq!(plan_capacity(&q, 16, 100_000), 7 + 1 + 1);
         assert_eq!(plan_capacity(&q, 16, 40), 4, "never more than the entries covering the row");
-        let s = Pipeline { selector: Selector::Streaming { sink: 4, recent: 64 }, top_p: None, art: None };
+        let s = Pipeline { selector: Selector::Streaming(Streaming { sink: 4, recent: 64 }), top_p: None, art: None };
         assert_eq!(plan_capacity(&s, 16, 1000), 68);
-        let t = Pipeline { selector: Selector::Quest { budget: 64, page: 16, sink: 0 }, top_p: Some(crate::policy::TopP { p: 0.9 }), art: None };
+        let t = Pipeline { selector: Selector::Quest(Quest { budget: 64, page: 16, sink: 0 }), top_p: Some(crate::policy::TopP { p: 0.9 }), art: None };
         assert_eq!(plan_capacity(&t, 16, 100_000), (4 + 0 + 1) * 16);
         assert_eq!(plan_unit_log2(&t, 16), 0);
         assert_eq!(plan_unit_log2(&q, 16), 4);

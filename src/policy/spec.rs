@@ -11,169 +11,12 @@
 //! Every error names the byte position in the spec and what was expected there; unknown stages, keys and
 //! out-of-range values are errors, never ignored.
 //!
-//! This file is the generic grammar (names, `>` composition, `key=value` lists, options) and the parsed
-//! forms: a leaf every policy's folder imports (the closed set of selectors and stages, so the registry,
-//! which imports the folders, is not imported back); each stage's arguments are parsed in its folder
-//! (`src/policy/<name>/mod.rs`, `parse`), which the registry's table names (src/policy/registry.rs,
-//! `Spec::parse`, which also assembles the stages' values into a `Pipeline`).
+//! This file is the generic grammar only (names, `>` composition, `key=value` lists, options): it names no
+//! policy. Each stage's arguments are parsed in its folder (`src/policy/<name>/mod.rs`, `parse`, into the
+//! folder's own parsed form), which the registry's table names (src/policy/registry.rs, `Spec::parse`,
+//! which also assembles the stages' values into a `Pipeline`).
 
 use crate::error::{Error, ErrorKind, Result};
-
-/// Which blocks/tokens are eligible for a decode row.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Selector {
-    /// Every position the row may see (dense).
-    All,
-    /// The first `sink` and the last `recent` tokens.
-    Streaming { sink: usize, recent: usize },
-    /// The `ceil(budget / page)` pages with the highest upper-bound score `Σ_i max(q_i·max_i, q_i·min_i)`;
-    /// the page of the decode token and the pages holding the first `sink` tokens are always kept.
-    Quest { budget: usize, page: usize, sink: usize },
-    /// Tokens chosen at prefill from the attention of the last `window` prompt queries, max-pooled over `pool`.
-    SnapKv { budget: usize, window: usize, pool: usize },
-    /// PRR: Quest's true selection `over`, attended as a speculative (predicted) set plus repaired misses.
-    Speculate(Speculate),
-    /// RefreshKV: a per-(sequence, layer) partial token set rebuilt at full-attention steps.
-    Refresh(Refresh),
-    /// AttentionPredictor: a small CNN predicts the next step's block attention from its history.
-    Predictor(PredictorSpec),
-}
-
-/// How PRR predicts the speculative block set.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Predict {
-    /// Holt double exponential smoothing of each block's score (the method).
-    Holt,
-    /// The previous step's true set (the baseline the method is compared with).
-    Previous,
-    /// The lowest-predicted blocks: a deliberately bad predictor, for testing the repair path.
-    Inverse,
-}
-
-/// `speculate(over=quest(budget, page), alpha, beta, gamma, budget, predict, extra)`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Speculate {
-    /// The true selector: Quest with this token budget, page size and sink (tokens).
-    pub quest_budget: usize,
-    pub page: usize,
-    pub quest_sink: usize,
-    /// Holt parameters; `None` = calibrated at the sequence's prefill (see `policy::speculate`).
-    pub alpha: Option<f32>,
-    pub beta: Option<f32>,
-    pub gamma: Option<f32>,
-    /// Speculation budget in tokens (the constant of the default latency table); `None` = the Quest budget.
-    pub budget: Option<usize>,
-    pub predict: Predict,
-    /// Keep predicted blocks outside the true set as extra context (`extra=keep`, the paper's behaviour and
-    /// the default); `extra=drop` makes the output attention over the true set only.
-    pub keep_extra: bool,
-}
-
-/// `refresh(k, stride, s, pool, every)`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Refresh {
-    /// Tokens kept per KV head at partial steps.
-    pub k: usize,
-    /// Steps between similarity checks.
-    pub stride: usize,
-    /// Cosine threshold: a check keeps the partial set only while the similarity stays above `s`.
-    pub s: f32,
-    /// Max-pooling width (odd) of the full step's attention scores.
-    pub pool: usize,
-    /// Fixed schedule: a full step every `every` steps (no similarity check).
-    pub every: Option<usize>,
-}
-
-/// `predictor(budget, block, history, calib, sink, local)`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PredictorSpec {
-    pub budget: usize,
-    pub block: usize,
-    pub history: usize,
-    pub calib: usize,
-    pub sink: usize,
-    pub local: usize,
-}
-
-/// Twilight's select-then-prune: keep the smallest set whose estimated attention mass reaches `p`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct TopP {
-    pub p: f32,
-}
-
-/// Traversal order of ART (sink units always come first). The spec's `order=auto` (default) is resolved
-/// at parse time from the selector (ART paper §3.3): recency for `all`/`streaming`, priority for the
-/// scored selectors (`quest`, `snapkv`, and any pipeline with `top_p`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Order {
-    Recent,
-    Priority,
-}
-
-/// What ART compares between tiles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Probe {
-    /// The paper's probe (§3.2): the leading accumulator element of each of the 32 lanes of warp 0 in the
-    /// tensor-core layout (see `termination::probe_lanes`).
-    Lanes,
-    /// The whole normalised output of every query row of the group (the paper's oracle, Appendix B).
-    Full,
-}
-
-/// Adaptive (early) termination of the block traversal.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Art {
-    pub tau: f32,
-    pub phi: f32,
-    /// Consecutive stable blocks before stopping; `None` = never stop (`patience=inf`).
-    pub patience: Option<u32>,
-    pub order: Order,
-    pub probe: Probe,
-    /// Keys per independent segment of the traversal (a multiple of the 64-key tile), each terminated on
-    /// its own and merged by log-sum-exp; `None` = one segment (the paper). Lets a GPU split the row.
-    pub segment: Option<u32>,
-}
-
-/// A non-dense pipeline: select, then optionally prune (top-p), then optionally terminate (ART).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Pipeline {
-    pub selector: Selector,
-    pub top_p: Option<TopP>,
-    pub art: Option<Art>,
-}
-
-/// A parsed spec: `pipeline == None` is dense attention everywhere.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Spec {
-    pub pipeline: Option<Pipeline>,
-    pub dense_layers: usize,
-    /// `predictor(weights="...")`: the weights file the engine loads (None = the built-in weights).
-    pub predictor_weights: Option<String>,
-    /// Option `max_seqs`: the most sequences a CUDA engine keeps per-sequence policy state for at once
-    /// (its device slot map, src/cuda/slots.rs); the CPU engine's state is bounded by `max_state_bytes`.
-    pub max_seqs: usize,
-}
-
-impl Default for Spec {
-    /// Dense attention everywhere, the options' defaults.
-    fn default() -> Self {
-        Spec { pipeline: None, dense_layers: DEFAULT_DENSE_LAYERS, predictor_weights: None, max_seqs: DEFAULT_MAX_SEQS }
-    }
-}
-
-/// A stage's parsed arguments (what its folder's `parse` returns).
-pub(crate) enum Parsed {
-    Dense,
-    /// The selector, and a weights file it names (`predictor(weights="...")`).
-    Selector(Selector, Option<String>),
-    TopP(TopP),
-    /// ART, and its order when the spec gives one (else `art::resolve_order` picks the default).
-    Art(Art, Option<Order>),
-}
-
-/// The one argument that takes a nested stage (`key=name(args)`), as error messages name it.
-const NESTED_ARG: &str = "speculate.over";
-
 
 /// Default number of leading layers kept dense.
 pub const DEFAULT_DENSE_LAYERS: usize = 2;
@@ -399,7 +242,7 @@ impl<'a> Args<'a> {
                 return Err(err(src, a.key_pos, &format!("each key of `{stage}` at most once"), &format!("`{}` again", a.key)));
             }
             if a.nested.is_some() {
-                return Err(err(src, a.val_pos, &format!("a plain value for `{stage}.{}` (only `{}` takes a stage)", a.key, NESTED_ARG), &format!("stage `{}`", a.val.describe())));
+                return Err(err(src, a.val_pos, &format!("a plain value for `{stage}.{}` (this key takes no stage)", a.key), &format!("stage `{}`", a.val.describe())));
             }
         }
         Ok(Args { src, stage, args })
@@ -604,24 +447,11 @@ fn or_list(items: &[String]) -> String {
     }
 }
 
-/// `Spec::parse` (for the stages' tests in their folders).
-#[cfg(test)]
-pub(crate) fn parse(spec: &str) -> Result<Spec> {
-    Spec::parse(spec)
-}
-
-/// The message of the error a spec is refused with (for the stages' tests in their folders).
-#[cfg(test)]
-pub(crate) fn refusal(spec: &str) -> String {
-    let e = Spec::parse(spec).expect_err(spec);
-    assert_eq!(e.kind, ErrorKind::InvalidArgument);
-    e.message
-}
-
 /// The grammar's own forms (each stage's arguments are tested in its folder, `spec_tests`).
 #[cfg(test)]
 mod tests {
-    use super::{parse, refusal as msg, *};
+    use super::*;
+    use crate::policy::registry::{parse, refusal as msg};
 
     #[test]
     fn dense_forms_and_options() {

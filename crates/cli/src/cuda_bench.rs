@@ -521,7 +521,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     // are the decode query repeated (the observation window predicts the decode step, which is what the
     // method relies on). One chunk per rotation, so every rotation's blocks hold a choice.
     let snap_window = match engine.policy().pipeline().map(|pl| pl.selector.clone()) {
-        Some(kvsparse::policy::Selector::SnapKv { window, .. }) => Some(window.clamp(1, p.ctx)),
+        Some(kvsparse::policy::Selector::SnapKv(kvsparse::policy::SnapKv { window, .. })) => Some(window.clamp(1, p.ctx)),
         _ => None,
     };
     let mut prefill = Vec::new();
@@ -683,7 +683,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let write_us = time_calls(&|_| engine.cache_write(&step_write))?;
     let write_dense_us = time_calls(&|_| dense.cache_write(&step_write))?;
     let bound_bytes = match engine.policy().pipeline().map(|pl| pl.selector.clone()) {
-        Some(kvsparse::policy::Selector::Quest { page, .. }) => (p.batch * p.hk * p.ctx.div_ceil(page.min(BLOCK)) * d * 2 * 2) as f64,
+        Some(kvsparse::policy::Selector::Quest(kvsparse::policy::Quest { page, .. })) => (p.batch * p.hk * p.ctx.div_ceil(page.min(BLOCK)) * d * 2 * 2) as f64,
         _ => 0.0,
     };
     Ok(SparseRow {

@@ -1,5 +1,5 @@
 //! Quest's agreement check on CUDA (design.md "Decisions on the GPU: agreement, not bit equality"): the
-//! device scores pages on tensor cores (kernels/include/quest_mma.cuh: f16 products, f32 accumulation in
+//! device scores pages on tensor cores (kernels/policy/quest.cu: f16 products, f32 accumulation in
 //! the tensor core's order, the query split into two f16 terms), so a page whose bound lies near the
 //! row's cut may be kept by one engine and not the other. For each policy row whose page sets differ this
 //! module computes the exact (f64) bound of every page from the CPU engine's f16 bounds and the query, and
@@ -177,7 +177,7 @@ pub fn quest_alone(policy: &str) -> Option<QuestSet> {
     let p = kvsparse::policy::Policy::parse(policy).ok()?;
     let pl = p.pipeline()?;
     match pl.selector {
-        kvsparse::policy::Selector::Quest { budget, page, sink } if pl.top_p.is_none() && pl.art.is_none() => Some(QuestSet { budget, page, sink }),
+        kvsparse::policy::Selector::Quest(kvsparse::policy::Quest { budget, page, sink }) if pl.top_p.is_none() && pl.art.is_none() => Some(QuestSet { budget, page, sink }),
         _ => None,
     }
 }

@@ -11,22 +11,22 @@ use crate::cuda::plan::art_splits;
 use crate::cuda::stage::{CallShape, CudaStage, RowVisits, StepCx, WsAlloc};
 use crate::error::Result;
 use crate::policy::plan::{normalize_spans, HeadPlan};
-use crate::policy::{Art, Order, Pipeline, Probe, Selector};
+use crate::policy::kind::SelectorKind;
+use super::{Art, Order, Probe};
 use crate::ensure;
 
-/// Which ART settings, behind which stages, the CUDA backend runs.
-pub(crate) fn supported(p: &Pipeline) -> std::result::Result<(), String> {
-    let Some(a) = p.art else { return Ok(()) };
+/// Whether the CUDA backend runs `art` behind `selector` (and a pruning stage when `pruned`).
+pub(crate) fn supported(a: &Art, selector: &dyn SelectorKind, pruned: bool) -> std::result::Result<(), String> {
     // In the kernel: recency order over `all` / `streaming` / `quest` plans, and Quest's priority order
     // (its page scores sorted on the device, kvs_art_priority), the paper's probe. Priority by SnapKV's
     // pooled scores or top-p's estimated mass is not built (those scores are not kept on the device).
-    if !matches!(p.selector, Selector::All | Selector::Streaming { .. } | Selector::Quest { .. }) || p.top_p.is_some() {
+    if !selector.device_terminable() || pruned {
         return Err("`art` on the CUDA backend runs behind `all`, `streaming` or `quest` only (ART behind `snapkv` or `top_p` needs their scores on the device, not built yet)".into());
     }
     if a.probe != Probe::Lanes {
         return Err("`art` on the CUDA backend supports probe=lanes only".into());
     }
-    if a.order == Order::Priority && !matches!(p.selector, Selector::Quest { .. }) {
+    if a.order == Order::Priority && !selector.device_page_scores() {
         return Err("`art(order=priority)` on the CUDA backend needs a scored selector (quest)".into());
     }
     Ok(())
@@ -34,11 +34,8 @@ pub(crate) fn supported(p: &Pipeline) -> std::result::Result<(), String> {
 
 /// The positions below which ART's order puts a plan's entries first (the selector's sinks, as the CPU's
 /// `prepare_head`): `streaming.sink` or `quest.sink`, else position 0.
-pub(crate) fn sink_limit(p: &Pipeline) -> i32 {
-    match p.selector {
-        Selector::Streaming { sink, .. } | Selector::Quest { sink, .. } => sink.clamp(1, i32::MAX as usize) as i32,
-        _ => 1,
-    }
+pub(crate) fn sink_limit(selector: &dyn SelectorKind) -> i32 {
+    selector.sink_positions().clamp(1, i32::MAX as usize) as i32
 }
 
 /// ART's stage for one call, and its workspace regions.

@@ -19,10 +19,44 @@
 
 pub mod cuda;
 
-use super::spec::{Arg, Args, Art, Order, Parsed, Pipeline, Probe, Selector};
+use super::kind::SelectorKind;
+use super::spec::{Arg, Args};
 use crate::error::Result;
 
 use super::plan::HeadPlan;
+
+/// Traversal order of ART (sink units always come first). The spec's `order=auto` (default) is resolved
+/// at parse time from the selector ([`default_order`], ART paper §3.3): recency for `all`/`streaming`,
+/// priority for the scored selectors (`quest`, `snapkv`, and any pipeline with `top_p`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    Recent,
+    Priority,
+}
+
+/// What ART compares between tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// The paper's probe (§3.2): the leading accumulator element of each of the 32 lanes of warp 0 in the
+    /// tensor-core layout (see `termination::probe_lanes`).
+    Lanes,
+    /// The whole normalised output of every query row of the group (the paper's oracle, Appendix B).
+    Full,
+}
+
+/// Adaptive (early) termination of the block traversal.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Art {
+    pub tau: f32,
+    pub phi: f32,
+    /// Consecutive stable blocks before stopping; `None` = never stop (`patience=inf`).
+    pub patience: Option<u32>,
+    pub order: Order,
+    pub probe: Probe,
+    /// Keys per independent segment of the traversal (a multiple of the 64-key tile), each terminated on
+    /// its own and merged by log-sum-exp; `None` = one segment (the paper). Lets a GPU split the row.
+    pub segment: Option<u32>,
+}
 
 /// ART terminates the traversal of the selector's plan (its order, not its entries); its terminating
 /// attention kernel reads FP8 rows as the plan kernel does (the trait's defaults).
@@ -234,7 +268,7 @@ impl Tiles {
 
 /// `art(tau, phi, patience, order, probe, segment)`'s arguments (src/policy/registry.rs names the
 /// stage), and its order when the spec gives one (else [`resolve_order`] picks it).
-pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<(Art, Option<Order>)> {
     let mut a = Args::new(src, "art", raw, &["tau", "phi", "patience", "order", "probe", "segment"])?;
     let tau = a.num("tau", Some(1e-5), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
     let phi = a.num("phi", Some(1e-3), false, "a finite number >= 0", |v| v.is_finite() && v >= 0.0)?;
@@ -253,24 +287,16 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
     })?;
     let patience = if pat.is_infinite() { None } else { Some(pat as u32) };
     let segment = if seg.is_infinite() { None } else { Some(seg as u32) };
-    Ok(Parsed::Art(Art { tau: tau as f32, phi: phi as f32, patience, order: Order::Recent, probe, segment }, order))
-}
-
-/// Completes a parsed pipeline: ART's order, the spec's or the selector's default.
-pub(crate) fn resolve_order(p: &mut Pipeline, given: Option<Order>) {
-    let top_p = p.top_p.is_some();
-    if let Some(a) = p.art.as_mut() {
-        a.order = given.unwrap_or_else(|| default_order(&p.selector, top_p));
-    }
+    Ok((Art { tau: tau as f32, phi: phi as f32, patience, order: Order::Recent, probe, segment }, order))
 }
 
 /// ART's default traversal (paper §3.3): recency-first for full and pattern-based selections, the
-/// selector's priority for the scored ones.
-pub fn default_order(selector: &Selector, top_p: bool) -> Order {
-    match selector {
-        _ if top_p => Order::Priority,
-        Selector::All | Selector::Streaming { .. } => Order::Recent,
-        _ => Order::Priority,
+/// selector's priority for the scored ones (and behind a pruning stage, `top_p`, whose weights rank).
+pub(crate) fn default_order(selector: &dyn SelectorKind, pruned: bool) -> Order {
+    if pruned || selector.ranks_by_score() {
+        Order::Priority
+    } else {
+        Order::Recent
     }
 }
 
@@ -427,14 +453,14 @@ mod tests {
 /// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
 #[cfg(test)]
 mod spec_tests {
-    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::registry::{parse, refusal as msg};
     use crate::policy::*;
 
     #[test]
     fn parses_the_example() {
         let s = parse("quest(budget=4096) > top_p(p=0.95) > art(tau=1e-5, phi=1e-3, patience=5)").unwrap();
         let p = s.pipeline.unwrap();
-        assert_eq!(p.selector, Selector::Quest { budget: 4096, page: 16, sink: 0 });
+        assert_eq!(p.selector, Selector::Quest(Quest { budget: 4096, page: 16, sink: 0 }));
         assert_eq!(p.top_p, Some(TopP { p: 0.95 }));
         let a = p.art.unwrap();
         assert_eq!((a.tau, a.phi, a.patience, a.order, a.probe), (1e-5, 1e-3, Some(5), Order::Priority, Probe::Lanes));

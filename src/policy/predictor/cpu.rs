@@ -11,7 +11,7 @@
 
 use crate::cpu::sparse::*;
 use crate::policy::predictor::{self, PredictorHead};
-use crate::policy::PredictorSpec;
+use super::PredictorSpec;
 use crate::cpu::math::{decision_dot, decision_softcap, softmax_norm};
 
 /// AttentionPredictor's history seeded from a prefill chunk: the true block rows of the chunk's last

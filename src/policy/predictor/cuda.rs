@@ -30,10 +30,10 @@ use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::predictor::PredictorWeights;
-use crate::policy::PredictorSpec;
+use super::PredictorSpec;
 use crate::{bail, ensure};
 
-/// The module: the predictor's kernels (with the batch, top-k and SnapKV scoring headers they include).
+/// The module: the predictor's kernels (with the batch, top-k and weights-pass headers they include).
 pub use crate::cuda::kernel_src::PREDICTOR;
 
 /// CTAs of one `kvs_pred_conv` launch, over all (sequence, KV head) pairs (each stages the weights once
@@ -401,5 +401,28 @@ impl CudaStage for PredictorStage<'_> {
         let [pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits] = self.at;
         let lay = PredRegions { slot: cx.slot, slot_gen: cx.slot_gen, pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits };
         pd.predictor_step(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &lay, pw, &cx.fin, cx.ctr)
+    }
+}
+
+/// Compiles the predictor's module (its own, beside the shared ones that src/cuda/module_cache.rs checks
+/// under the same test name) with the built-in network's widths, PT as `PredictorDev` picks it.
+#[cfg(test)]
+mod compile_tests {
+    use crate::cuda::module_cache::CompileCheck;
+
+    #[test]
+    fn kernel_sources_compile_with_nvrtc() {
+        let Some(check) = CompileCheck::new() else { return };
+        let widths = ["PRED_C1=16".to_string(), "PRED_C2=32".into(), "PRED_PT=128".into()];
+        let build = |defs: Vec<String>| check.build("predictor", super::PREDICTOR, &[defs, widths.to_vec()].concat());
+        // Over FP8 caches (kv_load.cuh), both formats.
+        for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 64, 8), (2, 256, 8)] {
+            for kv8 in [1, 2] {
+                build(vec![format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), format!("KV8={kv8}"), "--fmad=false".into()]);
+            }
+        }
+        for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 64, 8), (0, 128, 4), (2, 96, 16), (1, 80, 1), (2, 256, 8), (0, 192, 4)] {
+            build(vec![format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GROUP={g}"), "--fmad=false".into()]);
+        }
     }
 }

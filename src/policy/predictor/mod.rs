@@ -19,7 +19,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args, Parsed, PredictorSpec, Selector};
+use super::spec::{Arg, Args};
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -27,6 +27,17 @@ use std::sync::Arc;
 use once_cell::sync::Lazy;
 
 use crate::error::{Error, ErrorKind, Result};
+
+/// `predictor(budget, block, history, calib, sink, local)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PredictorSpec {
+    pub budget: usize,
+    pub block: usize,
+    pub history: usize,
+    pub calib: usize,
+    pub sink: usize,
+    pub local: usize,
+}
 
 /// The history of one (sequence, layer, KV head).
 #[derive(Clone, Debug, Default)]
@@ -87,16 +98,16 @@ static BUILTIN: Lazy<std::result::Result<PredictorWeights, String>> =
     Lazy::new(|| PredictorWeights::from_safetensors(include_bytes!("weights.safetensors")).map_err(|e| e.message));
 
 impl PredictorWeights {
-    /// The weights shipped with the library (`src/policy/weights.safetensors`, trained on
-    /// SmolLM2-135M traces).
     /// The weights a `predictor` spec names (`weights="..."`), else the built-in ones.
-    pub(crate) fn for_spec(spec: &super::Spec) -> Result<Arc<PredictorWeights>> {
-        Ok(Arc::new(match &spec.predictor_weights {
+    pub(crate) fn for_spec(weights: Option<&str>) -> Result<Arc<PredictorWeights>> {
+        Ok(Arc::new(match weights {
             Some(path) => PredictorWeights::from_file(path)?,
             None => PredictorWeights::builtin()?.clone(),
         }))
     }
 
+    /// The weights shipped with the library (`src/policy/weights.safetensors`, trained on
+    /// SmolLM2-135M traces).
     pub fn builtin() -> Result<&'static PredictorWeights> {
         BUILTIN.as_ref().map_err(|m| Error::new(ErrorKind::Internal, format!("built-in predictor weights: {m}")))
     }
@@ -356,7 +367,8 @@ pub fn block_max(w: &[f32], block: usize) -> Vec<f32> {
 
 /// `predictor(budget, block, history, calib, sink, local, weights)`'s arguments (src/policy/registry.rs
 /// names the stage).
-pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+/// The weights file it names comes back beside the parameters (the spec keeps it: `Spec::predictor_weights`).
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<(PredictorSpec, Option<String>)> {
     let mut a = Args::new(src, "predictor", raw, &["budget", "block", "history", "calib", "sink", "local", "weights"])?;
     let budget = a.int("budget", None, 1, "", |_| true)?;
     let block = a.int("block", Some(16), 1, ", a power of two", |v| v.is_power_of_two())?;
@@ -365,7 +377,7 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
     let sink = a.int("sink", Some(64), 0, "", |_| true)?;
     let local = a.int("local", Some(64), 1, "", |_| true)?;
     let weights = a.string("weights", "a non-empty \"path\" of a safetensors file")?;
-    Ok(Parsed::Selector(Selector::Predictor(PredictorSpec { budget, block, history, calib, sink, local }), weights))
+    Ok((PredictorSpec { budget, block, history, calib, sink, local }, weights))
 }
 
 impl super::kind::SelectorKind for PredictorSpec {
@@ -516,7 +528,7 @@ mod tests {
 /// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
 #[cfg(test)]
 mod spec_tests {
-    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::registry::{parse, refusal as msg};
     use crate::policy::*;
 
     #[test]

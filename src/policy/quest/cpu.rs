@@ -83,14 +83,7 @@ fn quest_scores_generic<I: Isa>(q: &[f32], rows: usize, d: usize, lim: RowLimits
     bytes
 }
 
-/// `quest(budget, page, sink)` as a CPU stage.
-pub struct Quest {
-    pub budget: usize,
-    pub page: usize,
-    pub sink: usize,
-}
-
-impl CpuStage for Quest {
+impl CpuStage for super::Quest {
     fn select(&self, cx: &SelectCx, hw: &mut HeadWork, sc: &mut Scratch) -> (usize, u64, bool) {
         let (budget, page, sink) = (self.budget, self.page, self.sink);
         let (io, lim, blocks, head) = (cx.io, cx.lim, cx.blocks, hw.head);

@@ -3,7 +3,7 @@
 
 use crate::cpu::sparse::*;
 use crate::policy::refresh::RefreshHead;
-use crate::policy::Refresh;
+use super::Refresh;
 
 /// RefreshKV's partial set initialised at a prefill chunk, as the paper's prefilling stage does: the
 /// attention of the chunk's last query row (softmax weights per query head, max over the GQA group,

@@ -28,7 +28,7 @@ use crate::cuda::stage::{CallShape, CudaStage, Device, PolicyDevice, StepCx, WsA
 use crate::args::ForwardArgs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvCache;
-use crate::policy::Refresh;
+use super::Refresh;
 use crate::stats::Counters;
 use crate::{bail, ensure};
 

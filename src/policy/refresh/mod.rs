@@ -20,10 +20,25 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args, Parsed, Refresh, Selector};
+use super::spec::{Arg, Args};
 use crate::error::Result;
 
 use super::select::top_k_positions;
+
+/// `refresh(k, stride, s, pool, every)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Refresh {
+    /// Tokens kept per KV head at partial steps.
+    pub k: usize,
+    /// Steps between similarity checks.
+    pub stride: usize,
+    /// Cosine threshold: a check keeps the partial set only while the similarity stays above `s`.
+    pub s: f32,
+    /// Max-pooling width (odd) of the full step's attention scores.
+    pub pool: usize,
+    /// Fixed schedule: a full step every `every` steps (no similarity check).
+    pub every: Option<usize>,
+}
 
 /// Layer-level state of one sequence.
 #[derive(Clone, Debug, Default)]
@@ -134,7 +149,7 @@ impl RefreshHead {
 }
 
 /// `refresh(k, stride, s, pool, every)`'s arguments (src/policy/registry.rs names the stage).
-pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Refresh> {
     let mut a = Args::new(src, "refresh", raw, &["k", "stride", "s", "pool", "every"])?;
     let k = a.int("k", Some(2048), 1, "", |_| true)?;
     let stride = a.int("stride", Some(5), 1, "", |_| true)?;
@@ -144,7 +159,7 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
         Some(_) => Some(a.int("every", None, 1, "", |_| true)?),
         None => None,
     };
-    Ok(Parsed::Selector(Selector::Refresh(Refresh { k, stride, s: sim, pool, every }), None))
+    Ok(Refresh { k, stride, s: sim, pool, every })
 }
 
 impl super::kind::SelectorKind for Refresh {
@@ -201,7 +216,7 @@ mod tests {
 /// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
 #[cfg(test)]
 mod spec_tests {
-    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::registry::{parse, refusal as msg};
     use crate::policy::*;
 
     #[test]
@@ -216,7 +231,7 @@ mod spec_tests {
         assert!(msg("refresh(pool=4)").contains("odd"));
         assert!(msg("refresh(stride=0)").contains("refresh.stride"));
         assert!(msg("refresh(every=0)").contains("refresh.every"));
-        assert!(msg("refresh(k=quest(budget=1))").contains("only `speculate.over`"));
+        assert!(msg("refresh(k=quest(budget=1))").contains("this key takes no stage"));
         assert!(msg("refresh > top_p").contains("nothing after"));
         assert!(msg("quest(budget=8) > refresh").contains("at most one selector"));
     }

@@ -80,13 +80,7 @@ pub fn choose(io: &ForwardIo, s: usize, head: usize, budget: usize, window: usiz
 }
 
 /// `snapkv(budget, window, pool)` as a CPU stage: the choice at prefill, the kept positions at decode.
-pub struct SnapKv {
-    pub budget: usize,
-    pub window: usize,
-    pub pool: usize,
-}
-
-impl crate::cpu::sparse::CpuStage for SnapKv {
+impl crate::cpu::sparse::CpuStage for super::SnapKv {
     /// Chooses for every prefill sequence of the call and KV head (refused, with nothing stored, when
     /// storing the choices would exceed the engine's state cap), then stores the choices.
     fn prefill(&self, cx: &crate::cpu::sparse::PrefillCx) -> crate::error::Result<crate::stats::Counters> {

@@ -21,7 +21,7 @@ use crate::layout::KvCache;
 use crate::ensure;
 use crate::tensor::DType;
 
-/// Positions per CTA and threads of `kvs_snap_scores` (the kernel's SNAP_TP / SNAP_J).
+/// Positions per CTA and threads of `kvs_snap_scores` (weights_pass.cuh's WP_TP / WP_J).
 pub(crate) fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {
     if head_dim <= 128 {
         (32, 32 * group.min(8))

@@ -4,8 +4,17 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args, Parsed, Selector};
+use super::spec::{Arg, Args};
 use crate::error::Result;
+
+/// `snapkv(budget, window, pool)`: tokens chosen at prefill from the attention of the last `window` prompt
+/// queries, max-pooled over `pool`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapKv {
+    pub budget: usize,
+    pub window: usize,
+    pub pool: usize,
+}
 
 /// SnapKV's choice for one (sequence, layer, KV head), made at the sequence's last prefill chunk.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,15 +35,15 @@ impl super::PolicyState for std::sync::Arc<SnapSelection> {
 }
 
 /// `snapkv(budget, window, pool)`'s arguments (src/policy/registry.rs names the stage).
-pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<SnapKv> {
     let mut a = Args::new(src, "snapkv", raw, &["budget", "window", "pool"])?;
     let budget = a.int("budget", None, 1, "", |_| true)?;
     let window = a.int("window", Some(32), 1, "", |_| true)?;
     let pool = a.int("pool", Some(7), 1, ", odd", |v| v % 2 == 1)?;
-    Ok(Parsed::Selector(Selector::SnapKv { budget, window, pool }, None))
+    Ok(SnapKv { budget, window, pool })
 }
 
-impl super::kind::SelectorKind for cpu::SnapKv {
+impl super::kind::SelectorKind for SnapKv {
     /// Over FP8 its choice takes the scalar phases, which read the keys decoded times k_scale (snapkv::cuda).
     fn cuda_fp8_cache(&self) -> bool {
         true
@@ -53,12 +62,12 @@ impl super::kind::SelectorKind for cpu::SnapKv {
 /// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
 #[cfg(test)]
 mod spec_tests {
-    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::registry::{parse, refusal as msg};
     use crate::policy::*;
 
     #[test]
     fn snapkv_spec() {
-        assert_eq!(parse("snapkv(budget=100)").unwrap().pipeline.unwrap().selector, Selector::SnapKv { budget: 100, window: 32, pool: 7 });
+        assert_eq!(parse("snapkv(budget=100)").unwrap().pipeline.unwrap().selector, Selector::SnapKv(SnapKv { budget: 100, window: 32, pool: 7 }));
         assert!(msg("snapkv(budget=0)").contains("snapkv.budget"));
         assert!(msg("snapkv(budget=8, pool=4)").contains("odd"));
     }

@@ -3,7 +3,7 @@
 
 use crate::cpu::sparse::*;
 use crate::policy::speculate::{self, calib_rows, HoltParams, PrrHead, SpecBudgetTable, TrajStep, CALIB_ROWS, DEFAULT_PARAMS};
-use crate::policy::Speculate;
+use super::Speculate;
 use crate::policy::quest::cpu::quest_page_scores;
 
 /// The budget table the caller loaded (`Engine::set_speculation_budgets`), if any.

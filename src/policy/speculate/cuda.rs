@@ -40,7 +40,7 @@ use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::plan::selector_capacity;
 use crate::policy::speculate::{self, TrajStep};
-use crate::policy::{Selector, Speculate};
+use super::Speculate;
 use crate::stats::Counters;
 use crate::tensor::{DType, TensorRef};
 use crate::{bail, ensure};
@@ -155,7 +155,7 @@ fn take_over_set(streams: &mut HashMap<usize, StreamSet>, key: usize, need: usiz
 
 /// Which `speculate` settings the CUDA backend runs.
 pub fn supported(s: &Speculate) -> std::result::Result<(), String> {
-    if s.predict != crate::policy::Predict::Holt {
+    if s.predict != super::Predict::Holt {
         return Err("`speculate` on the CUDA backend predicts with Holt only (`predict=previous|inverse` are CPU baselines)".into());
     }
     if !s.keep_extra {
@@ -287,7 +287,7 @@ impl PrrDevice {
         let spb = slots_per_block(bs, page);
         let maxp = geo.max_pos.div_ceil(page) + 1;
         let k_spec = sp.budget.unwrap_or(sp.quest_budget).div_ceil(page).max(1);
-        let t_cap = selector_capacity(&Selector::Quest { budget: sp.quest_budget, page, sink: sp.quest_sink }, bs, geo.max_pos).max(1);
+        let t_cap = selector_capacity(&crate::policy::quest::Quest { budget: sp.quest_budget, page, sink: sp.quest_sink }, bs, geo.max_pos).max(1);
         let p_cap = k_spec.min(maxp).max(1);
         let (m_cap, u_cap) = (t_cap, p_cap + t_cap);
         ensure!(u_cap < i32::MAX as usize && maxp < i32::MAX as usize, Unsupported, "PRR plan too large for 32-bit indices");

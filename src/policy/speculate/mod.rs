@@ -17,10 +17,40 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{err, quoted, Arg, Args, Parsed, Predict, Selector, Speculate, Tok};
+use super::spec::{err, quoted, Arg, Args, Tok};
 use crate::error::{Error, ErrorKind, Result};
 
 use super::quest::cpu::quest_pages;
+
+/// How PRR predicts the speculative block set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Predict {
+    /// Holt double exponential smoothing of each block's score (the method).
+    Holt,
+    /// The previous step's true set (the baseline the method is compared with).
+    Previous,
+    /// The lowest-predicted blocks: a deliberately bad predictor, for testing the repair path.
+    Inverse,
+}
+
+/// `speculate(over=quest(budget, page), alpha, beta, gamma, budget, predict, extra)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Speculate {
+    /// The true selector: Quest with this token budget, page size and sink (tokens).
+    pub quest_budget: usize,
+    pub page: usize,
+    pub quest_sink: usize,
+    /// Holt parameters; `None` = calibrated at the sequence's prefill (see `policy::speculate`).
+    pub alpha: Option<f32>,
+    pub beta: Option<f32>,
+    pub gamma: Option<f32>,
+    /// Speculation budget in tokens (the constant of the default latency table); `None` = the Quest budget.
+    pub budget: Option<usize>,
+    pub predict: Predict,
+    /// Keep predicted blocks outside the true set as extra context (`extra=keep`, the paper's behaviour and
+    /// the default); `extra=drop` makes the output attention over the true set only.
+    pub keep_extra: bool,
+}
 
 /// Holt parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -276,18 +306,18 @@ pub fn calib_rows(start: usize, len: usize, max: usize) -> Vec<usize> {
 
 /// `speculate(over=quest(...), alpha, beta, gamma, budget, predict, extra)`'s arguments
 /// (src/policy/registry.rs names the stage).
-pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Speculate> {
     let mut raw = raw;
     let over = raw.iter().position(|a| a.key == "over");
     let over_arg = over.map(|i| raw.remove(i));
     let mut a = Args::new(src, "speculate", raw, &["alpha", "beta", "gamma", "budget", "predict", "extra"])?;
-    let (quest_budget, page, quest_sink) = match over_arg {
+    let super::quest::Quest { budget: quest_budget, page, sink: quest_sink } = match over_arg {
         None => return Err(Error::new(ErrorKind::InvalidArgument, format!("policy spec {}: stage `speculate` needs `over=quest(budget=...)`", quoted(src)))),
         Some(o) => {
             if o.val != Tok::Name("quest".into()) {
                 return Err(err(src, o.val_pos, "`quest(...)` for `speculate.over`", &o.val.describe()));
             }
-            super::quest::args(src, o.nested.unwrap_or_default())?
+            super::quest::parse(src, o.nested.unwrap_or_default())?
         }
     };
     let alpha = a.auto_num("alpha", "a number in [0, 1] or `auto`", |v| (0.0..=1.0).contains(&v))?;
@@ -303,7 +333,7 @@ pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
         _ => Predict::Holt,
     };
     let keep_extra = a.word("extra", "keep", &["drop", "keep"])? == "keep";
-    Ok(Parsed::Selector(Selector::Speculate(Speculate { quest_budget, page, quest_sink, alpha, beta, gamma, budget, predict, keep_extra }), None))
+    Ok(Speculate { quest_budget, page, quest_sink, alpha, beta, gamma, budget, predict, keep_extra })
 }
 
 impl super::kind::SelectorKind for Speculate {
@@ -421,7 +451,7 @@ mod tests {
 /// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
 #[cfg(test)]
 mod spec_tests {
-    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::registry::{parse, refusal as msg};
     use crate::policy::*;
 
     #[test]

@@ -3,13 +3,7 @@
 use crate::cpu::sparse::{CpuStage, HeadWork, Scratch, SelectCx};
 use crate::policy::plan::{normalize_spans, HeadPlan};
 
-/// `streaming(sink, recent)` as a CPU stage.
-pub struct Streaming {
-    pub sink: usize,
-    pub recent: usize,
-}
-
-impl CpuStage for Streaming {
+impl CpuStage for super::Streaming {
     fn select(&self, cx: &SelectCx, hw: &mut HeadWork, _sc: &mut Scratch) -> (usize, u64, bool) {
         streaming(&mut hw.plan, cx.lim.lo, cx.lim.hi, self.sink, self.recent);
         (self.sink.max(1), 0, false)

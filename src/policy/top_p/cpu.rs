@@ -2,7 +2,7 @@
 //! copy of the keys (`cpu::sparse::estimate_weights`), keeping the minimal set of [`super::select`].
 
 use crate::cpu::sparse::{code_bytes, estimate_weights, CpuLaterStage, HeadWork, Scratch, SelectCx};
-use crate::policy::TopP;
+use super::TopP;
 use crate::stats::Counters;
 
 impl CpuLaterStage for TopP {

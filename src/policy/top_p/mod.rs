@@ -15,8 +15,14 @@
 pub mod cpu;
 pub mod cuda;
 
-use super::spec::{Arg, Args, Parsed, TopP};
+use super::spec::{Arg, Args};
 use crate::error::Result;
+
+/// Twilight's select-then-prune: keep the smallest set whose estimated attention mass reaches `p`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TopP {
+    pub p: f32,
+}
 
 /// Top-p keeps a subset of the candidates' tokens per KV head, estimated from the INT4 copy of the keys.
 impl super::kind::LaterStageKind for TopP {
@@ -118,10 +124,10 @@ pub fn select(p_rows: &[f32], rows: usize, n: usize, p: f32, w: &mut Vec<f32>, k
 }
 
 /// `top_p(p)`'s arguments (src/policy/registry.rs names the stage).
-pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<Parsed> {
+pub(crate) fn parse(src: &str, raw: Vec<Arg>) -> Result<TopP> {
     let mut a = Args::new(src, "top_p", raw, &["p"])?;
     let v = a.num("p", Some(0.95), false, "a number in (0, 1]", |v| v > 0.0 && v <= 1.0)?;
-    Ok(Parsed::TopP(TopP { p: v as f32 }))
+    Ok(TopP { p: v as f32 })
 }
 
 #[cfg(test)]
@@ -209,7 +215,7 @@ mod tests {
 /// This stage's spec forms: defaults, values and refusals (each message names the position and the key).
 #[cfg(test)]
 mod spec_tests {
-    use crate::policy::spec::{parse, refusal as msg};
+    use crate::policy::registry::{parse, refusal as msg};
     use crate::policy::*;
 
     #[test]

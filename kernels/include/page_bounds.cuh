@@ -1,5 +1,6 @@
-// Quest's page bounds as the cache write lays them out (kernels/meta.cu) and one row's Quest top-k,
-// shared by Quest's selection (select.cu) and PRR's (prr.cu).
+// Page bounds: a page's score as the upper bound of q.k from its channel-wise key bounds (min/max, as the
+// cache write lays them out, kernels/meta.cu), and one row's top-k of pages by that score; shared by
+// Quest's selection (policy/quest.cu) and PRR's (policy/speculate.cu).
 #pragma once
 #include "common.cuh"
 #include "decide.cuh"
@@ -11,7 +12,7 @@
 #define QS_THREADS 256
 #define QS_PAGES 64
 // Issuing four pages' bound loads into registers first was measured slower on the H100 (selection 961
-// against 633 us at batch 32, 128K: the registers cut the occupancy); quest_score_tile stages them in
+// against 633 us at batch 32, 128K: the registers cut the occupancy); page_score_tile stages them in
 // shared memory by cp.async instead.
 __device__ __forceinline__ void load_lane_bounds(const u16* p, float* v) {
 #if QC % 8 == 0
@@ -43,10 +44,10 @@ __device__ __forceinline__ void load_lane_bounds(const u16* p, float* v) {
 #endif
 }
 
-// Pages staged in shared memory per round of quest_score_tile's page-per-unit path: 32 KiB of bounds.
+// Pages staged in shared memory per round of page_score_tile's page-per-unit path: 32 KiB of bounds.
 #define QS_ROUND (HEAD_DIM <= 128 ? 64 : 32)
 
-__device__ __forceinline__ void quest_cp_async16(void* dst, const void* src) {
+__device__ __forceinline__ void page_cp_async16(void* dst, const void* src) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
@@ -55,7 +56,7 @@ __device__ __forceinline__ void quest_cp_async16(void* dst, const void* src) {
 // of page tile0 + j's bounds, or -1 (outside the row, an unmapped block), then the page's [min | max] row
 // copied by cp.async to `rows + j * stride`. Returns the pages inside the row this thread looked up (for
 // CTR_KV_BYTES). The caller waits for the copies (cp.async.wait_all) and syncs. Block-wide.
-__device__ __forceinline__ unsigned long long quest_stage_round(const Batch& b, int s, int h, int hk, const u16* qmin, const u16* qmax, int upb, int fp,
+__device__ __forceinline__ unsigned long long page_stage_round(const Batch& b, int s, int h, int hk, const u16* qmin, const u16* qmax, int upb, int fp,
                                                                 int np, int maxp, int tile0, int round, i64* sbase, u16* rows, int stride) {
     unsigned long long units = 0;
     for (int j = threadIdx.x; j < round; j += blockDim.x) {
@@ -76,7 +77,7 @@ __device__ __forceinline__ unsigned long long quest_stage_round(const Batch& b, 
         u16* dst = rows + mx * HEAD_DIM + ch * 8;
         for (int j = warp; j < round; j += nw) {
             const i64 base = sbase[j];
-            if (base >= 0) quest_cp_async16(dst + j * stride, src + base);
+            if (base >= 0) page_cp_async16(dst + j * stride, src + base);
         }
     }
     return units;
@@ -85,7 +86,7 @@ __device__ __forceinline__ unsigned long long quest_stage_round(const Batch& b, 
 // One page's score from a lane's channels of its min and max (`lo`, `hi`): for each query row of the
 // group, the lane's sum of max(q * min, q * max) over its channels in order, a butterfly over the
 // half-warp, and the maximum over the rows, the CPU's quest_bound order. Half-warp-wide.
-__device__ __forceinline__ float quest_page_bound(const float (&qv)[GROUP][QC], const float* lo, const float* hi, unsigned hmask) {
+__device__ __forceinline__ float page_bound(const float (&qv)[GROUP][QC], const float* lo, const float* hi, unsigned hmask) {
     float best = -INFINITY;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
@@ -108,7 +109,7 @@ __device__ __forceinline__ float quest_page_bound(const float (&qv)[GROUP][QC], 
 // so an SM keeps enough of them in flight to read the bounds near copy bandwidth (one load per page and
 // half-warp at a time left it latency-bound, 22-29% of it on the H200). The arithmetic is unchanged.
 template <typename Put>
-__device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, const SeqRow& r, int s, int h, const elem_t* q, i64 q0, i64 q1, i64 q2,
+__device__ __forceinline__ unsigned long long page_score_tile(const Batch& b, const SeqRow& r, int s, int h, const elem_t* q, i64 q0, i64 q1, i64 q2,
                                                                float scale, int hk, const u16* qmin, const u16* qmax, int unit, int upb, int page,
                                                                int maxp, float* qs, Put put) {
     for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
@@ -132,7 +133,7 @@ __device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, c
         for (int r0 = 0; r0 < QS_PAGES; r0 += QS_ROUND) {
             const int tile0 = blockIdx.x * QS_PAGES + r0;
             if (r0 > 0) __syncthreads();  // the previous round's rows are read
-            units += quest_stage_round(b, s, h, hk, qmin, qmax, upb, fp, np, maxp, tile0, QS_ROUND, sbase, &sb[0][0][0], 2 * HEAD_DIM);
+            units += page_stage_round(b, s, h, hk, qmin, qmax, upb, fp, np, maxp, tile0, QS_ROUND, sbase, &sb[0][0][0], 2 * HEAD_DIM);
             asm volatile("cp.async.wait_all;" ::: "memory");
             __syncthreads();
             // Every half-warp runs the same trip count, so the butterflies use the full warp's mask (a
@@ -143,7 +144,7 @@ __device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, c
                 const bool active = i < np && i < maxp;
                 load_lane_bounds(&sb[j][0][lane * QC], lo_);
                 load_lane_bounds(&sb[j][1][lane * QC], hi_);
-                const float best = quest_page_bound(qv, lo_, hi_, 0xffffffffu);
+                const float best = page_bound(qv, lo_, hi_, 0xffffffffu);
                 if (active && lane == 0) put(i, sbase[j] >= 0 ? best : -INFINITY);
             }
         }
@@ -162,7 +163,7 @@ __device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, c
             const i64 base = ((pb * upb + u0 % upb) * hk + h) * (i64)HEAD_DIM + lane * QC;
             load_lane_bounds(qmin + base, lo_);
             load_lane_bounds(qmax + base, hi_);
-            best = fmaxf(best, quest_page_bound(qv, lo_, hi_, hmask));
+            best = fmaxf(best, page_bound(qv, lo_, hi_, hmask));
         }
         if (active && lane == 0) put(i, best);
     }
@@ -171,14 +172,14 @@ __device__ __forceinline__ unsigned long long quest_score_tile(const Batch& b, c
 
 // The units a CTA read, into CTR_KV_BYTES once per CTA (same-address atomics from every thread would
 // serialize in L2). Block-wide.
-__device__ __forceinline__ void quest_count_units(unsigned long long units, unsigned long long* red, unsigned long long* ctr) {
+__device__ __forceinline__ void page_count_units(unsigned long long units, unsigned long long* red, unsigned long long* ctr) {
     units = block_sum(units, red);
     if (threadIdx.x == 0) atomicAdd(&ctr[CTR_KV_BYTES], units * (2 * HEAD_DIM * 2));
 }
 
 // One row's Quest plan (the body of kvs_quest_topk, shared with PRR's kvs_prr_select): writes the plan
 // entries to e and returns their count, or -1 for a sequence that is not a decode row. Block-wide.
-__device__ __forceinline__ int quest_topk_row(const Batch& b, const SeqRow& r, int s, int h, int hk, int budget, int page, int sink, const float* scores,
+__device__ __forceinline__ int page_topk_row(const Batch& b, const SeqRow& r, int s, int h, int hk, int budget, int page, int sink, const float* scores,
                                               int maxp, unsigned* e, int cap, int smem_keys, unsigned* skey, unsigned* hist, unsigned* sel, int* cnt) {
     if (!r.decode) return -1;
     if (r.hi < r.lo) return 0;
