@@ -16,7 +16,7 @@ pub struct Counters {
     pub blocks_eligible: u64,
     /// KV blocks (per KV head) whose keys were actually read.
     pub blocks_visited: u64,
-    /// Blocks the selector offered but early termination (ART) did not visit.
+    /// Blocks the selector offered but a stage that terminates the traversal did not visit.
     pub blocks_skipped_termination: u64,
     /// Tokens offered to top-p, and tokens it kept.
     pub top_p_candidates: u64,
@@ -37,9 +37,10 @@ pub struct Counters {
     pub refresh_partial_steps: u64,
     /// Bytes of K and V read by attention (all rows, dense and sparse).
     pub kv_bytes_read: u64,
-    /// ART: tiles (64 slots of the visit order) visited, and tiles of the whole traversals (Rust only).
-    pub art_tiles_visited: u64,
-    pub art_tiles_total: u64,
+    /// A stage that terminates the traversal: the steps (tiles of its visit order) visited, and those of
+    /// the whole traversals (Rust only).
+    pub traversal_tiles_visited: u64,
+    pub traversal_tiles_total: u64,
 }
 
 impl Counters {
@@ -56,8 +57,8 @@ impl Counters {
             top_p_kept: c[6],
             kv_bytes_read: c[7],
             blocks_skipped_termination: c[8],
-            art_tiles_visited: c[9],
-            art_tiles_total: c[10],
+            traversal_tiles_visited: c[9],
+            traversal_tiles_total: c[10],
             spec_predicted_blocks: c[11],
             spec_true_blocks: c[12],
             spec_hit_blocks: c[13],
@@ -87,8 +88,8 @@ impl Counters {
         self.refresh_full_steps += o.refresh_full_steps;
         self.refresh_partial_steps += o.refresh_partial_steps;
         self.kv_bytes_read += o.kv_bytes_read;
-        self.art_tiles_visited += o.art_tiles_visited;
-        self.art_tiles_total += o.art_tiles_total;
+        self.traversal_tiles_visited += o.traversal_tiles_visited;
+        self.traversal_tiles_total += o.traversal_tiles_total;
     }
 
     /// What was counted since `before` (an earlier reading of the same, only growing, counters).
@@ -114,8 +115,8 @@ impl Counters {
             refresh_full_steps: f(self.refresh_full_steps, before.refresh_full_steps),
             refresh_partial_steps: f(self.refresh_partial_steps, before.refresh_partial_steps),
             kv_bytes_read: f(self.kv_bytes_read, before.kv_bytes_read),
-            art_tiles_visited: f(self.art_tiles_visited, before.art_tiles_visited),
-            art_tiles_total: f(self.art_tiles_total, before.art_tiles_total),
+            traversal_tiles_visited: f(self.traversal_tiles_visited, before.traversal_tiles_visited),
+            traversal_tiles_total: f(self.traversal_tiles_total, before.traversal_tiles_total),
         }
     }
 
@@ -147,7 +148,7 @@ pub struct EngineStats {
 }
 
 /// What one policy row attended: for (sequence, KV head) of a decode row in a non-dense layer, the sorted
-/// half-open position spans whose keys exact attention read (after selection, top-p and ART's early stop),
+/// half-open position spans whose keys exact attention read (after selection, pruning and early stop),
 /// adjacent spans merged (the same canonical form on both backends).
 /// Collected only when asked for ([`crate::Engine::record_visits`]); evaluation uses it to measure the
 /// attention mass a policy recovered. Dense rows are not recorded (they visit every visible position).
@@ -157,6 +158,6 @@ pub struct VisitRecord {
     pub seq_id: u64,
     pub kv_head: usize,
     pub spans: Vec<(usize, usize)>,
-    /// ART: (tiles visited, tiles of the whole traversal); `None` without ART.
-    pub art_tiles: Option<(u32, u32)>,
+    /// Under a stage that terminates the traversal: (tiles visited, tiles of the whole traversal); else `None`.
+    pub traversal_tiles: Option<(u32, u32)>,
 }
