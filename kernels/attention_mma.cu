@@ -27,7 +27,7 @@
 // TRAVERSAL_HOOK (with PLAN=1): a later stage watches each decode row's traversal of its plan and may
 // stop it (src/cuda/traversal.rs; ART's is kernels/policy/art/traversal.cuh). The module's text puts the
 // hook's file in front of this one; it defines TRAVERSAL_HOOK 1, the kernel shape it needs (an #error
-// otherwise) and, all called by every thread of the CTA:
+// otherwise) and, each called by every thread of the CTA (the stop decisions uniform over it):
 //   TraversalArgs                 its launch arguments, passed by value after `mode`;
 //   traversal_order / _entry      the order the plan's entries are visited in (the split's keys are
 //                                 visit indices: a split is a run of the order);
@@ -39,7 +39,8 @@
 //   traversal_decide              in the row's last split: a stop over the whole row, whose later splits
 //                                 leave the merge (LSE -inf) and whose split may have attended past it: that
 //                                 split then re-runs its first `keys` keys into its own slot (pass 1, the
-//                                 row's checks as pass 0 judged them; no hook call in pass 1 but the last);
+//                                 row's checks as pass 0 judged them; pass 1 reads the order and starts a
+//                                 split's state, and calls no other hook before traversal_row_done);
 //   traversal_row_done            the row's final record (visits, counters).
 // LOGITS=1 (with PLAN=1): the decode rows' logits are also written out, for a policy that decides from
 // this attention's own weights (RefreshKV's full step, kernels/refresh.cu): every visible key's base-2

@@ -31,7 +31,8 @@
 #endif
 
 // Rust: src/policy/art/cuda.rs ArtLaunch (a test compares the layouts).
-// ART's launch arguments (the kernel's TraversalArgs, passed by value after `mode`). patience < 0: never stop (patience = inf).
+// ART's launch arguments (the kernel's TraversalArgs, passed by value after `mode`). patience < 0: never
+// stop (patience = inf).
 struct ArtArgs {
     float tau, phi;
     int patience, sink_limit;
