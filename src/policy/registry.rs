@@ -41,7 +41,6 @@ impl Pipeline {
     }
 }
 
-
 /// The attention kernel's traversal hooks (src/cuda/traversal.rs), one line per stage that has one: what
 /// the kernels' compile check builds.
 #[cfg(test)]
