@@ -24,17 +24,24 @@
 // ROW_SPLIT (dense rows: 1 = each row splits its own span, 0 = the plan's fixed chunks).
 // PLAN=1: decode rows read their visit plan (src/policy/plan.rs, kernels/select.cu) instead of the
 // sequence's positions; a split is a range of plan keys; the visible range still masks every key.
-// ART=1 (with PLAN=1, NWARPS=4, GQ=GROUP): run-time termination (src/policy/termination.rs,
-// docs/policies.md "art"). The plan is walked in ART's recency order (its sink entries, then the others
-// newest first); after each round of the 4 warps (64 plan slots = one ART tile) every warp publishes its
-// lanes' leading accumulator element (row r = lane/4, dim 2*(lane%4)) with its running max and row sum,
-// one __syncthreads, and every warp computes the same CTA-normalised probe and the same decision (lane
-// sums in the xor-butterfly order, each operation rounded on its own), so the CTA stops as a whole.
-// With art(segment=K) a split is one segment (a whole number of tiles): each terminates on its own from
-// x(0) = 0, and the combine merges them by LSE, as the CPU engine does. Without it (one segment) a row
-// split over several CTAs walks its traversal split-parallel: every round's probe partial is written out,
-// the row's last split decides (art_decide) and re-runs the split its stop falls in (pass 1); one split
-// leaves the loop at the stop. The last split also counts the blocks no visited tile reached.
+// TRAVERSAL_HOOK (with PLAN=1): a later stage watches each decode row's traversal of its plan and may
+// stop it (src/cuda/traversal.rs; ART's is kernels/policy/art/traversal.cuh). The module's text puts the
+// hook's file in front of this one; it defines TRAVERSAL_HOOK 1, the kernel shape it needs (an #error
+// otherwise) and, each called by every thread of the CTA (the stop decisions uniform over it):
+//   TraversalArgs                 its launch arguments, passed by value after `mode`;
+//   traversal_order / _entry      the order the plan's entries are visited in (the split's keys are
+//                                 visit indices: a split is a run of the order);
+//   traversal_row, _split_start   its state of the row (kept across the re-run below) and of a split;
+//   traversal_round               after every round (each warp's tile k; every warp runs every round,
+//                                 the masked ones included): true stops the split's loop;
+//   traversal_split_done          after the split's loop: its visit record;
+//   traversal_last_split          once every split of the row has run (nsplit > 1): true in the last;
+//   traversal_decide              in the row's last split: a stop over the whole row, whose later splits
+//                                 leave the merge (LSE -inf) and whose split may have attended past it: that
+//                                 split then re-runs its first `keys` keys into its own slot (pass 1, the
+//                                 row's checks as pass 0 judged them; pass 1 reads the order and starts a
+//                                 split's state, and calls no other hook before traversal_row_done);
+//   traversal_row_done            the row's final record (visits, counters).
 // LOGITS=1 (with PLAN=1): the decode rows' logits are also written out, for a policy that decides from
 // this attention's own weights (RefreshKV's full step, kernels/refresh.cu): every visible key's base-2
 // logit (the value the online softmax uses: after the softcap, times log2(e) and the scale) of each of the
@@ -48,7 +55,7 @@
 // It also spreads a row whose plan is shorter than the launch's bound over every split (a per-row chunk,
 // the launch's `chunk` for the longest rows, so those split as dense rows do): RefreshKV's partial rows
 // (k positions) share the launch of its full rows (every position).
-// KV8 (fp8.cuh; dense rows, plans, ART and LOGITS): FP8 caches. A tile's rows are copied as bytes
+// KV8 (fp8.cuh; dense rows, plans, a traversal hook and LOGITS): FP8 caches. A tile's rows are copied as bytes
 // into padded shared-memory rows (ROWB below) and each lane reads its MMA fragments from them
 // as 32-bit words, widening in registers (exact): no pass over shared memory. K: a word is 4 consecutive
 // channels of one key, so the k-step's channels are taken in the order (4j, 4j+1 | 4j+2, 4j+3) for lane
@@ -77,38 +84,9 @@
 #endif
 #include "mma.cuh"
 #include "fp8.cuh"
-// ART=1's block count (unused otherwise).
-#include "art_blocks.cuh"
+#include "mma_tile.cuh"
 
-#define NTHREADS (NWARPS * 32)
-#define CPR (HEAD_DIM / 8)          // 16-byte chunks per K/V row
 #if KV8
-// A padded shared-memory row of FP8 bytes (plan::MmaShape::smem_bytes): a multiple of 128 plus 16, so the
-// 8 rows a fragment read touches start 4 banks apart (no bank conflicts) at every head size.
-#define ROWB ((HEAD_DIM + 127) / 128 * 128 + 16)
-#else
-#define ROWB (HEAD_DIM * 2 + 16)    // padded shared-memory row, bytes
-#endif
-#define TILEB (16 * ROWB)           // one 16-key tile of K (or V)
-#define KSTEPS (HEAD_DIM / 16)
-#define NT (HEAD_DIM / 8)
-#define STAGE_BYTES (NWARPS * NSTAGE * 2 * TILEB)
-#define MERGE_BYTES (NWARPS * GQ * (HEAD_DIM + 2) * 4)
-#define SMEM_BYTES (STAGE_BYTES > MERGE_BYTES ? STAGE_BYTES : MERGE_BYTES)
-#if KV8
-#define CPR8 (HEAD_DIM / 16)  // 16-byte chunks per FP8 row
-// V^T tiles (header): lane c's word g (kv8_vw) holds rows c, c + 8 of channel tiles 2 g and 2 g + 1
-// (bytes 0, 1 and 2, 3); a head size that is an odd multiple of 16 ends with one tile over 16 channels read
-// as 16-bit halves (lane c: channels 32 KV8_G + 2 c, + 1).
-#define KV8_G (HEAD_DIM / 32)  // whole 32-channel groups: V words per lane and key
-#define KV8_GF (KV8_G / 4)       // whole 128-channel blocks (4 words, 16 bytes, per lane)
-#define KV8_GR (KV8_G % 4)       // words per lane in the last, partial block
-// Byte offset in a V row of lane c's word g: per block of 128 channels the lane's words are contiguous
-// (8 lanes x 16 bytes; the partial block 8 lanes x 4 KV8_GR bytes), conflict-free over the quarter-warps
-// of a 16-byte load with the padded rows (ROWB).
-__device__ __forceinline__ int kv8_vw(int g, int c) { return 128 * (g >> 2) + 4 * ((g >> 2) < KV8_GF ? 4 : KV8_GR) * c + 4 * (g & 3); }
-#define KV8_MT (HEAD_DIM / 16)   // 16-channel tiles of O^T (transposed PV, header)
-#define KV8_HH (GQ > 8 ? 2 : 1)    // halves of the CTA's query heads (the N = 8 side of an O^T tile)
 // Rescales the O^T tiles of one head half by the online softmax's alpha. Lane (r, qd) computed alpha of
 // head r (+ 8) and holds heads 2 qd, 2 qd + 1: theirs come from lanes 8 qd and 8 qd + 4.
 // Skipped while no head's maximum moved (alpha == 1 in every lane; x * 1 == x): most tiles of a long row.
@@ -125,8 +103,11 @@ __device__ __forceinline__ void kv8_rescale(float (*o)[4], float alpha, int qd) 
 }
 #endif
 
-#ifndef ART
-#define ART 0
+#ifndef TRAVERSAL_HOOK
+#define TRAVERSAL_HOOK 0
+#endif
+#if TRAVERSAL_HOOK && !PLAN
+#error "TRAVERSAL_HOOK needs PLAN"
 #endif
 #ifndef ROW_SPLIT
 #define ROW_SPLIT 1
@@ -136,151 +117,6 @@ __device__ __forceinline__ void kv8_rescale(float (*o)[4], float alpha, int qd) 
 #endif
 #if LOGITS && !PLAN
 #error "LOGITS needs PLAN"
-#endif
-#ifndef ART_NOPROBE
-#define ART_NOPROBE 0  // benchmarks only: ART's order and splits without the detector
-#endif
-#if ART
-#define ART_PR (GQ < 8 ? GQ : 8)  // probed rows
-__device__ __forceinline__ float art_lane_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// Merges partial probe state (ln, ld, lm) into (pn, pd, pm): numerator, row sum, running max (base 2).
-__device__ __forceinline__ void art_merge(float& pn, float& pd, float& pm, float ln, float ld, float lm) {
-    const float mm = fmaxf(pm, lm);
-    const float a = pm == -INFINITY ? 0.f : exp2f(pm - mm), b = lm == -INFINITY ? 0.f : exp2f(lm - mm);
-    pn = pn * a + ln * b;
-    pd = pd * a + ld * b;
-    pm = mm;
-}
-
-// The split-parallel traversal's decision (the split that finishes a row last, all NWARPS * 32 threads):
-// from every round's probe partial `pr` ([T][48]: the split's running state after that round, 32
-// numerators, 8 row sums, 8 maxima) the probe x(t) of the whole traversal's running output after tile t
-// (the splits before t's merged with t's own), Eq. 2's stability of every tile against the one before,
-// and the first tile where `patience` consecutive tiles were stable: the stop tile, or -1. Same definition
-// as the sequential loop above and the CPU engine (docs/policies.md "art"); the arithmetic differs (merge
-// order, exp2f, fused products), which the agreement contract bounds. `sm`: nsplit * 48 floats of shared
-// memory. Tiles go to 16 groups of 8 lanes (a lane holds its probe row's 4 elements), each group a
-// contiguous range of tiles, summarised (leading stable run, trailing run, first stop after a break) and
-// chained by one thread.
-__device__ int art_decide(const float* pr, int T, int R, int nsplit, int nkeys, float tau, float phi, int patience, float* sm) {
-    __shared__ int sm_grp[NTHREADS / 8][5];
-    __shared__ int sm_stop;
-    const int chunk = R * 64;
-    // Each split's final partial (its last round), then the exclusive prefix over splits in place.
-    for (int i = threadIdx.x; i < nsplit * 48; i += NTHREADS) {
-        const int sp = i / 48, e = i % 48;
-        const int end = sp == nsplit - 1 ? nkeys : min((sp + 1) * chunk, nkeys);
-        const int rounds = end > sp * chunk ? (end - sp * chunk + 63) >> 6 : 0;
-        sm[i] = rounds > 0 ? __ldcg(pr + (i64)(sp * R + rounds - 1) * 48 + e) : (e < 40 ? 0.f : -INFINITY);
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        const int j = threadIdx.x, rr = j >> 2;
-        float pn = 0.f, pd = 0.f, pm = -INFINITY;
-        for (int sp = 0; sp < nsplit; ++sp) {
-            float* q = sm + sp * 48;
-            const float ln = q[j], ld = q[32 + rr], lm = q[40 + rr];
-            __syncwarp();
-            q[j] = pn;
-            if ((j & 3) == 0) {
-                q[32 + rr] = pd;
-                q[40 + rr] = pm;
-            }
-            __syncwarp();
-            art_merge(pn, pd, pm, ln, ld, lm);
-        }
-    }
-    __syncthreads();
-    const int g = threadIdx.x >> 3, i = threadIdx.x & 7;
-    const int Tg = (T + NTHREADS / 8 - 1) / (NTHREADS / 8), t0 = g * Tg, t1 = min(T, t0 + Tg);
-    // x(tt) of probe row i (lanes 4i .. 4i + 3); 0 before the first tile and for rows not probed.
-    auto xat = [&](int tt, float x[4]) {
-        x[0] = x[1] = x[2] = x[3] = 0.f;
-        if (tt < 0 || tt >= T || i >= ART_PR) return;
-        const float* P = sm + (tt / R) * 48;
-        const float* L = pr + (i64)tt * 48;
-        const float4 ln = __ldcg(reinterpret_cast<const float4*>(L + 4 * i));
-        float pd = P[32 + i], pm = P[40 + i];
-        const float lnv[4] = {ln.x, ln.y, ln.z, ln.w};
-        const float mm = fmaxf(pm, __ldcg(L + 40 + i));
-        const float a = pm == -INFINITY ? 0.f : exp2f(pm - mm), b = __ldcg(L + 40 + i) == -INFINITY ? 0.f : exp2f(__ldcg(L + 40 + i) - mm);
-        const float den = pd * a + __ldcg(L + 32 + i) * b;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) x[c] = (P[4 * i + c] * a + lnv[c] * b) / den;
-    };
-    float xp[4], xc[4];
-    xat(t0 - 1, xp);
-    int lead = 0, run = 0, inner = -1;
-    bool broke = false;
-    for (int n = 0; n < Tg; ++n) {  // the same count in every lane (shuffles below)
-        const int tt = t0 + n;
-        xat(tt < t1 ? tt : T, xc);
-        float dd = 0.f, aa = 0.f, bb = 0.f, ab = 0.f;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const float dl = xc[c] - xp[c];
-            dd += dl * dl;
-            aa += xp[c] * xp[c];
-            bb += xc[c] * xc[c];
-            ab += xp[c] * xc[c];
-        }
-#pragma unroll
-        for (int o = 4; o > 0; o >>= 1) {
-            dd += __shfl_xor_sync(0xffffffffu, dd, o);
-            aa += __shfl_xor_sync(0xffffffffu, aa, o);
-            bb += __shfl_xor_sync(0xffffffffu, bb, o);
-            ab += __shfl_xor_sync(0xffffffffu, ab, o);
-        }
-        if (tt < t1) {
-            const float cosv = (aa == 0.f && bb == 0.f) ? 1.f : ((aa == 0.f || bb == 0.f) ? 0.f : ab / (sqrtf(aa) * sqrtf(bb)));
-            const bool stable = sqrtf(dd) < tau && 1.f - cosv < phi;
-            if (!broke) {
-                if (stable) ++lead;
-                else broke = true;
-            }
-            run = stable ? run + 1 : 0;
-            if (broke && inner < 0 && patience > 0 && run >= patience) inner = tt;
-        }
-#pragma unroll
-        for (int c = 0; c < 4; ++c) xp[c] = xc[c];
-    }
-    if (i == 0) {
-        sm_grp[g][0] = lead;
-        sm_grp[g][1] = !broke;
-        sm_grp[g][2] = inner;
-        sm_grp[g][3] = run;
-        sm_grp[g][4] = max(t1 - t0, 0);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        // Chain the groups in order: a run carried in plus a group's leading run may reach patience.
-        int c = 0, stop = -1;
-        for (int k = 0; patience > 0 && k < NTHREADS / 8; ++k) {
-            if (sm_grp[k][4] == 0) continue;
-            if (c + sm_grp[k][0] >= patience) {
-                stop = k * Tg + (patience - c - 1);
-                break;
-            }
-            if (!sm_grp[k][1]) {
-                if (sm_grp[k][2] >= 0) {
-                    stop = sm_grp[k][2];
-                    break;
-                }
-                c = sm_grp[k][3];
-            } else {
-                c += sm_grp[k][4];
-            }
-        }
-        sm_stop = stop;
-    }
-    __syncthreads();
-    return sm_stop;
-}
 #endif
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
@@ -297,8 +133,8 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
              float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads,
              unsigned long long* kerr, unsigned long long* kbk,
              PlanRef plan, int mode
-#if ART
-             , ArtArgs art
+#if TRAVERSAL_HOOK
+             , TraversalArgs hook
 #endif
 #if LOGITS
              , float* __restrict__ lg, int lg_maxpos, float2* __restrict__ lg_parts, int lg_nparts
@@ -339,16 +175,13 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
 #else
     const int rchunk = chunk;
 #endif
-    int s_lo = split * rchunk;  // (ART re-runs a split over its visited rounds: not const)
+    int s_lo = split * rchunk;  // (a traversal hook may re-run a split over its first keys: not const)
     int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * rchunk, nkeys) - 1;
-#if ART
-    // ART's order: plan entries [0, nsink) hold sink positions (the plan is in position order), then the
-    // others newest first. Visit index i -> entry index.
-    int nsink = 0;
-    while (!art.order && nsink < pl && (int)(pe[nsink] << plan.ulog2) < art.sink_limit) ++nsink;
-#define ART_ENTRY(i) ((i) < nsink ? (i) : pl - 1 - ((i) - nsink))
-    const unsigned* art_ord = art.order ? art.order + row.seq * plan.p_s + kvh * plan.p_h : nullptr;
-#define PLAN_E(i) (art_ord ? art_ord[i] : pe[ART_ENTRY(i)])
+#if TRAVERSAL_HOOK
+    // The hook's visiting order: visit index i -> plan entry.
+    const i64 row_off = row.seq * plan.p_s + kvh * plan.p_h;
+    const TraversalOrder hord = traversal_order(hook, pe, pl, plan.ulog2, row_off);
+#define PLAN_E(i) traversal_entry(hord, pe, pl, i)
 #else
 #define PLAN_E(i) pe[i]
 #endif
@@ -424,14 +257,13 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     }
 #endif
 
-#if ART
-    // The split-parallel traversal (one segment walked by several splits, `art_global`): every round's
-    // probe partial goes to art.probe, the split that finishes the row last decides from all of them
-    // (art_decide), and a stop inside a split re-runs that split's visited rounds into its slot (pass 1).
-    const bool art_global = art.segment == 0 && nsplit > 1;
-    int art_pass = 0, art_slot = split, art_visited = 0, art_total = 0;
-    bool art_row_bad = false;
-art_pass_start:
+#if TRAVERSAL_HOOK
+    // The hook's state of the row, and the re-run it may ask for once every split has run (pass 1: the
+    // first keys of split `hook_slot` again, into that split's slot).
+    TraversalRow hrow = traversal_row(hook, nsplit);
+    int hook_pass = 0, hook_slot = split;
+    bool hook_row_bad = false;
+hook_pass_start:
 #endif
 #if KV8
     float o[KV8_HH * KV8_MT][4];  // O^T tiles (transposed PV, header): [head half][16-channel tile]
@@ -462,7 +294,7 @@ art_pass_start:
     asm("" : "+l"(kv8_kl), "+l"(kv8_vl), "+r"(kv8_dl));
 #endif
 
-#if PLAN && !ART
+#if PLAN && !TRAVERSAL_HOOK
     // The plan entries of a tile are read one tile ahead: load(k) uses those load(k - 1) read and reads
     // tile k + 1's (load runs for k = 0, 1, 2, ... in order), so a tile's copy waits for its block id only,
     // as a dense row's does, not for a plan read before it.
@@ -480,13 +312,13 @@ art_pass_start:
 #if PLAN
             int p = -1;
             bool ok = pb + key <= s_hi;
-#if !ART
+#if !TRAVERSAL_HOOK
             const unsigned e_k = pf_e;
             pf_e = plan_entry(k + 1);
 #endif
             if (ok) {
                 const int g = pb + key;
-#if ART
+#if TRAVERSAL_HOOK
                 p = (int)((PLAN_E(g >> plan.ulog2) << plan.ulog2) | (unsigned)(g & umask));
 #else
                 p = (int)((e_k << plan.ulog2) | (unsigned)(g & umask));
@@ -597,12 +429,10 @@ art_pass_start:
     const unsigned koff = ((lane & 7) + ((lane >> 4) << 3)) * ROWB + ((lane >> 3) & 1) * 16;
     const unsigned voff = ((lane & 7) + (((lane >> 3) & 1) << 3)) * ROWB + (lane >> 4) * 16;
 
-#if ART
-    // Every warp runs every round (the decision needs all of them); x_prev = x(0) = 0.
+#if TRAVERSAL_HOOK
+    // Every warp runs every round (the hook watches whole rounds).
     const int nloop = (ntiles + NWARPS - 1) / NWARPS;
-    float art_prev = 0.f;
-    int art_run = 0, art_done = 0;
-    __shared__ float sm_art[2][NWARPS][32][3];
+    TraversalSplit hsplit = traversal_split_start();
 #else
     const int nloop = my_n;
 #endif
@@ -768,86 +598,13 @@ art_pass_start:
         }
 #endif
       }
-#if ART && !ART_NOPROBE
-        if (art_pass == 0) {
-            // This lane's probe element and its row's running max and sum (the quad's partial sums added).
-            float lq = l0s;
-            lq += __shfl_xor_sync(0xffffffffu, lq, 1);
-            lq += __shfl_xor_sync(0xffffffffu, lq, 2);
-            float* slot = sm_art[k & 1][warp][lane];  // double-buffered: one barrier per round
-#if KV8
-            // The probe element (head r, channel 2 qd, as over 16-bit caches) in the O^T tiles (the store
-            // below): channels 0..7 are lane (0, h / 2)'s words 0 and 1 (kv8_vw), channel 2 qd of head h
-            // its tile qd, column h % 2. Fetched by shuffles; times v_scale, the CPU's values of V.
-            static_assert(KV8_GF > 0 || KV8_GR >= 2, "channels 0..7 in lane row 0's words 0 and 1");
-            float pe = 0.f;
-#pragma unroll
-            for (int t = 0; t < 4; ++t)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const float v = __shfl_sync(0xffffffffu, o[t][j], r >> 1);
-                    if (t == qd && j == (r & 1)) pe = v;
-                }
-            slot[0] = pe * v_scale;
-#else
-            slot[0] = o[0][0];
-#endif
-            slot[1] = lq;
-            slot[2] = m0;
-            __syncthreads();
-            float M = -INFINITY, num = 0.f, den = 0.f;
-            if (r < ART_PR) {
-#pragma unroll
-                for (int w = 0; w < NWARPS; ++w) M = fmaxf(M, sm_art[k & 1][w][lane][2]);
-#pragma unroll
-                for (int w = 0; w < NWARPS; ++w) {
-                    const float mw = sm_art[k & 1][w][lane][2];
-                    const float wt = mw == -INFINITY ? 0.f : exp2f(mw - M);
-                    num = __fadd_rn(num, __fmul_rn(sm_art[k & 1][w][lane][0], wt));
-                    den = __fadd_rn(den, __fmul_rn(sm_art[k & 1][w][lane][1], wt));
-                }
-            }
-            if (art_global) {
-                // The split's running partial after its round k = global tile s_lo / 64 + k (chunk is a
-                // whole number of tiles); the decision waits for every split (after the loop).
-                if (warp == 0) {
-                    float* pp = art.probe + ((i64)(row.seq * art.hk + kvh) * art.tmax + (s_lo >> 6) + k) * 48;
-                    pp[lane] = num;
-                    if (qd == 0) {
-                        pp[32 + r] = den;
-                        pp[40 + r] = M;
-                    }
-                }
-                continue;
-            }
-            const float x = r < ART_PR ? __fdiv_rn(num, den) : 0.f;
-            const float dl = __fsub_rn(x, art_prev);
-            const float dd = art_lane_sum(__fmul_rn(dl, dl));
-            const float aa = art_lane_sum(__fmul_rn(art_prev, art_prev));
-            const float bb = art_lane_sum(__fmul_rn(x, x));
-            const float ab = art_lane_sum(__fmul_rn(art_prev, x));
-            const float cosv = (aa == 0.f && bb == 0.f) ? 1.f : ((aa == 0.f || bb == 0.f) ? 0.f : __fdiv_rn(ab, __fmul_rn(__fsqrt_rn(aa), __fsqrt_rn(bb))));
-            const bool stable = __fsqrt_rn(dd) < art.tau && __fsub_rn(1.f, cosv) < art.phi;
-            art_run = stable ? art_run + 1 : 0;
-            art_prev = x;
-            art_done = k + 1;
-            if (art.patience > 0 && art_run >= art.patience) break;  // uniform: every warp decided the same
-        }
+#if TRAVERSAL_HOOK
+        if (hook_pass == 0 && traversal_round(hook, hrow, hsplit, k, o, l0s, m0, v_scale, lane, warp, row.seq, kvh, s_lo)) break;  // uniform over the CTA
 #endif
     }
     cp_wait<0>();
-#if ART
-#if ART_NOPROBE
-    art_done = nloop;
-#endif
-    if (threadIdx.x == 0 && !art_global && art_pass == 0) {
-        // Tiles visited and in this split's part of the traversal (CTR 9, 10); per (sequence, KV head,
-        // segment) the tiles visited, from which the last split counts the blocks no visited tile
-        // reached (CTR 8, art_blocks.cuh). The split-parallel traversal writes them once it decided.
-        art.tiles_out[(row.seq * art.hk + kvh) * nsplit + split] = art_done;
-        atomicAdd(art.ctr + 9, (unsigned long long)art_done);
-        atomicAdd(art.ctr + 10, (unsigned long long)nloop);
-    }
+#if TRAVERSAL_HOOK
+    if (hook_pass == 0) traversal_split_done(hook, hrow, hsplit, row.seq, kvh, split, nsplit, nloop);
 #endif
 
     // Row sums across the quad (each lane summed its own columns).
@@ -915,9 +672,9 @@ art_pass_start:
 #endif
     __syncthreads();
     bool row_bad;
-#if ART
-    if (art_pass == 1) {
-        row_bad = art_row_bad;  // judged (and recorded) in pass 0, which read a superset of these keys
+#if TRAVERSAL_HOOK
+    if (hook_pass == 1) {
+        row_bad = hook_row_bad;  // judged (and recorded) in pass 0, which read a superset of these keys
     } else
 #endif
     {
@@ -925,9 +682,9 @@ art_pass_start:
         row_bad = kvs_finish_row_checks(kerr, sm_rc, num_seqs, &rc, cta_bt_bad, t, row.seq, bt_row, bt1, num_blocks, bt_cols, bs_log2, &sm_col);
         kvs_check_seqs(kerr, kbk, qsl, qsl0, seq_lens, sl0, num_seqs, gridDim.x, bt_cols, bs_log2, window, kv_row_bytes, &rc, row.seq);
     }
-#if ART
-    art_row_bad = row_bad;
-    const int wsplit = art_slot;  // pass 1 rewrites the slot of the split it re-ran
+#if TRAVERSAL_HOOK
+    hook_row_bad = row_bad;
+    const int wsplit = hook_slot;  // pass 1 rewrites the slot of the split it re-ran
 #else
     const int wsplit = split;
 #endif
@@ -971,63 +728,30 @@ art_pass_start:
             if (d == 0) ws_lse[slot] = lse_nat;
         }
     }
-#if ART
-    // Once every split of the row has run (the last to arrive goes on; the counter is reset for the next
-    // launch): the split-parallel decision, then the block count.
-    __shared__ int sm_art_last;
-    __shared__ unsigned long long sm_art_red[32];
-    if (art_pass == 0 && nsplit > 1) {
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int* arr = art.arrive + row.seq * art.hk + kvh;
-            sm_art_last = atomicAdd(arr, 1) == nsplit - 1;
-            if (sm_art_last) *arr = 0;
-        }
-        __syncthreads();
-        if (!sm_art_last) return;
-        __threadfence();
-    }
+#if TRAVERSAL_HOOK
+    // Once every split of the row has run (the last to arrive goes on): the hook's decision over the row,
+    // then its record.
+    if (hook_pass == 0 && nsplit > 1 && !traversal_last_split(hook, row.seq, kvh, nsplit)) return;
     __syncthreads();  // the merge buffers are free
-    if (art_pass == 0 && art_global) {
-        const int T = (nkeys + 63) >> 6, R = chunk >> 6;
-#if ART_NOPROBE
-        const int stop = -1;
-#else
-        const int stop = art_decide(art.probe + (i64)(row.seq * art.hk + kvh) * art.tmax * 48, T, R, nsplit, nkeys, art.tau, art.phi, art.patience,
-                                    reinterpret_cast<float*>(smem));
-#endif
-        art_total = T;
-        art_visited = stop >= 0 ? stop + 1 : T;
-        if (stop >= 0) {
-            const int ss = stop / R, ks = stop - ss * R;
+    if (hook_pass == 0) {
+        const TraversalStop stop = traversal_decide(hook, hrow, row.seq, kvh, nkeys, chunk, nsplit, reinterpret_cast<float*>(smem));
+        if (stop.split >= 0) {
+            const int ss = stop.split;
             // The splits after the stop were not visited: out of the merge (kvs_attn_combine skips -inf).
             for (int idx = threadIdx.x; idx < (nsplit - 1 - ss) * GQ; idx += NTHREADS)
                 ws_lse[((i64)t * num_q_heads + h0 + idx % GQ) * nsplit + ss + 1 + idx / GQ] = -INFINITY;
-            const int rounds = (min(ss == nsplit - 1 ? nkeys : (ss + 1) * chunk, nkeys) - ss * chunk + 63) >> 6;
-            if (ks + 1 < rounds) {
-                // The stop lies inside split ss: attend its rounds 0..ks again into its slot.
+            if (stop.rerun) {
+                // The stop lies inside split ss: attend its first stop.keys keys again into its slot.
                 s_lo = ss * chunk;
-                s_hi = min(s_lo + (ks + 1) * 64, nkeys) - 1;
-                art_slot = ss;
-                art_pass = 1;
+                s_hi = min(s_lo + stop.keys, nkeys) - 1;
+                hook_slot = ss;
+                hook_pass = 1;
                 bt_bad = false;
                 __syncthreads();
-                goto art_pass_start;
+                goto hook_pass_start;
             }
         }
     }
-    if (art_global && threadIdx.x == 0) {
-        art.tiles_out[row.seq * art.hk + kvh] = art_visited;  // one segment: one count per row
-        atomicAdd(art.ctr + CTR_ART_TILES, (unsigned long long)art_visited);
-        atomicAdd(art.ctr + CTR_ART_TILES_TOTAL, (unsigned long long)art_total);
-    }
-    __syncthreads();
-    {
-        const int nseg = art_global ? 1 : nsplit;
-        const int* inv = art.inv ? art.inv + row.seq * plan.p_s + kvh * plan.p_h : nullptr;
-        art_count_blocks(row.lo, row.hi, bs_log2, pe, pl, plan.ulog2, art.sink_limit, art.tiles_out + (row.seq * art.hk + kvh) * nseg, nseg,
-                         art_global ? ((i64)1 << 40) : (i64)chunk, inv, art.ctr, sm_art_red);
-    }
+    traversal_row_done(hook, hrow, row.lo, row.hi, bs_log2, pe, pl, plan.ulog2, row_off, row.seq, kvh, nsplit, chunk);
 #endif
 }

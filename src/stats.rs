@@ -22,10 +22,14 @@ macro_rules! counters {
             pub blocks_eligible: u64,
             /// KV blocks (per KV head) whose keys were actually read.
             pub blocks_visited: u64,
-            /// Blocks the selector offered but early termination did not visit.
+            /// Blocks the selector offered but a stage that terminates the traversal did not visit.
             pub blocks_skipped_termination: u64,
             /// Bytes of K and V read by attention (all rows, dense and sparse).
             pub kv_bytes_read: u64,
+            /// A stage that terminates the traversal: the steps (tiles of its visit order) visited, and those
+            /// of the whole traversals (Rust only).
+            pub traversal_tiles_visited: u64,
+            pub traversal_tiles_total: u64,
             $( $(#[$doc])* pub $field: u64, )*
         }
 
@@ -41,6 +45,8 @@ macro_rules! counters {
                     blocks_visited: c[4],
                     kv_bytes_read: c[7],
                     blocks_skipped_termination: c[8],
+                    traversal_tiles_visited: c[9],
+                    traversal_tiles_total: c[10],
                     ..Counters::default()
                 };
                 $( $( out.$field = c[$slot]; )? )*
@@ -56,6 +62,8 @@ macro_rules! counters {
                 self.blocks_visited += o.blocks_visited;
                 self.blocks_skipped_termination += o.blocks_skipped_termination;
                 self.kv_bytes_read += o.kv_bytes_read;
+                self.traversal_tiles_visited += o.traversal_tiles_visited;
+                self.traversal_tiles_total += o.traversal_tiles_total;
                 $( self.$field += o.$field; )*
             }
 
@@ -71,6 +79,8 @@ macro_rules! counters {
                     blocks_visited: f(self.blocks_visited, before.blocks_visited),
                     blocks_skipped_termination: f(self.blocks_skipped_termination, before.blocks_skipped_termination),
                     kv_bytes_read: f(self.kv_bytes_read, before.kv_bytes_read),
+                    traversal_tiles_visited: f(self.traversal_tiles_visited, before.traversal_tiles_visited),
+                    traversal_tiles_total: f(self.traversal_tiles_total, before.traversal_tiles_total),
                     $( $field: f(self.$field, before.$field), )*
                 }
             }
@@ -109,7 +119,7 @@ pub struct EngineStats {
 }
 
 /// What one policy row attended: for (sequence, KV head) of a decode row in a non-dense layer, the sorted
-/// half-open position spans whose keys exact attention read (after selection, top-p and ART's early stop),
+/// half-open position spans whose keys exact attention read (after selection, pruning and early stop),
 /// adjacent spans merged (the same canonical form on both backends).
 /// Collected only when asked for ([`crate::Engine::record_visits`]); evaluation uses it to measure the
 /// attention mass a policy recovered. Dense rows are not recorded (they visit every visible position).
@@ -119,6 +129,6 @@ pub struct VisitRecord {
     pub seq_id: u64,
     pub kv_head: usize,
     pub spans: Vec<(usize, usize)>,
-    /// ART: (tiles visited, tiles of the whole traversal); `None` without ART.
-    pub art_tiles: Option<(u32, u32)>,
+    /// Under a stage that terminates the traversal: (tiles visited, tiles of the whole traversal); else `None`.
+    pub traversal_tiles: Option<(u32, u32)>,
 }

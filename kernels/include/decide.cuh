@@ -85,9 +85,9 @@ __device__ __forceinline__ SeqRow kvs_seq_row(int s, const int* qsl, i64 qsl0, c
 #define CTR_TOP_P_CANDIDATES 5
 #define CTR_TOP_P_KEPT 6
 #define CTR_KV_BYTES 7
-#define CTR_BLOCKS_SKIPPED_TERMINATION 8  // ART (kernels/attention_mma.cu, ART=1)
-#define CTR_ART_TILES 9
-#define CTR_ART_TILES_TOTAL 10
+#define CTR_BLOCKS_SKIPPED_TERMINATION 8  // a traversal hook (kernels/attention_mma.cu, TRAVERSAL_HOOK)
+#define CTR_TRAVERSAL_TILES 9
+#define CTR_TRAVERSAL_TILES_TOTAL 10
 #define CTR_SPEC_PREDICTED 11  // PRR (kernels/prr.cu)
 #define CTR_SPEC_TRUE 12
 #define CTR_SPEC_HIT 13

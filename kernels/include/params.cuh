@@ -27,24 +27,3 @@ struct PlanRef {
     const int* len;
     int ulog2, hk, cap, pad;
 };
-
-// Rust: src/cuda/sparse.rs ArtLaunch.
-// Termination parameters (passed by value after `mode`). patience < 0: never stop (patience = inf).
-struct ArtArgs {
-    float tau, phi;
-    int patience, sink_limit;
-    unsigned long long* ctr;  // the layer's device counters (kernels/include/decide.cuh CTR_*)
-    int* tiles_out;           // per (sequence, KV head, split): tiles visited
-    int hk;
-    int segment;              // keys per ART segment, 0 = one (host planning; the kernel reads its split)
-    // Priority order (order=priority behind a scored selector): the plan's entries in visiting order,
-    // same layout as the plan (kvs_art_priority, kernels/policy/art.cu); NULL = recency order.
-    const unsigned* order;
-    const int* inv;           // the order's inverse (the block count, art_blocks.cuh)
-    // One segment over several splits (the split-parallel traversal): every round's probe partial,
-    // [seq][kv head][tmax][48] f32 (32 numerators, 8 row sums, 8 running maxima), and the rows' arrival
-    // counters [seq][kv head] (zero before the launch; the last split of a row resets its own).
-    float* probe;
-    int* arrive;
-    int tmax, pad;
-};

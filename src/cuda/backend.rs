@@ -21,6 +21,7 @@ use super::meta::DeviceMeta;
 use super::slots::SeqSlots;
 use super::sparse::SparseState;
 use super::stage::{Device, PolicyDevice};
+use super::traversal::{HookKernel, HookSplits};
 use crate::cpu::metadata::MetaNeeds;
 use crate::config::EngineConfig;
 use crate::args::{CacheWriteArgs, ForwardArgs, MergeArgs};
@@ -260,14 +261,17 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The tensor-core kernel's shape for these caches (ART's launch: 4 warps), or None where the
-    /// lane-group kernel runs.
-    pub(crate) fn mma_for(&self, cfg: &EngineConfig, cache: &KvCache, art: bool) -> Option<plan::MmaShape> {
+    /// The tensor-core kernel's shape for these caches (with a traversal hook: the hook's warps and
+    /// stages), or None where the lane-group kernel runs.
+    pub(crate) fn mma_for(&self, cfg: &EngineConfig, cache: &KvCache, hook: Option<&HookKernel>) -> Option<plan::MmaShape> {
         let es = cfg.dtype.size_bytes();
         let aligned = aligned16(cache, cache.dtype.size_bytes());
-        let tun = if art { plan::MmaTunables { warps: plan::ART_WARPS, stages: plan::ART_STAGES, ..self.mma } } else { self.mma };
+        let tun = match hook {
+            Some(h) => plan::MmaTunables { warps: h.warps, stages: h.stages, ..self.mma },
+            None => self.mma,
+        };
         let kv_bytes = if cache.dtype.is_fp8() { 1 } else { 2 };
-        plan::mma_shape(cfg.group_size(), cfg.head_dim, es, kv_bytes, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(if art { 4096 } else { 1024 }))
+        plan::mma_shape(cfg.group_size(), cfg.head_dim, es, kv_bytes, aligned, &tun, (self.gpu.smem_optin as usize).saturating_sub(hook.map_or(1024, |h| h.smem_reserve)))
     }
 
     /// One attention launch (plus its split combine) over the rows `rows` selects.
@@ -289,10 +293,10 @@ impl CudaBackend {
         if let (Rows::DenseRest, Some(ps)) = (rows, prefill) {
             return self.attend_prefill(cfg, a, cache, geo, &ps);
         }
-        let (mode, plan_ref, keys, art) = match rows {
+        let (mode, plan_ref, keys, trav) = match rows {
             Rows::All => (if prefill.is_some() { 1 } else { 0 }, PlanRef::none(), geo.max_len, None),
             Rows::DenseRest => (2, PlanRef::none(), geo.max_len, None),
-            Rows::Plan(pr, keys, art) => (1, pr, keys, art),
+            Rows::Plan(pr, keys, trav) => (1, pr, keys, trav),
             Rows::PlanLogits(pr, keys, _) => (1, pr, keys, None),
         };
         let logits = match rows {
@@ -302,16 +306,26 @@ impl CudaBackend {
         let plan_define = format!("PLAN={}", matches!(rows, Rows::Plan(..) | Rows::PlanLogits(..)) as i32);
         // Kernel variant: tensor cores where they apply, else the lane-group kernel.
         let (f_split, defines, head_groups, threads, smem, nsplit, chunk);
-        // ART needs the tensor-core kernel with 4 warps (one round = one 64-slot tile) and one CTA per KV
-        // head (GQ = GROUP); its splits are whole tiles (docs/policies.md "art").
-        let mma = self.mma_for(cfg, cache, art.is_some());
+        // A traversal hook needs the tensor-core kernel with the hook's warps (a round of them is its step)
+        // and one CTA per KV head (GQ = GROUP).
+        let hook = trav.as_ref().map(|t| &t.hook);
+        let mma = self.mma_for(cfg, cache, hook);
         ensure!(!fp8 || mma.is_some(), Unsupported, "an FP8 cache needs the tensor-core kernel (16-byte aligned rows and strides, GQA group <= 16) on the CUDA engine");
         ensure!(logits.is_none() || mma.is_some(), Internal, "the logits of a plan's attention need the tensor-core kernel (checked by the caller)");
-        if art.is_some() {
-            ensure!(matches!(mma, Some(ms) if ms.warps == 4 && ms.gq == cfg.group_size()), Unsupported, "`art` on the CUDA backend needs the tensor-core kernel (f16/bf16 or FP8 cache, 16-byte aligned rows, head size a multiple of 16, GQA group <= 16) with 4 warps");
+        if let Some(h) = hook {
+            ensure!(
+                matches!(mma, Some(ms) if ms.warps == h.warps && ms.gq == cfg.group_size()),
+                Unsupported,
+                "{} on the CUDA backend needs the tensor-core kernel (f16/bf16 or FP8 cache, 16-byte aligned rows, head size a multiple of 16, GQA group <= 16) with {} warps",
+                h.name,
+                h.warps
+            );
         }
+        // The module: the kernel, or the hook's file in front of it.
+        let hooked = hook.map(HookKernel::module);
+        let (mma_name, mma_src) = hooked.as_ref().map_or(("attention_mma", launch::ATTENTION_MMA), |(n, s)| (n.as_str(), s.as_str()));
         if let Some(ms) = mma {
-            defines = vec![
+            let mut d = vec![
                 format!("KVS_DTYPE={}", dtype_code(cfg.dtype)),
                 format!("HEAD_DIM={}", cfg.head_dim),
                 format!("GQ={}", ms.gq),
@@ -321,15 +335,16 @@ impl CudaBackend {
                 format!("L2_HINT={}", ms.l2_hint),
                 format!("ROW_SPLIT={}", self.mma.row_split as i32),
                 plan_define,
-                format!("ART={}", art.is_some() as i32),
                 format!("LOGITS={}", logits.is_some() as i32),
                 format!("KV8={}", kv8_code(cache.dtype)),
-                // Benchmarks only: KVS_ART_NOPROBE=1 compiles ART's launch without the detector (the same
-                // order and single split), the baseline of the detector's cost.
-                format!("ART_NOPROBE={}", (art.is_some() && std::env::var("KVS_ART_NOPROBE").is_ok_and(|v| v == "1")) as i32),
-                self.checks_define.clone(),
             ];
-            f_split = self.modules.function(&self.gpu, "attention_mma", launch::ATTENTION_MMA, &defines, "kvs_attn_mma")?;
+            // Measurements only: the hook's variant without its decision.
+            if let Some(b) = trav.and_then(|t| t.hook.bench_define.filter(|_| t.bench)) {
+                d.push(b.to_string());
+            }
+            d.push(self.checks_define.clone());
+            defines = d;
+            f_split = self.modules.function(&self.gpu, mma_name, mma_src, &defines, "kvs_attn_mma")?;
             smem = ms.smem_bytes(cfg.head_dim);
             threads = 32 * ms.warps as u32;
             self.allow_smem_once(f_split, smem)?;
@@ -340,12 +355,9 @@ impl CudaBackend {
                 pol.max_splits = pol.max_splits.min(max_splits);
                 plan::splits_waves(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, ms.tile(), &pol)
             };
-            (nsplit, chunk) = match &art {
-                // `art(segment=K)`: one split per segment. One segment (the paper's traversal): split like
-                // any plan, each split a run of whole 64-key tiles; the row's last split decides over all
-                // (attention_mma.cu, art_decide: its shared memory holds 48 floats per split).
-                Some(a) if a.segment > 0 => plan::art_splits(keys, Some(a.segment as u32)),
-                Some(_) => waves(smem / (48 * 4)),
+            (nsplit, chunk) = match trav.map(|t| t.splits) {
+                Some(HookSplits::Fixed(n, c)) => (n, c),
+                Some(HookSplits::Planned { smem_per_split }) => waves(smem / smem_per_split),
                 // The logits' launch: at most the split statistics' slots per head (LogitsOut::nparts).
                 None => waves(logits.map_or(usize::MAX, |lo| lo.nparts.max(1) as usize)),
             };
@@ -362,7 +374,7 @@ impl CudaBackend {
             head_groups = cfg.num_q_heads / shape.gq;
             (nsplit, chunk) = plan::splits(num_tokens * head_groups, keys, per_sm * self.gpu.num_sms as usize, &shape, &self.split_policy(mode, keys, geo.max_len));
         }
-        let module = if mma.is_some() { ("attention_mma", launch::ATTENTION_MMA) } else { ("attention", launch::ATTENTION) };
+        let module = if mma.is_some() { (mma_name, mma_src) } else { ("attention", launch::ATTENTION) };
         let stream = a.stream;
 
         let (mut ws_o, mut ws_lse) = (0u64, 0u64);
@@ -387,8 +399,8 @@ impl CudaBackend {
         let bk = if matches!(rows, Rows::All) { self.sparse.layer_counters(a.layer) } else { 0 };
         k.i64(self.checks.record_ptr() as i64).i64(bk as i64);
         k.by_value(&plan_ref).i32(mode);
-        if let Some(art) = &art {
-            k.by_value(art);
+        if let Some(t) = &trav {
+            k.struct_arg(&t.args);
         }
         if let (Some(lo), true) = (logits, mma.is_some()) {
             k.i64(lo.lg as i64).i32(lo.maxpos).i64(lo.parts as i64).i32(lo.nparts);
@@ -574,7 +586,7 @@ impl Device for CudaBackend {
     }
 
     fn tensor_cores(&self, cfg: &EngineConfig, cache: &KvCache) -> bool {
-        self.mma_for(cfg, cache, false).is_some()
+        self.mma_for(cfg, cache, None).is_some()
     }
 
     fn layer_counters(&self, layer: usize) -> u64 {

@@ -3,6 +3,7 @@
 //! and small device read-backs. Nothing here names a policy or the backend, so both build on it.
 
 use super::driver::{check, cuda};
+use super::traversal::TraversalLaunch;
 use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
@@ -28,10 +29,10 @@ pub(crate) enum Rows {
     All,
     /// The rows that are not decode rows (query length != 1), densely: a policy layer's prefill rows.
     DenseRest,
-    /// Decode rows through their plans; the second field bounds a row's plan keys; the third runs ART
-    /// inside the kernel.
-    Plan(PlanRef, usize, Option<ArtLaunch>),
-    /// As `Plan` (no ART), the tensor-core kernel also writing the rows' logits (kernels/attention_mma.cu
+    /// Decode rows through their plans; the second field bounds a row's plan keys; the third, a stage's
+    /// hook on the traversal (src/cuda/traversal.rs).
+    Plan(PlanRef, usize, Option<TraversalLaunch>),
+    /// As `Plan` (no hook), the tensor-core kernel also writing the rows' logits (kernels/attention_mma.cu
     /// LOGITS=1): to `lg` (device address), `maxpos` positions per (sequence, KV head), and each split's
     /// softmax statistics per query head to `parts` (`nparts` slots per head: the launch splits no more).
     PlanLogits(PlanRef, usize, LogitsOut),
@@ -109,35 +110,6 @@ impl BatchArg {
     }
 }
 
-/// The attention kernel's in-kernel termination (ART) parameters (kernels/include/params.cuh `ArtArgs`;
-/// a test compares the layouts). Filled by the stage that terminates rows (src/policy/art/cuda.rs).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct ArtLaunch {
-    pub tau: f32,
-    pub phi: f32,
-    /// -1 = never stop (`patience=inf`).
-    pub patience: i32,
-    pub sink_limit: i32,
-    pub ctr: u64,
-    pub tiles_out: u64,
-    pub hk: i32,
-    /// Keys per segment (`art(segment=...)`), 0 = one segment.
-    pub segment: i32,
-    /// Priority order (behind Quest): the plan's entries in visiting order and the inverse permutation,
-    /// written by `kvs_art_priority`; 0 = recency order.
-    pub order: u64,
-    pub inv: u64,
-    /// A row's split-parallel traversal (one segment over several splits): every round's probe partial
-    /// `[seqs][kv_heads][tmax][48]` f32 (32 numerators, then 8 row sums and 8 running maxima) and the
-    /// rows' arrival counters `[seqs][kv_heads]` (zero before the launch; the last split resets its own).
-    pub probe: u64,
-    pub arrive: u64,
-    /// Tiles per row the probe region holds (>= the plan's capacity in 64-key tiles).
-    pub tmax: i32,
-    pub pad: i32,
-}
-
 /// The layouts a test compares with kernels/include/params.cuh.
 #[cfg(test)]
 pub(crate) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
@@ -145,7 +117,6 @@ pub(crate) fn c_layouts() -> Vec<super::kernel_src::CLayout> {
     vec![
         c_layout!(BatchArg as "Batch" { bt, bt0, bt1, bt_cols, bs_log2, num_blocks, seq_lens, sl0, qsl, qsl0, num_seqs, num_tokens, window, pad }),
         c_layout!(PlanRef as "PlanRef" { e, p_s, p_h, len, ulog2, hk, cap, pad }),
-        c_layout!(ArtLaunch as "ArtArgs" { tau, phi, patience, sink_limit, ctr, tiles_out, hk, segment, order, inv, probe, arrive, tmax, pad }),
     ]
 }
 

@@ -36,7 +36,7 @@ kernel_files! {
     "cluster.cuh" => "include/cluster.cuh",
     "page_bounds.cuh" => "include/page_bounds.cuh",
     "weights_pass.cuh" => "include/weights_pass.cuh",
-    "art_blocks.cuh" => "include/art_blocks.cuh",
+    "mma_tile.cuh" => "include/mma_tile.cuh",
     "attention.cu" => "attention.cu",
     "attention_mma.cu" => "attention_mma.cu",
     "attention_prefill.cu" => "attention_prefill.cu",
@@ -48,7 +48,8 @@ kernel_files! {
     "select.cu" => "select.cu",
     "quest.cu" => "policy/quest.cu",
     "top_p.cu" => "policy/top_p.cu",
-    "art.cu" => "policy/art.cu",
+    "art.cu" => "policy/art/priority.cu",
+    "art_traversal.cuh" => "policy/art/traversal.cuh",
     "snapkv.cu" => "policy/snapkv.cu",
     "refresh.cu" => "policy/refresh.cu",
     "prr.cu" => "policy/speculate.cu",
@@ -165,10 +166,13 @@ mod tests {
     fn registry_covers_the_kernels_and_every_module_expands() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
         let mut on_disk = Vec::new();
-        for sub in ["", "include", "policy"] {
-            for e in std::fs::read_dir(dir.join(sub)).unwrap() {
+        let mut dirs = vec![dir.clone()];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(d).unwrap() {
                 let p = e.unwrap().path();
-                if matches!(p.extension().and_then(|x| x.to_str()), Some("cu" | "cuh")) {
+                if p.is_dir() {
+                    dirs.push(p);
+                } else if matches!(p.extension().and_then(|x| x.to_str()), Some("cu" | "cuh")) {
                     on_disk.push(p.strip_prefix(&dir).unwrap().to_str().unwrap().to_string());
                 }
             }
@@ -190,7 +194,8 @@ mod tests {
                 }
             }
         }
-        for m in [ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, MERGE, FILL, META, WRITE_STEP, SELECT, PREDICTOR, SLOTS] {
+        let hooked: Vec<String> = crate::policy::TRAVERSAL_HOOKS.iter().map(|h| h.module().1).collect();
+        for m in [ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, MERGE, FILL, META, WRITE_STEP, SELECT, PREDICTOR, SLOTS].into_iter().chain(hooked.iter().map(String::as_str)) {
             let text = expand(m).unwrap();
             assert!(!text.contains("#include") && !text.contains("#pragma once"), "{m}");
             // common.cuh's typedefs appear exactly once however many files include it.
@@ -250,7 +255,7 @@ mod tests {
     /// with offset_of!.
     #[test]
     fn kernel_param_structs_match_their_rust_mirrors() {
-        let rust: Vec<CLayout> = [super::super::batch::c_layouts(), crate::policy::refresh::cuda::c_layouts(), crate::policy::predictor::cuda::c_layouts()].into_iter().flatten().collect();
+        let rust: Vec<CLayout> = [super::super::batch::c_layouts(), crate::policy::refresh::cuda::c_layouts(), crate::policy::predictor::cuda::c_layouts(), crate::policy::art::cuda::c_layouts()].into_iter().flatten().collect();
         let shared = file("params.cuh").unwrap().lines().filter(|l| !l.starts_with("#pragma") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n");
         let shared_names: Vec<String> = c_structs(&shared).into_iter().map(|(n, _)| n).collect();
         for name in &shared_names {

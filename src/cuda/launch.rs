@@ -92,12 +92,11 @@ impl KArgs {
     }
     /// A `#[repr(C)]` struct by value (its layout must match the kernel's struct; 8-byte aligned).
     pub fn by_value<T: Copy>(&mut self, v: &T) -> &mut Self {
-        let words = std::mem::size_of::<T>().div_ceil(8);
-        let mut w = [0u64; 16];
-        assert!(words <= w.len() && std::mem::align_of::<T>() <= 8, "struct argument too large");
-        // SAFETY: copies size_of::<T>() bytes of a Copy value into a buffer at least that large.
-        unsafe { std::ptr::copy_nonoverlapping(v as *const T as *const u8, w.as_mut_ptr() as *mut u8, std::mem::size_of::<T>()) };
-        self.push_words(&w[..words])
+        self.struct_arg(&StructArg::of(v))
+    }
+    /// A struct argument taken earlier ([`StructArg::of`]).
+    pub fn struct_arg(&mut self, a: &StructArg) -> &mut Self {
+        self.push_words(&a.w[..a.words])
     }
     pub fn ptr<T>(&mut self, p: *const T) -> &mut Self {
         self.push(p as usize as u64)
@@ -111,6 +110,26 @@ impl KArgs {
     }
     pub fn f32(&mut self, v: f32) -> &mut Self {
         self.push(v.to_bits() as u64)
+    }
+}
+
+/// A `#[repr(C)]` struct's bytes, taken to be passed by value by a launch that does not know its type
+/// (a traversal hook's arguments, src/cuda/traversal.rs): at most 16 words.
+#[derive(Clone, Copy, Debug)]
+pub struct StructArg {
+    w: [u64; 16],
+    words: usize,
+}
+
+impl StructArg {
+    /// `v`'s bytes (its layout must match the kernel's struct; 8-byte aligned).
+    pub fn of<T: Copy>(v: &T) -> Self {
+        let words = std::mem::size_of::<T>().div_ceil(8);
+        let mut w = [0u64; 16];
+        assert!(words <= w.len() && std::mem::align_of::<T>() <= 8, "struct argument too large");
+        // SAFETY: copies size_of::<T>() bytes of a Copy value into a buffer at least that large.
+        unsafe { std::ptr::copy_nonoverlapping(v as *const T as *const u8, w.as_mut_ptr() as *mut u8, std::mem::size_of::<T>()) };
+        StructArg { w, words }
     }
 }
 

@@ -1,6 +1,6 @@
 //! CUDA backend: the driver and NVRTC loaded at run time ([`driver`]), the device context ([`context`]),
 //! NVRTC compilation with an on-disk module cache ([`module_cache`]), launches ([`launch`]), split-KV
-//! planning ([`plan`]), prefill rows on their own kernel ([`prefill`]), the device checks of the metadata ([`checks`]), a decode step's cache write in one launch ([`write_step`]), the policies' device pipeline ([`sparse`], calling each policy's device code in `src/policy/<name>/cuda.rs` through [`stage`]), what launches share ([`batch`]), per-sequence state slots ([`slots`]) and the backend the engine dispatches to ([`backend`]). Kernels: `kernels/*.cu`, a policy's own in `kernels/policy/`.
+//! planning ([`plan`]), prefill rows on their own kernel ([`prefill`]), the device checks of the metadata ([`checks`]), a decode step's cache write in one launch ([`write_step`]), the policies' device pipeline ([`sparse`], calling each policy's device code in `src/policy/<name>/cuda.rs` through [`stage`]), what launches share ([`batch`]), the attention kernel's traversal hook ([`traversal`]), per-sequence state slots ([`slots`]) and the backend the engine dispatches to ([`backend`]). Kernels: `kernels/*.cu`, a policy's own in `kernels/policy/`.
 //! Nothing here is needed at build time, and every entry point fails cleanly when no driver is present.
 
 pub mod backend;
@@ -18,6 +18,7 @@ pub mod prefill;
 pub mod slots;
 pub mod sparse;
 pub mod stage;
+pub mod traversal;
 pub mod workspace;
 pub mod write_step;
 

@@ -265,38 +265,47 @@ mod compile_tests {
                     }
                 }
                 if dt > 0 {
-                    // The default shape for dense and plan rows (super::super::plan::DEFAULT_WARPS x DEFAULT_STAGES), ART's.
+                    // The default shape for dense and plan rows (super::super::plan::DEFAULT_WARPS x DEFAULT_STAGES).
                     let (w, st) = (super::super::plan::DEFAULT_WARPS, super::super::plan::DEFAULT_STAGES);
-                    for (plan, art, w, st) in [(0, 0, w, st), (1, 0, w, st), (1, 1, super::super::plan::ART_WARPS, super::super::plan::ART_STAGES)] {
-                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), format!("ART={art}")].to_vec();
+                    for plan in [0, 1] {
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}")].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
                     // FP8 caches (dense rows and plans): both formats under either query type.
                     for (kv8, plan) in [(1, 0), (2, 0), (1, 1), (2, 1)] {
-                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), "ART=0".into(), format!("KV8={kv8}")].to_vec();
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), format!("KV8={kv8}")].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
-                    // ART over FP8 caches, both formats.
-                    for kv8 in [1, 2] {
-                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={}", super::super::plan::ART_WARPS), format!("NSTAGE={}", super::super::plan::ART_STAGES), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into(), format!("KV8={kv8}")].to_vec();
-                        build("attention_mma", ATTENTION_MMA, &defs);
-                    }
-                    let mut defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={}", super::super::plan::ART_WARPS), format!("NSTAGE={}", super::super::plan::ART_STAGES), "L2_HINT=128".into(), "PLAN=1".into(), "ART=1".into()].to_vec();
-                    defs.push("ART_NOPROBE=1".into());
-                    build("attention_mma", ATTENTION_MMA, &defs);
-                    if d == 128 {
-                        // Benchmarks' baseline without the device checks (KVS_BENCH_NO_DEVICE_CHECKS=1).
-                        defs.push("KVS_CHECKS=0".into());
-                        build("attention_mma", ATTENTION_MMA, &defs);
+                    // Each traversal hook in its shape: 16-bit and FP8 caches (both formats), and its
+                    // measurement variant (also without the device checks, as benchmarks run it).
+                    for h in crate::policy::TRAVERSAL_HOOKS {
+                        let (name, src) = h.module();
+                        let base: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={}", h.warps), format!("NSTAGE={}", h.stages), "L2_HINT=128".into(), "PLAN=1".into()].to_vec();
+                        build(&name, &src, &base);
+                        for kv8 in [1, 2] {
+                            let mut defs = base.clone();
+                            defs.push(format!("KV8={kv8}"));
+                            build(&name, &src, &defs);
+                        }
+                        if let Some(b) = h.bench_define {
+                            let mut defs = base.clone();
+                            defs.push(b.into());
+                            build(&name, &src, &defs);
+                            if d == 128 {
+                                // Benchmarks' baseline without the device checks (KVS_BENCH_NO_DEVICE_CHECKS=1).
+                                defs.push("KVS_CHECKS=0".into());
+                                build(&name, &src, &defs);
+                            }
+                        }
                     }
                     // An engine with padded_batches (checks bit 2): dense and plan rows.
                     for plan in [0, 1] {
-                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), "ART=0".into(), "KVS_CHECKS=7".into()].to_vec();
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), format!("PLAN={plan}"), "KVS_CHECKS=7".into()].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
                     // RefreshKV's full step: the plan's attention writing its logits (16-bit and FP8 caches).
                     for kv8 in [0, 1, 2] {
-                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), "PLAN=1".into(), "ART=0".into(), "LOGITS=1".into(), format!("KV8={kv8}")].to_vec();
+                        let defs: Vec<String> = [format!("KVS_DTYPE={dt}"), format!("HEAD_DIM={d}"), format!("GQ={g}"), format!("GROUP={g}"), format!("NWARPS={w}"), format!("NSTAGE={st}"), "L2_HINT=128".into(), "PLAN=1".into(), "LOGITS=1".into(), format!("KV8={kv8}")].to_vec();
                         build("attention_mma", ATTENTION_MMA, &defs);
                     }
                     if let Some(ps) = super::super::prefill::prefill_shape(g, d, 2, true, 225 * 1024) {

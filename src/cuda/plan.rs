@@ -113,9 +113,6 @@ pub fn mma_shape(group: usize, head_dim: usize, elem_bytes: usize, kv_bytes: usi
 /// at every batch x context point of the bench, and 4x4 / 4x6 (one CTA, 4 warps) 20% slower.
 pub const DEFAULT_WARPS: usize = 6;
 pub const DEFAULT_STAGES: usize = 2;
-/// ART's launch keeps 4 warps (one round = one 64-slot tile, kernels/attention_mma.cu) and 3 stages.
-pub const ART_WARPS: usize = 4;
-pub const ART_STAGES: usize = 3;
 
 /// Tensor-core kernel switches: `KVS_CUDA_KERNEL=simt` forces the lane-group kernel everywhere;
 /// `KVS_MMA_WARPS` / `KVS_MMA_STAGES` override warps per CTA and stages per warp (experiments);
@@ -247,13 +244,3 @@ mod tests {
         }
     }
 }
-
-/// ART's splits: one per segment of `segment` keys of the plan's capacity `keys` (`art(segment=...)`), or
-/// one for the whole traversal; returns (splits, keys per split). Each split terminates on its own.
-pub fn art_splits(keys: usize, segment: Option<u32>) -> (usize, usize) {
-    match segment {
-        Some(sg) if (sg as usize) < keys => (keys.div_ceil(sg as usize), sg as usize),
-        _ => (1, keys.max(1)),
-    }
-}
-

@@ -311,7 +311,7 @@ impl SparseState {
                         None
                     }
                 };
-                out.push(VisitRecord { layer: a.layer, seq_id: ids[s] as u64, kv_head: h, spans: spans.clone(), art_tiles: tiles_rec });
+                out.push(VisitRecord { layer: a.layer, seq_id: ids[s] as u64, kv_head: h, spans: spans.clone(), traversal_tiles: tiles_rec });
             }
         }
         Ok(out)

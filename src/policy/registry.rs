@@ -45,8 +45,6 @@ macro_rules! stage_counters {
             spec_calibrations, spec_calib_us,
             /// Refresh scheduling: full-attention steps and partial (token-set) steps.
             refresh_full_steps, refresh_partial_steps,
-            /// ART: tiles (64 slots of the visit order) visited, and tiles of the whole traversals (Rust only).
-            art_tiles_visited @ 9, art_tiles_total @ 10,
         }
     };
 }
@@ -128,8 +126,10 @@ impl PipelineKind for Pipeline {
     }
 }
 
-/// ART does not prune on the CPU: it orders the plan and terminates the traversal (`cpu::sparse`).
-impl CpuLaterStage for Art {}
+/// The attention kernel's traversal hooks (src/cuda/traversal.rs), one line per stage that has one: what
+/// the kernels' compile check builds.
+#[cfg(test)]
+pub(crate) const TRAVERSAL_HOOKS: &[crate::cuda::traversal::HookKernel] = &[super::art::cuda::HOOK];
 
 /// Why a selector whose `SelectorKind::cuda_fp8_cache` is false is refused over an FP8 cache on CUDA.
 pub(super) const SELECTOR_NO_FP8: &str = "this selector's own kernels read 16-bit cache rows only";
@@ -388,7 +388,7 @@ mod tests {
         };
         take(checked(&[rows_of(&fin), fin.0, 4])?);
         take(checked(&[ns, hk, 4])?);
-        let art_nsplit = p.art.map_or(1, |art| crate::cuda::plan::art_splits(fin.0 << fin.1, art.segment).0);
+        let art_nsplit = p.art.map_or(1, |art| crate::policy::art::cuda::art_splits(fin.0 << fin.1, art.segment).0);
         crate::ensure!(art_nsplit < 65536, Unsupported, "segments");
         take(checked(&[ns, hk, art_nsplit, 4])?);
         let art_priority = p.art.is_some_and(|art| art.order == Order::Priority);

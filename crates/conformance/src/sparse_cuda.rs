@@ -463,7 +463,7 @@ pub fn art_stop_tiles(spec: &CaseSpec, spec_at: &dyn Fn(f64) -> String, eps: f64
         let outs = run_on_engine(&cpu, &mut f)?;
         Ok((sorted(cpu.take_visits()), outs))
     };
-    let tiles = |v: &[VisitRecord]| -> Vec<(u32, u32)> { v.iter().map(|r| r.art_tiles.unwrap_or((0, 0))).collect() };
+    let tiles = |v: &[VisitRecord]| -> Vec<(u32, u32)> { v.iter().map(|r| r.traversal_tiles.unwrap_or((0, 0))).collect() };
     let (v_cpu, outs_cpu) = cpu_run(1.0)?;
     let (cpu, loose, tight) = (tiles(&v_cpu), tiles(&cpu_run(1.0 + eps)?.0), tiles(&cpu_run(1.0 - eps)?.0));
     let (gpu, outs_gpu) = run_fixture_cuda_policy(&f, &spec_at(1.0))?;

@@ -429,7 +429,7 @@ pub fn replay(trace: &Trace, policy: &str, opts: &ReplayOptions) -> Result<Repla
             counters.add(&c);
             out[li].extend((0..hq * d).map(|i| ob.get(i)));
             for r in engine.take_visits() {
-                let VisitRecord { kv_head, spans, art_tiles: tiles, .. } = r;
+                let VisitRecord { kv_head, spans, traversal_tiles: tiles, .. } = r;
                 visits[(li * steps.len() + si) * hk + kv_head] = Some(spans);
                 art_tiles[(li * steps.len() + si) * hk + kv_head] = tiles;
             }

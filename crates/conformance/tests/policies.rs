@@ -525,7 +525,7 @@ fn art_stop_tile_matches_a_float64_simulation() {
             assert_eq!(recs.len(), sp.num_seqs * hk);
             for r in &recs {
                 let sq = syn.seq_ids.iter().position(|&id| id as u64 == r.seq_id).expect("a sequence of the batch");
-                let (eng_tiles, total) = r.art_tiles.expect("ART record");
+                let (eng_tiles, total) = r.traversal_tiles.expect("ART record");
                 assert_eq!(total as usize, order.len().div_ceil(64), "{spec}");
                 // f64 simulation: running (m, l, acc) per row, probe after each tile.
                 let q = |row: usize, i: usize| syn.query.get((sq * hq + r.kv_head * g + row) * d + i) * syn.scale as f64;
@@ -609,11 +609,11 @@ fn art_segments_stop_on_their_own_and_merge_to_dense() {
         // (901 = 56 * 16 + 5), which comes second in ART's order (after the sink block): in tile 0.
         let keys: usize = (0..slots.div_ceil(seg)).map(|k| (slots - k * seg).min(64)).sum::<usize>() - 11;
         for r in e.take_visits() {
-            assert_eq!(r.art_tiles, Some((visited as u32, tiles as u32)), "{spec}");
+            assert_eq!(r.traversal_tiles, Some((visited as u32, tiles as u32)), "{spec}");
             let toks: usize = r.spans.iter().map(|(a, b)| b - a).sum();
             assert_eq!(toks, keys, "{spec}: keys read");
         }
-        assert_eq!(c.art_tiles_visited, (visited * sp.num_seqs * hk) as u64, "{spec}");
+        assert_eq!(c.traversal_tiles_visited, (visited * sp.num_seqs * hk) as u64, "{spec}");
         assert_eq!(c.blocks_skipped_termination > 0, visited < tiles, "{spec}");
         assert!((0..out.len()).all(|i| out.get(i).is_finite()), "{spec}: every output written");
     }

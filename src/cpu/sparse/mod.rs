@@ -1,6 +1,7 @@
 //! Runs a policy pipeline for the decode rows of one forward call on the CPU: per (sequence, KV head), in
-//! parallel on the engine's pool, select → prune (top-p) → order/terminate (ART), and attend exactly over
-//! what is left with the same kernel dense attention uses ([`attend_spans`] / [`attend_tokens`]).
+//! parallel on the engine's pool, select → prune → order/terminate (a later stage's [`CpuTraversal`]), and
+//! attend exactly over what is left with the same kernel dense attention uses ([`attend_spans`] /
+//! [`attend_tokens`]).
 //!
 //! The scoring kernels the decisions share (Twilight's INT4 estimate, exact weights for full steps) are
 //! in [`scoring`].
@@ -8,7 +9,7 @@
 mod scoring;
 mod stage;
 
-pub(crate) use stage::{CpuLaterStage, CpuStage, PrefillCx, SelectCx};
+pub(crate) use stage::{CpuLaterStage, CpuStage, CpuTraversal, PrefillCx, SelectCx};
 pub use scoring::{estimate_weights, token_weights, weights_at};
 
 pub(crate) use std::sync::Arc;
@@ -23,8 +24,6 @@ pub(crate) use super::quantize::code_bytes;
 pub(crate) use super::spin_pool::SpinPool;
 pub(crate) use super::convert::load_cache_row;
 pub(crate) use crate::policy::select::{max_pool, normalize_spans, Candidates};
-pub(crate) use crate::policy::art::{order_entries, probe_lanes, ArtState, Tiles, ART_TILE, PROBE_LANES};
-pub(crate) use crate::policy::Probe;
 pub(crate) use crate::policy::{HeadPlan, Pipeline};
 pub(crate) use crate::sequences::SequenceState;
 pub(crate) use crate::stats::{Counters, VisitRecord};
@@ -66,16 +65,14 @@ pub(crate) struct HeadWork {
     pub(crate) plan: HeadPlan,
     pub(crate) cand: Candidates,
     pub(crate) st: Option<RowsState>,
-    /// ART: a priority per plan entry (NaN: none), the entries in visiting order, and their tiles.
+    /// A priority per plan entry (NaN: none), for a later stage's visiting order.
     pub(crate) entry_score: Vec<f32>,
-    pub(crate) order: Vec<u32>,
-    pub(crate) tiles: Tiles,
+    /// The candidates' spans, adjacent ones merged (the attention in position order).
     pub(crate) merged: Vec<(usize, usize)>,
-    pub(crate) art: ArtState,
-    /// ART: per segment of the traversal, (first tile, tiles visited); and the segment's own state.
-    pub(crate) art_segs: Vec<(u32, u32)>,
-    pub(crate) seg: Option<RowsState>,
-    pub(crate) active: bool,
+    /// A later stage's own work on this head when it orders and terminates the traversal
+    /// ([`CpuTraversal`]; its type is the stage's, kept here so a decode loop reuses its buffers).
+    pub(crate) traversal: Option<Box<dyn std::any::Any + Send>>,
+    /// Blocks whose keys were read, and keys attended.
     pub(crate) visited: usize,
     pub(crate) attended: usize,
     pub(crate) cursor: usize,
@@ -198,7 +195,7 @@ pub(crate) fn for_each_policy_head(
         c.blocks_visited += hw.cand.units.len() as u64;
         if let Some(log) = ctx.visits {
             let spans = visit.used.unwrap_or(visit.read);
-            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans, art_tiles: None });
+            log.lock().expect("visit log").push(VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: head, spans, traversal_tiles: None });
         }
         sc.row.resize(d, 0.0);
         io.store_rows(hw.st.as_ref().expect("loaded"), sd.q_start..sd.q_start + 1, head, &mut sc.row);
@@ -228,7 +225,7 @@ pub(crate) fn span_tokens(spans: &[(usize, usize)]) -> usize {
 
 pub(crate) fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, held: Option<&Vec<Option<Held>>>, ctx: &SparseCtx, sc: &mut Scratch) -> Counters {
     let cache = io.cache;
-    let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+    let (d, bs) = (cache.head_dim, cache.block_size);
     let sd = &io.batch.seqs[s];
     let lim = RowLimits::causal(sd.seq_len - 1, io.params.window);
     let blocks = io.batch.blocks(s, bs);
@@ -244,135 +241,56 @@ pub(crate) fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, 
     }
     let kv_of = |head: usize| SeqKv { cache, blocks, head };
     let softcap = io.params.softcap;
-    match p.art {
-        None => {
-            // Interleave heads by position window.
-            for hw in hws.iter_mut() {
-                hw.cursor = 0;
-            }
-            // Window: about WINDOW selected keys per head per step, whatever the selection's density.
-            let positions = (lim.hi + 1 - lim.lo) * hws.len();
-            let selected: usize = hws.iter().map(|h| h.cand.tokens()).sum::<usize>().max(1);
-            let window = (WINDOW * positions / selected).clamp(WINDOW, 16 * WINDOW).next_power_of_two();
-            let mut w0 = lim.lo / window * window;
-            while w0 <= lim.hi {
-                let w1 = w0 + window;
-                for hw in hws.iter_mut() {
-                    sc.part.clear();
-                    while hw.cursor < hw.merged.len() {
-                        let (a, b) = hw.merged[hw.cursor];
-                        if a >= w1 {
-                            break;
-                        }
-                        sc.part.push((a.max(w0), b.min(w1)));
-                        if b <= w1 {
-                            hw.cursor += 1;
-                        } else {
-                            break;
-                        }
-                    }
-                    let n_tok: usize = sc.part.iter().map(|(a, b)| b - a).sum();
-                    let st = hw.st.as_mut().expect("prepared");
-                    attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), &sc.part, n_tok, &mut sc.tokens, softcap);
-                    hw.attended += n_tok;
-                }
-                w0 = w1;
-            }
-            for hw in hws.iter() {
-                c.blocks_visited += hw.cand.units.len() as u64;
-            }
+    let traversal = p.later_stages().find_map(|s| s.traversal());
+    if let Some(t) = traversal {
+        t.attend(io, blocks, &mut hws, sc, &mut c);
+    } else {
+        // Interleave heads by position window.
+        for hw in hws.iter_mut() {
+            hw.cursor = 0;
         }
-        Some(art) => {
-            let plen = match art.probe {
-                Probe::Lanes => PROBE_LANES,
-                Probe::Full => g * d,
-            };
-            let steps = hws.iter().map(|h| h.tiles.len()).max().unwrap_or(0);
-            // The traversal in segments of `segment` keys (whole tiles), each terminated on its own from
-            // x(0) = 0 with its own accumulator (what one GPU split sees), merged by log-sum-exp; one
-            // segment (the paper) accumulates straight into the row's state.
-            let seg_tiles = art.segment.map_or(steps.max(1), |k| (k as usize / ART_TILE).max(1));
+        // Window: about WINDOW selected keys per head per step, whatever the selection's density.
+        let positions = (lim.hi + 1 - lim.lo) * hws.len();
+        let selected: usize = hws.iter().map(|h| h.cand.tokens()).sum::<usize>().max(1);
+        let window = (WINDOW * positions / selected).clamp(WINDOW, 16 * WINDOW).next_power_of_two();
+        let mut w0 = lim.lo / window * window;
+        while w0 <= lim.hi {
+            let w1 = w0 + window;
             for hw in hws.iter_mut() {
-                hw.art_segs.clear();
-            }
-            let mut lanes = [0f32; PROBE_LANES];
-            let mut t0 = 0;
-            while t0 < steps {
-                let t1 = (t0 + seg_tiles).min(steps);
-                let segmented = art.segment.is_some();
-                for hw in hws.iter_mut() {
-                    hw.art.reset(plen);
-                    hw.active = true;
-                    if segmented {
-                        match &mut hw.seg {
-                            Some(st) if st.rows == g => st.reset(),
-                            slot => *slot = Some(RowsState::new(g, d)),
-                        }
+                sc.part.clear();
+                while hw.cursor < hw.merged.len() {
+                    let (a, b) = hw.merged[hw.cursor];
+                    if a >= w1 {
+                        break;
+                    }
+                    sc.part.push((a.max(w0), b.min(w1)));
+                    if b <= w1 {
+                        hw.cursor += 1;
+                    } else {
+                        break;
                     }
                 }
-                for t in t0..t1 {
-                    for hw in hws.iter_mut() {
-                        if !hw.active || t >= hw.tiles.len() {
-                            continue;
-                        }
-                        let spans = hw.tiles.tile(t);
-                        let n_tok: usize = spans.iter().map(|(a, b)| b - a).sum();
-                        let st = if segmented { hw.seg.as_mut() } else { hw.st.as_mut() }.expect("prepared");
-                        // ART's probe reads the running output: attend in the decisions' arithmetic.
-                        attend_set_at(isa::decisions(), st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
-                        hw.attended += n_tok;
-                        match art.probe {
-                            Probe::Lanes => {
-                                probe_lanes(&st.acc, &st.l, g, d, &mut lanes);
-                                hw.art.cur_mut(PROBE_LANES).copy_from_slice(&lanes);
-                            }
-                            Probe::Full => {
-                                let cur = hw.art.cur_mut(g * d);
-                                for (r, row) in cur.chunks_exact_mut(d).enumerate() {
-                                    for (x, &a) in row.iter_mut().zip(&st.acc[r * d..(r + 1) * d]) {
-                                        *x = a / st.l[r];
-                                    }
-                                }
-                            }
-                        }
-                        if hw.art.observe(art.probe, art.tau, art.phi, art.patience) {
-                            hw.active = false;
-                        }
-                    }
-                }
-                for hw in hws.iter_mut() {
-                    if t0 < hw.tiles.len() {
-                        hw.art_segs.push((t0 as u32, hw.art.tiles));
-                    }
-                    if segmented {
-                        let seg = hw.seg.take().expect("set above");
-                        hw.st.as_mut().expect("prepared").merge_from(&seg);
-                        hw.seg = Some(seg);
-                    }
-                }
-                t0 = t1;
+                let n_tok: usize = sc.part.iter().map(|(a, b)| b - a).sum();
+                let st = hw.st.as_mut().expect("prepared");
+                attend_set(st, &hw.q, &hw.limits, &kv_of(hw.head), &sc.part, n_tok, &mut sc.tokens, softcap);
+                hw.attended += n_tok;
             }
-            for hw in hws.iter_mut() {
-                // Blocks whose keys a visited tile read (a tile may end inside a block).
-                let mut blocks: Vec<usize> = art_visited(hw).flat_map(|&(a, b)| a / bs..=(b - 1) / bs).collect();
-                blocks.sort_unstable();
-                blocks.dedup();
-                hw.visited = blocks.len();
-                let tiles_visited: u32 = hw.art_segs.iter().map(|&(_, n)| n).sum();
-                c.art_tiles_visited += tiles_visited as u64;
-                c.art_tiles_total += hw.tiles.len() as u64;
-                c.blocks_visited += hw.visited as u64;
-                c.blocks_skipped_termination += hw.cand.units.len().saturating_sub(hw.visited) as u64;
-            }
+            w0 = w1;
+        }
+        for hw in hws.iter() {
+            c.blocks_visited += hw.cand.units.len() as u64;
         }
     }
     if let Some(log) = ctx.visits {
-        let recs = hws.iter().map(|hw| VisitRecord {
-            layer: 0,
-            seq_id: sd.seq_id,
-            kv_head: hw.head,
-            spans: visited_spans(hw, p.art.is_some()),
-            art_tiles: p.art.map(|_| (hw.art_segs.iter().map(|&(_, n)| n).sum(), hw.tiles.len() as u32)),
+        let recs = hws.iter().map(|hw| {
+            let (spans, traversal_tiles) = match traversal {
+                Some(t) => {
+                    let (spans, tiles) = t.visits(hw);
+                    (spans, Some(tiles))
+                }
+                None => (visited_spans(hw), None),
+            };
+            VisitRecord { layer: 0, seq_id: sd.seq_id, kv_head: hw.head, spans, traversal_tiles }
         });
         log.lock().expect("visit log").extend(recs);
     }
@@ -386,27 +304,14 @@ pub(crate) fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, 
     c
 }
 
-/// The sorted spans one head attended: all candidates, or under ART the units visited before it stopped.
-pub(crate) fn visited_spans(hw: &HeadWork, art: bool) -> Vec<(usize, usize)> {
-    let mut v: Vec<(usize, usize)> = if art {
-        art_visited(hw).copied().collect()
-    } else {
-        hw.cand.spans.clone()
-    };
+/// The sorted spans one head attended (every candidate: no stage cut its traversal short).
+fn visited_spans(hw: &HeadWork) -> Vec<(usize, usize)> {
+    let mut v: Vec<(usize, usize)> = hw.cand.spans.clone();
     v.sort_unstable();
     v
 }
 
-/// Under ART, the spans of the tiles each segment visited before it stopped (in visiting order).
-pub(crate) fn art_visited(hw: &HeadWork) -> impl Iterator<Item = &(usize, usize)> {
-    hw.art_segs.iter().flat_map(move |&(t0, n)| {
-        let (a, b) = (t0 as usize, (t0 + n) as usize);
-        let at = |t: usize| hw.tiles.bounds.get(t.min(hw.tiles.len())).copied().unwrap_or(0);
-        hw.tiles.spans[at(a)..at(b)].iter()
-    })
-}
-
-/// Select and prune for one KV head; leaves the candidates (and, under ART, the visiting order) in `hw`.
+/// Select and prune for one KV head; leaves the candidates (and a traversing stage's order) in `hw`.
 /// Returns the counters of these stages (metadata bytes read, top-p counts, eligible blocks).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u32], held: Option<&Held>, ctx: &SparseCtx, hw: &mut HeadWork, sc: &mut Scratch) -> Counters {
@@ -421,7 +326,6 @@ pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u
     hw.q.resize(g * d, 0.0);
     io.load_queries(sd.q_start..sd.q_start + 1, head, &mut hw.q);
     io.limits(sd, sd.q_start..sd.q_start + 1, &mut hw.limits);
-    hw.active = true;
     hw.visited = 0;
     hw.attended = 0;
     match &mut hw.st {
@@ -431,7 +335,7 @@ pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u
         }
     }
 
-    // 1. Select: the selector writes the row's plan; the candidates are built from it. ART's priority of
+    // 1. Select: the selector writes the row's plan; the candidates are built from it. Its priority of
     // each plan entry goes to `entry_score` (left empty when the selector has none).
     hw.entry_score.clear();
     let cx = SelectCx { io, lim, blocks, held, ctx };
@@ -447,13 +351,10 @@ pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u
         meta_bytes += stage.prune(&cx, hw, sc, &mut c);
     }
 
-    // 3. Order (ART) or coalesce (units split spans at block boundaries; merge them so chunks stay full).
-    match p.art {
-        Some(art) => {
-            let sc_of = |i: usize| hw.entry_score.get(i).copied().unwrap_or(f32::NAN);
-            order_entries(&hw.plan, sink_limit, art.order, sc_of, &mut hw.order);
-            hw.tiles.build(&hw.order, hw.plan.unit_log2, lim.lo, lim.hi);
-        }
+    // 3. Order (a traversing stage) or coalesce (units split spans at block boundaries; merge them so
+    // chunks stay full).
+    match p.later_stages().find_map(|s| s.traversal()) {
+        Some(t) => t.order(hw, sink_limit, lim),
         None => {
             hw.merged.clear();
             for &(a, b) in &hw.cand.spans {
@@ -474,7 +375,8 @@ pub(crate) fn attend_set(st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv
     attend_set_at(isa::detected(), st, q, limits, kv, spans, n_tok, tokens, softcap)
 }
 
-/// [`attend_set`] on instruction set `level` (ART's tiles: [`isa::decisions`]).
+/// [`attend_set`] on instruction set `level` (a traversal whose decisions read the running output:
+/// [`isa::decisions`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_set_at(level: IsaLevel, st: &mut RowsState, q: &[f32], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], n_tok: usize, tokens: &mut Vec<u32>, softcap: f32) {
     if spans.is_empty() {

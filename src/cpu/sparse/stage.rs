@@ -1,4 +1,4 @@
-//! What a selector stage does on the CPU, as a forward call's prefill (`cpu::call`) and the decode pipeline
+//! What a selector stage (and a later one) does on the CPU, as a forward call's prefill (`cpu::call`) and the decode pipeline
 //! ([`super::sparse_forward`]) call it. Each policy implements [`CpuStage`] in `src/policy/<name>/cpu.rs`;
 //! the registry (`cpu()` on a selector, src/policy/registry.rs) is the one place that picks the implementation, so nothing here
 //! names a policy.
@@ -48,6 +48,30 @@ pub(crate) trait CpuLaterStage: Sync {
     fn prune(&self, _cx: &SelectCx, _hw: &mut HeadWork, _sc: &mut Scratch, _c: &mut Counters) -> u64 {
         0
     }
+
+    /// The stage's traversal when it orders the plan and may stop attending it early: the pipeline then
+    /// attends the decode rows through it instead of in position order.
+    fn traversal(&self) -> Option<&dyn CpuTraversal> {
+        None
+    }
+}
+
+/// A later stage that walks a decode row's plan in its own order and may stop before its end (on the CUDA
+/// backend: the attention kernel's traversal hook, src/cuda/traversal.rs). Its per-head work lives in
+/// `HeadWork::traversal`, of the stage's own type.
+pub(crate) trait CpuTraversal: Sync {
+    /// After select and prune: one KV head's visiting order of its plan (`hw.plan`, and `hw.entry_score`
+    /// where the selector scored the entries; `sink_limit`: the selector's sinks come first), over the
+    /// row's visible positions `lim`.
+    fn order(&self, hw: &mut HeadWork, sink_limit: usize, lim: RowLimits);
+
+    /// Attends the KV heads of one decode row (`hws`, prepared; `blocks`: the sequence's block-table row)
+    /// in their orders into each `hw.st`, stopping where the stage decides; sets `hw.visited` and
+    /// `hw.attended` and counts the blocks visited and skipped and the stage's own counters into `c`.
+    fn attend(&self, io: &ForwardIo, blocks: &[u32], hws: &mut [HeadWork], sc: &mut Scratch, c: &mut Counters);
+
+    /// One head's visit record: the sorted spans it attended, and (tiles visited, tiles of the traversal).
+    fn visits(&self, hw: &HeadWork) -> (Vec<(usize, usize)>, (u32, u32));
 }
 
 /// A selector stage on the CPU. Every method has the behaviour of a stage that does not need it.

@@ -1,19 +1,72 @@
-//! ART on the CUDA backend: the termination itself runs inside the tensor-core attention kernel (ART=1 of
-//! kernels/attention_mma.cu, parameters `ArtLaunch`), which also counts the blocks no visited tile reached
-//! once a row's splits have all run; this stage reserves its priority order, probe partials and arrival
-//! counters, and sorts a Quest plan by page score (kvs_art_priority, kernels/policy/art.cu). Visit records
-//! rebuild each row's visited spans from the tile counts, in the kernel's order.
+//! ART on the CUDA backend: the termination itself runs inside the tensor-core attention kernel, as its
+//! traversal hook (kernels/policy/art/traversal.cuh in front of kernels/attention_mma.cu, parameters
+//! [`ArtLaunch`]; src/cuda/traversal.rs is the host side of the hook), which also counts the blocks no
+//! visited tile reached once a row's splits have all run; this stage reserves its priority order, probe
+//! partials and arrival counters, and sorts a Quest plan by page score (kvs_art_priority,
+//! kernels/policy/art/priority.cu). Visit records rebuild each row's visited spans from the tile counts,
+//! in the kernel's order.
 
-use crate::cuda::batch::{download_raw, ArtLaunch, Rows};
+use crate::cuda::batch::{download_raw, Rows};
 use crate::cuda::driver::{check, cuda};
-use crate::cuda::launch::{self, KArgs};
-use crate::cuda::plan::art_splits;
+use crate::cuda::launch::{self, KArgs, StructArg};
 use crate::cuda::stage::{CallShape, CudaStage, RowVisits, StepCx, WsAlloc};
+use crate::cuda::traversal::{HookKernel, HookSplits, TraversalLaunch};
 use crate::error::Result;
 use crate::policy::plan::{normalize_spans, HeadPlan};
 use crate::policy::kind::SelectorKind;
 use super::{Art, Order, Probe};
 use crate::ensure;
+
+/// ART's hook: 4 warps (one round = one 64-slot tile, [`super::ART_TILE`]) of 3 stages; its static
+/// shared memory (the probe's exchange, the decision's group summaries) within 4 KiB.
+/// `KVS_ART_NOPROBE=1` (benchmarks only) compiles ART's launch without the detector (the same order and
+/// splits), the baseline of the detector's cost.
+pub(crate) const HOOK: HookKernel = HookKernel { name: "`art`", file: "art_traversal.cuh", warps: 4, stages: 3, smem_reserve: 4096, bench_define: Some("ART_NOPROBE=1") };
+
+/// ART's launch arguments (kernels/policy/art/traversal.cuh `ArtArgs`, the kernel's `TraversalArgs`; a test
+/// compares the layouts).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ArtLaunch {
+    pub tau: f32,
+    pub phi: f32,
+    /// -1 = never stop (`patience=inf`).
+    pub patience: i32,
+    pub sink_limit: i32,
+    pub ctr: u64,
+    pub tiles_out: u64,
+    pub hk: i32,
+    /// Keys per segment (`art(segment=...)`), 0 = one segment.
+    pub segment: i32,
+    /// Priority order (behind Quest): the plan's entries in visiting order and the inverse permutation,
+    /// written by `kvs_art_priority`; 0 = recency order.
+    pub order: u64,
+    pub inv: u64,
+    /// A row's split-parallel traversal (one segment over several splits): every round's probe partial
+    /// `[seqs][kv_heads][tmax][48]` f32 (32 numerators, then 8 row sums and 8 running maxima) and the
+    /// rows' arrival counters `[seqs][kv_heads]` (zero before the launch; the last split resets its own).
+    pub probe: u64,
+    pub arrive: u64,
+    /// Tiles per row the probe region holds (>= the plan's capacity in 64-key tiles).
+    pub tmax: i32,
+    pub pad: i32,
+}
+
+/// The layout a test compares with kernels/policy/art/traversal.cuh.
+#[cfg(test)]
+pub(crate) fn c_layouts() -> Vec<crate::cuda::kernel_src::CLayout> {
+    use crate::cuda::kernel_src::c_layout;
+    vec![c_layout!(ArtLaunch as "ArtArgs" { tau, phi, patience, sink_limit, ctr, tiles_out, hk, segment, order, inv, probe, arrive, tmax, pad })]
+}
+
+/// ART's splits: one per segment of `segment` keys of the plan's capacity `keys` (`art(segment=...)`), or
+/// one for the whole traversal; returns (splits, keys per split). Each split terminates on its own.
+pub fn art_splits(keys: usize, segment: Option<u32>) -> (usize, usize) {
+    match segment {
+        Some(sg) if (sg as usize) < keys => (keys.div_ceil(sg as usize), sg as usize),
+        _ => (1, keys.max(1)),
+    }
+}
 
 /// Whether the CUDA backend runs `art` behind `selector` (and a pruning stage when `pruned`).
 pub(crate) fn supported(a: &Art, selector: &dyn SelectorKind, pruned: bool) -> std::result::Result<(), String> {
@@ -48,7 +101,7 @@ pub(crate) struct ArtStage {
     order: usize,
     inv: usize,
     /// The split-parallel traversal's probe partials (48 f32 per 64-key tile of a row's plan) and the
-    /// rows' arrival counters (ArtLaunch).
+    /// rows' arrival counters ([`ArtLaunch`]).
     probe: usize,
     arrive: usize,
     tmax: usize,
@@ -125,7 +178,7 @@ impl CudaStage for ArtStage {
 
     fn rows(&self, cx: &StepCx, _keys: usize) -> Option<Rows> {
         let (order, inv) = self.order_at(cx.ws);
-        let art = ArtLaunch {
+        let args = ArtLaunch {
             tau: self.art.tau,
             phi: self.art.phi,
             patience: self.art.patience.map_or(-1, |v| v.min(i32::MAX as u32) as i32),
@@ -142,7 +195,18 @@ impl CudaStage for ArtStage {
             pad: 0,
         };
         // ART walks the plan in its segments (art_splits): the key bound is the plan's capacity.
-        Some(Rows::Plan(cx.fin, (cx.fin.cap as usize) << cx.fin.ulog2, Some(art)))
+        let keys = (cx.fin.cap as usize) << cx.fin.ulog2;
+        // `art(segment=K)`: one split per segment. One segment (the paper's traversal): split like any plan,
+        // each split a run of whole 64-key tiles; the row's last split decides over all (art_decide: its
+        // shared memory holds 48 floats per split).
+        let splits = if args.segment > 0 {
+            let (n, chunk) = art_splits(keys, Some(args.segment as u32));
+            HookSplits::Fixed(n, chunk)
+        } else {
+            HookSplits::Planned { smem_per_split: 48 * 4 }
+        };
+        let bench = std::env::var("KVS_ART_NOPROBE").is_ok_and(|v| v == "1");
+        Some(Rows::Plan(cx.fin, keys, Some(TraversalLaunch { hook: HOOK, args: StructArg::of(&args), splits, bench })))
     }
 
     fn visits(&self, cx: &StepCx) -> Option<Box<dyn RowVisits>> {

@@ -16,12 +16,20 @@
 //!   the decision from the same probe values bit for bit.
 //! * `probe=full` (the paper's oracle, Appendix B) compares the whole normalised output of every row of
 //!   the group, in f64 (a CPU-side measure of the probe's quality, not a GPU mode).
+//!
+//! Here: the decision, the order and the tiles; the CPU engine's traversal ([`CpuTraversal`] for [`Art`]:
+//! tiles attended in order, segment by segment, until the decision stops); the parser. The CUDA side is
+//! [`cuda`] (the attention kernel's traversal hook, kernels/policy/art/).
 
 pub mod cuda;
 
+use std::any::Any;
+
 use super::kind::SelectorKind;
 use super::spec::{Arg, Args};
+use crate::cpu::sparse::{attend_set_at, isa, CpuLaterStage, CpuTraversal, ForwardIo, HeadWork, RowLimits, RowsState, Scratch, SeqKv};
 use crate::error::Result;
+use crate::stats::Counters;
 
 use super::plan::HeadPlan;
 
@@ -263,6 +271,158 @@ impl Tiles {
         if slot % ART_TILE != 0 {
             self.bounds.push(self.spans.len());
         }
+    }
+}
+
+/// One KV head's traversal on the CPU engine (`HeadWork::traversal`): the plan's entries in visiting
+/// order and their tiles, the decision's state, per segment (first tile, tiles visited), and a segment's
+/// own accumulator.
+#[derive(Default)]
+struct ArtHead {
+    order: Vec<u32>,
+    tiles: Tiles,
+    state: ArtState,
+    segs: Vec<(u32, u32)>,
+    seg: Option<RowsState>,
+    active: bool,
+}
+
+impl ArtHead {
+    /// The head's work in its slot (made on first use, kept for the next call's buffers).
+    fn of(slot: &mut Option<Box<dyn Any + Send>>) -> &mut ArtHead {
+        if !slot.as_ref().is_some_and(|b| b.is::<ArtHead>()) {
+            *slot = Some(Box::<ArtHead>::default());
+        }
+        slot.as_mut().and_then(|b| b.downcast_mut()).expect("set above")
+    }
+
+    fn get(slot: &Option<Box<dyn Any + Send>>) -> &ArtHead {
+        slot.as_ref().and_then(|b| b.downcast_ref()).expect("ordered before it is read")
+    }
+
+    /// The spans of the tiles each segment visited before it stopped (in visiting order).
+    fn visited(&self) -> impl Iterator<Item = &(usize, usize)> {
+        self.segs.iter().flat_map(move |&(t0, n)| {
+            let (a, b) = (t0 as usize, (t0 + n) as usize);
+            let at = |t: usize| self.tiles.bounds.get(t.min(self.tiles.len())).copied().unwrap_or(0);
+            self.tiles.spans[at(a)..at(b)].iter()
+        })
+    }
+}
+
+/// ART does not prune on the CPU: it orders the plan and terminates the traversal.
+impl CpuLaterStage for Art {
+    fn traversal(&self) -> Option<&dyn CpuTraversal> {
+        Some(self)
+    }
+}
+
+impl CpuTraversal for Art {
+    fn order(&self, hw: &mut HeadWork, sink_limit: usize, lim: RowLimits) {
+        let a = ArtHead::of(&mut hw.traversal);
+        let sc_of = |i: usize| hw.entry_score.get(i).copied().unwrap_or(f32::NAN);
+        order_entries(&hw.plan, sink_limit, self.order, sc_of, &mut a.order);
+        a.tiles.build(&a.order, hw.plan.unit_log2, lim.lo, lim.hi);
+    }
+
+    fn attend(&self, io: &ForwardIo, blocks: &[u32], hws: &mut [HeadWork], sc: &mut Scratch, c: &mut Counters) {
+        let art = self;
+        let cache = io.cache;
+        let (d, bs, g) = (cache.head_dim, cache.block_size, io.group());
+        let kv_of = |head: usize| SeqKv { cache, blocks, head };
+        let softcap = io.params.softcap;
+        let plen = match art.probe {
+            Probe::Lanes => PROBE_LANES,
+            Probe::Full => g * d,
+        };
+        let steps = hws.iter_mut().map(|h| ArtHead::of(&mut h.traversal).tiles.len()).max().unwrap_or(0);
+        // The traversal in segments of `segment` keys (whole tiles), each terminated on its own from
+        // x(0) = 0 with its own accumulator (what one GPU split sees), merged by log-sum-exp; one
+        // segment (the paper) accumulates straight into the row's state.
+        let seg_tiles = art.segment.map_or(steps.max(1), |k| (k as usize / ART_TILE).max(1));
+        for hw in hws.iter_mut() {
+            ArtHead::of(&mut hw.traversal).segs.clear();
+        }
+        let mut lanes = [0f32; PROBE_LANES];
+        let mut t0 = 0;
+        while t0 < steps {
+            let t1 = (t0 + seg_tiles).min(steps);
+            let segmented = art.segment.is_some();
+            for hw in hws.iter_mut() {
+                let a = ArtHead::of(&mut hw.traversal);
+                a.state.reset(plen);
+                a.active = true;
+                if segmented {
+                    match &mut a.seg {
+                        Some(st) if st.rows == g => st.reset(),
+                        slot => *slot = Some(RowsState::new(g, d)),
+                    }
+                }
+            }
+            for t in t0..t1 {
+                for hw in hws.iter_mut() {
+                    let a = ArtHead::of(&mut hw.traversal);
+                    if !a.active || t >= a.tiles.len() {
+                        continue;
+                    }
+                    let spans = a.tiles.tile(t);
+                    let n_tok: usize = spans.iter().map(|(a, b)| b - a).sum();
+                    let st = if segmented { a.seg.as_mut() } else { hw.st.as_mut() }.expect("prepared");
+                    // ART's probe reads the running output: attend in the decisions' arithmetic.
+                    attend_set_at(isa::decisions(), st, &hw.q, &hw.limits, &kv_of(hw.head), spans, n_tok, &mut sc.tokens, softcap);
+                    hw.attended += n_tok;
+                    match art.probe {
+                        Probe::Lanes => {
+                            probe_lanes(&st.acc, &st.l, g, d, &mut lanes);
+                            a.state.cur_mut(PROBE_LANES).copy_from_slice(&lanes);
+                        }
+                        Probe::Full => {
+                            let cur = a.state.cur_mut(g * d);
+                            for (r, row) in cur.chunks_exact_mut(d).enumerate() {
+                                for (x, &a) in row.iter_mut().zip(&st.acc[r * d..(r + 1) * d]) {
+                                    *x = a / st.l[r];
+                                }
+                            }
+                        }
+                    }
+                    if a.state.observe(art.probe, art.tau, art.phi, art.patience) {
+                        a.active = false;
+                    }
+                }
+            }
+            for hw in hws.iter_mut() {
+                let a = ArtHead::of(&mut hw.traversal);
+                if t0 < a.tiles.len() {
+                    a.segs.push((t0 as u32, a.state.tiles));
+                }
+                if segmented {
+                    let seg = a.seg.take().expect("set above");
+                    hw.st.as_mut().expect("prepared").merge_from(&seg);
+                    a.seg = Some(seg);
+                }
+            }
+            t0 = t1;
+        }
+        for hw in hws.iter_mut() {
+            let a = ArtHead::of(&mut hw.traversal);
+            // Blocks whose keys a visited tile read (a tile may end inside a block).
+            let mut blocks: Vec<usize> = a.visited().flat_map(|&(a, b)| a / bs..=(b - 1) / bs).collect();
+            blocks.sort_unstable();
+            blocks.dedup();
+            hw.visited = blocks.len();
+            let tiles_visited: u32 = a.segs.iter().map(|&(_, n)| n).sum();
+            c.traversal_tiles_visited += tiles_visited as u64;
+            c.traversal_tiles_total += a.tiles.len() as u64;
+            c.blocks_visited += hw.visited as u64;
+            c.blocks_skipped_termination += hw.cand.units.len().saturating_sub(hw.visited) as u64;
+        }
+    }
+
+    fn visits(&self, hw: &HeadWork) -> (Vec<(usize, usize)>, (u32, u32)) {
+        let a = ArtHead::get(&hw.traversal);
+        let mut v: Vec<(usize, usize)> = a.visited().copied().collect();
+        v.sort_unstable();
+        (v, (a.segs.iter().map(|&(_, n)| n).sum(), a.tiles.len() as u32))
     }
 }
 

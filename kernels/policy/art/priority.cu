@@ -1,7 +1,7 @@
 // ART's selection-side kernel (src/policy/art/cuda.rs launches it; the probe, the decision and the count
-// of the blocks no visited tile reached run inside the tensor-core attention kernel, ART=1 of
-// attention_mma.cu): the priority order behind Quest. Moved from select.cu; the conventions of a plan, the
-// trust rules and the counters are select.cu's (see its header).
+// of the blocks no visited tile reached run inside the tensor-core attention kernel, through its traversal
+// hook: traversal.cuh beside this file): the priority order behind Quest. Moved from select.cu; the
+// conventions of a plan, the trust rules and the counters are select.cu's (see its header).
 //
 // Compile-time parameters: KVS_DTYPE, HEAD_DIM, GROUP (query heads per KV head).
 
@@ -17,7 +17,7 @@
 // Sorted as unique 64-bit keys (order key of the score, entry index) by a bitonic sort in dynamic shared
 // memory of `n2` keys (a power of two >= the plan's capacity). Writes order[i] = the entry value visited
 // i-th and inv[j] = the visit index of entry j, both in the plan's layout, and zeroes the row's arrival
-// counter of the attention's splits (`arrive[s * hk + h]`, ArtArgs).
+// counter of the attention's splits (`arrive[s * hk + h]`, ArtArgs in traversal.cuh).
 extern "C" __global__ void __launch_bounds__(512) kvs_art_priority(Batch b, int hk, const unsigned* plan, i64 p_s, i64 p_h, const int* plan_len,
                                                                    int cap, int sink_limit, int page, const float* scores, int maxp,
                                                                    unsigned* order, int* inv, int n2, int* arrive) {
