@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use parking_lot::Mutex;
 
 pub use crate::args::{CacheWriteArgs, ForwardArgs, MergeArgs};
-use crate::backend::{Backend, CallEnv};
+use crate::backend::{Backend, CallEnv, PolicyPipeline};
 use crate::config::EngineConfig;
 use crate::meta::MetaSnapshot;
 use crate::error::Result;
@@ -140,7 +140,7 @@ impl Engine {
         }
         let cache = self.scaled(KvCache::new(cfg, a.key_cache, a.value_cache, dev)?, a.layer)?;
         validate::batch(dev, &a.query_start_loc, &a.seq_lens, &a.block_table, a.seq_ids.as_ref())?;
-        let pipeline = if self.policy.is_dense_for_layer(a.layer) { None } else { self.policy.pipeline() };
+        let pipeline = if self.policy.is_dense_for_layer(a.layer) { None } else { self.policy.pipeline().map(|p| p as &dyn PolicyPipeline) };
         let env = CallEnv { cfg, policy: &self.policy, pipeline, visits: &self.visits, policy_input: &self.policy_input };
         let (c, call) = self.backend.forward(&env, a, &cache)?;
         self.record(a.layer, &c);

@@ -1,10 +1,10 @@
 //! Counters users tune policies with: what was eligible, what was visited, what each stage removed.
 //! Kept per layer (plus totals) in the engine, and per call for the caller that asks.
 
-/// Defines [`Counters`]: the shared counters below, then each stage's own, which the policy registry lists
-/// (src/policy/registry.rs, `stage_counters!`, one line per policy): `name @ n` where device counter slot
-/// `n` (kernels/include/decide.cuh CTR_*) holds it on the CUDA backend. Every field is added and
-/// subtracted alike, so a stage's counters need nothing here but its registry line.
+/// Defines [`Counters`]: the shared counters below, then each stage's own (listed where the macro is
+/// expanded): `name @ n` where device counter slot `n` (kernels/include/decide.cuh CTR_*) holds it on the
+/// CUDA backend. Every field is added and subtracted alike, so a stage's counters need nothing but their
+/// line.
 macro_rules! counters {
     ( $( $(#[$doc:meta])* $field:ident $(@ $slot:literal)? ),* $(,)? ) => {
         /// One set of counters. Also the payload of the C struct `kvs_stats` (see `ffi::types`).
@@ -88,7 +88,22 @@ macro_rules! counters {
     };
 }
 
-crate::policy::stage_counters!(counters);
+// Each stage's counters, after the shared ones: the C ABI's `kvs_stats` names them (src/ffi/types.rs), so
+// this list mirrors the ABI (a leaf: the policies and backends that fill them import this file, so it
+// imports none of them). A stage fills its fields where it runs.
+counters! {
+    /// Tokens offered to top-p, and tokens it kept.
+    top_p_candidates @ 5, top_p_kept @ 6,
+    /// Speculate/repair: blocks predicted, of those in the true set, and missed blocks repaired.
+    spec_predicted_blocks @ 11, spec_hit_blocks @ 13, spec_true_blocks @ 12, spec_repaired_blocks @ 14,
+    /// Speculate/repair baseline: blocks of the true set that the previous step's true set held
+    /// (what reusing the previous selection would have hit; compare with `spec_hit_blocks`).
+    spec_reuse_hit_blocks @ 15,
+    /// PRR calibrations run at prefill (per sequence × KV head) and their total time in microseconds.
+    spec_calibrations, spec_calib_us,
+    /// Refresh scheduling: full-attention steps and partial (token-set) steps.
+    refresh_full_steps, refresh_partial_steps,
+}
 
 impl Counters {
     /// Fraction of eligible blocks visited by policy rows (1.0 when nothing was eligible).

@@ -199,6 +199,7 @@ fn reexports(code: &str, here: &[String]) -> BTreeMap<String, Vec<String>> {
         let rest = rest.trim();
         let rest = if rest.starts_with("crate::") || rest.starts_with("super::") || rest.starts_with("self::") { rest.to_string() } else { format!("self::{rest}") };
         let rest = rest.replacen("self::", "crate::__self__::", 1);
+        let glob = rest.trim_end().ends_with("::*");
         let (ps, _) = read_path(&rest);
         for p in ps {
             let segs: Vec<String> = p.split("::").map(str::to_string).collect();
@@ -211,25 +212,57 @@ fn reexports(code: &str, here: &[String]) -> BTreeMap<String, Vec<String>> {
                     abs.push(s.clone());
                 }
             }
-            out.insert(name, abs);
+            if glob {
+                // `pub use a::*`: under the name "*", the path a::* (see `resolve`).
+                abs.push("*".into());
+                out.insert("*".into(), abs);
+            } else {
+                out.insert(name, abs);
+            }
         }
     }
     out
 }
 
-/// The file a module path resolves to: the longest module prefix, through re-exports.
-fn resolve(path: &[String], mods: &BTreeMap<Vec<String>, PathBuf>, re: &BTreeMap<Vec<String>, BTreeMap<String, Vec<String>>>, depth: usize) -> Option<Vec<String>> {
+/// Whether a file's code defines the item `name` (a type, trait, function, constant, static, macro).
+fn defines(code: &str, name: &str) -> bool {
+    ["struct ", "enum ", "trait ", "type ", "fn ", "const ", "static ", "union ", "macro_rules! "].iter().any(|k| {
+        code.match_indices(&format!("{k}{name}")).any(|(i, m)| {
+            let after = code[i + m.len()..].chars().next().unwrap_or(' ');
+            let before = code[..i].chars().next_back().unwrap_or(' ');
+            !(after.is_ascii_alphanumeric() || after == '_') && !(before.is_ascii_alphanumeric() || before == '_')
+        })
+    })
+}
+
+/// The file a module path resolves to: the longest module prefix, through re-exports, named ones first,
+/// then glob re-exports (`pub use x::*`) to a module that defines or re-exports the item.
+fn resolve(path: &[String], mods: &BTreeMap<Vec<String>, PathBuf>, re: &BTreeMap<Vec<String>, BTreeMap<String, Vec<String>>>, codes: &BTreeMap<Vec<String>, String>, depth: usize) -> Option<Vec<String>> {
     let mut n = path.len();
     while n > 0 && !mods.contains_key(&path[..n]) {
         n -= 1;
     }
     let m = path[..n].to_vec();
     if depth < 8 && n < path.len() {
-        if let Some(target) = re.get(&m).and_then(|r| r.get(&path[n])) {
+        let r = re.get(&m);
+        if let Some(target) = r.and_then(|r| r.get(&path[n])) {
             let mut full = target.clone();
             full.extend_from_slice(&path[n + 1..]);
             if full != path {
-                return resolve(&full, mods, re, depth + 1);
+                return resolve(&full, mods, re, codes, depth + 1);
+            }
+        }
+        let here = codes.get(&m).is_some_and(|c| defines(c, &path[n]));
+        if !here {
+            // `pub use a::*` is recorded under the name "*" with the path a::* (its last segment "*").
+            let globs: Vec<Vec<String>> = r.map(|r| r.iter().filter(|(k, _)| k.as_str() == "*").map(|(_, v)| v[..v.len() - 1].to_vec()).collect()).unwrap_or_default();
+            for g in globs {
+                let holds = codes.get(&g).is_some_and(|c| defines(c, &path[n])) || re.get(&g).is_some_and(|r| r.contains_key(&path[n]));
+                if holds {
+                    let mut full = g.clone();
+                    full.extend_from_slice(&path[n..]);
+                    return resolve(&full, mods, re, codes, depth + 1);
+                }
             }
         }
     }
@@ -261,7 +294,7 @@ fn graph(root: &Path) -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
                     _ => abs.push(s.clone()),
                 }
             }
-            if let Some(t) = resolve(&abs, &mods, &re, 0) {
+            if let Some(t) = resolve(&abs, &mods, &re, &codes, 0) {
                 if &t != m {
                     edges.insert(t);
                 }

@@ -14,10 +14,17 @@ use crate::config::EngineConfig;
 use crate::meta::MetaSnapshot;
 use crate::error::Result;
 use crate::layout::KvCache;
-use crate::policy::{Pipeline, Policy, PolicyInput};
+use crate::cpu::sparse::CpuPipeline;
+use crate::cuda::stage::CudaPipeline;
+use crate::policy::{Policy, PolicyInput};
 use crate::stats::{Counters, EngineStats, VisitRecord};
 
 pub use registry::create;
+
+/// A policy pipeline as the backends see it (the policy registry's `Pipeline`): what the CPU backend asks
+/// of it and what the CUDA backend does, never the closed set of policies itself.
+pub(crate) trait PolicyPipeline: CpuPipeline + CudaPipeline {}
+impl<T: CpuPipeline + CudaPipeline> PolicyPipeline for T {}
 
 /// The engine's parts a backend reads during one call (borrowed for the call).
 pub struct CallEnv<'a> {
@@ -25,7 +32,7 @@ pub struct CallEnv<'a> {
     /// The parsed policy (backends never see the spec string's text as anything but a name in messages).
     pub policy: &'a Policy,
     /// The pipeline of this call's layer; None when the layer is dense.
-    pub pipeline: Option<&'a Pipeline>,
+    pub(crate) pipeline: Option<&'a dyn PolicyPipeline>,
     /// Per-row visit records, collected only while the engine records them.
     pub visits: &'a Mutex<Option<Vec<VisitRecord>>>,
     /// What the caller set for the policy at run time (`Engine::set_policy_input`).

@@ -7,7 +7,7 @@ use parking_lot::{Mutex, RwLock};
 use super::attention::AttnParams;
 use super::forward::ForwardIo;
 use super::metadata::CacheMeta;
-use super::sparse::{sparse_forward, PrefillCx, SparseCtx};
+use super::sparse::{sparse_forward, CpuPipeline, PrefillCx, SparseCtx};
 use crate::config::EngineConfig;
 use crate::cpu;
 use crate::args::ForwardArgs;
@@ -50,7 +50,7 @@ pub fn forward(e: &CallCtx, a: &ForwardArgs, cache: &KvCache) -> Result<Counters
     let (policy_seqs, dense_seqs): (Vec<usize>, Vec<usize>) = (0..batch.seqs.len()).partition(|&s| pipeline.is_some() && batch.seqs[s].is_decode());
 
     // The pipeline's selector as a CPU stage (src/policy/registry.rs).
-    let stage = pipeline.map(|p| p.selector.cpu());
+    let stage = pipeline.map(|p| p.cpu_selector());
     // Prefill sequences a stage reads key metadata on at prefill (PRR's calibration, the seeds).
     let calib_seqs: Vec<usize> = if stage.as_ref().is_some_and(|st| st.prefill_reads_meta()) { (0..batch.seqs.len()).filter(|&s| !batch.seqs[s].is_decode() && batch.seqs[s].q_len > 0).collect() } else { Vec::new() };
     if e.cfg.max_state_bytes > 0 && pipeline.is_some() && e.policy.is_stateful() && !stage.as_ref().is_some_and(|st| st.caps_own_state()) {

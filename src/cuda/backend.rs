@@ -20,14 +20,13 @@ use super::plan::{self, SplitPolicy};
 use super::meta::DeviceMeta;
 use super::slots::SeqSlots;
 use super::sparse::SparseState;
-use super::stage::{Device, PolicyDevice};
+use super::stage::{CudaPipeline, Device, PolicyDevice};
 use super::traversal::{HookKernel, HookSplits};
 use crate::cpu::metadata::MetaNeeds;
 use crate::config::EngineConfig;
 use crate::args::{CacheWriteArgs, ForwardArgs, MergeArgs};
 use crate::error::Result;
 use crate::layout::KvCache;
-use crate::policy::Pipeline;
 use crate::stats::{Counters, VisitRecord};
 use crate::tensor::{DType, TensorRef};
 use crate::ensure;
@@ -168,7 +167,7 @@ impl CudaBackend {
 
     /// Paged varlen attention on the device. `cache` and the query/output tensors were validated by the
     /// engine; the metadata tensors are validated here (shape, dtype, device; not their contents).
-    pub fn forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, pipeline: Option<&Pipeline>) -> Result<Counters> {
+    pub(crate) fn forward(&self, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, pipeline: Option<&dyn CudaPipeline>) -> Result<Counters> {
         let Some(geo) = self.check_call(cfg, a, cache)? else {
             return Ok(Counters { calls: 1, ..Default::default() });
         };

@@ -4,6 +4,7 @@
 
 use std::ffi::c_void;
 
+use super::stage::CudaPipeline;
 use super::CudaBackend;
 use crate::args::{CacheWriteArgs, ForwardArgs, MergeArgs};
 use crate::backend::{Backend, CallEnv};
@@ -44,7 +45,7 @@ impl Backend for CudaBackend {
         } else {
             None
         };
-        let c = CudaBackend::forward(self, cfg, a, cache, pipeline)?;
+        let c = CudaBackend::forward(self, cfg, a, cache, pipeline.map(|p| p as &dyn CudaPipeline))?;
         if let (Some(_), Some(dst)) = (pipeline, env.visits.lock().as_mut()) {
             dst.extend(self.visit_records(cfg, a)?);
         }

@@ -18,13 +18,12 @@ use parking_lot::Mutex;
 
 use super::batch::{dtype_code, download_ints, download_raw, BatchArg, Geometry, PlanRef, Rows};
 use super::context::{DevBuf, Gpu};
-use super::stage::{CallShape, CudaStage, Device, PlanShape, PolicyDevice, RowVisits, StepCx, WsAlloc};
+use super::stage::{CallShape, CudaPipeline, CudaStage, Device, PlanShape, PolicyDevice, RowVisits, StepCx, WsAlloc};
 use crate::config::EngineConfig;
 use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::plan::{device_plan_shapes, HeadPlan};
-use crate::policy::Pipeline;
 use crate::stats::{Counters, VisitRecord};
 use crate::{bail, ensure};
 
@@ -48,7 +47,7 @@ const CTR_COUNT: usize = 16;
 pub const MAX_POLICY_GROUP: usize = 16;
 
 /// Whether the CUDA backend runs pipeline `p` (the engine refuses the others at creation).
-pub fn supported(p: &Pipeline, group: usize) -> std::result::Result<(), String> {
+pub(crate) fn supported(p: &dyn CudaPipeline, group: usize) -> std::result::Result<(), String> {
     p.cuda_supported(group, MAX_POLICY_GROUP)
 }
 
@@ -125,8 +124,8 @@ impl SparseState {
     /// A policy layer's call on `dev`: selection, then attention over the plans (and dense over the other
     /// rows). `policy_dev`: the policy's device state.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn forward(&self, dev: &dyn Device, policy_dev: Option<&dyn PolicyDevice>, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, p: &Pipeline) -> Result<()> {
-        let mut stages = p.cuda(policy_dev);
+    pub(crate) fn forward(&self, dev: &dyn Device, policy_dev: Option<&dyn PolicyDevice>, cfg: &EngineConfig, a: &ForwardArgs, cache: &KvCache, geo: &Geometry, p: &dyn CudaPipeline) -> Result<()> {
+        let mut stages = p.cuda_stages(policy_dev);
         if let Some(r) = stages[0].forward(dev, cfg, a, cache, geo) {
             return r;
         }

@@ -19,6 +19,7 @@ use crate::args::ForwardArgs;
 use crate::config::EngineConfig;
 use crate::error::{Error, ErrorKind, Result};
 use crate::layout::KvCache;
+use crate::policy::kind::PipelineKind;
 use crate::stats::Counters;
 use crate::tensor::TensorRef;
 
@@ -197,6 +198,16 @@ pub(crate) trait RowVisits: Send {
     /// positions) over the visible positions [lo, hi], into `out`; returns (tiles visited, tiles).
     #[allow(clippy::too_many_arguments)]
     fn spans(&mut self, s: usize, h: usize, entries: &[u32], ulog2: u32, lo: usize, hi: usize, out: &mut Vec<(usize, usize)>) -> Result<(u32, u32)>;
+}
+
+/// What the CUDA backend asks of a policy pipeline (the policy registry's `Pipeline` implements it), so
+/// that the backend never names the registry's closed set of policies.
+pub(crate) trait CudaPipeline: PipelineKind + Sync {
+    /// The pipeline's stages for one call, the selector first (`dev`: the policy's device state).
+    fn cuda_stages<'a>(&'a self, dev: Option<&'a dyn PolicyDevice>) -> Vec<Box<dyn CudaStage + 'a>>;
+    /// Whether this backend runs the pipeline for a GQA group of `group` query heads per KV head (at most
+    /// `max_group`): the reason it does not, else Ok.
+    fn cuda_supported(&self, group: usize, max_group: usize) -> std::result::Result<(), String>;
 }
 
 /// One stage of a call's device pipeline (`selector [> top_p] [> art]`), made per call by the registry.

@@ -9,7 +9,7 @@
 //! engine's sequence registry: created on first use, freed by `kvs_sequence_release`.
 
 pub mod device;
-mod kind;
+pub(crate) mod kind;
 pub mod plan;
 #[macro_use]
 mod registry;

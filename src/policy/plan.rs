@@ -66,7 +66,7 @@ impl HeadPlan {
 
 /// Granularity of the plans a pipeline produces: tokens when the last stage chooses tokens (top-p,
 /// SnapKV, StreamingLLM's token windows), Quest's page, or the cache block for `all`.
-pub(crate) fn plan_unit_log2(p: &impl PipelineKind, block_size: usize) -> u32 {
+pub(crate) fn plan_unit_log2(p: &(impl PipelineKind + ?Sized), block_size: usize) -> u32 {
     if p.plans_tokens() {
         return 0;
     }
@@ -88,7 +88,7 @@ pub(crate) fn selector_capacity(sel: &dyn SelectorKind, block_size: usize, max_l
 }
 
 /// Most entries a row's final plan can hold (top-p keeps a subset of its candidates' tokens).
-pub(crate) fn plan_capacity(p: &impl PipelineKind, block_size: usize, max_len: usize) -> usize {
+pub(crate) fn plan_capacity(p: &(impl PipelineKind + ?Sized), block_size: usize, max_len: usize) -> usize {
     let sel = p.selector_kind();
     let base = selector_capacity(&*sel, block_size, max_len);
     if p.plans_tokens() {
@@ -101,7 +101,7 @@ pub(crate) fn plan_capacity(p: &impl PipelineKind, block_size: usize, max_len: u
 
 /// A call's plans on the device as (entries per row, unit_log2, one plan shared by every KV head): the
 /// selector's and the final ones (after top-p), for rows of at most `max_len` positions.
-pub(crate) fn device_plan_shapes(p: &impl PipelineKind, block_size: usize, max_len: usize) -> [(usize, u32, bool); 2] {
+pub(crate) fn device_plan_shapes(p: &(impl PipelineKind + ?Sized), block_size: usize, max_len: usize) -> [(usize, u32, bool); 2] {
     let sel = p.selector_kind();
     let shared = sel.shared_plan();
     [

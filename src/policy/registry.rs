@@ -9,8 +9,8 @@ use super::spec::{self, Arg, Args, Role, StageDef, DEFAULT_DENSE_LAYERS, DEFAULT
 use super::kind::{LaterStageKind, PipelineKind, SelectorKind};
 use super::Policy;
 use crate::config::EngineConfig;
-use crate::cpu::sparse::{CpuLaterStage, CpuStage};
-use crate::cuda::stage::{CudaStage, PolicyDevice};
+use crate::cpu::sparse::{CpuLaterStage, CpuPipeline, CpuStage, MAX_LATER_STAGES};
+use crate::cuda::stage::{CudaPipeline, CudaStage, PolicyDevice};
 use crate::error::Result;
 
 /// Declares each policy's folder as a module of `policy` (expanded in src/policy/mod.rs, so the folders
@@ -27,28 +27,6 @@ macro_rules! policy_modules {
         pub mod top_p;
     };
 }
-
-/// Each stage's counters, one line per policy: the fields of `stats::Counters` after the shared ones
-/// (`name @ n`: device counter slot `n` holds it on the CUDA backend, kernels/include/decide.cuh CTR_*).
-/// src/stats.rs expands the list (`stage_counters!(counters)`); a stage fills its fields where it runs.
-macro_rules! stage_counters {
-    ($define:ident) => {
-        $define! {
-            /// Tokens offered to top-p, and tokens it kept.
-            top_p_candidates @ 5, top_p_kept @ 6,
-            /// Speculate/repair: blocks predicted, of those in the true set, and missed blocks repaired.
-            spec_predicted_blocks @ 11, spec_hit_blocks @ 13, spec_true_blocks @ 12, spec_repaired_blocks @ 14,
-            /// Speculate/repair baseline: blocks of the true set that the previous step's true set held
-            /// (what reusing the previous selection would have hit; compare with `spec_hit_blocks`).
-            spec_reuse_hit_blocks @ 15,
-            /// PRR calibrations run at prefill (per sequence × KV head) and their total time in microseconds.
-            spec_calibrations, spec_calib_us,
-            /// Refresh scheduling: full-attention steps and partial (token-set) steps.
-            refresh_full_steps, refresh_partial_steps,
-        }
-    };
-}
-pub(crate) use stage_counters;
 
 /// Each stage's parsed form, defined in its folder.
 pub use super::art::{Art, Order, Probe};
@@ -113,6 +91,16 @@ impl Pipeline {
     pub(crate) fn later_stages(&self) -> impl Iterator<Item = &dyn LaterStage> {
         let top_p = self.top_p.as_ref().map(|t| t as &dyn LaterStage);
         top_p.into_iter().chain(self.art.as_ref().map(|a| a as &dyn LaterStage))
+    }
+}
+
+impl CpuPipeline for Pipeline {
+    fn cpu_selector(&self) -> Box<dyn CpuStage + '_> {
+        self.selector.cpu()
+    }
+
+    fn cpu_later_stages(&self) -> [Option<&dyn CpuLaterStage>; MAX_LATER_STAGES] {
+        [self.top_p.as_ref().map(|t| t as &dyn CpuLaterStage), self.art.as_ref().map(|a| a as &dyn CpuLaterStage)]
     }
 }
 
@@ -288,10 +276,10 @@ fn state<T: 'static>(state: Option<&dyn PolicyDevice>) -> Option<&T> {
     state.and_then(|s| s.as_any().downcast_ref::<T>())
 }
 
-impl Pipeline {
+impl CudaPipeline for Pipeline {
     /// This pipeline's stages on the CUDA backend for one call: the selector, then top-p and ART when
     /// present. `dev`: the policy's device state the backend keeps ([`Policy::cuda_device`]).
-    pub(crate) fn cuda<'a>(&'a self, dev: Option<&'a dyn PolicyDevice>) -> Vec<Box<dyn CudaStage + 'a>> {
+    fn cuda_stages<'a>(&'a self, dev: Option<&'a dyn PolicyDevice>) -> Vec<Box<dyn CudaStage + 'a>> {
         let selector: Box<dyn CudaStage + 'a> = match self.selector {
             Selector::All => Box::new(super::streaming::cuda::SimplePlan::all()),
             Selector::Streaming(s) => Box::new(super::streaming::cuda::SimplePlan::streaming(s.sink, s.recent)),
@@ -313,7 +301,7 @@ impl Pipeline {
 
     /// Whether the CUDA backend runs this pipeline for a GQA group of `group` query heads per KV head
     /// (at most `max_group`).
-    pub fn cuda_supported(&self, group: usize, max_group: usize) -> std::result::Result<(), String> {
+    fn cuda_supported(&self, group: usize, max_group: usize) -> std::result::Result<(), String> {
         if let Some(art) = &self.art {
             super::art::cuda::supported(art, &*self.selector.kind(), self.top_p.is_some())?;
         }
@@ -361,7 +349,7 @@ mod tests {
     use crate::config::EngineConfig;
     use crate::cuda::batch::Geometry;
     use crate::cuda::sparse::lay_out;
-    use crate::cuda::stage::{CallShape, PlanShape};
+    use crate::cuda::stage::{CallShape, CudaPipeline, PlanShape};
     use crate::error::Result;
     use crate::policy::plan::{device_plan_shapes, plan_capacity, plan_unit_log2, selector_capacity, selector_unit_log2};
     use crate::policy::{Order, Pipeline, Policy, Quest, SnapKv, Selector, Streaming};
@@ -514,7 +502,7 @@ mod tests {
                                 let want = layout_10d7224(p, &cfg, &geo, mql, smem, tc, slots);
                                 let [base, fin] = device_plan_shapes(p, bs, geo.max_pos).map(|(cap, ulog2, shared)| PlanShape { cap, ulog2, shared });
                                 let shape = CallShape { cfg: &cfg, max_query_len: mql, geo: &geo, base, fin, smem_optin: smem, tensor_cores: tc };
-                                let mut stages = p.cuda(None);
+                                let mut stages = p.cuda_stages(None);
                                 let got = lay_out(&mut stages, &shape, slots).map(|l| (l.ws.regions.clone(), l.ws.total()));
                                 match (&want, &got) {
                                     (Ok(w), Ok(g)) => assert_eq!(w, g, "{spec}: hk {hk} g {g:?} ns {ns} cols {cols} max_len {max_len} mql {mql} smem {smem}"),

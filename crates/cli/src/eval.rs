@@ -320,7 +320,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         let group = manifest.num_q_heads / manifest.num_kv_heads.max(1);
         let (keep, skip): (Vec<Row>, Vec<Row>) = rows.into_iter().partition(|r| {
             expand(&r.spec, 1024).ok().and_then(|s| Policy::parse(&s).ok()).map_or(true, |p| {
-                p.pipeline().map_or(true, |pl| kvsparse::cuda::sparse::supported(pl, group).is_ok()) && (opts.cache_dtype.is_none() || p.cuda_fp8_cache().is_ok())
+                p.supported_on(device, group).is_ok() && (opts.cache_dtype.is_none() || p.cuda_fp8_cache().is_ok())
             })
         });
         if !skip.is_empty() {

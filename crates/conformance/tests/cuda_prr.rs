@@ -123,11 +123,11 @@ fn cuda_prr_graph_captured_on_a_stream_without_eager_calls() {
 fn cuda_prr_refuses_what_it_does_not_run() {
     for pol in ["speculate(over=quest(budget=64), extra=drop)", "speculate(over=quest(budget=64), predict=previous)"] {
         let p = kvsparse::policy::Policy::parse(pol).expect("parses");
-        let why = kvsparse::cuda::sparse::supported(p.pipeline().expect("pipeline"), 4).expect_err(pol);
+        let why = p.supported_on(kvsparse::Device::Cuda(0), 4).expect_err(pol);
         println!("{pol}: {why}");
     }
     let p = kvsparse::policy::Policy::parse("speculate(over=quest(budget=64), alpha=0.5, beta=0.1, gamma=1)").unwrap();
-    assert!(kvsparse::cuda::sparse::supported(p.pipeline().unwrap(), 4).is_ok());
+    assert!(p.supported_on(kvsparse::Device::Cuda(0), 4).is_ok());
 }
 
 fn main() {

@@ -9,7 +9,7 @@
 mod scoring;
 mod stage;
 
-pub(crate) use stage::{CpuLaterStage, CpuStage, CpuTraversal, PrefillCx, SelectCx};
+pub(crate) use stage::{CpuLaterStage, CpuPipeline, CpuStage, CpuTraversal, PrefillCx, SelectCx, MAX_LATER_STAGES};
 pub use scoring::{estimate_weights, token_weights, weights_at};
 
 pub(crate) use std::sync::Arc;
@@ -24,7 +24,7 @@ pub(crate) use super::quantize::code_bytes;
 pub(crate) use super::spin_pool::SpinPool;
 pub(crate) use super::convert::load_cache_row;
 pub(crate) use crate::policy::select::{max_pool, normalize_spans, Candidates};
-pub(crate) use crate::policy::{HeadPlan, Pipeline};
+pub(crate) use crate::policy::HeadPlan;
 pub(crate) use crate::sequences::SequenceState;
 pub(crate) use crate::stats::{Counters, VisitRecord};
 
@@ -36,7 +36,7 @@ pub type SeqStates = Vec<Option<Arc<parking_lot::Mutex<SequenceState>>>>;
 
 /// Everything one call's policy rows need besides the caller's tensors.
 pub struct SparseCtx<'a> {
-    pub pipeline: &'a Pipeline,
+    pub(crate) pipeline: &'a dyn CpuPipeline,
     /// The pipeline's selector as a CPU stage (the registry's `cpu()`, src/policy/registry.rs).
     pub(crate) stage: &'a dyn CpuStage,
     /// Layer metadata (Quest min/max, INT4 K), present when the pipeline needs it.
@@ -241,7 +241,7 @@ pub(crate) fn run_item(io: &ForwardIo, s: usize, heads: std::ops::Range<usize>, 
     }
     let kv_of = |head: usize| SeqKv { cache, blocks, head };
     let softcap = io.params.softcap;
-    let traversal = p.later_stages().find_map(|s| s.traversal());
+    let traversal = p.cpu_later_stages().into_iter().flatten().find_map(|s| s.traversal());
     if let Some(t) = traversal {
         t.attend(io, blocks, &mut hws, sc, &mut c);
     } else {
@@ -347,13 +347,13 @@ pub(crate) fn prepare_head(io: &ForwardIo, s: usize, lim: RowLimits, blocks: &[u
 
     // 2. Prune: the later stages' part on the selector's positions (top-p: the plan becomes the kept
     // tokens, each entry's priority its estimated mass).
-    for stage in p.later_stages() {
+    for stage in p.cpu_later_stages().into_iter().flatten() {
         meta_bytes += stage.prune(&cx, hw, sc, &mut c);
     }
 
     // 3. Order (a traversing stage) or coalesce (units split spans at block boundaries; merge them so
     // chunks stay full).
-    match p.later_stages().find_map(|s| s.traversal()) {
+    match p.cpu_later_stages().into_iter().flatten().find_map(|s| s.traversal()) {
         Some(t) => t.order(hw, sink_limit, lim),
         None => {
             hw.merged.clear();

@@ -40,6 +40,19 @@ pub(crate) struct SelectCx<'a> {
     pub ctx: &'a SparseCtx<'a>,
 }
 
+/// The most stages a pipeline has after its selector (a pruning one, then a terminating one).
+pub(crate) const MAX_LATER_STAGES: usize = 2;
+
+/// What the CPU backend asks of a policy pipeline (the policy registry's `Pipeline` implements it), so
+/// that the backend never names the registry's closed set of policies.
+pub(crate) trait CpuPipeline: Sync {
+    /// The selector as a CPU stage.
+    fn cpu_selector(&self) -> Box<dyn CpuStage + '_>;
+    /// The stages after the selector in pipeline order, then `None`s (no allocation: asked per decode row
+    /// and KV head).
+    fn cpu_later_stages(&self) -> [Option<&dyn CpuLaterStage>; MAX_LATER_STAGES];
+}
+
 /// A stage after the selector on the CPU (src/policy/<name>/cpu.rs; the registry lists a pipeline's,
 /// `Pipeline::later_stages`). Every method has the behaviour of a stage that does not need it.
 pub(crate) trait CpuLaterStage: Sync {
