@@ -299,7 +299,18 @@ mod tests {
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
         }
-        assert!(tids.lock().len() > 1, "items ran on one thread only");
+        // Items that wait (up to 10 s) until two threads are in them: they finish only if the team's
+        // threads take items at once (on a loaded machine the caller alone may have run every item above).
+        let inside = AtomicUsize::new(0);
+        pool.run(3, &|_| {
+            inside.fetch_add(1, Ordering::SeqCst);
+            tids.lock().insert(std::thread::current().id());
+            let t0 = std::time::Instant::now();
+            while inside.load(Ordering::SeqCst) < 2 && t0.elapsed() < std::time::Duration::from_secs(10) {
+                std::hint::spin_loop();
+            }
+        });
+        assert!(tids.lock().len() > 1 && inside.load(Ordering::SeqCst) == 3, "items ran on one thread only");
         let r = catch_unwind(AssertUnwindSafe(|| pool.run(50, &|i| assert!(i != 17, "item 17"))));
         assert!(r.is_err());
         let count = AtomicUsize::new(0);
