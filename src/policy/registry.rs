@@ -100,7 +100,11 @@ impl CpuPipeline for Pipeline {
     }
 
     fn cpu_later_stages(&self) -> [Option<&dyn CpuLaterStage>; MAX_LATER_STAGES] {
-        [self.top_p.as_ref().map(|t| t as &dyn CpuLaterStage), self.art.as_ref().map(|a| a as &dyn CpuLaterStage)]
+        let mut out = [None; MAX_LATER_STAGES];
+        for (slot, stage) in out.iter_mut().zip(self.later_stages()) {
+            *slot = Some(stage as &dyn CpuLaterStage);
+        }
+        out
     }
 }
 
