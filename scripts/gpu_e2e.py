@@ -301,6 +301,10 @@ class KvsAttention:
 
     def __init__(self, name, spec, sh: Shape, cache: Paged, dtype, device, threads):
         self.name, self.spec = name, spec
+        # Per-sequence policy state for the batch's sequences only (the default, 256, would give the predictor
+        # 256 sequences' history rows per layer: 8.6 GB at 128K, more than the GPU holds over 32 layers).
+        if spec and "max_seqs" not in spec:
+            spec = f"{spec}; max_seqs={cache.B}"
         self.engine = Engine(num_layers=sh.layers, num_q_heads=sh.heads, num_kv_heads=sh.kv_heads,
                              head_dim=sh.head_dim, block_size=BLOCK, dtype=dtype, device=device, policy=spec,
                              num_threads=threads)
@@ -456,8 +460,11 @@ class Runner:
             logits.append(model.logits.clone())
         return torch.stack(toks), torch.stack(logits)
 
-    def measure(self, model: Decoder, attn, result):
-        """Fills result with first-step logits, eager and graph times, checks."""
+    def measure(self, model: Decoder, attn, result, reseed=None):
+        """Fills result with first-step logits, eager and graph times, checks. `reseed`, for a policy with
+        per-sequence state (PRR's predictor, RefreshKV's set, the predictor's history): brings that state
+        back to what the prefill left, before the eager and before the graph check runs, so both start
+        from the same state (the timed steps before them have moved it on)."""
         a = self.a
         model.attn = attn
         ctx = attn.context() if hasattr(attn, "context") else contextlib.nullcontext()
@@ -483,6 +490,8 @@ class Runner:
             result["eager_ms"] = self.time_ms(model.step, a.groups, a.eager_steps)
             if not self.cuda or a.no_graph:
                 return
+            if reseed:
+                reseed()
             eager_tok, eager_logits = self.run_steps(model.step, model, a.check_steps)
             self.sync()
             g = torch.cuda.CUDAGraph()
@@ -496,6 +505,9 @@ class Runner:
                 del g
                 return
             g.replay()
+            if reseed:
+                self.sync()
+                reseed()
             graph_tok, graph_logits = self.run_steps(g.replay, model, a.check_steps)
             self.sync()
             same = torch.equal(eager_tok, graph_tok)
@@ -638,7 +650,8 @@ def run_point(a, sh, w, dev, runner, B, L, t_start, device_name):
                     with runner.on_stream():
                         attn.rewrite_cache()
                         attn.prefill_tail(q_tail)
-            runner.measure(model, attn, r)
+            reseed = (lambda: attn.prefill_tail(q_tail)) if spec else None
+            runner.measure(model, attn, r, reseed)
             if isinstance(attn, KvsAttention) and spec:
                 r["kv_visited"] = attn.visited()
         except Exception as e:  # noqa: BLE001 - one backend failing (OOM, refused spec) skips only itself
@@ -675,7 +688,8 @@ def run_point(a, sh, w, dev, runner, B, L, t_start, device_name):
                 attn = SdpaAttention(ks, vs, L, be)
                 r["spec"] = attn.spec
                 try:
-                    runner.measure(model, attn, r)
+                    reseed = (lambda: attn.prefill_tail(q_tail)) if spec else None
+            runner.measure(model, attn, r, reseed)
                 except Exception as e:  # noqa: BLE001
                     if i + 1 == len(tries):
                         raise
