@@ -145,6 +145,8 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
              ) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ unsigned sm_mask[NWARPS][NSTAGE];
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
 #if LOGITS
     __shared__ int sm_pos[NWARPS][NSTAGE][16];  // each stage's key positions (-1: masked)
 #endif

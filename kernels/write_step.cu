@@ -80,6 +80,7 @@ kvs_write_step(const elem_t* key, i64 k0, i64 k1, i64 k2, const elem_t* val, i64
                const void* slots, i64 slot_stride, int is64, int tokens, int hk, int d, i64 num_blocks, int bs, float kscale, float vscale,
                i64* clean, unsigned long long* err, unsigned long long* fill, int unit, int upb, u16* qmin, u16* qmax,
                unsigned char* codes, u16* qparams, unsigned long long* keep) {
+    KVS_GRID_LAUNCH_DEPENDENTS();  // the next kernel may be scheduled now; its KVS_GRID_WAIT() orders memory
     __shared__ int bad, f;
     __shared__ int tok_at[256];  // block_size <= 256
     __shared__ unsigned long long written[4], old[4], mask[4];

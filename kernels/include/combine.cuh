@@ -26,6 +26,8 @@ extern "C" __global__ void __launch_bounds__(1024)
 kvs_attn_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse, int nsplit, int num_q_heads,
                  elem_t* __restrict__ out, i64 o0, i64 o1, i64 o2, float* __restrict__ lse, i64 l0, i64 l1,
                  const int* __restrict__ qsl, i64 qsl0, int num_seqs, int mode) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ float red[32];
     __shared__ float part[1024];
     const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;

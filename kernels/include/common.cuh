@@ -78,6 +78,19 @@ __device__ __forceinline__ RowInfo locate(int t, const int* qsl, i64 qsl0, const
 
 // Which rows a launch serves: every row (0), only decode rows of a policy layer, attended through their
 // plans (1), or only the other rows of a policy layer, attended densely (2).
+// Programmatic dependent launch (src/cuda/launch.rs launch_dependent, sm_90 and newer). KVS_GRID_WAIT():
+// the first statement of a kernel that may be launched as a dependent: waits until the previous kernel of
+// the stream has finished and its writes are visible (a no-op in a plain launch). KVS_GRID_LAUNCH_DEPENDENTS():
+// once every CTA of this kernel has executed it (or exited), a dependent kernel's CTAs may be scheduled;
+// it orders nothing in memory, the dependent's KVS_GRID_WAIT() does that.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVS_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define KVS_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define KVS_GRID_WAIT() ((void)0)
+#define KVS_GRID_LAUNCH_DEPENDENTS() ((void)0)
+#endif
+
 #define MODE_ALL 0
 #define MODE_PLAN 1
 #define MODE_DENSE_REST 2

@@ -298,6 +298,8 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist(B
                                                                                const u16* qmin, const u16* qmax, int unit, int upb, int page,
                                                                                int budget, int sink, float* scores, int maxp, unsigned* hist,
                                                                                i64 row_bytes, unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     quest_scores_hist<false>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr);
 }
 
@@ -307,6 +309,8 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist_m
                                                                                    int hk, const u16* qmin, const u16* qmax, int unit, int upb,
                                                                                    int page, int budget, int sink, float* scores, int maxp,
                                                                                    unsigned* hist, i64 row_bytes, unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     quest_scores_hist<true>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr);
 }
 
@@ -394,6 +398,8 @@ __device__ __forceinline__ TopCut quest_hist_cut(const unsigned* rh, const Quest
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch b, int hk, int budget, int page, int sink, const float* scores, int maxp,
                                                                           unsigned* hist, unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap,
                                                                           i64 row_bytes, int count, int smem_keys, unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     extern __shared__ unsigned skey[];
     __shared__ unsigned gkey[QSEL_GATHER], gidx[QSEL_GATHER];
     __shared__ unsigned thist[256];
@@ -635,6 +641,8 @@ __device__ __forceinline__ bool quest_cluster_part(const Batch& b, int hk, int b
 extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(QC_THREADS)
     kvs_quest_topk_cluster(Batch b, int hk, int budget, int page, int sink, const float* scores, int maxp, unsigned* plan, i64 p_s, i64 p_h,
                            int* plan_len, int cap, i64 row_bytes, int count, int smem_keys, unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
 #if KVS_CLUSTERS
     extern __shared__ unsigned skey[];
     QC_SCRATCH;

@@ -407,9 +407,14 @@ impl CudaBackend {
         if fp8 {
             k.f32(cache.k_scale).f32(cache.v_scale);
         }
-        launch::launch_smem(f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
+        // A policy layer's plan attention (and its combine) runs as a dependent launch of the selection
+        // kernels before it, where the GPU has them: the tensor-core kernel starts with KVS_GRID_WAIT().
+        // Dense layers keep plain launches: nothing measurable to gain there (one launch after the
+        // previous step's), and the bandwidth-bound FP8 points ran ~0.5% slower with it (docs/perf.md).
+        let pdl = mma.is_some() && !matches!(rows, Rows::All) && launch::pdl_enabled(self.gpu.cc.0);
+        launch::launch_dependent(pdl, f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
         if nsplit > 1 {
-            self.combine_splits(cfg, a, geo, &defines, (ws_o, ws_lse), nsplit, mode, module)?;
+            self.combine_splits(cfg, a, geo, &defines, (ws_o, ws_lse), nsplit, mode, module, pdl)?;
         }
         drop(ws_guard);
         if let Some(ps) = prefill {
@@ -420,8 +425,10 @@ impl CudaBackend {
 
     /// Merges the `nsplit` partial states of every row `mode` serves (kvs_attn_combine of `module`,
     /// compiled with `defines`) into the call's output and LSE.
+    /// `pdl`: launch as a dependent of the attention kernel before it (kvs_attn_combine starts with
+    /// KVS_GRID_WAIT()); ignored where the GPU has no dependent launches.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &str)) -> Result<()> {
+    pub(crate) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &str), pdl: bool) -> Result<()> {
         let (lse_ptr, l0, l1) = lse_arg(a);
         let f_comb = self.modules.function(&self.gpu, module.0, module.1, defines, "kvs_attn_combine")?;
         let mut k = KArgs::new();
@@ -432,7 +439,8 @@ impl CudaBackend {
         // Splits spread over the CTA: HEAD_DIM threads per group of splits, up to 512 threads.
         let parts = (512 / cfg.head_dim).clamp(1, nsplit);
         let threads = (cfg.head_dim * parts) as u32;
-        launch::launch(f_comb, (geo.num_tokens as u32, cfg.num_q_heads as u32, 1), threads, &mut k, a.stream, "kvs_attn_combine launch")
+        let pdl = pdl && launch::pdl_enabled(self.gpu.cc.0);
+        launch::launch_dependent(pdl, f_comb, (geo.num_tokens as u32, cfg.num_q_heads as u32, 1), threads, 0, &mut k, a.stream, "kvs_attn_combine launch")
     }
 
     /// Cache write by slot mapping on the device (validated shapes; every slot is checked on the device

@@ -33,6 +33,30 @@ pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
 pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
 
+/// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` (cuda.h): the kernel may start before the
+/// previous one in its stream ends, and waits for it where it executes `griddepcontrol.wait`.
+pub const CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: u32 = 6;
+
+/// cuda.h's `CUlaunchAttribute`: an id, padding to 8 bytes, a 64-byte value union.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUlaunchAttribute {
+    pub id: u32,
+    pub pad: u32,
+    pub value: [u64; 8],
+}
+
+/// cuda.h's `CUlaunchConfig` (CUDA 12 and newer).
+#[repr(C)]
+pub struct CUlaunchConfig {
+    pub grid: [c_uint; 3],
+    pub block: [c_uint; 3],
+    pub shared_mem_bytes: c_uint,
+    pub stream: CUstream,
+    pub attrs: *const CUlaunchAttribute,
+    pub num_attrs: c_uint,
+}
+
 macro_rules! api_table {
     ($name:ident { $($f:ident : fn($($a:ty),*) -> $r:ty;)* }) => {
         #[allow(non_snake_case)]
@@ -86,6 +110,7 @@ api_table!(CudaApi {
     cuModuleLoadData: fn(*mut CUmodule, *const c_void) -> CUresult;
     cuModuleGetFunction: fn(*mut CUfunction, CUmodule, *const c_char) -> CUresult;
     cuLaunchKernel: fn(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, *mut *mut c_void, *mut *mut c_void) -> CUresult;
+    cuLaunchKernelEx: fn(*const CUlaunchConfig, CUfunction, *mut *mut c_void, *mut *mut c_void) -> CUresult;
     cuFuncSetAttribute: fn(CUfunction, c_int, c_int) -> CUresult;
     cuMemAlloc: fn(*mut CUdeviceptr, usize) -> CUresult;
     cuMemFree: fn(CUdeviceptr) -> CUresult;

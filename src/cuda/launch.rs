@@ -7,7 +7,7 @@ use std::ffi::{c_void, CString};
 use parking_lot::Mutex;
 
 use super::context::Gpu;
-use super::driver::{check, cuda, CUfunction, CUmodule, CUstream};
+use super::driver::{check, cuda, CUfunction, CUlaunchAttribute, CUlaunchConfig, CUmodule, CUstream, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION};
 use super::module_cache;
 use crate::error::Result;
 
@@ -153,6 +153,35 @@ pub fn launch_smem(f: CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, 
     // SAFETY: every argument pointer points into `args`, alive for the call; the kernel signature matches
     // the packing order (each launcher below mirrors its kernel's parameter list).
     check(unsafe { (cuda()?.cuLaunchKernel)(f, grid.0, grid.1, grid.2, block, 1, 1, smem, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()) }, what)
+}
+
+/// Programmatic dependent launch (sm_90 and newer, `KVS_PDL` unset or not "0"; read once per process):
+/// whether `launch_dependent` may let a kernel start while the previous kernel of its stream drains.
+pub fn pdl_enabled(cc_major: i32) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    cc_major >= 9 && *ON.get_or_init(|| std::env::var("KVS_PDL").map_or(true, |v| v != "0"))
+}
+
+/// As `launch_smem`, but with `pdl` the kernel is launched as a programmatic dependent of the previous
+/// kernel in the stream: its CTAs may be scheduled while that kernel's last ones still run, hiding the
+/// launch and ramp-up between the two. Only for kernels whose first statement is `KVS_GRID_WAIT()`
+/// (kernels/include/common.cuh): they wait there for the previous kernel to finish and its writes to be
+/// visible, before any read or write of global memory and before any early return, so the order of
+/// effects is the stream's. Without `pdl` (older GPUs, `KVS_PDL=0`) it is a plain launch.
+pub fn launch_dependent(pdl: bool, f: CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: &mut KArgs, stream: CUstream, what: &str) -> Result<()> {
+    if !pdl {
+        return launch_smem(f, grid, block, smem, args, stream, what);
+    }
+    let mut ptrs: [*mut c_void; 48] = [std::ptr::null_mut(); 48];
+    for i in 0..args.n {
+        ptrs[i] = &mut args.vals[args.starts[i]] as *mut u64 as *mut c_void;
+    }
+    let mut value = [0u64; 8];
+    value[0] = 1; // programmaticStreamSerializationAllowed = 1 (an int in the union's first bytes)
+    let attr = CUlaunchAttribute { id: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, pad: 0, value };
+    let cfg = CUlaunchConfig { grid: [grid.0, grid.1, grid.2], block: [block, 1, 1], shared_mem_bytes: smem, stream, attrs: &attr, num_attrs: 1 };
+    // SAFETY: as launch_smem; `cfg` and `attr` outlive the call.
+    check(unsafe { (cuda()?.cuLaunchKernelEx)(&cfg, f, ptrs.as_mut_ptr(), std::ptr::null_mut()) }, what)
 }
 
 /// A grid dimension computed from sizes the caller controls: an OutOfRange error (naming `what`) where it

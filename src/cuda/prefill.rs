@@ -147,7 +147,7 @@ impl CudaBackend {
         }
         launch::launch_smem(f, (tiles as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_prefill launch")?;
         if nsplit > 1 {
-            self.combine_splits(cfg, a, geo, &defines, (ws_o, ws_lse), nsplit, 2, ("attention_prefill", launch::ATTENTION_PREFILL))?;
+            self.combine_splits(cfg, a, geo, &defines, (ws_o, ws_lse), nsplit, 2, ("attention_prefill", launch::ATTENTION_PREFILL), false)?;
         }
         drop(ws_guard);
         Ok(())

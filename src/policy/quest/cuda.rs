@@ -80,7 +80,9 @@ impl CudaStage for Quest {
         let mma = !self.exact && m.unit == page;
         k.i64(if cluster { 0 } else { qhist as i64 }).i64(cx.row_bytes).i64(cx.ctr);
         let scorer = if mma { "kvs_quest_scores_hist_mma" } else { "kvs_quest_scores_hist" };
-        launch::launch(cx.function(scorer)?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores_hist launch")?;
+        // Both scorers and both top-k kernels start with KVS_GRID_WAIT(): dependent launches where the GPU has them.
+        let pdl = launch::pdl_enabled(gpu.cc.0);
+        launch::launch_dependent(pdl, cx.function(scorer)?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_quest_scores_hist launch")?;
         // The page keys (a row's, or with clusters a CTA's part of it) in dynamic shared memory when they
         // fit (the device's opt-in limit less the kernel's own static shared memory: the gathered bin and
         // scratch); longer rows read the scores from global memory.
@@ -101,6 +103,6 @@ impl CudaStage for Quest {
         }
         k.i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap).i64(cx.row_bytes).i32(cx.count_base);
         k.i32(smem_keys as i32).i64(cx.ctr);
-        launch::launch_smem(f_topk, grid, threads, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")
+        launch::launch_dependent(pdl, f_topk, grid, threads, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")
     }
 }
