@@ -11,7 +11,8 @@
 //! prediction (a step recomputes only the rows and columns whose receptive field changed, five rows of
 //! 64 in the steady state). Each ring row has `wc = ceil(max_pos / block)` entries (max_pos: the block
 //! table's capacity), so a layer costs `max_seqs × kv_heads × (2 × history × wc × 4 + history × 4 + 32)`
-//! bytes: 2 MiB per (sequence, KV head) at 128K tokens, history 64, block 16 — size `max_seqs` to the
+//! bytes: 4 MiB per (sequence, KV head) at 128K tokens, history 64, block 16 (8.6 GB per layer at the default
+//! `max_seqs=256` and 8 KV heads) — size `max_seqs` to the
 //! batch. It is allocated on the layer's first call (outside capture), and grown (migrated by a kernel)
 //! when a later call's table is wider, which must not happen inside a capture.
 //!
@@ -295,8 +296,12 @@ impl PredictorDev {
         if need {
             ensure!(!dev.gpu().is_capturing(stream)?, InvalidArgument, "the predictor's history for layer {layer} must grow to {wc} blocks per row on a stream that is being captured; run one call with the widest block table before capturing");
             let bytes = pd.layer_bytes(wc)?;
-            let ring = DevBuf::alloc(checked(&[rows, wc, 4])?)?;
-            let zc = DevBuf::alloc(checked(&[rows, wc, 4])?)?;
+            // Out of memory here is the spec's `max_seqs` (every slot's rows are allocated up front): say so.
+            let state = |e: crate::error::Error| {
+                crate::error::Error::new(e.kind, format!("{} (the predictor's history state for layer {layer}: {bytes} bytes = max_seqs {} x {} KV heads x {h} rows of {wc} blocks, twice; lower the spec's `max_seqs` option to the sequences served at once)", e.message, pd.max_seqs, pd.hk))
+            };
+            let ring = DevBuf::alloc(checked(&[rows, wc, 4])?).map_err(state)?;
+            let zc = DevBuf::alloc(checked(&[rows, wc, 4])?).map_err(state)?;
             let new = match layers[layer].take() {
                 Some(old) => {
                     // Migrate the rows to the wider pitch (same stream, before anything reads them).
