@@ -68,6 +68,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python_shim"))
 
 from kvsparse import Engine  # noqa: E402
+from kvsparse.engine import with_max_seqs  # noqa: E402
 from kvsparse.step import LayerCall, StepMeta, raw_stream  # noqa: E402
 
 BLOCK = 16
@@ -301,10 +302,9 @@ class KvsAttention:
 
     def __init__(self, name, spec, sh: Shape, cache: Paged, dtype, device, threads):
         self.name, self.spec = name, spec
-        # Per-sequence policy state for the batch's sequences only (the default, 256, would give the predictor
-        # 256 sequences' history rows per layer: 8.6 GB at 128K, more than the GPU holds over 32 layers).
-        if spec and "max_seqs" not in spec:
-            spec = f"{spec}; max_seqs={cache.B}"
+        # Per-sequence policy state for the batch's sequences only, as the serving plugins size it (the default,
+        # 256, would give the predictor 8.6 GB of history per layer at 128K: more than the GPU holds).
+        spec = with_max_seqs(spec, cache.B)
         self.engine = Engine(num_layers=sh.layers, num_q_heads=sh.heads, num_kv_heads=sh.kv_heads,
                              head_dim=sh.head_dim, block_size=BLOCK, dtype=dtype, device=device, policy=spec,
                              num_threads=threads)
@@ -688,8 +688,7 @@ def run_point(a, sh, w, dev, runner, B, L, t_start, device_name):
                 attn = SdpaAttention(ks, vs, L, be)
                 r["spec"] = attn.spec
                 try:
-                    reseed = (lambda: attn.prefill_tail(q_tail)) if spec else None
-            runner.measure(model, attn, r, reseed)
+                    runner.measure(model, attn, r)
                 except Exception as e:  # noqa: BLE001
                     if i + 1 == len(tries):
                         raise

@@ -112,6 +112,16 @@ def policy_info(spec: str) -> dict:
     return _policy_dict(info)
 
 
+def with_max_seqs(spec: str, n: int) -> str:
+    """`spec` with the option `max_seqs=n` added when its policy keeps per-sequence state (the library's
+    reading, `policy_info`) and the spec does not set `max_seqs` itself. For serving plugins, which know how
+    many sequences run at once: a CUDA engine allocates every slot's state at a layer's first call (the
+    predictor's history is 4 MiB per slot and KV head at 128K tokens), and the default is 256 slots."""
+    if not spec or "max_seqs" in spec or not policy_info(spec)["stateful"]:
+        return spec
+    return f"{spec}; max_seqs={max(1, min(int(n), 1 << 20))}"
+
+
 class Engine:
     """One kvsparse engine (all attention layers of one model on one device)."""
 

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from .engine import Engine, KvsUnsupported
+from .engine import Engine, KvsUnsupported, with_max_seqs
 from .sglang_meta import check_page_aligned, gather_block_table
 from .step import LayerCall, StepMeta, raw_stream
 
@@ -87,7 +87,9 @@ class KvSparseSGLangBackend(_Base):
             num_layers=mc.num_hidden_layers, num_q_heads=self.num_q_heads, num_kv_heads=num_kv_heads,
             head_dim=mc.head_dim, block_size=self.page_size, dtype=store,
             device="cpu" if self.device.type == "cpu" else "cuda",
-            policy=os.environ.get("KVSPARSE_POLICY", "") if policy is None else policy,
+            # Per-sequence state for every row of the req_to_token pool (the ids are its rows), unless the spec says.
+            policy=with_max_seqs(os.environ.get("KVSPARSE_POLICY", "") if policy is None else policy,
+                                 self.req_to_token_pool.req_to_token.shape[0]),
             num_threads=int(os.environ.get("KVSPARSE_NUM_THREADS", "0")) if num_threads is None else num_threads,
             # SGLang's CUDA graphs pad a decode batch to a captured size (rows past query_start_loc's end).
             padded_batches=True)

@@ -45,7 +45,7 @@ from . import vllm_compat
 from . import vllm_config as kcfg
 from .vllm_config import BLOCK_SIZES, kernel_block_size  # noqa: F401 - part of the backend's declarations
 from . import vllm_runner
-from .engine import Engine, policy_info
+from .engine import Engine, policy_info, with_max_seqs
 from .step import IdBuffer, LayerCall, StepMeta, raw_stream
 from .vllm_runner import TRACKER
 
@@ -94,7 +94,8 @@ def get_engine(vllm_config=None, num_q_heads=None, num_kv_heads=None, head_dim=N
                 block_size=kernel_block_size(vllm_config.cache_config.block_size),
                 dtype=mc.dtype,
                 device=engine_device(vllm_config),
-                policy=kcfg.policy(vllm_config),
+                # Per-sequence state for as many sequences as vLLM schedules at once (unless the spec says).
+                policy=with_max_seqs(kcfg.policy(vllm_config), vllm_config.scheduler_config.max_num_seqs),
                 num_threads=int(os.environ.get("KVSPARSE_NUM_THREADS", "0")),
                 cache_dtype=kcfg.cache_dtype(vllm_config),
                 # vLLM 0.26's FULL CUDA graphs pad a decode batch to a captured size: query_start_loc ends at

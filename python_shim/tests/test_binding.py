@@ -30,6 +30,24 @@ def test_policy_info_is_the_librarys_reading_of_the_spec():
     assert e.policy_info() == policy_info("streaming(sink=4, recent=64)")
 
 
+def test_with_max_seqs_sizes_only_stateful_policies_the_spec_leaves_open():
+    """Serving plugins pass their concurrency: stateful policies get `max_seqs`, others and specs that set
+    it stay as written, and what comes out is still a spec the library accepts."""
+    from kvsparse.engine import with_max_seqs, policy_info
+    assert with_max_seqs("", 8) == ""
+    assert with_max_seqs("quest(budget=256) > top_p(p=0.9)", 8) == "quest(budget=256) > top_p(p=0.9)"
+    assert with_max_seqs("refresh(k=64)", 8) == "refresh(k=64); max_seqs=8"
+    assert with_max_seqs("predictor(budget=64); dense_layers=1", 3) == "predictor(budget=64); dense_layers=1; max_seqs=3"
+    assert with_max_seqs("snapkv(budget=64); max_seqs=5", 8) == "snapkv(budget=64); max_seqs=5"
+    assert with_max_seqs("refresh(k=64)", 0) == "refresh(k=64); max_seqs=1"
+    assert with_max_seqs("refresh(k=64)", 1 << 40) == f"refresh(k=64); max_seqs={1 << 20}"
+    for spec in ("refresh(k=64); max_seqs=8", "predictor(budget=64); dense_layers=1; max_seqs=3",
+                 f"refresh(k=64); max_seqs={1 << 20}"):
+        assert policy_info(spec)["stateful"], spec
+    with pytest.raises(KvsError, match="policy_query"):
+        with_max_seqs("refresh(k=", 8)
+
+
 def test_struct_sizes_come_from_header():
     # Every config/args struct starts with struct_size; the layout is cffi's reading of the header.
     assert ffi.offsetof("kvs_forward_args", "struct_size") == 0
