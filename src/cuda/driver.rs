@@ -244,3 +244,23 @@ pub fn check_nvrtc(api: &NvrtcApi, rc: c_int, what: &str) -> Result<()> {
     let s = unsafe { CStr::from_ptr((api.nvrtcGetErrorString)(rc)).to_string_lossy().into_owned() };
     Err(Error::new(ErrorKind::Device, format!("{what} failed: NVRTC error {rc} ({s})")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{offset_of, size_of};
+
+    /// cuda.h (CUDA 12/13, x86-64): `CUlaunchAttribute` is a 4-byte id, 4 bytes of padding and a 64-byte value
+    /// union; `CUlaunchConfig` is seven 4-byte dims and sizes, then the stream, the attribute pointer and the
+    /// count. A mismatch would pass garbage to cuLaunchKernelEx.
+    #[test]
+    fn launch_config_structs_match_cuda_h() {
+        assert_eq!(size_of::<CUlaunchAttribute>(), 72);
+        assert_eq!(offset_of!(CUlaunchAttribute, value), 8);
+        assert_eq!(offset_of!(CUlaunchConfig, shared_mem_bytes), 24);
+        assert_eq!(offset_of!(CUlaunchConfig, stream), 32);
+        assert_eq!(offset_of!(CUlaunchConfig, attrs), 40);
+        assert_eq!(offset_of!(CUlaunchConfig, num_attrs), 48);
+        assert_eq!(size_of::<CUlaunchConfig>(), 56);
+    }
+}
