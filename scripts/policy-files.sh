@@ -7,8 +7,8 @@
 # kernels/ (*.cu, *.cuh) is read, including `#[cfg(test)]` blocks inside those files; tests/, crates/,
 # docs/, python_shim/ and data files are not. A file in another policy's own place (src/policy/<Q>/,
 # kernels/policy/<Q>.cu) that names P is using P's shared code, and is listed under "uses" but not
-# counted for P. The count is split into P's own places, the registries (src/policy/registry.rs: one line
-# per policy and table; src/cuda/kernel_src.rs: one line per kernel file) and everything else.
+# counted for P. The count is split into P's own places, the registry (src/policy/registry.rs: one line per
+# policy and table, its kernel files' modules included) and everything else.
 #
 # Usage: scripts/policy-files.sh [-v] [REPO_DIR]   (-v lists the files; REPO_DIR defaults to .)
 set -eu  # no pipefail: `grep -q` closes the pipe early
@@ -48,7 +48,7 @@ foreign() { # policy file: in another policy's own place
 }
 
 files=$(find src kernels -type f \( -name '*.rs' -o -name '*.cu' -o -name '*.cuh' \) | sort)
-printf '%-10s %5s %4s %10s %9s  %s\n' policy files own registries elsewhere "uses (files in another policy's folder naming it)"
+printf '%-10s %5s %4s %8s %9s  %s\n' policy files own registry elsewhere "uses (files in another policy's folder naming it)"
 for p in "${order[@]}"; do
   n=0; u=0; o=0; r=0; list=(); ulist=()
   for f in $files; do
@@ -56,11 +56,11 @@ for p in "${order[@]}"; do
       if foreign "$p" "$f"; then u=$((u + 1)); ulist+=("$f"); else
         n=$((n + 1)); list+=("$f")
         if own "$p" "$f"; then o=$((o + 1)); fi
-        case "$f" in src/policy/registry.rs|src/cuda/kernel_src.rs) r=$((r + 1)) ;; esac
+        case "$f" in src/policy/registry.rs) r=$((r + 1)) ;; esac
       fi
     fi
   done
-  printf '%-10s %5d %4d %10d %9d  %d\n' "$p" "$n" "$o" "$r" $((n - o - r)) "$u"
+  printf '%-10s %5d %4d %8d %9d  %d\n' "$p" "$n" "$o" "$r" $((n - o - r)) "$u"
   if ((verbose)); then
     for f in "${list[@]}"; do echo "    $f"; done
     for f in "${ulist[@]:-}"; do [[ -n "$f" ]] && echo "    (uses) $f"; done

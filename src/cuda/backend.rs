@@ -16,6 +16,7 @@ use parking_lot::Mutex;
 use super::batch::{dtype_code, kv8_code, Geometry, PlanRef, Rows};
 use super::context::{DevBuf, Gpu};
 use super::launch::{self, KArgs, Modules};
+use super::kernel_src::KernelFile;
 use super::plan::{self, SplitPolicy};
 use super::meta::DeviceMeta;
 use super::slots::SeqSlots;
@@ -322,7 +323,7 @@ impl CudaBackend {
         }
         // The module: the kernel, or the hook's file in front of it.
         let hooked = hook.map(HookKernel::module);
-        let (mma_name, mma_src) = hooked.as_ref().map_or(("attention_mma", launch::ATTENTION_MMA), |(n, s)| (n.as_str(), s.as_str()));
+        let (mma_name, mma_src) = hooked.as_ref().map_or(("attention_mma", launch::ATTENTION_MMA), |(n, s)| (n.as_str(), &s[..]));
         if let Some(ms) = mma {
             let mut d = vec![
                 format!("KVS_DTYPE={}", dtype_code(cfg.dtype)),
@@ -428,7 +429,7 @@ impl CudaBackend {
     /// `pdl`: launch as a dependent of the attention kernel before it (kvs_attn_combine starts with
     /// KVS_GRID_WAIT()); ignored where the GPU has no dependent launches.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &str), pdl: bool) -> Result<()> {
+    pub(crate) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &[&KernelFile]), pdl: bool) -> Result<()> {
         let (lse_ptr, l0, l1) = lse_arg(a);
         let f_comb = self.modules.function(&self.gpu, module.0, module.1, defines, "kvs_attn_combine")?;
         let mut k = KArgs::new();

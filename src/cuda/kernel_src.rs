@@ -2,77 +2,105 @@
 //!
 //! Each `.cu` file is self-contained: it `#include`s the shared device code it uses from `kernels/include/`
 //! (batch geometry, reductions and compaction, top-k, page bounds, the attention-weights passes, the
-//! decisions' arithmetic, element types). NVRTC gets one text per module: [`expand`] replaces each
-//! `#include "name"` by the named file of [`FILES`], once per module (every file is include-once, as with
-//! `#pragma once`), so NVRTC needs no include path and the disk cache's key is the whole text. A module is
-//! itself a list of includes ([`SELECT`] compiles the selection kernels of every policy into one module).
+//! decisions' arithmetic, element types). A module is a list of files ([`Module`]); NVRTC gets one text
+//! per module: [`expand`] writes each file in order with every `#include "name"` replaced by the shared
+//! file of [`FILES`], each file once per module (every file is include-once, as with `#pragma once`), so
+//! NVRTC needs no include path and the disk cache's key is the whole text. The shared files and modules
+//! are listed here; a policy's own files (kernels/policy/) are declared in its folder (`kernel_file!`) and
+//! reach a module through the policy registry (src/policy/registry.rs: the selection module
+//! `SELECT_MODULE`, a policy's module of its own, a traversal hook), so nothing here names a policy.
 
 use std::collections::HashSet;
 
 use crate::error::{Error, ErrorKind, Result};
 
-macro_rules! kernel_files {
-    ($($name:literal => $path:literal),* $(,)?) => {
-        /// Every kernel source by the name `#include` uses.
-        pub const FILES: &[(&str, &str)] = &[$(($name, include_str!(concat!("../../kernels/", $path)))),*];
-        /// Where each file of [`FILES`] lives under kernels/ (same order).
-        #[cfg(test)]
-        const PATHS: &[&str] = &[$($path),*];
+/// A kernel source file: its name (what `#include` and a module's files use), where it lives under
+/// kernels/, and its text.
+#[derive(Debug)]
+pub struct KernelFile {
+    pub name: &'static str,
+    pub path: &'static str,
+    pub text: &'static str,
+}
+
+/// `kernel_file!("name", "path under kernels/")`: a [`KernelFile`] with the file's text embedded.
+macro_rules! kernel_file {
+    ($name:literal, $path:literal) => {
+        $crate::cuda::kernel_src::KernelFile { name: $name, path: $path, text: include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/", $path)) }
     };
 }
+pub(crate) use kernel_file;
 
-kernel_files! {
-    "common.cuh" => "include/common.cuh",
-    "decide.cuh" => "include/decide.cuh",
-    "params.cuh" => "include/params.cuh",
-    "combine.cuh" => "include/combine.cuh",
-    "mma.cuh" => "include/mma.cuh",
-    "fp8.cuh" => "include/fp8.cuh",
-    "kv_load.cuh" => "include/kv_load.cuh",
-    "key_rows.cuh" => "include/key_rows.cuh",
-    "block_reduce.cuh" => "include/block_reduce.cuh",
-    "batch.cuh" => "include/batch.cuh",
-    "topk.cuh" => "include/topk.cuh",
-    "cluster.cuh" => "include/cluster.cuh",
-    "page_bounds.cuh" => "include/page_bounds.cuh",
-    "weights_pass.cuh" => "include/weights_pass.cuh",
-    "mma_tile.cuh" => "include/mma_tile.cuh",
-    "attention.cu" => "attention.cu",
-    "attention_mma.cu" => "attention_mma.cu",
-    "attention_prefill.cu" => "attention_prefill.cu",
-    "cache_write.cu" => "cache_write.cu",
-    "merge.cu" => "merge.cu",
-    "fill.cu" => "fill.cu",
-    "meta.cu" => "meta.cu",
-    "write_step.cu" => "write_step.cu",
-    "select.cu" => "select.cu",
-    "quest.cu" => "policy/quest.cu",
-    "top_p.cu" => "policy/top_p.cu",
-    "art.cu" => "policy/art/priority.cu",
-    "art_traversal.cuh" => "policy/art/traversal.cuh",
-    "snapkv.cu" => "policy/snapkv.cu",
-    "refresh.cu" => "policy/refresh.cu",
-    "prr.cu" => "policy/speculate.cu",
-    "predictor.cu" => "policy/predictor.cu",
-    "slots.cu" => "slots.cu",
+/// The files NVRTC compiles as one text, in this order (each with what it includes, every file once).
+pub type Module = &'static [&'static KernelFile];
+
+/// The shared kernel sources: every file `#include` may name, and the shared modules' files.
+pub const FILES: &[KernelFile] = &[
+    kernel_file!("common.cuh", "include/common.cuh"),
+    kernel_file!("decide.cuh", "include/decide.cuh"),
+    kernel_file!("params.cuh", "include/params.cuh"),
+    kernel_file!("combine.cuh", "include/combine.cuh"),
+    kernel_file!("mma.cuh", "include/mma.cuh"),
+    kernel_file!("fp8.cuh", "include/fp8.cuh"),
+    kernel_file!("kv_load.cuh", "include/kv_load.cuh"),
+    kernel_file!("key_rows.cuh", "include/key_rows.cuh"),
+    kernel_file!("block_reduce.cuh", "include/block_reduce.cuh"),
+    kernel_file!("batch.cuh", "include/batch.cuh"),
+    kernel_file!("topk.cuh", "include/topk.cuh"),
+    kernel_file!("cluster.cuh", "include/cluster.cuh"),
+    kernel_file!("page_bounds.cuh", "include/page_bounds.cuh"),
+    kernel_file!("weights_pass.cuh", "include/weights_pass.cuh"),
+    kernel_file!("mma_tile.cuh", "include/mma_tile.cuh"),
+    kernel_file!("attention.cu", "attention.cu"),
+    kernel_file!("attention_mma.cu", "attention_mma.cu"),
+    kernel_file!("attention_prefill.cu", "attention_prefill.cu"),
+    kernel_file!("cache_write.cu", "cache_write.cu"),
+    kernel_file!("merge.cu", "merge.cu"),
+    kernel_file!("fill.cu", "fill.cu"),
+    kernel_file!("meta.cu", "meta.cu"),
+    kernel_file!("write_step.cu", "write_step.cu"),
+    kernel_file!("select.cu", "select.cu"),
+    kernel_file!("slots.cu", "slots.cu"),
+];
+
+/// The shared file named `name`; a name not in [`FILES`] fails the build where a module names it.
+pub const fn file(name: &str) -> &'static KernelFile {
+    let mut i = 0;
+    while i < FILES.len() {
+        if eq(FILES[i].name.as_bytes(), name.as_bytes()) {
+            return &FILES[i];
+        }
+        i += 1;
+    }
+    panic!("no such shared kernel file")
 }
 
-/// The modules (what `Modules::function` compiles, by name), each a list of the files it holds.
-pub const ATTENTION: &str = "#include \"attention.cu\"";
-pub const ATTENTION_MMA: &str = "#include \"attention_mma.cu\"";
-pub const ATTENTION_PREFILL: &str = "#include \"attention_prefill.cu\"";
-pub const CACHE_WRITE: &str = "#include \"cache_write.cu\"";
-pub const MERGE: &str = "#include \"merge.cu\"";
-pub const FILL: &str = "#include \"fill.cu\"";
-pub const META: &str = "#include \"meta.cu\"";
+/// `a == b` for byte strings, at compile time.
+const fn eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// The shared modules (what `Modules::function` compiles, by name); the policies' are the registry's.
+pub const ATTENTION: Module = &[file("attention.cu")];
+pub const ATTENTION_MMA: Module = &[file("attention_mma.cu")];
+pub const ATTENTION_PREFILL: Module = &[file("attention_prefill.cu")];
+pub const CACHE_WRITE: Module = &[file("cache_write.cu")];
+pub const MERGE: Module = &[file("merge.cu")];
+pub const FILL: Module = &[file("fill.cu")];
+pub const META: Module = &[file("meta.cu")];
 /// A decode step's cache write in one launch (slot check, store and key metadata).
-pub const WRITE_STEP: &str = "#include \"write_step.cu\"";
-/// The selection kernels: the plain plans (select.cu) and those of Quest, top-p, ART, SnapKV, RefreshKV
-/// and PRR (kernels/policy/): one module, so a sparse engine compiles them once per (dtype, head size,
-/// group).
-pub const SELECT: &str = "#include \"select.cu\"\n#include \"quest.cu\"\n#include \"top_p.cu\"\n#include \"art.cu\"\n#include \"snapkv.cu\"\n#include \"refresh.cu\"\n#include \"prr.cu\"";
-pub const PREDICTOR: &str = "#include \"predictor.cu\"";
-pub const SLOTS: &str = "#include \"slots.cu\"";
+pub const WRITE_STEP: Module = &[file("write_step.cu")];
+pub const SLOTS: Module = &[file("slots.cu")];
 
 /// Size and field offsets of a Rust struct that a kernel takes by value, for the test that compares them
 /// with the C definition in kernels/include/params.cuh (see `c_layout!`).
@@ -116,17 +144,16 @@ pub(crate) use c_layout;
 /// Deepest include nesting accepted (the sources nest three deep).
 const MAX_DEPTH: usize = 16;
 
-/// The file named `name`, if the registry has it.
-pub fn file(name: &str) -> Option<&'static str> {
-    FILES.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)
-}
-
-/// `src` with every `#include "name"` replaced by the named file (recursively, each file at most once)
-/// and `#pragma once` lines dropped: the text NVRTC compiles.
-pub fn expand(src: &str) -> Result<String> {
-    let mut out = String::with_capacity(src.len() + 64 * 1024);
+/// The text NVRTC compiles for `module`: its files in order, each with every `#include "name"` replaced by
+/// the named shared file (recursively, each file at most once) and `#pragma once` lines dropped.
+pub fn expand(module: &[&KernelFile]) -> Result<String> {
+    let mut out = String::with_capacity(64 * 1024);
     let mut seen = HashSet::new();
-    expand_into(src, "(module)", &mut out, &mut seen, 0)?;
+    for f in module {
+        if seen.insert(f.name) {
+            expand_into(f.text, f.name, &mut out, &mut seen, 1)?;
+        }
+    }
     Ok(out)
 }
 
@@ -141,11 +168,11 @@ fn expand_into(text: &str, from: &str, out: &mut String, seen: &mut HashSet<&'st
         }
         if let Some(rest) = t.strip_prefix("#include") {
             let name = rest.trim().strip_prefix('"').and_then(|r| r.strip_suffix('"'));
-            let Some((name, body)) = name.and_then(|n| FILES.iter().find(|(f, _)| *f == n).copied()) else {
-                return Err(Error::new(ErrorKind::Internal, format!("kernel source {from}: {} names no kernel file", t.trim_end())));
+            let Some(f) = name.and_then(|n| FILES.iter().find(|f| f.name == n)) else {
+                return Err(Error::new(ErrorKind::Internal, format!("kernel source {from}: {} names no shared kernel file", t.trim_end())));
             };
-            if seen.insert(name) {
-                expand_into(body, name, out, seen, depth + 1)?;
+            if seen.insert(f.name) {
+                expand_into(f.text, f.name, out, seen, depth + 1)?;
             }
             continue;
         }
@@ -159,9 +186,29 @@ fn expand_into(text: &str, from: &str, out: &mut String, seen: &mut HashSet<&'st
 mod tests {
     use super::*;
 
-    /// Every file of kernels/ is in the registry, every include names a registered file, no include sits
-    /// inside a conditional (the expansion ignores the preprocessor's conditions), and every module
-    /// expands with each file once.
+    /// Every module, shared or a policy's (the registry's: the selection module, a policy's own, each
+    /// traversal hook's), by name.
+    fn modules() -> Vec<(String, Vec<&'static KernelFile>)> {
+        let shared = [("attention", ATTENTION), ("attention_mma", ATTENTION_MMA), ("attention_prefill", ATTENTION_PREFILL), ("cache_write", CACHE_WRITE), ("merge", MERGE), ("fill", FILL), ("meta", META), ("write_step", WRITE_STEP), ("slots", SLOTS)];
+        let policies = [("select", crate::policy::SELECT_MODULE)].into_iter().chain(crate::policy::OWN_MODULES.iter().copied());
+        let hooked = crate::policy::TRAVERSAL_HOOKS.iter().map(|h| h.module()).map(|(n, m)| (n, m.to_vec()));
+        shared.into_iter().chain(policies).map(|(n, m)| (n.to_string(), m.to_vec())).chain(hooked).collect()
+    }
+
+    /// Every kernel file, once: the shared ones and the policies' (those their modules hold).
+    fn all_files() -> Vec<&'static KernelFile> {
+        let mut out: Vec<&'static KernelFile> = FILES.iter().collect();
+        for f in modules().into_iter().flat_map(|(_, m)| m) {
+            if !out.iter().any(|o| o.path == f.path) {
+                out.push(f);
+            }
+        }
+        out
+    }
+
+    /// Every file of kernels/ is a shared file or in a policy's module, by one name; every include names
+    /// a shared file, no include sits inside a conditional (the expansion ignores the preprocessor's
+    /// conditions), and every module expands with each file once.
     #[test]
     fn registry_covers_the_kernels_and_every_module_expands() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
@@ -178,31 +225,37 @@ mod tests {
             }
         }
         on_disk.sort();
-        let mut registered: Vec<String> = PATHS.iter().map(|p| p.to_string()).collect();
+        let files = all_files();
+        let mut registered: Vec<String> = files.iter().map(|f| f.path.to_string()).collect();
         registered.sort();
-        assert_eq!(on_disk, registered, "kernels/ and the registry differ");
-        for (name, text) in FILES {
+        assert_eq!(on_disk, registered, "kernels/ and the registered files differ");
+        let mut names: Vec<&str> = files.iter().map(|f| f.name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), files.len(), "two kernel files share a name");
+        for f in &files {
             let mut cond = 0i32;
-            for line in text.lines().map(str::trim_start) {
+            for line in f.text.lines().map(str::trim_start) {
                 if line.starts_with("#if") {
                     cond += 1;
                 } else if line.starts_with("#endif") {
                     cond -= 1;
                 } else if line.starts_with("#include") {
-                    assert_eq!(cond, 0, "{name}: an #include inside a conditional");
-                    assert!(expand(line).is_ok(), "{name}: {line}");
+                    assert_eq!(cond, 0, "{}: an #include inside a conditional", f.name);
+                    assert!(expand_into(line, f.name, &mut String::new(), &mut HashSet::new(), 1).is_ok(), "{}: {line}", f.name);
                 }
             }
         }
-        let hooked: Vec<String> = crate::policy::TRAVERSAL_HOOKS.iter().map(|h| h.module().1).collect();
-        for m in [ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, MERGE, FILL, META, WRITE_STEP, SELECT, PREDICTOR, SLOTS].into_iter().chain(hooked.iter().map(String::as_str)) {
-            let text = expand(m).unwrap();
-            assert!(!text.contains("#include") && !text.contains("#pragma once"), "{m}");
+        for (name, m) in modules() {
+            let text = expand(&m).unwrap();
+            assert!(!text.contains("#include") && !text.contains("#pragma once"), "{name}");
             // common.cuh's typedefs appear exactly once however many files include it.
-            assert_eq!(text.matches("typedef long long i64;").count(), 1, "{m}");
+            assert_eq!(text.matches("typedef long long i64;").count(), 1, "{name}");
         }
-        assert!(expand("#include \"nope.cuh\"").is_err());
-        assert!(expand("#include <cuda.h>").is_err());
+        let bad = |text: &'static str| expand(&[&KernelFile { name: "bad.cu", path: "bad.cu", text }]);
+        assert!(bad("#include \"nope.cuh\"").is_err());
+        assert!(bad("#include <cuda.h>").is_err());
+        assert!(bad("#include \"common.cuh\"").is_ok());
     }
 
     /// The fields of each struct of `text`, in order: (name, field names).
@@ -250,13 +303,14 @@ mod tests {
 
     /// Every struct the host passes by value has the size and the field names, offsets and sizes of its
     /// Rust mirror: the shared ones (kernels/include/params.cuh, each of which must have a mirror) and a
-    /// policy's own, defined in its kernel file (kernels/policy/); the definitions are compiled with the
+    /// policy's own, defined in its kernel file (kernels/policy/; its mirrors listed by the registry's
+    /// `PARAM_LAYOUTS`); the definitions are compiled with the
     /// host C compiler (device pointers and the host's are both 64-bit) and their offsetof values compared
     /// with offset_of!.
     #[test]
     fn kernel_param_structs_match_their_rust_mirrors() {
-        let rust: Vec<CLayout> = [super::super::batch::c_layouts(), crate::policy::refresh::cuda::c_layouts(), crate::policy::predictor::cuda::c_layouts(), crate::policy::art::cuda::c_layouts()].into_iter().flatten().collect();
-        let shared = file("params.cuh").unwrap().lines().filter(|l| !l.starts_with("#pragma") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n");
+        let rust: Vec<CLayout> = std::iter::once(super::super::batch::c_layouts as fn() -> Vec<CLayout>).chain(crate::policy::PARAM_LAYOUTS.iter().copied()).flat_map(|f| f()).collect();
+        let shared = file("params.cuh").text.lines().filter(|l| !l.starts_with("#pragma") && !l.starts_with("#include")).collect::<Vec<_>>().join("\n");
         let shared_names: Vec<String> = c_structs(&shared).into_iter().map(|(n, _)| n).collect();
         for name in &shared_names {
             assert!(rust.iter().any(|r| &r.c_name == name), "params.cuh's struct {name} has no Rust mirror");
@@ -264,7 +318,7 @@ mod tests {
         // Each mirror's C definition: in params.cuh or in exactly one other kernel file.
         let mut header = shared.clone();
         for r in &rust {
-            let defs: Vec<String> = FILES.iter().flat_map(|(_, text)| struct_blocks(text)).filter(|(n, _)| n == r.c_name).map(|(_, b)| b).collect();
+            let defs: Vec<String> = all_files().iter().flat_map(|f| struct_blocks(f.text)).filter(|(n, _)| n == r.c_name).map(|(_, b)| b).collect();
             assert_eq!(defs.len(), 1, "struct {} is defined {} times in the kernel files", r.c_name, defs.len());
             if !shared_names.iter().any(|n| n == r.c_name) {
                 header.push('\n');

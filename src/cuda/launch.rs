@@ -8,11 +8,12 @@ use parking_lot::Mutex;
 
 use super::context::Gpu;
 use super::driver::{check, cuda, CUfunction, CUlaunchAttribute, CUlaunchConfig, CUmodule, CUstream, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION};
+use super::kernel_src::KernelFile;
 use super::module_cache;
 use crate::error::Result;
 
-/// The modules' sources (each a list of `#include`s of kernels/, expanded before compiling).
-pub use super::kernel_src::{ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, SELECT, WRITE_STEP};
+/// The shared modules (each a list of kernels/ files, expanded before compiling).
+pub use super::kernel_src::{ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, WRITE_STEP};
 /// Threads of the selection kernels whose launch bound is kernels/include/topk.cuh's TOPK_THREADS (Quest's and
 /// PRR's top-k, SnapKV's choice and plan, RefreshKV's plan, the predictor's selection): one CTA per row.
 /// (1024 was measured no faster for the top-k: its time is a serial chain of block-wide phases.)
@@ -26,11 +27,12 @@ pub struct Modules {
 }
 
 impl Modules {
-    /// The function `func` of the module built from `source` with `defines` (e.g. "HEAD_DIM=128"; an
-    /// entry starting with "--" is passed to NVRTC as an option).
+    /// The function `func` of module `name`, built from the files `source` with `defines` (e.g.
+    /// "HEAD_DIM=128"; an entry starting with "--" is passed to NVRTC as an option). One name, one list of
+    /// files: the name and defines identify a loaded module.
     /// The first request compiles (or loads from the disk cache) and loads the module; later ones are a
     /// hash-map lookup. Must not be first called inside a graph capture.
-    pub fn function(&self, gpu: &Gpu, name: &str, source: &str, defines: &[String], func: &'static str) -> Result<CUfunction> {
+    pub fn function(&self, gpu: &Gpu, name: &str, source: &[&KernelFile], defines: &[String], func: &'static str) -> Result<CUfunction> {
         let variant = format!("{name}:{}", defines.join(","));
         if let Some(&f) = self.functions.lock().get(&(variant.clone(), func)) {
             return Ok(f as CUfunction);

@@ -189,9 +189,9 @@ impl CompileCheck {
         Some(CompileCheck { only, quick, done: Default::default() })
     }
 
-    /// Compiles module `name` (its text `src`, expanded) for sm_90 with `defs` (`NAME=value` defines and
+    /// Compiles module `name` (its files `src`, expanded) for sm_90 with `defs` (`NAME=value` defines and
     /// `--` options); panics on an error.
-    pub(crate) fn build(&self, name: &str, src: &str, defs: &[String]) {
+    pub(crate) fn build(&self, name: &str, src: &[&super::kernel_src::KernelFile], defs: &[String]) {
         let (om, od) = self.only.split_once(':').unwrap_or((self.only.as_str(), ""));
         if !om.is_empty() && (om != name || (!od.is_empty() && !defs.iter().any(|d| d.contains(od)))) {
             return;
@@ -210,17 +210,19 @@ impl CompileCheck {
     }
 }
 
-/// Compiles every shared kernel module in the variants the conformance matrix and the benchmark use
-/// (a policy's own module is checked in its folder, under the same test name).
+/// Compiles every shared kernel module, the selection module and the traversal hooks' in the variants the
+/// conformance matrix and the benchmark use (a policy's own module is checked in its folder, under the
+/// same test name).
 #[cfg(test)]
 mod compile_tests {
-    use super::super::kernel_src::{ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, SELECT, SLOTS, WRITE_STEP};
+    use super::super::kernel_src::{KernelFile, ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_WRITE, FILL, MERGE, META, SLOTS, WRITE_STEP};
     use super::CompileCheck;
+    use crate::policy::SELECT_MODULE as SELECT;
 
     #[test]
     fn kernel_sources_compile_with_nvrtc() {
         let Some(check) = CompileCheck::new() else { return };
-        let build = |name: &str, src: &str, defs: &[String]| check.build(name, src, defs);
+        let build = |name: &str, src: &[&KernelFile], defs: &[String]| check.build(name, src, defs);
         for dt in 0..3 {
             build("cache_write", CACHE_WRITE, &[format!("KVS_DTYPE={dt}")]);
             for kv8 in [1, 2] {

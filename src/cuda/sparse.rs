@@ -27,7 +27,7 @@ use crate::policy::plan::{device_plan_shapes, HeadPlan};
 use crate::stats::{Counters, VisitRecord};
 use crate::{bail, ensure};
 
-/// The compile-time defines of the selection module (`launch::SELECT`) for an engine: every launcher of its
+/// The compile-time defines of the selection module (`CudaPipeline::select_module`) for an engine: every launcher of its
 /// kernels (the pipeline here, PRR's own kernels) passes these, so they share one compiled module. KV8: the
 /// selection kernels that read cache rows read an FP8 cache's bytes (kernels/include/kv_load.cuh).
 pub(crate) fn select_defines(cfg: &EngineConfig) -> Vec<String> {
@@ -187,6 +187,7 @@ impl SparseState {
             geo,
             batch: BatchArg::new(a, geo, cache),
             ws,
+            module: p.select_module(),
             defines: &defines,
             ctr: self.layer_counters(a.layer) as i64,
             row_bytes: (2 * d * cfg.cache_dtype.size_bytes()) as i64,

@@ -12,7 +12,8 @@ use parking_lot::Mutex;
 use super::batch::{BatchArg, Geometry, PlanRef, Rows};
 use super::context::{DevBuf, Gpu};
 use super::driver::{CUfunction, CUstream};
-use super::launch::{self, Modules};
+use super::kernel_src::Module;
+use super::launch::Modules;
 use super::meta::{DeviceMeta, LayerDevMeta};
 use super::slots::SeqSlots;
 use crate::args::ForwardArgs;
@@ -160,6 +161,8 @@ pub(crate) struct StepCx<'a> {
     pub batch: BatchArg,
     /// Device address of the call's workspace.
     pub ws: u64,
+    /// The selection module's files (`CudaPipeline::select_module`).
+    pub module: Module,
     /// The selection module's compile-time definitions.
     pub defines: &'a [String],
     /// Device address of the layer's counters.
@@ -188,7 +191,7 @@ pub(crate) struct StepCx<'a> {
 impl StepCx<'_> {
     /// A function of the selection module (kernels/select.cu and kernels/policy/, one module).
     pub fn function(&self, name: &'static str) -> Result<CUfunction> {
-        self.dev.modules().function(self.dev.gpu(), "select", launch::SELECT, self.defines, name)
+        self.dev.modules().function(self.dev.gpu(), "select", self.module, self.defines, name)
     }
 }
 
@@ -208,6 +211,9 @@ pub(crate) trait CudaPipeline: PipelineKind + Sync {
     /// Whether this backend runs the pipeline for a GQA group of `group` query heads per KV head (at most
     /// `max_group`): the reason it does not, else Ok.
     fn cuda_supported(&self, group: usize, max_group: usize) -> std::result::Result<(), String>;
+    /// The selection module's files: kernels/select.cu and the policies' selection kernels, compiled as one
+    /// module (named "select") whatever the pipeline, so an engine compiles it once per variant.
+    fn select_module(&self) -> Module;
 }
 
 /// One stage of a call's device pipeline (`selector [> top_p] [> art]`), made per call by the registry.

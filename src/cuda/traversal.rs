@@ -7,7 +7,7 @@
 //! through the stage (`CudaStage::visits`), its counters through the layer's counter slots
 //! (kernels/include/decide.cuh: blocks skipped, tiles visited, tiles). Nothing here names a policy.
 
-use super::kernel_src::ATTENTION_MMA;
+use super::kernel_src::{file, KernelFile};
 use super::launch::StructArg;
 
 /// A traversal hook's kernel and the shape of the attention kernel it needs.
@@ -15,8 +15,8 @@ use super::launch::StructArg;
 pub(crate) struct HookKernel {
     /// The stage's name in messages (e.g. "`art`").
     pub name: &'static str,
-    /// The hook's kernel file, by its name in src/cuda/kernel_src.rs (it defines `TRAVERSAL_HOOK`).
-    pub file: &'static str,
+    /// The hook's kernel file (it defines `TRAVERSAL_HOOK`), declared in the stage's folder.
+    pub file: &'static KernelFile,
     /// Warps per CTA and stages per warp the kernel runs with (a round of the warps is the hook's step),
     /// one CTA per KV head (the whole GQA group).
     pub warps: usize,
@@ -29,9 +29,9 @@ pub(crate) struct HookKernel {
 }
 
 impl HookKernel {
-    /// The attention module with this hook: (its name, the module's text: the hook's file, then the kernel).
-    pub fn module(&self) -> (String, String) {
-        (format!("attention_mma+{}", self.file), format!("#include \"{}\"\n{ATTENTION_MMA}", self.file))
+    /// The attention module with this hook: (its name, its files: the hook's, then the kernel's).
+    pub fn module(&self) -> (String, [&'static KernelFile; 2]) {
+        (format!("attention_mma+{}", self.file.name), [self.file, file("attention_mma.cu")])
     }
 }
 

@@ -10,6 +10,7 @@ use super::kind::{LaterStageKind, PipelineKind, SelectorKind};
 use super::Policy;
 use crate::config::EngineConfig;
 use crate::cpu::sparse::{CpuLaterStage, CpuPipeline, CpuStage, MAX_LATER_STAGES};
+use crate::cuda::kernel_src::{self, Module};
 use crate::cuda::stage::{CudaPipeline, CudaStage, PolicyDevice};
 use crate::error::Result;
 
@@ -118,10 +119,34 @@ impl PipelineKind for Pipeline {
     }
 }
 
+/// The selection module (one module, so a sparse engine compiles it once per dtype, head size and group):
+/// kernels/select.cu's plans, then each stage's selection kernels (kernels/policy/, declared in its
+/// folder's cuda.rs), one line per stage that has some. The order is the module's text: changing it
+/// changes every compiled selection module (its NVRTC cache key and cubin).
+pub(crate) const SELECT_MODULE: Module = &[
+    kernel_src::file("select.cu"),
+    &super::quest::cuda::KERNEL,
+    &super::top_p::cuda::KERNEL,
+    &super::art::cuda::PRIORITY,
+    &super::snapkv::cuda::KERNEL,
+    &super::refresh::cuda::KERNEL,
+    &super::speculate::cuda::KERNEL,
+];
+
+/// A stage's module of its own, by name (one line per stage that has one): what the kernels' checks
+/// expand (the stage's folder compiles it and checks its variants).
+#[cfg(test)]
+pub(crate) const OWN_MODULES: &[(&str, Module)] = &[("predictor", super::predictor::cuda::PREDICTOR)];
+
 /// The attention kernel's traversal hooks (src/cuda/traversal.rs), one line per stage that has one: what
 /// the kernels' compile check builds.
 #[cfg(test)]
 pub(crate) const TRAVERSAL_HOOKS: &[crate::cuda::traversal::HookKernel] = &[super::art::cuda::HOOK];
+
+/// The Rust mirrors of the structs a stage's own kernel file defines and its launches pass by value, one
+/// line per stage that has some: what the layout test compares with the C definitions.
+#[cfg(test)]
+pub(crate) const PARAM_LAYOUTS: &[fn() -> Vec<kernel_src::CLayout>] = &[super::refresh::cuda::c_layouts, super::predictor::cuda::c_layouts, super::art::cuda::c_layouts];
 
 /// Why a selector whose `SelectorKind::cuda_fp8_cache` is false is refused over an FP8 cache on CUDA.
 pub(super) const SELECTOR_NO_FP8: &str = "this selector's own kernels read 16-bit cache rows only";
@@ -317,6 +342,10 @@ impl CudaPipeline for Pipeline {
             _ => Ok(()),
         }
     }
+
+    fn select_module(&self) -> Module {
+        SELECT_MODULE
+    }
 }
 
 impl Policy {
@@ -334,7 +363,7 @@ impl Policy {
     pub(crate) fn cuda_device(&self, cfg: &EngineConfig) -> Result<Option<Box<dyn PolicyDevice>>> {
         Ok(match self.pipeline().map(|p| &p.selector) {
             Some(Selector::Speculate(sp)) => {
-                let mut d = super::speculate::cuda::PrrDevice::new(cfg);
+                let mut d = super::speculate::cuda::PrrDevice::new(cfg, SELECT_MODULE);
                 d.set_spec(*sp);
                 Some(Box::new(d))
             }

@@ -8,6 +8,7 @@
 
 use crate::cuda::batch::{download_raw, Rows};
 use crate::cuda::driver::{check, cuda};
+use crate::cuda::kernel_src::{kernel_file, KernelFile};
 use crate::cuda::launch::{self, KArgs, StructArg};
 use crate::cuda::stage::{CallShape, CudaStage, RowVisits, StepCx, WsAlloc};
 use crate::cuda::traversal::{HookKernel, HookSplits, TraversalLaunch};
@@ -17,11 +18,16 @@ use crate::policy::kind::SelectorKind;
 use super::{Art, Order, Probe};
 use crate::ensure;
 
+/// ART's traversal hook, compiled in front of the attention kernel (`HOOK`).
+pub const TRAVERSAL: KernelFile = kernel_file!("art_traversal.cuh", "policy/art/traversal.cuh");
+/// ART's priority order (kvs_art_priority), compiled in the selection module (the registry's `SELECT_MODULE`).
+pub const PRIORITY: KernelFile = kernel_file!("art.cu", "policy/art/priority.cu");
+
 /// ART's hook: 4 warps (one round = one 64-slot tile, [`super::ART_TILE`]) of 3 stages; its static
 /// shared memory (the probe's exchange, the decision's group summaries) within 4 KiB.
 /// `KVS_ART_NOPROBE=1` (benchmarks only) compiles ART's launch without the detector (the same order and
 /// splits), the baseline of the detector's cost.
-pub(crate) const HOOK: HookKernel = HookKernel { name: "`art`", file: "art_traversal.cuh", warps: 4, stages: 3, smem_reserve: 4096, bench_define: Some("ART_NOPROBE=1") };
+pub(crate) const HOOK: HookKernel = HookKernel { name: "`art`", file: &TRAVERSAL, warps: 4, stages: 3, smem_reserve: 4096, bench_define: Some("ART_NOPROBE=1") };
 
 /// ART's launch arguments (kernels/policy/art/traversal.cuh `ArtArgs`, the kernel's `TraversalArgs`; a test
 /// compares the layouts).

@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 use crate::cuda::batch::{BatchArg, Geometry, PlanRef};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUfunction};
+use crate::cuda::kernel_src::{kernel_file, Module};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CallShape, CudaStage, Device, PolicyDevice, StepCx, WsAlloc};
 use crate::args::ForwardArgs;
@@ -34,8 +35,9 @@ use crate::policy::predictor::PredictorWeights;
 use super::PredictorSpec;
 use crate::{bail, ensure};
 
-/// The module: the predictor's kernels (with the batch, top-k and weights-pass headers they include).
-pub use crate::cuda::kernel_src::PREDICTOR;
+/// The predictor's module of its own: its kernels (with the batch, top-k and weights-pass headers they
+/// include).
+pub const PREDICTOR: Module = &[&kernel_file!("predictor.cu", "policy/predictor.cu")];
 
 /// CTAs of one `kvs_pred_conv` launch, over all (sequence, KV head) pairs (each stages the weights once
 /// and walks its share of the (row, column tile) items).

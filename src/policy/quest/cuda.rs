@@ -9,9 +9,13 @@
 //! several metadata units, from kvs_quest_scores_hist in the CPU's arithmetic bit for bit (those stages'
 //! tests compare with the CPU engine exactly).
 
+use crate::cuda::kernel_src::{kernel_file, KernelFile};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CallShape, CudaStage, PageScores, StepCx, WsAlloc};
 use crate::error::Result;
+
+/// Quest's kernels, compiled in the selection module (the registry's `SELECT_MODULE`).
+pub const KERNEL: KernelFile = kernel_file!("quest.cu", "policy/quest.cu");
 
 /// Bins of Quest's per-row key histogram: kernels/policy/quest.cu QSEL_BINS.
 const QSEL_BINS: usize = 2048;

@@ -23,6 +23,7 @@ use parking_lot::Mutex;
 use crate::cuda::batch::{BatchArg, Geometry, LogitsOut, PlanRef, Rows};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUfunction};
+use crate::cuda::kernel_src::{kernel_file, KernelFile};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CallShape, CudaStage, Device, PolicyDevice, StepCx, WsAlloc};
 use crate::args::ForwardArgs;
@@ -31,6 +32,9 @@ use crate::layout::KvCache;
 use super::Refresh;
 use crate::stats::Counters;
 use crate::{bail, ensure};
+
+/// RefreshKV's kernels, compiled in the selection module (the registry's `SELECT_MODULE`).
+pub const KERNEL: KernelFile = kernel_file!("refresh.cu", "policy/refresh.cu");
 
 /// The kernels' `RefreshArgs` (kernels/policy/refresh.cu; a test compares the layouts).
 #[repr(C)]

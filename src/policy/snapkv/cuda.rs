@@ -13,6 +13,7 @@
 
 use crate::cuda::batch::{BatchArg, Geometry};
 use crate::cuda::driver::{check, cuda, CUfunction};
+use crate::cuda::kernel_src::{kernel_file, KernelFile};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{checked, CallShape, CudaStage, StepCx, WsAlloc};
 use crate::args::ForwardArgs;
@@ -20,6 +21,9 @@ use crate::error::Result;
 use crate::layout::KvCache;
 use crate::ensure;
 use crate::tensor::DType;
+
+/// SnapKV's kernels, compiled in the selection module (the registry's `SELECT_MODULE`).
+pub const KERNEL: KernelFile = kernel_file!("snapkv.cu", "policy/snapkv.cu");
 
 /// Positions per CTA and threads of `kvs_snap_scores` (weights_pass.cuh's WP_TP / WP_J).
 pub(crate) fn scores_shape(head_dim: usize, group: usize) -> (usize, usize) {

@@ -31,6 +31,7 @@ use parking_lot::Mutex;
 use crate::cuda::batch::{download_ints, BatchArg, Geometry, PlanRef, Rows};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUevent, CUstream, CU_STREAM_NON_BLOCKING};
+use crate::cuda::kernel_src::{kernel_file, KernelFile, Module};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CudaStage, Device, PolicyDevice};
 use crate::config::EngineConfig;
@@ -44,6 +45,9 @@ use super::Speculate;
 use crate::stats::Counters;
 use crate::tensor::{DType, TensorRef};
 use crate::{bail, ensure};
+
+/// PRR's kernels, compiled in the selection module (the registry's `SELECT_MODULE`).
+pub const KERNEL: KernelFile = kernel_file!("prr.cu", "policy/speculate.cu");
 
 /// Bytes of one state entry (kernels/prr.cu `PrrEntry`: level, trend, alpha, beta, gamma, flags).
 const ENTRY_BYTES: usize = 24;
@@ -90,6 +94,8 @@ impl Drop for StreamSet {
 pub struct PrrDevice {
     /// The policy's `speculate` stage, when that is the engine's policy.
     spec: Option<Speculate>,
+    /// The selection module, which holds PRR's kernels ([`KERNEL`]) with the other stages'.
+    select: Module,
     /// Per layer: entries `[num_blocks][kv_heads][slots per block]`, allocated by the layer's first cache write.
     layers: Vec<Mutex<Option<DevBuf>>>,
     streams: Mutex<HashMap<usize, StreamSet>>,
@@ -99,10 +105,12 @@ pub struct PrrDevice {
 }
 
 impl PrrDevice {
-    /// Empty state; [`PrrDevice::set_spec`] arms it when the engine's policy is `speculate`.
-    pub fn new(cfg: &EngineConfig) -> Self {
+    /// Empty state; [`PrrDevice::set_spec`] arms it when the engine's policy is `speculate`. `select`: the
+    /// selection module (the registry's), whose files PRR's launches compile.
+    pub fn new(cfg: &EngineConfig, select: Module) -> Self {
         PrrDevice {
             spec: None,
+            select,
             layers: (0..cfg.num_layers).map(|_| Mutex::new(None)).collect(),
             streams: Mutex::new(HashMap::new()),
             host: (0..cfg.num_layers).map(|_| Mutex::new(Counters::default())).collect(),
@@ -242,8 +250,8 @@ impl PrrDevice {
     }
 
     fn prr_fn(&self, dev: &dyn Device, cfg: &EngineConfig, name: &'static str) -> Result<crate::cuda::driver::CUfunction> {
-        // The selection module of src/cuda/sparse.rs (its defines, so one compiled module).
-        dev.modules().function(dev.gpu(), "select", launch::SELECT, &crate::cuda::sparse::select_defines(cfg), name)
+        // The selection module with src/cuda/sparse.rs's defines, so one compiled module.
+        dev.modules().function(dev.gpu(), "select", self.select, &crate::cuda::sparse::select_defines(cfg), name)
     }
 
     /// Benchmarks only: record the phases of later PRR steps with timing events (see `timeline`).

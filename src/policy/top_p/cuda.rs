@@ -6,9 +6,13 @@
 //! row (the launches are the barriers between passes): a long row is spread over many CTAs instead of one
 //! CTA per (sequence, KV head), and a batch of many rows over fewer CTAs per row.
 
+use crate::cuda::kernel_src::{kernel_file, KernelFile};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CallShape, CudaStage, StepCx, WsAlloc};
 use crate::error::Result;
+
+/// Top-p's kernels, compiled in the selection module (the registry's `SELECT_MODULE`).
+pub const KERNEL: KernelFile = kernel_file!("top_p.cu", "policy/top_p.cu");
 
 /// Candidates per CTA of the estimate kernel (`TOPP_ETILE`) and per pass of the later kernels' loops
 /// (`TOPP_CHUNK`), the kernels' threads, the radix passes and the search states per row (top_p.cu's
