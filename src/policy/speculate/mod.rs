@@ -117,10 +117,7 @@ impl PrrHead {
     /// Predicted scores of pages `first .. first + n` (`+inf` for pages never scored).
     pub fn predict_scores(&self, first: usize, n: usize, out: &mut Vec<f32>) {
         out.clear();
-        out.extend((first..first + n).map(|p| match self.holt.get(p) {
-            Some(&(l, t)) if !l.is_nan() => l + self.params.gamma * t,
-            _ => f32::INFINITY,
-        }));
+        out.extend((first..first + n).map(|p| self.holt.get(p).map_or(f32::INFINITY, |&h| holt_predict(h, self.params.gamma))));
     }
 
     /// The speculative set: `k` pages of `first .. first + n` (sorted absolute indices).
@@ -151,21 +148,35 @@ impl PrrHead {
         let end = first + scores.len();
         self.holt.truncate(end);
         self.holt.resize(end, (f32::NAN, 0.0));
-        let HoltParams { alpha, beta, .. } = self.params;
-        for (i, &s) in scores.iter().enumerate() {
-            let h = &mut self.holt[first + i];
-            if !s.is_finite() {
-                *h = (f32::NAN, 0.0);
-            } else if h.0.is_nan() {
-                *h = (s, 0.0);
-            } else {
-                let (l, t) = *h;
-                let l2 = alpha * s + (1.0 - alpha) * (l + t);
-                *h = (l2, beta * (l2 - l) + (1.0 - beta) * t);
-            }
+        for (h, &s) in self.holt[first..end].iter_mut().zip(scores) {
+            holt_step(h, s, self.params);
         }
         self.prev_true.clear();
         self.prev_true.extend_from_slice(truth);
+    }
+}
+
+/// The prediction of one page's Holt state `(level, trend)`: `level + γ·trend`, `+inf` when never scored.
+#[inline(always)]
+fn holt_predict((l, t): (f32, f32), gamma: f32) -> f32 {
+    if l.is_nan() {
+        f32::INFINITY
+    } else {
+        l + gamma * t
+    }
+}
+
+/// Folds one true score `s` into a page's Holt state (a non-finite score resets the page).
+#[inline(always)]
+fn holt_step(h: &mut (f32, f32), s: f32, HoltParams { alpha, beta, .. }: HoltParams) {
+    if !s.is_finite() {
+        *h = (f32::NAN, 0.0);
+    } else if h.0.is_nan() {
+        *h = (s, 0.0);
+    } else {
+        let (l, t) = *h;
+        let l2 = alpha * s + (1.0 - alpha) * (l + t);
+        *h = (l2, beta * (l2 - l) + (1.0 - beta) * t);
     }
 }
 
@@ -234,17 +245,170 @@ pub fn simulate(traj: &[TrajStep], params: HoltParams, k_spec: usize, k_true: us
 }
 
 /// Chooses the grid candidate with the best score-weighted hit rate (the first one on ties).
+///
+/// The same result as running [`simulate`] for every candidate and keeping the first best (the test
+/// `fast_calibration_equals_simulating_every_candidate` compares them bit for bit), at a fraction of the cost:
+/// the true sets, their weights and the total weight do not depend on the candidate and are computed once
+/// ([`TruthSteps`]); per candidate, membership in the predicted top-k is one threshold per step
+/// ([`SpecThreshold`]); candidates run in parallel and the winner is picked in grid order.
 pub fn calibrate(traj: &[TrajStep], candidates: &[HoltParams], k_spec: usize, k_true: usize) -> Calibration {
+    use rayon::prelude::*;
+    let truth = TruthSteps::new(traj, k_true);
+    let hits: Vec<f64> = candidates.par_iter().map_init(CandidateBufs::default, |bufs, &p| truth.hit_rate(traj, p, k_spec, bufs)).collect();
     let mut best: Option<(f64, HoltParams)> = None;
-    for &p in candidates {
-        let (hit, _) = simulate(traj, p, k_spec, k_true);
+    for (&hit, &p) in hits.iter().zip(candidates) {
         if best.map_or(true, |(b, _)| hit > b) {
             best = Some((hit, p));
         }
     }
     let (hit, params) = best.unwrap_or((1.0, DEFAULT_PARAMS));
-    let (_, warm) = simulate(traj, params, k_spec, k_true);
-    Calibration { params, hit, candidates: candidates.len(), warm }
+    Calibration { params, hit, candidates: candidates.len(), warm: truth.warm(traj, params) }
+}
+
+/// What [`simulate`] computes from the true scores alone: each step's true pages (sorted, absolute) and,
+/// from the second step on, their weights in the same order, and the total weight summed in `simulate`'s
+/// order (so a candidate's hit rate is the same `f64`).
+struct TruthSteps {
+    truth: Vec<Vec<usize>>,
+    weights: Vec<Vec<f64>>,
+    tot: f64,
+}
+
+/// A calibration worker's reused buffers: the Holt states and the predicted keys of one step.
+#[derive(Default)]
+struct CandidateBufs {
+    holt: Vec<(f32, f32)>,
+    keys: Vec<u64>,
+    truth_keys: Vec<u64>,
+}
+
+impl TruthSteps {
+    fn new(traj: &[TrajStep], k_true: usize) -> Self {
+        let truth: Vec<Vec<usize>> = traj.iter().map(|(first, scores)| top_pages(scores, *first, k_true)).collect();
+        let mut tot = 0f64;
+        let weights = traj
+            .iter()
+            .zip(&truth)
+            .skip(1)
+            .map(|((first, scores), truth)| {
+                let m = truth.iter().map(|&p| scores[p - first]).fold(f32::NEG_INFINITY, f32::max);
+                let w: Vec<f64> = truth
+                    .iter()
+                    .map(|&p| {
+                        let w = ((scores[p - first] - m) as f64).exp();
+                        if w.is_finite() {
+                            w
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                for &x in &w {
+                    tot += x;
+                }
+                w
+            })
+            .collect();
+        TruthSteps { truth, weights, tot }
+    }
+
+    /// [`simulate`]'s hit rate for `params`: the Holt states advance over the steps in one pass per step
+    /// (each page's prediction is read before its update, as `speculate` precedes `update` there).
+    fn hit_rate(&self, traj: &[TrajStep], params: HoltParams, k_spec: usize, bufs: &mut CandidateBufs) -> f64 {
+        let CandidateBufs { holt, keys, truth_keys } = bufs;
+        holt.clear();
+        let mut hit = 0f64;
+        for (t, (first, scores)) in traj.iter().enumerate() {
+            let (first, end) = (*first, *first + scores.len());
+            holt.truncate(end);
+            holt.resize(end, (f32::NAN, 0.0));
+            let pages = &mut holt[first..end];
+            if t == 0 {
+                pages.iter_mut().zip(scores).for_each(|(h, &s)| holt_step(h, s, params));
+                continue;
+            }
+            keys.clear();
+            keys.extend(pages.iter_mut().zip(scores).enumerate().map(|(i, (h, &s))| {
+                let key = spec_key(holt_predict(*h, params.gamma), i);
+                holt_step(h, s, params);
+                key
+            }));
+            let truth = &self.truth[t];
+            truth_keys.clear();
+            truth_keys.extend(truth.iter().map(|&p| keys[p - first]));
+            let spec = SpecThreshold::new(keys, k_spec);
+            for (&key, &w) in truth_keys.iter().zip(&self.weights[t - 1]) {
+                if spec.contains(key) {
+                    hit += w;
+                }
+            }
+        }
+        if self.tot > 0.0 {
+            hit / self.tot
+        } else {
+            1.0
+        }
+    }
+
+    /// The predictor with `params` after the whole trajectory, as [`simulate`] leaves it (the same
+    /// states, and the same vector capacities: `PrrHead::bytes` counts them).
+    fn warm(&self, traj: &[TrajStep], params: HoltParams) -> PrrHead {
+        let mut h = PrrHead::new(params);
+        for ((first, scores), truth) in traj.iter().zip(&self.truth) {
+            h.update(*first, scores, truth);
+        }
+        h
+    }
+}
+
+/// A page's place in the predicted order of [`top_pages`] (`quest_pages` with page 1, no sink): higher
+/// is better; score descending with NaN as `+inf` and `total_cmp`'s order (-0.0 below +0.0), ties to the
+/// higher (more recent) page. `i` is the page's index in the step.
+#[inline(always)]
+fn spec_key(pred: f32, i: usize) -> u64 {
+    let bits = if pred.is_nan() { f32::INFINITY } else { pred }.to_bits();
+    // total_cmp's order as an unsigned integer: negatives flipped whole, positives above them.
+    let ord = if bits >> 31 == 1 { !bits } else { bits | 0x8000_0000 };
+    (ord as u64) << 32 | i as u64
+}
+
+/// Membership in `top_pages(pred, first, k)` from the keys of a step's pages: every page when there are
+/// at most `k`, none when `k = 0`; else the last page and the `k - 1` best others, i.e. those whose key is at
+/// least the `(k-1)`-th best key (keys are distinct: they hold the index).
+enum SpecThreshold {
+    All,
+    None,
+    /// `min = u64::MAX` when only the last page is kept (no key reaches it: a key's high half is at most
+    /// `+inf`'s).
+    AtLeast { last: u64, min: u64 },
+}
+
+impl SpecThreshold {
+    /// Reorders `keys` (the step's keys, in page order).
+    fn new(keys: &mut [u64], k: usize) -> Self {
+        let n = keys.len();
+        if k == 0 {
+            return SpecThreshold::None;
+        }
+        if n <= k {
+            return SpecThreshold::All;
+        }
+        let (last, others) = (keys[n - 1], &mut keys[..n - 1]);
+        let min = match k - 1 {
+            0 => u64::MAX,
+            m => *others.select_nth_unstable(others.len() - m).1,
+        };
+        SpecThreshold::AtLeast { last, min }
+    }
+
+    #[inline(always)]
+    fn contains(&self, key: u64) -> bool {
+        match *self {
+            SpecThreshold::All => true,
+            SpecThreshold::None => false,
+            SpecThreshold::AtLeast { last, min } => key == last || key >= min,
+        }
+    }
 }
 
 /// Speculation budget by context length (the latency table): a step function over sorted
@@ -433,6 +597,120 @@ mod tests {
             }
             assert!((reuse - hit / tot).abs() < 1e-9, "α=1, γ=0 is not reuse-previous: {reuse} vs {}", hit / tot);
             assert!(c.hit >= reuse, "calibrated {} below reuse {reuse}", c.hit);
+        }
+    }
+
+    /// The calibration as it was first written: [`simulate`] per candidate, the first best wins (the
+    /// reference for the fast path).
+    fn calibrate_by_simulating(traj: &[TrajStep], candidates: &[HoltParams], k_spec: usize, k_true: usize) -> Calibration {
+        let mut best: Option<(f64, HoltParams)> = None;
+        for &p in candidates {
+            let (hit, _) = simulate(traj, p, k_spec, k_true);
+            if best.map_or(true, |(b, _)| hit > b) {
+                best = Some((hit, p));
+            }
+        }
+        let (hit, params) = best.unwrap_or((1.0, DEFAULT_PARAMS));
+        let (_, warm) = simulate(traj, params, k_spec, k_true);
+        Calibration { params, hit, candidates: candidates.len(), warm }
+    }
+
+    /// A score with the hard cases mixed in: quantized values (ties), ±0.0, ±inf, NaN, and magnitudes
+    /// whose Holt sums overflow (infinite and NaN predictions).
+    fn nasty_score(rng: &mut crate::rng::Rng) -> f32 {
+        match rng.below(40) {
+            0 => 0.0,
+            1 => -0.0,
+            2 => f32::INFINITY,
+            3 => f32::NEG_INFINITY,
+            4 => f32::NAN,
+            5 => 3.0e38 * if rng.below(2) == 0 { 1.0 } else { -1.0 },
+            6..=20 => (rng.below(5) as f32 - 2.0) * 0.5,
+            _ => (rng.normal() * 4.0) as f32,
+        }
+    }
+
+    /// Rows whose page range grows (and with a sliding window starts later), sometimes shrinks; `pages0`
+    /// pages at the first row.
+    fn random_trajectory(rng: &mut crate::rng::Rng, rows: usize, pages0: usize, window: bool) -> Vec<TrajStep> {
+        let (mut first, mut end) = (0usize, pages0);
+        let mut drift: Vec<f32> = Vec::new();
+        (0..rows)
+            .map(|_| {
+                let steps = (first, (first..end).map(|p| {
+                    // Smooth per-page trends (what Holt is for) under the noise, so candidates differ.
+                    if p >= drift.len() {
+                        drift.resize(p + 1, 0.0);
+                    }
+                    drift[p] += (rng.normal() * 0.3) as f32;
+                    if rng.below(3) == 0 { nasty_score(rng) } else { drift[p] }
+                }).collect());
+                end = match rng.below(10) {
+                    0 => end.saturating_sub(rng.below(3)).max(first),
+                    _ => end + rng.below(3),
+                };
+                if window && rng.below(3) == 0 && first + 1 < end {
+                    first += 1;
+                }
+                steps
+            })
+            .collect()
+    }
+
+    fn assert_same_calibration(fast: &Calibration, reference: &Calibration, what: &str) {
+        assert_eq!(fast.params, reference.params, "{what}");
+        assert_eq!(fast.hit.to_bits(), reference.hit.to_bits(), "{what}: hit {} vs {}", fast.hit, reference.hit);
+        assert_eq!(fast.candidates, reference.candidates, "{what}");
+        let bits = |h: &PrrHead| h.holt.iter().map(|&(l, t)| (l.to_bits(), t.to_bits())).collect::<Vec<_>>();
+        assert_eq!(bits(&fast.warm), bits(&reference.warm), "{what}: warm Holt states");
+        assert_eq!(fast.warm.params, reference.warm.params, "{what}");
+        assert_eq!(fast.warm.prev_true, reference.warm.prev_true, "{what}: warm previous true set");
+        assert_eq!(fast.warm.bytes(), reference.warm.bytes(), "{what}: warm state bytes (capacities)");
+    }
+
+    #[test]
+    fn fast_calibration_equals_simulating_every_candidate() {
+        let mut rng = crate::rng::Rng::new(11);
+        let full = grid(None, None, None);
+        // (pages at the first row, rows, k_spec, k_true): one page, two, k, k + 1, k beyond the pages, k = 0,
+        // thousands of pages.
+        let shapes = [(1, 6, 1, 1), (2, 6, 1, 2), (2, 6, 2, 1), (4, 12, 4, 4), (5, 12, 4, 4), (5, 12, 8, 2), (3, 8, 0, 2), (3, 8, 2, 0), (12, 24, 3, 5), (40, 24, 7, 7), (300, 16, 20, 12), (3000, 8, 64, 64)];
+        for (trial, &(pages0, rows, k_spec, k_true)) in shapes.iter().cycle().take(3 * shapes.len()).enumerate() {
+            let window = trial % 2 == 1;
+            let traj = random_trajectory(&mut rng, rows, pages0, window);
+            // The whole grid on the small cases; on the large ones a sample, with repeats (ties go first).
+            let cands: Vec<HoltParams> = if pages0 < 300 { full.clone() } else { (0..24).map(|_| full[rng.below(full.len())]).collect() };
+            let what = format!("trial {trial}: {pages0} pages, {rows} rows, k_spec {k_spec}, k_true {k_true}, window {window}");
+            assert_same_calibration(&calibrate(&traj, &cands, k_spec, k_true), &calibrate_by_simulating(&traj, &cands, k_spec, k_true), &what);
+        }
+        // Degenerate inputs: no candidates, an empty trajectory, one row, rows without pages.
+        let traj = random_trajectory(&mut rng, 5, 6, false);
+        assert_same_calibration(&calibrate(&traj, &[], 2, 2), &calibrate_by_simulating(&traj, &[], 2, 2), "no candidates");
+        assert_same_calibration(&calibrate(&[], &full, 2, 2), &calibrate_by_simulating(&[], &full, 2, 2), "empty trajectory");
+        assert_same_calibration(&calibrate(&traj[..1], &full, 2, 2), &calibrate_by_simulating(&traj[..1], &full, 2, 2), "one row");
+        let empty: Vec<TrajStep> = vec![(0, vec![]), (0, vec![1.0]), (1, vec![]), (0, vec![2.0, 1.0])];
+        assert_same_calibration(&calibrate(&empty, &full, 1, 1), &calibrate_by_simulating(&empty, &full, 1, 1), "rows without pages");
+    }
+
+    /// The threshold answers "is page i in `top_pages(pred, first, k)`" exactly, on scores full of ties,
+    /// signed zeros, infinities and NaN.
+    #[test]
+    fn speculation_threshold_is_top_pages_membership() {
+        let mut rng = crate::rng::Rng::new(3);
+        let mut keys = Vec::new();
+        for trial in 0..2000 {
+            let n = rng.below(if trial % 10 == 0 { 400 } else { 12 });
+            let pred: Vec<f32> = (0..n).map(|_| nasty_score(&mut rng)).collect();
+            let first = rng.below(5);
+            for k in [0, 1, 2, 3, n.saturating_sub(1), n, n + 1, rng.below(n + 2)] {
+                let top = top_pages(&pred, first, k);
+                keys.clear();
+                keys.extend(pred.iter().enumerate().map(|(i, &x)| spec_key(x, i)));
+                let by_key = keys.clone();
+                let spec = SpecThreshold::new(&mut keys, k);
+                let members: Vec<usize> = (0..n).filter(|&i| spec.contains(by_key[i])).map(|i| i + first).collect();
+                assert_eq!(members, top, "n {n}, k {k}, scores {pred:?}");
+            }
         }
     }
 
