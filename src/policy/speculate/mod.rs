@@ -149,7 +149,7 @@ impl PrrHead {
         self.holt.truncate(end);
         self.holt.resize(end, (f32::NAN, 0.0));
         for (h, &s) in self.holt[first..end].iter_mut().zip(scores) {
-            holt_step(h, s, self.params);
+            *h = holt_step(*h, s, self.params);
         }
         self.prev_true.clear();
         self.prev_true.extend_from_slice(truth);
@@ -166,17 +166,18 @@ fn holt_predict((l, t): (f32, f32), gamma: f32) -> f32 {
     }
 }
 
-/// Folds one true score `s` into a page's Holt state (a non-finite score resets the page).
+/// A page's Holt state `(level, trend)` after its true score `s` (a non-finite score resets the page, a
+/// first score starts it). Both updates are computed and one is chosen, so the loop vectorises.
 #[inline(always)]
-fn holt_step(h: &mut (f32, f32), s: f32, HoltParams { alpha, beta, .. }: HoltParams) {
+fn holt_step((l, t): (f32, f32), s: f32, HoltParams { alpha, beta, .. }: HoltParams) -> (f32, f32) {
+    let l2 = alpha * s + (1.0 - alpha) * (l + t);
+    let t2 = beta * (l2 - l) + (1.0 - beta) * t;
     if !s.is_finite() {
-        *h = (f32::NAN, 0.0);
-    } else if h.0.is_nan() {
-        *h = (s, 0.0);
+        (f32::NAN, 0.0)
+    } else if l.is_nan() {
+        (s, 0.0)
     } else {
-        let (l, t) = *h;
-        let l2 = alpha * s + (1.0 - alpha) * (l + t);
-        *h = (l2, beta * (l2 - l) + (1.0 - beta) * t);
+        (l2, t2)
     }
 }
 
@@ -274,10 +275,12 @@ struct TruthSteps {
     tot: f64,
 }
 
-/// A calibration worker's reused buffers: the Holt states and the predicted keys of one step.
+/// A calibration worker's reused buffers: the Holt states (levels and trends apart, for vector loads)
+/// and the predicted keys of one step.
 #[derive(Default)]
 struct CandidateBufs {
-    holt: Vec<(f32, f32)>,
+    level: Vec<f32>,
+    trend: Vec<f32>,
     keys: Vec<u64>,
     truth_keys: Vec<u64>,
 }
@@ -313,26 +316,51 @@ impl TruthSteps {
     }
 
     /// [`simulate`]'s hit rate for `params`: the Holt states advance over the steps in one pass per step
-    /// (each page's prediction is read before its update, as `speculate` precedes `update` there).
+    /// (each page's prediction is read before its update, as `speculate` precedes `update` there). With
+    /// AVX2 that pass runs 8 pages wide: the same roundings (no FMA), so the same states.
     fn hit_rate(&self, traj: &[TrajStep], params: HoltParams, k_spec: usize, bufs: &mut CandidateBufs) -> f64 {
-        let CandidateBufs { holt, keys, truth_keys } = bufs;
-        holt.clear();
+        use crate::cpu::isa::{detected, IsaLevel};
+        match detected() {
+            // SAFETY: the CPU has AVX2.
+            #[cfg(target_arch = "x86_64")]
+            IsaLevel::Avx2 | IsaLevel::Avx512 => unsafe { self.hit_rate_avx2(traj, params, k_spec, bufs) },
+            IsaLevel::Portable => self.hit_rate_any(traj, params, k_spec, bufs),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hit_rate_avx2(&self, traj: &[TrajStep], params: HoltParams, k_spec: usize, bufs: &mut CandidateBufs) -> f64 {
+        self.hit_rate_any(traj, params, k_spec, bufs)
+    }
+
+    #[inline(always)]
+    fn hit_rate_any(&self, traj: &[TrajStep], params: HoltParams, k_spec: usize, bufs: &mut CandidateBufs) -> f64 {
+        let CandidateBufs { level, trend, keys, truth_keys } = bufs;
+        let gamma = params.gamma;
+        level.clear();
+        trend.clear();
         let mut hit = 0f64;
         for (t, (first, scores)) in traj.iter().enumerate() {
-            let (first, end) = (*first, *first + scores.len());
-            holt.truncate(end);
-            holt.resize(end, (f32::NAN, 0.0));
-            let pages = &mut holt[first..end];
+            // `PrrHead::update`'s resizing: pages past the step are forgotten, new ones never scored.
+            let (first, n) = (*first, scores.len());
+            level.truncate(first + n);
+            level.resize(first + n, f32::NAN);
+            trend.truncate(first + n);
+            trend.resize(first + n, 0.0);
+            let states = level[first..].iter_mut().zip(&mut trend[first..]).zip(scores);
             if t == 0 {
-                pages.iter_mut().zip(scores).for_each(|(h, &s)| holt_step(h, s, params));
+                for ((l, tr), &s) in states {
+                    (*l, *tr) = holt_step((*l, *tr), s, params);
+                }
                 continue;
             }
             keys.clear();
-            keys.extend(pages.iter_mut().zip(scores).enumerate().map(|(i, (h, &s))| {
-                let key = spec_key(holt_predict(*h, params.gamma), i);
-                holt_step(h, s, params);
-                key
-            }));
+            keys.resize(n, 0);
+            for (i, (((l, tr), &s), key)) in states.zip(keys.iter_mut()).enumerate() {
+                *key = spec_key(holt_predict((*l, *tr), gamma), i);
+                (*l, *tr) = holt_step((*l, *tr), s, params);
+            }
             let truth = &self.truth[t];
             truth_keys.clear();
             truth_keys.extend(truth.iter().map(|&p| keys[p - first]));
@@ -367,8 +395,9 @@ impl TruthSteps {
 #[inline(always)]
 fn spec_key(pred: f32, i: usize) -> u64 {
     let bits = if pred.is_nan() { f32::INFINITY } else { pred }.to_bits();
-    // total_cmp's order as an unsigned integer: negatives flipped whole, positives above them.
-    let ord = if bits >> 31 == 1 { !bits } else { bits | 0x8000_0000 };
+    // total_cmp's order as an unsigned integer: negatives flipped whole (!bits), positives above them
+    // (bits | 0x8000_0000), without a branch.
+    let ord = bits ^ (((bits as i32) >> 31) as u32 | 0x8000_0000);
     (ord as u64) << 32 | i as u64
 }
 
@@ -712,6 +741,53 @@ mod tests {
                 assert_eq!(members, top, "n {n}, k {k}, scores {pred:?}");
             }
         }
+    }
+
+    /// `cargo test --release -p kvsparse --lib prr_calibration_timing -- --ignored --nocapture`: the time of
+    /// one (sequence, KV head) calibration at 131072 tokens (a 64-row trajectory over 8192 pages of 16
+    /// tokens, the full grid, k_spec = k_true = 512), alone and 8 heads at once as the CUDA path runs them,
+    /// for this calibration and the reference (`simulate` per candidate, one thread per head). A table, not
+    /// a timed test.
+    #[test]
+    #[ignore]
+    fn prr_calibration_timing() {
+        use rayon::prelude::*;
+        let (rows, pages, k, heads) = (CALIB_ROWS, 8192, 512, 8);
+        let trajectory = |seed: u64| -> Vec<TrajStep> {
+            let mut rng = crate::rng::Rng::new(seed);
+            let mut walk: Vec<f32> = (0..pages).map(|_| (rng.normal() * 2.0) as f32).collect();
+            // A prefill chunk's last rows: every row sees (nearly) all pages; the last one grows by a page.
+            (0..rows)
+                .map(|t| {
+                    walk.iter_mut().for_each(|w| *w += (rng.normal() * 0.2) as f32);
+                    let n = if t + 1 == rows { pages } else { pages - 1 };
+                    (0, walk[..n].iter().map(|&w| w + (rng.normal() * 0.5) as f32).collect())
+                })
+                .collect()
+        };
+        let trajs: Vec<Vec<TrajStep>> = (0..heads as u64).map(trajectory).collect();
+        let cands = grid(None, None, None);
+        let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;
+        let threads = rayon::current_num_threads();
+        println!("PRR calibration, {rows} rows x {pages} pages, {} candidates, k_spec = k_true = {k}, {threads} rayon threads", cands.len());
+        println!("{:<28} {:>12} {:>16}", "", "1 head (ms)", format!("{heads} heads (ms)"));
+        let t = std::time::Instant::now();
+        let fast1 = calibrate(&trajs[0], &cands, k, k);
+        let one = ms(t);
+        let t = std::time::Instant::now();
+        let fast: Vec<Calibration> = trajs.par_iter().map(|tr| calibrate(tr, &cands, k, k)).collect();
+        println!("{:<28} {one:>12.1} {:>16.1}", "calibrate", ms(t));
+        let t = std::time::Instant::now();
+        let ref1 = calibrate_by_simulating(&trajs[0], &cands, k, k);
+        let one = ms(t);
+        let t = std::time::Instant::now();
+        let refs: Vec<Calibration> = trajs.par_iter().map(|tr| calibrate_by_simulating(tr, &cands, k, k)).collect();
+        println!("{:<28} {one:>12.1} {:>16.1}", "reference (simulate each)", ms(t));
+        assert_same_calibration(&fast1, &ref1, "head 0");
+        for (h, (f, r)) in fast.iter().zip(&refs).enumerate() {
+            assert_same_calibration(f, r, &format!("head {h}"));
+        }
+        println!("winner of head 0: {:?}, hit {:.4}", fast1.params, fast1.hit);
     }
 
     #[test]
