@@ -317,7 +317,7 @@ impl TruthSteps {
 
     /// [`simulate`]'s hit rate for `params`: the Holt states advance over the steps in one pass per step
     /// (each page's prediction is read before its update, as `speculate` precedes `update` there). With
-    /// AVX2 that pass runs 8 pages wide: the same roundings (no FMA), so the same states.
+    /// AVX2 that pass runs in 256-bit vectors: the same roundings (no FMA), so the same states.
     fn hit_rate(&self, traj: &[TrajStep], params: HoltParams, k_spec: usize, bufs: &mut CandidateBufs) -> f64 {
         use crate::cpu::isa::{detected, IsaLevel};
         match detected() {
@@ -746,8 +746,8 @@ mod tests {
     /// `cargo test --release -p kvsparse --lib prr_calibration_timing -- --ignored --nocapture`: the time of
     /// one (sequence, KV head) calibration at 131072 tokens (a 64-row trajectory over 8192 pages of 16
     /// tokens, the full grid, k_spec = k_true = 512), alone and 8 heads at once as the CUDA path runs them,
-    /// for this calibration and the reference (`simulate` per candidate, one thread per head). A table, not
-    /// a timed test.
+    /// for this calibration and the reference (`simulate` per candidate; `KVS_BENCH_NO_REFERENCE=1` skips
+    /// it). A table, not a timed test.
     #[test]
     #[ignore]
     fn prr_calibration_timing() {
@@ -771,18 +771,21 @@ mod tests {
         let threads = rayon::current_num_threads();
         println!("PRR calibration, {rows} rows x {pages} pages, {} candidates, k_spec = k_true = {k}, {threads} rayon threads", cands.len());
         println!("{:<28} {:>12} {:>16}", "", "1 head (ms)", format!("{heads} heads (ms)"));
-        let t = std::time::Instant::now();
-        let fast1 = calibrate(&trajs[0], &cands, k, k);
-        let one = ms(t);
-        let t = std::time::Instant::now();
-        let fast: Vec<Calibration> = trajs.par_iter().map(|tr| calibrate(tr, &cands, k, k)).collect();
-        println!("{:<28} {one:>12.1} {:>16.1}", "calibrate", ms(t));
-        let t = std::time::Instant::now();
-        let ref1 = calibrate_by_simulating(&trajs[0], &cands, k, k);
-        let one = ms(t);
-        let t = std::time::Instant::now();
-        let refs: Vec<Calibration> = trajs.par_iter().map(|tr| calibrate_by_simulating(tr, &cands, k, k)).collect();
-        println!("{:<28} {one:>12.1} {:>16.1}", "reference (simulate each)", ms(t));
+        // One head alone, then `heads` at once (each calibration's own parallelism inside).
+        let run = |name: &str, calib: fn(&[TrajStep], &[HoltParams], usize, usize) -> Calibration| {
+            let t = std::time::Instant::now();
+            let one = calib(&trajs[0], &cands, k, k);
+            let one_ms = ms(t);
+            let t = std::time::Instant::now();
+            let all: Vec<Calibration> = trajs.par_iter().map(|tr| calib(tr, &cands, k, k)).collect();
+            println!("{name:<28} {one_ms:>12.1} {:>16.1}", ms(t));
+            (one, all)
+        };
+        let (fast1, fast) = run("calibrate", calibrate);
+        if std::env::var_os("KVS_BENCH_NO_REFERENCE").is_some() {
+            return;
+        }
+        let (ref1, refs) = run("reference (simulate each)", calibrate_by_simulating);
         assert_same_calibration(&fast1, &ref1, "head 0");
         for (h, (f, r)) in fast.iter().zip(&refs).enumerate() {
             assert_same_calibration(f, r, &format!("head {h}"));
