@@ -283,6 +283,7 @@ struct CandidateBufs {
     trend: Vec<f32>,
     keys: Vec<u64>,
     truth_keys: Vec<u64>,
+    hint: ThresholdHint,
 }
 
 impl TruthSteps {
@@ -336,8 +337,9 @@ impl TruthSteps {
 
     #[inline(always)]
     fn hit_rate_any(&self, traj: &[TrajStep], params: HoltParams, k_spec: usize, bufs: &mut CandidateBufs) -> f64 {
-        let CandidateBufs { level, trend, keys, truth_keys } = bufs;
+        let CandidateBufs { level, trend, keys, truth_keys, hint } = bufs;
         let gamma = params.gamma;
+        hint.pivot = None;
         level.clear();
         trend.clear();
         let mut hit = 0f64;
@@ -355,8 +357,7 @@ impl TruthSteps {
                 }
                 continue;
             }
-            keys.clear();
-            keys.resize(n, 0);
+            keys.resize(n, 0); // every key is written below
             for (i, (((l, tr), &s), key)) in states.zip(keys.iter_mut()).enumerate() {
                 *key = spec_key(holt_predict((*l, *tr), gamma), i);
                 (*l, *tr) = holt_step((*l, *tr), s, params);
@@ -364,7 +365,7 @@ impl TruthSteps {
             let truth = &self.truth[t];
             truth_keys.clear();
             truth_keys.extend(truth.iter().map(|&p| keys[p - first]));
-            let spec = SpecThreshold::new(keys, k_spec);
+            let spec = SpecThreshold::new(keys, k_spec, hint);
             for (&key, &w) in truth_keys.iter().zip(&self.weights[t - 1]) {
                 if spec.contains(key) {
                     hit += w;
@@ -413,8 +414,8 @@ enum SpecThreshold {
 }
 
 impl SpecThreshold {
-    /// Reorders `keys` (the step's keys, in page order).
-    fn new(keys: &mut [u64], k: usize) -> Self {
+    /// Reorders `keys` (the step's keys, in page order); `hint` carries a filter from step to step.
+    fn new(keys: &mut [u64], k: usize, hint: &mut ThresholdHint) -> Self {
         let n = keys.len();
         if k == 0 {
             return SpecThreshold::None;
@@ -425,7 +426,7 @@ impl SpecThreshold {
         let (last, others) = (keys[n - 1], &mut keys[..n - 1]);
         let min = match k - 1 {
             0 => u64::MAX,
-            m => *others.select_nth_unstable(others.len() - m).1,
+            m => hint.kth_largest(others, m),
         };
         SpecThreshold::AtLeast { last, min }
     }
@@ -437,6 +438,47 @@ impl SpecThreshold {
             SpecThreshold::None => false,
             SpecThreshold::AtLeast { last, min } => key == last || key >= min,
         }
+    }
+}
+
+/// A key a little below the previous step's threshold: the threshold moves little from step to step, so
+/// the keys at or above it usually hold the new one, and selecting among those few is cheaper than among
+/// all (when they are fewer than needed, all are searched).
+#[derive(Default)]
+struct ThresholdHint {
+    pivot: Option<u64>,
+    above: Vec<u64>,
+}
+
+impl ThresholdHint {
+    /// The `m`-th largest of `keys` (distinct, `1 <= m <= keys.len()`); reorders `keys`.
+    fn kth_largest(&mut self, keys: &mut [u64], m: usize) -> u64 {
+        let ThresholdHint { pivot, above } = self;
+        let (mut filtered, mut c) = (false, 0);
+        if let Some(p) = *pivot {
+            // Branch-free compaction of the keys >= p into `above[..c]` (longer than needed: not cleared).
+            if above.len() < keys.len() {
+                above.resize(keys.len(), 0);
+            }
+            for &x in keys.iter() {
+                above[c] = x;
+                c += (x >= p) as usize;
+            }
+            filtered = c >= m;
+        }
+        // Every key outside `above[..c]` is below every key in it, so the m-th largest is the same.
+        let pool = if filtered { &mut above[..c] } else { keys };
+        let len = pool.len();
+        let (below, &mut kth, _) = pool.select_nth_unstable(len - m);
+        // The next pivot: the key `slack` ranks below this threshold (or, short of that, the old pivot).
+        let slack = m / 4 + 16;
+        if below.len() >= slack {
+            let at = below.len() - slack;
+            *pivot = Some(*below.select_nth_unstable(at).1);
+        } else if !filtered {
+            *pivot = None;
+        }
+        kth
     }
 }
 
@@ -722,23 +764,34 @@ mod tests {
     }
 
     /// The threshold answers "is page i in `top_pages(pred, first, k)`" exactly, on scores full of ties,
-    /// signed zeros, infinities and NaN.
+    /// signed zeros, infinities and NaN, over sequences of steps that drift (the hint's filter holds),
+    /// jump down (it does not: all keys are searched) or grow by a page.
     #[test]
     fn speculation_threshold_is_top_pages_membership() {
         let mut rng = crate::rng::Rng::new(3);
         let mut keys = Vec::new();
-        for trial in 0..2000 {
-            let n = rng.below(if trial % 10 == 0 { 400 } else { 12 });
-            let pred: Vec<f32> = (0..n).map(|_| nasty_score(&mut rng)).collect();
+        for trial in 0..600 {
+            let n0 = rng.below(if trial % 10 == 0 { 2000 } else { 12 });
+            let mut pred: Vec<f32> = (0..n0).map(|_| nasty_score(&mut rng)).collect();
+            let k = [0, 1, 2, 3, n0.saturating_sub(1), n0, n0 + 1, rng.below(n0 + 2), n0 / 4 + 1][trial % 9];
             let first = rng.below(5);
-            for k in [0, 1, 2, 3, n.saturating_sub(1), n, n + 1, rng.below(n + 2)] {
+            let mut hint = ThresholdHint::default();
+            for step in 0..8 {
+                let n = pred.len();
                 let top = top_pages(&pred, first, k);
                 keys.clear();
                 keys.extend(pred.iter().enumerate().map(|(i, &x)| spec_key(x, i)));
                 let by_key = keys.clone();
-                let spec = SpecThreshold::new(&mut keys, k);
+                let spec = SpecThreshold::new(&mut keys, k, &mut hint);
                 let members: Vec<usize> = (0..n).filter(|&i| spec.contains(by_key[i])).map(|i| i + first).collect();
-                assert_eq!(members, top, "n {n}, k {k}, scores {pred:?}");
+                assert_eq!(members, top, "trial {trial} step {step}: n {n}, k {k}, scores {pred:?}");
+                let shift = if rng.below(4) == 0 { -(rng.below(20) as f32) } else { 0.0 };
+                for x in pred.iter_mut() {
+                    *x = if rng.below(20) == 0 { nasty_score(&mut rng) } else { *x + shift + (rng.normal() * 0.1) as f32 };
+                }
+                if rng.below(2) == 0 {
+                    pred.push(nasty_score(&mut rng));
+                }
             }
         }
     }
