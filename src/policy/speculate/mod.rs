@@ -117,10 +117,7 @@ impl PrrHead {
     /// Predicted scores of pages `first .. first + n` (`+inf` for pages never scored).
     pub fn predict_scores(&self, first: usize, n: usize, out: &mut Vec<f32>) {
         out.clear();
-        out.extend((first..first + n).map(|p| match self.holt.get(p) {
-            Some(&(l, t)) if !l.is_nan() => l + self.params.gamma * t,
-            _ => f32::INFINITY,
-        }));
+        out.extend((first..first + n).map(|p| self.holt.get(p).map_or(f32::INFINITY, |&h| holt_predict(h, self.params.gamma))));
     }
 
     /// The speculative set: `k` pages of `first .. first + n` (sorted absolute indices).
@@ -151,21 +148,36 @@ impl PrrHead {
         let end = first + scores.len();
         self.holt.truncate(end);
         self.holt.resize(end, (f32::NAN, 0.0));
-        let HoltParams { alpha, beta, .. } = self.params;
-        for (i, &s) in scores.iter().enumerate() {
-            let h = &mut self.holt[first + i];
-            if !s.is_finite() {
-                *h = (f32::NAN, 0.0);
-            } else if h.0.is_nan() {
-                *h = (s, 0.0);
-            } else {
-                let (l, t) = *h;
-                let l2 = alpha * s + (1.0 - alpha) * (l + t);
-                *h = (l2, beta * (l2 - l) + (1.0 - beta) * t);
-            }
+        for (h, &s) in self.holt[first..end].iter_mut().zip(scores) {
+            *h = holt_step(*h, s, self.params);
         }
         self.prev_true.clear();
         self.prev_true.extend_from_slice(truth);
+    }
+}
+
+/// The prediction of one page's Holt state `(level, trend)`: `level + γ·trend`, `+inf` when never scored.
+#[inline(always)]
+fn holt_predict((l, t): (f32, f32), gamma: f32) -> f32 {
+    if l.is_nan() {
+        f32::INFINITY
+    } else {
+        l + gamma * t
+    }
+}
+
+/// A page's Holt state `(level, trend)` after its true score `s` (a non-finite score resets the page, a
+/// first score starts it). Both updates are computed and one is chosen, so the loop vectorises.
+#[inline(always)]
+fn holt_step((l, t): (f32, f32), s: f32, HoltParams { alpha, beta, .. }: HoltParams) -> (f32, f32) {
+    let l2 = alpha * s + (1.0 - alpha) * (l + t);
+    let t2 = beta * (l2 - l) + (1.0 - beta) * t;
+    if !s.is_finite() {
+        (f32::NAN, 0.0)
+    } else if l.is_nan() {
+        (s, 0.0)
+    } else {
+        (l2, t2)
     }
 }
 
@@ -234,17 +246,240 @@ pub fn simulate(traj: &[TrajStep], params: HoltParams, k_spec: usize, k_true: us
 }
 
 /// Chooses the grid candidate with the best score-weighted hit rate (the first one on ties).
+///
+/// The same result as running [`simulate`] for every candidate and keeping the first best (the test
+/// `fast_calibration_equals_simulating_every_candidate` compares them bit for bit), at a fraction of the cost:
+/// the true sets, their weights and the total weight do not depend on the candidate and are computed once
+/// ([`TruthSteps`]); per candidate, membership in the predicted top-k is one threshold per step
+/// ([`SpecThreshold`]); candidates run in parallel and the winner is picked in grid order.
 pub fn calibrate(traj: &[TrajStep], candidates: &[HoltParams], k_spec: usize, k_true: usize) -> Calibration {
+    use rayon::prelude::*;
+    let truth = TruthSteps::new(traj, k_true);
+    let hits: Vec<f64> = candidates.par_iter().map_init(CandidateBufs::default, |bufs, &p| truth.hit_rate(traj, p, k_spec, bufs)).collect();
     let mut best: Option<(f64, HoltParams)> = None;
-    for &p in candidates {
-        let (hit, _) = simulate(traj, p, k_spec, k_true);
+    for (&hit, &p) in hits.iter().zip(candidates) {
         if best.map_or(true, |(b, _)| hit > b) {
             best = Some((hit, p));
         }
     }
     let (hit, params) = best.unwrap_or((1.0, DEFAULT_PARAMS));
-    let (_, warm) = simulate(traj, params, k_spec, k_true);
-    Calibration { params, hit, candidates: candidates.len(), warm }
+    Calibration { params, hit, candidates: candidates.len(), warm: truth.warm(traj, params) }
+}
+
+/// What [`simulate`] computes from the true scores alone: each step's true pages (sorted, absolute) and,
+/// from the second step on, their weights in the same order, and the total weight summed in `simulate`'s
+/// order (so a candidate's hit rate is the same `f64`).
+struct TruthSteps {
+    truth: Vec<Vec<usize>>,
+    weights: Vec<Vec<f64>>,
+    tot: f64,
+}
+
+/// A calibration worker's reused buffers: the Holt states (levels and trends apart, for vector loads)
+/// and the predicted keys of one step.
+#[derive(Default)]
+struct CandidateBufs {
+    level: Vec<f32>,
+    trend: Vec<f32>,
+    keys: Vec<u64>,
+    truth_keys: Vec<u64>,
+    hint: ThresholdHint,
+}
+
+impl TruthSteps {
+    fn new(traj: &[TrajStep], k_true: usize) -> Self {
+        let truth: Vec<Vec<usize>> = traj.iter().map(|(first, scores)| top_pages(scores, *first, k_true)).collect();
+        let mut tot = 0f64;
+        let weights = traj
+            .iter()
+            .zip(&truth)
+            .skip(1)
+            .map(|((first, scores), truth)| {
+                let m = truth.iter().map(|&p| scores[p - first]).fold(f32::NEG_INFINITY, f32::max);
+                let w: Vec<f64> = truth
+                    .iter()
+                    .map(|&p| {
+                        let w = ((scores[p - first] - m) as f64).exp();
+                        if w.is_finite() {
+                            w
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                for &x in &w {
+                    tot += x;
+                }
+                w
+            })
+            .collect();
+        TruthSteps { truth, weights, tot }
+    }
+
+    /// [`simulate`]'s hit rate for `params`: the Holt states advance over the steps in one pass per step
+    /// (each page's prediction is read before its update, as `speculate` precedes `update` there). With
+    /// AVX2 that pass runs in 256-bit vectors: the same roundings (no FMA), so the same states.
+    fn hit_rate(&self, traj: &[TrajStep], params: HoltParams, k_spec: usize, bufs: &mut CandidateBufs) -> f64 {
+        use crate::cpu::isa::{detected, IsaLevel};
+        match detected() {
+            // SAFETY: the CPU has AVX2.
+            #[cfg(target_arch = "x86_64")]
+            IsaLevel::Avx2 | IsaLevel::Avx512 => unsafe { self.hit_rate_avx2(traj, params, k_spec, bufs) },
+            IsaLevel::Portable => self.hit_rate_any(traj, params, k_spec, bufs),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hit_rate_avx2(&self, traj: &[TrajStep], params: HoltParams, k_spec: usize, bufs: &mut CandidateBufs) -> f64 {
+        self.hit_rate_any(traj, params, k_spec, bufs)
+    }
+
+    #[inline(always)]
+    fn hit_rate_any(&self, traj: &[TrajStep], params: HoltParams, k_spec: usize, bufs: &mut CandidateBufs) -> f64 {
+        let CandidateBufs { level, trend, keys, truth_keys, hint } = bufs;
+        let gamma = params.gamma;
+        hint.pivot = None;
+        level.clear();
+        trend.clear();
+        let mut hit = 0f64;
+        for (t, (first, scores)) in traj.iter().enumerate() {
+            // `PrrHead::update`'s resizing: pages past the step are forgotten, new ones never scored.
+            let (first, n) = (*first, scores.len());
+            level.truncate(first + n);
+            level.resize(first + n, f32::NAN);
+            trend.truncate(first + n);
+            trend.resize(first + n, 0.0);
+            let states = level[first..].iter_mut().zip(&mut trend[first..]).zip(scores);
+            if t == 0 {
+                for ((l, tr), &s) in states {
+                    (*l, *tr) = holt_step((*l, *tr), s, params);
+                }
+                continue;
+            }
+            keys.resize(n, 0); // every key is written below
+            for (i, (((l, tr), &s), key)) in states.zip(keys.iter_mut()).enumerate() {
+                *key = spec_key(holt_predict((*l, *tr), gamma), i);
+                (*l, *tr) = holt_step((*l, *tr), s, params);
+            }
+            let truth = &self.truth[t];
+            truth_keys.clear();
+            truth_keys.extend(truth.iter().map(|&p| keys[p - first]));
+            let spec = SpecThreshold::new(keys, k_spec, hint);
+            for (&key, &w) in truth_keys.iter().zip(&self.weights[t - 1]) {
+                if spec.contains(key) {
+                    hit += w;
+                }
+            }
+        }
+        if self.tot > 0.0 {
+            hit / self.tot
+        } else {
+            1.0
+        }
+    }
+
+    /// The predictor with `params` after the whole trajectory, as [`simulate`] leaves it (the same
+    /// states, and the same vector capacities: `PrrHead::bytes` counts them).
+    fn warm(&self, traj: &[TrajStep], params: HoltParams) -> PrrHead {
+        let mut h = PrrHead::new(params);
+        for ((first, scores), truth) in traj.iter().zip(&self.truth) {
+            h.update(*first, scores, truth);
+        }
+        h
+    }
+}
+
+/// A page's place in the predicted order of [`top_pages`] (`quest_pages` with page 1, no sink): higher
+/// is better; score descending with NaN as `+inf` and `total_cmp`'s order (-0.0 below +0.0), ties to the
+/// higher (more recent) page. `i` is the page's index in the step.
+#[inline(always)]
+fn spec_key(pred: f32, i: usize) -> u64 {
+    let bits = if pred.is_nan() { f32::INFINITY } else { pred }.to_bits();
+    // total_cmp's order as an unsigned integer: negatives flipped whole (!bits), positives above them
+    // (bits | 0x8000_0000), without a branch.
+    let ord = bits ^ (((bits as i32) >> 31) as u32 | 0x8000_0000);
+    (ord as u64) << 32 | i as u64
+}
+
+/// Membership in `top_pages(pred, first, k)` from the keys of a step's pages: every page when there are
+/// at most `k`, none when `k = 0`; else the last page and the `k - 1` best others, i.e. those whose key is at
+/// least the `(k-1)`-th best key (keys are distinct: they hold the index).
+enum SpecThreshold {
+    All,
+    None,
+    /// `min = u64::MAX` when only the last page is kept (no key reaches it: a key's high half is at most
+    /// `+inf`'s).
+    AtLeast { last: u64, min: u64 },
+}
+
+impl SpecThreshold {
+    /// Reorders `keys` (the step's keys, in page order); `hint` carries a filter from step to step.
+    fn new(keys: &mut [u64], k: usize, hint: &mut ThresholdHint) -> Self {
+        let n = keys.len();
+        if k == 0 {
+            return SpecThreshold::None;
+        }
+        if n <= k {
+            return SpecThreshold::All;
+        }
+        let (last, others) = (keys[n - 1], &mut keys[..n - 1]);
+        let min = match k - 1 {
+            0 => u64::MAX,
+            m => hint.kth_largest(others, m),
+        };
+        SpecThreshold::AtLeast { last, min }
+    }
+
+    #[inline(always)]
+    fn contains(&self, key: u64) -> bool {
+        match *self {
+            SpecThreshold::All => true,
+            SpecThreshold::None => false,
+            SpecThreshold::AtLeast { last, min } => key == last || key >= min,
+        }
+    }
+}
+
+/// A key a little below the previous step's threshold: the threshold moves little from step to step, so
+/// the keys at or above it usually hold the new one, and selecting among those few is cheaper than among
+/// all (when they are fewer than needed, all are searched).
+#[derive(Default)]
+struct ThresholdHint {
+    pivot: Option<u64>,
+    above: Vec<u64>,
+}
+
+impl ThresholdHint {
+    /// The `m`-th largest of `keys` (distinct, `1 <= m <= keys.len()`); reorders `keys`.
+    fn kth_largest(&mut self, keys: &mut [u64], m: usize) -> u64 {
+        let ThresholdHint { pivot, above } = self;
+        let (mut filtered, mut c) = (false, 0);
+        if let Some(p) = *pivot {
+            // Branch-free compaction of the keys >= p into `above[..c]` (longer than needed: not cleared).
+            if above.len() < keys.len() {
+                above.resize(keys.len(), 0);
+            }
+            for &x in keys.iter() {
+                above[c] = x;
+                c += (x >= p) as usize;
+            }
+            filtered = c >= m;
+        }
+        // Every key outside `above[..c]` is below every key in it, so the m-th largest is the same.
+        let pool = if filtered { &mut above[..c] } else { keys };
+        let len = pool.len();
+        let (below, &mut kth, _) = pool.select_nth_unstable(len - m);
+        // The next pivot: the key `slack` ranks below this threshold (or, short of that, the old pivot).
+        let slack = m / 4 + 16;
+        if below.len() >= slack {
+            let at = below.len() - slack;
+            *pivot = Some(*below.select_nth_unstable(at).1);
+        } else if !filtered {
+            *pivot = None;
+        }
+        kth
+    }
 }
 
 /// Speculation budget by context length (the latency table): a step function over sorted
@@ -434,6 +669,181 @@ mod tests {
             assert!((reuse - hit / tot).abs() < 1e-9, "α=1, γ=0 is not reuse-previous: {reuse} vs {}", hit / tot);
             assert!(c.hit >= reuse, "calibrated {} below reuse {reuse}", c.hit);
         }
+    }
+
+    /// The calibration as it was first written: [`simulate`] per candidate, the first best wins (the
+    /// reference for the fast path).
+    fn calibrate_by_simulating(traj: &[TrajStep], candidates: &[HoltParams], k_spec: usize, k_true: usize) -> Calibration {
+        let mut best: Option<(f64, HoltParams)> = None;
+        for &p in candidates {
+            let (hit, _) = simulate(traj, p, k_spec, k_true);
+            if best.map_or(true, |(b, _)| hit > b) {
+                best = Some((hit, p));
+            }
+        }
+        let (hit, params) = best.unwrap_or((1.0, DEFAULT_PARAMS));
+        let (_, warm) = simulate(traj, params, k_spec, k_true);
+        Calibration { params, hit, candidates: candidates.len(), warm }
+    }
+
+    /// A score with the hard cases mixed in: quantized values (ties), ±0.0, ±inf, NaN, and magnitudes
+    /// whose Holt sums overflow (infinite and NaN predictions).
+    fn nasty_score(rng: &mut crate::rng::Rng) -> f32 {
+        match rng.below(40) {
+            0 => 0.0,
+            1 => -0.0,
+            2 => f32::INFINITY,
+            3 => f32::NEG_INFINITY,
+            4 => f32::NAN,
+            5 => 3.0e38 * if rng.below(2) == 0 { 1.0 } else { -1.0 },
+            6..=20 => (rng.below(5) as f32 - 2.0) * 0.5,
+            _ => (rng.normal() * 4.0) as f32,
+        }
+    }
+
+    /// Rows whose page range grows (and with a sliding window starts later), sometimes shrinks; `pages0`
+    /// pages at the first row.
+    fn random_trajectory(rng: &mut crate::rng::Rng, rows: usize, pages0: usize, window: bool) -> Vec<TrajStep> {
+        let (mut first, mut end) = (0usize, pages0);
+        let mut drift: Vec<f32> = Vec::new();
+        (0..rows)
+            .map(|_| {
+                let steps = (first, (first..end).map(|p| {
+                    // Smooth per-page trends (what Holt is for) under the noise, so candidates differ.
+                    if p >= drift.len() {
+                        drift.resize(p + 1, 0.0);
+                    }
+                    drift[p] += (rng.normal() * 0.3) as f32;
+                    if rng.below(3) == 0 { nasty_score(rng) } else { drift[p] }
+                }).collect());
+                end = match rng.below(10) {
+                    0 => end.saturating_sub(rng.below(3)).max(first),
+                    _ => end + rng.below(3),
+                };
+                if window && rng.below(3) == 0 && first + 1 < end {
+                    first += 1;
+                }
+                steps
+            })
+            .collect()
+    }
+
+    fn assert_same_calibration(fast: &Calibration, reference: &Calibration, what: &str) {
+        assert_eq!(fast.params, reference.params, "{what}");
+        assert_eq!(fast.hit.to_bits(), reference.hit.to_bits(), "{what}: hit {} vs {}", fast.hit, reference.hit);
+        assert_eq!(fast.candidates, reference.candidates, "{what}");
+        let bits = |h: &PrrHead| h.holt.iter().map(|&(l, t)| (l.to_bits(), t.to_bits())).collect::<Vec<_>>();
+        assert_eq!(bits(&fast.warm), bits(&reference.warm), "{what}: warm Holt states");
+        assert_eq!(fast.warm.params, reference.warm.params, "{what}");
+        assert_eq!(fast.warm.prev_true, reference.warm.prev_true, "{what}: warm previous true set");
+        assert_eq!(fast.warm.bytes(), reference.warm.bytes(), "{what}: warm state bytes (capacities)");
+    }
+
+    #[test]
+    fn fast_calibration_equals_simulating_every_candidate() {
+        let mut rng = crate::rng::Rng::new(11);
+        let full = grid(None, None, None);
+        // (pages at the first row, rows, k_spec, k_true): one page, two, k, k + 1, k beyond the pages, k = 0,
+        // thousands of pages.
+        let shapes = [(1, 6, 1, 1), (2, 6, 1, 2), (2, 6, 2, 1), (4, 12, 4, 4), (5, 12, 4, 4), (5, 12, 8, 2), (3, 8, 0, 2), (3, 8, 2, 0), (12, 24, 3, 5), (40, 24, 7, 7), (300, 16, 20, 12), (3000, 8, 64, 64)];
+        for (trial, &(pages0, rows, k_spec, k_true)) in shapes.iter().cycle().take(3 * shapes.len()).enumerate() {
+            let window = trial % 2 == 1;
+            let traj = random_trajectory(&mut rng, rows, pages0, window);
+            // The whole grid on the small cases; on the large ones a sample, with repeats (ties go first).
+            let cands: Vec<HoltParams> = if pages0 < 300 { full.clone() } else { (0..24).map(|_| full[rng.below(full.len())]).collect() };
+            let what = format!("trial {trial}: {pages0} pages, {rows} rows, k_spec {k_spec}, k_true {k_true}, window {window}");
+            assert_same_calibration(&calibrate(&traj, &cands, k_spec, k_true), &calibrate_by_simulating(&traj, &cands, k_spec, k_true), &what);
+        }
+        // Degenerate inputs: no candidates, an empty trajectory, one row, rows without pages.
+        let traj = random_trajectory(&mut rng, 5, 6, false);
+        assert_same_calibration(&calibrate(&traj, &[], 2, 2), &calibrate_by_simulating(&traj, &[], 2, 2), "no candidates");
+        assert_same_calibration(&calibrate(&[], &full, 2, 2), &calibrate_by_simulating(&[], &full, 2, 2), "empty trajectory");
+        assert_same_calibration(&calibrate(&traj[..1], &full, 2, 2), &calibrate_by_simulating(&traj[..1], &full, 2, 2), "one row");
+        let empty: Vec<TrajStep> = vec![(0, vec![]), (0, vec![1.0]), (1, vec![]), (0, vec![2.0, 1.0])];
+        assert_same_calibration(&calibrate(&empty, &full, 1, 1), &calibrate_by_simulating(&empty, &full, 1, 1), "rows without pages");
+    }
+
+    /// The threshold answers "is page i in `top_pages(pred, first, k)`" exactly, on scores full of ties,
+    /// signed zeros, infinities and NaN, over sequences of steps that drift (the hint's filter holds),
+    /// jump down (it does not: all keys are searched) or grow by a page.
+    #[test]
+    fn speculation_threshold_is_top_pages_membership() {
+        let mut rng = crate::rng::Rng::new(3);
+        let mut keys = Vec::new();
+        for trial in 0..600 {
+            let n0 = rng.below(if trial % 10 == 0 { 2000 } else { 12 });
+            let mut pred: Vec<f32> = (0..n0).map(|_| nasty_score(&mut rng)).collect();
+            let k = [0, 1, 2, 3, n0.saturating_sub(1), n0, n0 + 1, rng.below(n0 + 2), n0 / 4 + 1][trial % 9];
+            let first = rng.below(5);
+            let mut hint = ThresholdHint::default();
+            for step in 0..8 {
+                let n = pred.len();
+                let top = top_pages(&pred, first, k);
+                keys.clear();
+                keys.extend(pred.iter().enumerate().map(|(i, &x)| spec_key(x, i)));
+                let by_key = keys.clone();
+                let spec = SpecThreshold::new(&mut keys, k, &mut hint);
+                let members: Vec<usize> = (0..n).filter(|&i| spec.contains(by_key[i])).map(|i| i + first).collect();
+                assert_eq!(members, top, "trial {trial} step {step}: n {n}, k {k}, scores {pred:?}");
+                let shift = if rng.below(4) == 0 { -(rng.below(20) as f32) } else { 0.0 };
+                for x in pred.iter_mut() {
+                    *x = if rng.below(20) == 0 { nasty_score(&mut rng) } else { *x + shift + (rng.normal() * 0.1) as f32 };
+                }
+                if rng.below(2) == 0 {
+                    pred.push(nasty_score(&mut rng));
+                }
+            }
+        }
+    }
+
+    /// `cargo test --release -p kvsparse --lib prr_calibration_timing -- --ignored --nocapture`: the time of
+    /// one (sequence, KV head) calibration at 131072 tokens (a 64-row trajectory over 8192 pages of 16
+    /// tokens, the full grid, k_spec = k_true = 512), alone and 8 heads at once as the CUDA path runs them,
+    /// for this calibration and the reference (`simulate` per candidate; `KVS_BENCH_NO_REFERENCE=1` skips
+    /// it). A table, not a timed test.
+    #[test]
+    #[ignore]
+    fn prr_calibration_timing() {
+        use rayon::prelude::*;
+        let (rows, pages, k, heads) = (CALIB_ROWS, 8192, 512, 8);
+        let trajectory = |seed: u64| -> Vec<TrajStep> {
+            let mut rng = crate::rng::Rng::new(seed);
+            let mut walk: Vec<f32> = (0..pages).map(|_| (rng.normal() * 2.0) as f32).collect();
+            // A prefill chunk's last rows: every row sees (nearly) all pages; the last one grows by a page.
+            (0..rows)
+                .map(|t| {
+                    walk.iter_mut().for_each(|w| *w += (rng.normal() * 0.2) as f32);
+                    let n = if t + 1 == rows { pages } else { pages - 1 };
+                    (0, walk[..n].iter().map(|&w| w + (rng.normal() * 0.5) as f32).collect())
+                })
+                .collect()
+        };
+        let trajs: Vec<Vec<TrajStep>> = (0..heads as u64).map(trajectory).collect();
+        let cands = grid(None, None, None);
+        let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;
+        let threads = rayon::current_num_threads();
+        println!("PRR calibration, {rows} rows x {pages} pages, {} candidates, k_spec = k_true = {k}, {threads} rayon threads", cands.len());
+        println!("{:<28} {:>12} {:>16}", "", "1 head (ms)", format!("{heads} heads (ms)"));
+        // One head alone, then `heads` at once (each calibration's own parallelism inside).
+        let run = |name: &str, calib: fn(&[TrajStep], &[HoltParams], usize, usize) -> Calibration| {
+            let t = std::time::Instant::now();
+            let one = calib(&trajs[0], &cands, k, k);
+            let one_ms = ms(t);
+            let t = std::time::Instant::now();
+            let all: Vec<Calibration> = trajs.par_iter().map(|tr| calib(tr, &cands, k, k)).collect();
+            println!("{name:<28} {one_ms:>12.1} {:>16.1}", ms(t));
+            (one, all)
+        };
+        let (fast1, fast) = run("calibrate", calibrate);
+        if std::env::var_os("KVS_BENCH_NO_REFERENCE").is_some() {
+            return;
+        }
+        let (ref1, refs) = run("reference (simulate each)", calibrate_by_simulating);
+        assert_same_calibration(&fast1, &ref1, "head 0");
+        for (h, (f, r)) in fast.iter().zip(&refs).enumerate() {
+            assert_same_calibration(f, r, &format!("head {h}"));
+        }
+        println!("winner of head 0: {:?}, hit {:.4}", fast1.params, fast1.hit);
     }
 
     #[test]
