@@ -116,8 +116,9 @@ def with_max_seqs(spec: str, n: int) -> str:
     """`spec` with the option `max_seqs=n` added when its policy keeps per-sequence state (the library's
     reading, `policy_info`) and the spec does not set `max_seqs` itself. For serving plugins, which know how
     many sequences run at once: a CUDA engine allocates every slot's state at a layer's first call (the
-    predictor's history is 4 MiB per slot and KV head at 128K tokens), and the default is 256 slots."""
-    if not spec or "max_seqs" in spec or not policy_info(spec)["stateful"]:
+    predictor's history is 4 MiB per slot and KV head at 128K tokens), and the default is 256 slots. `n` None
+    (a serving config that has not settled its concurrency) leaves the spec as it is."""
+    if not spec or n is None or "max_seqs" in spec or not policy_info(spec)["stateful"]:
         return spec
     return f"{spec}; max_seqs={max(1, min(int(n), 1 << 20))}"
 

@@ -40,6 +40,7 @@ def test_with_max_seqs_sizes_only_stateful_policies_the_spec_leaves_open():
     assert with_max_seqs("predictor(budget=64); dense_layers=1", 3) == "predictor(budget=64); dense_layers=1; max_seqs=3"
     assert with_max_seqs("snapkv(budget=64); max_seqs=5", 8) == "snapkv(budget=64); max_seqs=5"
     assert with_max_seqs("refresh(k=64)", 0) == "refresh(k=64); max_seqs=1"
+    assert with_max_seqs("refresh(k=64)", None) == "refresh(k=64)"
     assert with_max_seqs("refresh(k=64)", 1 << 40) == f"refresh(k=64); max_seqs={1 << 20}"
     for spec in ("refresh(k=64); max_seqs=8", "predictor(budget=64); dense_layers=1; max_seqs=3",
                  f"refresh(k=64); max_seqs={1 << 20}"):
