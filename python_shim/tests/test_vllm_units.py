@@ -210,3 +210,22 @@ def test_kv_views_read_head_major_blocks_as_k_and_v_planes_and_token_major_rows_
     # Writes through the views land in the cache (no copies).
     k[1, 2, 1] = -1.0
     assert (tm.transpose(1, 2)[1, 2, 1, :D_] == -1.0).all()
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("refresh(k=64)", "refresh(k=64); max_seqs=8"),
+    ("predictor(budget=64); max_seqs=3", "predictor(budget=64); max_seqs=3"),
+    ("quest(budget=64)", "quest(budget=64)"),
+])
+def test_engine_keeps_state_for_vllms_max_num_seqs(monkeypatch, spec, want):
+    """get_engine hands a stateful policy vLLM's max_num_seqs as `max_seqs` (a CUDA engine allocates every
+    slot's state up front), unless the spec sets it; stateless specs go through as written."""
+    monkeypatch.setattr(vllm_backend, "_ENGINE", None)
+    monkeypatch.setattr(vllm_backend.TRACKER, "release_fn", vllm_backend.TRACKER.release_fn, raising=False)
+    cfg = _vllm_config(policy=spec)
+    cfg.model_config = SimpleNamespace(get_num_layers=lambda pc: 1, dtype=torch.float32)
+    cfg.parallel_config = SimpleNamespace()
+    cfg.cache_config = SimpleNamespace(block_size=BS, cache_dtype="auto")
+    eng = vllm_backend.get_engine(cfg, num_q_heads=H, num_kv_heads=KH, head_dim=D)
+    assert eng.policy == want
+    assert eng.policy_info()["stateful"] == ("quest" not in spec)
