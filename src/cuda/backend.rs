@@ -427,7 +427,7 @@ impl CudaBackend {
     /// Merges the `nsplit` partial states of every row `mode` serves (kvs_attn_combine of `module`,
     /// compiled with `defines`) into the call's output and LSE.
     /// `pdl`: launch as a dependent of the attention kernel before it (kvs_attn_combine starts with
-    /// KVS_GRID_WAIT()); ignored where the GPU has no dependent launches.
+    /// KVS_GRID_WAIT()); the caller has checked `launch::pdl_enabled`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &[&KernelFile]), pdl: bool) -> Result<()> {
         let (lse_ptr, l0, l1) = lse_arg(a);
@@ -440,7 +440,6 @@ impl CudaBackend {
         // Splits spread over the CTA: HEAD_DIM threads per group of splits, up to 512 threads.
         let parts = (512 / cfg.head_dim).clamp(1, nsplit);
         let threads = (cfg.head_dim * parts) as u32;
-        let pdl = pdl && launch::pdl_enabled(self.gpu.cc.0);
         launch::launch_dependent(pdl, f_comb, (geo.num_tokens as u32, cfg.num_q_heads as u32, 1), threads, 0, &mut k, a.stream, "kvs_attn_combine launch")
     }
 

@@ -100,6 +100,14 @@ impl KArgs {
     pub fn struct_arg(&mut self, a: &StructArg) -> &mut Self {
         self.push_words(&a.w[..a.words])
     }
+    /// The driver's `kernelParams`: a pointer to each argument's first word, valid while `self` is.
+    fn pointers(&mut self) -> [*mut c_void; 48] {
+        let mut ptrs: [*mut c_void; 48] = [std::ptr::null_mut(); 48];
+        for i in 0..self.n {
+            ptrs[i] = &mut self.vals[self.starts[i]] as *mut u64 as *mut c_void;
+        }
+        ptrs
+    }
     pub fn ptr<T>(&mut self, p: *const T) -> &mut Self {
         self.push(p as usize as u64)
     }
@@ -148,10 +156,7 @@ pub fn launch(f: CUfunction, grid: (u32, u32, u32), block: u32, args: &mut KArgs
 
 /// As `launch`, with `smem` bytes of dynamic shared memory (see `allow_dynamic_smem`).
 pub fn launch_smem(f: CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: &mut KArgs, stream: CUstream, what: &str) -> Result<()> {
-    let mut ptrs: [*mut c_void; 48] = [std::ptr::null_mut(); 48];
-    for i in 0..args.n {
-        ptrs[i] = &mut args.vals[args.starts[i]] as *mut u64 as *mut c_void;
-    }
+    let mut ptrs = args.pointers();
     // SAFETY: every argument pointer points into `args`, alive for the call; the kernel signature matches
     // the packing order (each launcher below mirrors its kernel's parameter list).
     check(unsafe { (cuda()?.cuLaunchKernel)(f, grid.0, grid.1, grid.2, block, 1, 1, smem, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()) }, what)
@@ -174,10 +179,7 @@ pub fn launch_dependent(pdl: bool, f: CUfunction, grid: (u32, u32, u32), block: 
     if !pdl {
         return launch_smem(f, grid, block, smem, args, stream, what);
     }
-    let mut ptrs: [*mut c_void; 48] = [std::ptr::null_mut(); 48];
-    for i in 0..args.n {
-        ptrs[i] = &mut args.vals[args.starts[i]] as *mut u64 as *mut c_void;
-    }
+    let mut ptrs = args.pointers();
     let mut value = [0u64; 8];
     value[0] = 1; // programmaticStreamSerializationAllowed = 1 (an int in the union's first bytes)
     let attr = CUlaunchAttribute { id: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, pad: 0, value };
