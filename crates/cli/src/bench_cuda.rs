@@ -10,7 +10,7 @@ use crate::args::Args;
 
 const HELP: &str = "kvsparse bench --device cuda [--batch 1,4,...] [--ctx 1024,...] [--heads 32/8,64/8]
                     [--max-kv-gib N] [--csv PATH] [--table-width TOKENS] [--cache-dtype bf16|fp8|fp8_e5m2]
-                    [--cache-layout nhd|hnd] [--policy SPEC ...]
+                    [--cache-layout nhd|hnd] [--policy SPEC ... [--query-drift DEG]]
 
 Times one dense decode step (query length 1, head 128, bf16, block 16, shuffled block tables) per grid
 point with CUDA events (median of 15 groups of 10 steps, inputs rotated so that the set touched is at
@@ -27,11 +27,15 @@ contiguous, as FlashInfer's backends allocate it) instead of vLLM's NHD ([block]
 
 With --policy (repeatable; `L/16` in a spec stands for the context length over 16 at each point), times
 one sparse decode step per policy and point instead (default grid: batch 1,8,32 x context 16K,32K,128K,
-heads 32/8): the step's cache write with the policy's metadata upkeep, the selection kernels, the
+heads 32/8): the step's cache write with the policy's metadata upkeep (one row appended per sequence,
+as a decode step appends it; also timed rewriting a kept row), the selection kernels, the
 attention over the plans, selection + attention in one call, blocks visited, our dense kernel on the
 same cache, and the speedups; Quest's selection is also shown against the time to read its page bounds
 at the measured copy bandwidth. SnapKV first chooses at a prefill chunk of its window's tokens per
 sequence (queries: the decode query repeated); the choice kernels' time is printed below its row.
+--query-drift DEG (with --policy): each sequence's decode query turns DEG degrees per step on a great
+circle through its first query (the step-to-step cosine cos(DEG), a cycle of 360/DEG steps with no jump),
+instead of repeating; what RefreshKV's similarity schedule reacts to.
 PRR (`speculate(over=quest(...), ...)`) is timed against the serial `quest` path with the same budget,
 page and sink on the same inputs, with the step's timeline on both streams printed below its row.
 
@@ -75,9 +79,16 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
     let heads: Vec<String> = list(a, "heads", &["32/8".to_string()])?;
     let max_kv = (a.get("max-kv-gib", 40.0f64)? * (1u64 << 30) as f64) as usize;
     let cache = cache_dtype(a)?;
+    let drift: f64 = a.get("query-drift", 0.0f64)?;
+    if !(0.0..=90.0).contains(&drift) {
+        return Err(format!("--query-drift {drift}: degrees per step, 0 to 90"));
+    }
     let _gpu = kvsparse::cuda::context::Gpu::open(0).map_err(|e| e.to_string())?;
     let copy = copy_bandwidth().map_err(|e| e.to_string())?;
     println!("device-to-device copy: {:.0} GB/s (read + write, 1 GiB, median of 20)", copy);
+    if drift > 0.0 {
+        println!("decode queries drift {drift} degrees per step (each query row turns on a great circle, cycle of {:.0} steps)", (360.0 / drift).round().clamp(4.0, 720.0));
+    }
     if cache != kvsparse::DType::BF16 {
         println!("cache {} (bf16 queries; the policy and its dense baseline both read it), one byte per K/V element", cache.name());
     }
@@ -86,7 +97,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
         None => None,
     };
     if let Some(f) = csv.as_mut() {
-        writeln!(f, "policy,batch,ctx,hq,hk,write_us,write_dense_us,select_us,attend_us,forward_us,dense_us,visited,top_p_kept,bound_bytes,bound_floor_us,copy_gbps,rotation,prefill_choice_us,prr_serial_us,prr_spec_hit,prr_timeline,prr_graph_us,prr_serial_graph_us").map_err(|e| e.to_string())?;
+        writeln!(f, "policy,batch,ctx,hq,hk,write_us,write_dense_us,select_us,attend_us,forward_us,dense_us,visited,top_p_kept,bound_bytes,bound_floor_us,copy_gbps,rotation,prefill_choice_us,prr_serial_us,prr_spec_hit,prr_timeline,prr_graph_us,prr_serial_graph_us,write_rewrite_us").map_err(|e| e.to_string())?;
     }
     println!(
         "{:<40} {:>5} {:>7} {:>6} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>7} {:>8} {:>8}",
@@ -106,7 +117,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                         println!("{spec:<40} {b:>5} {c:>7} {hq:>3}/{hk:<2} skipped: {:.1} GiB of KV (limit {:.1}, free {:.1})", kv as f64 / (1u64 << 30) as f64, max_kv as f64 / (1u64 << 30) as f64, free as f64 / (1u64 << 30) as f64);
                         continue;
                     }
-                    let r = bench_sparse_point(&p, &spec, 50 << 20, max_kv, 4321 + b as u64 * 7 + c as u64, cache).map_err(|e| format!("{spec} at {p:?}: {e}"))?;
+                    let r = bench_sparse_point(&p, &spec, 50 << 20, max_kv, 4321 + b as u64 * 7 + c as u64, cache, drift).map_err(|e| format!("{spec} at {p:?}: {e}"))?;
                     let floor_us = r.bound_bytes / (copy * 1e9) * 1e6; // the bounds' bytes at the copy's bytes/s
                     let sel_floor = if floor_us > 0.0 { format!("{:.2}", r.select_us / floor_us) } else { "-".into() };
                     let step_x = (r.write_dense_us + r.dense_us) / (r.write_us + r.forward_us);
@@ -125,7 +136,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                     if r.refresh_full.is_finite() {
                         // The predictor counts its calibration steps as the full ones (Counters::refresh_full_steps).
                         let (who, kind) = if spec.starts_with("predictor") { ("AttentionPredictor", "calibration") } else { ("RefreshKV", "full") };
-                        println!("{:<40} {who}: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them {kind}", "", 60 * r.rotation, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
+                        println!("{:<40} {who}: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them {kind}", "", 60.max(2 * r.period) * r.rotation, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
                     }
                     if r.serial_us.is_finite() {
                         println!("{:<40} PRR step {:.1} us vs serial quest (select, then attend) {:.1} us: {:.2}x; speculation hit {:.1}% of true pages", "", r.forward_us, r.serial_us, r.serial_us / r.forward_us, 100.0 * r.spec_hit);
@@ -141,17 +152,19 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                         let [cnn, sel, hist] = r.pred_parts_us;
                         println!("{:<40} predictor parts: schedule + CNN {cnn:.1} us, selection {sel:.1} us, history row {hist:.1} us", "");
                     }
+                    println!("{:<40} write: {:.1} us appending (the step's row in the next slot, \"write\" above), {:.1} us rewriting a kept row; dense engine {:.1} us", "", r.write_us, r.write_rewrite_us, r.write_dense_us);
                     if r.choice_us.is_finite() {
                         println!("{:<40} SnapKV's choice at the prefill chunk (window tokens per sequence): {:.1} us", "", r.choice_us);
                     }
                     if let Some(f) = csv.as_mut() {
                         writeln!(
                             f,
-                            "\"{spec}\",{b},{c},{hq},{hk},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.5},{:.5},{:.0},{:.3},{:.1},{},{:.3},{:.3},{:.5},\"{}\",{:.3},{:.3}",
+                            "\"{spec}\",{b},{c},{hq},{hk},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.5},{:.5},{:.0},{:.3},{:.1},{},{:.3},{:.3},{:.5},\"{}\",{:.3},{:.3},{:.3}",
                             r.write_us, r.write_dense_us, r.select_us, r.attend_us, r.forward_us, r.dense_us, r.visited, r.top_p_kept, r.bound_bytes, floor_us, copy, r.rotation, r.choice_us, r.serial_us, r.spec_hit,
                             r.timeline.iter().map(|(n, us)| format!("{n}={us:.2}")).collect::<Vec<_>>().join(";"),
                             r.graph_us,
-                            r.serial_graph_us
+                            r.serial_graph_us,
+                            r.write_rewrite_us
                         )
                         .map_err(|e| e.to_string())?;
                     }
@@ -163,7 +176,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
 }
 
 pub fn run(argv: &[String]) -> Result<(), String> {
-    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy", "table-width", "points", "old-reps", "cache-dtype", "cache-layout"], &["prefill"], HELP)?;
+    let a = Args::parse(argv, &["device", "batch", "ctx", "heads", "max-kv-gib", "csv", "policy", "table-width", "points", "old-reps", "cache-dtype", "cache-layout", "query-drift"], &["prefill"], HELP)?;
     if a.str("device") != Some("cuda") {
         return Err(format!("this module serves --device cuda only\n\n{HELP}"));
     }

@@ -255,7 +255,7 @@ pub fn bench_point(p: &Point, copy_gbps: f64, l2_bytes: usize, seed: u64, table_
     for _ in 0..15 {
         let ms = ev.time(s, || {
             for _ in 0..per_group {
-                engine.attention_forward(&args[i % rotation])?;
+                engine.attention_forward(&args[i % args.len()])?;
                 i += 1;
             }
             Ok(())
@@ -285,10 +285,15 @@ pub fn free_memory() -> Result<usize> {
 /// One grid point of the sparse decode benchmark.
 #[derive(Clone, Debug)]
 pub struct SparseRow {
-    /// The decode step's cache write of one new row per sequence: with the policy's metadata upkeep, and
-    /// on a dense engine (no metadata).
+    /// The decode step's cache write of one new row per sequence, appended as a serving engine's decode
+    /// step appends it (the next slot of the sequence's last block, or offset 0 of a block reused): with
+    /// the policy's metadata upkeep, and on a dense engine (no metadata).
     pub write_us: f64,
     pub write_dense_us: f64,
+    /// The same write onto a row already there (the sequence's last, kept row rewritten): the policy's
+    /// metadata upkeep re-reads the unit's other rows. What a step costs where an engine rewrites a slot
+    /// (a rejected speculative token's slot, a recomputed chunk).
+    pub write_rewrite_us: f64,
     pub select_us: f64,
     pub attend_us: f64,
     /// Selection + attention in one call (what a step pays besides the write).
@@ -300,6 +305,8 @@ pub struct SparseRow {
     /// Bytes of metadata Quest's selection reads (page bounds), and that time at `copy_gbps`.
     pub bound_bytes: f64,
     pub rotation: usize,
+    /// Query sets each sequence cycles through (1 without drift).
+    pub period: usize,
     /// SnapKV: its choice at the prefill chunk (the `window` last prompt tokens of every sequence), the
     /// choice kernels alone; NaN for other policies.
     pub choice_us: f64,
@@ -362,25 +369,62 @@ fn plant_heavy_hitters(kc: &DevBuf, qh: &[f32], table: &[i32], p: &Point, rotati
     Ok(())
 }
 
+/// Query sets in a drift cycle of `drift_deg` degrees per step (1: no drift).
+fn drift_period(drift_deg: f64) -> usize {
+    if drift_deg > 0.0 { (360.0 / drift_deg).round().clamp(4.0, 720.0) as usize } else { 1 }
+}
+
+/// Drifting decode queries: for every query row q0 of `qh` (rows of `d`), `period` rows on a great circle
+/// through it: q_t = cos(2 pi t / period) q0 + sin(2 pi t / period) b, b a random row made orthogonal to q0
+/// and of its norm, so step t's row is 360 t / period degrees from q0 and every step turns it by the same
+/// angle, with no jump where the cycle closes. Layout [t][rows of qh], t = 0 being `qh` itself.
+fn drifting_queries(qh: &[f32], d: usize, period: usize, rng: &mut Rng) -> Vec<f32> {
+    let mut out = Vec::with_capacity(qh.len() * period);
+    out.extend_from_slice(qh);
+    let mut bs = Vec::with_capacity(qh.len());
+    for a in qh.chunks(d) {
+        let b: Vec<f64> = (0..d).map(|_| rng.uniform() * 2.0 - 1.0).collect();
+        let aa: f64 = a.iter().map(|&x| x as f64 * x as f64).sum();
+        let ab: f64 = a.iter().zip(&b).map(|(&x, y)| x as f64 * y).sum();
+        let perp: Vec<f64> = a.iter().zip(&b).map(|(&x, y)| y - ab / aa.max(f64::MIN_POSITIVE) * x as f64).collect();
+        let pn = perp.iter().map(|x| x * x).sum::<f64>().sqrt().max(f64::MIN_POSITIVE);
+        bs.extend(perp.iter().map(|x| x * aa.sqrt() / pn));
+    }
+    for t in 1..period {
+        let phi = 2.0 * std::f64::consts::PI * t as f64 / period as f64;
+        out.extend(qh.iter().zip(&bs).map(|(&a, b)| (phi.cos() * a as f64 + phi.sin() * b) as f32));
+    }
+    out
+}
+
 /// Times one decode step of `policy` at `p` (32/8-style heads, head 128, bf16, block 16), phase by phase,
 /// next to our dense kernel on the same cache (uniform random keys and values plus planted heavy hitters,
 /// see [`plant_heavy_hitters`]). The cache is filled with random rows and its metadata built
-/// by one `cache_write` of every slot onto itself; the step's write rewrites each sequence's last row.
+/// by one `cache_write` of every slot onto itself. The step's write appends one row per sequence in blocks
+/// of its own outside the attended range (the next slot each call, cycling through [`APPEND_BLOCKS`]
+/// blocks, whose offset 0 is then a reused block's first write, as in a serving engine), and is also timed
+/// rewriting each sequence's last row.
 /// Inputs rotate among copies so that the bytes a sparse step touches (bounds + selected rows) cover at
 /// least 4x the L2 cache (`max_kv_bytes` bounds the copies' memory).
 /// The FP8 scales of the benches' caches (the random bf16 rows lie in ±4 for K, ±2 for V: no saturation).
 const FP8_K_SCALE: f32 = 1.0 / 64.0;
+/// Blocks per sequence that the step's appended rows cycle through (outside every block table).
+const APPEND_BLOCKS: usize = 16;
 const FP8_V_SCALE: f32 = 1.0 / 128.0;
 
 /// `cache`: the K/V caches' dtype, bf16 or FP8 (the rows are made in bf16 and written through the engine's
 /// cache write, which quantizes them and keeps the key metadata from what it stored).
-pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes: usize, seed: u64, cache: DType) -> Result<SparseRow> {
+/// `drift_deg` > 0: the decode queries drift, each step's turned `drift_deg` degrees further from the
+/// first ([`drifting_queries`]); 0: every step of a sequence sees the same query.
+pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes: usize, seed: u64, cache: DType, drift_deg: f64) -> Result<SparseRow> {
     let d = HEAD_DIM;
     let bps = p.ctx.div_ceil(BLOCK);
     let kv = kv_bytes(p);
     let touched = (kv / 8).max(1);
     let rotation = (4 * l2_bytes).div_ceil(touched).clamp(1, 32).min((max_kv_bytes / kv.max(1)).max(1));
-    let nb = rotation * p.batch * bps;
+    // The attended blocks, then APPEND_BLOCKS per sequence of rotation 0 for the step's appended rows.
+    let nb_attended = rotation * p.batch * bps;
+    let nb = nb_attended + p.batch * APPEND_BLOCKS;
     // Stateful policies (RefreshKV) keep state per sequence: every rotation's sequences have ids of their own.
     // The one parse of the spec text (the engine's config depends on it); later decisions read the engine's.
     let parsed = kvsparse::policy::Policy::parse(policy)?;
@@ -421,7 +465,10 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let q_elems = rotation * p.batch * p.hq * d;
     let mut rng = Rng::new(seed);
     let qh: Vec<f32> = (0..q_elems).map(|_| (rng.uniform() * 2.0 - 1.0) as f32).collect();
-    let q = DevBuf::from_host(bytes(&qh.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>()))?;
+    // Drifting queries: `period` query sets per rotation, step t's the first turned by t * drift degrees.
+    let period = drift_period(drift_deg);
+    let q_all = if period > 1 { drifting_queries(&qh, d, period, &mut rng) } else { qh.clone() };
+    let q = DevBuf::from_host(bytes(&q_all.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>()))?;
     let out = DevBuf::alloc(q_elems * 2)?;
     let mut table = vec![0i32; rotation * p.batch * bps];
     for r in 0..rotation {
@@ -495,12 +542,26 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         slot_mapping: v(step_slots.as_ptr(), DType::I64, &[p.batch as i64])?,
         stream: s,
     };
-    let mut args = Vec::with_capacity(rotation);
-    for r in 0..rotation {
+    // The appending writes: call c puts sequence b's row at slot c % BLOCK of its append block c / BLOCK.
+    let cycle = APPEND_BLOCKS * BLOCK;
+    let append_slots: Vec<i64> =
+        (0..cycle).flat_map(|c| (0..p.batch).map(move |b| ((nb_attended + b * APPEND_BLOCKS + c / BLOCK) * BLOCK + c % BLOCK) as i64)).collect();
+    let append_dev = DevBuf::from_host(bytes(&append_slots))?;
+    let append_writes = (0..cycle)
+        .map(|c| {
+            let slots = v(unsafe { append_dev.as_ptr().add(c * p.batch * 8) }, DType::I64, &[p.batch as i64])?;
+            Ok(kvsparse::engine::CacheWriteArgs { slot_mapping: slots, ..step_write.clone() })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Call i serves rotation i % rotation at drift step (i / rotation) % period: args[t * rotation + r],
+    // indexed by i % args.len().
+    let mut args = Vec::with_capacity(rotation * period);
+    for (t, r) in (0..period).flat_map(|t| (0..rotation).map(move |r| (t, r))) {
         let qoff = r * p.batch * p.hq * d * 2;
+        let qoff_t = (t * rotation + r) * p.batch * p.hq * d * 2;
         args.push(ForwardArgs {
             layer: 0,
-            query: v(unsafe { q.as_ptr().add(qoff) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
+            query: v(unsafe { q.as_ptr().add(qoff_t) }, DType::BF16, &[p.batch as i64, p.hq as i64, d as i64])?,
             key_cache: kcache.clone(),
             value_cache: vcache.clone(),
             block_table: v(unsafe { bt.as_ptr().add(r * p.batch * bps * 4) }, DType::I32, &[p.batch as i64, bps as i64])?,
@@ -573,7 +634,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     if stateful {
         // A stateful policy's first steps have no history (they attend everything): count a later one.
         for i in 0..3 {
-            engine.attention_forward(&args[i % rotation])?;
+            engine.attention_forward(&args[i % args.len()])?;
         }
     }
     let before = engine.stats().total;
@@ -581,16 +642,16 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let after = engine.stats().total;
     let (elig, vis) = ((after.blocks_eligible - before.blocks_eligible) as f64, (after.blocks_visited - before.blocks_visited) as f64);
     let (cand, kept) = ((after.top_p_candidates - before.top_p_candidates) as f64, (after.top_p_kept - before.top_p_kept) as f64);
-    let forward_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()))?;
+    let forward_us = time_calls(&|i| engine.attention_forward(&args[i % args.len()]).map(|_| ()))?;
     // A stateful policy's steps differ (RefreshKV: full and partial), so a median of groups can miss the
     // expensive ones: the mean over many consecutive steps (every rotation's sequences alike), and the
     // fraction of them that ran full.
     let (step_mean_us, refresh_full) = if stateful {
-        let n = 60 * rotation;
+        let n = 60.max(2 * period) * rotation;
         let c0 = engine.stats().total;
         let ms = ev.time(s, || {
             for i in 0..n {
-                engine.attention_forward(&args[i % rotation])?;
+                engine.attention_forward(&args[i % args.len()])?;
             }
             Ok(())
         })?;
@@ -604,13 +665,13 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let (mut serial_us, mut spec_hit, mut timeline) = (f64::NAN, f64::NAN, Vec::new());
     let (mut graph_us, mut serial_graph_us, mut graph_timeline) = (f64::NAN, f64::NAN, Ok(Vec::new()));
     if let Some(se) = &serial {
-        serial_us = time_calls(&|i| se.attention_forward(&args[i % rotation]).map(|_| ()))?;
+        serial_us = time_calls(&|i| se.attention_forward(&args[i % args.len()]).map(|_| ()))?;
         let before = engine.stats().total;
         set_prr_timeline(backend, true);
         let n = 30usize;
         let mut per: Vec<Vec<f64>> = vec![Vec::new(); kvsparse::policy::speculate::cuda::TIMELINE.len()];
         for i in 0..n {
-            engine.attention_forward(&args[i % rotation])?;
+            engine.attention_forward(&args[i % args.len()])?;
             for (j, (_, ms)) in prr_timeline(backend, s)?.into_iter().enumerate() {
                 per[j].push(ms as f64 * 1e3);
             }
@@ -629,9 +690,9 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         (Ok(f64::NAN), Ok(f64::NAN))
     } else {
         backend.set_bench_phases(true, false);
-        let select_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
+        let select_us = time_calls(&|i| engine.attention_forward(&args[i % args.len()]).map(|_| ()));
         backend.set_bench_phases(false, true);
-        let attend_us = time_calls(&|i| engine.attention_forward(&args[i % rotation]).map(|_| ()));
+        let attend_us = time_calls(&|i| engine.attention_forward(&args[i % args.len()]).map(|_| ()));
         backend.set_bench_phases(true, true);
         (select_us, attend_us)
     };
@@ -656,7 +717,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         let mut parts: [Vec<f64>; 3] = Default::default();
         let r = (|| -> Result<()> {
             for i in 0..30 {
-                engine.attention_forward(&args[i % rotation])?;
+                engine.attention_forward(&args[i % args.len()])?;
                 // SAFETY: events recorded by the call above.
                 unsafe { check((api.cuEventSynchronize)(evs[3]), "cuEventSynchronize")? };
                 for (k, part) in parts.iter_mut().enumerate() {
@@ -679,9 +740,10 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         }
     }
     drop(prefill_bufs);
-    let dense_us = time_calls(&|i| dense.attention_forward(&args[i % rotation]).map(|_| ()))?;
-    let write_us = time_calls(&|_| engine.cache_write(&step_write))?;
-    let write_dense_us = time_calls(&|_| dense.cache_write(&step_write))?;
+    let dense_us = time_calls(&|i| dense.attention_forward(&args[i % args.len()]).map(|_| ()))?;
+    let write_us = time_calls(&|i| engine.cache_write(&append_writes[i % cycle]))?;
+    let write_dense_us = time_calls(&|i| dense.cache_write(&append_writes[i % cycle]))?;
+    let write_rewrite_us = time_calls(&|_| engine.cache_write(&step_write))?;
     let bound_bytes = match engine.policy().pipeline().map(|pl| pl.selector.clone()) {
         Some(kvsparse::policy::Selector::Quest(kvsparse::policy::Quest { page, .. })) => (p.batch * p.hk * p.ctx.div_ceil(page.min(BLOCK)) * d * 2 * 2) as f64,
         _ => 0.0,
@@ -689,6 +751,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     Ok(SparseRow {
         write_us,
         write_dense_us,
+        write_rewrite_us,
         select_us,
         attend_us,
         forward_us,
@@ -697,6 +760,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         top_p_kept: if cand > 0.0 { kept / cand } else { f64::NAN },
         bound_bytes,
         rotation,
+        period,
         choice_us,
         step_mean_us,
         refresh_full,
@@ -793,4 +857,41 @@ fn prr_graph_times(engine: &Engine, serial: &Engine, args: &[ForwardArgs], rotat
         (api.cuStreamDestroy)(gs);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cosine(a: &[f32], b: &[f32]) -> f64 {
+        let dot: f64 = a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum();
+        let n = |v: &[f32]| v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+        dot / (n(a) * n(b))
+    }
+
+    #[test]
+    fn drifting_queries_turn_by_the_same_angle_every_step() {
+        let (d, rows, drift) = (128, 6, 3.6);
+        let mut rng = Rng::new(7);
+        let qh: Vec<f32> = (0..d * rows).map(|_| (rng.uniform() * 2.0 - 1.0) as f32).collect();
+        let period = drift_period(drift);
+        assert_eq!(period, 100);
+        let q = drifting_queries(&qh, d, period, &mut rng);
+        assert_eq!(q.len(), qh.len() * period);
+        assert_eq!(&q[..qh.len()], &qh[..], "step 0 is the first query");
+        let row = |t: usize, j: usize| &q[(t % period) * qh.len() + j * d..][..d];
+        for j in 0..rows {
+            for t in 0..period {
+                // Every step (the cycle's close included) turns the row by `drift` degrees.
+                let c = cosine(row(t, j), row(t + 1, j));
+                assert!((c - (drift as f64).to_radians().cos()).abs() < 1e-5, "row {j} step {t}: cos {c}");
+            }
+            // Step t is 360 t / period degrees from step 0 (here 36 degrees at t = 10), norm kept.
+            let c10 = cosine(row(0, j), row(10, j));
+            assert!((c10 - 36f64.to_radians().cos()).abs() < 1e-5, "row {j}: cos {c10}");
+            let n = |v: &[f32]| v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+            assert!((n(row(37, j)) / n(row(0, j)) - 1.0).abs() < 1e-5);
+        }
+        assert_eq!(drift_period(0.0), 1);
+    }
 }
