@@ -92,6 +92,7 @@ __device__ __forceinline__ float rf_cosine(const float* a, const float* b) {
     return __double2float_rn(v);
 }
 
+#define RF_DQ 16  // query heads whose rows kvs_refresh_decide loads at once
 extern "C" __global__ void __launch_bounds__(128) kvs_refresh_decide(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int nqh,
                                                                      RefreshArgs ra, i64 row_bytes, unsigned long long* ctr) {
     __shared__ float qm[HEAD_DIM];
@@ -109,11 +110,20 @@ extern "C" __global__ void __launch_bounds__(128) kvs_refresh_decide(Batch b, co
         if (threadIdx.x == 0) ra.mode[s] = mode;
         return;
     }
-    // Mean query: per channel, the scaled rows of every query head added in head order (mean_query).
+    // Mean query: per channel, the scaled rows of every query head added in head order (mean_query). The
+    // rows are loaded first, RF_DQ heads at a time with every load in flight, then added in head order (a
+    // dependent load per head was one L2 round trip each).
     const int t = rf_row(r);
     for (int c = threadIdx.x; c < HEAD_DIM; c += blockDim.x) {
         float acc = 0.0f;
-        for (int h = 0; h < nqh; ++h) acc += ET::ld(q[(i64)t * q0 + (i64)h * q1 + (i64)c * q2]) * scale;
+        for (int h0 = 0; h0 < nqh; h0 += RF_DQ) {
+            float x[RF_DQ];
+#pragma unroll
+            for (int j = 0; j < RF_DQ; ++j) x[j] = h0 + j < nqh ? ET::ld(q[(i64)t * q0 + (i64)(h0 + j) * q1 + (i64)c * q2]) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < RF_DQ; ++j)
+                if (h0 + j < nqh) acc += x[j] * scale;
+        }
         qm[c] = acc;
     }
     __syncthreads();
@@ -420,7 +430,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
 // lg[((s * hk + h) * maxpos + pos) * GROUP + g] holds query head g's base-2 logit of position pos. Grid
 // (chunks of RF_CH positions, hk, sequences), RF_WTHREADS threads; chunk c covers lo + c * RF_CH ...
 #define RF_CH 2048      // src/policy/refresh/cuda.rs WEIGHT_CHUNK
-#define RF_WTHREADS 256
+#define RF_WTHREADS 256  // the launches' block size (src/policy/refresh/cuda.rs); the loops below assume it
+#define RF_PER (RF_CH / RF_WTHREADS)  // positions of a chunk per thread
 #define RF_RADMAX 64    // pooling radius up to which a chunk stages its weights in shared memory
 #define RF_CCW 258      // words per chunk of `ccnt` (src/policy/refresh/cuda.rs CHUNK_COUNT_WORDS): keys above
                         // the last pass's 24-bit prefix, then suffix sums of its 256 low-byte bins (257)
@@ -428,7 +439,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
 // A query head's base-2 LSE over the row, merged from the attention's split statistics (max, sum of
 // 2^(l - max)) in split order (so the same inputs give the same bits; empty splits are (-inf, 0)); +inf when
 // no logit is finite (every weight then 0). A NaN logit makes its split's sum NaN, the LSE NaN, and every
-// weight of the row 0 (fmaxf from 0), as the CPU's max from 0 does.
+// weight of the row 0 (fmaxf from 0), as the CPU's max from 0 does. `pr` is the caller's shared-memory copy
+// (rf_stage_parts): the loops below are serial, so their reads must not be L2 round trips.
 __device__ __forceinline__ float rf_row_lse(const float2* pr, int nchunk) {
     float m = -INFINITY;
     for (int i = 0; i < nchunk; ++i) m = fmaxf(m, pr[i].x);
@@ -464,6 +476,7 @@ __device__ __forceinline__ void rf_pass_bits(int pass, int& shift, int& bits) {
 // The bin of this pass that holds the k-th largest key: sel = (prefix, keys still needed among those equal
 // to it so far). Block-wide, RF_WTHREADS threads; reads the histogram and `sel` from L2 (other CTAs wrote
 // them).
+#define RF_SELPER (RF_BINS / RF_WTHREADS)  // bins per thread of rf_select's widest pass
 __device__ __forceinline__ void rf_select(const unsigned* gh, unsigned* sel, int pass, int k) {
     __shared__ int wsum[RF_WTHREADS / 32];
     int shift, bits;
@@ -473,13 +486,19 @@ __device__ __forceinline__ void rf_select(const unsigned* gh, unsigned* sel, int
     const int left = pass == 0 ? k : (int)__ldcg(&sel[1]);
     __syncthreads();  // sel is read by every thread before thread `hit` rewrites it
     const int top = nb - 1 - threadIdx.x * per;  // this thread's bins: top, top - 1, ..., top - per + 1
+    // The bins loaded first, all in flight (per <= RF_SELPER), then summed.
+    unsigned bin[RF_SELPER];
+#pragma unroll
+    for (int j = 0; j < RF_SELPER; ++j) bin[j] = j < per ? __ldcg(&gh[top - j]) : 0u;
     int mine = 0;
-    for (int j = 0; j < per; ++j) mine += (int)__ldcg(&gh[top - j]);
+#pragma unroll
+    for (int j = 0; j < RF_SELPER; ++j) mine += (int)bin[j];
     int total;
     int acc = block_excl_scan(mine, wsum, total);
     if (acc < left && acc + mine >= left) {
-        for (int j = 0; j < per; ++j) {
-            const int cnt = (int)__ldcg(&gh[top - j]);
+#pragma unroll
+        for (int j = 0; j < RF_SELPER; ++j) {
+            const int cnt = (int)bin[j];
             if (acc + cnt >= left) {
                 sel[0] = prefix | ((unsigned)(top - j) << shift);
                 sel[1] = (unsigned)(left - acc);
@@ -501,6 +520,7 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     __shared__ unsigned sh[RF_BINS];
     __shared__ float wv[RF_CH + 2 * RF_RADMAX];
     __shared__ float lse[GROUP];
+    __shared__ float2 sp[RF_WTHREADS * 2];  // the row's split statistics (pass 0), GROUP * nparts of them
     __shared__ int last;
     __shared__ int wsum[RF_WTHREADS / 32];
     __shared__ unsigned red[32];
@@ -512,21 +532,43 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     if (i0 >= n) return;
     const i64 row = (i64)s * hk + h;
     float* pl = pooled + row * maxpos;
+    float pv[RF_PER];  // this thread's pooled values: position i0 + j * RF_WTHREADS + threadIdx.x
     if (pass == 0) {
-        if (threadIdx.x < GROUP) lse[threadIdx.x] = rf_row_lse(parts + (row * GROUP + threadIdx.x) * nparts, nparts);
+        // The group's split statistics staged in shared memory by the whole CTA (independent loads in
+        // flight), then each query head's LSE merged serially in split order from there.
+        const float2* pg = parts + row * GROUP * nparts;
+        const bool sp_fits = GROUP * nparts <= RF_WTHREADS * 2;
+        if (sp_fits)
+            for (int i = threadIdx.x; i < GROUP * nparts; i += blockDim.x) sp[i] = pg[i];
+        __syncthreads();
+        if (threadIdx.x < GROUP) lse[threadIdx.x] = rf_row_lse((sp_fits ? sp : pg) + threadIdx.x * nparts, nparts);
         __syncthreads();
         const float* L = lg + row * maxpos * GROUP;
         const int rad = ra.pool / 2;
         const int w0 = max(i0 - rad, 0), w1 = min(i1 + rad, n);
         const bool staged = rad <= RF_RADMAX;
         if (staged) {
+#pragma unroll 4
             for (int x = w0 + threadIdx.x; x < w1; x += blockDim.x) wv[x - w0] = rf_weight(L, lo + x, lse);
             __syncthreads();
         }
-        for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+#pragma unroll
+        for (int j = 0; j < RF_PER; ++j) {
+            const int i = i0 + j * RF_WTHREADS + threadIdx.x;
             float v = -INFINITY;
-            for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, staged ? wv[x - w0] : rf_weight(L, lo + x, lse));
-            pl[i] = v;
+            if (i < i1) {
+                for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, staged ? wv[x - w0] : rf_weight(L, lo + x, lse));
+                pl[i] = v;
+            }
+            pv[j] = v;
+        }
+    } else {
+        // The pooled values pass 0 wrote, every load in flight before the loop below (its shuffles and
+        // shared atomics would otherwise keep one L2 round trip per iteration).
+#pragma unroll
+        for (int j = 0; j < RF_PER; ++j) {
+            const int i = i0 + j * RF_WTHREADS + threadIdx.x;
+            pv[j] = i < i1 ? pl[i] : 0.0f;
         }
     }
     if (n <= ra.k) return;  // every position kept: no threshold
@@ -537,8 +579,10 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     for (int i = threadIdx.x; i < (int)nb; i += blockDim.x) sh[i] = 0u;
     __syncthreads();
     unsigned above = 0;  // keys above the prefix (pass 2 keeps the count)
-    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
-        const unsigned k = kvs_order_key(pl[i]);
+#pragma unroll
+    for (int j = 0; j < RF_PER; ++j) {
+        if (i0 + j * RF_WTHREADS + (int)threadIdx.x >= i1) break;
+        const unsigned k = kvs_order_key(pv[j]);
         if ((k & himask) == (prefix & himask)) {
             const unsigned bin = (k >> shift) & (nb - 1);
             const unsigned peers = __match_any_sync(__activemask(), bin);
@@ -619,10 +663,19 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(
     // Kept before this chunk: the ones above the threshold, and min(eq_before, left) of those at it.
     int out = all ? i0 : (int)(base + min(eq_before, left));
     int eq_seen = (int)eq_before;
-    for (int i00 = i0; i00 < i1; i00 += blockDim.x) {
-        const int i = i00 + threadIdx.x;
+    // The chunk's pooled values loaded first, all in flight (the loop's scans are barriers).
+    float pv[RF_PER];
+#pragma unroll
+    for (int j = 0; j < RF_PER; ++j) {
+        const int i = i0 + j * RF_WTHREADS + threadIdx.x;
+        pv[j] = i < i1 ? pl[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < RF_PER; ++j) {
+        if (i0 + j * RF_WTHREADS >= i1) break;  // uniform
+        const int i = i0 + j * RF_WTHREADS + threadIdx.x;
         const bool in = i < i1;
-        const float v = in ? pl[i] : 0.0f;
+        const float v = pv[j];
         const unsigned k = kvs_order_key(v);
         int eq_total;
         const int eq_rank = eq_seen + block_excl_scan(in && !all && k == thr ? 1 : 0, wsum, eq_total);
