@@ -83,7 +83,8 @@ impl SeqSlots {
         k.i64(self.keys.ptr as i64).i64(self.entry_slot.ptr as i64).i32(self.tsize_log2 as i32);
         k.i64(self.free_stack.ptr as i64).i64(self.free_top.ptr as i64).i64(self.gen.ptr as i64);
         k.i64(out_slot as i64).i64(out_gen as i64).i64(self.counters.ptr as i64);
-        launch::launch(f, (n.div_ceil(128) as u32, 1, 1), 128, &mut k, stream, "kvs_seq_slots launch")
+        // The first launch of a policy layer's chain; kvs_seq_slots starts with KVS_GRID_WAIT().
+        launch::launch_dependent(launch::pdl_enabled(gpu.cc.0), f, (n.div_ceil(128) as u32, 1, 1), 128, 0, &mut k, stream, "kvs_seq_slots launch")
     }
 
     /// Rows left without a slot so far, and live sequences (synchronizes the device).
