@@ -177,7 +177,8 @@ impl CudaBackend {
             super::checks::refuse_sync_in_capture(&self.gpu, a.stream)?;
         }
         if let (Some((reg, scratch)), Some(ids)) = (&self.ids, &a.seq_ids) {
-            reg.lookup(&self.gpu, &self.modules, ids, geo.num_seqs, scratch.ptr, scratch.ptr + (geo.num_seqs * 4) as u64, a.stream)?;
+            // Plain: it may precede a dense layer's launch, which stays plain.
+            reg.lookup(&self.gpu, &self.modules, ids, geo.num_seqs, scratch.ptr, scratch.ptr + (geo.num_seqs * 4) as u64, a.stream, false)?;
         }
         match pipeline {
             None => self.attend(cfg, a, cache, &geo, Rows::All)?,
