@@ -71,6 +71,8 @@ kvs_attn_split(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
                float* __restrict__ ws_o, float* __restrict__ ws_lse, int num_q_heads,
                unsigned long long* kerr, unsigned long long* kbk,
                PlanRef plan, int mode) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     const int t = blockIdx.x, hg = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int li = lane % LPK, gid = warp * GPW + lane / LPK;

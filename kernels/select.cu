@@ -25,6 +25,8 @@
 // CTA 0 also counts the call's rows.
 extern "C" __global__ void kvs_plan_simple(Batch b, int hk, int kind, int sink, int recent, unsigned* plan, i64 p_s, int* plan_len, int cap,
                                            i64 row_bytes, int count, unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ unsigned long long red[32];
     if (blockIdx.x == 0) rows_count(b, hk, row_bytes, ctr, red);  // the call's rows, once
     const int s = blockIdx.x;

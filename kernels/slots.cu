@@ -34,6 +34,8 @@ extern "C" __global__ void kvs_seq_slots(const unsigned long long* __restrict__ 
                                          unsigned long long* keys, int* entry_slot, int tsize_log2,
                                          int* free_stack, int* free_top, unsigned* gen,
                                          int* out_slot, unsigned* out_gen, unsigned long long* counters) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const unsigned long long id = ids[(long long)i * ids_s];

@@ -107,6 +107,8 @@ __device__ __forceinline__ int pred_lo(const Batch& b, int pos) { return (b.wind
 // and predicted steps (the CPU's refresh_full_steps / refresh_partial_steps).
 extern "C" __global__ void kvs_pred_prepare(Batch b, PredState st, PredSpec ps, const int* slot, const unsigned* slot_gen, int* mode,
                                             unsigned long long* pctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     const int s = blockIdx.x, hk = st.hk;
     const SeqRow r = seq_row(b, s);
     const int sl = slot[s];
@@ -177,6 +179,8 @@ __device__ __forceinline__ void pred_mma(float (&c)[4], const unsigned (&a)[4], 
 // docs/policies.md (predictor, "On the GPU").
 extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
                                                                       const int* mode) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ float ws[PRED_NP];
     __shared__ float xs[5][PRED_PT + 4];
     __shared__ float ys[PRED_C1][3][PRED_PT + 2];
@@ -307,6 +311,8 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
 // order), into `scores` [seqs][hk][nbmax] at the crop's blocks. Grid (column tiles of 256, hk, seqs).
 extern "C" __global__ void __launch_bounds__(256) kvs_pred_average(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
                                                                    const int* mode, float* scores, int nbmax) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
     int start, width;
     if (!pred_cnn_crop(b, ps, mode, hk, s, h, start, width)) return;
@@ -329,6 +335,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
                                                                            const int* mode, float* scores, int nbmax, unsigned* plan, i64 p_s,
                                                                            i64 p_h, int* plan_len, int cap, i64 row_bytes, i64 k_row_bytes,
                                                                            unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ unsigned hist[256];
     __shared__ unsigned wtot[8];
     __shared__ unsigned long long sel_prefix;
@@ -466,6 +474,8 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
                                                                            const int* plan_len, int cap, int phase, unsigned* rmax,
                                                                            unsigned long long* zfix, unsigned* zbad, int rcap, float* lgs,
                                                                            int lcap, float kscale) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ float ks[WP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
     __shared__ float wsh[WP_J][WP_TP];
@@ -570,6 +580,8 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
 // Ring bookkeeping once the rows are written: one CTA per sequence. A decode row's row becomes the
 // newest (count + 1); a seed's ntok rows the whole history.
 extern "C" __global__ void kvs_pred_finish(Batch b, PredState st, PredSpec ps, const int* slot, const int* mode, int rcap) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     const int s = blockIdx.x, hk = st.hk, H = st.H;
     const SeqRow r = seq_row(b, s);
     for (int h = threadIdx.x; h < hk; h += blockDim.x) {

@@ -211,6 +211,8 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores(Batch 
                                                                           const u16* qmin, const u16* qmax, int unit, int upb, int page,
                                                                           float* scores, int maxp, int count_rows, i64 row_bytes,
                                                                           unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ float qs[GROUP * 16 * (QC + 1)];  // q rows in lane order, padded against bank conflicts
     __shared__ unsigned long long red[32];
     if (count_rows && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) rows_count(b, hk, row_bytes, ctr, red);

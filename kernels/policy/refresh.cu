@@ -95,6 +95,8 @@ __device__ __forceinline__ float rf_cosine(const float* a, const float* b) {
 #define RF_DQ 16  // query heads whose rows kvs_refresh_decide loads at once
 extern "C" __global__ void __launch_bounds__(128) kvs_refresh_decide(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int nqh,
                                                                      RefreshArgs ra, i64 row_bytes, unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ float qm[HEAD_DIM];
     __shared__ unsigned long long red[32];
     const int s = blockIdx.x;
@@ -166,6 +168,8 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_refresh_scores(Batc
                                                                               const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, const int* mode,
                                                                               int phase, unsigned* rmax, unsigned long long* zfix, unsigned* zbad,
                                                                               float* agg, int maxpos, int seed_only, float kscale) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ float ks[WP_TP][HEAD_DIM + 1];
     __shared__ float qs[GROUP * HEAD_DIM];
     __shared__ float accs[GROUP][WP_TP];
@@ -251,6 +255,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
                                                                             unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, float* tmp,
                                                                             i64 row_bytes, i64 k_bytes, unsigned long long* ctr, int deferred,
                                                                             unsigned* rhist, unsigned* rsel) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ unsigned hist[256];
     __shared__ unsigned wtot[8];
     __shared__ unsigned long long sel_prefix;
@@ -517,6 +523,8 @@ __device__ __forceinline__ void rf_select(const unsigned* gh, unsigned* sel, int
 extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(Batch b, RefreshArgs ra, const float* lg, const float2* parts, int nparts, int nchunk,
                                                                                float* pooled, int maxpos, unsigned* hist, unsigned* sel, unsigned* ccnt,
                                                                                int pass) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ unsigned sh[RF_BINS];
     __shared__ float wv[RF_CH + 2 * RF_RADMAX];
     __shared__ float lse[GROUP];
@@ -624,6 +632,8 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
 // size, last position and stamp.
 extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(Batch b, RefreshArgs ra, const float* pooled, int maxpos, const unsigned* sel,
                                                                                 const unsigned* ccnt, int nchunk) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ int wsum[RF_WTHREADS / 32];
     __shared__ unsigned red[32];
     const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;

@@ -534,6 +534,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_snap_choose(Batch
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_plan_snap(Batch b, int hk, const unsigned long long* keep, unsigned* plan, i64 p_s,
                                                                          i64 p_h, int* plan_len, int cap, i64 row_bytes, int count,
                                                                          unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ int wsum[TOPK_THREADS / 32];
     __shared__ int total;
     __shared__ unsigned long long red[32];

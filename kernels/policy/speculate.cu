@@ -64,6 +64,8 @@ __device__ __forceinline__ int prr_rank(const unsigned* e, int n, unsigned v) {
 // block, a block: only a page's first block holds state, the others' entries are unused).
 extern "C" __global__ void kvs_prr_reset(const void* slots, i64 s0, int slots_i64, int n, i64 num_blocks, int bs, int hk, int page_eff,
                                          PrrEntry* st) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     const int spb = bs / page_eff;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (i64)n * hk; i += (i64)gridDim.x * blockDim.x) {
         const int r = (int)(i / hk), h = (int)(i % hk);
@@ -107,6 +109,8 @@ __device__ __forceinline__ int prr_top_pages(const float* sc, const unsigned* sk
 // calibration and every update write them to all of the row's pages), +inf for a page never scored.
 // Grid (page tiles of 256, KV heads, sequences).
 extern "C" __global__ void kvs_prr_pred_scores(Batch b, int hk, int page, const PrrEntry* st, int spb, float* pred, int maxp) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     const int s = blockIdx.z, h = blockIdx.y, row = s * hk + h;
     const SeqRow r = seq_row(b, s);
     if (!r.decode || r.hi < r.lo) return;
@@ -127,6 +131,8 @@ extern "C" __global__ void kvs_prr_pred_scores(Batch b, int hk, int page, const 
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_prr_predict(Batch b, int hk, int k_spec, int page, float fa, float fb, float fg,
                                                                           const PrrEntry* st, int spb, const float* pred, int maxp, unsigned* plan,
                                                                           int* plan_len, int cap, float* params, int smem_keys) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     extern __shared__ unsigned skey[];
     __shared__ unsigned hist[256];
     __shared__ unsigned sel[4];
@@ -188,6 +194,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_prr_select(Batch 
                                                                           const int* pred_len, int p_cap, unsigned* missed, int* missed_len, int m_cap,
                                                                           unsigned* uni, int* uni_len, int u_cap, i64 row_bytes, int smem_keys,
                                                                           unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     extern __shared__ unsigned skey[];
     __shared__ unsigned hist[256];
     __shared__ unsigned sel[4];
@@ -251,6 +259,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_prr_select(Batch 
 // of 256, KV heads, sequences).
 extern "C" __global__ void kvs_prr_update(Batch b, int hk, int page, const float* scores, int maxp, const unsigned* truth, const int* truth_len, int t_cap,
                                           PrrEntry* st, int spb, const float* params, unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ unsigned long long red[32];
     const int s = blockIdx.z, h = blockIdx.y, row = s * hk + h;
     const SeqRow r = seq_row(b, s);
@@ -324,6 +334,8 @@ extern "C" __global__ void __launch_bounds__(PRR_FIN_THREADS) kvs_prr_finish(Bat
                                                                            int m_cap, int ulog2, const elem_t* o1, const float* l1, float* pw_o,
                                                                            float* pw_l, unsigned* done, elem_t* out, i64 o0, i64 oq, i64 od, float* lse,
                                                                            i64 ls0, i64 ls1, float kscale, float vscale) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ int last_part;
     const int s = blockIdx.x, h = blockIdx.y, part = blockIdx.z, parts = gridDim.z, row = s * hk + h;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -186,6 +186,8 @@ __device__ __forceinline__ void estimate_row(const code_vec* cv, float mn, float
 // seqs); each thread estimates 4 candidates, TOPP_THREADS apart (coalesced stores).
 extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOPP_PARAMS, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
                                                                             const unsigned char* codes, const u16* qparams, float softcap) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ __align__(16) float qs[GROUP * HEAD_DIM];
     __shared__ float qsum[GROUP];
     __shared__ float red[32];
@@ -371,6 +373,8 @@ __device__ __forceinline__ void flush_hist(const unsigned long long* mass, unsig
 // Step 2: each tile's share of every row's normaliser, sum of fast_exp(x - max) in f64 (psum); tile 0 of a
 // row stores the row's maximum (over the estimate tiles' maxima). Grid (tiles, KV heads, seqs).
 extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_norm(TOPP_PARAMS) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ float red_f[32];
     __shared__ double red_d[32];
     TOPP_TILE_PROLOGUE
@@ -410,6 +414,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_norm(TOPP_PA
 // first radix pass (masses per top byte of w); a non-finite weight sets the row's flag. Tile 0 of a row
 // stores 1/normaliser (the tiles' sums added in one fixed order, the same in every CTA of the row).
 extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_weights(TOPP_PARAMS) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ unsigned long long mass[256 * GROUP];
     __shared__ float m[GROUP], inv[GROUP];
     __shared__ double red_d[32];
@@ -464,6 +470,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_weights(TOPP
 // pass 4 (the threshold T complete) summarises its tile: candidates above T, tied at T, and the tied mass.
 // Rows that keep everything (p = 1, a non-finite weight) or have no candidate skip the search.
 extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_pass(TOPP_PARAMS, float p, int pass) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ unsigned long long mass[256 * GROUP];
     __shared__ unsigned long long above[GROUP];
     __shared__ double target[GROUP];
@@ -573,6 +581,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_pass(TOPP_PA
 // a row to finish counts the plan's blocks and bytes.
 extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_PARAMS, float p, unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap,
                                                                          i64 row_bytes, i64 meta_row_bytes, unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ unsigned long long red_u[32];
     __shared__ unsigned long long scan_tmp[TOPP_THREADS / 32];
     __shared__ unsigned long long acc[GROUP];

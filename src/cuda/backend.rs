@@ -177,7 +177,8 @@ impl CudaBackend {
             super::checks::refuse_sync_in_capture(&self.gpu, a.stream)?;
         }
         if let (Some((reg, scratch)), Some(ids)) = (&self.ids, &a.seq_ids) {
-            reg.lookup(&self.gpu, &self.modules, ids, geo.num_seqs, scratch.ptr, scratch.ptr + (geo.num_seqs * 4) as u64, a.stream)?;
+            // Plain: it may precede a dense layer's launch, which stays plain.
+            reg.lookup(&self.gpu, &self.modules, ids, geo.num_seqs, scratch.ptr, scratch.ptr + (geo.num_seqs * 4) as u64, a.stream, false)?;
         }
         match pipeline {
             None => self.attend(cfg, a, cache, &geo, Rows::All)?,
@@ -409,10 +410,10 @@ impl CudaBackend {
             k.f32(cache.k_scale).f32(cache.v_scale);
         }
         // A policy layer's plan attention (and its combine) runs as a dependent launch of the selection
-        // kernels before it, where the GPU has them: the tensor-core kernel starts with KVS_GRID_WAIT().
+        // kernels before it, where the GPU has them: both attention kernels start with KVS_GRID_WAIT().
         // Dense layers keep plain launches: nothing measurable to gain there (one launch after the
         // previous step's), and the bandwidth-bound FP8 points ran ~0.5% slower with it (docs/perf.md).
-        let pdl = mma.is_some() && !matches!(rows, Rows::All) && launch::pdl_enabled(self.gpu.cc.0);
+        let pdl = !matches!(rows, Rows::All) && launch::pdl_enabled(self.gpu.cc.0);
         launch::launch_dependent(pdl, f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
         if nsplit > 1 {
             self.combine_splits(cfg, a, geo, &defines, (ws_o, ws_lse), nsplit, mode, module, pdl)?;

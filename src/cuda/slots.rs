@@ -72,8 +72,11 @@ impl SeqSlots {
     }
 
     /// Enqueues the lookup (inserting unknown ids) of the call's `n` sequence ids on `stream`: slot (i32,
-    /// -1 = none) and generation (u32) per row into the device arrays at `out_slot` / `out_gen`.
-    pub fn lookup(&self, gpu: &Gpu, modules: &Modules, ids: &TensorRef, n: usize, out_slot: u64, out_gen: u64, stream: super::driver::CUstream) -> Result<()> {
+    /// -1 = none) and generation (u32) per row into the device arrays at `out_slot` / `out_gen`. `pdl`: launch
+    /// as a dependent of the kernel before it (a policy layer's chain; kvs_seq_slots starts with
+    /// KVS_GRID_WAIT()); the caller has checked `launch::pdl_enabled`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn lookup(&self, gpu: &Gpu, modules: &Modules, ids: &TensorRef, n: usize, out_slot: u64, out_gen: u64, stream: super::driver::CUstream, pdl: bool) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -83,7 +86,7 @@ impl SeqSlots {
         k.i64(self.keys.ptr as i64).i64(self.entry_slot.ptr as i64).i32(self.tsize_log2 as i32);
         k.i64(self.free_stack.ptr as i64).i64(self.free_top.ptr as i64).i64(self.gen.ptr as i64);
         k.i64(out_slot as i64).i64(out_gen as i64).i64(self.counters.ptr as i64);
-        launch::launch(f, (n.div_ceil(128) as u32, 1, 1), 128, &mut k, stream, "kvs_seq_slots launch")
+        launch::launch_dependent(pdl, f, (n.div_ceil(128) as u32, 1, 1), 128, 0, &mut k, stream, "kvs_seq_slots launch")
     }
 
     /// Rows left without a slot so far, and live sequences (synchronizes the device).

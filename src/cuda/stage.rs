@@ -193,6 +193,12 @@ impl StepCx<'_> {
     pub fn function(&self, name: &'static str) -> Result<CUfunction> {
         self.dev.modules().function(self.dev.gpu(), "select", self.module, self.defines, name)
     }
+
+    /// Whether the call's selection kernels launch as programmatic dependents (`launch::launch_dependent`;
+    /// each starts with `KVS_GRID_WAIT()`).
+    pub fn pdl(&self) -> bool {
+        super::launch::pdl_enabled(self.dev.gpu().cc.0)
+    }
 }
 
 /// What a decode row visited of its plan, when a stage cut the visit short (ART's terminated tiles).

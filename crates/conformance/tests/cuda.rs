@@ -243,7 +243,8 @@ fn cuda_sequence_slots_map_ids_to_state_slots() {
         let out = DevBuf::alloc(n * 8).unwrap();
         // SAFETY: n int64 elements of a live device buffer.
         let t = unsafe { TensorRef::from_raw(d_ids.as_ptr(), DType::I64, Device::Cuda(0), &[n as i64], Some(&[1])) }.unwrap();
-        slots.lookup(&gpu, &modules, &t, n, out.ptr, out.ptr + (n * 4) as u64, std::ptr::null_mut()).unwrap();
+        // As a policy layer launches it: a dependent launch where the GPU has them.
+        slots.lookup(&gpu, &modules, &t, n, out.ptr, out.ptr + (n * 4) as u64, std::ptr::null_mut(), kvsparse::cuda::launch::pdl_enabled(gpu.cc.0)).unwrap();
         gpu.synchronize().unwrap();
         let mut raw = vec![0u8; n * 8];
         out.download(0, &mut raw).unwrap();

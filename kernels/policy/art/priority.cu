@@ -21,6 +21,8 @@
 extern "C" __global__ void __launch_bounds__(512) kvs_art_priority(Batch b, int hk, const unsigned* plan, i64 p_s, i64 p_h, const int* plan_len,
                                                                    int cap, int sink_limit, int page, const float* scores, int maxp,
                                                                    unsigned* order, int* inv, int n2, int* arrive) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
     extern __shared__ unsigned long long akey[];
     __shared__ int sm_nsink;
     const int s = blockIdx.y, h = blockIdx.x;

@@ -179,7 +179,7 @@ impl CudaStage for ArtStage {
         k.by_value(&cx.batch).i32(hk as i32).i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap);
         k.i32(self.sink_limit).i32(sc.page as i32).i64(sc.at as i64).i32(sc.maxp as i32);
         k.i64(order as i64).i64(inv as i64).i32(self.n2 as i32).i64(arrive as i64);
-        launch::launch_smem(f_ord, (hk as u32, ns as u32, 1), 512, smem as u32, &mut k, cx.a.stream, "kvs_art_priority launch")
+        launch::launch_dependent(cx.pdl(), f_ord, (hk as u32, ns as u32, 1), 512, smem as u32, &mut k, cx.a.stream, "kvs_art_priority launch")
     }
 
     fn rows(&self, cx: &StepCx, _keys: usize) -> Option<Rows> {

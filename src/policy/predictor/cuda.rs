@@ -227,28 +227,31 @@ impl PredictorDev {
             }
         };
         mark(0)?;
+        // Every kernel of the step starts with KVS_GRID_WAIT(): dependent launches where the GPU has them
+        // (kvs_pred_migrate, which grows the state outside capture, stays plain).
+        let pdl = launch::pdl_enabled(dev.gpu().cc.0);
 
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(gen as i64).i64(mode as i64).i64(pctr as i64);
-        launch::launch(f("kvs_pred_prepare")?, (ns as u32, 1, 1), threads, &mut k, stream, "kvs_pred_prepare launch")?;
+        launch::launch_dependent(pdl, f("kvs_pred_prepare")?, (ns as u32, 1, 1), threads, 0, &mut k, stream, "kvs_pred_prepare launch")?;
 
         let items = checked(&[pw.nbmax.div_ceil(pd.pt), ps.history])?;
         ensure!(hk < 65536 && ns < 65536 && items < (1 << 31), Unsupported, "predictor: too many KV heads, sequences or blocks for the CNN's grid");
         let per = CONV_CTAS.div_ceil(ns * hk).min(items).max(1);
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
-        launch::launch(f("kvs_pred_conv")?, (per as u32, hk as u32, ns as u32), pd.pt as u32, &mut k, stream, "kvs_pred_conv launch")?;
+        launch::launch_dependent(pdl, f("kvs_pred_conv")?, (per as u32, hk as u32, ns as u32), pd.pt as u32, 0, &mut k, stream, "kvs_pred_conv launch")?;
 
         mark(1)?;
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
         k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
-        launch::launch(f("kvs_pred_average")?, (pw.nbmax.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_pred_average launch")?;
+        launch::launch_dependent(pdl, f("kvs_pred_average")?, (pw.nbmax.div_ceil(256) as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_pred_average launch")?;
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
         k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
         k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64((2 * d * es) as i64).i64((d * es) as i64).i64(ctr);
-        launch::launch(f("kvs_pred_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, stream, "kvs_pred_select launch")?;
+        launch::launch_dependent(pdl, f("kvs_pred_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, 0, &mut k, stream, "kvs_pred_select launch")?;
         mark(2)?;
 
         // The history rows (decode rows and prefill seeds): three passes, a decode row's keys read by the
@@ -275,11 +278,11 @@ impl PredictorDev {
             k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i32(phase);
             k.i64((ws + lay.pred_rmax as u64) as i64).i64((ws + lay.pred_z as u64) as i64).i64((ws + lay.pred_bad as u64) as i64).i32(pw.rcap as i32);
             k.i64((ws + lay.pred_logits as u64) as i64).i32(pw.lcap as i32).f32(cache.k_scale);
-            launch::launch(f("kvs_pred_scores")?, (key_tiles as u32, hk as u32, ns as u32), sthreads as u32, &mut k, stream, "kvs_pred_scores launch")?;
+            launch::launch_dependent(pdl, f("kvs_pred_scores")?, (key_tiles as u32, hk as u32, ns as u32), sthreads as u32, 0, &mut k, stream, "kvs_pred_scores launch")?;
         }
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64).i32(pw.rcap as i32);
-        launch::launch(f("kvs_pred_finish")?, (ns as u32, 1, 1), threads, &mut k, stream, "kvs_pred_finish launch")?;
+        launch::launch_dependent(pdl, f("kvs_pred_finish")?, (ns as u32, 1, 1), threads, 0, &mut k, stream, "kvs_pred_finish launch")?;
         mark(3)
     }
 

@@ -85,7 +85,7 @@ impl CudaStage for Quest {
         k.i64(if cluster { 0 } else { qhist as i64 }).i64(cx.row_bytes).i64(cx.ctr);
         let scorer = if mma { "kvs_quest_scores_hist_mma" } else { "kvs_quest_scores_hist" };
         // Both scorers and both top-k kernels start with KVS_GRID_WAIT(): dependent launches where the GPU has them.
-        let pdl = launch::pdl_enabled(gpu.cc.0);
+        let pdl = cx.pdl();
         launch::launch_dependent(pdl, cx.function(scorer)?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_quest_scores_hist launch")?;
         // The page keys (a row's, or with clusters a CTA's part of it) in dynamic shared memory when they
         // fit (the device's opt-in limit less the kernel's own static shared memory: the gathered bin and

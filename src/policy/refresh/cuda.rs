@@ -249,13 +249,15 @@ impl RefreshDevice {
         ensure!(r.k < i32::MAX as usize && r.pool < i32::MAX as usize, Unsupported, "refresh(k, pool) too large for 32-bit indices");
         let ra = self.refresh_args(dev, a, hk, d, ws, rw, (slot, slot_gen), r)?;
         let maxpos = geo.max_pos.max(1);
+        // Every kernel here starts with KVS_GRID_WAIT(): dependent launches where the GPU has them.
+        let pdl = launch::pdl_enabled(dev.gpu().cc.0);
         let plan_launch = || -> Result<()> {
             let mut k = KArgs::new();
             k.by_value(batch).by_value(&ra).i64((ws + rw.agg as u64) as i64).i64((ws + rw.pooled as u64) as i64).i32(maxpos as i32);
             k.i64(plan.e as i64).i64(plan.p_s).i64(plan.p_h).i64(plan.len as i64).i32(plan.cap).i64((ws + rw.tmp as u64) as i64);
             k.i64(row_bytes).i64((d * cache.dtype.size_bytes()) as i64).i64(ctr).i32(rw.logits as i32);
             k.i64((ws + rw.hist as u64) as i64).i64((ws + rw.sel as u64) as i64);
-            launch::launch(f("kvs_refresh_plan")?, (hk as u32, ns as u32, plan_slices(dev.gpu().num_sms as usize, hk, ns) as u32), launch::TOPK_THREADS, &mut k, stream, "kvs_refresh_plan launch")
+            launch::launch_dependent(pdl, f("kvs_refresh_plan")?, (hk as u32, ns as u32, plan_slices(dev.gpu().num_sms as usize, hk, ns) as u32), launch::TOPK_THREADS, 0, &mut k, stream, "kvs_refresh_plan launch")
         };
         if after_attention {
             let chunks = weight_chunks(maxpos);
@@ -269,11 +271,11 @@ impl RefreshDevice {
             for pass in 0..3 {
                 let mut k = KArgs::new();
                 k.by_value(batch).by_value(&ra).i64(lg).i64(parts).i32(LOGIT_PARTS as i32).i32(chunks as i32).i64(pooled).i32(maxpos as i32).i64(hist).i64(sel).i64(ccnt).i32(pass);
-                launch::launch(f("kvs_refresh_top_hist")?, grid, 256, &mut k, stream, "kvs_refresh_top_hist launch")?;
+                launch::launch_dependent(pdl, f("kvs_refresh_top_hist")?, grid, 256, 0, &mut k, stream, "kvs_refresh_top_hist launch")?;
             }
             let mut k = KArgs::new();
             k.by_value(batch).by_value(&ra).i64(pooled).i32(maxpos as i32).i64(sel).i64(ccnt).i32(chunks as i32);
-            launch::launch(f("kvs_refresh_top_write")?, grid, 256, &mut k, stream, "kvs_refresh_top_write launch")?;
+            launch::launch_dependent(pdl, f("kvs_refresh_top_write")?, grid, 256, 0, &mut k, stream, "kvs_refresh_top_write launch")?;
             return Ok(());
         }
         // The CPU's arithmetic: the prefill's seed, and the full decode rows without the tensor-core path.
@@ -293,7 +295,7 @@ impl RefreshDevice {
         let mut k = KArgs::new();
         k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32((hk * group) as i32);
         k.by_value(&ra).i64(row_bytes).i64(ctr);
-        launch::launch(f("kvs_refresh_decide")?, (ns as u32, 1, 1), 128, &mut k, stream, "kvs_refresh_decide launch")?;
+        launch::launch_dependent(pdl, f("kvs_refresh_decide")?, (ns as u32, 1, 1), 128, 0, &mut k, stream, "kvs_refresh_decide launch")?;
 
         let (tp, threads) = crate::policy::snapkv::cuda::scores_shape(d, group);
         let ctas = score_ctas(dev.gpu().num_sms as usize, hk, maxpos, tp);
@@ -304,7 +306,7 @@ impl RefreshDevice {
             k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).i32(hk as i32).i64((ws + rw.mode as u64) as i64);
             k.i32(phase).i64((ws + rw.rmax as u64) as i64).i64((ws + rw.z as u64) as i64).i64((ws + rw.bad as u64) as i64);
             k.i64((ws + rw.agg as u64) as i64).i32(maxpos as i32).i32(rw.logits as i32).f32(cache.k_scale);
-            launch::launch(f("kvs_refresh_scores")?, (ctas as u32, hk as u32, 1), threads as u32, &mut k, stream, "kvs_refresh_scores launch")?;
+            launch::launch_dependent(pdl, f("kvs_refresh_scores")?, (ctas as u32, hk as u32, 1), threads as u32, 0, &mut k, stream, "kvs_refresh_scores launch")?;
         }
         plan_launch()
     }

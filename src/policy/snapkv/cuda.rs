@@ -207,6 +207,6 @@ impl CudaStage for SnapKv {
         let mut k = KArgs::new();
         k.by_value(&cx.batch).i32(hk as i32).i64(keep as i64);
         k.i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap).i64(cx.row_bytes).i32(cx.count_base).i64(cx.ctr);
-        launch::launch(cx.function("kvs_plan_snap")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, &mut k, a.stream, "kvs_plan_snap launch")
+        launch::launch_dependent(cx.pdl(), cx.function("kvs_plan_snap")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, 0, &mut k, a.stream, "kvs_plan_snap launch")
     }
 }

@@ -246,7 +246,8 @@ impl PrrDevice {
         let mut k = KArgs::new();
         k.ptr(slot_mapping.data).i64(slot_mapping.stride(0) as i64).i32((slot_mapping.dtype == DType::I64) as i32).i32(n as i32);
         k.i64(nb as i64).i32(bs as i32).i32(hk as i32).i32(sp.page.min(bs) as i32).i64(st as i64);
-        launch::launch(f, ((n * hk).div_ceil(256).min(65536) as u32, 1, 1), 256, &mut k, stream, "kvs_prr_reset launch")
+        // After the cache write (kvs_write_step at a decode step): a dependent launch where the GPU has them.
+        launch::launch_dependent(launch::pdl_enabled(dev.gpu().cc.0), f, ((n * hk).div_ceil(256).min(65536) as u32, 1, 1), 256, 0, &mut k, stream, "kvs_prr_reset launch")
     }
 
     fn prr_fn(&self, dev: &dyn Device, cfg: &EngineConfig, name: &'static str) -> Result<crate::cuda::driver::CUfunction> {
@@ -418,6 +419,9 @@ impl PrrDevice {
         let plan = |e: usize, len: usize, cap: usize| PlanRef { e: at(e), p_s: (hk * cap) as i64, p_h: cap as i64, len: at(len), ulog2, hk: hk as i32, cap: cap as i32, pad: 0 };
         let (fa, fb, fg) = (sp.alpha.unwrap_or(speculate::DEFAULT_PARAMS.alpha), sp.beta.unwrap_or(speculate::DEFAULT_PARAMS.beta), sp.gamma.unwrap_or(speculate::DEFAULT_PARAMS.gamma));
         let clamp = |v: usize| v.min(i32::MAX as usize) as i32;
+        // The step's kernels start with KVS_GRID_WAIT(): dependent launches of the kernel before them on their
+        // stream where the GPU has them (the wait also covers what an event wait before a launch orders).
+        let pdl = launch::pdl_enabled(dev.gpu().cc.0);
 
         // Fork.
         mark(0, stream)?;
@@ -430,7 +434,7 @@ impl PrrDevice {
         // Side stream: predicted scores and the speculative set, then attention over it.
         let mut k = KArgs::new();
         k.by_value(&batch).i32(hk as i32).i32(page as i32).i64(st as i64).i32(spb as i32).i64(at(lay.pred_scores) as i64).i32(maxp as i32);
-        launch::launch(f("kvs_prr_pred_scores")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_pred_scores launch")?;
+        launch::launch_dependent(pdl, f("kvs_prr_pred_scores")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, 0, &mut k, side, "kvs_prr_pred_scores launch")?;
         let smem_fn = |name: &'static str| -> Result<crate::cuda::driver::CUfunction> {
             let func = f(name)?;
             dev.allow_smem_once(func, (dev.gpu().smem_optin as usize).saturating_sub(4096))?;
@@ -439,7 +443,7 @@ impl PrrDevice {
         let mut k = KArgs::new();
         k.by_value(&batch).i32(hk as i32).i32(clamp(k_spec)).i32(page as i32).f32(fa).f32(fb).f32(fg).i64(st as i64).i32(spb as i32);
         k.i64(at(lay.pred_scores) as i64).i32(maxp as i32).i64(at(lay.pred) as i64).i64(at(lay.pred_len) as i64).i32(p_cap as i32).i64(at(lay.params) as i64).i32(smem_keys as i32);
-        launch::launch_smem(smem_fn("kvs_prr_predict")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, (smem_keys * 4) as u32, &mut k, side, "kvs_prr_predict launch")?;
+        launch::launch_dependent(pdl, smem_fn("kvs_prr_predict")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, (smem_keys * 4) as u32, &mut k, side, "kvs_prr_predict launch")?;
         mark(1, side)?;
         // SAFETY: our event and stream.
         unsafe { check((api.cuEventRecord)(set.join_a, side), "cuEventRecord")? };
@@ -464,7 +468,7 @@ impl PrrDevice {
         k.by_value(&batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
         k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
         k.i64(at(lay.scores) as i64).i32(maxp as i32).i32(1).i64(row_bytes).i64(ctr);
-        launch::launch(f("kvs_quest_scores")?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, &mut k, stream, "kvs_quest_scores launch")?;
+        launch::launch_dependent(pdl, f("kvs_quest_scores")?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_quest_scores launch")?;
         mark(4, stream)?;
         // Join A (the speculative set is known, and the predictions have read the state): the true
         // selection, the missed pages, the union and the counters, in one kernel.
@@ -476,7 +480,7 @@ impl PrrDevice {
         k.i64(at(lay.pred) as i64).i64(at(lay.pred_len) as i64).i32(p_cap as i32);
         k.i64(at(lay.missed) as i64).i64(at(lay.missed_len) as i64).i32(m_cap as i32).i64(at(lay.uni) as i64).i64(at(lay.uni_len) as i64).i32(u_cap as i32);
         k.i64(row_bytes).i32(smem_keys as i32).i64(ctr);
-        launch::launch_smem(smem_fn("kvs_prr_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, (smem_keys * 4) as u32, &mut k, stream, "kvs_prr_select launch")?;
+        launch::launch_dependent(pdl, smem_fn("kvs_prr_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, (smem_keys * 4) as u32, &mut k, stream, "kvs_prr_select launch")?;
         mark(5, stream)?;
         // Side stream, once its speculative attention is done and the truth is known: the Holt update.
         // SAFETY: our events and streams.
@@ -487,7 +491,7 @@ impl PrrDevice {
         let mut k = KArgs::new();
         k.by_value(&batch).i32(hk as i32).i32(page as i32).i64(at(lay.scores) as i64).i32(maxp as i32).i64(at(lay.truth) as i64).i64(at(lay.truth_len) as i64).i32(t_cap as i32);
         k.i64(st as i64).i32(spb as i32).i64(at(lay.params) as i64).i64(ctr);
-        launch::launch(f("kvs_prr_update")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, &mut k, side, "kvs_prr_update launch")?;
+        launch::launch_dependent(pdl, f("kvs_prr_update")?, (maxp.div_ceil(256) as u32, hk as u32, ns as u32), 256, 0, &mut k, side, "kvs_prr_update launch")?;
         mark(3, side)?;
         // SAFETY: our event and stream.
         unsafe { check((api.cuEventRecord)(set.join_c, side), "cuEventRecord")? };
@@ -510,7 +514,7 @@ impl PrrDevice {
         k.i64(at(lay.o1) as i64).i64(at(lay.l1) as i64).i64(at(lay.pw_o) as i64).i64(at(lay.pw_l) as i64).i64(at(lay.done) as i64);
         k.ptr(a.out.data).i64(a.out.stride(0) as i64).i64(a.out.stride(1) as i64).i64(a.out.stride(2) as i64).i64(lse_ptr).i64(l0).i64(l1);
         k.f32(cache.k_scale).f32(cache.v_scale);
-        launch::launch(f("kvs_prr_finish")?, (ns as u32, hk as u32, parts as u32), 128, &mut k, stream, "kvs_prr_finish launch")?;
+        launch::launch_dependent(pdl, f("kvs_prr_finish")?, (ns as u32, hk as u32, parts as u32), 128, 0, &mut k, stream, "kvs_prr_finish launch")?;
         mark(6, stream)?;
         // Join C: the update is done; the step ends on the caller's stream.
         // SAFETY: our event, the caller's stream.

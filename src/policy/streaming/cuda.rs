@@ -32,6 +32,6 @@ impl CudaStage for SimplePlan {
         let mut k = KArgs::new();
         k.by_value(&cx.batch).i32(hk as i32).i32(self.kind).i32(clamp(self.sink)).i32(clamp(self.recent));
         k.i64(base.e as i64).i64(base.p_s).i64(base.len as i64).i32(base.cap).i64(cx.row_bytes).i32(cx.count_base).i64(cx.ctr);
-        launch::launch(cx.function("kvs_plan_simple")?, (ns as u32, 1, 1), 256, &mut k, cx.a.stream, "kvs_plan_simple launch")
+        launch::launch_dependent(cx.pdl(), cx.function("kvs_plan_simple")?, (ns as u32, 1, 1), 256, 0, &mut k, cx.a.stream, "kvs_plan_simple launch")
     }
 }

@@ -98,22 +98,24 @@ impl CudaStage for TopPStage {
             k
         };
         let tiles = |per: usize| (maxc.div_ceil(per) as u32, hk as u32, ns as u32);
+        // Every kernel starts with KVS_GRID_WAIT(): dependent launches where the GPU has them.
+        let pdl = cx.pdl();
         let q = &a.query;
         let mut k = common();
         k.ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale);
         k.i64(codes as i64).i64(qparams as i64).f32(a.softcap);
-        launch::launch(cx.function("kvs_topp_estimate")?, tiles(ETILE), THREADS as u32, &mut k, stream, "kvs_topp_estimate launch")?;
+        launch::launch_dependent(pdl, cx.function("kvs_topp_estimate")?, tiles(ETILE), THREADS as u32, 0, &mut k, stream, "kvs_topp_estimate launch")?;
         for name in ["kvs_topp_norm", "kvs_topp_weights"] {
-            launch::launch(cx.function(name)?, tiles(CHUNK * spt), THREADS as u32, &mut common(), stream, name)?;
+            launch::launch_dependent(pdl, cx.function(name)?, tiles(CHUNK * spt), THREADS as u32, 0, &mut common(), stream, name)?;
         }
         for pass in 1..=PASSES as i32 {
             let mut k = common();
             k.f32(self.p).i32(pass);
-            launch::launch(cx.function("kvs_topp_pass")?, tiles(CHUNK * spt), THREADS as u32, &mut k, stream, "kvs_topp_pass launch")?;
+            launch::launch_dependent(pdl, cx.function("kvs_topp_pass")?, tiles(CHUNK * spt), THREADS as u32, 0, &mut k, stream, "kvs_topp_pass launch")?;
         }
         let mut k = common();
         k.f32(self.p);
         k.i64(fin_ref.e as i64).i64(fin_ref.p_s).i64(fin_ref.p_h).i64(fin_ref.len as i64).i32(fin_ref.cap).i64(cx.row_bytes).i64((d / 2 + 4) as i64).i64(cx.ctr);
-        launch::launch(cx.function("kvs_topp_write")?, tiles(CHUNK * spt), THREADS as u32, &mut k, stream, "kvs_topp_write launch")
+        launch::launch_dependent(pdl, cx.function("kvs_topp_write")?, tiles(CHUNK * spt), THREADS as u32, 0, &mut k, stream, "kvs_topp_write launch")
     }
 }
