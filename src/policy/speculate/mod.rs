@@ -19,6 +19,22 @@ pub mod cuda;
 
 use super::spec::{err, quoted, Arg, Args, Tok};
 use crate::error::{Error, ErrorKind, Result};
+use crate::stats::StageCounter;
+
+/// PRR's counters (C ABI: `kvs_stats.spec_*`): blocks predicted, of the true set, of those the prediction
+/// hit, and missed blocks repaired; its kernels count them in device slots CTR_SPEC_*.
+pub const PREDICTED_BLOCKS: StageCounter = StageCounter::device(2, 11);
+pub const HIT_BLOCKS: StageCounter = StageCounter::device(3, 13);
+pub const TRUE_BLOCKS: StageCounter = StageCounter::device(4, 12);
+pub const REPAIRED_BLOCKS: StageCounter = StageCounter::device(5, 14);
+/// Baseline (Rust only): blocks of the true set that the previous step's true set held (what reusing the
+/// previous selection would have hit; compare with [`HIT_BLOCKS`]).
+pub const REUSE_HIT_BLOCKS: StageCounter = StageCounter::device(6, 15);
+/// Rust only: calibrations run at prefill (per sequence × KV head) and their total time in microseconds.
+pub const CALIBRATIONS: StageCounter = StageCounter::host(7);
+pub const CALIB_US: StageCounter = StageCounter::host(8);
+/// Its counters, for the registry's `STAGE_COUNTERS`.
+pub const COUNTERS: &[StageCounter] = &[PREDICTED_BLOCKS, HIT_BLOCKS, TRUE_BLOCKS, REPAIRED_BLOCKS, REUSE_HIT_BLOCKS, CALIBRATIONS, CALIB_US];
 
 use super::quest::cpu::quest_pages;
 
