@@ -98,19 +98,19 @@ pub struct StageCounter {
 
 impl StageCounter {
     /// A counter the host counts, at place `index`.
-    pub const fn host(index: usize) -> Self {
+    pub(crate) const fn host(index: usize) -> Self {
         StageCounter { index, device_slot: None }
     }
 
     /// A counter the stage's kernels count in device slot `slot`, at place `index`.
-    pub const fn device(index: usize, slot: usize) -> Self {
+    pub(crate) const fn device(index: usize, slot: usize) -> Self {
         StageCounter { index, device_slot: Some(slot) }
     }
 }
 
 /// Fails (at build time, called in a `const`) unless the stages' counters fit [`StageCounts`] and the
 /// device's slots, and no two counters (shared ones included) share a place or a device slot.
-pub const fn check_stage_counters(stages: &[&[StageCounter]]) {
+pub(crate) const fn check_stage_counters(stages: &[&[StageCounter]]) {
     let (mut places, mut slots) = ([false; MAX_STAGE_COUNTERS], [false; DEVICE_COUNTER_SLOTS]);
     let mut i = 0;
     while i < SHARED_DEVICE_SLOTS.len() {
