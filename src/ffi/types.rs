@@ -5,31 +5,7 @@
 use std::os::raw::{c_char, c_void};
 
 use super::dlpack::DLTensor;
-
-/// Result of every kvsparse call except `kvs_version`, `kvs_last_error` and `kvs_engine_destroy`.
-/// 0 is success; any other value comes with a message from `kvs_last_error()`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum kvs_status {
-    KVS_OK = 0,
-    /// A NULL pointer, a bad scalar, a malformed policy spec, a struct_size that is too small.
-    KVS_ERR_INVALID_ARGUMENT = 1,
-    /// Wrong ndim, extent or strides.
-    KVS_ERR_INVALID_SHAPE = 2,
-    /// A dtype not accepted for that argument.
-    KVS_ERR_INVALID_DTYPE = 3,
-    /// An index or length outside the cache or table: block ids, seq_lens, query lengths, slots, layers.
-    KVS_ERR_OUT_OF_RANGE = 4,
-    /// A valid request this build or device cannot serve (head size, block size, device, ...).
-    KVS_ERR_UNSUPPORTED = 5,
-    /// `kvs_sequence_release` of an id the engine does not hold.
-    KVS_ERR_UNKNOWN_SEQUENCE = 6,
-    KVS_ERR_OUT_OF_MEMORY = 7,
-    /// The GPU driver or runtime reported an error.
-    KVS_ERR_DEVICE = 8,
-    /// A bug in kvsparse (including a caught panic); the message says where.
-    KVS_ERR_INTERNAL = 9,
-}
+pub use super::guard::{kvs_engine, kvs_status};
 
 /// Element type of queries, caches and outputs.
 #[repr(C)]
@@ -263,9 +239,4 @@ pub struct kvs_policy_info {
     /// plugin (every stage's step is a fixed launch sequence, checked replay == eager; docs/abi.md); else 0.
     pub graph_capturable: u32,
     pub reserved: u32,
-}
-
-/// Opaque engine handle.
-pub struct kvs_engine {
-    pub(crate) inner: crate::engine::Engine,
 }

@@ -350,7 +350,8 @@ fn reused_ids_start_fresh() {
 #[test]
 fn stateful_policies_through_the_c_abi() {
     use kvsparse::ffi::types::{kvs_engine_config, kvs_stats, kvs_status};
-    use kvsparse::ffi::{kvs_engine_config_init, kvs_engine_create, kvs_engine_destroy, kvs_engine_set_speculation_budgets, kvs_engine_stats};
+    use kvsparse::ffi::{kvs_engine_config_init, kvs_engine_create, kvs_engine_destroy, kvs_engine_stats};
+    use kvsparse::policy::speculate::kvs_engine_set_speculation_budgets;
     use std::ffi::CString;
     for spec in ["speculate(over=quest(budget=256), budget=512)", "refresh(k=512, stride=5, s=0.85)", "predictor(budget=512)"] {
         let text = CString::new(spec).unwrap();
