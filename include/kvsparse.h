@@ -403,16 +403,6 @@ kvs_status kvs_merge_states(kvs_engine *engine, const kvs_merge_args *args);
 kvs_status kvs_sequence_release(kvs_engine *engine,
                                 uint64_t seq_id);
 
-// Loads PRR's speculation budget table: `n` points `(context_lens[i], budgets[i])` (tokens), used as a
-// step function of the sequence length (a context below the first point takes the first budget). `n = 0`
-// (pointers may then be NULL) goes back to the policy spec's constant `budget`. The arrays are read
-// during the call only; at most 65536 points (more is `KVS_ERR_UNSUPPORTED`). Applies from the next
-// forward call; thread-safe.
-kvs_status kvs_engine_set_speculation_budgets(kvs_engine *engine,
-                                              const uint64_t *context_lens,
-                                              const uint64_t *budgets,
-                                              size_t n);
-
 // Sets the dequantization scales of an FP8 cache (`kvs_engine_config.cache_dtype`): vLLM's per-layer
 // `k_scale` and `v_scale` (float32, per tensor; `fp8 = x / scale` on write, `x = fp8 * scale` on read).
 // `layer = -1` sets every layer, else one layer `0 .. num_layers-1` (any other value is
@@ -451,6 +441,16 @@ kvs_status kvs_engine_policy(const kvs_engine *engine, kvs_policy_info *info);
 
 // Short constant name of a status code ("KVS_OK", ...). Never NULL.
 const char *kvs_status_name(int32_t status);
+
+// Loads PRR's speculation budget table: `n` points `(context_lens[i], budgets[i])` (tokens), used as a
+// step function of the sequence length (a context below the first point takes the first budget). `n = 0`
+// (pointers may then be NULL) goes back to the policy spec's constant `budget`. The arrays are read
+// during the call only; at most 65536 points (more is `KVS_ERR_UNSUPPORTED`). Applies from the next
+// forward call; thread-safe.
+kvs_status kvs_engine_set_speculation_budgets(kvs_engine *engine,
+                                              const uint64_t *context_lens,
+                                              const uint64_t *budgets,
+                                              size_t n);
 
 #ifdef __cplusplus
 }  // extern "C"

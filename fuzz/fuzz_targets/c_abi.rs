@@ -19,6 +19,7 @@ use std::sync::OnceLock;
 
 use kvsparse::ffi::dlpack::{dtype_to_dl as dl, DLDevice, DLTensor};
 use kvsparse::ffi::*;
+use kvsparse::policy::speculate::kvs_engine_set_speculation_budgets;
 use kvsparse::DType;
 use libfuzzer_sys::fuzz_target;
 

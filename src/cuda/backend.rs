@@ -28,7 +28,7 @@ use crate::config::EngineConfig;
 use crate::args::{CacheWriteArgs, ForwardArgs, MergeArgs};
 use crate::error::Result;
 use crate::layout::KvCache;
-use crate::stats::{Counters, VisitRecord};
+use crate::stats::{Counters, StageCounter, VisitRecord};
 use crate::tensor::{DType, TensorRef};
 use crate::ensure;
 
@@ -125,11 +125,12 @@ pub(crate) fn lse_arg(a: &ForwardArgs) -> (*const u8, i64, i64) {
 
 impl CudaBackend {
     /// Opens the engine's device. Fails with Unsupported when there is no driver or no such device.
-    /// `max_seqs`: the size of the per-sequence state slot map, for policies that keep such state.
-    pub fn new(cfg: &EngineConfig, ordinal: i32, needs: MetaNeeds, max_seqs: Option<usize>) -> Result<CudaBackend> {
+    /// `max_seqs`: the size of the per-sequence state slot map, for policies that keep such state;
+    /// `stage_counters`: the stages' own counters (`Policy::stage_counters`), read with the device counters.
+    pub fn new(cfg: &EngineConfig, ordinal: i32, needs: MetaNeeds, max_seqs: Option<usize>, stage_counters: &'static [&'static [StageCounter]]) -> Result<CudaBackend> {
         let gpu = Gpu::open(ordinal)?;
         ensure!(!cfg.cache_dtype.is_fp8() || gpu.cc >= (8, 9), Unsupported, "FP8 caches need compute capability 8.9 or newer (its FP8 conversions); device {ordinal} is {}.{}", gpu.cc.0, gpu.cc.1);
-        let sparse = SparseState::new(cfg.num_layers)?;
+        let sparse = SparseState::new(cfg.num_layers, stage_counters)?;
         let slots = max_seqs.map(super::slots::SeqSlots::new).transpose()?;
         let ids = match slots {
             Some(_) => None,

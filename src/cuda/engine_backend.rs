@@ -18,7 +18,7 @@ use crate::{bail, ensure};
 
 /// The CUDA backend of device `ordinal` for the parsed `policy` (its key metadata, state slots and weights).
 pub fn new(cfg: &EngineConfig, ordinal: i32, policy: &Policy) -> Result<CudaBackend> {
-    let mut b = CudaBackend::new(cfg, ordinal, policy.device_meta_needs(), policy.device_slots())?;
+    let mut b = CudaBackend::new(cfg, ordinal, policy.device_meta_needs(), policy.device_slots(), policy.stage_counters())?;
     b.set_policy_device(policy.cuda_device(cfg)?);
     Ok(b)
 }

@@ -24,7 +24,7 @@ use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::plan::{device_plan_shapes, HeadPlan};
-use crate::stats::{Counters, VisitRecord};
+use crate::stats::{Counters, StageCounter, VisitRecord};
 use crate::{bail, ensure};
 
 /// The compile-time defines of the selection module (`CudaPipeline::select_module`) for an engine: every launcher of its
@@ -41,7 +41,7 @@ pub(crate) fn select_defines(cfg: &EngineConfig) -> Vec<String> {
 }
 
 /// Counter slots on the device (kernels/include/decide.cuh CTR_*).
-const CTR_COUNT: usize = 16;
+const CTR_COUNT: usize = crate::stats::DEVICE_COUNTER_SLOTS;
 
 /// Largest GQA group the selection kernels stage in shared memory.
 pub const MAX_POLICY_GROUP: usize = 16;
@@ -55,6 +55,8 @@ pub(crate) fn supported(p: &dyn CudaPipeline, group: usize) -> std::result::Resu
 pub struct SparseState {
     counters: DevBuf,
     num_layers: usize,
+    /// The stages' own counters, to read those with a device slot (the policy registry's table).
+    stage_counters: &'static [&'static [StageCounter]],
     ws: Mutex<HashMap<usize, DevBuf>>,
     last: Mutex<Option<LastPlan>>,
     /// Benchmarks only: which phases a policy call runs (bit 0 selection, bit 1 attention).
@@ -70,11 +72,11 @@ struct LastPlan {
 }
 
 impl SparseState {
-    pub fn new(num_layers: usize) -> Result<Self> {
+    pub fn new(num_layers: usize, stage_counters: &'static [&'static [StageCounter]]) -> Result<Self> {
         let bytes = num_layers.checked_mul(CTR_COUNT * 8).ok_or_else(|| crate::error::Error::new(crate::error::ErrorKind::OutOfMemory, "counter size overflows"))?;
         let counters = DevBuf::alloc(bytes)?;
         counters.upload(0, &vec![0u8; bytes])?;
-        Ok(SparseState { counters, num_layers, ws: Mutex::new(HashMap::new()), last: Mutex::new(None), phases: std::sync::atomic::AtomicU8::new(3) })
+        Ok(SparseState { counters, num_layers, stage_counters, ws: Mutex::new(HashMap::new()), last: Mutex::new(None), phases: std::sync::atomic::AtomicU8::new(3) })
     }
 
     /// The device address of `layer`'s counters.
@@ -257,7 +259,7 @@ impl SparseState {
         let v: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
         let mut per_layer: Vec<Counters> = v
             .chunks_exact(CTR_COUNT)
-            .map(Counters::from_device_slots)
+            .map(|slots| Counters::from_device_slots(slots, self.stage_counters))
             .collect();
         if let Some(pd) = policy_dev {
             pd.add_counters(gpu, &mut per_layer)?;

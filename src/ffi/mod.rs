@@ -13,7 +13,7 @@ use std::ffi::CStr;
 use std::os::raw::c_char;
 
 use dlpack::{tensor, tensor_opt, DLTensor};
-use guard::guard;
+use guard::{engine_ref, guard};
 pub use types::*;
 
 use crate::config::EngineConfig;
@@ -36,11 +36,6 @@ unsafe fn args_ref<'a, T>(name: &str, p: *const T, struct_size: impl Fn(&T) -> u
         std::mem::size_of::<T>()
     );
     Ok(a)
-}
-
-unsafe fn engine_ref<'a>(p: *const kvs_engine) -> Result<&'a Engine> {
-    ensure!(!p.is_null(), InvalidArgument, "engine is NULL");
-    Ok(&(*p).inner)
 }
 
 /// ABI version of this library (0). Compare with `KVS_ABI_VERSION` from the header you compiled with.
@@ -294,29 +289,6 @@ pub unsafe extern "C" fn kvs_sequence_release(engine: *mut kvs_engine, seq_id: u
     guard(|| engine_ref(engine)?.release_sequence(seq_id))
 }
 
-/// Loads PRR's speculation budget table: `n` points `(context_lens[i], budgets[i])` (tokens), used as a
-/// step function of the sequence length (a context below the first point takes the first budget). `n = 0`
-/// (pointers may then be NULL) goes back to the policy spec's constant `budget`. The arrays are read
-/// during the call only; at most 65536 points (more is `KVS_ERR_UNSUPPORTED`). Applies from the next
-/// forward call; thread-safe.
-#[no_mangle]
-pub unsafe extern "C" fn kvs_engine_set_speculation_budgets(engine: *mut kvs_engine, context_lens: *const u64, budgets: *const u64, n: usize) -> kvs_status {
-    guard(|| {
-        let e = engine_ref(engine)?;
-        if n == 0 {
-            e.set_speculation_budgets(None);
-            return Ok(());
-        }
-        ensure!(!context_lens.is_null() && !budgets.is_null(), InvalidArgument, "context_lens and budgets must not be NULL when n > 0");
-        ensure!(n <= MAX_BUDGET_POINTS, Unsupported, "{n} speculation budget points, more than the {MAX_BUDGET_POINTS} accepted");
-        let (c, b) = (std::slice::from_raw_parts(context_lens, n), std::slice::from_raw_parts(budgets, n));
-        let mut points = crate::alloc::try_with_capacity(n, "the speculation budget table")?;
-        points.extend(c.iter().zip(b).map(|(&c, &b)| (c as usize, b as usize)));
-        e.set_speculation_budgets(Some(crate::policy::speculate::SpecBudgetTable::new(points)?));
-        Ok(())
-    })
-}
-
 /// Sets the dequantization scales of an FP8 cache (`kvs_engine_config.cache_dtype`): vLLM's per-layer
 /// `k_scale` and `v_scale` (float32, per tensor; `fp8 = x / scale` on write, `x = fp8 * scale` on read).
 /// `layer = -1` sets every layer, else one layer `0 .. num_layers-1` (any other value is
@@ -336,9 +308,6 @@ pub unsafe extern "C" fn kvs_engine_set_kv_scales(engine: *mut kvs_engine, layer
         e.set_kv_scales(layer, k_scale, v_scale)
     })
 }
-
-/// Most points `kvs_engine_set_speculation_budgets` takes.
-const MAX_BUDGET_POINTS: usize = 1 << 16;
 
 /// Accumulated counters: `layer = -1` for all layers, else one layer `0 .. num_layers-1` (any other
 /// value, other negative ones included, is `KVS_ERR_OUT_OF_RANGE`). `out->struct_size` must be set;

@@ -5,31 +5,7 @@
 use std::os::raw::{c_char, c_void};
 
 use super::dlpack::DLTensor;
-
-/// Result of every kvsparse call except `kvs_version`, `kvs_last_error` and `kvs_engine_destroy`.
-/// 0 is success; any other value comes with a message from `kvs_last_error()`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum kvs_status {
-    KVS_OK = 0,
-    /// A NULL pointer, a bad scalar, a malformed policy spec, a struct_size that is too small.
-    KVS_ERR_INVALID_ARGUMENT = 1,
-    /// Wrong ndim, extent or strides.
-    KVS_ERR_INVALID_SHAPE = 2,
-    /// A dtype not accepted for that argument.
-    KVS_ERR_INVALID_DTYPE = 3,
-    /// An index or length outside the cache or table: block ids, seq_lens, query lengths, slots, layers.
-    KVS_ERR_OUT_OF_RANGE = 4,
-    /// A valid request this build or device cannot serve (head size, block size, device, ...).
-    KVS_ERR_UNSUPPORTED = 5,
-    /// `kvs_sequence_release` of an id the engine does not hold.
-    KVS_ERR_UNKNOWN_SEQUENCE = 6,
-    KVS_ERR_OUT_OF_MEMORY = 7,
-    /// The GPU driver or runtime reported an error.
-    KVS_ERR_DEVICE = 8,
-    /// A bug in kvsparse (including a caught panic); the message says where.
-    KVS_ERR_INTERNAL = 9,
-}
+pub use super::guard::{kvs_engine, kvs_status};
 
 /// Element type of queries, caches and outputs.
 #[repr(C)]
@@ -243,81 +219,8 @@ pub struct kvs_merge_args {
     pub stream: *mut c_void,
 }
 
-/// Counters, for one call or accumulated by the engine (totals or one layer).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct kvs_stats {
-    /// Set by the caller to `sizeof(kvs_stats)`; kvsparse writes only that many bytes.
-    pub struct_size: u32,
-    pub reserved: u32,
-    pub calls: u64,
-    pub prefill_tokens: u64,
-    pub decode_rows: u64,
-    /// Decode rows × KV heads served by a non-dense policy.
-    pub policy_rows: u64,
-    /// Blocks (per KV head) dense attention would have read for those rows.
-    pub blocks_eligible: u64,
-    /// Blocks (per KV head) actually read.
-    pub blocks_visited: u64,
-    /// Blocks offered by the selector but skipped by early termination.
-    pub blocks_skipped_termination: u64,
-    pub top_p_candidates: u64,
-    pub top_p_kept: u64,
-    pub spec_predicted_blocks: u64,
-    pub spec_hit_blocks: u64,
-    pub spec_true_blocks: u64,
-    pub spec_repaired_blocks: u64,
-    pub refresh_full_steps: u64,
-    pub refresh_partial_steps: u64,
-    /// K and V bytes attention read (and a policy's selection, of key metadata); a sequence attended
-    /// densely counts every position visible to its first query row, on both engines.
-    pub kv_bytes_read: u64,
-    /// Engine-wide (not per layer, not per call): sequences with live state, created, released.
-    pub live_sequences: u64,
-    pub sequences_created: u64,
-    pub sequences_released: u64,
-    /// Bytes of per-sequence policy state held now on the host (a CUDA engine preallocates its
-    /// per-sequence state on the device at creation and reports 0).
-    pub state_bytes: u64,
-    /// Engine-wide: decode rows of a CUDA engine whose sequence found no free state slot (option
-    /// `max_seqs`) and therefore ran dense attention instead of the policy.
-    pub policy_rows_without_state: u64,
-    /// Engine-wide, CUDA engines: the `kvs_status` of the fault the device checks recorded and
-    /// `kvs_engine_check` has not returned yet (0 = none; reading the stats does not clear it).
-    pub pending_status: u64,
-}
-
-impl kvs_stats {
-    /// The C struct of the library's counters (the fields' names are the ABI's).
-    pub(crate) fn from_counters(c: &crate::stats::Counters, engine: Option<&crate::stats::EngineStats>) -> Self {
-        kvs_stats {
-            struct_size: std::mem::size_of::<kvs_stats>() as u32,
-            reserved: 0,
-            calls: c.calls,
-            prefill_tokens: c.prefill_tokens,
-            decode_rows: c.decode_rows,
-            policy_rows: c.policy_rows,
-            blocks_eligible: c.blocks_eligible,
-            blocks_visited: c.blocks_visited,
-            blocks_skipped_termination: c.blocks_skipped_termination,
-            top_p_candidates: c.top_p_candidates,
-            top_p_kept: c.top_p_kept,
-            spec_predicted_blocks: c.spec_predicted_blocks,
-            spec_hit_blocks: c.spec_hit_blocks,
-            spec_true_blocks: c.spec_true_blocks,
-            spec_repaired_blocks: c.spec_repaired_blocks,
-            refresh_full_steps: c.refresh_full_steps,
-            refresh_partial_steps: c.refresh_partial_steps,
-            kv_bytes_read: c.kv_bytes_read,
-            live_sequences: engine.map_or(0, |s| s.live_sequences),
-            sequences_created: engine.map_or(0, |s| s.sequences_created),
-            sequences_released: engine.map_or(0, |s| s.sequences_released),
-            state_bytes: engine.map_or(0, |s| s.state_bytes),
-            policy_rows_without_state: engine.map_or(0, |s| s.policy_rows_without_state),
-            pending_status: engine.map_or(0, |s| s.pending_status),
-        }
-    }
-}
+// `kvs_stats` (the counters) is defined with the policy registry: its middle is one line per stage.
+pub use crate::policy::kvs_stats;
 
 /// What the library says about a policy (`kvs_policy_query`, `kvs_engine_policy`): what a serving plugin
 /// needs to decide without parsing the spec itself.
@@ -336,9 +239,4 @@ pub struct kvs_policy_info {
     /// plugin (every stage's step is a fixed launch sequence, checked replay == eager; docs/abi.md); else 0.
     pub graph_capturable: u32,
     pub reserved: u32,
-}
-
-/// Opaque engine handle.
-pub struct kvs_engine {
-    pub(crate) inner: crate::engine::Engine,
 }

@@ -1,8 +1,8 @@
 //! The policy registry: each policy's place in the closed set of stages, one line per policy and table:
 //! its stage name and parser entry, its variant of [`Selector`] or slot of [`Pipeline`] (over its
-//! folder's parsed form), its CPU and CUDA implementations. The engine and the backends reach a stage
-//! through here (`Selector::cpu`, `Pipeline::cuda`, `Policy::cuda_device`), so nothing outside src/policy
-//! matches on a policy's name. The registry imports the folders; a folder never names the registry's
+//! folder's parsed form), its CPU and CUDA implementations, its own counters (and their fields of the C
+//! ABI's `kvs_stats`). The engine and the backends reach a stage through here (`Selector::cpu`,
+//! `Pipeline::cuda`, `Policy::cuda_device`), so nothing outside src/policy matches on a policy's name. The registry imports the folders; a folder never names the registry's
 //! types (it answers through [`SelectorKind`] and takes its own parsed form).
 
 use super::spec::{self, Arg, Args, Role, StageDef, DEFAULT_DENSE_LAYERS, DEFAULT_MAX_SEQS};
@@ -13,6 +13,7 @@ use crate::cpu::sparse::{CpuLaterStage, CpuPipeline, CpuStage, MAX_LATER_STAGES}
 use crate::cuda::kernel_src::{self, Module};
 use crate::cuda::stage::{CudaPipeline, CudaStage, PolicyDevice};
 use crate::error::Result;
+use crate::stats::{Counters, EngineStats, StageCounter};
 
 /// Declares each policy's folder as a module of `policy` (expanded in src/policy/mod.rs, so the folders
 /// are `crate::policy::<name>`).
@@ -147,6 +148,84 @@ pub(crate) const TRAVERSAL_HOOKS: &[crate::cuda::traversal::HookKernel] = &[supe
 /// line per stage that has some: what the layout test compares with the C definitions.
 #[cfg(test)]
 pub(crate) const PARAM_LAYOUTS: &[fn() -> Vec<kernel_src::CLayout>] = &[super::refresh::cuda::c_layouts, super::predictor::cuda::c_layouts, super::art::cuda::c_layouts];
+
+/// Each stage's own counters (declared in its folder, beyond the shared ones of [`Counters`]), one line
+/// per stage that keeps some: a CUDA engine reads those with a device slot from its device counters. The
+/// build checks that they fit `Counters` and that no two share a place or a device slot.
+pub const STAGE_COUNTERS: &[&[StageCounter]] = &[super::top_p::COUNTERS, super::speculate::COUNTERS, super::refresh::COUNTERS];
+const _: () = crate::stats::check_stage_counters(STAGE_COUNTERS);
+
+// The C ABI's counters (src/ffi re-exports them). Defined here, with the stages' table, because the
+// struct's middle is each stage's counters, one line per stage; cbindgen writes it to include/kvsparse.h as
+// written, one flat struct. Field order is ABI: append new fields at the end only (callers say how much
+// of the struct they know through `struct_size`).
+/// Counters, for one call or accumulated by the engine (totals or one layer).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvs_stats {
+    /// Set by the caller to `sizeof(kvs_stats)`; kvsparse writes only that many bytes.
+    pub struct_size: u32,
+    pub reserved: u32,
+    pub calls: u64,
+    pub prefill_tokens: u64,
+    pub decode_rows: u64,
+    /// Decode rows × KV heads served by a non-dense policy.
+    pub policy_rows: u64,
+    /// Blocks (per KV head) dense attention would have read for those rows.
+    pub blocks_eligible: u64,
+    /// Blocks (per KV head) actually read.
+    pub blocks_visited: u64,
+    /// Blocks offered by the selector but skipped by early termination.
+    pub blocks_skipped_termination: u64,
+    // Each stage's counters, one line per stage (its folder declares them: `top_p::CANDIDATES`, ...).
+    pub top_p_candidates: u64, pub top_p_kept: u64,
+    pub spec_predicted_blocks: u64, pub spec_hit_blocks: u64, pub spec_true_blocks: u64, pub spec_repaired_blocks: u64,
+    pub refresh_full_steps: u64, pub refresh_partial_steps: u64,
+    /// K and V bytes attention read (and a policy's selection, of key metadata); a sequence attended
+    /// densely counts every position visible to its first query row, on both engines.
+    pub kv_bytes_read: u64,
+    /// Engine-wide (not per layer, not per call): sequences with live state, created, released.
+    pub live_sequences: u64,
+    pub sequences_created: u64,
+    pub sequences_released: u64,
+    /// Bytes of per-sequence policy state held now on the host (a CUDA engine preallocates its
+    /// per-sequence state on the device at creation and reports 0).
+    pub state_bytes: u64,
+    /// Engine-wide: decode rows of a CUDA engine whose sequence found no free state slot (option
+    /// `max_seqs`) and therefore ran dense attention instead of the policy.
+    pub policy_rows_without_state: u64,
+    /// Engine-wide, CUDA engines: the `kvs_status` of the fault the device checks recorded and
+    /// `kvs_engine_check` has not returned yet (0 = none; reading the stats does not clear it).
+    pub pending_status: u64,
+}
+
+impl kvs_stats {
+    /// The C struct of the library's counters (the fields' names are the ABI's).
+    pub(crate) fn from_counters(c: &Counters, engine: Option<&EngineStats>) -> Self {
+        kvs_stats {
+            struct_size: std::mem::size_of::<kvs_stats>() as u32,
+            reserved: 0,
+            calls: c.calls,
+            prefill_tokens: c.prefill_tokens,
+            decode_rows: c.decode_rows,
+            policy_rows: c.policy_rows,
+            blocks_eligible: c.blocks_eligible,
+            blocks_visited: c.blocks_visited,
+            blocks_skipped_termination: c.blocks_skipped_termination,
+            top_p_candidates: c[super::top_p::CANDIDATES], top_p_kept: c[super::top_p::KEPT],
+            spec_predicted_blocks: c[super::speculate::PREDICTED_BLOCKS], spec_hit_blocks: c[super::speculate::HIT_BLOCKS], spec_true_blocks: c[super::speculate::TRUE_BLOCKS], spec_repaired_blocks: c[super::speculate::REPAIRED_BLOCKS],
+            refresh_full_steps: c[super::refresh::FULL_STEPS], refresh_partial_steps: c[super::refresh::PARTIAL_STEPS],
+            kv_bytes_read: c.kv_bytes_read,
+            live_sequences: engine.map_or(0, |s| s.live_sequences),
+            sequences_created: engine.map_or(0, |s| s.sequences_created),
+            sequences_released: engine.map_or(0, |s| s.sequences_released),
+            state_bytes: engine.map_or(0, |s| s.state_bytes),
+            policy_rows_without_state: engine.map_or(0, |s| s.policy_rows_without_state),
+            pending_status: engine.map_or(0, |s| s.pending_status),
+        }
+    }
+}
 
 /// Why a selector whose `SelectorKind::cuda_fp8_cache` is false is refused over an FP8 cache on CUDA.
 pub(super) const SELECTOR_NO_FP8: &str = "this selector's own kernels read 16-bit cache rows only";
@@ -349,6 +428,12 @@ impl CudaPipeline for Pipeline {
 }
 
 impl Policy {
+    /// Every stage's own counters ([`STAGE_COUNTERS`]), for a CUDA engine to read those its stages' kernels
+    /// count from its device counters (a stage this policy lacks leaves its slots zero).
+    pub(crate) fn stage_counters(&self) -> &'static [&'static [StageCounter]] {
+        STAGE_COUNTERS
+    }
+
     /// What a new CPU engine loads for this policy's life and hands every call (`SparseCtx::policy_data`):
     /// the predictor's weights; None for the others.
     pub(crate) fn cpu_data(&self) -> Result<Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>> {
@@ -550,6 +635,51 @@ mod tests {
             }
         }
         assert!(cases > 1000);
+    }
+
+    /// `kvs_stats` is the C ABI's flat struct: every field at the offset C callers were compiled with, the
+    /// stages' lines in the middle included, and the size they pass as `struct_size`.
+    #[test]
+    fn kvs_stats_keeps_the_abi_layout() {
+        use crate::policy::kvs_stats as S;
+        use std::mem::offset_of;
+        let got = [
+            offset_of!(S, reserved),
+            offset_of!(S, calls),
+            offset_of!(S, blocks_skipped_termination),
+            offset_of!(S, top_p_candidates),
+            offset_of!(S, top_p_kept),
+            offset_of!(S, spec_predicted_blocks),
+            offset_of!(S, spec_hit_blocks),
+            offset_of!(S, spec_true_blocks),
+            offset_of!(S, spec_repaired_blocks),
+            offset_of!(S, refresh_full_steps),
+            offset_of!(S, refresh_partial_steps),
+            offset_of!(S, kv_bytes_read),
+            offset_of!(S, pending_status),
+            std::mem::size_of::<S>(),
+        ];
+        assert_eq!(got, [4, 8, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 176, 184]);
+    }
+
+    /// The C struct carries each stage's counters from `Counters` (through the stages' constants), and the
+    /// engine-wide values only when given.
+    #[test]
+    fn kvs_stats_takes_each_stage_counter_from_its_place() {
+        use crate::policy::{kvs_stats, refresh, speculate, top_p};
+        use crate::stats::{Counters, EngineStats};
+        let mut c = Counters { calls: 1, kv_bytes_read: 2, ..Default::default() };
+        let stage = [top_p::CANDIDATES, top_p::KEPT, speculate::PREDICTED_BLOCKS, speculate::HIT_BLOCKS, speculate::TRUE_BLOCKS, speculate::REPAIRED_BLOCKS, refresh::FULL_STEPS, refresh::PARTIAL_STEPS];
+        for (i, s) in stage.into_iter().enumerate() {
+            c[s] = 10 + i as u64;
+        }
+        let k = kvs_stats::from_counters(&c, None);
+        let got = [k.top_p_candidates, k.top_p_kept, k.spec_predicted_blocks, k.spec_hit_blocks, k.spec_true_blocks, k.spec_repaired_blocks, k.refresh_full_steps, k.refresh_partial_steps];
+        assert_eq!(got, [10, 11, 12, 13, 14, 15, 16, 17]);
+        assert_eq!((k.calls, k.kv_bytes_read, k.live_sequences), (1, 2, 0));
+        let e = EngineStats { live_sequences: 3, pending_status: 4, ..Default::default() };
+        let k = kvs_stats::from_counters(&c, Some(&e));
+        assert_eq!((k.live_sequences, k.pending_status, k.struct_size as usize), (3, 4, std::mem::size_of::<kvs_stats>()));
     }
 
     #[test]

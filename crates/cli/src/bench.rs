@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use kvsparse_conformance::hostbuf::HostBuf;
 use kvsparse::engine::Engine;
-use kvsparse::policy::Policy;
+use kvsparse::policy::{top_p, Policy};
 use kvsparse::stats::Counters;
 use kvsparse_conformance::synthetic::{Synth, SynthSpec};
 use kvsparse::EngineConfig;
@@ -111,7 +111,7 @@ pub fn run(argv: &[String]) -> Result<(), String> {
         let errs = row_errors(&r.out, &dense_out, d);
         let c = &r.c;
         let visited = if c.policy_rows > 0 { format!("{:.1}%", 100.0 * c.visited_fraction()) } else { "100% (dense)".into() };
-        let kept = if c.top_p_candidates > 0 { format!("{:.1}%", 100.0 * c.top_p_kept as f64 / c.top_p_candidates as f64) } else { "-".into() };
+        let kept = if c[top_p::CANDIDATES] > 0 { format!("{:.1}%", 100.0 * c[top_p::KEPT] as f64 / c[top_p::CANDIDATES] as f64) } else { "-".into() };
         let skipped = if c.blocks_skipped_termination > 0 || r.name.contains("art") {
             format!("{:.1}%", 100.0 * c.blocks_skipped_termination as f64 / c.blocks_eligible.max(1) as f64)
         } else {

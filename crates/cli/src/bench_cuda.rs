@@ -134,7 +134,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                         step_x
                     );
                     if r.refresh_full.is_finite() {
-                        // The predictor counts its calibration steps as the full ones (Counters::refresh_full_steps).
+                        // The predictor counts its calibration steps as the full ones (`refresh::FULL_STEPS`).
                         let (who, kind) = if spec.starts_with("predictor") { ("AttentionPredictor", "calibration") } else { ("RefreshKV", "full") };
                         println!("{:<40} {who}: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them {kind}", "", 60.max(2 * r.period) * r.rotation, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
                     }

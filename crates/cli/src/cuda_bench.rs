@@ -12,6 +12,7 @@ use kvsparse::cuda::driver::{check, cuda, CUevent, CUstream};
 use kvsparse::config::EngineConfig;
 use kvsparse::engine::{Engine, ForwardArgs};
 use kvsparse::error::Result;
+use kvsparse::policy::{refresh, speculate, top_p};
 use kvsparse::rng::Rng;
 use kvsparse::tensor::{DType, Device, TensorRef};
 
@@ -641,7 +642,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     engine.attention_forward(&args[0])?;
     let after = engine.stats().total;
     let (elig, vis) = ((after.blocks_eligible - before.blocks_eligible) as f64, (after.blocks_visited - before.blocks_visited) as f64);
-    let (cand, kept) = ((after.top_p_candidates - before.top_p_candidates) as f64, (after.top_p_kept - before.top_p_kept) as f64);
+    let (cand, kept) = ((after[top_p::CANDIDATES] - before[top_p::CANDIDATES]) as f64, (after[top_p::KEPT] - before[top_p::KEPT]) as f64);
     let forward_us = time_calls(&|i| engine.attention_forward(&args[i % args.len()]).map(|_| ()))?;
     // A stateful policy's steps differ (RefreshKV: full and partial), so a median of groups can miss the
     // expensive ones: the mean over many consecutive steps (every rotation's sequences alike), and the
@@ -656,7 +657,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             Ok(())
         })?;
         let c1 = engine.stats().total;
-        let (rf, rp) = (c1.refresh_full_steps - c0.refresh_full_steps, c1.refresh_partial_steps - c0.refresh_partial_steps);
+        let (rf, rp) = (c1[refresh::FULL_STEPS] - c0[refresh::FULL_STEPS], c1[refresh::PARTIAL_STEPS] - c0[refresh::PARTIAL_STEPS]);
         (ms * 1e3 / n as f64, if rf + rp > 0 { rf as f64 / (rf + rp) as f64 } else { f64::NAN })
     } else {
         (f64::NAN, f64::NAN)
@@ -678,7 +679,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         }
         set_prr_timeline(backend, false);
         let after = engine.stats().total;
-        let (hit, tru) = (after.spec_hit_blocks - before.spec_hit_blocks, after.spec_true_blocks - before.spec_true_blocks);
+        let (hit, tru) = (after[speculate::HIT_BLOCKS] - before[speculate::HIT_BLOCKS], after[speculate::TRUE_BLOCKS] - before[speculate::TRUE_BLOCKS]);
         spec_hit = if tru > 0 { hit as f64 / tru as f64 } else { f64::NAN };
         timeline = kvsparse::policy::speculate::cuda::TIMELINE.iter().zip(per).map(|(&name, v)| (name, median(v))).collect();
         let (g, sg, gt) = prr_graph_times(&engine, se, &args, rotation)?;

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use kvsparse_conformance::reference::rel_err;
 use kvsparse_conformance::eval::{mean, quantile, recovered_mass, row_errors};
-use kvsparse::policy::Policy;
+use kvsparse::policy::{refresh, speculate, top_p, Policy};
 use kvsparse::stats::Counters;
 use kvsparse_conformance::traces::{replay, Manifest, Replay, ReplayOptions, Trace};
 
@@ -194,8 +194,8 @@ impl Measure {
         let c = &self.counters;
         let pct = |a: u64, b: u64| 100.0 * a as f64 / b.max(1) as f64;
         let mut n = Vec::new();
-        if c.top_p_candidates > 0 {
-            n.push(format!("top-p kept {:.1}%", pct(c.top_p_kept, c.top_p_candidates)));
+        if c[top_p::CANDIDATES] > 0 {
+            n.push(format!("top-p kept {:.1}%", pct(c[top_p::KEPT], c[top_p::CANDIDATES])));
         }
         if self.art_tiles.1 > 0 {
             n.push(format!(
@@ -209,17 +209,17 @@ impl Measure {
         if let Some(oc) = &self.oracle {
             n.push(oc.describe());
         }
-        if c.spec_true_blocks > 0 {
+        if c[speculate::TRUE_BLOCKS] > 0 {
             n.push(format!(
                 "PRR hit {:.3} (reuse-prev {:.3}), {:.2} repaired/row",
-                c.spec_hit_blocks as f64 / c.spec_true_blocks as f64,
-                c.spec_reuse_hit_blocks as f64 / c.spec_true_blocks as f64,
-                c.spec_repaired_blocks as f64 / c.policy_rows.max(1) as f64
+                c[speculate::HIT_BLOCKS] as f64 / c[speculate::TRUE_BLOCKS] as f64,
+                c[speculate::REUSE_HIT_BLOCKS] as f64 / c[speculate::TRUE_BLOCKS] as f64,
+                c[speculate::REPAIRED_BLOCKS] as f64 / c.policy_rows.max(1) as f64
             ));
         }
-        let steps = c.refresh_full_steps + c.refresh_partial_steps;
+        let steps = c[refresh::FULL_STEPS] + c[refresh::PARTIAL_STEPS];
         if steps > 0 {
-            n.push(format!("full steps {}/{} (every {:.1})", c.refresh_full_steps, steps, steps as f64 / c.refresh_full_steps.max(1) as f64));
+            n.push(format!("full steps {}/{} (every {:.1})", c[refresh::FULL_STEPS], steps, steps as f64 / c[refresh::FULL_STEPS].max(1) as f64));
         }
         n.join("; ")
     }
@@ -552,12 +552,12 @@ fn write_csv(path: &Path, rows: &[Row]) -> Result<(), String> {
                 mean(&m.mass),
                 quantile(&m.mass, 0.01),
                 m.ms_per_call(),
-                ratio(c.top_p_kept * 100, c.top_p_candidates),
+                ratio(c[top_p::KEPT] * 100, c[top_p::CANDIDATES]),
                 ratio(c.blocks_skipped_termination * 100, c.blocks_eligible),
-                ratio(c.spec_hit_blocks, c.spec_true_blocks),
-                ratio(c.spec_reuse_hit_blocks, c.spec_true_blocks),
-                c.refresh_full_steps,
-                c.refresh_partial_steps
+                ratio(c[speculate::HIT_BLOCKS], c[speculate::TRUE_BLOCKS]),
+                ratio(c[speculate::REUSE_HIT_BLOCKS], c[speculate::TRUE_BLOCKS]),
+                c[refresh::FULL_STEPS],
+                c[refresh::PARTIAL_STEPS]
             );
         }
     }

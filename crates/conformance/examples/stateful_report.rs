@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kvsparse_conformance::reference::rel_err;
+use kvsparse::policy::refresh;
 use kvsparse::policy::speculate::{self, TrajStep};
 use kvsparse::stats::Counters;
 use kvsparse_conformance::eval::{mean, recovered_mass};
@@ -81,13 +82,13 @@ fn prr(m: &Manifest) {
             let t0 = Instant::now();
             let cal = speculate::calibrate(&traj, &grid, sb / 16, b / 16);
             let ms = t0.elapsed().as_secs_f64() * 1e3;
-            let tb = c.spec_true_blocks as f64;
+            let tb = c[speculate::TRUE_BLOCKS] as f64;
             println!(
                 "| {} | {b} | {sb} | {:.3} | {:.3} | {:.2} | {}/{} ({:.1}%) | {:.1e} | ({:.1}, {:.1}, {:.1}) | {ms:.1} |",
                 info.name,
-                c.spec_hit_blocks as f64 / tb,
-                c.spec_reuse_hit_blocks as f64 / tb,
-                c.spec_repaired_blocks as f64 / c.policy_rows as f64,
+                c[speculate::HIT_BLOCKS] as f64 / tb,
+                c[speculate::REUSE_HIT_BLOCKS] as f64 / tb,
+                c[speculate::REPAIRED_BLOCKS] as f64 / c.policy_rows as f64,
                 c.blocks_visited,
                 c.blocks_eligible,
                 100.0 * c.visited_fraction(),
@@ -117,12 +118,12 @@ fn refresh(m: &Manifest) {
             for spec in [format!("refresh(k={k}, stride=5, s=0.85)"), format!("refresh(k={k}, every=5)"), format!("snapkv(budget={k})")] {
                 let r = replay(&tr, &spec, &opts(true)).expect("replay");
                 let c: Counters = r.counters;
-                let eff = if c.refresh_full_steps > 0 { format!("{:.1}", (c.refresh_full_steps + c.refresh_partial_steps) as f64 / c.refresh_full_steps as f64) } else { "—".into() };
+                let eff = if c[refresh::FULL_STEPS] > 0 { format!("{:.1}", (c[refresh::FULL_STEPS] + c[refresh::PARTIAL_STEPS]) as f64 / c[refresh::FULL_STEPS] as f64) } else { "—".into() };
                 println!(
                     "| {} | `{spec}` | {} / {} | {eff} | {}/{} ({:.1}%) | {:.3} | {:.3} |",
                     info.name,
-                    c.refresh_full_steps,
-                    c.refresh_partial_steps,
+                    c[refresh::FULL_STEPS],
+                    c[refresh::PARTIAL_STEPS],
                     c.blocks_visited,
                     c.blocks_eligible,
                     100.0 * c.visited_fraction(),
@@ -212,8 +213,8 @@ fn predictor(m: &Manifest) {
                 c.blocks_visited,
                 c.blocks_eligible,
                 100.0 * c.visited_fraction(),
-                c.refresh_full_steps,
-                c.refresh_partial_steps,
+                c[refresh::FULL_STEPS],
+                c[refresh::PARTIAL_STEPS],
                 layer_err(&pr, &dense),
                 layer_err(&q, &dense)
             );

@@ -13,6 +13,7 @@ use kvsparse::engine::{CacheWriteArgs, ForwardArgs};
 use kvsparse::error::{Error, ErrorKind, Result};
 use kvsparse::ffi::dlpack::{device_to_dl, dtype_to_dl, DLTensor};
 use kvsparse::ffi::types::{kvs_cache_write_args, kvs_dtype, kvs_engine_config, kvs_forward_args, kvs_stats};
+use kvsparse::policy::top_p;
 use kvsparse::stats::Counters;
 use kvsparse::tensor::{DType, TensorRef};
 
@@ -236,7 +237,7 @@ impl Api for LibEngine<'_> {
         };
         // SAFETY: as for cache_write; `st` outlives the call.
         self.lib.check(unsafe { (self.lib.f.forward)(self.h, &c) }, "kvs_attention_forward")?;
-        Ok(Counters {
+        let mut c = Counters {
             calls: st.calls,
             prefill_tokens: st.prefill_tokens,
             decode_rows: st.decode_rows,
@@ -244,11 +245,11 @@ impl Api for LibEngine<'_> {
             blocks_eligible: st.blocks_eligible,
             blocks_visited: st.blocks_visited,
             blocks_skipped_termination: st.blocks_skipped_termination,
-            top_p_candidates: st.top_p_candidates,
-            top_p_kept: st.top_p_kept,
             kv_bytes_read: st.kv_bytes_read,
             ..Default::default()
-        })
+        };
+        (c[top_p::CANDIDATES], c[top_p::KEPT]) = (st.top_p_candidates, st.top_p_kept);
+        Ok(c)
     }
 
     fn release_sequence(&self, seq_id: u64) -> Result<()> {

@@ -22,7 +22,7 @@ use kvsparse::error::Result;
 use kvsparse::rng::Rng;
 use kvsparse::stats::{Counters, VisitRecord};
 use kvsparse::policy::predictor::PredictorWeights;
-use kvsparse::policy::PredictorSpec;
+use kvsparse::policy::{refresh, PredictorSpec};
 use kvsparse::tensor::{DType, Device, TensorRef};
 use std::collections::HashMap;
 
@@ -549,12 +549,12 @@ pub fn run_predictor_case(spec: &CaseSpec, policy: &str, seed: u64) -> Predictor
         if res.differing_rows == 0 {
             res.counters_mismatch = compare_counters(&c_cpu, &c_gpu);
         }
-        if (c_cpu.refresh_full_steps, c_cpu.refresh_partial_steps) != (c_gpu.refresh_full_steps, c_gpu.refresh_partial_steps) {
-            let m = format!("calibration/predicted steps CPU {}/{} GPU {}/{}", c_cpu.refresh_full_steps, c_cpu.refresh_partial_steps, c_gpu.refresh_full_steps, c_gpu.refresh_partial_steps);
+        if (c_cpu[refresh::FULL_STEPS], c_cpu[refresh::PARTIAL_STEPS]) != (c_gpu[refresh::FULL_STEPS], c_gpu[refresh::PARTIAL_STEPS]) {
+            let m = format!("calibration/predicted steps CPU {}/{} GPU {}/{}", c_cpu[refresh::FULL_STEPS], c_cpu[refresh::PARTIAL_STEPS], c_gpu[refresh::FULL_STEPS], c_gpu[refresh::PARTIAL_STEPS]);
             res.counters_mismatch = Some(res.counters_mismatch.take().map_or(m.clone(), |x| format!("{x}, {m}")));
         }
-        res.full_steps = c_cpu.refresh_full_steps;
-        res.partial_steps = c_cpu.refresh_partial_steps;
+        res.full_steps = c_cpu[refresh::FULL_STEPS];
+        res.partial_steps = c_cpu[refresh::PARTIAL_STEPS];
         let (tol_o, tol_l) = tolerance(spec.dtype);
         res.pass = res.rows > 0 && res.partial_steps > 0 && res.decision_mismatch.is_none() && res.counters_mismatch.is_none() && res.rel_err <= tol_o && res.lse_err <= tol_l;
         Ok(())
@@ -639,7 +639,7 @@ pub fn predictor_graph_replay(spec: &CaseSpec, policy: &str, seed: u64) -> Resul
     if let Some(m) = compare_counters(&c_e, &c_g) {
         return Ok((rows, Some(m)));
     }
-    if (c_e.refresh_full_steps, c_e.refresh_partial_steps) != (c_g.refresh_full_steps, c_g.refresh_partial_steps) {
+    if (c_e[refresh::FULL_STEPS], c_e[refresh::PARTIAL_STEPS]) != (c_g[refresh::FULL_STEPS], c_g[refresh::PARTIAL_STEPS]) {
         return Ok((rows, Some("calibration/predicted step counts differ".into())));
     }
     Ok((rows, None))
@@ -658,7 +658,7 @@ mod tests {
         let cs = calls(&f, 5);
         let (v, o, c, _) = run_calls(&engine_for(&f, predictor_policies()[0], Device::Cpu).unwrap(), &f, &cs, false, None).unwrap();
         assert_eq!(v.len(), STEPS + 1);
-        assert!(c.refresh_full_steps > 0 && c.refresh_partial_steps > 0, "{c:?}");
+        assert!(c[refresh::FULL_STEPS] > 0 && c[refresh::PARTIAL_STEPS] > 0, "{c:?}");
         let hk = spec.num_kv_heads;
         assert_eq!(v[0].len(), hk, "call 0 has one decode row (sequence 0)");
         assert_eq!(v[0][0].spans, vec![(0, cs[0].len[0])], "no history: every position");

@@ -14,6 +14,7 @@ use super::{tolerance, CaseSpec};
 use kvsparse::cuda::context::DevBuf;
 use kvsparse::engine::{CacheWriteArgs, Engine, ForwardArgs};
 use kvsparse::error::Result;
+use kvsparse::policy::speculate;
 use kvsparse::rng::Rng;
 use kvsparse::stats::{Counters, VisitRecord};
 use kvsparse::tensor::{DType, Device, TensorRef};
@@ -51,7 +52,7 @@ pub struct PrrResult {
 
 /// Counters both engines must agree on: the dense ones and PRR's.
 pub fn compare_prr_counters(c: &Counters, g: &Counters) -> Option<String> {
-    let pick = |x: &Counters| [x.spec_predicted_blocks, x.spec_true_blocks, x.spec_hit_blocks, x.spec_repaired_blocks, x.spec_reuse_hit_blocks, x.spec_calibrations];
+    let pick = |x: &Counters| [x[speculate::PREDICTED_BLOCKS], x[speculate::TRUE_BLOCKS], x[speculate::HIT_BLOCKS], x[speculate::REPAIRED_BLOCKS], x[speculate::REUSE_HIT_BLOCKS], x[speculate::CALIBRATIONS]];
     let names = ["spec_predicted_blocks", "spec_true_blocks", "spec_hit_blocks", "spec_repaired_blocks", "spec_reuse_hit_blocks", "spec_calibrations"];
     let (a, b) = (pick(c), pick(g));
     let mut diffs: Vec<String> = (0..a.len()).filter(|&i| a[i] != b[i]).map(|i| format!("{} CPU {} GPU {}", names[i], a[i], b[i])).collect();
@@ -381,7 +382,7 @@ pub fn run_prr_case_with(spec: &CaseSpec, policy: &str, steps: usize, seed: u64,
             let (cc, cg) = (cpu.engine().stats().total, gpu.engine().stats().total);
             res.calls += 1;
             res.rows += vc.len();
-            res.spec = [cc.spec_predicted_blocks, cc.spec_true_blocks, cc.spec_hit_blocks, cc.spec_repaired_blocks];
+            res.spec = [cc[speculate::PREDICTED_BLOCKS], cc[speculate::TRUE_BLOCKS], cc[speculate::HIT_BLOCKS], cc[speculate::REPAIRED_BLOCKS]];
             if res.decision_mismatch.is_none() {
                 res.decision_mismatch = compare_visits(&vc, &vg).map(|m| format!("call {i}: {m}"));
             }
@@ -416,10 +417,10 @@ mod tests {
             let c = run_prr_cpu(spec, pol, 3, 11).unwrap_or_else(|e| panic!("{pol}: {e}"));
             println!(
                 "{pol}: predicted {} true {} hit {} repaired {} reuse {} calibrations {}",
-                c.spec_predicted_blocks, c.spec_true_blocks, c.spec_hit_blocks, c.spec_repaired_blocks, c.spec_reuse_hit_blocks, c.spec_calibrations
+                c[speculate::PREDICTED_BLOCKS], c[speculate::TRUE_BLOCKS], c[speculate::HIT_BLOCKS], c[speculate::REPAIRED_BLOCKS], c[speculate::REUSE_HIT_BLOCKS], c[speculate::CALIBRATIONS]
             );
-            assert!(c.spec_repaired_blocks > 0 && c.spec_hit_blocks > 0, "{pol}: {c:?}");
-            assert_eq!(c.spec_calibrations as usize, 6 * spec.num_kv_heads - spec.num_kv_heads, "{pol}: one per (prefill sequence, KV head)");
+            assert!(c[speculate::REPAIRED_BLOCKS] > 0 && c[speculate::HIT_BLOCKS] > 0, "{pol}: {c:?}");
+            assert_eq!(c[speculate::CALIBRATIONS] as usize, 6 * spec.num_kv_heads - spec.num_kv_heads, "{pol}: one per (prefill sequence, KV head)");
         }
     }
 }

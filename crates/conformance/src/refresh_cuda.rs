@@ -22,6 +22,7 @@ use kvsparse::cuda::context::DevBuf;
 use kvsparse::cuda::driver::{self, check, cuda, CUstream};
 use kvsparse::engine::{CacheWriteArgs, Engine, ForwardArgs};
 use kvsparse::error::Result;
+use kvsparse::policy::refresh;
 use kvsparse::rng::Rng;
 use kvsparse::stats::{Counters, VisitRecord};
 use kvsparse::tensor::{DType, Device, TensorRef};
@@ -559,14 +560,14 @@ pub fn run_refresh_case(spec: &CaseSpec, policy: &str, len0: &[usize], steps: us
             worst_l = worst_l.max(max_abs_err(&og.lse, &oc.lse));
         }
         let (c_cpu, c_gpu): (Counters, Counters) = (cpu.engine().stats().total, gpu.engine().stats().total);
-        res.full_steps = c_cpu.refresh_full_steps;
-        res.partial_steps = c_cpu.refresh_partial_steps;
+        res.full_steps = c_cpu[refresh::FULL_STEPS];
+        res.partial_steps = c_cpu[refresh::PARTIAL_STEPS];
         res.rows_without_state = gpu.engine().stats().policy_rows_without_state;
         if no_slot.is_empty() {
             // Borderline swaps may touch other blocks: the count of blocks visited then differs.
             let c_gpu = if res.agreement.differing > 0 { Counters { blocks_visited: c_cpu.blocks_visited, ..c_gpu } } else { c_gpu };
             res.counters_mismatch = compare_counters(&c_cpu, &c_gpu).or_else(|| {
-                let (a, b) = ((c_cpu.refresh_full_steps, c_cpu.refresh_partial_steps), (c_gpu.refresh_full_steps, c_gpu.refresh_partial_steps));
+                let (a, b) = ((c_cpu[refresh::FULL_STEPS], c_cpu[refresh::PARTIAL_STEPS]), (c_gpu[refresh::FULL_STEPS], c_gpu[refresh::PARTIAL_STEPS]));
                 (a != b).then(|| format!("refresh (full, partial) steps CPU {a:?} GPU {b:?}"))
             });
         } else if res.rows_without_state != steps as u64 {
@@ -749,9 +750,9 @@ pub fn refresh_graph_replay(spec: &CaseSpec, policy: &str, len0: &[usize], steps
         }
         let (ce, cg) = (ee.stats().total, ge.stats().total);
         if mism.is_none() {
-            mism = compare_counters(&ce, &cg).or_else(|| ((ce.refresh_full_steps, ce.refresh_partial_steps) != (cg.refresh_full_steps, cg.refresh_partial_steps)).then(|| format!("refresh steps eager {:?} graph {:?}", (ce.refresh_full_steps, ce.refresh_partial_steps), (cg.refresh_full_steps, cg.refresh_partial_steps))));
+            mism = compare_counters(&ce, &cg).or_else(|| ((ce[refresh::FULL_STEPS], ce[refresh::PARTIAL_STEPS]) != (cg[refresh::FULL_STEPS], cg[refresh::PARTIAL_STEPS])).then(|| format!("refresh steps eager {:?} graph {:?}", (ce[refresh::FULL_STEPS], ce[refresh::PARTIAL_STEPS]), (cg[refresh::FULL_STEPS], cg[refresh::PARTIAL_STEPS]))));
         }
-        Ok((rows, ce.refresh_full_steps, ce.refresh_partial_steps, mism))
+        Ok((rows, ce[refresh::FULL_STEPS], ce[refresh::PARTIAL_STEPS], mism))
     })();
     // SAFETY: created above.
     unsafe { (api.cuStreamDestroy)(stream) };
@@ -808,7 +809,7 @@ mod tests {
         }
         let c = cpu.engine().stats().total;
         assert_eq!(rows, 6 * 3 * spec.num_kv_heads);
-        assert!(c.refresh_full_steps >= 3 && c.refresh_partial_steps > 0, "{c:?}");
-        assert_eq!(full, c.refresh_full_steps, "the mirror's full steps");
+        assert!(c[refresh::FULL_STEPS] >= 3 && c[refresh::PARTIAL_STEPS] > 0, "{c:?}");
+        assert_eq!(full, c[refresh::FULL_STEPS], "the mirror's full steps");
     }
 }

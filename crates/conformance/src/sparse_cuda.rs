@@ -13,6 +13,7 @@ use super::{tolerance, CaseSpec};
 use kvsparse::cuda::driver::{self, check, cuda, CUstream};
 use kvsparse::engine::Engine;
 use kvsparse::error::Result;
+use kvsparse::policy::top_p;
 use kvsparse::stats::{Counters, VisitRecord};
 use kvsparse::tensor::{DType, Device};
 
@@ -160,7 +161,7 @@ pub fn compare_visits(cpu: &[VisitRecord], gpu: &[VisitRecord]) -> Option<String
 
 /// Policy counters both backends must agree on.
 pub fn compare_counters(c: &Counters, g: &Counters) -> Option<String> {
-    let pick = |x: &Counters| [x.decode_rows, x.prefill_tokens, x.policy_rows, x.blocks_eligible, x.blocks_visited, x.top_p_candidates, x.top_p_kept, x.kv_bytes_read];
+    let pick = |x: &Counters| [x.decode_rows, x.prefill_tokens, x.policy_rows, x.blocks_eligible, x.blocks_visited, x[top_p::CANDIDATES], x[top_p::KEPT], x.kv_bytes_read];
     let names = ["decode_rows", "prefill_tokens", "policy_rows", "blocks_eligible", "blocks_visited", "top_p_candidates", "top_p_kept", "kv_bytes_read"];
     let (a, b) = (pick(c), pick(g));
     let diffs: Vec<String> = (0..a.len()).filter(|&i| a[i] != b[i]).map(|i| format!("{} CPU {} GPU {}", names[i], a[i], b[i])).collect();

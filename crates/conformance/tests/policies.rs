@@ -9,6 +9,7 @@ use kvsparse_conformance::matrix;
 use kvsparse_conformance::reference::{attention_f64, rel_err, RefParams, SeqRef};
 use kvsparse::cpu::metadata::{CacheMeta, MetaNeeds};
 use kvsparse::policy::quest::cpu::quest_bound;
+use kvsparse::policy::top_p;
 use kvsparse::engine::{CacheWriteArgs, Engine};
 use kvsparse::layout::KvCache;
 use kvsparse::rng::Rng;
@@ -216,12 +217,12 @@ fn sparse_policies_are_close_on_llm_like_data_and_report_stats() {
     for spec in ["quest(budget=512)", "quest(budget=512) > top_p(p=0.95)", "top_p(p=0.9)", "snapkv(budget=512)", "quest(budget=512) > top_p(p=0.95) > art"] {
         let (out, c) = decode(&mut syn, spec);
         let e = rel_err(&out, &dense);
-        println!("{spec:<45} rel {e:.2e} visited {:>4}/{} kept {}/{}", c.blocks_visited, c.blocks_eligible, c.top_p_kept, c.top_p_candidates);
+        println!("{spec:<45} rel {e:.2e} visited {:>4}/{} kept {}/{}", c.blocks_visited, c.blocks_eligible, c[top_p::KEPT], c[top_p::CANDIDATES]);
         assert_eq!(c.policy_rows, rows);
         assert!(c.blocks_visited < c.blocks_eligible, "{spec}");
         assert!(out.iter().all(|x| x.is_finite()));
         if spec.contains("top_p") {
-            assert!(c.top_p_kept > 0 && c.top_p_kept < c.top_p_candidates, "{spec}: {c:?}");
+            assert!(c[top_p::KEPT] > 0 && c[top_p::KEPT] < c[top_p::CANDIDATES], "{spec}: {c:?}");
         }
         assert!(e < 0.5, "seed {s}: {spec} error {e}");
     }

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use kvsparse_conformance::hostbuf::HostBuf;
 use kvsparse_conformance::reference::rel_err;
 use kvsparse::engine::Engine;
-use kvsparse::policy::speculate::SpecBudgetTable;
+use kvsparse::policy::speculate::{self, SpecBudgetTable};
+use kvsparse::policy::refresh;
 use kvsparse::rng::Rng;
 use kvsparse_conformance::synthetic::{Synth, SynthSpec};
 use kvsparse::tensor::DType;
@@ -44,14 +45,14 @@ fn speculate_output_equals_attention_over_the_true_set() {
             assert!(e <= 1e-6, "{spec}: differs from attention over the true set by {e:.3e}");
         }
         assert_eq!(c.policy_rows, quest.counters.policy_rows);
-        assert!(c.spec_true_blocks > 0);
-        assert_eq!(c.spec_hit_blocks + c.spec_repaired_blocks, c.spec_true_blocks, "{c:?}");
-        let hit = c.spec_hit_blocks as f64 / c.spec_true_blocks as f64;
-        let reuse = c.spec_reuse_hit_blocks as f64 / c.spec_true_blocks as f64;
-        println!("{spec}: hit {hit:.3} reuse-previous {reuse:.3} repaired {} visited {}/{} calib {}", c.spec_repaired_blocks, c.blocks_visited, c.blocks_eligible, c.spec_calibrations);
+        assert!(c[speculate::TRUE_BLOCKS] > 0);
+        assert_eq!(c[speculate::HIT_BLOCKS] + c[speculate::REPAIRED_BLOCKS], c[speculate::TRUE_BLOCKS], "{c:?}");
+        let hit = c[speculate::HIT_BLOCKS] as f64 / c[speculate::TRUE_BLOCKS] as f64;
+        let reuse = c[speculate::REUSE_HIT_BLOCKS] as f64 / c[speculate::TRUE_BLOCKS] as f64;
+        println!("{spec}: hit {hit:.3} reuse-previous {reuse:.3} repaired {} visited {}/{} calib {}", c[speculate::REPAIRED_BLOCKS], c.blocks_visited, c.blocks_eligible, c[speculate::CALIBRATIONS]);
         hit_rates.push(hit);
         if predict == "inverse" {
-            assert!(c.spec_repaired_blocks > 0, "the inverted predictor repaired nothing: {c:?}");
+            assert!(c[speculate::REPAIRED_BLOCKS] > 0, "the inverted predictor repaired nothing: {c:?}");
         }
     }
     assert!(hit_rates[0] > 0.5, "Holt hit rate {:.3}", hit_rates[0]);
@@ -86,12 +87,12 @@ fn speculation_budget_table_is_used() {
     };
     let c = run(&e, &mut syn);
     let rows = c.policy_rows;
-    assert_eq!(c.spec_predicted_blocks, rows * 4, "constant budget of 64 tokens = 4 pages");
+    assert_eq!(c[speculate::PREDICTED_BLOCKS], rows * 4, "constant budget of 64 tokens = 4 pages");
     let c = run(&e, &mut syn);
-    assert_eq!(c.spec_predicted_blocks, rows * 4, "constant budget of 64 tokens = 4 pages");
+    assert_eq!(c[speculate::PREDICTED_BLOCKS], rows * 4, "constant budget of 64 tokens = 4 pages");
     e.set_speculation_budgets(Some(SpecBudgetTable::new(vec![(0, 16), (256, 128)]).unwrap()));
     let c = run(&e, &mut syn);
-    assert_eq!(c.spec_predicted_blocks, rows * 8, "table budget for 512 tokens = 128 tokens = 8 pages");
+    assert_eq!(c[speculate::PREDICTED_BLOCKS], rows * 8, "table budget for 512 tokens = 128 tokens = 8 pages");
 }
 
 /// RefreshKV with `s = 1` and `stride = 1` refreshes at every step: dense attention (bit for bit the
@@ -116,16 +117,16 @@ fn refresh_with_s1_stride1_is_dense() {
     }
     let c = r.counters;
     assert_eq!(c.blocks_visited, c.blocks_eligible);
-    assert_eq!(c.refresh_partial_steps, 0);
-    assert_eq!(c.refresh_full_steps, (r.steps.len() * tr.layers.len()) as u64);
+    assert_eq!(c[refresh::PARTIAL_STEPS], 0);
+    assert_eq!(c[refresh::FULL_STEPS], (r.steps.len() * tr.layers.len()) as u64);
     let p = replay(&tr, "refresh(k=256, stride=5, s=0.85)", &opts).expect("replay").counters;
-    println!("refresh(k=256): full {} partial {} visited {}/{}", p.refresh_full_steps, p.refresh_partial_steps, p.blocks_visited, p.blocks_eligible);
-    assert!(p.refresh_partial_steps > 0 && p.refresh_full_steps > 0);
-    assert_eq!(p.refresh_full_steps + p.refresh_partial_steps, (r.steps.len() * tr.layers.len()) as u64);
+    println!("refresh(k=256): full {} partial {} visited {}/{}", p[refresh::FULL_STEPS], p[refresh::PARTIAL_STEPS], p.blocks_visited, p.blocks_eligible);
+    assert!(p[refresh::PARTIAL_STEPS] > 0 && p[refresh::FULL_STEPS] > 0);
+    assert_eq!(p[refresh::FULL_STEPS] + p[refresh::PARTIAL_STEPS], (r.steps.len() * tr.layers.len()) as u64);
     assert!(p.blocks_visited < p.blocks_eligible);
     // A fixed schedule refreshes exactly every N steps.
     let f = replay(&tr, "refresh(k=256, every=4)", &opts).expect("replay").counters;
-    assert_eq!(f.refresh_full_steps, (r.steps.len().div_ceil(4) * tr.layers.len()) as u64);
+    assert_eq!(f[refresh::FULL_STEPS], (r.steps.len().div_ceil(4) * tr.layers.len()) as u64);
 }
 
 /// AttentionPredictor: with a budget covering everything it is the `all` pipeline bit for bit (full and
@@ -144,8 +145,8 @@ fn predictor_schedule_and_full_budget() {
     let c = r.counters;
     let heads = (tr.layers.len() * tr.hk) as u64;
     // The prefill seeds the history, so the first full step is the 5th decode step.
-    assert_eq!(c.refresh_full_steps, (r.steps.len() / 5) as u64 * heads, "{c:?}");
-    assert_eq!(c.refresh_full_steps + c.refresh_partial_steps, r.steps.len() as u64 * heads);
+    assert_eq!(c[refresh::FULL_STEPS], (r.steps.len() / 5) as u64 * heads, "{c:?}");
+    assert_eq!(c[refresh::FULL_STEPS] + c[refresh::PARTIAL_STEPS], r.steps.len() as u64 * heads);
     assert!(c.blocks_visited < c.blocks_eligible / 2, "{c:?}");
     let p = tr.info.prompt_len;
     let (mut mass, mut rows) = (0f64, 0usize);
@@ -173,8 +174,8 @@ fn predictor_schedule_and_full_budget() {
     // within the budget.
     let every = replay(&tr, "predictor(budget=256, calib=1)", &opts).expect("replay");
     let never = replay(&tr, "predictor(budget=256, calib=1000)", &opts).expect("replay");
-    assert_eq!(every.counters.refresh_partial_steps, 0);
-    assert_eq!(never.counters.refresh_full_steps, 0);
+    assert_eq!(every.counters[refresh::PARTIAL_STEPS], 0);
+    assert_eq!(never.counters[refresh::FULL_STEPS], 0);
     assert!(every.counters.blocks_visited <= every.counters.blocks_eligible / 2);
     assert_ne!(every.visits, never.visits, "calibration steps changed no selection");
     // The K read for the full history rows is counted: calib=1 reads more than calib=1000.
@@ -203,7 +204,7 @@ fn refresh_starts_from_the_last_prompt_tokens_attention() {
     let opts = ReplayOptions { dtype: DType::F32, threads: 2, record_visits: true, ..Default::default() };
     let k = 256;
     let r = replay(&tr, &format!("refresh(k={k}, every=1000)"), &opts).expect("replay");
-    assert_eq!(r.counters.refresh_full_steps, 0, "a decode step ran full although the prefill initialised the set");
+    assert_eq!(r.counters[refresh::FULL_STEPS], 0, "a decode step ran full although the prefill initialised the set");
     let (p, hq, hk, d) = (tr.info.prompt_len, tr.hq, tr.hk, tr.d);
     let g = hq / hk;
     for (li, lt) in tr.layers.iter().enumerate() {
@@ -295,7 +296,7 @@ fn thousand_sequences_leave_no_state() {
             assert_eq!(e.policy_state_objects(), 0, "{policy}: state left after release");
         }
         if policy.starts_with("speculate") {
-            assert_eq!(e.stats().total.spec_calibrations, 1000 * 2 * sp.num_kv_heads as u64, "one calibration per (sequence, layer, KV head)");
+            assert_eq!(e.stats().total[speculate::CALIBRATIONS], 1000 * 2 * sp.num_kv_heads as u64, "one calibration per (sequence, layer, KV head)");
         }
         let st = e.stats();
         println!("{policy}: created {} released {} peak state objects {peak_objects}", st.sequences_created, st.sequences_released);
@@ -335,12 +336,12 @@ fn reused_ids_start_fresh() {
         }
         let again = step(&e, &mut syn);
         if policy.starts_with("refresh") {
-            assert_eq!((first.refresh_full_steps, second.refresh_full_steps), (sp.num_seqs as u64, 0));
-            assert_eq!(again.refresh_full_steps, sp.num_seqs as u64, "a reused id inherited the old schedule");
+            assert_eq!((first[refresh::FULL_STEPS], second[refresh::FULL_STEPS]), (sp.num_seqs as u64, 0));
+            assert_eq!(again[refresh::FULL_STEPS], sp.num_seqs as u64, "a reused id inherited the old schedule");
         } else {
-            assert_eq!(first.spec_reuse_hit_blocks, 0);
-            assert_eq!(second.spec_reuse_hit_blocks, rows * 2, "same query twice: the previous set is the true set");
-            assert_eq!(again.spec_reuse_hit_blocks, 0, "a reused id inherited the old predictor");
+            assert_eq!(first[speculate::REUSE_HIT_BLOCKS], 0);
+            assert_eq!(second[speculate::REUSE_HIT_BLOCKS], rows * 2, "same query twice: the previous set is the true set");
+            assert_eq!(again[speculate::REUSE_HIT_BLOCKS], 0, "a reused id inherited the old predictor");
         }
     }
 }
@@ -349,7 +350,8 @@ fn reused_ids_start_fresh() {
 #[test]
 fn stateful_policies_through_the_c_abi() {
     use kvsparse::ffi::types::{kvs_engine_config, kvs_stats, kvs_status};
-    use kvsparse::ffi::{kvs_engine_config_init, kvs_engine_create, kvs_engine_destroy, kvs_engine_set_speculation_budgets, kvs_engine_stats};
+    use kvsparse::ffi::{kvs_engine_config_init, kvs_engine_create, kvs_engine_destroy, kvs_engine_stats};
+    use kvsparse::policy::speculate::kvs_engine_set_speculation_budgets;
     use std::ffi::CString;
     for spec in ["speculate(over=quest(budget=256), budget=512)", "refresh(k=512, stride=5, s=0.85)", "predictor(budget=512)"] {
         let text = CString::new(spec).unwrap();

@@ -11,6 +11,7 @@
 
 use crate::cpu::sparse::*;
 use crate::policy::predictor::{self, PredictorHead};
+use crate::policy::refresh;
 use super::PredictorSpec;
 use crate::cpu::math::{decision_dot, decision_softcap, softmax_norm};
 
@@ -57,9 +58,9 @@ pub(crate) fn run_predictor(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
         let calibrate = no_history || ph.since_calib >= ps.calib;
         if calibrate {
             ph.since_calib = 0;
-            c.refresh_full_steps += 1;
+            c[refresh::FULL_STEPS] += 1;
         } else {
-            c.refresh_partial_steps += 1;
+            c[refresh::PARTIAL_STEPS] += 1;
         }
         let spans: Vec<(usize, usize)> = if no_history {
             vec![(lim.lo, n)]

@@ -32,6 +32,7 @@ use crate::args::ForwardArgs;
 use crate::error::Result;
 use crate::layout::KvCache;
 use crate::policy::predictor::PredictorWeights;
+use crate::policy::refresh;
 use super::PredictorSpec;
 use crate::{bail, ensure};
 
@@ -348,8 +349,8 @@ impl PredictorDev {
 impl PolicyDevice for PredictorDev {
     fn add_counters(&self, gpu: &crate::cuda::context::Gpu, per_layer: &mut [crate::stats::Counters]) -> Result<()> {
         for (c, (full, partial)) in per_layer.iter_mut().zip(self.read_counters(gpu)?) {
-            c.refresh_full_steps += full;
-            c.refresh_partial_steps += partial;
+            c[refresh::FULL_STEPS] += full;
+            c[refresh::PARTIAL_STEPS] += partial;
         }
         Ok(())
     }

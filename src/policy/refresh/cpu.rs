@@ -134,9 +134,9 @@ fn refresh_decide(io: &ForwardIo, s: usize, ctx: &SparseCtx, i: usize, r: &Refre
     let qm = mean_query(io, io.batch.seqs[s].q_start);
     let full = state_of(ctx, i).lock().policy.layer_mut::<crate::policy::refresh::RefreshLayer>(ctx.layer).decide(r, &qm);
     if full {
-        c.refresh_full_steps += 1;
+        c[super::FULL_STEPS] += 1;
     } else {
-        c.refresh_partial_steps += 1;
+        c[super::PARTIAL_STEPS] += 1;
     }
     full
 }

@@ -201,8 +201,8 @@ impl RefreshDevice {
         self.counters.download(0, &mut raw)?;
         for (l, c) in per_layer.iter_mut().enumerate().take(self.num_layers) {
             let at = l * 16;
-            c.refresh_full_steps += u64::from_le_bytes(raw[at..at + 8].try_into().expect("8"));
-            c.refresh_partial_steps += u64::from_le_bytes(raw[at + 8..at + 16].try_into().expect("8"));
+            c[super::FULL_STEPS] += u64::from_le_bytes(raw[at..at + 8].try_into().expect("8"));
+            c[super::PARTIAL_STEPS] += u64::from_le_bytes(raw[at + 8..at + 16].try_into().expect("8"));
         }
         Ok(())
     }

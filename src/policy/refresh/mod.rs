@@ -22,6 +22,15 @@ pub mod cuda;
 
 use super::spec::{Arg, Args};
 use crate::error::Result;
+use crate::stats::StageCounter;
+
+/// The schedule's counters (C ABI: `kvs_stats.refresh_full_steps`, `refresh_partial_steps`): full-attention
+/// steps and partial (token-set) steps, counted by the host. The predictor's schedule counts its own
+/// full and partial steps here too.
+pub const FULL_STEPS: StageCounter = StageCounter::host(9);
+pub const PARTIAL_STEPS: StageCounter = StageCounter::host(10);
+/// Its counters, for the registry's `STAGE_COUNTERS`.
+pub const COUNTERS: &[StageCounter] = &[FULL_STEPS, PARTIAL_STEPS];
 
 use super::select::top_k_positions;
 

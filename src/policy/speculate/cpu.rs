@@ -69,11 +69,11 @@ pub(crate) fn run_speculate(io: &ForwardIo, s: usize, i: usize, heads: std::ops:
             attended += n;
         }
         let hits = speculate::intersection(&pred, &truth);
-        c.spec_predicted_blocks += pred.len() as u64;
-        c.spec_true_blocks += truth.len() as u64;
-        c.spec_hit_blocks += hits as u64;
-        c.spec_repaired_blocks += missed.len() as u64;
-        c.spec_reuse_hit_blocks += speculate::intersection(&prr.prev_true, &truth) as u64;
+        c[speculate::PREDICTED_BLOCKS] += pred.len() as u64;
+        c[speculate::TRUE_BLOCKS] += truth.len() as u64;
+        c[speculate::HIT_BLOCKS] += hits as u64;
+        c[speculate::REPAIRED_BLOCKS] += missed.len() as u64;
+        c[speculate::REUSE_HIT_BLOCKS] += speculate::intersection(&prr.prev_true, &truth) as u64;
         let mut read = pred.clone();
         read.extend_from_slice(&missed);
         read.sort_unstable();
@@ -125,8 +125,8 @@ impl CpuStage for Speculate {
             let st = cx.sequences.get_or_create(cx.io.batch.seqs[s].seq_id);
             st.lock().policy.head_mut(cx.layer, h, hk).put(Box::new(w));
         }
-        c.spec_calibrations += items.len() as u64;
-        c.spec_calib_us += t0.elapsed().as_micros() as u64;
+        c[speculate::CALIBRATIONS] += items.len() as u64;
+        c[speculate::CALIB_US] += t0.elapsed().as_micros() as u64;
         Ok(c)
     }
 

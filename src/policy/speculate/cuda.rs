@@ -633,8 +633,8 @@ impl PrrDevice {
         // SAFETY: the caller's stream.
         check(unsafe { (api.cuStreamSynchronize)(stream) }, "cuStreamSynchronize")?;
         let mut h = self.host[a.layer].lock();
-        h.spec_calibrations += items.len() as u64;
-        h.spec_calib_us += t0.elapsed().as_micros() as u64;
+        h[speculate::CALIBRATIONS] += items.len() as u64;
+        h[speculate::CALIB_US] += t0.elapsed().as_micros() as u64;
         Ok(())
     }
 }
@@ -647,8 +647,8 @@ impl PolicyDevice for PrrDevice {
     fn add_counters(&self, _gpu: &crate::cuda::context::Gpu, per_layer: &mut [Counters]) -> Result<()> {
         for (l, c) in per_layer.iter_mut().enumerate() {
             let h = self.host_counters(l);
-            c.spec_calibrations += h.spec_calibrations;
-            c.spec_calib_us += h.spec_calib_us;
+            c[speculate::CALIBRATIONS] += h[speculate::CALIBRATIONS];
+            c[speculate::CALIB_US] += h[speculate::CALIB_US];
         }
         Ok(())
     }

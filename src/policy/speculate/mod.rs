@@ -19,6 +19,23 @@ pub mod cuda;
 
 use super::spec::{err, quoted, Arg, Args, Tok};
 use crate::error::{Error, ErrorKind, Result};
+use crate::ffi::guard::{engine_ref, guard, kvs_engine, kvs_status};
+use crate::stats::StageCounter;
+
+/// PRR's counters (C ABI: `kvs_stats.spec_*`): blocks predicted, of the true set, of those the prediction
+/// hit, and missed blocks repaired; its kernels count them in device slots CTR_SPEC_*.
+pub const PREDICTED_BLOCKS: StageCounter = StageCounter::device(2, 11);
+pub const HIT_BLOCKS: StageCounter = StageCounter::device(3, 13);
+pub const TRUE_BLOCKS: StageCounter = StageCounter::device(4, 12);
+pub const REPAIRED_BLOCKS: StageCounter = StageCounter::device(5, 14);
+/// Baseline (Rust only): blocks of the true set that the previous step's true set held (what reusing the
+/// previous selection would have hit; compare with [`HIT_BLOCKS`]).
+pub const REUSE_HIT_BLOCKS: StageCounter = StageCounter::device(6, 15);
+/// Rust only: calibrations run at prefill (per sequence × KV head) and their total time in microseconds.
+pub const CALIBRATIONS: StageCounter = StageCounter::host(7);
+pub const CALIB_US: StageCounter = StageCounter::host(8);
+/// Its counters, for the registry's `STAGE_COUNTERS`.
+pub const COUNTERS: &[StageCounter] = &[PREDICTED_BLOCKS, HIT_BLOCKS, TRUE_BLOCKS, REPAIRED_BLOCKS, REUSE_HIT_BLOCKS, CALIBRATIONS, CALIB_US];
 
 use super::quest::cpu::quest_pages;
 
@@ -498,6 +515,34 @@ impl crate::engine::Engine {
         self.set_policy_input(table.map(|t| std::sync::Arc::new(t) as super::PolicyInput));
     }
 }
+
+// PRR's C entry (made of src/ffi/guard.rs's parts). cbindgen reads it here: tests/header.rs reads each policy
+// folder's mod.rs after the crate, so the header declares it after the library's own functions.
+/// Loads PRR's speculation budget table: `n` points `(context_lens[i], budgets[i])` (tokens), used as a
+/// step function of the sequence length (a context below the first point takes the first budget). `n = 0`
+/// (pointers may then be NULL) goes back to the policy spec's constant `budget`. The arrays are read
+/// during the call only; at most 65536 points (more is `KVS_ERR_UNSUPPORTED`). Applies from the next
+/// forward call; thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn kvs_engine_set_speculation_budgets(engine: *mut kvs_engine, context_lens: *const u64, budgets: *const u64, n: usize) -> kvs_status {
+    guard(|| {
+        let e = engine_ref(engine)?;
+        if n == 0 {
+            e.set_speculation_budgets(None);
+            return Ok(());
+        }
+        crate::ensure!(!context_lens.is_null() && !budgets.is_null(), InvalidArgument, "context_lens and budgets must not be NULL when n > 0");
+        crate::ensure!(n <= MAX_BUDGET_POINTS, Unsupported, "{n} speculation budget points, more than the {MAX_BUDGET_POINTS} accepted");
+        let (c, b) = (std::slice::from_raw_parts(context_lens, n), std::slice::from_raw_parts(budgets, n));
+        let mut points = crate::alloc::try_with_capacity(n, "the speculation budget table")?;
+        points.extend(c.iter().zip(b).map(|(&c, &b)| (c as usize, b as usize)));
+        e.set_speculation_budgets(Some(SpecBudgetTable::new(points)?));
+        Ok(())
+    })
+}
+
+/// Most points `kvs_engine_set_speculation_budgets` takes.
+const MAX_BUDGET_POINTS: usize = 1 << 16;
 
 impl SpecBudgetTable {
     pub fn constant(budget: usize) -> Self {

@@ -17,11 +17,11 @@ impl CpuLaterStage for TopP {
             sc.tokens.extend(a as u32..b as u32);
         }
         let n = sc.tokens.len();
-        c.top_p_candidates += n as u64;
+        c[super::CANDIDATES] += n as u64;
         let meta_bytes = (n * (code_bytes(d) + 4)) as u64;
         estimate_weights(&hw.q, g, d, &sc.tokens, blocks, bs, head, meta, io.params.softcap, &mut sc.p_rows);
         let kept = super::select(&sc.p_rows, g, n, self.p, &mut sc.w, &mut sc.keep);
-        c.top_p_kept += kept as u64;
+        c[super::KEPT] += kept as u64;
         let mut mass: Vec<(usize, f32)> = Vec::new();
         hw.plan.clear(0);
         for (j, &t) in sc.tokens.iter().enumerate() {

@@ -17,6 +17,14 @@ pub mod cuda;
 
 use super::spec::{Arg, Args};
 use crate::error::Result;
+use crate::stats::StageCounter;
+
+/// Top-p's counters (C ABI: `kvs_stats.top_p_candidates`, `top_p_kept`): tokens offered to it, and tokens
+/// it kept. Its kernels count them in device slots CTR_TOP_P_CANDIDATES and CTR_TOP_P_KEPT.
+pub const CANDIDATES: StageCounter = StageCounter::device(0, 5);
+pub const KEPT: StageCounter = StageCounter::device(1, 6);
+/// Its counters, for the registry's `STAGE_COUNTERS`.
+pub const COUNTERS: &[StageCounter] = &[CANDIDATES, KEPT];
 
 /// Twilight's select-then-prune: keep the smallest set whose estimated attention mass reaches `p`.
 #[derive(Clone, Copy, Debug, PartialEq)]
