@@ -128,6 +128,9 @@ extern "C" __global__ void __launch_bounds__(128) kvs_refresh_decide(Batch b, co
         }
         qm[c] = acc;
     }
+    // The reference query, staged for the one thread that compares with it (its loop is serial).
+    __shared__ float qr[HEAD_DIM];
+    for (int c = threadIdx.x; c < HEAD_DIM; c += blockDim.x) qr[c] = ra.qref[(i64)slot * HEAD_DIM + c];
     __syncthreads();
     __shared__ int full_s;
     if (threadIdx.x == 0) {
@@ -136,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(128) kvs_refresh_decide(Batch b, co
             // RefreshLayer::decide
             int since = ra.since[slot] + 1;
             if (ra.every > 0) full = since >= ra.every;
-            else full = since % ra.stride == 0 && !(rf_cosine(qm, ra.qref + (i64)slot * HEAD_DIM) > ra.s);
+            else full = since % ra.stride == 0 && !(rf_cosine(qm, qr) > ra.s);
             if (!full) ra.since[slot] = since;
         }
         if (mode == RF_FULL) {
@@ -651,6 +654,13 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(
     const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
     if (i0 >= n) return;
     const float* pl = pooled + row * maxpos;
+    // The chunk's pooled values loaded first, all in flight (the loop below has a barrier per tile).
+    float pv[RF_PER];
+#pragma unroll
+    for (int j = 0; j < RF_PER; ++j) {
+        const int i = i0 + j * RF_WTHREADS + threadIdx.x;
+        pv[j] = i < i1 ? pl[i] : 0.0f;
+    }
     unsigned* tok = ra.tok + sh * K;
     float* sc = ra.sc + sh * K;
     unsigned thr = 0, left = 0, base = 0, eq_before = 0;
@@ -673,13 +683,6 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(
     // Kept before this chunk: the ones above the threshold, and min(eq_before, left) of those at it.
     int out = all ? i0 : (int)(base + min(eq_before, left));
     int eq_seen = (int)eq_before;
-    // The chunk's pooled values loaded first, all in flight (the loop's scans are barriers).
-    float pv[RF_PER];
-#pragma unroll
-    for (int j = 0; j < RF_PER; ++j) {
-        const int i = i0 + j * RF_WTHREADS + threadIdx.x;
-        pv[j] = i < i1 ? pl[i] : 0.0f;
-    }
 #pragma unroll
     for (int j = 0; j < RF_PER; ++j) {
         if (i0 + j * RF_WTHREADS >= i1) break;  // uniform
