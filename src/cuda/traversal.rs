@@ -1,10 +1,10 @@
 //! The tensor-core attention kernel's traversal hook, host side (kernels/attention_mma.cu, TRAVERSAL_HOOK):
 //! a stage after the selector that watches each decode row's traversal of its plan, round by round, and
 //! may stop it. The stage describes its hook once ([`HookKernel`]: its kernel file and the kernel shape it
-//! needs) and hands the attention launch a [`TraversalLaunch`] per call (`CudaStage::rows`: its launch
+//! needs) and hands the attention launch a [`TraversalLaunch`] per call (the `rows` method of `CudaStage`: its launch
 //! arguments and how the rows are split); the backend compiles the hook's file in front of the kernel
 //! ([`HookKernel::module`]) and plans the splits as the hook says. The visits the hook recorded come back
-//! through the stage (`CudaStage::visits`), its counters through the layer's counter slots
+//! through the stage (its `visits` method), its counters through the layer's counter slots
 //! (kernels/include/decide.cuh: blocks skipped, tiles visited, tiles). Nothing here names a policy.
 
 use super::kernel_src::{file, KernelFile};

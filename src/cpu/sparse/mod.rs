@@ -28,7 +28,7 @@ pub(crate) use crate::policy::HeadPlan;
 pub(crate) use crate::sequences::SequenceState;
 pub(crate) use crate::stats::{Counters, VisitRecord};
 
-/// A decode row's read-only share of its (sequence, layer, head) state (`CpuStage::held`).
+/// A decode row's read-only share of its (sequence, layer, head) state (the `held` method of `CpuStage`).
 pub(crate) type Held = Arc<dyn std::any::Any + Send + Sync>;
 
 /// Per-sequence state handles of the decode sequences (same order as `seqs`).

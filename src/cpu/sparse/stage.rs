@@ -57,7 +57,7 @@ pub(crate) trait CpuPipeline: Sync {
 /// `Pipeline::later_stages`). Every method has the behaviour of a stage that does not need it.
 pub(crate) trait CpuLaterStage: Sync {
     /// Prunes one KV head's selection on the generic path (`hw.plan`, `hw.cand` and `hw.entry_score`,
-    /// as `CpuStage::select` left them); returns the key metadata bytes read.
+    /// as the `select` method of `CpuStage` left them); returns the key metadata bytes read.
     fn prune(&self, _cx: &SelectCx, _hw: &mut HeadWork, _sc: &mut Scratch, _c: &mut Counters) -> u64 {
         0
     }
