@@ -190,6 +190,9 @@ pub fn run(argv: &[String]) -> Result<(), String> {
     if !policies.is_empty() {
         return run_sparse(&a, &policies);
     }
+    if a.str("query-drift").is_some() {
+        return Err("--query-drift needs --policy (dense attention reads every key whatever the query)".into());
+    }
     let full = default_grid();
     let batches: Vec<usize> = list(&a, "batch", &[1, 4, 16, 32, 64, 128])?;
     let ctxs: Vec<usize> = list(&a, "ctx", &[1024, 4096, 16384, 32768, 131072])?;
