@@ -4,7 +4,7 @@
 
 use std::io::Write;
 
-use crate::cuda_bench::{bench_point, bench_sparse_point, copy_bandwidth, default_grid, free_memory, kv_bytes, Point};
+use crate::cuda_bench::{bench_point, bench_sparse_point, copy_bandwidth, default_grid, drift_period, free_memory, kv_bytes, Point};
 
 use crate::args::Args;
 
@@ -87,7 +87,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
     let copy = copy_bandwidth().map_err(|e| e.to_string())?;
     println!("device-to-device copy: {:.0} GB/s (read + write, 1 GiB, median of 20)", copy);
     if drift > 0.0 {
-        println!("decode queries drift {drift} degrees per step (each query row turns on a great circle, cycle of {:.0} steps)", (360.0 / drift).round().clamp(4.0, 720.0));
+        println!("decode queries drift {drift} degrees per step (each query row turns on a great circle, cycle of {} steps)", drift_period(drift));
     }
     if cache != kvsparse::DType::BF16 {
         println!("cache {} (bf16 queries; the policy and its dense baseline both read it), one byte per K/V element", cache.name());
@@ -136,7 +136,7 @@ fn run_sparse(a: &Args, policies: &[String]) -> Result<(), String> {
                     if r.refresh_full.is_finite() {
                         // The predictor counts its calibration steps as the full ones (`refresh::FULL_STEPS`).
                         let (who, kind) = if spec.starts_with("predictor") { ("AttentionPredictor", "calibration") } else { ("RefreshKV", "full") };
-                        println!("{:<40} {who}: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them {kind}", "", 60.max(2 * r.period) * r.rotation, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
+                        println!("{:<40} {who}: mean of {} consecutive steps {:.1} us ({:.2}x dense), {:.1}% of them {kind}", "", r.mean_steps, r.step_mean_us, r.dense_us / r.step_mean_us, 100.0 * r.refresh_full);
                     }
                     if r.serial_us.is_finite() {
                         println!("{:<40} PRR step {:.1} us vs serial quest (select, then attend) {:.1} us: {:.2}x; speculation hit {:.1}% of true pages", "", r.forward_us, r.serial_us, r.serial_us / r.forward_us, 100.0 * r.spec_hit);

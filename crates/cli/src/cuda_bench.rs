@@ -306,8 +306,8 @@ pub struct SparseRow {
     /// Bytes of metadata Quest's selection reads (page bounds), and that time at `copy_gbps`.
     pub bound_bytes: f64,
     pub rotation: usize,
-    /// Query sets each sequence cycles through (1 without drift).
-    pub period: usize,
+    /// Stateful policies: how many consecutive steps `step_mean_us` averages (0 for others).
+    pub mean_steps: usize,
     /// SnapKV: its choice at the prefill chunk (the `window` last prompt tokens of every sequence), the
     /// choice kernels alone; NaN for other policies.
     pub choice_us: f64,
@@ -371,7 +371,7 @@ fn plant_heavy_hitters(kc: &DevBuf, qh: &[f32], table: &[i32], p: &Point, rotati
 }
 
 /// Query sets in a drift cycle of `drift_deg` degrees per step (1: no drift).
-fn drift_period(drift_deg: f64) -> usize {
+pub fn drift_period(drift_deg: f64) -> usize {
     if drift_deg > 0.0 { (360.0 / drift_deg).round().clamp(4.0, 720.0) as usize } else { 1 }
 }
 
@@ -398,6 +398,12 @@ fn drifting_queries(qh: &[f32], d: usize, period: usize, rng: &mut Rng) -> Vec<f
     out
 }
 
+/// The FP8 scales of the benches' caches (the random bf16 rows lie in ±4 for K, ±2 for V: no saturation).
+const FP8_K_SCALE: f32 = 1.0 / 64.0;
+const FP8_V_SCALE: f32 = 1.0 / 128.0;
+/// Blocks per sequence that the step's appended rows cycle through (outside every block table).
+const APPEND_BLOCKS: usize = 16;
+
 /// Times one decode step of `policy` at `p` (32/8-style heads, head 128, bf16, block 16), phase by phase,
 /// next to our dense kernel on the same cache (uniform random keys and values plus planted heavy hitters,
 /// see [`plant_heavy_hitters`]). The cache is filled with random rows and its metadata built
@@ -407,12 +413,6 @@ fn drifting_queries(qh: &[f32], d: usize, period: usize, rng: &mut Rng) -> Vec<f
 /// rewriting each sequence's last row.
 /// Inputs rotate among copies so that the bytes a sparse step touches (bounds + selected rows) cover at
 /// least 4x the L2 cache (`max_kv_bytes` bounds the copies' memory).
-/// The FP8 scales of the benches' caches (the random bf16 rows lie in ±4 for K, ±2 for V: no saturation).
-const FP8_K_SCALE: f32 = 1.0 / 64.0;
-/// Blocks per sequence that the step's appended rows cycle through (outside every block table).
-const APPEND_BLOCKS: usize = 16;
-const FP8_V_SCALE: f32 = 1.0 / 128.0;
-
 /// `cache`: the K/V caches' dtype, bf16 or FP8 (the rows are made in bf16 and written through the engine's
 /// cache write, which quantizes them and keeps the key metadata from what it stored).
 /// `drift_deg` > 0: the decode queries drift, each step's turned `drift_deg` degrees further from the
@@ -468,7 +468,8 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let qh: Vec<f32> = (0..q_elems).map(|_| (rng.uniform() * 2.0 - 1.0) as f32).collect();
     // Drifting queries: `period` query sets per rotation, step t's the first turned by t * drift degrees.
     let period = drift_period(drift_deg);
-    let q_all = if period > 1 { drifting_queries(&qh, d, period, &mut rng) } else { qh.clone() };
+    let drifted = if period > 1 { drifting_queries(&qh, d, period, &mut rng) } else { Vec::new() };
+    let q_all: &[f32] = if period > 1 { &drifted } else { &qh };
     let q = DevBuf::from_host(bytes(&q_all.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>()))?;
     let out = DevBuf::alloc(q_elems * 2)?;
     let mut table = vec![0i32; rotation * p.batch * bps];
@@ -647,8 +648,10 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     // A stateful policy's steps differ (RefreshKV: full and partial), so a median of groups can miss the
     // expensive ones: the mean over many consecutive steps (every rotation's sequences alike), and the
     // fraction of them that ran full.
+    // With drifting queries, at least two cycles of the drift per sequence.
+    let mean_steps = if stateful { 60.max(2 * period) * rotation } else { 0 };
     let (step_mean_us, refresh_full) = if stateful {
-        let n = 60.max(2 * period) * rotation;
+        let n = mean_steps;
         let c0 = engine.stats().total;
         let ms = ev.time(s, || {
             for i in 0..n {
@@ -761,7 +764,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
         top_p_kept: if cand > 0.0 { kept / cand } else { f64::NAN },
         bound_bytes,
         rotation,
-        period,
+        mean_steps,
         choice_us,
         step_mean_us,
         refresh_full,
