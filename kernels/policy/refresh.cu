@@ -439,8 +439,19 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
 // lg[((s * hk + h) * maxpos + pos) * GROUP + g] holds query head g's base-2 logit of position pos. Grid
 // (chunks of RF_CH positions, hk, sequences), RF_WTHREADS threads; chunk c covers lo + c * RF_CH ...
 #define RF_CH 2048      // src/policy/refresh/cuda.rs WEIGHT_CHUNK
-#define RF_WTHREADS 256  // the launches' block size (src/policy/refresh/cuda.rs); the loops below assume it
+#define RF_WTHREADS 256  // src/policy/refresh/cuda.rs WEIGHT_THREADS: the launches' block size, the chunk loops assume it
 #define RF_PER (RF_CH / RF_WTHREADS)  // positions of a chunk per thread
+
+// This thread's pooled values of chunk [i0, i1) (position i0 + j * RF_WTHREADS + threadIdx.x in pv[j], 0
+// past i1), every load issued before any is used: the loops that read them have barriers or shuffles per
+// step, which would otherwise keep one L2 round trip per step.
+__device__ __forceinline__ void rf_load_chunk(const float* pl, int i0, int i1, float (&pv)[RF_PER]) {
+#pragma unroll
+    for (int j = 0; j < RF_PER; ++j) {
+        const int i = i0 + j * RF_WTHREADS + threadIdx.x;
+        pv[j] = i < i1 ? pl[i] : 0.0f;
+    }
+}
 #define RF_RADMAX 64    // pooling radius up to which a chunk stages its weights in shared memory
 #define RF_CCW 258      // words per chunk of `ccnt` (src/policy/refresh/cuda.rs CHUNK_COUNT_WORDS): keys above
                         // the last pass's 24-bit prefix, then suffix sums of its 256 low-byte bins (257)
@@ -448,8 +459,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_refresh_plan(Batc
 // A query head's base-2 LSE over the row, merged from the attention's split statistics (max, sum of
 // 2^(l - max)) in split order (so the same inputs give the same bits; empty splits are (-inf, 0)); +inf when
 // no logit is finite (every weight then 0). A NaN logit makes its split's sum NaN, the LSE NaN, and every
-// weight of the row 0 (fmaxf from 0), as the CPU's max from 0 does. `pr` is the caller's shared-memory copy
-// (rf_stage_parts): the loops below are serial, so their reads must not be L2 round trips.
+// weight of the row 0 (fmaxf from 0), as the CPU's max from 0 does. The loops are serial: the caller passes a
+// shared-memory copy of the statistics where it fits (kvs_refresh_top_hist), so they are not L2 round trips.
 __device__ __forceinline__ float rf_row_lse(const float2* pr, int nchunk) {
     float m = -INFINITY;
     for (int i = 0; i < nchunk; ++i) m = fmaxf(m, pr[i].x);
@@ -574,13 +585,7 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
             pv[j] = v;
         }
     } else {
-        // The pooled values pass 0 wrote, every load in flight before the loop below (its shuffles and
-        // shared atomics would otherwise keep one L2 round trip per iteration).
-#pragma unroll
-        for (int j = 0; j < RF_PER; ++j) {
-            const int i = i0 + j * RF_WTHREADS + threadIdx.x;
-            pv[j] = i < i1 ? pl[i] : 0.0f;
-        }
+        rf_load_chunk(pl, i0, i1, pv);  // what pass 0 wrote
     }
     if (n <= ra.k) return;  // every position kept: no threshold
     int shift, bits;
@@ -654,13 +659,8 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(
     const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
     if (i0 >= n) return;
     const float* pl = pooled + row * maxpos;
-    // The chunk's pooled values loaded first, all in flight (the loop below has a barrier per tile).
     float pv[RF_PER];
-#pragma unroll
-    for (int j = 0; j < RF_PER; ++j) {
-        const int i = i0 + j * RF_WTHREADS + threadIdx.x;
-        pv[j] = i < i1 ? pl[i] : 0.0f;
-    }
+    rf_load_chunk(pl, i0, i1, pv);
     unsigned* tok = ra.tok + sh * K;
     float* sc = ra.sc + sh * K;
     unsigned thr = 0, left = 0, base = 0, eq_before = 0;

@@ -95,6 +95,8 @@ pub(crate) struct RefreshWs {
 const WEIGHT_CHUNK: usize = 2048;
 /// Slots per query head for the attention's split statistics (the logits' launch splits no more).
 const LOGIT_PARTS: usize = 64;
+/// Threads per CTA of the rebuild's launches (kernels/refresh.cu RF_WTHREADS: its chunk loops assume it).
+const WEIGHT_THREADS: u32 = 256;
 /// Bins of the rebuild's radix histograms (kernels/refresh.cu RF_BINS).
 const HIST_BINS: usize = 4096;
 /// Words per row of the rebuild's selection state (kernels/refresh.cu RF_SEL).
@@ -271,11 +273,11 @@ impl RefreshDevice {
             for pass in 0..3 {
                 let mut k = KArgs::new();
                 k.by_value(batch).by_value(&ra).i64(lg).i64(parts).i32(LOGIT_PARTS as i32).i32(chunks as i32).i64(pooled).i32(maxpos as i32).i64(hist).i64(sel).i64(ccnt).i32(pass);
-                launch::launch_dependent(pdl, f("kvs_refresh_top_hist")?, grid, 256, 0, &mut k, stream, "kvs_refresh_top_hist launch")?;
+                launch::launch_dependent(pdl, f("kvs_refresh_top_hist")?, grid, WEIGHT_THREADS, 0, &mut k, stream, "kvs_refresh_top_hist launch")?;
             }
             let mut k = KArgs::new();
             k.by_value(batch).by_value(&ra).i64(pooled).i32(maxpos as i32).i64(sel).i64(ccnt).i32(chunks as i32);
-            launch::launch_dependent(pdl, f("kvs_refresh_top_write")?, grid, 256, 0, &mut k, stream, "kvs_refresh_top_write launch")?;
+            launch::launch_dependent(pdl, f("kvs_refresh_top_write")?, grid, WEIGHT_THREADS, 0, &mut k, stream, "kvs_refresh_top_write launch")?;
             return Ok(());
         }
         // The CPU's arithmetic: the prefill's seed, and the full decode rows without the tensor-core path.
