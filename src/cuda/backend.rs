@@ -414,7 +414,7 @@ impl CudaBackend {
         // kernels before it, where the GPU has them: both attention kernels start with KVS_GRID_WAIT().
         // Dense layers keep plain launches: nothing measurable to gain there (one launch after the
         // previous step's), and the bandwidth-bound FP8 points ran ~0.5% slower with it (docs/perf.md).
-        let pdl = !matches!(rows, Rows::All) && launch::pdl_enabled(self.gpu.cc.0);
+        let pdl = !matches!(rows, Rows::All) && Device::pdl(self);
         launch::launch_dependent(pdl, f_split, (num_tokens as u32, head_groups as u32, nsplit as u32), threads, smem as u32, &mut k, stream, "kvs_attn_split launch")?;
         if nsplit > 1 {
             self.combine_splits(cfg, a, geo, &defines, (ws_o, ws_lse), nsplit, mode, module, pdl)?;
@@ -429,7 +429,7 @@ impl CudaBackend {
     /// Merges the `nsplit` partial states of every row `mode` serves (kvs_attn_combine of `module`,
     /// compiled with `defines`) into the call's output and LSE.
     /// `pdl`: launch as a dependent of the attention kernel before it (kvs_attn_combine starts with
-    /// KVS_GRID_WAIT()); the caller has checked `launch::pdl_enabled`.
+    /// KVS_GRID_WAIT()); the caller has checked the GPU has them (`Device::pdl`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn combine_splits(&self, cfg: &EngineConfig, a: &ForwardArgs, geo: &Geometry, defines: &[String], ws: (u64, u64), nsplit: usize, mode: i32, module: (&str, &[&KernelFile]), pdl: bool) -> Result<()> {
         let (lse_ptr, l0, l1) = lse_arg(a);

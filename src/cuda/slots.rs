@@ -74,7 +74,7 @@ impl SeqSlots {
     /// Enqueues the lookup (inserting unknown ids) of the call's `n` sequence ids on `stream`: slot (i32,
     /// -1 = none) and generation (u32) per row into the device arrays at `out_slot` / `out_gen`. `pdl`: launch
     /// as a dependent of the kernel before it (a policy layer's chain; kvs_seq_slots starts with
-    /// KVS_GRID_WAIT()); the caller has checked `launch::pdl_enabled`.
+    /// KVS_GRID_WAIT()); the caller has checked the GPU has them (`Device::pdl`).
     #[allow(clippy::too_many_arguments)]
     pub fn lookup(&self, gpu: &Gpu, modules: &Modules, ids: &TensorRef, n: usize, out_slot: u64, out_gen: u64, stream: super::driver::CUstream, pdl: bool) -> Result<()> {
         if n == 0 {

@@ -158,7 +158,7 @@ impl SparseState {
             let Some(ids) = a.seq_ids.as_ref() else {
                 bail!(InvalidArgument, "policy {:?} keeps per-sequence state: forward calls must pass seq_ids", cfg.policy);
             };
-            slots.lookup(dev.gpu(), dev.modules(), ids, ns, ws + lay.slot as u64, ws + lay.slot_gen as u64, stream, super::launch::pdl_enabled(dev.gpu().cc.0))?;
+            slots.lookup(dev.gpu(), dev.modules(), ids, ns, ws + lay.slot as u64, ws + lay.slot_gen as u64, stream, dev.pdl())?;
         }
 
         let defines = select_defines(cfg);

@@ -45,6 +45,11 @@ pub(crate) trait Device: Sync {
     fn layer_counters(&self, layer: usize) -> u64;
     /// Records where a call that ran its own rows left its final plans (for visit records).
     fn set_last_plan(&self, plan: PlanRef, num_seqs: usize);
+    /// Whether a policy layer's kernels launch as programmatic dependents on this GPU
+    /// (`launch::launch_dependent`; each such kernel starts with `KVS_GRID_WAIT()`).
+    fn pdl(&self) -> bool {
+        super::launch::pdl_enabled(self.gpu().cc.0)
+    }
 }
 
 /// A policy's device state, kept for the engine's life (made by the registry when the backend is made).
@@ -197,7 +202,7 @@ impl StepCx<'_> {
     /// Whether the call's selection kernels launch as programmatic dependents (`launch::launch_dependent`;
     /// each starts with `KVS_GRID_WAIT()`).
     pub fn pdl(&self) -> bool {
-        super::launch::pdl_enabled(self.dev.gpu().cc.0)
+        self.dev.pdl()
     }
 }
 

@@ -230,7 +230,7 @@ impl PredictorDev {
         mark(0)?;
         // Every kernel of the step starts with KVS_GRID_WAIT(): dependent launches where the GPU has them
         // (kvs_pred_migrate, which grows the state outside capture, stays plain).
-        let pdl = launch::pdl_enabled(dev.gpu().cc.0);
+        let pdl = dev.pdl();
 
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(gen as i64).i64(mode as i64).i64(pctr as i64);

@@ -252,7 +252,7 @@ impl RefreshDevice {
         let ra = self.refresh_args(dev, a, hk, d, ws, rw, (slot, slot_gen), r)?;
         let maxpos = geo.max_pos.max(1);
         // Every kernel here starts with KVS_GRID_WAIT(): dependent launches where the GPU has them.
-        let pdl = launch::pdl_enabled(dev.gpu().cc.0);
+        let pdl = dev.pdl();
         let plan_launch = || -> Result<()> {
             let mut k = KArgs::new();
             k.by_value(batch).by_value(&ra).i64((ws + rw.agg as u64) as i64).i64((ws + rw.pooled as u64) as i64).i32(maxpos as i32);

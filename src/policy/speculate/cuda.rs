@@ -247,7 +247,7 @@ impl PrrDevice {
         k.ptr(slot_mapping.data).i64(slot_mapping.stride(0) as i64).i32((slot_mapping.dtype == DType::I64) as i32).i32(n as i32);
         k.i64(nb as i64).i32(bs as i32).i32(hk as i32).i32(sp.page.min(bs) as i32).i64(st as i64);
         // After the cache write (kvs_write_step at a decode step): a dependent launch where the GPU has them.
-        launch::launch_dependent(launch::pdl_enabled(dev.gpu().cc.0), f, ((n * hk).div_ceil(256).min(65536) as u32, 1, 1), 256, 0, &mut k, stream, "kvs_prr_reset launch")
+        launch::launch_dependent(dev.pdl(), f, ((n * hk).div_ceil(256).min(65536) as u32, 1, 1), 256, 0, &mut k, stream, "kvs_prr_reset launch")
     }
 
     fn prr_fn(&self, dev: &dyn Device, cfg: &EngineConfig, name: &'static str) -> Result<crate::cuda::driver::CUfunction> {
@@ -421,7 +421,7 @@ impl PrrDevice {
         let clamp = |v: usize| v.min(i32::MAX as usize) as i32;
         // The step's kernels start with KVS_GRID_WAIT(): dependent launches of the kernel before them on their
         // stream where the GPU has them (the wait also covers what an event wait before a launch orders).
-        let pdl = launch::pdl_enabled(dev.gpu().cc.0);
+        let pdl = dev.pdl();
 
         // Fork.
         mark(0, stream)?;
