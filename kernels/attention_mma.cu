@@ -21,7 +21,7 @@
 // read a bad block id finishes as NaN and the fault goes to `kerr`, common.cuh). Needs: 16-byte aligned K/V rows and strides, HEAD_DIM % 16 == 0.
 //
 // Compile-time parameters: KVS_DTYPE (1 = f16, 2 = bf16), HEAD_DIM, GQ, GROUP, NWARPS, NSTAGE, L2_HINT, PLAN,
-// ROW_SPLIT (dense rows: 1 = each row splits its own span, 0 = the plan's fixed chunks).
+// ROW_SPLIT (1 = each row splits its own visible span, or its own plan, over the grid; 0 = the host's fixed chunks).
 // PLAN=1: decode rows read their visit plan (src/policy/plan.rs, kernels/select.cu) instead of the
 // sequence's positions; a split is a range of plan keys; the visible range still masks every key.
 // TRAVERSAL_HOOK (with PLAN=1): a later stage watches each decode row's traversal of its plan and may
@@ -172,10 +172,14 @@ kvs_attn_mma(const elem_t* __restrict__ q, i64 q0, i64 q1, i64 q2,
     const int nkeys = pl << plan.ulog2;
     const unsigned* pe = plan.e + row.seq * plan.p_s + kvh * plan.p_h;
     const int umask = (1 << plan.ulog2) - 1;
-#if LOGITS
+#if LOGITS || (ROW_SPLIT && !TRAVERSAL_HOOK)
+    // Each row cuts its own plan into the grid's splits (whole CTA rounds of 16 * NWARPS keys): the host
+    // sized the grid for the longest plan a row may hold (for a selector without a budget, every
+    // position), so a plan of a few thousand keys at 128K would otherwise sit in the first split alone.
+    // A plan as long as the host planned for gets the host's chunks (no longer ones).
     const int rchunk = min(chunk, max(16 * NWARPS, ((nkeys + nsplit - 1) / nsplit + 16 * NWARPS - 1) / (16 * NWARPS) * (16 * NWARPS)));
 #else
-    const int rchunk = chunk;
+    const int rchunk = chunk;  // a traversal hook's fixed splits; KVS_CUDA_ROW_SPLIT=0 (measurements only)
 #endif
     int s_lo = split * rchunk;  // (a traversal hook may re-run a split over its first keys: not const)
     int s_hi = (split == nsplit - 1) ? nkeys - 1 : min((split + 1) * rchunk, nkeys) - 1;
