@@ -2,8 +2,9 @@
 // slot, KV head), the calibration schedule, the CNN's forward pass, the selection and the history update,
 // making the decisions of the CPU engine (src/policy/predictor/{cpu,mod}.rs) by the agreement contract
 // (design.md): the history rows bit for bit (the decisions' arithmetic, decide.cuh, as the CPU's
-// history_row; this module is compiled with --fmad=false), the CNN's second convolution on the tensor cores
-// in 3xTF32 (a stated error bound, docs/policies.md), so a set may differ from the CPU's at borderline
+// history_row; this module is compiled with --fmad=false), the CNN within a stated error bound
+// (docs/policies.md: the first convolution with explicit fused multiply-adds, the second on the tensor
+// cores in 3xBF16), so a set may differ from the CPU's at borderline
 // blocks only. Batch geometry, radix top-k, accounting and SnapKV's scoring arithmetic
 // (wp_dot, WP_TP) come from kernels/include/.
 //
@@ -47,7 +48,7 @@ struct PredSpec {
 };
 
 #ifndef PRED_PT
-#define PRED_PT 128  // image columns per CTA of kvs_pred_conv
+#define PRED_PT 64  // image columns per column tile of kvs_pred_conv (a multiple of 16: a warp per 16)
 #endif
 #define PRED_W1 0
 #define PRED_B1 (PRED_C1 * 9)
@@ -146,44 +147,58 @@ extern "C" __global__ void kvs_pred_prepare(Batch b, PredState st, PredSpec ps, 
     }
 }
 
-// TF32 operand of a tensor-core MMA: x rounded to nearest (ties away) to 10 mantissa bits.
-__device__ __forceinline__ unsigned pred_tf32(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
+// x0, x1 as bf16 pairs hi + lo (x = hi + lo to about 2^-18 of x): the low half of each word holds x0.
+__device__ __forceinline__ void pred_split2(float x0, float x1, unsigned& hi, unsigned& lo) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(x1), "f"(x0));
+    const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(x1 - h1), "f"(x0 - h0));
 }
-// x as hi + lo, both TF32 (3xTF32: hi*hi + hi*lo + lo*hi gives f32 products to about 2^-22).
-__device__ __forceinline__ void pred_split(float x, unsigned& hi, unsigned& lo) {
-    hi = pred_tf32(x);
-    lo = pred_tf32(x - __uint_as_float(hi));
-}
-// c += a * b, m16n8k8, TF32 operands, f32 accumulation (row-major A, column-major B).
-__device__ __forceinline__ void pred_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+// c += a * b, m16n8k16, bf16 operands, f32 accumulation (row-major A, column-major B).
+__device__ __forceinline__ void pred_mma(float (&c)[4], const uint4& a, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
-#define PRED_K (PRED_C1 * 9)         // the second convolution's reduction: (channel, dt, db)
-#define PRED_K8 ((PRED_K + 7) / 8)   // its k-steps of 8 (zero-padded)
-#define PRED_MT ((PRED_C2 + 15) / 16)  // its output channels in tiles of 16 (zero-padded)
+// The second convolution as a GEMM: [C2 x 9 C1P] weights times [9 C1P x pixels] patches, its reduction
+// index (offset dt * 3 + db, channel block kc, channel) in k-steps of 16 channels at one offset, so that a
+// B operand's bf16 pair is two adjacent channels of one pixel. The weights' A fragments come pre-split
+// (hi, lo) in lane order from the host (src/policy/predictor/cuda.rs `conv2_fragments`, the same layout).
+#define PRED_C1P ((PRED_C1 + 15) / 16 * 16)  // first-layer channels, padded to whole k-steps
+#define PRED_KC (PRED_C1P / 16)                // k-steps per spatial offset
+#define PRED_K16 (9 * PRED_KC)                 // k-steps of the reduction
+#define PRED_MT ((PRED_C2 + 15) / 16)          // output channels in tiles of 16
+#define PRED_RB (8 / PRED_MT)                  // output rows per band (accumulators: MT x 2 RB x 4 per lane)
+#define PRED_PX (PRED_C1P + 8)                 // words per pixel of the conv1 tile: (hi, lo) per channel pair, padding
+#define PRED_RBH ((PRED_RB + 1) / 2)            // band rows per warp (two warps per 16 columns: even, odd rows)
+#define PRED_THREADS (4 * PRED_PT)             // two warps per 16 columns
+#define PRED_FRAG_WORDS (PRED_MT * PRED_K16 * 32 * 8)
+#define PRED_XS_W ((PRED_RB + 4) * (PRED_PT + 4))
+#define PRED_YS_W ((PRED_RB + 2) * (PRED_PT + 2) * PRED_PX)
+#define PRED_SMALL_W ((PRED_C1 * 10 + 2 * PRED_C2 + 1 + PRED_RB + 4 + 3) / 4 * 4)  // w1, b1, b2, w3, b3, row lengths (16-byte multiple)
+// Dynamic shared memory of kvs_pred_conv in 4-byte words (src/policy/predictor/cuda.rs `conv_smem_bytes`).
+#define PRED_SMEM_W (PRED_FRAG_WORDS + PRED_SMALL_W + PRED_XS_W + PRED_YS_W)
 
 // The CNN's per-row outputs z[t][b] of the rows and columns whose receptive field changed since the last
-// prediction (all of them after a seed), into zc. Grid (CTAs per (sequence, KV head), hk, seqs); PRED_PT
-// threads; a CTA stages the weights once, then walks the (image row, column tile) items blockIdx.x,
-// blockIdx.x + gridDim.x, ... and skips at once those with nothing to recompute. Per image row: the first convolution in f32 (one value per thread and pass, the CPU's
-// order), then the second as an implicit GEMM on the tensor cores, [C2 x 9 C1] weights times the
-// [9 C1 x PT] patches of the first layer's outputs (each warp 32 columns, m16n8k8 MMAs in 3xTF32: both
-// operands split into TF32 hi + lo, hi*hi + hi*lo + lo*hi accumulated in f32), then bias, ReLU and the 1x1
-// convolution over the channels (a warp-shuffle sum). Device arithmetic and its error bound:
-// docs/policies.md (predictor, "On the GPU").
-extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
-                                                                      const int* mode) {
+// prediction (all of them after a seed), into zc. Grid (CTAs per (sequence, KV head), hk, seqs);
+// PRED_THREADS threads. A column tile of PRED_PT columns recomputes every row, or the two top rows whose
+// zero padding moved and the bottom ones the new rows reach, in bands of up to PRED_RB rows; the work
+// items are (band, tile), band-major, and a CTA walks items blockIdx.x, blockIdx.x + gridDim.x, ... (so
+// the bands of a tile that recomputes every row run on many CTAs), staging the weights at its first
+// non-empty item. A band: the image rows around it, the first convolution once per row it needs (f32 with fused
+// multiply-adds, every channel of a pixel per thread, stored as bf16 (hi, lo) words of channel pairs), then the second as an
+// implicit GEMM on the tensor cores in 3xBF16 (hi*hi + hi*lo + lo*hi, m16n8k16, f32 accumulation; each
+// warp 16 columns of every row of the band), then bias, ReLU and the 1x1 convolution over the channels (a
+// warp-shuffle sum). Two warps per 16 columns, one the band's even rows, the other its odd rows. Device arithmetic and its error bound: docs/policies.md (predictor, "On the GPU").
+extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batch b, PredState st, PredSpec ps, const float* wts, const uint4* frag,
+                                                                           const int* slot, const int* mode) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
-    __shared__ float ws[PRED_NP];
-    __shared__ float xs[5][PRED_PT + 4];
-    __shared__ float ys[PRED_C1][3][PRED_PT + 2];
+    extern __shared__ __align__(16) unsigned pred_smem[];
+    uint4* afr = reinterpret_cast<uint4*>(pred_smem);     // [MT][K16][32 lanes][hi, lo]
+    float* wsm = reinterpret_cast<float*>(pred_smem + PRED_FRAG_WORDS);  // w1 [C1][9], b1, b2, w3, b3
+    float* xs = wsm + PRED_SMALL_W;                        // image rows a-2 .. a+R+1, columns b0-2 .. b0+PT+1
+    unsigned* ys = reinterpret_cast<unsigned*>(xs + PRED_XS_W);  // conv1 rows a-1 .. a+R, columns b0-1 .. b0+PT
     const int s = blockIdx.z, hk = st.hk, h = blockIdx.y, H = st.H;
     int start, width;
     if (!pred_cnn_crop(b, ps, mode, hk, s, h, start, width)) return;
@@ -196,114 +211,161 @@ extern "C" __global__ void __launch_bounds__(PRED_PT) kvs_pred_conv(Batch b, Pre
     const int* lens = st.lens + sh * H;
     const float* ring = st.ring + sh * H * (long long)st.wc;
     float* zc = st.zc + sh * H * (long long)st.wc;
-    for (int i = threadIdx.x; i < PRED_NP; i += blockDim.x) ws[i] = wts[i];
+    const float* w1 = wsm;
+    const float* b1 = wsm + PRED_C1 * 9;
+    const float* b2 = wsm + PRED_C1 * 10;
+    const float* w3 = b2 + PRED_C2;
+    int* rlen = reinterpret_cast<int*>(wsm + PRED_C1 * 10 + 2 * PRED_C2 + 1);  // blocks of the image rows a-2 .. a+R+1 (0: no row)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g8 = lane >> 2, tq = lane & 3;
-    const float* yflat = &ys[0][0][0];
-    // Image value at (row tt, column bb); 0 outside the image (padding) and for rows never pushed.
     const int rbase = pred_mod((long long)count - H, H);  // ring row of image row 0
-    auto xv = [&](int tt, int bb) {
-        if (tt < 0 || tt >= H || bb < 0 || bb >= width) return 0.0f;
-        if (count - H + tt < 0) return 0.0f;
-        const int ri = rbase + tt < H ? rbase + tt : rbase + tt - H;
-        const int c = start + bb;
-        if (c >= min(lens[ri], st.wc)) return 0.0f;
-        const float v = ring[(long long)ri * st.wc + c];
-        return v > 0.0f ? v : 0.0f;
-    };
-    // Offset in ys of reduction index k (channel k / 9, row (k % 9) / 3, column shift k % 3); -1: padding.
-    auto koff = [](int k) { return k < PRED_K ? (k / 9) * 3 * (PRED_PT + 2) + ((k % 9) / 3) * (PRED_PT + 2) + k % 3 : -1; };
-    for (int item = blockIdx.x; item < H * tiles; item += gridDim.x) {
-        const int t = item / tiles, b0 = (item % tiles) * PRED_PT;
-        const bool row_reused = reuse && t >= 2 && t + pushed + 2 < H;
-        // A reused row keeps every column whose receptive field lies inside the previous crop.
-        if (row_reused && b0 + PRED_PT + 2 <= wmin) continue;
-        for (int i = threadIdx.x; i < 5 * (PRED_PT + 4); i += blockDim.x) {
-            const int rr = i / (PRED_PT + 4), cc = i % (PRED_PT + 4);
-            xs[rr][cc] = xv(t - 2 + rr, b0 - 2 + cc);
+    auto ring_row = [&](int tt) { return rbase + tt < H ? rbase + tt : rbase + tt - H; };
+    // A reused row keeps z where its receptive field is unchanged: rows 2 .. H - pushed - 3, columns
+    // whose field lies inside the previous crop.
+    auto row_reused = [&](int t) { return reuse && t >= 2 && t + pushed + 2 < H; };
+    const int nbands = (H + PRED_RB - 1) / PRED_RB;  // the most bands a tile has
+    bool staged = false;
+    for (int item = blockIdx.x; item < nbands * tiles; item += gridDim.x) {
+        const int band = item / tiles, tile = item % tiles, b0 = tile * PRED_PT;
+        const bool all_rows = !reuse || b0 + PRED_PT + 2 > wmin;
+        const int top_end = all_rows ? H : 2, bottom = all_rows ? H : H - pushed - 2;
+        const int nb_top = (top_end + PRED_RB - 1) / PRED_RB;
+        int a, R;
+        if (band < nb_top) {
+            a = band * PRED_RB;
+            R = min(PRED_RB, top_end - a);
+        } else {
+            a = bottom + (band - nb_top) * PRED_RB;
+            if (a >= H) continue;  // uniform: nothing left in this tile
+            R = min(PRED_RB, H - a);
+        }
+        __syncthreads();  // the previous item's tiles are no longer read
+        if (!staged) {
+            for (int i = threadIdx.x; i < PRED_FRAG_WORDS / 4; i += blockDim.x) afr[i] = frag[i];
+            for (int i = threadIdx.x; i < PRED_C1 * 10; i += blockDim.x) wsm[i] = wts[PRED_W1 + i];  // w1 then b1
+            for (int i = threadIdx.x; i < 2 * PRED_C2 + 1; i += blockDim.x) wsm[PRED_C1 * 10 + i] = wts[PRED_B2 + i];  // b2, w3, b3
+            staged = true;
+        }
+        // The band's image rows: their blocks (0 outside the image and for rows never pushed).
+        for (int i = threadIdx.x; i < R + 4; i += blockDim.x) {
+            const int tt = a - 2 + i;
+            rlen[i] = (tt < 0 || tt >= H || count - H + tt < 0) ? 0 : min(lens[ring_row(tt)], st.wc);
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < PRED_C1 * 3 * (PRED_PT + 2); i += blockDim.x) {
-            const int c = i / (3 * (PRED_PT + 2)), rem = i % (3 * (PRED_PT + 2)), rr = rem / (PRED_PT + 2), cc = rem % (PRED_PT + 2);
-            const int tt = t - 1 + rr, bb = b0 - 1 + cc;
-            float v = 0.0f;
-            if (tt >= 0 && tt < H && bb >= 0 && bb < width) {
-                float acc = ws[PRED_B1 + c];
+        // Image values (0 outside the image, past a row's blocks, and for padding); two loads in flight.
+        const int nxs = (R + 4) * (PRED_PT + 4);
+        for (int i0 = threadIdx.x; i0 < nxs; i0 += 2 * blockDim.x) {
+            float v[2];
 #pragma unroll
-                for (int dt = 0; dt < 3; ++dt)
-#pragma unroll
-                    for (int db = 0; db < 3; ++db) acc += ws[PRED_W1 + c * 9 + dt * 3 + db] * xs[rr + dt][cc + db];
-                v = pred_relu(acc);
+            for (int u = 0; u < 2; ++u) {
+                const int i = i0 + u * blockDim.x;
+                const int rr = i / (PRED_PT + 4), bb = b0 - 2 + i % (PRED_PT + 4), c = start + bb;
+                v[u] = (i < nxs && bb >= 0 && bb < width && c < rlen[rr]) ? ring[(long long)ring_row(a - 2 + rr) * st.wc + c] : 0.0f;
             }
-            ys[c][rr][cc] = v;
+#pragma unroll
+            for (int u = 0; u < 2; ++u)
+                if (i0 + u * blockDim.x < nxs) xs[i0 + u * blockDim.x] = v[u] > 0.0f ? v[u] : 0.0f;
         }
         __syncthreads();
-        // The warp's 32 columns: acc[mi][ni] holds channels mi*16 + (g8, g8 + 8), columns ni*8 + 2 tq (+1).
-        float acc[PRED_MT][4][4];
+        {
+            {
+                // The first convolution: one pixel per thread and pass, every channel; 0 outside the image.
+                for (int i = threadIdx.x; i < (R + 2) * (PRED_PT + 2); i += blockDim.x) {
+                    const int rr = i / (PRED_PT + 2), cc = i % (PRED_PT + 2);
+                    const int tt = a - 1 + rr, bb = b0 - 1 + cc;
+                    const bool in = tt >= 0 && tt < H && bb >= 0 && bb < width;
+                    uint4* yp = reinterpret_cast<uint4*>(ys + i * PRED_PX);
+                    if (!in) {  // zero padding of the second convolution
 #pragma unroll
-        for (int mi = 0; mi < PRED_MT; ++mi)
+                        for (int q = 0; q < PRED_C1P / 4; ++q) yp[q] = make_uint4(0u, 0u, 0u, 0u);
+                        continue;
+                    }
+                    float xin[9];
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni)
+                    for (int k = 0; k < 9; ++k) xin[k] = xs[(rr + k / 3) * (PRED_PT + 4) + cc + k % 3];
+                    unsigned hw[PRED_C1P / 2], lw[PRED_C1P / 2];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
-        for (int kk = 0; kk < PRED_K8; ++kk) {
-            const int k0 = kk * 8 + tq, k1 = k0 + 4;
-            unsigned ah[PRED_MT][4], al[PRED_MT][4];
+                    for (int c = 0; c < PRED_C1P; c += 2) {
+                        float v[2];
 #pragma unroll
-            for (int mi = 0; mi < PRED_MT; ++mi) {
-                const int r0 = mi * 16 + g8, r1 = r0 + 8;
-                const float a0 = r0 < PRED_C2 && k0 < PRED_K ? ws[PRED_W2 + r0 * PRED_K + k0] : 0.0f;
-                const float a1 = r1 < PRED_C2 && k0 < PRED_K ? ws[PRED_W2 + r1 * PRED_K + k0] : 0.0f;
-                const float a2 = r0 < PRED_C2 && k1 < PRED_K ? ws[PRED_W2 + r0 * PRED_K + k1] : 0.0f;
-                const float a3 = r1 < PRED_C2 && k1 < PRED_K ? ws[PRED_W2 + r1 * PRED_K + k1] : 0.0f;
-                pred_split(a0, ah[mi][0], al[mi][0]);
-                pred_split(a1, ah[mi][1], al[mi][1]);
-                pred_split(a2, ah[mi][2], al[mi][2]);
-                pred_split(a3, ah[mi][3], al[mi][3]);
-            }
-            const int o0 = koff(k0), o1 = koff(k1);
+                        for (int j = 0; j < 2; ++j) {
+                            const int ch = c + j;
+                            float acc = 0.0f;
+                            if (ch < PRED_C1) {
+                                acc = b1[ch];
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const int cn = warp * 32 + ni * 8 + g8;
-                unsigned bh0, bl0, bh1, bl1;
-                pred_split(o0 >= 0 ? yflat[o0 + cn] : 0.0f, bh0, bl0);
-                pred_split(o1 >= 0 ? yflat[o1 + cn] : 0.0f, bh1, bl1);
+                                for (int k = 0; k < 9; ++k) acc = fmaf(w1[ch * 9 + k], xin[k], acc);
+                            }
+                            v[j] = pred_relu(acc);
+                        }
+                        pred_split2(v[0], v[1], hw[c / 2], lw[c / 2]);
+                    }
 #pragma unroll
-                for (int mi = 0; mi < PRED_MT; ++mi) {
-                    pred_mma(acc[mi][ni], al[mi], bh0, bh1);
-                    pred_mma(acc[mi][ni], ah[mi], bl0, bl1);
-                    pred_mma(acc[mi][ni], ah[mi], bh0, bh1);
+                    for (int q = 0; q < PRED_C1P / 4; ++q) yp[q] = make_uint4(hw[2 * q], lw[2 * q], hw[2 * q + 1], lw[2 * q + 1]);
+                }
+                __syncthreads();
+                // The second convolution: acc[mi][n] holds channels mi*16 + (g8, g8 + 8) of n-tile n (row
+                // rp + 2 (n / 2) of the band, columns cg*16 + (n % 2)*8 + 2 tq (+1)).
+                const int cg = warp % (PRED_PT / 16), rp = warp / (PRED_PT / 16);
+                float acc[PRED_MT][2 * PRED_RBH][4];
+#pragma unroll
+                for (int mi = 0; mi < PRED_MT; ++mi)
+#pragma unroll
+                    for (int n = 0; n < 2 * PRED_RBH; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[mi][n][e] = 0.0f;
+#pragma unroll 3
+                for (int kk = 0; kk < PRED_K16; ++kk) {
+                    const int sp = kk / PRED_KC, kc = kk % PRED_KC, dt = sp / 3, db = sp % 3;
+                    uint4 ah[PRED_MT], al[PRED_MT];
+#pragma unroll
+                    for (int mi = 0; mi < PRED_MT; ++mi) {
+                        ah[mi] = afr[((mi * PRED_K16 + kk) * 32 + lane) * 2];
+                        al[mi] = afr[((mi * PRED_K16 + kk) * 32 + lane) * 2 + 1];
+                    }
+#pragma unroll
+                    for (int n = 0; n < 2 * PRED_RBH; ++n) {
+                        if (rp + 2 * (n / 2) >= R) break;
+                        // (hi, lo) of channels kc*16 + 2 tq (+1) and of the same + 8 (conflict-free 8-byte loads: PRED_PX).
+                        const uint2* yp = reinterpret_cast<const uint2*>(ys + ((rp + 2 * (n / 2) + dt) * (PRED_PT + 2) + cg * 16 + (n % 2) * 8 + g8 + db) * PRED_PX) + kc * 8 + tq;
+                        const uint2 p0 = yp[0], p1 = yp[4];
+                        const unsigned bh0 = p0.x, bl0 = p0.y, bh1 = p1.x, bl1 = p1.y;
+#pragma unroll
+                        for (int mi = 0; mi < PRED_MT; ++mi) {
+                            pred_mma(acc[mi][n], al[mi], bh0, bh1);
+                            pred_mma(acc[mi][n], ah[mi], bl0, bl1);
+                            pred_mma(acc[mi][n], ah[mi], bh0, bh1);
+                        }
+                    }
+                }
+                // Bias, ReLU, the 1x1 convolution: this lane's channels, then the sum over the warp's 8 row groups.
+#pragma unroll
+                for (int n = 0; n < 2 * PRED_RBH; ++n) {
+                    if (rp + 2 * (n / 2) >= R) break;
+                    float zp[2] = {0.0f, 0.0f};
+#pragma unroll
+                    for (int mi = 0; mi < PRED_MT; ++mi)
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            const int co = mi * 16 + g8 + half * 8;
+                            if (co >= PRED_C2) continue;
+                            zp[0] += w3[co] * pred_relu(acc[mi][n][2 * half] + b2[co]);
+                            zp[1] += w3[co] * pred_relu(acc[mi][n][2 * half + 1] + b2[co]);
+                        }
+                    const int t = a + rp + 2 * (n / 2);
+                    const int rw = rbase + t < H ? rbase + t : rbase + t - H;
+                    const bool keep_old = row_reused(t);
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        float v = zp[j];
+                        v += __shfl_xor_sync(0xffffffffu, v, 4);
+                        v += __shfl_xor_sync(0xffffffffu, v, 8);
+                        v += __shfl_xor_sync(0xffffffffu, v, 16);
+                        const int c = b0 + cg * 16 + (n % 2) * 8 + 2 * tq + j;
+                        if (g8 == 0 && c < width && !(keep_old && c + 2 < wmin)) zc[(long long)rw * st.wc + c] = v;
+                    }
                 }
             }
         }
-        // Bias, ReLU, the 1x1 convolution: this lane's channels, then the sum over the warp's 8 row groups.
-        float zp[4][2];
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni) zp[ni][0] = zp[ni][1] = 0.0f;
-#pragma unroll
-        for (int mi = 0; mi < PRED_MT; ++mi)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int co = mi * 16 + g8 + half * 8;
-                if (co >= PRED_C2) continue;
-                const float w3 = ws[PRED_W3 + co], b2 = ws[PRED_B2 + co];
-#pragma unroll
-                for (int ni = 0; ni < 4; ++ni) {
-                    zp[ni][0] += w3 * pred_relu(acc[mi][ni][2 * half] + b2);
-                    zp[ni][1] += w3 * pred_relu(acc[mi][ni][2 * half + 1] + b2);
-                }
-            }
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                float v = zp[ni][j];
-                v += __shfl_xor_sync(0xffffffffu, v, 4);
-                v += __shfl_xor_sync(0xffffffffu, v, 8);
-                v += __shfl_xor_sync(0xffffffffu, v, 16);
-                const int c = b0 + warp * 32 + ni * 8 + 2 * tq + j;
-                if (g8 == 0 && c < width && !(row_reused && c + 2 < wmin)) zc[(long long)(rbase + t < H ? rbase + t : rbase + t - H) * st.wc + c] = v;
-            }
-        __syncthreads();
     }
 }
 
@@ -323,14 +385,40 @@ extern "C" __global__ void __launch_bounds__(256) kvs_pred_average(Batch b, Pred
     const float* zc = st.zc + sh * H * (long long)st.wc;
     const int rbase = pred_mod((long long)count - H, H);  // ring row of image row 0
     float acc = 0.0f;
-    for (int t = 0, ri = rbase; t < H; ++t, ri = ri + 1 == H ? 0 : ri + 1) acc += zc[(long long)ri * st.wc + i];
+    // Eight rows' loads in flight, then their sum in row order.
+    for (int t0 = 0, r0 = rbase; t0 < H; t0 += 8) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            int ri = r0 + u;
+            while (ri >= H) ri -= H;
+            v[u] = t0 + u < H ? zc[(long long)ri * st.wc + i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (t0 + u < H) acc += v[u];
+        r0 += 8;
+        while (r0 >= H) r0 -= H;
+    }
     scores[(i64)(s * hk + h) * nbmax + start + i] = wts[PRED_B3] + acc * (1.0f / (float)H);
 }
 
-// One CTA per (KV head, sequence): the selection from kvs_pred_average's scores (predictor::select: the sink's and the local window's tokens and the best candidate
-// blocks by (score, later block), radix top-k), the token plan (increasing positions, clipped to the
-// visible range) and the counters. DENSE and NOHIST rows get every visible position. CTA (0, 0) also
-// counts the call's rows.
+// Candidate keys kvs_pred_select keeps in shared memory (more are read from the scores in global memory).
+#define PRED_SEL_CACHE 8192
+
+// Bits lo .. hi - 1 of a 64-position chunk starting at p0 that [s, e) covers.
+__device__ __forceinline__ unsigned long long pred_span_bits(int p0, int s, int e) {
+    const int a = max(s - p0, 0), z = min(e - p0, 64);
+    if (a >= z) return 0ull;
+    return (z == 64 ? ~0ull : ((1ull << z) - 1ull)) & ~((1ull << a) - 1ull);
+}
+
+// One CTA per (KV head, sequence): the selection from kvs_pred_average's scores (predictor::select: the
+// sink's and the local window's tokens and the best candidate blocks by (score, later block): topk32 over
+// the candidates' order keys, held in shared memory), the token plan (increasing positions, clipped to
+// the visible range; each thread a contiguous run of 64-position chunks, a chunk's bits from the spans and
+// its blocks' choices, one block scan, the writes warp-cooperative) and the counters. DENSE and NOHIST rows get every visible
+// position. CTA (0, 0) also counts the call's rows.
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
                                                                            const int* mode, float* scores, int nbmax, unsigned* plan, i64 p_s,
                                                                            i64 p_h, int* plan_len, int cap, i64 row_bytes, i64 k_row_bytes,
@@ -338,11 +426,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ unsigned hist[256];
-    __shared__ unsigned wtot[8];
-    __shared__ unsigned long long sel_prefix;
-    __shared__ int sel_left;
     __shared__ int wsum[TOPK_THREADS / 32];
-    __shared__ int total;
+    __shared__ unsigned sel4[4];
+    __shared__ unsigned kcache[PRED_SEL_CACHE];
     __shared__ unsigned long long red[32];
     const int s = blockIdx.y, h = blockIdx.x, hk = st.hk;
     if (s == 0 && h == 0) rows_count(b, hk, row_bytes, ctr, red);
@@ -359,9 +445,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
     const int n = r.hi + 1, blk = ps.block, nb = (n + blk - 1) / blk;
     const bool all = m == PM_DENSE || m == PM_NOHIST;
     const int sink_end = min(ps.sink, n), local_start = max(n - ps.local, 0);
-    int cb0 = 0, cb1 = 0, mm = 0, cnt = 0, ibits = 1, start = 0, width = 0;
-    unsigned long long thr = 0;
-    float* sc = scores + (i64)(s * hk + h) * nbmax;
+    int cb0 = 0, cb1 = 0, mm = 0, cnt = 0, start = 0, width = 0;
+    const float* sc = scores + (i64)(s * hk + h) * nbmax;
     if (!all) {
         const long long sh = (long long)slot[s] * hk + h;
         int* hd = st.hdr + sh * HDR_WORDS;
@@ -377,69 +462,62 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
         cnt = max(cb1 - cb0, 0);
         const long long extra = max((long long)ps.budget - (long long)ps.sink - (long long)ps.local, 0ll) / blk;
         mm = (int)min(extra, (long long)cnt);
-        while ((1 << ibits) < nb) ++ibits;
     }
-    auto key_of = [&](int i) {
-        const float v = (i >= start && i < start + width) ? sc[i] : -INFINITY;
-        return ((unsigned long long)kvs_order_key(v) << ibits) | (unsigned)i;
-    };
-    if (!all && mm > 0 && mm < cnt) thr = radix_kth(cb0, cb1, mm, (32 + ibits + 7) / 8, key_of, hist, wtot, sel_prefix, sel_left);
+    auto key_at = [&](int i) { return kvs_order_key((i >= start && i < start + width) ? sc[i] : -INFINITY); };
+    const bool cached = cnt <= PRED_SEL_CACHE;
+    if (cached)
+        for (int i = threadIdx.x; i < cnt; i += blockDim.x) kcache[i] = key_at(cb0 + i);
+    __syncthreads();
+    auto key_of = [&](int i) { return cached ? kcache[i - cb0] : key_at(i); };
+    TopCut tc{0u, cb0};
+    if (!all && mm > 0 && mm < cnt) tc = topk32(cb0, cb1, mm, key_of, hist, wsum, sel4);
     auto sel = [&](int bk) {
         if (bk < cb0 || bk >= cb1 || mm == 0) return false;
-        return mm >= cnt || key_of(bk) >= thr;
+        if (mm >= cnt) return true;
+        const unsigned k = key_of(bk);
+        return k > tc.thr || (k == tc.thr && bk >= tc.cut);
     };
-    // The plan: positions lo..=hi kept, 64 per thread and pass (popcounts, one block scan per pass).
-    unsigned* e = plan + s * p_s + h * p_h;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int c0 = r.lo / 64, c1 = r.hi / 64;
-    int base = 0;
-    for (int cb = c0; cb <= c1; cb += blockDim.x) {  // uniform trip count
-        const int c = cb + threadIdx.x;
+    // A chunk's kept positions: visible, and in the sink, the local window or a chosen block.
+    auto chunk_bits = [&](int c) {
         const int p0 = c * 64;
-        unsigned long long bits = 0ull;
-        if (c <= c1) {
-            int last_b = -1;
-            bool last_s = false;
-            for (int x = 0; x < 64; ++x) {
-                const int p = p0 + x;
-                if (p < r.lo || p > r.hi) continue;
-                bool keep = all || p < sink_end || p >= local_start;
-                if (!keep) {
-                    const int bk = p / blk;
-                    if (bk != last_b) {
-                        last_b = bk;
-                        last_s = sel(bk);
-                    }
-                    keep = last_s;
-                }
-                if (keep) bits |= 1ull << x;
-            }
+        const unsigned long long vis = pred_span_bits(p0, r.lo, r.hi + 1);
+        if (all) return vis;
+        unsigned long long keep = pred_span_bits(p0, 0, sink_end) | pred_span_bits(p0, local_start, n);
+        if (blk >= 64) {
+            if (sel(p0 / blk)) keep = ~0ull;
+        } else {
+            const unsigned long long bm = (1ull << blk) - 1ull;
+            for (int q = 0; q < 64; q += blk)
+                if (sel((p0 + q) / blk)) keep |= bm << q;
         }
-        const int cntb = __popcll(bits);
-        int incl = cntb;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += y;
+        return vis & keep;
+    };
+    unsigned* e = plan + s * p_s + h * p_h;
+    const int c0 = r.lo / 64, c1 = r.hi / 64, nch = c1 - c0 + 1;
+    const int per = (nch + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int my0 = c0 + (int)threadIdx.x * per, my1 = min(my0 + per, c1 + 1);
+    int mine = 0;
+    for (int c = my0; c < my1; ++c) mine += __popcll(chunk_bits(c));
+    int total;
+    int at = block_excl_scan(mine, wsum, total);
+    // The writes, a warp at a time: for each of its lanes with kept positions in their j-th chunk, the
+    // whole warp writes that chunk's entries (coalesced; no lane walks 64 positions alone).
+    const int lane = threadIdx.x & 31;
+    for (int j = 0; j < per; ++j) {  // uniform trip count
+        const int c = my0 + j;
+        const unsigned long long bits = c < my1 ? chunk_bits(c) : 0ull;
+        for (unsigned act = __ballot_sync(0xffffffffu, bits != 0ull); act; act &= act - 1u) {
+            const int l = __ffs(act) - 1;
+            const unsigned long long mb = __shfl_sync(0xffffffffu, bits, l);
+            const int base = __shfl_sync(0xffffffffu, at, l), cl = __shfl_sync(0xffffffffu, c, l);
+            const unsigned lo32 = (unsigned)mb, hi32 = (unsigned)(mb >> 32), below = (1u << lane) - 1u;
+            const int o0 = base + __popc(lo32 & below), o1 = base + __popc(lo32) + __popc(hi32 & below);
+            if ((lo32 >> lane) & 1u && o0 < cap) e[o0] = (unsigned)(cl * 64 + lane);
+            if ((hi32 >> lane) & 1u && o1 < cap) e[o1] = (unsigned)(cl * 64 + 32 + lane);
         }
-        if (lane == 31) wsum[warp] = incl;
-        __syncthreads();
-        int before = base + incl - cntb;
-        for (int w = 0; w < warp; ++w) before += wsum[w];
-        if (threadIdx.x == 0) {
-            int t = 0;
-            for (int w = 0; w < nw; ++w) t += wsum[w];
-            total = t;
-        }
-        for (unsigned long long rest = bits; rest; rest &= rest - 1ull) {
-            if (before < cap) e[before] = (unsigned)(p0 + __ffsll((long long)rest) - 1);
-            ++before;
-        }
-        __syncthreads();
-        base += total;
-        __syncthreads();
+        at += __popcll(bits);
     }
-    const int np = base < cap ? base : cap;
+    const int np = total < cap ? total : cap;
     if (threadIdx.x == 0) plan_len[s * hk + h] = np;
     const unsigned long long vis = (unsigned long long)(r.hi - r.lo + 1);
     if (m == PM_DENSE) {
@@ -476,8 +554,9 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
                                                                            int lcap, float kscale) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
-    __shared__ float ks[WP_TP][HEAD_DIM + 1];
-    __shared__ float qs[GROUP * HEAD_DIM];
+    // K rows 16-byte aligned and 4 words apart (conflict-free float4 reads by a warp's 32 positions).
+    __shared__ __align__(16) float ks[WP_TP][HEAD_DIM + 4];
+    __shared__ __align__(16) float qs[GROUP * HEAD_DIM];
     __shared__ float wsh[WP_J][WP_TP];
     const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
     const int m = mode[s * hk + h];
@@ -521,8 +600,21 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
                 const i64 pb = phys_block(b, s, kpos >> b.bs_log2);
                 if (pb >= 0) krow = kc + pb * kc0 + (i64)(kpos & (bs - 1)) * kc1 + (i64)h * kc2;
             }
+            // 16-byte loads where the row allows them (WP_J threads share a row), else one element at a time.
+            constexpr int EPV = 16 / (int)sizeof(kv_t);  // elements per 16 bytes
+            if (krow && HEAD_DIM % EPV == 0 && (reinterpret_cast<unsigned long long>(krow) & 15ull) == 0ull) {
+                for (int v = kq; v < HEAD_DIM / EPV; v += WP_J) {
+                    union {
+                        uint4 u;
+                        kv_t e[EPV];
+                    } w;
+                    w.u = *reinterpret_cast<const uint4*>(krow + v * EPV);
 #pragma unroll
-            for (int c = kq; c < HEAD_DIM; c += WP_J) ks[kp][c] = krow ? kv_ld(krow[c], kscale) : 0.0f;
+                    for (int e = 0; e < EPV; ++e) ks[kp][v * EPV + e] = kv_ld(w.e[e], kscale);
+                }
+            } else {
+                for (int c = kq; c < HEAD_DIM; c += WP_J) ks[kp][c] = krow ? kv_ld(krow[c], kscale) : 0.0f;
+            }
         }
         const int p = threadIdx.x % WP_TP, j = threadIdx.x / WP_TP, jj = j0 + p;
         const int pos = jj < jend ? (use_plan ? (int)pe[jj] : jlo + jj) : -1;
@@ -547,7 +639,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
                     if (keep && phase > 0) {
                         l = lrow[(i64)gi * lcap + jj];
                     } else {
-                        l = kvs_decision_softcap(wp_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
+                        l = kvs_decision_softcap(wp_dot4(qs + gi * HEAD_DIM, ks[p]), softcap);
                         if (keep) lrow[(i64)gi * lcap + jj] = l;
                     }
                 }

@@ -1,6 +1,7 @@
 //! AttentionPredictor's agreement check (design.md "Decisions on the GPU: agreement, not bit equality").
 //! The CUDA engine's history rows equal the CPU engine's bit for bit (same arithmetic) whenever both
-//! attended the same positions, but its CNN runs the second convolution on tensor cores (3xTF32), so a
+//! attended the same positions, but its CNN runs in other arithmetic (fused multiply-adds, the second convolution on tensor cores in
+//! 3xBF16), so a
 //! predicted set may differ from the CPU's at blocks whose scores lie within the device's error bound of
 //! the selection boundary; after such a difference the two histories part ways (the rows of predicted
 //! steps hold the attended positions' weights).
@@ -47,9 +48,10 @@ impl Cnn64 {
     /// Exact scores of the crop `start .. start + width` from the image of `rows` (oldest first, at most
     /// `h`, entries >= 0), and per block the bound of the CUDA engine's error when each image entry it holds
     /// is within relative `ex` of the exact one. Bound, with u = 2^-24 (docs/policies.md): first
-    /// convolution (f32, 10 terms) dy1 = ex a1 + 10 u (|b1| + a1), a1 = sum |w1| x; second (3xTF32: each
-    /// product within 3 * 2^-22 of exact, 3 K + 1 f32 additions that may truncate, 2u each)
-    /// dy2 = sum |w2| dy1 + (12 u + (3 K + 2) 2u)(|b2| + sum |w2| y1); the 1x1 convolution
+    /// convolution (f32, 10 terms, fused or not) dy1 = ex a1 + 10 u (|b1| + a1), a1 = sum |w1| x; second
+    /// (3xBF16: each operand split into bf16 hi + lo, within 2^-16 of it, and hi*hi + hi*lo + lo*hi, exact
+    /// bf16 products: each product within 3.1 * 2^-16 < 800 u of exact; 3 K + 1 f32 additions that may
+    /// truncate, 2u each) dy2 = sum |w2| dy1 + (800 u + (3 K + 2) 2u)(|b2| + sum |w2| y1); the 1x1 convolution
     /// dz = sum |w3| dy2 + (c2 + 1) 2u sum |w3 relu(y2)|; the time average dp = mean dz + (h + 2) 2u
     /// (|b3| + mean |z|); all times 1.01 for second-order terms.
     pub fn predict(&self, rows: &VecDeque<Vec<f64>>, h: usize, start: usize, width: usize, ex: f64) -> (Vec<f64>, Vec<f64>) {
@@ -82,7 +84,7 @@ impl Cnn64 {
             }
         }
         let k = c1 * 9;
-        let c2_err = 12.0 * U + (3 * k + 2) as f64 * 2.0 * U;
+        let c2_err = 800.0 * U + (3 * k + 2) as f64 * 2.0 * U;
         let (mut score, mut bound) = (vec![0f64; w], vec![0f64; w]);
         for b in 0..w {
             let (mut zsum, mut zabs, mut dzsum) = (0f64, 0f64, 0f64);
@@ -270,7 +272,9 @@ mod tests {
             for b in 0..width {
                 let e = (got[b] as f64 - exact[b]).abs();
                 assert!(e <= bound[b], "h {h} block {b}: f32 {} exact {} error {e:.3e} bound {:.3e}", got[b], exact[b], bound[b]);
-                assert!(bound[b] < 1e-3 * exact.iter().map(|x| x.abs()).fold(1e-6, f64::max), "a bound that allows anything: {:.3e}", bound[b]);
+                // The bound is dominated by the 3xBF16 products (about 5e-5 of each term); it stays well
+                // under a percent of the scores' scale, or it would let any set through.
+                assert!(bound[b] < 5e-3 * exact.iter().map(|x| x.abs()).fold(1e-6, f64::max), "a bound that allows anything: {:.3e}", bound[b]);
             }
         }
     }

@@ -195,7 +195,7 @@ fn cuda_fp8_policies_match_the_cpu_engine_refresh() {
 }
 
 /// The AttentionPredictor over FP8 (predictor_cuda.rs): its history rows read the keys decoded times
-/// k_scale in the CPU's arithmetic; its CNN runs in 3xTF32 as over 16-bit caches, so sets agree by that
+/// k_scale in the CPU's arithmetic; its CNN runs on the tensor cores as over 16-bit caches, so sets agree by that
 /// contract (a differing block within the stated margin of the boundary, checked against the exact
 /// prediction over the dequantized cache); the same schedule and counters where sets agree, outputs within
 /// the query dtype's tolerance of the CPU engine's (or of f64 attention over the GPU's own set).

@@ -1,7 +1,8 @@
 //! AttentionPredictor on the CUDA backend (kernels/predictor.cu): the block-attention history, the
 //! calibration schedule, the CNN and the selection on the device, agreeing with the CPU engine's decisions
-//! (`cpu.rs`, `mod.rs`) by the contract of design.md: the history rows bit for bit, the CNN's second
-//! convolution on tensor cores (3xTF32) within the error bound of docs/policies.md. No host decision inside a decode step:
+//! (`cpu.rs`, `mod.rs`) by the contract of design.md: the history rows bit for bit, the CNN within
+//! the error bound of docs/policies.md (first convolution in f32 with fused multiply-adds, second on tensor
+//! cores in 3xBF16). No host decision inside a decode step:
 //! the launches and their grids follow from host-known bounds (block-table width, history, budgets), so a
 //! step is capturable in a CUDA graph.
 //!
@@ -16,9 +17,12 @@
 //! batch. It is allocated on the layer's first call (outside capture), and grown (migrated by a kernel)
 //! when a later call's table is wider, which must not happen inside a capture.
 //!
-//! The CNN's weights are uploaded once at engine creation. The conv kernel stages them, one image tile and
-//! the first convolution's tile in static shared memory, so a weights file must fit (the built-in network:
-//! 4,833 parameters); larger ones are refused with UNSUPPORTED at engine creation.
+//! The CNN's weights are uploaded once at engine creation, the second convolution's also as pre-split MMA
+//! fragments ([`conv2_fragments`]). The conv kernel stages them, an image tile and the first convolution's
+//! tile in dynamic shared memory (at most 100 KiB: two CTAs per SM), so a weights file must fit (the
+//! built-in network, 16 / 32 channels: 53 KiB with tiles of 64 columns); wider ones (more than 32
+//! first-layer or 128 second-layer channels, or too large together) are refused with UNSUPPORTED at
+//! engine creation.
 
 use parking_lot::Mutex;
 
@@ -41,14 +45,72 @@ use crate::{bail, ensure};
 pub const PREDICTOR: Module = &[&kernel_file!("predictor.cu", "policy/predictor.cu")];
 
 /// CTAs of one `kvs_pred_conv` launch, over all (sequence, KV head) pairs (each stages the weights once
-/// and walks its share of the (row, column tile) items).
+/// and walks its share of the column tiles).
 const CONV_CTAS: usize = 2048;
 /// Largest first-layer width the conv kernel accepts (its second convolution reduces over 9 x c1).
 const MAX_C1: usize = 32;
+/// Largest second-layer width (the kernel's accumulators: 16-channel tiles x rows per band).
+const MAX_C2: usize = 128;
 /// CTAs of one history-row scoring launch, over all (sequence, KV head) pairs (a few waves on an H100).
 const SCORES_CTAS: usize = 2048;
-/// Static shared memory the conv kernel may use.
-const CONV_SMEM: usize = 47 * 1024;
+/// Dynamic shared memory the conv kernel may use (two CTAs per SM).
+const CONV_SMEM: usize = 100 * 1024;
+
+/// Dynamic shared memory of `kvs_pred_conv` (kernels/policy/predictor.cu `PRED_SMEM_W`, in bytes) for a
+/// network of `c1` / `c2` channels and column tiles of `pt`.
+fn conv_smem_bytes(c1: usize, c2: usize, pt: usize) -> usize {
+    let (c1p, mt) = (c1.div_ceil(16) * 16, c2.div_ceil(16));
+    let rb = 8 / mt;
+    let frag = mt * 9 * (c1p / 16) * 32 * 8;
+    let small = (c1 * 10 + 2 * c2 + 1 + rb + 4).div_ceil(4) * 4;
+    let xs = (rb + 4) * (pt + 4);
+    let ys = (rb + 2) * (pt + 2) * (c1p + 8);
+    4 * (frag + small + xs + ys)
+}
+
+/// bf16 of `x`, rounded to nearest even (`cvt.rn.bf16.f32` for finite `x`).
+fn bf16_rn(x: f32) -> u16 {
+    let u = x.to_bits();
+    ((u + 0x7fff + ((u >> 16) & 1)) >> 16) as u16
+}
+
+/// The second convolution's weights as the A operands of `kvs_pred_conv`'s m16n8k16 MMAs, split into bf16
+/// hi + lo (w = hi + lo to about 2^-18 of w): per 16-channel output tile `mi`, k-step `kk` (spatial offset
+/// `kk / kc` = dt * 3 + db, input channels 16 (kk % kc) ..), lane (g8 = lane / 4, tq = lane % 4) eight
+/// words: hi a0..a3, lo a0..a3, word j holding output channel mi*16 + g8 + 8 (j & 1) and input channels
+/// 2 tq + 8 (j >> 1) (+1 in the high half); zero past the network's channels.
+pub(crate) fn conv2_fragments(w: &PredictorWeights) -> Vec<u32> {
+    let flat = w.flat();
+    let (c1, c2) = (w.c1, w.c2);
+    let (kc, mt) = (c1.div_ceil(16), c2.div_ceil(16));
+    let w2 = &flat[c1 * 10..c1 * 10 + c2 * c1 * 9];
+    let at = |co: usize, ch: usize, sp: usize| if co < c2 && ch < c1 { w2[(co * c1 + ch) * 9 + sp] } else { 0.0 };
+    let split = |x: f32| {
+        let hi = bf16_rn(x);
+        (hi, bf16_rn(x - f32::from_bits((hi as u32) << 16)))
+    };
+    let mut out = Vec::with_capacity(mt * 9 * kc * 32 * 8);
+    for mi in 0..mt {
+        for kk in 0..9 * kc {
+            let (sp, kb) = (kk / kc, kk % kc);
+            for lane in 0..32 {
+                let (g8, tq) = (lane / 4, lane % 4);
+                let (mut hi, mut lo) = ([0u32; 4], [0u32; 4]);
+                for j in 0..4 {
+                    let co = mi * 16 + g8 + 8 * (j & 1);
+                    let ch = kb * 16 + 2 * tq + 8 * (j >> 1);
+                    let (h0, l0) = split(at(co, ch, sp));
+                    let (h1, l1) = split(at(co, ch + 1, sp));
+                    hi[j] = h0 as u32 | (h1 as u32) << 16;
+                    lo[j] = l0 as u32 | (l1 as u32) << 16;
+                }
+                out.extend_from_slice(&hi);
+                out.extend_from_slice(&lo);
+            }
+        }
+    }
+    out
+}
 
 /// `PredState` of the kernels (kernels/policy/predictor.cu; a test compares the layouts).
 #[repr(C)]
@@ -103,6 +165,10 @@ pub struct PredictorDev {
     /// Image columns per conv CTA (fits the shared memory for these weights).
     pt: usize,
     weights: DevBuf,
+    /// The second convolution's weights as MMA fragments ([`conv2_fragments`]).
+    frag: DevBuf,
+    /// Conv kernel functions whose dynamic shared-memory limit was raised.
+    smem_ready: Mutex<Vec<usize>>,
     max_seqs: usize,
     hk: usize,
     layers: Mutex<Vec<Option<LayerState>>>,
@@ -130,15 +196,16 @@ impl PredictorDev {
     /// Uploads the weights; refuses networks the kernels cannot hold.
     pub fn new(w: &PredictorWeights, spec: PredictorSpec, num_layers: usize, num_kv_heads: usize, max_seqs: usize) -> Result<Self> {
         let flat = w.flat();
-        ensure!(w.c1 <= MAX_C1, Unsupported, "predictor weights with {} first-layer channels: the CUDA backend's CNN kernel holds at most {MAX_C1}", w.c1);
-        let smem = |pt: usize| 4 * (flat.len() + 5 * (pt + 4) + w.c1 * 3 * (pt + 2));
-        let Some(pt) = [128usize, 64, 32].into_iter().find(|&pt| smem(pt) <= CONV_SMEM) else {
-            bail!(Unsupported, "predictor weights of {} parameters do not fit the CUDA backend's CNN kernel (shared memory); the built-in network has 4833", flat.len());
+        ensure!(w.c1 <= MAX_C1 && w.c2 <= MAX_C2, Unsupported, "predictor weights with {} / {} channels: the CUDA backend's CNN kernel holds at most {MAX_C1} / {MAX_C2}", w.c1, w.c2);
+        let Some(pt) = [64usize, 32, 16].into_iter().find(|&pt| conv_smem_bytes(w.c1, w.c2, pt) <= CONV_SMEM) else {
+            bail!(Unsupported, "predictor weights of {} / {} channels do not fit the CUDA backend's CNN kernel (shared memory); the built-in network has 16 / 32", w.c1, w.c2);
         };
         let bytes: Vec<u8> = flat.iter().flat_map(|x| x.to_le_bytes()).collect();
         let weights = DevBuf::from_host(&bytes)?;
+        let frag_bytes: Vec<u8> = conv2_fragments(w).iter().flat_map(|x| x.to_le_bytes()).collect();
+        let frag = DevBuf::from_host(&frag_bytes)?;
         let counters = DevBuf::from_host(&vec![0u8; checked(&[num_layers, 16])?])?;
-        Ok(PredictorDev { spec, c1: w.c1, c2: w.c2, pt, weights, max_seqs, hk: num_kv_heads, layers: Mutex::new((0..num_layers).map(|_| None).collect()), counters, num_layers, probe: Mutex::new(None) })
+        Ok(PredictorDev { spec, c1: w.c1, c2: w.c2, pt, weights, frag, smem_ready: Mutex::new(Vec::new()), max_seqs, hk: num_kv_heads, layers: Mutex::new((0..num_layers).map(|_| None).collect()), counters, num_layers, probe: Mutex::new(None) })
     }
 
     /// Bytes of one layer's state for ring rows of `wc` blocks.
@@ -236,12 +303,22 @@ impl PredictorDev {
         k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(gen as i64).i64(mode as i64).i64(pctr as i64);
         launch::launch_dependent(pdl, f("kvs_pred_prepare")?, (ns as u32, 1, 1), threads, 0, &mut k, stream, "kvs_pred_prepare launch")?;
 
-        let items = checked(&[pw.nbmax.div_ceil(pd.pt), ps.history])?;
+        // Work items (band, column tile): a tile has at most ceil(history / rows per band) bands.
+        let items = checked(&[pw.nbmax.div_ceil(pd.pt), ps.history.div_ceil(8 / pd.c2.div_ceil(16))])?;
         ensure!(hk < 65536 && ns < 65536 && items < (1 << 31), Unsupported, "predictor: too many KV heads, sequences or blocks for the CNN's grid");
         let per = CONV_CTAS.div_ceil(ns * hk).min(items).max(1);
+        let conv = f("kvs_pred_conv")?;
+        let smem = conv_smem_bytes(pd.c1, pd.c2, pd.pt);
+        {
+            let mut ready = pd.smem_ready.lock();
+            if !ready.contains(&(conv as usize)) {
+                launch::allow_dynamic_smem(conv, smem)?;
+                ready.push(conv as usize);
+            }
+        }
         let mut k = KArgs::new();
-        k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
-        launch::launch_dependent(pdl, f("kvs_pred_conv")?, (per as u32, hk as u32, ns as u32), pd.pt as u32, 0, &mut k, stream, "kvs_pred_conv launch")?;
+        k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(pd.frag.ptr as i64).i64(slot as i64).i64(mode as i64);
+        launch::launch_dependent(pdl, conv, (per as u32, hk as u32, ns as u32), 4 * pd.pt as u32, smem as u32, &mut k, stream, "kvs_pred_conv launch")?;
 
         mark(1)?;
         let mut k = KArgs::new();
@@ -415,6 +492,47 @@ impl CudaStage for PredictorStage<'_> {
     }
 }
 
+#[cfg(test)]
+mod fragment_tests {
+    use super::*;
+
+    /// Every second-layer weight sits at its lane, register and half, as hi + lo within 2^-16 of it;
+    /// padding is zero; the shared memory the kernel asks for fits the built-in network.
+    #[test]
+    fn conv2_fragments_hold_every_weight_split_in_lane_order() {
+        let w = PredictorWeights::builtin().expect("built-in weights");
+        let (c1, c2) = (w.c1, w.c2);
+        let flat = w.flat();
+        let w2 = &flat[c1 * 10..c1 * 10 + c2 * c1 * 9];
+        let fr = conv2_fragments(w);
+        let (kc, mt) = (c1.div_ceil(16), c2.div_ceil(16));
+        assert_eq!(fr.len(), mt * 9 * kc * 32 * 8);
+        let half = |word: u32, upper: bool| f32::from_bits(if upper { word & 0xffff_0000 } else { word << 16 });
+        let mut seen = 0usize;
+        for mi in 0..mt {
+            for kk in 0..9 * kc {
+                for lane in 0..32 {
+                    let at = ((mi * 9 * kc + kk) * 32 + lane) * 8;
+                    for j in 0..4 {
+                        for upper in [false, true] {
+                            let co = mi * 16 + lane / 4 + 8 * (j & 1);
+                            let ch = (kk % kc) * 16 + 2 * (lane % 4) + 8 * (j >> 1) + upper as usize;
+                            let v = half(fr[at + j], upper) + half(fr[at + 4 + j], upper);
+                            let want = if co < c2 && ch < c1 { w2[(co * c1 + ch) * 9 + kk / kc] } else { 0.0 };
+                            assert!((v as f64 - want as f64).abs() <= want.abs() as f64 * 2f64.powi(-16), "mi {mi} kk {kk} lane {lane} j {j}: {v} vs {want}");
+                            seen += (co < c2 && ch < c1) as usize;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(seen, c2 * c1 * 9, "each weight once");
+        assert!(conv_smem_bytes(c1, c2, 64) <= CONV_SMEM);
+        assert_eq!(bf16_rn(1.0 + 2f32.powi(-8)), 0x3f80, "ties to even");
+        assert_eq!(bf16_rn(1.0 + 3.0 * 2f32.powi(-8)), 0x3f82);
+    }
+}
+
 /// Compiles the predictor's module (its own, beside the shared ones that src/cuda/module_cache.rs checks
 /// under the same test name) with the built-in network's widths, PT as `PredictorDev` picks it.
 #[cfg(test)]
@@ -424,7 +542,7 @@ mod compile_tests {
     #[test]
     fn kernel_sources_compile_with_nvrtc() {
         let Some(check) = CompileCheck::new() else { return };
-        let widths = ["PRED_C1=16".to_string(), "PRED_C2=32".into(), "PRED_PT=128".into()];
+        let widths = ["PRED_C1=16".to_string(), "PRED_C2=32".into(), "PRED_PT=64".into()];
         let build = |defs: Vec<String>| check.build("predictor", super::PREDICTOR, &[defs, widths.to_vec()].concat());
         // Over FP8 caches (kv_load.cuh), both formats.
         for &(dt, d, g) in &[(2, 128usize, 4usize), (1, 64, 8), (2, 256, 8)] {

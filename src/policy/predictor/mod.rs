@@ -232,8 +232,9 @@ impl PredictorWeights {
 
     /// Output rows `todo` of `z = conv3(relu(conv2(relu(conv1(x)))))` (per row, before the time average).
     ///
-    /// The f32 arithmetic has one fixed order (the CUDA engine's first convolution repeats it; its second
-    /// runs on tensor cores, kernels/policy/predictor.cu, within the bound of docs/policies.md): `y1[c][t][b] = b1[c]`, then `+= w1[c][dt][db] ·
+    /// The f32 arithmetic has one fixed order (the CUDA engine's CNN runs within the bound of
+    /// docs/policies.md: fused multiply-adds in the first convolution, tensor cores in the second,
+    /// kernels/policy/predictor.cu): `y1[c][t][b] = b1[c]`, then `+= w1[c][dt][db] ·
     /// x[t+dt-1][b+db-1]` for dt, then db, in 0..3 (terms outside the image skipped), ReLU; `y2 = b2[o]`,
     /// then `+= w2[o][c][dt][db] · y1[c][t+dt-1][b+db-1]` for c, then dt, then db (skipped outside), ReLU;
     /// `z[t][b] = 0`, then `+= w3[o] · y2` for o in order; every product rounded before it is added.
