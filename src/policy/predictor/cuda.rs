@@ -45,7 +45,7 @@ use crate::{bail, ensure};
 pub const PREDICTOR: Module = &[&kernel_file!("predictor.cu", "policy/predictor.cu")];
 
 /// CTAs of one `kvs_pred_conv` launch, over all (sequence, KV head) pairs (each stages the weights once
-/// and walks its share of the column tiles).
+/// and walks its share of the (band, column tile) items).
 const CONV_CTAS: usize = 2048;
 /// Largest first-layer width the conv kernel accepts (its second convolution reduces over 9 x c1).
 const MAX_C1: usize = 32;
@@ -56,11 +56,17 @@ const SCORES_CTAS: usize = 2048;
 /// Dynamic shared memory the conv kernel may use (two CTAs per SM).
 const CONV_SMEM: usize = 100 * 1024;
 
+/// Image rows per band of `kvs_pred_conv` for a second layer of `c2` channels (`PRED_RB`: its
+/// accumulators hold 16-channel tiles x rows per band).
+fn band_rows(c2: usize) -> usize {
+    8 / c2.div_ceil(16)
+}
+
 /// Dynamic shared memory of `kvs_pred_conv` (kernels/policy/predictor.cu `PRED_SMEM_W`, in bytes) for a
 /// network of `c1` / `c2` channels and column tiles of `pt`.
 fn conv_smem_bytes(c1: usize, c2: usize, pt: usize) -> usize {
     let (c1p, mt) = (c1.div_ceil(16) * 16, c2.div_ceil(16));
-    let rb = 8 / mt;
+    let rb = band_rows(c2);
     let frag = mt * 9 * (c1p / 16) * 32 * 8;
     let small = (c1 * 10 + 2 * c2 + 1 + rb + 4).div_ceil(4) * 4;
     let xs = (rb + 4) * (pt + 4);
@@ -167,8 +173,6 @@ pub struct PredictorDev {
     weights: DevBuf,
     /// The second convolution's weights as MMA fragments ([`conv2_fragments`]).
     frag: DevBuf,
-    /// Conv kernel functions whose dynamic shared-memory limit was raised.
-    smem_ready: Mutex<Vec<usize>>,
     max_seqs: usize,
     hk: usize,
     layers: Mutex<Vec<Option<LayerState>>>,
@@ -205,7 +209,7 @@ impl PredictorDev {
         let frag_bytes: Vec<u8> = conv2_fragments(w).iter().flat_map(|x| x.to_le_bytes()).collect();
         let frag = DevBuf::from_host(&frag_bytes)?;
         let counters = DevBuf::from_host(&vec![0u8; checked(&[num_layers, 16])?])?;
-        Ok(PredictorDev { spec, c1: w.c1, c2: w.c2, pt, weights, frag, smem_ready: Mutex::new(Vec::new()), max_seqs, hk: num_kv_heads, layers: Mutex::new((0..num_layers).map(|_| None).collect()), counters, num_layers, probe: Mutex::new(None) })
+        Ok(PredictorDev { spec, c1: w.c1, c2: w.c2, pt, weights, frag, max_seqs, hk: num_kv_heads, layers: Mutex::new((0..num_layers).map(|_| None).collect()), counters, num_layers, probe: Mutex::new(None) })
     }
 
     /// Bytes of one layer's state for ring rows of `wc` blocks.
@@ -304,18 +308,12 @@ impl PredictorDev {
         launch::launch_dependent(pdl, f("kvs_pred_prepare")?, (ns as u32, 1, 1), threads, 0, &mut k, stream, "kvs_pred_prepare launch")?;
 
         // Work items (band, column tile): a tile has at most ceil(history / rows per band) bands.
-        let items = checked(&[pw.nbmax.div_ceil(pd.pt), ps.history.div_ceil(8 / pd.c2.div_ceil(16))])?;
+        let items = checked(&[pw.nbmax.div_ceil(pd.pt), ps.history.div_ceil(band_rows(pd.c2))])?;
         ensure!(hk < 65536 && ns < 65536 && items < (1 << 31), Unsupported, "predictor: too many KV heads, sequences or blocks for the CNN's grid");
         let per = CONV_CTAS.div_ceil(ns * hk).min(items).max(1);
         let conv = f("kvs_pred_conv")?;
         let smem = conv_smem_bytes(pd.c1, pd.c2, pd.pt);
-        {
-            let mut ready = pd.smem_ready.lock();
-            if !ready.contains(&(conv as usize)) {
-                launch::allow_dynamic_smem(conv, smem)?;
-                ready.push(conv as usize);
-            }
-        }
+        dev.allow_smem_once(conv, smem)?;
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(pd.frag.ptr as i64).i64(slot as i64).i64(mode as i64);
         launch::launch_dependent(pdl, conv, (per as u32, hk as u32, ns as u32), 4 * pd.pt as u32, smem as u32, &mut k, stream, "kvs_pred_conv launch")?;
