@@ -20,22 +20,10 @@
 #define WP_THREADS (WP_TP * WP_J)
 #define WP_NORM_ONE 4398046511104.0  // 2^42, math::NORM_FIXED_ONE
 
-// decision_dot: eight lane sums over c = l (mod 8), each product rounded, then the lanes in order.
+// decision_dot: eight lane sums over c = l (mod 8), each product rounded, then the lanes in order. Both
+// rows 16-byte aligned (float4 reads; the callers' K tiles are rows of HEAD_DIM + 4 floats, WP_KS_PITCH).
+#define WP_KS_PITCH (HEAD_DIM + 4)
 __device__ __forceinline__ float wp_dot(const float* q, const float* k) {
-    float acc[8];
-#pragma unroll
-    for (int l = 0; l < 8; ++l) acc[l] = 0.0f;
-    for (int c = 0; c < HEAD_DIM; c += 8)
-#pragma unroll
-        for (int l = 0; l < 8; ++l) acc[l] += q[c + l] * k[c + l];
-    float s = acc[0];
-#pragma unroll
-    for (int l = 1; l < 8; ++l) s += acc[l];
-    return s;
-}
-
-// wp_dot with both rows 16-byte aligned (float4 reads, the same products and sums in the same order).
-__device__ __forceinline__ float wp_dot4(const float* q, const float* k) {
     float acc[8];
 #pragma unroll
     for (int l = 0; l < 8; ++l) acc[l] = 0.0f;

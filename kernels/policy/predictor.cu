@@ -554,8 +554,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
                                                                            int lcap, float kscale) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
-    // K rows 16-byte aligned and 4 words apart (conflict-free float4 reads by a warp's 32 positions).
-    __shared__ __align__(16) float ks[WP_TP][HEAD_DIM + 4];
+    __shared__ __align__(16) float ks[WP_TP][WP_KS_PITCH];  // 16-byte rows, conflict-free float4 reads (wp_dot)
     __shared__ __align__(16) float qs[GROUP * HEAD_DIM];
     __shared__ float wsh[WP_J][WP_TP];
     const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
@@ -639,7 +638,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
                     if (keep && phase > 0) {
                         l = lrow[(i64)gi * lcap + jj];
                     } else {
-                        l = kvs_decision_softcap(wp_dot4(qs + gi * HEAD_DIM, ks[p]), softcap);
+                        l = kvs_decision_softcap(wp_dot(qs + gi * HEAD_DIM, ks[p]), softcap);
                         if (keep) lrow[(i64)gi * lcap + jj] = l;
                     }
                 }

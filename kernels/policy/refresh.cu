@@ -173,8 +173,8 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_refresh_scores(Batc
                                                                               float* agg, int maxpos, int seed_only, float kscale) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
-    __shared__ float ks[WP_TP][HEAD_DIM + 1];
-    __shared__ float qs[GROUP * HEAD_DIM];
+    __shared__ __align__(16) float ks[WP_TP][WP_KS_PITCH];  // 16-byte rows, conflict-free float4 reads (wp_dot)
+    __shared__ __align__(16) float qs[GROUP * HEAD_DIM];
     __shared__ float accs[GROUP][WP_TP];
     const int h = blockIdx.y;
     const int bs = 1 << b.bs_log2;

@@ -69,8 +69,8 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_snap_scores(Batch b
                                                                            const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, int hk, int budget, int window,
                                                                            int phase, unsigned* rmax, unsigned long long* zfix, unsigned* zbad, int rcap,
                                                                            float* agg, int maxpos, float kscale) {
-    __shared__ float ks[WP_TP][HEAD_DIM + 1];
-    __shared__ float qs[GROUP * HEAD_DIM];
+    __shared__ __align__(16) float ks[WP_TP][WP_KS_PITCH];  // 16-byte rows, conflict-free float4 reads (wp_dot)
+    __shared__ __align__(16) float qs[GROUP * HEAD_DIM];
     __shared__ float accs[GROUP][WP_TP];
     const int s = blockIdx.z, h = blockIdx.y;
     const SnapSeq o = snap_seq(b, s, window);
