@@ -1,11 +1,11 @@
 // AttentionPredictor on the device (src/cuda/predictor.rs): the block-attention history per (sequence
 // slot, KV head), the calibration schedule, the CNN's forward pass, the selection and the history update,
 // making the decisions of the CPU engine (src/policy/predictor/{cpu,mod}.rs) by the agreement contract
-// (design.md): the history rows bit for bit (the decisions' arithmetic, decide.cuh, as the CPU's
-// history_row; this module is compiled with --fmad=false), the CNN within a stated error bound
-// (docs/policies.md: the first convolution with explicit fused multiply-adds, the second on the tensor
-// cores in 3xBF16), so a set may differ from the CPU's at borderline
-// blocks only. Batch geometry, radix top-k, accounting and SnapKV's scoring arithmetic
+// (design.md), within stated error bounds (docs/policies.md): a decode row's history row from tensor-core
+// logits over 16-bit caches (kvs_pred_logits, kvs_pred_weights), else (f32 and FP8 caches, prefill seeds)
+// in the decisions' arithmetic, bit for bit (decide.cuh, as the CPU's history_row; this module is compiled
+// with --fmad=false); the CNN's first convolution with explicit fused multiply-adds, the second on the
+// tensor cores in 3xBF16; so a set may differ from the CPU's at borderline blocks only. Batch geometry, radix top-k, accounting and SnapKV's scoring arithmetic
 // (wp_dot, WP_TP) come from kernels/include/.
 //
 // State of one layer (allocated per layer outside capture, indexed by the slot map's slot, kernels/slots.cu):
@@ -20,8 +20,9 @@
 //
 // A decode step (layer call): kvs_pred_prepare (mode per (sequence, KV head), schedule), kvs_pred_conv
 // (z rows), kvs_pred_average (the time average: scores), kvs_pred_select (top-k, token plan, counters),
-// kvs_pred_scores x3 (the new history row: row maxima, fixed-point normalisers, weights max-pooled into
-// the ring row; a decode row's keys read once) and kvs_pred_finish (ring bookkeeping); the attention reads the plan. Prefill chunks (q_len > 1) take the
+// the new history row (kvs_pred_logits + kvs_pred_weights on the tensor cores, or kvs_pred_scores x3: row
+// maxima, fixed-point normalisers, weights max-pooled into the ring row; a decode row's keys read once)
+// and kvs_pred_finish (ring bookkeeping); the attention reads the plan. Prefill chunks (q_len > 1) take the
 // SEED path of the same kernels: their last min(q_len, H) rows become the history.
 
 #include "common.cuh"
@@ -551,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
                                                                            const int* slot, const int* mode, const unsigned* plan, i64 p_s, i64 p_h,
                                                                            const int* plan_len, int cap, int phase, unsigned* rmax,
                                                                            unsigned long long* zfix, unsigned* zbad, int rcap, float* lgs,
-                                                                           int lcap, float kscale) {
+                                                                           int lcap, float kscale, int decode_rows) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ __align__(16) float ks[WP_TP][WP_KS_PITCH];  // 16-byte rows, conflict-free float4 reads (wp_dot)
@@ -562,6 +563,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
     if (m != PM_NOHIST && m != PM_CALIB && m != PM_PRED && m != PM_SEED) return;
     const SeqRow r = seq_row(b, s);
     const bool seed = m == PM_SEED;
+    if (!seed && !decode_rows) return;  // decode rows on the tensor cores (kvs_pred_logits)
     const int ntok = seed ? min(r.q_len, H) : 1;
     const int t0 = seed ? r.t + r.q_len - ntok : r.t;
     const int pos0 = seed ? r.hi + 1 - ntok : r.hi;
@@ -665,6 +667,246 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
                 if (wm > 0.0f) atomicMax(reinterpret_cast<unsigned*>(row_of(tt)) + pos / blk, __float_as_uint(wm));
             }
         }
+    }
+}
+
+// The decode rows' history rows on the tensor cores, where the cache is 16-bit and the queries are of its
+// type (src/policy/predictor/cuda.rs `tc_history`): kvs_pred_logits then kvs_pred_weights replace the three
+// scalar passes for NOHIST / CALIB / PRED rows (SEED rows keep the scalar passes: the CPU's bits). The
+// rows are then the CPU's within the bound of docs/policies.md (the logits of exact 16-bit products summed in
+// f32 by the MMA, as the attention kernel computes them), not bit for bit; the agreement test checks every
+// predicted row against the exact prediction from the GPU's history (crates/conformance/src/predictor_agree.rs).
+#define PL_WARPS 8
+#define PL_THREADS (PL_WARPS * 32)
+#define PL_NT ((GROUP + 7) / 8)  // query heads in n-tiles of 8 (the MMA's N)
+#define PL_KT (HEAD_DIM <= 128 ? 2 : 1)  // 16-key tiles a warp loads before its MMAs (bytes in flight)
+#define PL_KEYS (PL_WARPS * 16 * PL_KT)  // keys of one kvs_pred_logits CTA per iteration
+
+// CTAs of a grid of `grid` that take part in a row of `jend` positions (the others only zero the ring row):
+// a predicted row lists few positions, and its statistics are merged over these CTAs only.
+__device__ __forceinline__ int pl_active(int jend, int grid) { return min(grid, (jend + PL_KEYS - 1) / PL_KEYS); }
+
+#if KVS_DTYPE == 1
+#define PL_MMA_T "f16"
+#else
+#define PL_MMA_T "bf16"
+#endif
+__device__ __forceinline__ void pl_mma(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." PL_MMA_T "." PL_MMA_T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// (m, s) += (m2, s2): softmax statistics in base 2 (largest logit, sum of 2^(l - m)); a NaN sum (a NaN
+// logit) stays NaN whatever the maxima.
+__device__ __forceinline__ void pl_merge(float& m, float& s, float m2, float s2) {
+    const float mm = fmaxf(m, m2);
+    if (isnan(s) || isnan(s2)) {
+        m = mm;
+        s = __int_as_float(0x7fffffff);
+        return;
+    }
+    if (mm == -INFINITY) return;
+    s = (m == -INFINITY ? 0.0f : s * exp2f(m - mm)) + (m2 == -INFINITY ? 0.0f : s2 * exp2f(m2 - mm));
+    m = mm;
+}
+
+// The positions a decode row's history row is over (as kvs_pred_scores): every visible one for NOHIST /
+// CALIB rows, the plan's for PRED rows; false for rows this path does not serve.
+__device__ __forceinline__ bool pl_row(const Batch& b, const int* mode, const int* plan_len, int cap, int hk, int s, int h, SeqRow& r, bool& use_plan,
+                                       int& jlo, int& jend) {
+    const int m = mode[s * hk + h];
+    if (m != PM_NOHIST && m != PM_CALIB && m != PM_PRED) return false;
+    r = seq_row(b, s);
+    if (r.hi < r.lo || !r.decode) return false;
+    use_plan = m == PM_PRED;
+    jlo = pred_lo(b, r.hi);
+    jend = use_plan ? min(max(plan_len[s * hk + h], 0), cap) : r.hi + 1 - jlo;
+    return true;
+}
+
+// Pass 1: the logits of a decode row's query heads over its positions, 16 keys per warp and m16n8k16 MMA
+// (keys as M, query heads as N), written base 2 (times log2 e, after the scale and the soft-cap) to
+// `lgs` [seqs][hk][GROUP][lcap] by position index; each taking-part CTA's (pl_active) softmax statistics
+// per query head to `parts` [seqs][hk][GROUP][gridDim.x] (empty: (-inf, 0)); the new ring row zeroed. A lane loads 16 bytes of a key
+// row at dimensions 32 j + 8 tq and the query's same dimensions, so the k index of the MMA is a permutation
+// of the head dimension, the same for both operands. A missing block's key reads as zeros (as the scalar
+// pass). Grid (CTAs per row, hk, seqs).
+extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_logits(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
+                                                                         const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, PredState st, PredSpec ps,
+                                                                         const int* slot, const int* mode, const unsigned* plan, i64 p_s, i64 p_h,
+                                                                         const int* plan_len, int cap, float* lgs, int lcap, float2* parts) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
+#if KVS_DTYPE != 0 && !KV8 && HEAD_DIM % 32 == 0
+    __shared__ float wm[PL_WARPS][PL_NT * 8], wsum[PL_WARPS][PL_NT * 8];
+    const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
+    SeqRow r;
+    bool use_plan;
+    int jlo, jend;
+    if (!pl_row(b, mode, plan_len, cap, hk, s, h, r, use_plan, jlo, jend) || jend > lcap) return;
+    const long long sh = (long long)slot[s] * hk + h;
+    {
+        const int count = st.hdr[sh * HDR_WORDS + HDR_COUNT];
+        const int nbr = min((r.hi + ps.block) / ps.block, st.wc);
+        float* rw = st.ring + (sh * H + pred_mod(count, H)) * (long long)st.wc;
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < nbr; i += gridDim.x * blockDim.x) rw[i] = 0.0f;
+    }
+    const int act = pl_active(jend, gridDim.x);
+    if ((int)blockIdx.x >= act) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g8 = lane >> 2, tq = lane & 3;
+    constexpr int NJ = HEAD_DIM / 32;
+    // The B operands: query head nt * 8 + g8, dimensions 32 j + 8 tq .. + 8 (zero past GROUP).
+    uint4 qf[PL_NT][NJ];
+#pragma unroll
+    for (int nt = 0; nt < PL_NT; ++nt) {
+        const int gi = nt * 8 + g8;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            unsigned w[4] = {0u, 0u, 0u, 0u};
+            if (gi < GROUP) {
+                const elem_t* qr = q + (i64)r.t * q0 + (i64)(h * GROUP + gi) * q1 + (i64)(32 * j + 8 * tq) * q2;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) w[e] = (unsigned)qr[2 * e * q2] | ((unsigned)qr[(2 * e + 1) * q2] << 16);
+            }
+            qf[nt][j] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+    const float l2s = scale;  // the soft-capped logit is then times log2 e
+    const unsigned* pe = plan + s * p_s + h * p_h;
+    float* lrow = lgs + (i64)(s * hk + h) * GROUP * lcap;
+    const int bs = 1 << b.bs_log2;
+    // This lane's running statistics of query heads nt * 8 + 2 tq + {0, 1}.
+    float rm[PL_NT][2], rs[PL_NT][2];
+#pragma unroll
+    for (int nt = 0; nt < PL_NT; ++nt) rm[nt][0] = rm[nt][1] = -INFINITY, rs[nt][0] = rs[nt][1] = 0.0f;
+    for (int j0 = (blockIdx.x * PL_WARPS + warp) * 16 * PL_KT; j0 < jend; j0 += act * PL_KEYS) {
+        uint4 kf[PL_KT][2][NJ];
+        int kpos[PL_KT][2];
+#pragma unroll
+        for (int kt = 0; kt < PL_KT; ++kt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int jj = j0 + kt * 16 + half * 8 + g8;
+                int pos = -1;
+                const kv_t* krow = nullptr;
+                if (jj < jend) {
+                    pos = use_plan ? (int)pe[jj] : jlo + jj;
+                    const i64 pb = phys_block(b, s, pos >> b.bs_log2);
+                    if (pb >= 0) krow = kc + pb * kc0 + (i64)(pos & (bs - 1)) * kc1 + (i64)h * kc2;
+                }
+                kpos[kt][half] = pos;
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) kf[kt][half][j] = krow ? *reinterpret_cast<const uint4*>(krow + 32 * j + 8 * tq) : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+        for (int kt = 0; kt < PL_KT; ++kt) {
+#pragma unroll
+            for (int nt = 0; nt < PL_NT; ++nt) {
+                float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    pl_mma(c, kf[kt][0][j].x, kf[kt][1][j].x, kf[kt][0][j].y, kf[kt][1][j].y, qf[nt][j].x, qf[nt][j].y);
+                    pl_mma(c, kf[kt][0][j].z, kf[kt][1][j].z, kf[kt][0][j].w, kf[kt][1][j].w, qf[nt][j].z, qf[nt][j].w);
+                }
+                // c: keys g8 (c0, c1) and g8 + 8 (c2, c3), query heads nt * 8 + 2 tq + {0, 1}.
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int half = e >> 1, gi = nt * 8 + 2 * tq + (e & 1);
+                    const int pos = kpos[kt][half];
+                    if (pos < 0 || pos < r.lo || pos > r.hi || gi >= GROUP) continue;
+                    const float l = kvs_decision_softcap(c[e] * l2s, softcap) * 1.4426950408889634f;
+                    lrow[(i64)gi * lcap + j0 + kt * 16 + half * 8 + g8] = l;
+                    float& m = rm[nt][e & 1];
+                    float& sm = rs[nt][e & 1];
+                    if (l > m) {
+                        sm = (m == -INFINITY ? 0.0f : sm * exp2f(m - l)) + 1.0f;
+                        m = l;
+                    } else {
+                        sm += exp2f(l - m);  // NaN: the sum becomes NaN (and the row's weights 0)
+                    }
+                }
+            }
+        }
+    }
+    // The CTA's statistics per query head: over the 8 lanes of a tq (xor 4, 8, 16), then the warps.
+#pragma unroll
+    for (int nt = 0; nt < PL_NT; ++nt)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            float m = rm[nt][u], sm = rs[nt][u];
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) {
+                const float m2 = __shfl_xor_sync(0xffffffffu, m, off), s2 = __shfl_xor_sync(0xffffffffu, sm, off);
+                pl_merge(m, sm, m2, s2);
+            }
+            if (g8 == 0) {
+                wm[warp][nt * 8 + 2 * tq + u] = m;
+                wsum[warp][nt * 8 + 2 * tq + u] = sm;
+            }
+        }
+    __syncthreads();
+    if (threadIdx.x < GROUP) {
+        float m = -INFINITY, sm = 0.0f;
+        for (int w = 0; w < PL_WARPS; ++w) pl_merge(m, sm, wm[w][threadIdx.x], wsum[w][threadIdx.x]);
+        parts[((i64)(s * hk + h) * GROUP + threadIdx.x) * gridDim.x + blockIdx.x] = make_float2(m, sm);
+    }
+#endif
+}
+
+// Pass 2: each position's weight max over the query heads of 2^(l - lse) (lse merged from the CTAs'
+// statistics in CTA order, over the CTAs that took part: the same inputs give the same bits), max-pooled into the ring row per block:
+// a warp's consecutive positions reduced per block first (segmented max; a row's positions increase), one
+// atomicMax on the bits per block and warp (non-negative floats order as their bits; 0 and NaN never
+// written: a NaN logit makes the row 0, as the CPU's). Grid (CTAs per row, hk, seqs), `nparts` = the
+// grid of kvs_pred_logits.
+extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_weights(Batch b, PredState st, PredSpec ps, const int* slot, const int* mode,
+                                                                          const unsigned* plan, i64 p_s, i64 p_h, const int* plan_len, int cap,
+                                                                          const float* lgs, int lcap, const float2* parts, int nparts) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
+    __shared__ float lse[GROUP];
+    const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
+    SeqRow r;
+    bool use_plan;
+    int jlo, jend;
+    if (!pl_row(b, mode, plan_len, cap, hk, s, h, r, use_plan, jlo, jend) || jend > lcap) return;
+    if ((int)(blockIdx.x * blockDim.x) >= jend) return;  // no positions for this CTA
+    if (threadIdx.x < GROUP) {
+        const float2* pr = parts + ((i64)(s * hk + h) * GROUP + threadIdx.x) * nparts;
+        float m = -INFINITY, sm = 0.0f;
+        const int act = pl_active(jend, nparts);
+        for (int i = 0; i < act; ++i) pl_merge(m, sm, pr[i].x, pr[i].y);
+        lse[threadIdx.x] = m > -INFINITY ? m + log2f(sm) : INFINITY;
+    }
+    __syncthreads();
+    const long long sh = (long long)slot[s] * hk + h;
+    const int count = st.hdr[sh * HDR_WORDS + HDR_COUNT];
+    unsigned* rw = reinterpret_cast<unsigned*>(st.ring + (sh * H + pred_mod(count, H)) * (long long)st.wc);
+    const unsigned* pe = plan + s * p_s + h * p_h;
+    const float* lrow = lgs + (i64)(s * hk + h) * GROUP * lcap;
+    const int lane = threadIdx.x & 31, blk = ps.block;
+    const int step = gridDim.x * blockDim.x;
+    for (int jb = blockIdx.x * blockDim.x + (threadIdx.x & ~31); jb < jend; jb += step) {  // uniform per warp
+        const int jj = jb + lane;
+        int bk = -1;
+        float w = 0.0f;
+        if (jj < jend) {
+            const int pos = use_plan ? (int)pe[jj] : jlo + jj;
+            if (pos >= r.lo && pos <= r.hi) {
+                bk = pos / blk;
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) w = fmaxf(w, exp2f(lrow[(i64)g * lcap + jj] - lse[g]));
+            }
+        }
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const float w2 = __shfl_down_sync(0xffffffffu, w, off);
+            const int b2 = __shfl_down_sync(0xffffffffu, bk, off);
+            if (lane + off < 32 && b2 == bk) w = fmaxf(w, w2);
+        }
+        const int prev = __shfl_up_sync(0xffffffffu, bk, 1);
+        if (bk >= 0 && (lane == 0 || prev != bk) && w > 0.0f) atomicMax(rw + bk, __float_as_uint(w));
     }
 }
 

@@ -1,17 +1,17 @@
 //! AttentionPredictor's agreement check (design.md "Decisions on the GPU: agreement, not bit equality").
-//! The CUDA engine's history rows equal the CPU engine's bit for bit (same arithmetic) whenever both
-//! attended the same positions, but its CNN runs in other arithmetic (fused multiply-adds, the second convolution on tensor cores in
-//! 3xBF16), so a
-//! predicted set may differ from the CPU's at blocks whose scores lie within the device's error bound of
-//! the selection boundary; after such a difference the two histories part ways (the rows of predicted
-//! steps hold the attended positions' weights).
+//! The CUDA engine computes a decode row's history row from tensor-core logits over 16-bit caches (in the
+//! CPU's arithmetic, bit for bit, over f32 and FP8 caches and for prefill seeds) and its CNN in other
+//! arithmetic (fused multiply-adds, the second convolution on tensor cores in 3xBF16), so a predicted set
+//! may differ from the CPU's at blocks whose scores lie within the device's error bound of the selection
+//! boundary; after such a difference the two histories part ways (the rows of predicted steps hold the
+//! attended positions' weights).
 //!
 //! So each (sequence, KV head) keeps a mirror of the *GPU's* history (which positions each row was over,
-//! from the GPU's own visits) and its schedule. While the GPU's sets equal the CPU engine's, the CPU engine
-//! decided on the same inputs and nothing more is checked. From the first difference on, each decode
-//! row's GPU set is checked against the exact (f64) prediction from the mirror: every differing block
-//! must lie within `delta` of the boundary (the m-th / (m+1)-th largest reference score), `delta` twice the
-//! largest per-block bound of the device's error ([`Cnn64::predict`], docs/policies.md "On the GPU").
+//! from the GPU's own visits) and its schedule, and every predicted decode row's GPU set is checked
+//! against the exact (f64) prediction from the mirror: every differing block must lie within `delta` of
+//! the boundary (the m-th / (m+1)-th largest reference score), `delta` twice the largest per-block bound
+//! of the device's error ([`Cnn64::predict`], its input error from [`Exact::row`]; docs/policies.md "On
+//! the GPU"). The CPU engine's sets are compared too, for the count of rows that differ from them.
 
 use std::collections::{BTreeSet, VecDeque};
 
@@ -85,8 +85,9 @@ impl Cnn64 {
         }
         let k = c1 * 9;
         let c2_err = 800.0 * U + (3 * k + 2) as f64 * 2.0 * U;
-        let (mut score, mut bound) = (vec![0f64; w], vec![0f64; w]);
-        for b in 0..w {
+        // Columns in parallel (the checks run this for every predicted row).
+        use rayon::prelude::*;
+        let cols: Vec<(f64, f64)> = (0..w).into_par_iter().map(|b| {
             let (mut zsum, mut zabs, mut dzsum) = (0f64, 0f64, 0f64);
             for t in 0..h {
                 let (mut z, mut zw, mut dz) = (0f64, 0f64, 0f64);
@@ -115,10 +116,9 @@ impl Cnn64 {
                 zabs += z.abs();
                 dzsum += dz;
             }
-            score[b] = self.b3 + zsum / h as f64;
-            bound[b] = 1.01 * (dzsum / h as f64 + (h + 2) as f64 * 2.0 * U * (self.b3.abs() + zabs / h as f64));
-        }
-        (score, bound)
+            (self.b3 + zsum / h as f64, 1.01 * (dzsum / h as f64 + (h + 2) as f64 * 2.0 * U * (self.b3.abs() + zabs / h as f64)))
+        }).collect();
+        cols.into_iter().unzip()
     }
 }
 
@@ -130,6 +130,8 @@ pub struct RowSrc {
     pub q: Vec<f64>,
     pub pos: Vec<usize>,
     pub n: usize,
+    /// Its exact block row and relative bound ([`Exact::row`]), when computed once at the push.
+    pub exact: Option<(Vec<f64>, f64)>,
 }
 
 /// The GPU's history and schedule of one (sequence, KV head), mirrored.
@@ -137,8 +139,6 @@ pub struct RowSrc {
 pub struct Mirror {
     pub rows: VecDeque<RowSrc>,
     pub since: usize,
-    /// The GPU's set differed from the CPU engine's at some step (the histories no longer agree).
-    pub diverged: bool,
 }
 
 impl Mirror {
@@ -162,9 +162,12 @@ pub struct Exact<'a> {
 
 impl Exact<'_> {
     /// The exact block row of `r` (weights normalised over its positions, max over the group and each
-    /// block), and the relative bound of the device's entries: its logits (the decisions' f32 dot of the
-    /// scaled query) within Lambda of exact (refresh_agree's bound), so a weight within exp(2 Lambda) - 1,
-    /// plus 2^-20 for the fast exp and the fixed-point normaliser.
+    /// block), and the relative bound of the device's entries. Its logits are within Lambda of exact
+    /// (refresh_agree's bound: the decisions' f32 dot of the scaled query, or the tensor cores' f32
+    /// accumulation of exact 16-bit products, then the scale, soft-cap and base-2 steps); its normaliser
+    /// (the CPU's fixed-point sum, or the f32 sums of the CTAs' statistics merged) within relative
+    /// Z = (n + 256) 2^-24 for n positions (any order of n f32 additions of positive terms, plus the
+    /// merges' rescalings); so a weight within exp(2 Lambda + Z) - 1, plus 2^-20 for the exponentials.
     pub fn row(&self, r: &RowSrc, block: usize) -> (Vec<f64>, f64) {
         let (g, d) = (self.group, self.d);
         let keys: Vec<Vec<f64>> = r.pos.iter().map(|&p| (self.key)(r.seq, p, self.head)).collect();
@@ -191,7 +194,8 @@ impl Exact<'_> {
             }
         }
         let lambda = max_abs_dot * (d as f64 * 2.0 * U + (d as f64 + 1.0) * U) + 8.0 * U * max_logit + self.softcap * 2f64.powi(-17);
-        (row, (2.0 * lambda).exp() - 1.0 + 2f64.powi(-20))
+        let z = (r.pos.len() as f64 + 256.0) * U;
+        (row, (2.0 * lambda + z).exp() - 1.0 + 2f64.powi(-20))
     }
 }
 
@@ -211,7 +215,7 @@ pub fn check_predicted(cnn: &Cnn64, ex: &Exact, m: &Mirror, ps: &PredictorSpec, 
     let mut out = RowCheck::default();
     let blk = ps.block;
     let nb = n.div_ceil(blk);
-    let (rows, ebound): (VecDeque<Vec<f64>>, Vec<f64>) = m.rows.iter().map(|r| ex.row(r, blk)).unzip();
+    let (rows, ebound): (VecDeque<Vec<f64>>, Vec<f64>) = m.rows.iter().map(|r| r.exact.clone().unwrap_or_else(|| ex.row(r, blk))).unzip();
     let e = ebound.iter().copied().fold(0f64, f64::max);
     let (start, width) = crop(nb, blk, ps.sink, ps.local);
     let (pred, bound) = cnn.predict(&rows, ps.history, start, width, e);
@@ -292,7 +296,7 @@ mod tests {
         let mut m = Mirror::default();
         for i in 0..6 {
             let nn = n - 6 + i;
-            m.push(RowSrc { seq: 0, q: (0..g * d).map(|_| rng.normal()).collect(), pos: (0..nn).collect(), n: nn }, ps.history);
+            m.push(RowSrc { seq: 0, q: (0..g * d).map(|_| rng.normal()).collect(), pos: (0..nn).collect(), n: nn, exact: None }, ps.history);
         }
         let cnn = Cnn64::new(PredictorWeights::builtin().unwrap());
         let rows: VecDeque<Vec<f64>> = m.rows.iter().map(|r| ex.row(r, 16).0).collect();

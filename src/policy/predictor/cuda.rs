@@ -1,8 +1,9 @@
 //! AttentionPredictor on the CUDA backend (kernels/predictor.cu): the block-attention history, the
 //! calibration schedule, the CNN and the selection on the device, agreeing with the CPU engine's decisions
-//! (`cpu.rs`, `mod.rs`) by the contract of design.md: the history rows bit for bit, the CNN within
-//! the error bound of docs/policies.md (first convolution in f32 with fused multiply-adds, second on tensor
-//! cores in 3xBF16). No host decision inside a decode step:
+//! (`cpu.rs`, `mod.rs`) by the contract of design.md, within the error bounds of docs/policies.md: a
+//! decode row's history row from tensor-core logits over 16-bit caches ([`tc_history`]; in the CPU's
+//! arithmetic, bit for bit, over f32 and FP8 caches and for prefill seeds), the CNN's first convolution in
+//! f32 with fused multiply-adds, its second on tensor cores in 3xBF16. No host decision inside a decode step:
 //! the launches and their grids follow from host-known bounds (block-table width, history, budgets), so a
 //! step is capturable in a CUDA graph.
 //!
@@ -55,6 +56,22 @@ const MAX_C2: usize = 128;
 const SCORES_CTAS: usize = 2048;
 /// Dynamic shared memory the conv kernel may use (two CTAs per SM).
 const CONV_SMEM: usize = 100 * 1024;
+/// CTAs of one tensor-core history-row launch (`kvs_pred_logits`, `kvs_pred_weights`), over all
+/// (sequence, KV head) pairs: several CTAs per SM, so that enough K is in flight.
+const HIST_CTAS: usize = 1024;
+/// Most CTAs per (sequence, KV head) of `kvs_pred_logits`: its softmax statistics' slots per query head.
+const HIST_PARTS: usize = 256;
+/// Keys `kvs_pred_logits` takes per CTA and iteration (8 warps x 16 keys x PL_KT) at head sizes up to 128.
+const HIST_KEYS_PER_CTA: usize = 256;
+
+/// Whether a call's decode rows get their history rows from the tensor cores (`kvs_pred_logits` and
+/// `kvs_pred_weights`): a 16-bit cache of the queries' type, rows the tensor-core kernels can read (16-byte
+/// aligned, `tensor_cores`), head sizes in whole 32-element chunks and at most 16 query heads per KV head.
+/// Elsewhere (f32 and FP8 caches) the scalar passes compute them in the CPU's arithmetic.
+pub(crate) fn tc_history(tensor_cores: bool, cache_dtype: crate::tensor::DType, q_dtype: crate::tensor::DType, head_dim: usize, group: usize) -> bool {
+    use crate::tensor::DType;
+    tensor_cores && matches!(cache_dtype, DType::F16 | DType::BF16) && q_dtype == cache_dtype && head_dim % 32 == 0 && head_dim <= 256 && group <= 16
+}
 
 /// Image rows per band of `kvs_pred_conv` for a second layer of `c2` channels (`PRED_RB`: its
 /// accumulators hold 16-channel tiles x rows per band).
@@ -277,6 +294,7 @@ impl PredictorDev {
         pw: &PredWs,
         fin: &PlanRef,
         ctr: i64,
+        tc: bool,
     ) -> Result<()> {
         let pd = self;
         let (hk, d, g, ns) = (cache.num_kv_heads, cache.head_dim, group, geo.num_seqs);
@@ -330,31 +348,49 @@ impl PredictorDev {
         launch::launch_dependent(pdl, f("kvs_pred_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, 0, &mut k, stream, "kvs_pred_select launch")?;
         mark(2)?;
 
-        // The history rows (decode rows and prefill seeds): three passes, a decode row's keys read by the
-        // first only (its logits kept in the workspace for the other two).
-        let n_rows = checked(&[ns, hk, pw.rcap])?;
-        let api = cuda()?;
-        // SAFETY: each region holds n_rows elements of its width (sized by PredictorStage::reserve from `pw`).
-        unsafe {
-            // -inf's order key (kernels/include/decide.cuh kvs_order_key).
-            check((api.cuMemsetD32Async)(ws + lay.pred_rmax as u64, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
-            check((api.cuMemsetD8Async)(ws + lay.pred_z as u64, 0, n_rows * 8, stream), "cuMemsetD8Async")?;
-            check((api.cuMemsetD8Async)(ws + lay.pred_bad as u64, 0, n_rows * 4, stream), "cuMemsetD8Async")?;
-        }
-        let (tp, sthreads) = crate::policy::snapkv::cuda::scores_shape(d, g);
+        // The history rows. Prefill seeds (and, without `tc`, decode rows): three scalar passes in the CPU's
+        // arithmetic, a decode row's keys read by the first only (its logits kept in the workspace for the
+        // other two). With `tc`, decode rows: the logits on the tensor cores, then the weights from them.
         let q = &a.query;
         let kc = &cache.k;
-        // Key tiles per (sequence, KV head): each CTA walks tiles gridDim.x apart, so that a predicted row
-        // (only its plan's keys) does not launch a CTA per tile of the longest row.
-        let key_tiles = (geo.max_pos + 1).div_ceil(tp).min(SCORES_CTAS.div_ceil(ns * hk)).max(1);
-        for phase in 0..3 {
+        if !tc || a.max_query_len != 1 {
+            let n_rows = checked(&[ns, hk, pw.rcap])?;
+            let api = cuda()?;
+            // SAFETY: each region holds n_rows elements of its width (sized by PredictorStage::reserve from `pw`).
+            unsafe {
+                // -inf's order key (kernels/include/decide.cuh kvs_order_key).
+                check((api.cuMemsetD32Async)(ws + lay.pred_rmax as u64, 0x007f_ffff, n_rows, stream), "cuMemsetD32Async")?;
+                check((api.cuMemsetD8Async)(ws + lay.pred_z as u64, 0, n_rows * 8, stream), "cuMemsetD8Async")?;
+                check((api.cuMemsetD8Async)(ws + lay.pred_bad as u64, 0, n_rows * 4, stream), "cuMemsetD8Async")?;
+            }
+            let (tp, sthreads) = crate::policy::snapkv::cuda::scores_shape(d, g);
+            // Key tiles per (sequence, KV head): each CTA walks tiles gridDim.x apart, so that a predicted row
+            // (only its plan's keys) does not launch a CTA per tile of the longest row.
+            let key_tiles = (geo.max_pos + 1).div_ceil(tp).min(SCORES_CTAS.div_ceil(ns * hk)).max(1);
+            for phase in 0..3 {
+                let mut k = KArgs::new();
+                k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
+                k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
+                k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i32(phase);
+                k.i64((ws + lay.pred_rmax as u64) as i64).i64((ws + lay.pred_z as u64) as i64).i64((ws + lay.pred_bad as u64) as i64).i32(pw.rcap as i32);
+                k.i64((ws + lay.pred_logits as u64) as i64).i32(pw.lcap as i32).f32(cache.k_scale).i32(!tc as i32);
+                launch::launch_dependent(pdl, f("kvs_pred_scores")?, (key_tiles as u32, hk as u32, ns as u32), sthreads as u32, 0, &mut k, stream, "kvs_pred_scores launch")?;
+            }
+        }
+        if tc {
+            let per = HIST_CTAS.div_ceil(ns * hk).max(1);
+            let logits_ctas = (geo.max_pos + 1).div_ceil(HIST_KEYS_PER_CTA).min(per).clamp(1, HIST_PARTS);
+            let (lg, parts) = ((ws + lay.pred_logits as u64) as i64, (ws + lay.pred_parts as u64) as i64);
             let mut k = KArgs::new();
             k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
             k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
-            k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i32(phase);
-            k.i64((ws + lay.pred_rmax as u64) as i64).i64((ws + lay.pred_z as u64) as i64).i64((ws + lay.pred_bad as u64) as i64).i32(pw.rcap as i32);
-            k.i64((ws + lay.pred_logits as u64) as i64).i32(pw.lcap as i32).f32(cache.k_scale);
-            launch::launch_dependent(pdl, f("kvs_pred_scores")?, (key_tiles as u32, hk as u32, ns as u32), sthreads as u32, 0, &mut k, stream, "kvs_pred_scores launch")?;
+            k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64(lg).i32(pw.lcap as i32).i64(parts);
+            launch::launch_dependent(pdl, f("kvs_pred_logits")?, (logits_ctas as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_pred_logits launch")?;
+            let weight_ctas = (geo.max_pos + 1).div_ceil(256).min(per).max(1);
+            let mut k = KArgs::new();
+            k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
+            k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64(lg).i32(pw.lcap as i32).i64(parts).i32(logits_ctas as i32);
+            launch::launch_dependent(pdl, f("kvs_pred_weights")?, (weight_ctas as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_pred_weights launch")?;
         }
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64).i32(pw.rcap as i32);
@@ -448,6 +484,7 @@ pub(crate) struct PredRegions {
     pred_z: usize,
     pred_bad: usize,
     pred_logits: usize,
+    pred_parts: usize,
 }
 
 /// The predictor's stage for one call (None: the weights were not uploaded).
@@ -456,12 +493,14 @@ pub(crate) struct PredictorStage<'a> {
     spec: PredictorSpec,
     pw: Option<PredWs>,
     /// Offsets of the regions (slots filled at launch).
-    at: [usize; 6],
+    at: [usize; 7],
+    /// Decode rows' history rows on the tensor cores ([`tc_history`]).
+    tc: bool,
 }
 
 impl<'a> PredictorStage<'a> {
     pub(crate) fn new(state: Option<&'a PredictorDev>, spec: PredictorSpec) -> Self {
-        PredictorStage { state, spec, pw: None, at: [0; 6] }
+        PredictorStage { state, spec, pw: None, at: [0; 7], tc: false }
     }
 }
 
@@ -476,7 +515,9 @@ impl CudaStage for PredictorStage<'_> {
             ws.take_n(&[ns, hk, pw.rcap, 8])?,
             ws.take_n(&[ns, hk, pw.rcap, 4])?,
             ws.take_n(&[ns, hk, cx.cfg.group_size(), pw.lcap, 4])?,
+            ws.take_n(&[ns, hk, cx.cfg.group_size(), HIST_PARTS, 8])?,
         ];
+        self.tc = tc_history(cx.tensor_cores, cx.cfg.cache_dtype, cx.cfg.dtype, cx.cfg.head_dim, cx.cfg.group_size());
         self.pw = Some(pw);
         Ok(())
     }
@@ -484,9 +525,9 @@ impl CudaStage for PredictorStage<'_> {
     fn select(&self, cx: &StepCx) -> Result<()> {
         let Some(pd) = self.state else { bail!(Internal, "predictor weights were not uploaded") };
         let pw = self.pw.as_ref().expect("predictor workspace");
-        let [pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits] = self.at;
-        let lay = PredRegions { slot: cx.slot, slot_gen: cx.slot_gen, pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits };
-        pd.predictor_step(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &lay, pw, &cx.fin, cx.ctr)
+        let [pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits, pred_parts] = self.at;
+        let lay = PredRegions { slot: cx.slot, slot_gen: cx.slot_gen, pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits, pred_parts };
+        pd.predictor_step(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &lay, pw, &cx.fin, cx.ctr, self.tc)
     }
 }
 
