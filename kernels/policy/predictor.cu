@@ -196,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batc
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
     extern __shared__ __align__(16) unsigned pred_smem[];
-    uint4* afr = reinterpret_cast<uint4*>(pred_smem);     // [MT][K16][32 lanes][hi, lo]
+    uint4* afr = reinterpret_cast<uint4*>(pred_smem);     // [MT][K16][hi, lo][32 lanes]: conflict-free 16-byte loads
     float* wsm = reinterpret_cast<float*>(pred_smem + PRED_FRAG_WORDS);  // w1 [C1][9], b1, b2, w3, b3
     float* xs = wsm + PRED_SMALL_W;                        // image rows a-2 .. a+R+1, columns b0-2 .. b0+PT+1
     unsigned* ys = reinterpret_cast<unsigned*>(xs + PRED_XS_W);  // conv1 rows a-1 .. a+R, columns b0-1 .. b0+PT
@@ -320,8 +320,8 @@ extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batc
                     uint4 ah[PRED_MT], al[PRED_MT];
 #pragma unroll
                     for (int mi = 0; mi < PRED_MT; ++mi) {
-                        ah[mi] = afr[((mi * PRED_K16 + kk) * 32 + lane) * 2];
-                        al[mi] = afr[((mi * PRED_K16 + kk) * 32 + lane) * 2 + 1];
+                        ah[mi] = afr[(mi * PRED_K16 + kk) * 64 + lane];
+                        al[mi] = afr[(mi * PRED_K16 + kk) * 64 + 32 + lane];
                     }
 #pragma unroll
                     for (int n = 0; n < 2 * PRED_RBH; ++n) {

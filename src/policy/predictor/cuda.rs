@@ -98,10 +98,11 @@ fn bf16_rn(x: f32) -> u16 {
 }
 
 /// The second convolution's weights as the A operands of `kvs_pred_conv`'s m16n8k16 MMAs, split into bf16
-/// hi + lo (w = hi + lo to about 2^-18 of w): per 16-channel output tile `mi`, k-step `kk` (spatial offset
-/// `kk / kc` = dt * 3 + db, input channels 16 (kk % kc) ..), lane (g8 = lane / 4, tq = lane % 4) eight
-/// words: hi a0..a3, lo a0..a3, word j holding output channel mi*16 + g8 + 8 (j & 1) and input channels
-/// 2 tq + 8 (j >> 1) (+1 in the high half); zero past the network's channels.
+/// hi + lo (w = hi + lo to about 2^-18 of w): per 16-channel output tile `mi` and k-step `kk` (spatial offset
+/// `kk / kc` = dt * 3 + db, input channels 16 (kk % kc) ..), the hi words a0..a3 of lanes 0..31, then their lo
+/// words (so that a warp's 16-byte loads of either are conflict-free); lane (g8 = lane / 4, tq = lane % 4)
+/// word j holding output channel mi*16 + g8 + 8 (j & 1) and input channels 2 tq + 8 (j >> 1) (+1 in the high
+/// half); zero past the network's channels.
 pub(crate) fn conv2_fragments(w: &PredictorWeights) -> Vec<u32> {
     let flat = w.flat();
     let (c1, c2) = (w.c1, w.c2);
@@ -116,20 +117,20 @@ pub(crate) fn conv2_fragments(w: &PredictorWeights) -> Vec<u32> {
     for mi in 0..mt {
         for kk in 0..9 * kc {
             let (sp, kb) = (kk / kc, kk % kc);
+            let (mut his, mut los) = (Vec::with_capacity(128), Vec::with_capacity(128));
             for lane in 0..32 {
                 let (g8, tq) = (lane / 4, lane % 4);
-                let (mut hi, mut lo) = ([0u32; 4], [0u32; 4]);
                 for j in 0..4 {
                     let co = mi * 16 + g8 + 8 * (j & 1);
                     let ch = kb * 16 + 2 * tq + 8 * (j >> 1);
                     let (h0, l0) = split(at(co, ch, sp));
                     let (h1, l1) = split(at(co, ch + 1, sp));
-                    hi[j] = h0 as u32 | (h1 as u32) << 16;
-                    lo[j] = l0 as u32 | (l1 as u32) << 16;
+                    his.push(h0 as u32 | (h1 as u32) << 16);
+                    los.push(l0 as u32 | (l1 as u32) << 16);
                 }
-                out.extend_from_slice(&hi);
-                out.extend_from_slice(&lo);
             }
+            out.extend_from_slice(&his);
+            out.extend_from_slice(&los);
         }
     }
     out
@@ -551,12 +552,12 @@ mod fragment_tests {
         for mi in 0..mt {
             for kk in 0..9 * kc {
                 for lane in 0..32 {
-                    let at = ((mi * 9 * kc + kk) * 32 + lane) * 8;
+                    let (hi, lo) = (((mi * 9 * kc + kk) * 64 + lane) * 4, ((mi * 9 * kc + kk) * 64 + 32 + lane) * 4);
                     for j in 0..4 {
                         for upper in [false, true] {
                             let co = mi * 16 + lane / 4 + 8 * (j & 1);
                             let ch = (kk % kc) * 16 + 2 * (lane % 4) + 8 * (j >> 1) + upper as usize;
-                            let v = half(fr[at + j], upper) + half(fr[at + 4 + j], upper);
+                            let v = half(fr[hi + j], upper) + half(fr[lo + j], upper);
                             let want = if co < c2 && ch < c1 { w2[(co * c1 + ch) * 9 + kk / kc] } else { 0.0 };
                             assert!((v as f64 - want as f64).abs() <= want.abs() as f64 * 2f64.powi(-16), "mi {mi} kk {kk} lane {lane} j {j}: {v} vs {want}");
                             seen += (co < c2 && ch < c1) as usize;
