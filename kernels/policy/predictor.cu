@@ -170,7 +170,10 @@ __device__ __forceinline__ void pred_mma(float (&c)[4], const uint4& a, unsigned
 #define PRED_K16 (9 * PRED_KC)                 // k-steps of the reduction
 #define PRED_MT ((PRED_C2 + 15) / 16)          // output channels in tiles of 16
 #define PRED_RB (8 / PRED_MT)                  // output rows per band (accumulators: MT x 2 RB x 4 per lane)
-#define PRED_PX (PRED_C1P + 8)                 // words per pixel of the conv1 tile: (hi, lo) per channel pair, padding
+// Words per pixel of the conv1 tile: per 16-channel block kc and tq < 4 the quad (hi of channels 2 tq, 2 tq + 1;
+// hi of the same + 8; lo of the first; lo of the second), so that a B operand pair (hi or lo) is one aligned
+// register pair of one 16-byte load; a pixel stride of 16 (mod 32) words keeps those loads conflict-free.
+#define PRED_PX (PRED_C1P + ((PRED_C1P / 16) % 2 == 0 ? 16 : 0))
 #define PRED_RBH ((PRED_RB + 1) / 2)            // band rows per warp (two warps per 16 columns: even, odd rows)
 #define PRED_THREADS (4 * PRED_PT)             // two warps per 16 columns
 #define PRED_FRAG_WORDS (PRED_MT * PRED_K16 * 32 * 8)
@@ -301,7 +304,10 @@ extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batc
                         pred_split2(v[0], v[1], hw[c / 2], lw[c / 2]);
                     }
 #pragma unroll
-                    for (int q = 0; q < PRED_C1P / 4; ++q) yp[q] = make_uint4(hw[2 * q], lw[2 * q], hw[2 * q + 1], lw[2 * q + 1]);
+                    for (int q = 0; q < PRED_C1P / 4; ++q) {
+                        const int p0 = (q / 4) * 8 + q % 4;  // the channel pair 2 tq of block kc (q = kc * 4 + tq)
+                        yp[q] = make_uint4(hw[p0], hw[p0 + 4], lw[p0], lw[p0 + 4]);
+                    }
                 }
                 __syncthreads();
                 // The second convolution: acc[mi][n] holds channels mi*16 + (g8, g8 + 8) of n-tile n (row
@@ -326,10 +332,9 @@ extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batc
 #pragma unroll
                     for (int n = 0; n < 2 * PRED_RBH; ++n) {
                         if (rp + 2 * (n / 2) >= R) break;
-                        // (hi, lo) of channels kc*16 + 2 tq (+1) and of the same + 8 (conflict-free 8-byte loads: PRED_PX).
-                        const uint2* yp = reinterpret_cast<const uint2*>(ys + ((rp + 2 * (n / 2) + dt) * (PRED_PT + 2) + cg * 16 + (n % 2) * 8 + g8 + db) * PRED_PX) + kc * 8 + tq;
-                        const uint2 p0 = yp[0], p1 = yp[4];
-                        const unsigned bh0 = p0.x, bl0 = p0.y, bh1 = p1.x, bl1 = p1.y;
+                        // hi and lo of channels kc*16 + 2 tq (+1) and of the same + 8: one conflict-free 16-byte load (PRED_PX).
+                        const uint4 pq = *(reinterpret_cast<const uint4*>(ys + ((rp + 2 * (n / 2) + dt) * (PRED_PT + 2) + cg * 16 + (n % 2) * 8 + g8 + db) * PRED_PX) + kc * 4 + tq);
+                        const unsigned bh0 = pq.x, bh1 = pq.y, bl0 = pq.z, bl1 = pq.w;
 #pragma unroll
                         for (int mi = 0; mi < PRED_MT; ++mi) {
                             pred_mma(acc[mi][n], al[mi], bh0, bh1);

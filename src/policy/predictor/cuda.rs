@@ -87,7 +87,7 @@ fn conv_smem_bytes(c1: usize, c2: usize, pt: usize) -> usize {
     let frag = mt * 9 * (c1p / 16) * 32 * 8;
     let small = (c1 * 10 + 2 * c2 + 1 + rb + 4).div_ceil(4) * 4;
     let xs = (rb + 4) * (pt + 4);
-    let ys = (rb + 2) * (pt + 2) * (c1p + 8);
+    let ys = (rb + 2) * (pt + 2) * (c1p + if (c1p / 16) % 2 == 0 { 16 } else { 0 });
     4 * (frag + small + xs + ys)
 }
 
