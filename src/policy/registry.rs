@@ -568,8 +568,10 @@ mod tests {
             take(checked(&[ns, hk, pw.rcap, 4])?);
             take(checked(&[ns, hk, pw.rcap, 8])?);
             take(checked(&[ns, hk, pw.rcap, 4])?);
-            // Since issue 35: a decode row's logits, kept between the history row's passes.
+            // Since issue 35: a decode row's logits, kept between the history row's passes; the tensor-core
+            // history rows' CTA statistics per query head.
             take(checked(&[ns, hk, g, pw.lcap, 4])?);
+            take(checked(&[ns, hk, g, crate::policy::predictor::cuda::HIST_PARTS, 8])?);
         }
         Ok((regions, off.max(256)))
     }

@@ -283,6 +283,58 @@ mod tests {
         }
     }
 
+    /// The bound of [`Exact::row`] covers the tensor-core history row's arithmetic, emulated in f32: bf16
+    /// queries and keys, their exact products summed in f32, the scale and log2 e applied in f32, per-CTA
+    /// online statistics merged in order, 2^(l - lse) in f32; and it stays under 0.2% (a bound that allows
+    /// anything would let any set through).
+    #[test]
+    fn exact_row_bound_covers_tensor_core_rows() {
+        use half::bf16;
+        let mut rng = Rng::new(17);
+        let (d, g, blk) = (64usize, 4usize, 16usize);
+        let round = |x: f64| bf16::from_f64(x).to_f64();
+        for &(n, parts, scale) in &[(300usize, 3usize, 0.125f64), (1000, 16, 0.0883883), (77, 1, 0.25)] {
+            let keys: Vec<Vec<f64>> = (0..n).map(|_| (0..d).map(|_| round(rng.normal() * 1.5)).collect()).collect();
+            let key = |_: usize, p: usize, _: usize| keys[p].clone();
+            let ex = Exact { key: &key, head: 0, group: g, d, scale, softcap: 0.0 };
+            let r = RowSrc { seq: 0, q: (0..g * d).map(|_| round(rng.normal() * 1.5)).collect(), pos: (0..n).collect(), n, exact: None };
+            let (exact, eps) = ex.row(&r, blk);
+            let mut dev = vec![0f32; n.div_ceil(blk)];
+            for gi in 0..g {
+                let q = &r.q[gi * d..(gi + 1) * d];
+                let l: Vec<f32> = keys
+                    .iter()
+                    .map(|k| {
+                        let dot = q.iter().zip(k).fold(0f32, |a, (x, y)| a + (*x as f32) * (*y as f32));
+                        dot * scale as f32 * std::f32::consts::LOG2_E
+                    })
+                    .collect();
+                let (mut m, mut z) = (f32::NEG_INFINITY, 0f32);
+                for c in l.chunks(n.div_ceil(parts)) {
+                    let (mut cm, mut cs) = (f32::NEG_INFINITY, 0f32);
+                    for &x in c {
+                        if x > cm {
+                            cs = if cm == f32::NEG_INFINITY { 0.0 } else { cs * (cm - x).exp2() } + 1.0;
+                            cm = x;
+                        } else {
+                            cs += (x - cm).exp2();
+                        }
+                    }
+                    let mm = m.max(cm);
+                    z = if m == f32::NEG_INFINITY { 0.0 } else { z * (m - mm).exp2() } + cs * (cm - mm).exp2();
+                    m = mm;
+                }
+                let lse = m + z.log2();
+                for (p, &x) in l.iter().enumerate() {
+                    dev[p / blk] = dev[p / blk].max((x - lse).exp2());
+                }
+            }
+            let worst = exact.iter().zip(&dev).map(|(&e, &v)| ((v as f64) - e).abs() / e).fold(0f64, f64::max);
+            assert!(worst <= eps, "n {n}: emulated tensor-core row off by {worst:.3e} relative, bound {eps:.3e}");
+            assert!(eps < 2e-3, "n {n}: a bound of {eps:.3e} would let any row through");
+        }
+    }
+
     /// A GPU set equal to the exact prediction's passes; one that swaps a clearly best block for a clearly
     /// worst one fails; positions that are not whole blocks fail.
     #[test]

@@ -60,7 +60,7 @@ const CONV_SMEM: usize = 100 * 1024;
 /// (sequence, KV head) pairs: several CTAs per SM, so that enough K is in flight.
 const HIST_CTAS: usize = 1024;
 /// Most CTAs per (sequence, KV head) of `kvs_pred_logits`: its softmax statistics' slots per query head.
-const HIST_PARTS: usize = 256;
+pub(crate) const HIST_PARTS: usize = 256;
 /// Keys `kvs_pred_logits` takes per CTA and iteration (8 warps x 16 keys x PL_KT) at head sizes up to 128.
 const HIST_KEYS_PER_CTA: usize = 256;
 
