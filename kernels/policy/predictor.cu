@@ -472,7 +472,18 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
     auto key_at = [&](int i) { return kvs_order_key((i >= start && i < start + width) ? sc[i] : -INFINITY); };
     const bool cached = cnt <= PRED_SEL_CACHE;
     if (cached)
-        for (int i = threadIdx.x; i < cnt; i += blockDim.x) kcache[i] = key_at(cb0 + i);
+        // Eight loads in flight per thread, then their keys (one round trip per eight, not per key).
+        for (int i0 = threadIdx.x; i0 < cnt; i0 += 8 * (int)blockDim.x) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = i0 + u * (int)blockDim.x, bk = cb0 + i;
+                v[u] = (i < cnt && bk >= start && bk < start + width) ? sc[bk] : -INFINITY;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (i0 + u * (int)blockDim.x < cnt) kcache[i0 + u * blockDim.x] = kvs_order_key(v[u]);
+        }
     __syncthreads();
     auto key_of = [&](int i) { return cached ? kcache[i - cb0] : key_at(i); };
     TopCut tc{0u, cb0};
