@@ -45,9 +45,12 @@ use crate::{bail, ensure};
 /// include).
 pub const PREDICTOR: Module = &[&kernel_file!("predictor.cu", "policy/predictor.cu")];
 
-/// CTAs of one `kvs_pred_conv` launch, over all (sequence, KV head) pairs (each stages the weights once
-/// and walks its share of the (band, column tile) items).
-const CONV_CTAS: usize = 2048;
+/// CTAs per SM of one `kvs_pred_conv` launch, over all (sequence, KV head) pairs (each stages the weights
+/// once and walks its share of the (band, column tile) items): three waves of the three CTAs an SM holds.
+/// H200, 2026-11-27: 9 per SM (1,188 CTAs) against 2,048, 792 and 396: 1.39 / 1.32 / 1.35 / 1.24x dense at
+/// 8 x 128K, 1.05 / 0.84 / 1.03 / 0.98x at 8 x 32K, 0.84 / 0.74 / 0.85 / 0.80x at 1 x 128K (fewer CTAs stage
+/// the weights fewer times; too few leave the SMs idle at the tail).
+const CONV_CTAS_PER_SM: usize = 9;
 /// Largest first-layer width the conv kernel accepts (its second convolution reduces over 9 x c1).
 const MAX_C1: usize = 32;
 /// Largest second-layer width (the kernel's accumulators: 16-channel tiles x rows per band).
@@ -329,7 +332,7 @@ impl PredictorDev {
         // Work items (band, column tile): a tile has at most ceil(history / rows per band) bands.
         let items = checked(&[pw.nbmax.div_ceil(pd.pt), ps.history.div_ceil(band_rows(pd.c2))])?;
         ensure!(hk < 65536 && ns < 65536 && items < (1 << 31), Unsupported, "predictor: too many KV heads, sequences or blocks for the CNN's grid");
-        let per = CONV_CTAS.div_ceil(ns * hk).min(items).max(1);
+        let per = (CONV_CTAS_PER_SM * dev.gpu().num_sms.max(1) as usize).div_ceil(ns * hk).min(items).max(1);
         let conv = f("kvs_pred_conv")?;
         let smem = conv_smem_bytes(pd.c1, pd.c2, pd.pt);
         dev.allow_smem_once(conv, smem)?;
