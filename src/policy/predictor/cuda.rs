@@ -357,6 +357,13 @@ impl PredictorDev {
         // other two). With `tc`, decode rows: the logits on the tensor cores, then the weights from them.
         let q = &a.query;
         let kc = &cache.k;
+        // The arguments both history-row kernels (kvs_pred_scores, kvs_pred_logits) start with: the batch,
+        // the queries, the keys, the state, the spec, slots, modes and the plan.
+        let rows_args = |k: &mut KArgs| {
+            k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
+            k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
+            k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap);
+        };
         if !tc || a.max_query_len != 1 {
             let n_rows = checked(&[ns, hk, pw.rcap])?;
             let api = cuda()?;
@@ -373,9 +380,8 @@ impl PredictorDev {
             let key_tiles = (geo.max_pos + 1).div_ceil(tp).min(SCORES_CTAS.div_ceil(ns * hk)).max(1);
             for phase in 0..3 {
                 let mut k = KArgs::new();
-                k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
-                k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
-                k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i32(phase);
+                rows_args(&mut k);
+                k.i32(phase);
                 k.i64((ws + lay.pred_rmax as u64) as i64).i64((ws + lay.pred_z as u64) as i64).i64((ws + lay.pred_bad as u64) as i64).i32(pw.rcap as i32);
                 k.i64((ws + lay.pred_logits as u64) as i64).i32(pw.lcap as i32).f32(cache.k_scale).i32(!tc as i32);
                 launch::launch_dependent(pdl, f("kvs_pred_scores")?, (key_tiles as u32, hk as u32, ns as u32), sthreads as u32, 0, &mut k, stream, "kvs_pred_scores launch")?;
@@ -386,9 +392,8 @@ impl PredictorDev {
             let logits_ctas = (geo.max_pos + 1).div_ceil(HIST_KEYS_PER_CTA).min(per).clamp(1, HIST_PARTS);
             let (lg, parts) = ((ws + lay.pred_logits as u64) as i64, (ws + lay.pred_parts as u64) as i64);
             let mut k = KArgs::new();
-            k.by_value(batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).f32(a.softcap);
-            k.ptr(kc.data).i64(kc.stride(0) as i64).i64(kc.stride(1) as i64).i64(kc.stride(2) as i64).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
-            k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64(lg).i32(pw.lcap as i32).i64(parts);
+            rows_args(&mut k);
+            k.i64(lg).i32(pw.lcap as i32).i64(parts);
             launch::launch_dependent(pdl, f("kvs_pred_logits")?, (logits_ctas as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_pred_logits launch")?;
             let weight_ctas = (geo.max_pos + 1).div_ceil(256).min(per).max(1);
             let mut k = KArgs::new();
