@@ -5,8 +5,8 @@
 // logits over 16-bit caches (kvs_pred_logits, kvs_pred_weights), else (f32 and FP8 caches, prefill seeds)
 // in the decisions' arithmetic, bit for bit (decide.cuh, as the CPU's history_row; this module is compiled
 // with --fmad=false); the CNN's first convolution with explicit fused multiply-adds, the second on the
-// tensor cores in 3xBF16; so a set may differ from the CPU's at borderline blocks only. Batch geometry, radix top-k, accounting and SnapKV's scoring arithmetic
-// (wp_dot, WP_TP) come from kernels/include/.
+// tensor cores in 3xBF16; so a set may differ from the CPU's at borderline blocks only. Batch geometry, radix top-k, accounting, SnapKV's scoring arithmetic
+// (wp_dot, WP_TP) and the cache-type MMA (mma16816) come from kernels/include/.
 //
 // State of one layer (allocated per layer outside capture, indexed by the slot map's slot, kernels/slots.cu):
 //   hdr  [max_seqs][hk][8]   generation stamp, rows pushed (count), steps since calibration, rows pushed
@@ -33,6 +33,7 @@
 #include "topk.cuh"
 #include "weights_pass.cuh"
 #include "kv_load.cuh"
+#include "mma.cuh"
 
 // The predictor's layer state and parameters, passed by value; mirrored by `StateArg` and `SpecArg` in
 // src/policy/predictor/cuda.rs (a test, src/cuda/kernel_src.rs, compares sizes and field offsets).
@@ -702,16 +703,6 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
 // a predicted row lists few positions, and its statistics are merged over these CTAs only.
 __device__ __forceinline__ int pl_active(int jend, int grid) { return min(grid, (jend + PL_KEYS - 1) / PL_KEYS); }
 
-#if KVS_DTYPE == 1
-#define PL_MMA_T "f16"
-#else
-#define PL_MMA_T "bf16"
-#endif
-__device__ __forceinline__ void pl_mma(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32." PL_MMA_T "." PL_MMA_T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // (m, s) += (m2, s2): softmax statistics in base 2 (largest logit, sum of 2^(l - m)); a NaN sum (a NaN
 // logit) stays NaN whatever the maxima.
@@ -822,8 +813,8 @@ extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_logits(Batch b
                 float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
-                    pl_mma(c, kf[kt][0][j].x, kf[kt][1][j].x, kf[kt][0][j].y, kf[kt][1][j].y, qf[nt][j].x, qf[nt][j].y);
-                    pl_mma(c, kf[kt][0][j].z, kf[kt][1][j].z, kf[kt][0][j].w, kf[kt][1][j].w, qf[nt][j].z, qf[nt][j].w);
+                    mma16816(c, kf[kt][0][j].x, kf[kt][1][j].x, kf[kt][0][j].y, kf[kt][1][j].y, qf[nt][j].x, qf[nt][j].y);
+                    mma16816(c, kf[kt][0][j].z, kf[kt][1][j].z, kf[kt][0][j].w, kf[kt][1][j].w, qf[nt][j].z, qf[nt][j].w);
                 }
                 // c: keys g8 (c0, c1) and g8 + 8 (c2, c3), query heads nt * 8 + 2 tq + {0, 1}.
 #pragma unroll
