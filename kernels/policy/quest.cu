@@ -10,6 +10,7 @@
 #include "block_reduce.cuh"
 #include "topk.cuh"
 #include "cluster.cuh"
+#include "cluster_topk.cuh"
 #include "page_bounds.cuh"
 
 // Quest's page scores on tensor cores (kvs_quest_scores_hist_mma, below): the bound of
@@ -449,115 +450,17 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_quest_topk(Batch 
 // cluster of QC_CTAS CTAs per (KV head, sequence) instead of one CTA, so a long row's passes run over
 // QC_CTAS SMs. CTA `rank` holds the row's pages rank * per <= i < (rank + 1) * per (per = ceil(np /
 // QC_CTAS)), their keys in its shared memory when they fit; the cut of the candidates is topk32's radix
-// with each pass's counts summed over the cluster through distributed shared memory (quest_cluster_cut);
+// with each pass's counts summed over the cluster through distributed shared memory (cluster_topk_cut, cluster_topk.cuh);
 // each CTA then writes its kept pages, in increasing page order, after those of the CTAs before it (an
 // exclusive prefix of the CTAs' counts). Same set as kvs_quest_topk (exact at ties), no key histogram
 // from the scoring kernel. Grid (hk * QC_CTAS, seqs), QC_THREADS threads.
-#define QC_CTAS 8      // src/policy/quest/cuda.rs QC_CTAS
 #define QC_THREADS 256 // src/policy/quest/cuda.rs QC_THREADS; at least 256 (one thread per bin of a pass)
-#if KVS_CLUSTERS
-#define QC_CLUSTER_DIMS __cluster_dims__(QC_CTAS, 1, 1)
 
-// The cut of the m largest candidate keys of the row (forced = lo <= i < hi = last), which the cluster's
-// CTAs hold in parts of `per` pages (this CTA: c0 <= i < c1), as topk32 finds it: a radix from below the
-// bits every key shares (the cluster's minimum and maximum), 8 bits per pass, that stops once the bin it
-// descends into holds exactly the keys still needed; each pass counts its part into xh (two alternating
-// 256-bin histograms, so a pass never overwrites counts a CTA may still read from the pass before) and
-// sums the QC_CTAS parts through distributed shared memory, one cluster barrier per pass. A tie on the
-// whole key is cut by each CTA over its own part: the later CTAs' equal keys go first, then this CTA's
-// from its top. The cut is exact for this CTA's pages: c0 <= i < c1 is kept iff key > thr, or key == thr
-// and i >= cut. Block-wide, every CTA of the cluster; xw[0..2) are read by the other CTAs.
-template <typename KeyOf>
-__device__ __forceinline__ TopCut quest_cluster_cut(int lo, int hi, int np, int per, int m, unsigned rank, KeyOf key_of, unsigned* xh, unsigned* xw,
-                                                    unsigned* sel, unsigned* wmm, int* cnt) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int c0 = max(min((int)rank * per, np), lo), c1 = min(min((int)rank * per + per, np), hi);
-    unsigned a0, z0;
-    block_key_range(c0, c1, key_of, wmm, a0, z0);
-    if (threadIdx.x == 0) {
-        xw[0] = a0;
-        xw[1] = z0;
-    }
-    cluster_sync();
-    if (warp == 0) {
-        const bool peer = lane < QC_CTAS;
-        unsigned a = peer ? ld_cluster(&xw[0], lane) : 0xffffffffu, z = peer ? ld_cluster(&xw[1], lane) : 0u;
-        a = __reduce_min_sync(0xffffffffu, a);
-        z = __reduce_max_sync(0xffffffffu, z);
-        // Every candidate of CTA `lane`: its count of keys equal to the maximum when all keys are equal.
-        if (peer) sel[4 + lane] = (unsigned)max(min(min(lane * per + per, np), hi) - max(min(lane * per, np), lo), 0);
-        if (lane == 0) radix_start(a, z, m, sel);
-    }
-    __syncthreads();
-    unsigned prefix = sel[0];
-    int left = (int)sel[1], top = (int)sel[3];
-    bool done = false;
-    for (int buf = 0; top > 0 && !done; buf ^= 1) {
-        const int bits = min(8, top), shift = top - bits, nb = 1 << bits;
-        const unsigned himask = top >= 32 ? 0u : (0xffffffffu << top);
-        unsigned* part = xh + buf * 256;
-        for (int i = threadIdx.x; i < nb; i += blockDim.x) part[i] = 0u;
-        __syncthreads();
-        for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
-            const unsigned k = key_of(i);
-            if ((k & himask) == (prefix & himask)) atomicAdd(&part[(k >> shift) & (unsigned)(nb - 1)], 1u);
-        }
-        cluster_sync();
-        // Bins from the top (thread t holds bin nb - 1 - t), summed over the CTAs and scanned: the bin
-        // where the count crosses `left`, with each CTA's count in it.
-        unsigned v[QC_CTAS];
-        int c = 0;
-#pragma unroll
-        for (int q = 0; q < QC_CTAS; ++q) {
-            v[q] = (int)threadIdx.x < nb ? ld_cluster(&part[nb - 1 - threadIdx.x], q) : 0u;
-            c += (int)v[q];
-        }
-        int total;
-        const int excl = block_excl_scan(c, cnt, total);
-        if (radix_cross(c, excl, (unsigned)(nb - 1 - threadIdx.x), shift, prefix, left, sel)) {
-#pragma unroll
-            for (int q = 0; q < QC_CTAS; ++q) sel[4 + q] = v[q];
-        }
-        __syncthreads();
-        radix_descend(sel, prefix, left, done);
-        top = shift;
-    }
-    TopCut r{prefix, c0};  // done: every key of the bin is kept
-    if (!done) {
-        // sel[4 + q]: CTA q's keys equal to `prefix`, of which the `left` latest are kept.
-        int after = 0;
-        for (int q = (int)rank + 1; q < QC_CTAS; ++q) after += (int)sel[4 + q];
-        const int mine = (int)sel[4 + rank];
-        if (after >= left)
-            r.cut = c1;
-        else if (after + mine > left)
-            r.cut = tie_cut(c0, c1, left - after, prefix, key_of, cnt, sel);
-    }
-    __syncthreads();  // sel is free again
-    return r;
-}
-#else
-#define QC_CLUSTER_DIMS
-#endif
+#define QC_SCRATCH QC_SCRATCH_N(QC_THREADS)
 
 #if KVS_CLUSTERS
-// The cluster's shared scratch for quest_cluster_plan (each kernel declares it once).
-struct QcScratch {
-    unsigned* xh;  // [2 * 256] this CTA's counts of a radix pass, read by the cluster
-    unsigned* xw;  // [4] this CTA's words read by the cluster: key minimum, maximum; kept pages
-    unsigned* sel;  // [4 + QC_CTAS]
-    unsigned* wmm;  // [64]
-    int* cnt;       // [QC_THREADS / 32 + 1]
-    unsigned long long* red;  // [32]
-};
-#define QC_SCRATCH                                                 \
-    __shared__ unsigned qc_xh[2 * 256], qc_xw[4], qc_sel[4 + QC_CTAS], qc_wmm[64]; \
-    __shared__ int qc_cnt[QC_THREADS / 32 + 1];                    \
-    __shared__ unsigned long long qc_red[32];                      \
-    const QcScratch xs{qc_xh, qc_xw, qc_sel, qc_wmm, qc_cnt, qc_red}
-
 // Row (s, h)'s plan from the cluster of QC_CTAS CTAs that holds it, CTA `rank` holding pages a0 <= i < a1
-// (= rank * per ..., clamped to np) with their keys key_of(i) (np > k only): the cut (quest_cluster_cut),
+// (= rank * per ..., clamped to np) with their keys key_of(i) (np > k only): the cut (cluster_topk_cut, cluster_topk.cuh),
 // this CTA's kept pages written after those of the CTAs before it, the plan's length and, with `count`,
 // the counters. The tail of kvs_quest_topk_cluster. Every CTA of the
 // cluster; no CTA returns before the cluster's last barrier (its shared memory may still be read).
@@ -574,7 +477,7 @@ __device__ __forceinline__ void quest_cluster_plan(const Batch& b, const SeqRow&
         for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) e[j] = qr.fp + j;
     } else {
         TopCut tc{0u, qr.last};
-        if (qr.m > 0) tc = quest_cluster_cut(qr.forced, qr.last, qr.np, per, qr.m, rank, key_of, x.xh, x.xw, x.sel, x.wmm, x.cnt);
+        if (qr.m > 0) tc = cluster_topk_cut(qr.forced, qr.last, qr.np, per, qr.m, rank, key_of, x.xh, x.xw, x.sel, x.wmm, x.cnt);
         auto keep = [&](int i) { return quest_keeps(qr, tc, i, key_of); };
         unsigned long long mine = 0;
         for (int i = a0 + threadIdx.x; i < a1; i += blockDim.x) mine += keep(i);

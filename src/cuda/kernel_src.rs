@@ -48,6 +48,7 @@ pub const FILES: &[KernelFile] = &[
     kernel_file!("batch.cuh", "include/batch.cuh"),
     kernel_file!("topk.cuh", "include/topk.cuh"),
     kernel_file!("cluster.cuh", "include/cluster.cuh"),
+    kernel_file!("cluster_topk.cuh", "include/cluster_topk.cuh"),
     kernel_file!("page_bounds.cuh", "include/page_bounds.cuh"),
     kernel_file!("weights_pass.cuh", "include/weights_pass.cuh"),
     kernel_file!("mma_tile.cuh", "include/mma_tile.cuh"),
