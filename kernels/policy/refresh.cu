@@ -25,13 +25,14 @@
 //   (attention)          the decode rows through their plans on tensor cores (attention_mma.cu, LOGITS=1),
 //                        writing every visited key's base-2 logit per query head to `lg` and each split's
 //                        (max, sum of 2^(l - max)) per query head to `parts`.
-//   kvs_refresh_top_*    FULL rows: the set rebuilt across CTAs: the row's LSE from the attention's
-//                        split statistics (in split order: deterministic), w = max over the group of
-//                        2^(l - lse) per position and
-//                        its pool, a three-pass radix select of the k-th key (each pass's bin chosen by
-//                        the row's last chunk; the last pass keeps per-chunk counts), the chunks' kept
-//                        positions. A partial step's calls find no FULL row and return at once (four
-//                        launches).
+//   kvs_refresh_top_*    FULL rows: the set rebuilt from the logits: the row's LSE from the attention's
+//                        split statistics (a fixed shuffle tree: deterministic), w = max over the group
+//                        of 2^(l - lse) per position and its pool, the top k (ties: the earlier
+//                        position). At batch 1-2 on sm_90 one launch on thread-block clusters
+//                        (kvs_refresh_top_cluster); else a three-pass radix select across chunks (each
+//                        pass's bin chosen by the row's last chunk; the last keeps per-chunk counts) and
+//                        the chunks' kept positions (four launches). A partial step's calls find no FULL
+//                        row and return at once.
 //
 // State per layer, indexed by the sequence's slot (kernels/slots.cu) and stamped with its generation (a
 // stamp different from the slot's generation reads as "no state": a new or reused slot): the reference
@@ -46,6 +47,7 @@
 #include "topk.cuh"
 #include "weights_pass.cuh"
 #include "kv_load.cuh"
+#include "cluster_topk.cuh"
 
 // RefreshKV's layer state and parameters, passed by value; mirrored by `RefreshArgs` in
 // src/policy/refresh/cuda.rs (a test, src/cuda/kernel_src.rs, compares sizes and field offsets).
@@ -456,27 +458,75 @@ __device__ __forceinline__ void rf_load_chunk(const float* pl, int i0, int i1, f
 #define RF_CCW 258      // words per chunk of `ccnt` (src/policy/refresh/cuda.rs CHUNK_COUNT_WORDS): keys above
                         // the last pass's 24-bit prefix, then suffix sums of its 256 low-byte bins (257)
 
-// A query head's base-2 LSE over the row, merged from the attention's split statistics (max, sum of
-// 2^(l - max)) in split order (so the same inputs give the same bits; empty splits are (-inf, 0)); +inf when
-// no logit is finite (every weight then 0). A NaN logit makes its split's sum NaN, the LSE NaN, and every
-// weight of the row 0 (fmaxf from 0), as the CPU's max from 0 does. The loops are serial: the caller passes a
-// shared-memory copy of the statistics where it fits (kvs_refresh_top_hist), so they are not L2 round trips.
-__device__ __forceinline__ float rf_row_lse(const float2* pr, int nchunk) {
-    float m = -INFINITY;
-    for (int i = 0; i < nchunk; ++i) m = fmaxf(m, pr[i].x);
-    float z = 0.0f;
-    if (m > -INFINITY)
-        for (int i = 0; i < nchunk; ++i)
-            if (pr[i].x > -INFINITY) z += pr[i].y * exp2f(pr[i].x - m);
-    return m > -INFINITY ? m + log2f(z) : INFINITY;
-}
-
-// Position pos's weight: max(0, max over the group of 2^(l - lse)) (L: the row's logits).
+// Position pos's weight: max(0, max over the group of 2^(l - lse)) (L: the row's logits; 16-byte loads
+// where the group's logits are whole float4s, the same operations in the same order).
 __device__ __forceinline__ float rf_weight(const float* L, int pos, const float* lse) {
     float a = 0.0f;
+#if GROUP % 4 == 0
+    const float4* p = reinterpret_cast<const float4*>(L + (i64)pos * GROUP);
+#pragma unroll
+    for (int g = 0; g < GROUP / 4; ++g) {
+        const float4 l = p[g];
+        a = fmaxf(a, exp2f(l.x - lse[4 * g]));
+        a = fmaxf(a, exp2f(l.y - lse[4 * g + 1]));
+        a = fmaxf(a, exp2f(l.z - lse[4 * g + 2]));
+        a = fmaxf(a, exp2f(l.w - lse[4 * g + 3]));
+    }
+#else
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) a = fmaxf(a, exp2f(L[(i64)pos * GROUP + g] - lse[g]));
+#endif
     return a;
+}
+
+// Each query head's base-2 LSE over the row into lse[GROUP] (shared), merged from the attention's split
+// statistics `pg` (GROUP * nparts pairs (max, sum of 2^(l - max)); empty splits are (-inf, 0)): a warp per
+// query head, the lanes' strided parts reduced by a fixed shuffle tree (the same inputs give the same
+// bits, whatever order the splits ran in). +inf when no logit is finite (every weight then 0). A NaN logit
+// makes its split's sum NaN, the LSE NaN, and every weight of the row 0 (fmaxf from 0), as the CPU's max
+// from 0 does. Block-wide.
+__device__ __forceinline__ void rf_group_lse(const float2* pg, int nparts, float* lse) {
+    const int lane = threadIdx.x & 31;
+    for (int g = threadIdx.x >> 5; g < GROUP; g += blockDim.x >> 5) {
+        const float2* pr = pg + g * nparts;
+        float m = -INFINITY;
+        for (int i = lane; i < nparts; i += 32) m = fmaxf(m, pr[i].x);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float z = 0.0f;
+        if (m > -INFINITY)
+            for (int i = lane; i < nparts; i += 32)
+                if (pr[i].x > -INFINITY) z += pr[i].y * exp2f(pr[i].x - m);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+        if (lane == 0) lse[g] = m > -INFINITY ? m + log2f(z) : INFINITY;
+    }
+    __syncthreads();
+}
+
+// The pooled weights of positions i0 <= i < i1 (relative to lo, at most CH of them; n positions in the
+// row): max of rf_weight over i - rad ..= i + rad within the row, thread t's i0 + j * THREADS + t in
+// pv[j] (-inf past i1). The weights are staged in `wv` (shared, CH + 2 * RF_RADMAX) up to radius
+// RF_RADMAX and recomputed per use beyond it (the same bits). Block-wide, THREADS threads; callable in a
+// loop (it waits for the previous call's readers of wv).
+template <int THREADS, int CH>
+__device__ __forceinline__ void rf_pool_chunk(const float* L, const float* lse, int lo, int n, int rad, int i0, int i1, float* wv, float (&pv)[CH / THREADS]) {
+    const int w0 = max(i0 - rad, 0), w1 = min(i1 + rad, n);
+    const bool staged = rad <= RF_RADMAX;
+    if (staged) {
+        __syncthreads();
+#pragma unroll 4
+        for (int x = w0 + threadIdx.x; x < w1; x += THREADS) wv[x - w0] = rf_weight(L, lo + x, lse);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < CH / THREADS; ++j) {
+        const int i = i0 + j * THREADS + threadIdx.x;
+        float v = -INFINITY;
+        if (i < i1)
+            for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, staged ? wv[x - w0] : rf_weight(L, lo + x, lse));
+        pv[j] = v;
+    }
 }
 
 // The full rows' sets rebuilt across CTAs (RefreshHead::rebuild: max_pool(weights, pool), the top k by
@@ -542,7 +592,6 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     __shared__ unsigned sh[RF_BINS];
     __shared__ float wv[RF_CH + 2 * RF_RADMAX];
     __shared__ float lse[GROUP];
-    __shared__ float2 sp[RF_WTHREADS * 2];  // the row's split statistics (pass 0), GROUP * nparts of them
     __shared__ int last;
     __shared__ int wsum[RF_WTHREADS / 32];
     __shared__ unsigned red[32];
@@ -556,33 +605,12 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     float* pl = pooled + row * maxpos;
     float pv[RF_PER];  // this thread's pooled values: position i0 + j * RF_WTHREADS + threadIdx.x
     if (pass == 0) {
-        // The group's split statistics staged in shared memory by the whole CTA (independent loads in
-        // flight), then each query head's LSE merged serially in split order from there.
-        const float2* pg = parts + row * GROUP * nparts;
-        const bool sp_fits = GROUP * nparts <= RF_WTHREADS * 2;
-        if (sp_fits)
-            for (int i = threadIdx.x; i < GROUP * nparts; i += blockDim.x) sp[i] = pg[i];
-        __syncthreads();
-        if (threadIdx.x < GROUP) lse[threadIdx.x] = rf_row_lse((sp_fits ? sp : pg) + threadIdx.x * nparts, nparts);
-        __syncthreads();
-        const float* L = lg + row * maxpos * GROUP;
-        const int rad = ra.pool / 2;
-        const int w0 = max(i0 - rad, 0), w1 = min(i1 + rad, n);
-        const bool staged = rad <= RF_RADMAX;
-        if (staged) {
-#pragma unroll 4
-            for (int x = w0 + threadIdx.x; x < w1; x += blockDim.x) wv[x - w0] = rf_weight(L, lo + x, lse);
-            __syncthreads();
-        }
+        rf_group_lse(parts + row * GROUP * nparts, nparts, lse);
+        rf_pool_chunk<RF_WTHREADS, RF_CH>(lg + row * maxpos * GROUP, lse, lo, n, ra.pool / 2, i0, i1, wv, pv);
 #pragma unroll
         for (int j = 0; j < RF_PER; ++j) {
             const int i = i0 + j * RF_WTHREADS + threadIdx.x;
-            float v = -INFINITY;
-            if (i < i1) {
-                for (int x = max(i - rad, 0); x < min(i + rad + 1, n); ++x) v = fmaxf(v, staged ? wv[x - w0] : rf_weight(L, lo + x, lse));
-                pl[i] = v;
-            }
-            pv[j] = v;
+            if (i < i1) pl[i] = pv[j];
         }
     } else {
         rf_load_chunk(pl, i0, i1, pv);  // what pass 0 wrote
@@ -702,4 +730,103 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(
         out += kept_total;
         eq_seen += eq_total;
     }
+}
+
+// The full rows' sets rebuilt on a thread-block cluster (sm_90 and newer; src/policy/refresh/cuda.rs
+// launches it while the rows' clusters fit in one wave): kvs_refresh_top_hist's three passes and
+// kvs_refresh_top_write in one launch, with no grid-wide round trips between passes: the same weights,
+// pooling and set (the top k by (score, earlier position)). Row (s, h)'s cluster of QC_CTAS CTAs splits
+// the row from its newest position: CTA `rank` holds j = rank * per ... (per = ceil(n / QC_CTAS)), j
+// being the relative position n - 1 - j, so that cluster_topk_cut's ties to the larger index are ties to
+// the earlier position. Each CTA pools its positions' weights (as order keys in its shared memory when
+// they fit, `smem_keys`; else in `pooled`), the cluster cuts the k largest, and each CTA writes its kept
+// positions in position order after those of the CTAs holding earlier ones (the higher ranks). Grid
+// (hk * QC_CTAS, sequences), RC_THREADS threads (a row's cluster is 8 SMs' work: as many warps as fit);
+// FULL rows only.
+#define RC_THREADS 1024  // src/policy/refresh/cuda.rs CLUSTER_THREADS
+#define RC_CH 4096       // positions per pooled chunk of kvs_refresh_top_cluster
+extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(RC_THREADS)
+    kvs_refresh_top_cluster(Batch b, RefreshArgs ra, const float* lg, const float2* parts, int nparts, float* pooled, int maxpos, int smem_keys) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
+#if KVS_CLUSTERS
+    extern __shared__ unsigned skey[];
+    __shared__ float wv[RC_CH + 2 * RF_RADMAX];
+    __shared__ float lse[GROUP];
+    QC_SCRATCH_N(RC_THREADS);
+    const unsigned rank = cluster_rank();
+    const int h = blockIdx.x / QC_CTAS, s = blockIdx.y, hk = ra.hk;
+    if (ra.mode[s] != RF_FULL) return;  // the whole cluster: one row
+    const SeqRow r = seq_row(b, s);
+    const int lo = r.lo, hi = min(r.hi, maxpos - 1), n = hi - lo + 1, K = ra.k;
+    const i64 row = (i64)s * hk + h;
+    const i64 sh = (i64)ra.slot[s] * hk + h;
+    const bool all = n <= K;
+    if (rank == 0 && threadIdx.x == 0) {
+        ra.cnt[sh] = all ? n : K;
+        ra.last[sh] = hi;
+        ra.hstamp[sh] = ra.gen[s];
+    }
+    const int per = (n + QC_CTAS - 1) / QC_CTAS;
+    const int a0 = min((int)rank * per, n), a1 = min(a0 + per, n);  // this CTA's j
+    const bool staged = a1 - a0 <= smem_keys;
+    float* pl = pooled + row * maxpos;
+    unsigned* tok = ra.tok + sh * K;
+    float* sc = ra.sc + sh * K;
+    rf_group_lse(parts + row * GROUP * nparts, nparts, lse);
+    const float* L = lg + row * maxpos * GROUP;
+    for (int i0 = n - a1; i0 < n - a0; i0 += RC_CH) {  // positions n - a1 <= i < n - a0, a chunk at a time
+        const int i1 = min(n - a0, i0 + RC_CH);
+        float pv[RC_CH / RC_THREADS];
+        rf_pool_chunk<RC_THREADS, RC_CH>(L, lse, lo, n, ra.pool / 2, i0, i1, wv, pv);
+#pragma unroll
+        for (int j = 0; j < RC_CH / RC_THREADS; ++j) {
+            const int i = i0 + j * RC_THREADS + threadIdx.x;
+            if (i >= i1) continue;
+            if (all) {  // every position kept, at its own rank
+                tok[i] = (unsigned)(lo + i);
+                sc[i] = pv[j];
+            } else if (staged) {
+                skey[n - 1 - i - a0] = kvs_order_key(pv[j]);
+            } else {
+                pl[i] = pv[j];
+            }
+        }
+    }
+    if (all) return;  // no CTA reads another's shared memory
+    __syncthreads();
+    auto key_of = [&](int j) { return staged ? skey[j - a0] : kvs_order_key(pl[n - 1 - j]); };
+    const TopCut tc = cluster_topk_cut(0, n, n, per, K, rank, key_of, xs.xh, xs.xw, xs.sel, xs.wmm, xs.cnt);
+    auto keep = [&](int j) {
+        const unsigned kk = key_of(j);
+        return kk > tc.thr || (kk == tc.thr && j >= tc.cut);
+    };
+    unsigned long long mine = 0;
+    for (int j = a0 + threadIdx.x; j < a1; j += blockDim.x) mine += keep(j);
+    mine = block_sum(mine, xs.red);
+    if (threadIdx.x == 0) xs.xw[2] = (unsigned)mine;
+    cluster_sync();
+    if (threadIdx.x < 32) {
+        // Kept by the CTAs holding earlier positions (the higher ranks).
+        const unsigned v = threadIdx.x < QC_CTAS ? ld_cluster(&xs.xw[2], threadIdx.x) : 0u;
+        const unsigned before = __reduce_add_sync(0xffffffffu, threadIdx.x > rank ? v : 0u);
+        if (threadIdx.x == 0) xs.sel[0] = before;
+    }
+    __syncthreads();
+    const int off = (int)xs.sel[0];
+    // This CTA's kept positions in increasing position order: t = 0, 1, ... is j = a1 - 1 - t.
+    compact_each(
+        a1 - a0, [&](int t) { return keep(a1 - 1 - t); },
+        [&](int p, int t) {
+            const int j = a1 - 1 - t;
+            if (off + p < K) {
+                tok[off + p] = (unsigned)(lo + n - 1 - j);
+                sc[off + p] = wp_unkey(key_of(j));
+            }
+        },
+        K, xs.cnt);
+    cluster_sync();  // no CTA leaves while another may read its shared memory
+#else
+    __trap();  // launched only on sm_90 and newer
+#endif
 }

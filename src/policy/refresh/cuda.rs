@@ -103,6 +103,30 @@ const HIST_BINS: usize = 4096;
 const SEL_WORDS: usize = 4;
 /// Words per chunk of the rebuild's last-pass counts (kernels/refresh.cu RF_CCW).
 const CHUNK_COUNT_WORDS: usize = 258;
+/// CTAs per row of the rebuild on a thread-block cluster (kernels/include/cluster_topk.cuh QC_CTAS).
+const CLUSTER_CTAS: usize = 8;
+/// Static shared memory of kvs_refresh_top_cluster, at most (its staged weights, split statistics and
+/// the cluster's scratch): the rest of the device's opt-in limit holds its part of the row's keys.
+const CLUSTER_STATIC_SMEM: usize = 32 << 10;
+/// Threads per CTA of kvs_refresh_top_cluster (kernels/policy/refresh.cu RC_THREADS).
+const CLUSTER_THREADS: u32 = 1024;
+
+/// Rows up to this many positions rebuild on a cluster; longer ones by the chunked launches.
+const CLUSTER_MAX_POS: usize = 65536;
+
+/// Whether the full rows' sets are rebuilt on thread-block clusters (one launch,
+/// kvs_refresh_top_cluster) rather than by the four chunked launches: on sm_90 and newer, while the
+/// rows' clusters fit in one wave of one CTA per SM (batch 1-2 at 8 KV heads on an H100) and the rows
+/// are at most CLUSTER_MAX_POS long. The cluster kernel costs ~23 µs whatever the row (its passes'
+/// barriers) plus ~0.4 µs per 1K positions (H100: 22.8 / 33.6 / 70 µs at 4K / 32K / 128K), the chunked
+/// launches ~9 µs each from 32K; each partial step also launches one empty kernel instead of four
+/// (journal 2026-11-28). KVS_BENCH_REFRESH_CHUNKS=1 keeps the chunked launches everywhere, so that
+/// benches and tests can hold the two to each other.
+fn cluster_rebuild(gpu: &crate::cuda::context::Gpu, ns: usize, hk: usize, max_pos: usize) -> bool {
+    static CHUNKS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let chunks = *CHUNKS.get_or_init(|| std::env::var("KVS_BENCH_REFRESH_CHUNKS").is_ok_and(|v| v == "1"));
+    !chunks && gpu.cc.0 >= 9 && max_pos <= CLUSTER_MAX_POS && ns.saturating_mul(hk).saturating_mul(CLUSTER_CTAS) <= gpu.num_sms.max(1) as usize
+}
 
 fn weight_chunks(max_pos: usize) -> usize {
     max_pos.max(1).div_ceil(WEIGHT_CHUNK)
@@ -265,6 +289,17 @@ impl RefreshDevice {
             let chunks = weight_chunks(maxpos);
             let (lg, parts) = ((ws + rw.lg as u64) as i64, (ws + rw.parts as u64) as i64);
             let (pooled, hist, sel, ccnt) = ((ws + rw.pooled as u64) as i64, (ws + rw.hist as u64) as i64, (ws + rw.sel as u64) as i64, (ws + rw.ccnt as u64) as i64);
+            if cluster_rebuild(dev.gpu(), ns, hk, maxpos) {
+                // One launch: each CTA's part of the row (its keys in shared memory when they fit).
+                let f_top = f("kvs_refresh_top_cluster")?;
+                let dyn_max = (dev.gpu().smem_optin.max(0) as usize).saturating_sub(CLUSTER_STATIC_SMEM);
+                dev.allow_smem_once(f_top, dyn_max)?;
+                let smem_keys = maxpos.div_ceil(CLUSTER_CTAS).min(dyn_max / 4);
+                let mut k = KArgs::new();
+                k.by_value(batch).by_value(&ra).i64(lg).i64(parts).i32(LOGIT_PARTS as i32).i64(pooled).i32(maxpos as i32).i32(smem_keys as i32);
+                let grid = ((hk * CLUSTER_CTAS) as u32, ns as u32, 1);
+                return launch::launch_dependent(pdl, f_top, grid, CLUSTER_THREADS, (smem_keys * 4) as u32, &mut k, stream, "kvs_refresh_top_cluster launch");
+            }
             let grid = (chunks as u32, hk as u32, ns as u32);
             // Four launches (a partial step's find no FULL row; the plan kernel cleared the histograms):
             // three radix passes (the first computes and pools the weights from the logits and the row's
