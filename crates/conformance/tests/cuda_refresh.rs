@@ -84,7 +84,9 @@ fn cuda_refresh_without_a_slot_runs_dense() {
 
 /// Rows longer than one chunk of the device's rebuild (2,048 positions, kernels/policy/refresh.cu RF_CH):
 /// the weights, histograms and kept positions of several chunks, the radix select's bin chosen by the
-/// row's last chunk to finish, and the partial steps' advance over sets of hundreds of positions.
+/// row's last chunk to finish, and the partial steps' advance over sets of hundreds of positions. On
+/// thread-block clusters (sm_90, these few rows), the 40,000-position row gives each CTA more than one
+/// pooled chunk (RC_CH, 4,096 positions); KVS_BENCH_REFRESH_CHUNKS=1 runs the chunked launches instead.
 fn cuda_refresh_rows_longer_than_a_chunk_agree() {
     if !have_cuda("cuda_refresh_long_rows") {
         return;
@@ -92,7 +94,7 @@ fn cuda_refresh_rows_longer_than_a_chunk_agree() {
     let spec = &sparse_specs(true)[0];
     for (i, pol) in ["refresh(k=700, every=2)", "refresh(k=300, stride=1, s=0.9, pool=131)"].iter().enumerate() {
         let v = Variant { unseen: true, release_at: None, max_seqs: None };
-        let r = run_refresh_case(spec, pol, &[9000, 4500, 300], 6, v, 901 + i as u64);
+        let r = run_refresh_case(spec, pol, &[40000, 9000, 300], 6, v, 901 + i as u64);
         println!("long rows {pol}: {}", describe(&r));
         assert!(r.pass, "{pol}: {r:?}");
         assert!(r.full_steps > 0 && r.partial_steps > 0, "{pol}: both full and partial steps");
