@@ -91,6 +91,7 @@ __device__ __forceinline__ TopCut cluster_topk_cut(int lo, int hi, int np, int p
     return r;
 }
 
+
 // A cluster kernel's shared scratch for cluster_topk_cut and what follows it (each kernel declares it
 // once, QC_SCRATCH): `threads` per CTA (at least 256: a thread per bin of a pass).
 struct QcScratch {
@@ -106,6 +107,24 @@ struct QcScratch {
     __shared__ int qc_cnt[(threads) / 32 + 1];                                     \
     __shared__ unsigned long long qc_red[32];                                      \
     const QcScratch xs{qc_xh, qc_xw, qc_sel, qc_wmm, qc_cnt, qc_red}
+
+// The cluster's CTAs' counts `mine` (each CTA's; every thread of it passes the same) summed over the ranks
+// before this CTA's (`higher`: the ranks after it) into x.sel[0], and over all ranks into x.sel[1]. One
+// cluster barrier; x.xw[2] is read by the other CTAs. Block-wide, every CTA of the cluster.
+__device__ __forceinline__ void cluster_rank_prefix(unsigned mine, unsigned rank, bool higher, const QcScratch& x) {
+    if (threadIdx.x == 0) x.xw[2] = mine;
+    cluster_sync();
+    if (threadIdx.x < 32) {
+        const unsigned v = threadIdx.x < QC_CTAS ? ld_cluster(&x.xw[2], threadIdx.x) : 0u;
+        const bool before = higher ? threadIdx.x > rank : threadIdx.x < rank;
+        const unsigned b = __reduce_add_sync(0xffffffffu, before ? v : 0u), sum = __reduce_add_sync(0xffffffffu, v);
+        if (threadIdx.x == 0) {
+            x.sel[0] = b;
+            x.sel[1] = sum;
+        }
+    }
+    __syncthreads();
+}
 #else
 #define QC_CLUSTER_DIMS
 #endif

@@ -482,17 +482,7 @@ __device__ __forceinline__ void quest_cluster_plan(const Batch& b, const SeqRow&
         unsigned long long mine = 0;
         for (int i = a0 + threadIdx.x; i < a1; i += blockDim.x) mine += keep(i);
         mine = block_sum(mine, x.red);
-        if (threadIdx.x == 0) x.xw[2] = (unsigned)mine;
-        cluster_sync();
-        if (threadIdx.x < 32) {
-            const unsigned v = threadIdx.x < QC_CTAS ? ld_cluster(&x.xw[2], threadIdx.x) : 0u;
-            const unsigned before = __reduce_add_sync(0xffffffffu, threadIdx.x < rank ? v : 0u), sum = __reduce_add_sync(0xffffffffu, v);
-            if (threadIdx.x == 0) {
-                x.sel[0] = before;
-                x.sel[1] = sum;
-            }
-        }
-        __syncthreads();
+        cluster_rank_prefix((unsigned)mine, rank, false, x);
         const int off = (int)x.sel[0];
         n = min((int)x.sel[1], cap);
         j0 = min(off, n);

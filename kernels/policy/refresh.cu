@@ -663,6 +663,31 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_hist(B
     if (threadIdx.x == 0) sel[row * RF_SEL + 2] = 0u;  // the next pass's arrivals
 }
 
+// A FULL row's limits for its set's rebuild (positions lo..=hi, n of them; `row` its (sequence, KV head),
+// `sh` its state's (slot, KV head)), with the set's size, last position and stamp written when `first`
+// (one thread of the row's launch).
+struct RfFullRow {
+    int lo, hi, n;
+    i64 row, sh;
+    bool all;  // n <= k: every position kept
+};
+__device__ __forceinline__ RfFullRow rf_full_row(const Batch& b, const RefreshArgs& ra, int s, int h, int maxpos, bool first) {
+    const SeqRow r = seq_row(b, s);
+    RfFullRow f;
+    f.lo = r.lo;
+    f.hi = min(r.hi, maxpos - 1);
+    f.n = f.hi - f.lo + 1;
+    f.row = (i64)s * ra.hk + h;
+    f.sh = (i64)ra.slot[s] * ra.hk + h;
+    f.all = f.n <= ra.k;
+    if (first) {
+        ra.cnt[f.sh] = f.all ? f.n : ra.k;
+        ra.last[f.sh] = f.hi;
+        ra.hstamp[f.sh] = ra.gen[s];
+    }
+    return f;
+}
+
 // Per chunk: its kept positions (above the threshold, or at it among the first `left` of the row) written
 // in position order at their rank in the row's set, with their pooled scores; chunk 0 writes the set's
 // size, last position and stamp.
@@ -672,18 +697,12 @@ extern "C" __global__ void __launch_bounds__(RF_WTHREADS) kvs_refresh_top_write(
     KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ int wsum[RF_WTHREADS / 32];
     __shared__ unsigned red[32];
-    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = ra.hk;
+    const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
     if (ra.mode[s] != RF_FULL) return;
-    const SeqRow r = seq_row(b, s);
-    const int lo = r.lo, hi = min(r.hi, maxpos - 1), n = hi - lo + 1, K = ra.k;
-    const i64 row = (i64)s * hk + h;
-    const i64 sh = (i64)ra.slot[s] * hk + h;
-    const bool all = n <= K;
-    if (c == 0 && threadIdx.x == 0) {
-        ra.cnt[sh] = all ? n : K;
-        ra.last[sh] = hi;
-        ra.hstamp[sh] = ra.gen[s];
-    }
+    const RfFullRow fr = rf_full_row(b, ra, s, h, maxpos, c == 0 && threadIdx.x == 0);
+    const int lo = fr.lo, hi = fr.hi, n = fr.n, K = ra.k;
+    const i64 row = fr.row, sh = fr.sh;
+    const bool all = fr.all;
     const int i0 = c * RF_CH, i1 = min(n, i0 + RF_CH);
     if (i0 >= n) return;
     const float* pl = pooled + row * maxpos;
@@ -755,18 +774,12 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(RC_THREADS)
     __shared__ float lse[GROUP];
     QC_SCRATCH_N(RC_THREADS);
     const unsigned rank = cluster_rank();
-    const int h = blockIdx.x / QC_CTAS, s = blockIdx.y, hk = ra.hk;
+    const int h = blockIdx.x / QC_CTAS, s = blockIdx.y;
     if (ra.mode[s] != RF_FULL) return;  // the whole cluster: one row
-    const SeqRow r = seq_row(b, s);
-    const int lo = r.lo, hi = min(r.hi, maxpos - 1), n = hi - lo + 1, K = ra.k;
-    const i64 row = (i64)s * hk + h;
-    const i64 sh = (i64)ra.slot[s] * hk + h;
-    const bool all = n <= K;
-    if (rank == 0 && threadIdx.x == 0) {
-        ra.cnt[sh] = all ? n : K;
-        ra.last[sh] = hi;
-        ra.hstamp[sh] = ra.gen[s];
-    }
+    const RfFullRow fr = rf_full_row(b, ra, s, h, maxpos, rank == 0 && threadIdx.x == 0);
+    const int lo = fr.lo, n = fr.n, K = ra.k;
+    const i64 row = fr.row, sh = fr.sh;
+    const bool all = fr.all;
     const int per = (n + QC_CTAS - 1) / QC_CTAS;
     const int a0 = min((int)rank * per, n), a1 = min(a0 + per, n);  // this CTA's j
     const bool staged = a1 - a0 <= smem_keys;
@@ -804,15 +817,7 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(RC_THREADS)
     unsigned long long mine = 0;
     for (int j = a0 + threadIdx.x; j < a1; j += blockDim.x) mine += keep(j);
     mine = block_sum(mine, xs.red);
-    if (threadIdx.x == 0) xs.xw[2] = (unsigned)mine;
-    cluster_sync();
-    if (threadIdx.x < 32) {
-        // Kept by the CTAs holding earlier positions (the higher ranks).
-        const unsigned v = threadIdx.x < QC_CTAS ? ld_cluster(&xs.xw[2], threadIdx.x) : 0u;
-        const unsigned before = __reduce_add_sync(0xffffffffu, threadIdx.x > rank ? v : 0u);
-        if (threadIdx.x == 0) xs.sel[0] = before;
-    }
-    __syncthreads();
+    cluster_rank_prefix((unsigned)mine, rank, true, xs);  // kept by the CTAs holding earlier positions
     const int off = (int)xs.sel[0];
     // This CTA's kept positions in increasing position order: t = 0, 1, ... is j = a1 - 1 - t.
     compact_each(
