@@ -52,12 +52,31 @@ impl KvCache {
     pub fn v_row(&self, block: usize, off: usize, head: usize) -> *const u8 {
         self.v.ptr_at(&[block, off, head, 0])
     }
+    /// Bytes from one index to the next along `dim` of K (of V: [`v_byte_stride`](Self::v_byte_stride)), or 0
+    /// when that dimension has a single index. Validation bounds a stride only where it is applied (its
+    /// reach over the dimension's extent), so a single-index dimension (block_size 1, one KV head) may
+    /// carry any stride, and that stride times the element size can overflow; no index steps along it.
+    pub fn k_byte_stride(&self, dim: usize) -> isize {
+        byte_stride(&self.k, dim, self.dtype)
+    }
+    pub fn v_byte_stride(&self, dim: usize) -> isize {
+        byte_stride(&self.v, dim, self.dtype)
+    }
     /// Element stride along head_dim (1 for every cache a framework normally allocates).
     pub fn k_dim_stride(&self) -> isize {
         self.k.stride(3)
     }
     pub fn v_dim_stride(&self) -> isize {
         self.v.stride(3)
+    }
+}
+
+/// See [`KvCache::k_byte_stride`]: within a validated tensor's span (< isize::MAX bytes) whenever dim > 1.
+fn byte_stride(t: &TensorRef, dim: usize, dtype: DType) -> isize {
+    if t.dim(dim) > 1 {
+        t.stride(dim) * dtype.size_bytes() as isize
+    } else {
+        0
     }
 }
 
@@ -176,4 +195,26 @@ pub fn validate_params(scale: f32, sliding_window: i32, softcap: f32) -> Result<
         bail!(InvalidArgument, "softcap must be 0 (off) or a positive finite number, got {softcap}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A single-index dimension may carry any stride (validation bounds only applied strides): its byte
+    /// stride is 0, not the stride times the element size (which overflows here; the fuzzer's c_abi
+    /// target found the CPU prefill's block-row step panicking on it in an overflow-checked build).
+    #[test]
+    fn byte_strides_of_single_index_dims_are_zero_and_others_exact() {
+        let data = vec![0f32; 2 * 8];
+        let huge = i64::MAX / 3;
+        let k = TensorRef::strided(&data, 0, &[2, 1, 1, 8], &[8, huge, huge, 1]).expect("a view whose huge strides are never applied");
+        let cache = KvCache { k, v: k, num_blocks: 2, block_size: 1, num_kv_heads: 1, head_dim: 8, dtype: DType::F32, k_scale: 1.0, v_scale: 1.0 };
+        assert_eq!((cache.k_byte_stride(1), cache.k_byte_stride(2), cache.v_byte_stride(1)), (0, 0, 0));
+        assert_eq!((cache.k_byte_stride(0), cache.k_byte_stride(3)), (32, 4));
+        let data = vec![half::bf16::ZERO; 4 * 3 * 8];
+        let k = TensorRef::strided(&data, 0, &[1, 4, 3, 8], &[96, 24, 8, 1]).unwrap();
+        let cache = KvCache { k, v: k, num_blocks: 1, block_size: 4, num_kv_heads: 3, head_dim: 8, dtype: DType::BF16, k_scale: 1.0, v_scale: 1.0 };
+        assert_eq!((cache.k_byte_stride(1), cache.k_byte_stride(2)), (48, 16));
+    }
 }

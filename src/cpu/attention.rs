@@ -275,9 +275,8 @@ unsafe fn attend_spans_heads_avx512(states: &mut [RowsState], qs: &[Vec<f32>], l
 #[inline(always)]
 fn attend_spans_heads_generic<I: Isa>(states: &mut [RowsState], qs: &[Vec<f32>], limits: &[RowLimits], kv: &SeqKv, spans: &[(usize, usize)], softcap: f32) {
     let cache = kv.cache;
-    let esize = cache.dtype.size_bytes() as isize;
     // Byte distance from one KV head's row to the next head's row of the same token.
-    let (kh, vh) = (cache.k.stride(2) * esize, cache.v.stride(2) * esize);
+    let (kh, vh) = (cache.k_byte_stride(2), cache.v_byte_stride(2));
     let row_bytes = cache.head_dim * cache.dtype.size_bytes();
     let group = chunks_per_head_pass(cache);
     let mut krows = [[std::ptr::null::<u8>(); CHUNK]; MAX_GROUP_CHUNKS];

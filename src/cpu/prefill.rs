@@ -198,8 +198,7 @@ fn prefill_generic<I: Isa, S: Simd, const SV: usize, const SK: usize, const PR: 
     let in_place = cache.dtype == DType::F32;
     let (kst, vst) = (cache.k_dim_stride(), cache.v_dim_stride());
     // Bytes between two token rows of one block (consecutive positions inside a block).
-    let elem = cache.dtype.size_bytes() as isize;
-    let (k_step, v_step) = (cache.k.stride(1) * elem, cache.v.stride(1) * elem);
+    let (k_step, v_step) = (cache.k_byte_stride(1), cache.v_byte_stride(1));
     let mut c0 = k0;
     while c0 < k1 {
         let c1 = (c0 + KEY_TILE).min(k1);
