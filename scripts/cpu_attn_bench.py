@@ -110,16 +110,21 @@ def plugin_layout(hk, d, dt):
     return {"LBNHC": "nhc", "LBHNC": "hnc"}[first.name]
 
 
-def fill_caches(sides, layouts, hk, d, bs, dt, batch, ctx, layers, seed):
+def fill_caches(sides, layouts, hk, d, bs, dt, batch, ctx, layers, seed, sequential=False):
     """Random K/V for every (layer, sequence), written into kvsparse's buffers (one per layout) through every
     engine's cache_write (policies keep their block metadata that way) and into vLLM's buffer by vLLM's own
-    writer. Returns the block table, {layout: [(k, v) per layer]} and vLLM's [(k, v) per layer]."""
+    writer. Returns the block table, {layout: [(k, v) per layer]} and vLLM's [(k, v) per layer].
+    The block table is a random permutation of the blocks, or with `sequential` each sequence's blocks in
+    address order (what a fresh vLLM engine hands one long request)."""
     import vllm._custom_ops as ops
 
     per_seq = math.ceil(ctx / bs)
     nb = batch * per_seq
     g = torch.Generator().manual_seed(seed)
-    bt = torch.randperm(nb, generator=g).to(torch.int32).view(batch, per_seq)
+    order = torch.randperm(nb, generator=g)
+    if sequential:
+        order = torch.arange(nb)
+    bt = order.to(torch.int32).view(batch, per_seq)
     ours = {lay: [] for lay in layouts}
     theirs = []
     for li in range(layers):
@@ -176,7 +181,8 @@ def run_point(a, shape, dtn, batch, ctx, out_rows):
         engines += [Kvs(p, p, layouts[0], hq, hk, d, bs, dt, threads, layers) for p in a.policy]
         names = [e.name for e in engines]
         t0 = time.time()
-        bt, ours, theirs = fill_caches(engines, layouts, hk, d, bs, dt, batch, ctx, layers, a.seed)
+        bt, ours, theirs = fill_caches(engines, layouts, hk, d, bs, dt, batch, ctx, layers, a.seed,
+                                       sequential=a.block_order == "sequential")
         fill_s = time.time() - t0
         outs = {n: [torch.full((batch, hq, d), float("nan"), dtype=dt) for _ in range(layers)] for n in names}
         for e in engines:
@@ -257,6 +263,8 @@ def main():
     ap.add_argument("--dtypes", default="f32,bf16")
     ap.add_argument("--threads", type=ints, default=[1, 2])
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's CPU default")
+    ap.add_argument("--block-order", choices=["shuffled", "sequential"], default="shuffled",
+                    help="block table: a random permutation, or each sequence's blocks in address order")
     ap.add_argument("--policy", action="append", default=[])
     ap.add_argument("--kvs-layouts", type=lambda x: x.split(","), default=["auto"],
                     help="kvsparse cache layouts: auto (what the vLLM plugin asks for on the CPU for the shape), "
@@ -274,7 +282,7 @@ def main():
     from kvsparse._ffi import LIB_PATH
 
     print(f"torch {torch.__version__}, vllm {vllm.__version__}, kvsparse lib {LIB_PATH}, "
-          f"block {a.block_size}, VLLM_CPU_ATTN_SPLIT_KV={os.environ.get('VLLM_CPU_ATTN_SPLIT_KV', '(default)')}")
+          f"block {a.block_size} ({a.block_order}), VLLM_CPU_ATTN_SPLIT_KV={os.environ.get('VLLM_CPU_ATTN_SPLIT_KV', '(default)')}")
     print("times: median µs per layer call; GB/s = K+V bytes of the batch / time; cpu = process CPU µs per call "
           "(all threads); md = vLLM scheduler metadata per step; err = max row rel err kvsparse vs vLLM")
     print()
