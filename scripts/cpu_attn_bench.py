@@ -121,7 +121,7 @@ def fill_caches(sides, layouts, hk, d, bs, dt, batch, ctx, layers, seed, sequent
     per_seq = math.ceil(ctx / bs)
     nb = batch * per_seq
     g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(nb, generator=g)
+    order = torch.randperm(nb, generator=g)  # drawn either way, so the K/V data below is the same in both orders
     if sequential:
         order = torch.arange(nb)
     bt = order.to(torch.int32).view(batch, per_seq)

@@ -91,7 +91,6 @@ __device__ __forceinline__ TopCut cluster_topk_cut(int lo, int hi, int np, int p
     return r;
 }
 
-
 // A cluster kernel's shared scratch for cluster_topk_cut and what follows it (each kernel declares it
 // once, QC_SCRATCH): `threads` per CTA (at least 256: a thread per bin of a pass).
 struct QcScratch {
