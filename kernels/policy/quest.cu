@@ -167,13 +167,17 @@ __device__ __forceinline__ void quest_mma_rows16(const u16* rows, const uint4 (*
     }
 }
 
-// One CTA's tile of QS_PAGES pages of row (s, h), unit == page (the caller's choice), scored on tensor
-// cores; `put(i, score)` once per page i of the tile inside the row, `qs` 16-byte aligned shared scratch of
-// GROUP * QM_QSTR floats or more. Returns the units this thread read. All threads of the CTA call this.
-template <typename Put>
+// One CTA's tile of `ppc` pages of row (s, h) (a multiple of 64: tile blockIdx.x), unit == page (the
+// caller's choice), scored on tensor cores in rounds of QM_ROUND pages; `put(i, score)` once per page i of
+// the tile inside the row, then `flush(tile0)` after each round (tile0: the round's first page; block-wide,
+// after a barrier). The query's fragments are built once per CTA, so a longer tile spends less of its time
+// on them (at batch 32 x 128K one CTA per 64 pages was compute-bound on that build: 74% of the SM's
+// throughput against 58% of the DRAM peak, ncu 2026-11-28). `qs` 16-byte aligned shared scratch of GROUP *
+// QM_QSTR floats or more. Returns the units this thread read. All threads of the CTA call this.
+template <typename Put, typename Flush>
 __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& b, const SeqRow& r, int s, int h, const elem_t* q, i64 q0, i64 q1, i64 q2,
                                                                    float scale, int hk, const u16* qmin, const u16* qmax, int upb, int page, int maxp,
-                                                                   float* qs, Put put) {
+                                                                   int ppc, float* qs, Put put, Flush flush) {
     __shared__ __align__(16) u16 sb[QM_ROUND][QM_STRIDE];
     __shared__ i64 sbase[QM_ROUND];
     __shared__ __align__(16) uint4 qb[QM_NT][QM_KS][32];  // B fragments per lane: hi b0, hi b1, lo b0, lo b1
@@ -182,8 +186,9 @@ __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& 
     const int fp = r.lo / page, np = r.hi / page - fp + 1;
     const int warp = threadIdx.x >> 5;
     unsigned long long units = 0;
-    for (int r0 = 0; r0 < QS_PAGES; r0 += QM_ROUND) {
-        const int tile0 = blockIdx.x * QS_PAGES + r0;
+    for (int r0 = 0; r0 < ppc; r0 += QM_ROUND) {
+        const int tile0 = blockIdx.x * ppc + r0;
+        if (r0 > 0 && (tile0 >= np || tile0 >= maxp)) break;  // uniform: the row ends before this round
         if (r0 > 0) __syncthreads();  // the previous round's rows are read
         units += page_stage_round(b, s, h, hk, qmin, qmax, upb, fp, np, maxp, tile0, QM_ROUND, sbase, &sb[0][0], QM_STRIDE);
         if (r0 == 0) quest_mma_query(r, h, q, q0, q1, q2, qs, qb, qe);  // built while the first round's bounds are in flight
@@ -194,6 +199,8 @@ __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& 
                 const int i = tile0 + warp * 16 + j;
                 if (i < np && i < maxp) put(i, sbase[warp * 16 + j] >= 0 ? best : -INFINITY);
             });
+        __syncthreads();
+        flush(tile0);
     }
     return units;
 }
@@ -262,7 +269,7 @@ __device__ __forceinline__ QuestRow quest_row(const SeqRow& r, int budget, int p
 template <bool MMA>
 __device__ __forceinline__ void quest_scores_hist(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk, const u16* qmin,
                                                   const u16* qmax, int unit, int upb, int page, int budget, int sink, float* scores, int maxp,
-                                                  unsigned* hist, i64 row_bytes, unsigned long long* ctr) {
+                                                  unsigned* hist, i64 row_bytes, unsigned long long* ctr, int ppc) {
     __shared__ __align__(16) float qs[GROUP * 16 * (QC + 1)];  // q rows (the tensor-core scoring above: float2 reads)
     __shared__ unsigned long long red[32];
     __shared__ unsigned tbin[QS_PAGES];
@@ -274,23 +281,32 @@ __device__ __forceinline__ void quest_scores_hist(Batch b, const elem_t* q, i64 
     const i64 row = (i64)s * hk + h;
     float* sc = scores + row * maxp;
     if (threadIdx.x < QS_PAGES) tbin[threadIdx.x] = QSEL_BINS;  // none
+    // Page i's histogram bin at tbin[i % QS_PAGES] (a tile of 64 pages, or an MMA round of QM_ROUND <= 64
+    // starting at a multiple of QM_ROUND); flush adds the pages [tile0, tile0 + QS_PAGES) that were put into
+    // the row's histogram, one atomic per distinct bin of each warp, and clears their bins (the caller
+    // synced before; the next round's puts come after a barrier).
     auto put = [&](int i, float best) {
         sc[i] = best;
-        if (hist != nullptr && qr.m > 0 && i >= qr.forced && i < qr.last) tbin[i - blockIdx.x * QS_PAGES] = kvs_order_key(best) >> (32 - QSEL_BITS);
+        if (hist != nullptr && qr.m > 0 && i >= qr.forced && i < qr.last) tbin[i % QS_PAGES] = kvs_order_key(best) >> (32 - QSEL_BITS);
+    };
+    auto flush = [&](int) {
+        if (threadIdx.x < QS_PAGES) {
+            const unsigned bin = tbin[threadIdx.x];
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (bin < QSEL_BINS && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[row * QSEL_BINS + bin], (unsigned)__popc(peers));
+            tbin[threadIdx.x] = QSEL_BINS;
+        }
     };
     unsigned long long units;
 #if QM_FITS
     if (MMA)
-        units = quest_score_tile_mma(b, r, s, h, q, q0, q1, q2, scale, hk, qmin, qmax, upb, page, maxp, qs, put);
+        units = quest_score_tile_mma(b, r, s, h, q, q0, q1, q2, scale, hk, qmin, qmax, upb, page, maxp, ppc, qs, put, flush);
     else
 #endif
+    {
         units = page_score_tile(b, r, s, h, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, maxp, qs, put);
-    __syncthreads();
-    // The tile's counts into the row's histogram: one atomic per distinct bin of each warp.
-    if (threadIdx.x < QS_PAGES) {
-        const unsigned bin = tbin[threadIdx.x];
-        const unsigned peers = __match_any_sync(0xffffffffu, bin);
-        if (bin < QSEL_BINS && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[row * QSEL_BINS + bin], (unsigned)__popc(peers));
+        __syncthreads();
+        flush(blockIdx.x * QS_PAGES);
     }
     page_count_units(units, red, ctr);
 }
@@ -300,10 +316,11 @@ __device__ __forceinline__ void quest_scores_hist(Batch b, const elem_t* q, i64 
 extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk,
                                                                                const u16* qmin, const u16* qmax, int unit, int upb, int page,
                                                                                int budget, int sink, float* scores, int maxp, unsigned* hist,
-                                                                               i64 row_bytes, unsigned long long* ctr) {
+                                                                               i64 row_bytes, unsigned long long* ctr, int ppc) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
-    quest_scores_hist<false>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr);
+    (void)ppc;  // QS_PAGES per CTA: the launcher passes it for both scorers
+    quest_scores_hist<false>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr, QS_PAGES);
 }
 
 // The scores on tensor cores (the MMA scoring above; agreement with the CPU's within the margin docs/policies.md
@@ -311,10 +328,10 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist(B
 extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist_mma(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
                                                                                    int hk, const u16* qmin, const u16* qmax, int unit, int upb,
                                                                                    int page, int budget, int sink, float* scores, int maxp,
-                                                                                   unsigned* hist, i64 row_bytes, unsigned long long* ctr) {
+                                                                                   unsigned* hist, i64 row_bytes, unsigned long long* ctr, int ppc) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
-    quest_scores_hist<true>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr);
+    quest_scores_hist<true>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr, QM_FITS ? ppc : QS_PAGES);
 }
 
 // The order keys of the scores sc[a0..a1) into skey[0..a1 - a0), eight loads in flight per thread: a

@@ -12,7 +12,9 @@
 use crate::cuda::kernel_src::{kernel_file, KernelFile};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CallShape, CudaStage, PageScores, StepCx, WsAlloc};
+use crate::cuda::driver::CUfunction;
 use crate::error::Result;
+use parking_lot::Mutex;
 
 /// Quest's kernels, compiled in the selection module (the registry's `SELECT_MODULE`).
 pub const KERNEL: KernelFile = kernel_file!("quest.cu", "policy/quest.cu");
@@ -26,6 +28,30 @@ const TOPK_STATIC_SMEM: usize = 24 << 10;
 /// QC_CTAS, QC_THREADS).
 const QC_CTAS: u32 = 8;
 const QC_THREADS: u32 = 256;
+/// Pages per CTA of the tensor-core scorer (kvs_quest_scores_hist_mma): 64 (one tile), or 128-256 where the
+/// grid still has at least 4 waves of `slots` resident CTAs (batch 8-32 at long contexts): a CTA builds the
+/// query's fragments once for all its pages, and at 32 x 128K one CTA per 64 pages spent more of the SM on
+/// that build than on reading the bounds (journal 2026-11-28).
+/// `KVS_QUEST_PAGES_PER_CTA` (64, 128, 192 or 256) forces the choice, so that tests cover the longer tiles
+/// on small batches.
+fn pages_per_cta(rows: usize, maxp: usize, slots: usize) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| std::env::var("KVS_QUEST_PAGES_PER_CTA").ok().and_then(|v| v.parse().ok()).filter(|v| [64, 128, 192, 256].contains(v)));
+    let tiles = rows.saturating_mul(maxp.div_ceil(64));
+    forced.unwrap_or(64 * (tiles / (4 * slots.max(1))).clamp(1, 4))
+}
+
+/// CTAs of 256 threads of `f` resident at once on the device, asked of the driver once per function.
+fn resident_ctas(f: CUfunction, num_sms: i32) -> Result<usize> {
+    static SEEN: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+    if let Some(&(_, n)) = SEEN.lock().iter().find(|e| e.0 == f as usize) {
+        return Ok(n);
+    }
+    let n = launch::occupancy(f, 256)? as usize * num_sms.max(1) as usize;
+    SEEN.lock().push((f as usize, n));
+    Ok(n)
+}
+
 /// Quest's stage for one call, and its workspace regions.
 pub(crate) struct Quest {
     pub budget: usize,
@@ -86,7 +112,10 @@ impl CudaStage for Quest {
         let scorer = if mma { "kvs_quest_scores_hist_mma" } else { "kvs_quest_scores_hist" };
         // Both scorers and both top-k kernels start with KVS_GRID_WAIT(): dependent launches where the GPU has them.
         let pdl = cx.pdl();
-        launch::launch_dependent(pdl, cx.function(scorer)?, (maxp.div_ceil(64) as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_quest_scores_hist launch")?;
+        let f_score = cx.function(scorer)?;
+        let ppc = if mma { pages_per_cta(ns * hk, maxp, resident_ctas(f_score, gpu.num_sms)?) } else { 64 };
+        k.i32(ppc as i32);
+        launch::launch_dependent(pdl, f_score, (maxp.div_ceil(ppc) as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_quest_scores_hist launch")?;
         // The page keys (a row's, or with clusters a CTA's part of it) in dynamic shared memory when they
         // fit (the device's opt-in limit less the kernel's own static shared memory: the gathered bin and
         // scratch); longer rows read the scores from global memory.
@@ -108,5 +137,25 @@ impl CudaStage for Quest {
         k.i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap).i64(cx.row_bytes).i32(cx.count_base);
         k.i32(smem_keys as i32).i64(cx.ctr);
         launch::launch_dependent(pdl, f_topk, grid, threads, (smem_keys * 4) as u32, &mut k, stream, "kvs_quest_topk launch")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pages_per_cta;
+
+    #[test]
+    fn scorer_tiles_grow_only_where_the_grid_keeps_four_waves() {
+        // H200-like: 132 SMs x 5 CTAs. 1 x 128K (8 rows of 8,193 pages): one tile per CTA.
+        assert_eq!(pages_per_cta(8, 8193, 660), 64);
+        // 8 x 128K: 8,256 tiles = 12.5 waves of one tile -> 3 tiles per CTA.
+        assert_eq!(pages_per_cta(64, 8193, 660), 192);
+        // 32 x 128K: at most 4 tiles per CTA.
+        assert_eq!(pages_per_cta(256, 8193, 660), 256);
+        // 8 x 32K: 2,112 tiles, 3.2 waves: one tile per CTA.
+        assert_eq!(pages_per_cta(64, 2049, 660), 64);
+        // Degenerate sizes stay a multiple of 64 in 64..=256.
+        assert_eq!(pages_per_cta(0, 0, 0), 64);
+        assert_eq!(pages_per_cta(usize::MAX, usize::MAX, 1), 256);
     }
 }
