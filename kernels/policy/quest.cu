@@ -169,11 +169,11 @@ __device__ __forceinline__ void quest_mma_rows16(const u16* rows, const uint4 (*
 
 // One CTA's tile of `ppc` pages of row (s, h) (a multiple of 64: tile blockIdx.x), unit == page (the
 // caller's choice), scored on tensor cores in rounds of QM_ROUND pages; `put(i, score)` once per page i of
-// the tile inside the row, then `flush(tile0)` after each round (tile0: the round's first page; block-wide,
-// after a barrier). The query's fragments are built once per CTA, so a longer tile spends less of its time
-// on them (at batch 32 x 128K one CTA per 64 pages was compute-bound on that build: 74% of the SM's
-// throughput against 58% of the DRAM peak, ncu 2026-11-28). `qs` 16-byte aligned shared scratch of GROUP *
-// QM_QSTR floats or more. Returns the units this thread read. All threads of the CTA call this.
+// the tile inside the row, then `flush()` after each round (block-wide, after a barrier). The query's
+// fragments are built once per CTA, so a longer tile spends less of its time on them (at batch 32 x 128K
+// one CTA per 64 pages was compute-bound on that build: 74% of the SM's throughput against 58% of the DRAM
+// peak, ncu 2026-11-28). `qs` 16-byte aligned shared scratch of GROUP * QM_QSTR floats or more. Returns the
+// units this thread read. All threads of the CTA call this.
 template <typename Put, typename Flush>
 __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& b, const SeqRow& r, int s, int h, const elem_t* q, i64 q0, i64 q1, i64 q2,
                                                                    float scale, int hk, const u16* qmin, const u16* qmax, int upb, int page, int maxp,
@@ -200,7 +200,7 @@ __device__ __forceinline__ unsigned long long quest_score_tile_mma(const Batch& 
                 if (i < np && i < maxp) put(i, sbase[warp * 16 + j] >= 0 ? best : -INFINITY);
             });
         __syncthreads();
-        flush(tile0);
+        flush();
     }
     return units;
 }
@@ -282,14 +282,15 @@ __device__ __forceinline__ void quest_scores_hist(Batch b, const elem_t* q, i64 
     float* sc = scores + row * maxp;
     if (threadIdx.x < QS_PAGES) tbin[threadIdx.x] = QSEL_BINS;  // none
     // Page i's histogram bin at tbin[i % QS_PAGES] (a tile of 64 pages, or an MMA round of QM_ROUND <= 64
-    // starting at a multiple of QM_ROUND); flush adds the pages [tile0, tile0 + QS_PAGES) that were put into
-    // the row's histogram, one atomic per distinct bin of each warp, and clears their bins (the caller
-    // synced before; the next round's puts come after a barrier).
+    // starting at a multiple of QM_ROUND); flush adds the bins put since the last flush to the row's
+    // histogram, one atomic per distinct bin of each warp, and clears them (the caller synced before; the
+    // next round's puts come after a barrier). `ppc`: pages per CTA of the MMA path (the other path's tile
+    // is QS_PAGES).
     auto put = [&](int i, float best) {
         sc[i] = best;
         if (hist != nullptr && qr.m > 0 && i >= qr.forced && i < qr.last) tbin[i % QS_PAGES] = kvs_order_key(best) >> (32 - QSEL_BITS);
     };
-    auto flush = [&](int) {
+    auto flush = [&]() {
         if (threadIdx.x < QS_PAGES) {
             const unsigned bin = tbin[threadIdx.x];
             const unsigned peers = __match_any_sync(0xffffffffu, bin);
@@ -306,7 +307,7 @@ __device__ __forceinline__ void quest_scores_hist(Batch b, const elem_t* q, i64 
     {
         units = page_score_tile(b, r, s, h, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, maxp, qs, put);
         __syncthreads();
-        flush(blockIdx.x * QS_PAGES);
+        flush();
     }
     page_count_units(units, red, ctr);
 }
@@ -316,10 +317,9 @@ __device__ __forceinline__ void quest_scores_hist(Batch b, const elem_t* q, i64 
 extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, int hk,
                                                                                const u16* qmin, const u16* qmax, int unit, int upb, int page,
                                                                                int budget, int sink, float* scores, int maxp, unsigned* hist,
-                                                                               i64 row_bytes, unsigned long long* ctr, int ppc) {
+                                                                               i64 row_bytes, unsigned long long* ctr) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
-    (void)ppc;  // QS_PAGES per CTA: the launcher passes it for both scorers
     quest_scores_hist<false>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr, QS_PAGES);
 }
 
@@ -331,7 +331,7 @@ extern "C" __global__ void __launch_bounds__(QS_THREADS) kvs_quest_scores_hist_m
                                                                                    unsigned* hist, i64 row_bytes, unsigned long long* ctr, int ppc) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
-    quest_scores_hist<true>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr, QM_FITS ? ppc : QS_PAGES);
+    quest_scores_hist<true>(b, q, q0, q1, q2, scale, hk, qmin, qmax, unit, upb, page, budget, sink, scores, maxp, hist, row_bytes, ctr, ppc);
 }
 
 // The order keys of the scores sc[a0..a1) into skey[0..a1 - a0), eight loads in flight per thread: a

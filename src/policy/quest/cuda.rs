@@ -41,6 +41,12 @@ fn pages_per_cta(rows: usize, maxp: usize, slots: usize) -> usize {
     forced.unwrap_or(64 * (tiles / (4 * slots.max(1))).clamp(1, 4))
 }
 
+/// Whether the tensor-core page scores cover this geometry (kernels/policy/quest.cu QM_FITS): elsewhere
+/// kvs_quest_scores_hist_mma scores exactly, 64 pages per CTA.
+fn mma_fits(group: usize, head_dim: usize) -> bool {
+    group <= 16 && (head_dim <= 128 || group <= 8)
+}
+
 /// CTAs of 256 threads of `f` resident at once on the device, asked of the driver once per function.
 fn resident_ctas(f: CUfunction, num_sms: i32) -> Result<usize> {
     static SEEN: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
@@ -113,8 +119,12 @@ impl CudaStage for Quest {
         // Both scorers and both top-k kernels start with KVS_GRID_WAIT(): dependent launches where the GPU has them.
         let pdl = cx.pdl();
         let f_score = cx.function(scorer)?;
-        let ppc = if mma { pages_per_cta(ns * hk, maxp, resident_ctas(f_score, gpu.num_sms)?) } else { 64 };
-        k.i32(ppc as i32);
+        // Pages per CTA: longer tiles only where the tensor-core tile scores them (kvs_quest_scores_hist_mma
+        // scores other geometries 64 pages per CTA, as kvs_quest_scores_hist, which takes no `ppc`).
+        let ppc = if mma && mma_fits(cx.cfg.group_size(), cx.cfg.head_dim) { pages_per_cta(ns * hk, maxp, resident_ctas(f_score, gpu.num_sms)?) } else { 64 };
+        if mma {
+            k.i32(ppc as i32);
+        }
         launch::launch_dependent(pdl, f_score, (maxp.div_ceil(ppc) as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_quest_scores_hist launch")?;
         // The page keys (a row's, or with clusters a CTA's part of it) in dynamic shared memory when they
         // fit (the device's opt-in limit less the kernel's own static shared memory: the gathered bin and
@@ -142,7 +152,7 @@ impl CudaStage for Quest {
 
 #[cfg(test)]
 mod tests {
-    use super::pages_per_cta;
+    use super::{mma_fits, pages_per_cta};
 
     #[test]
     fn scorer_tiles_grow_only_where_the_grid_keeps_four_waves() {
@@ -157,5 +167,12 @@ mod tests {
         // Degenerate sizes stay a multiple of 64 in 64..=256.
         assert_eq!(pages_per_cta(0, 0, 0), 64);
         assert_eq!(pages_per_cta(usize::MAX, usize::MAX, 1), 256);
+    }
+
+    #[test]
+    fn longer_scorer_tiles_only_where_the_tensor_core_tile_scores() {
+        // kernels/policy/quest.cu QM_FITS: GROUP <= 16 && (HEAD_DIM <= 128 || GROUP <= 8).
+        assert!(mma_fits(4, 128) && mma_fits(16, 128) && mma_fits(8, 256) && mma_fits(1, 64));
+        assert!(!mma_fits(32, 128) && !mma_fits(16, 256) && !mma_fits(12, 192));
     }
 }
