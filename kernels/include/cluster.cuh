@@ -30,4 +30,16 @@ __device__ __forceinline__ unsigned ld_cluster(const unsigned* p, unsigned rank)
     asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(ra) : "memory");
     return v;
 }
+
+// The 64-bit word at the same shared-memory address as `p` (8-byte aligned) in the cluster's CTA `rank`.
+__device__ __forceinline__ unsigned long long ld_cluster_u64(const unsigned long long* p, unsigned rank) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), ra;
+    unsigned long long v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(ra) : "memory");
+    return v;
+}
+__device__ __forceinline__ double ld_cluster_f64(const double* p, unsigned rank) {
+    return __longlong_as_double((long long)ld_cluster_u64(reinterpret_cast<const unsigned long long*>(p), rank));
+}
 #endif

@@ -1,8 +1,9 @@
 // Top-p's (Twilight) selection kernels, launched in this order by src/policy/top_p/cuda.rs: INT4 estimates
 // of the base plan's candidates (kvs_topp_estimate), each row's softmax normaliser (kvs_topp_norm), the
 // weights and the first radix pass (kvs_topp_weights), three more radix passes and the tile summaries
-// (kvs_topp_pass), and the kept positions as the plan (kvs_topp_write). The conventions of a plan, the
-// trust rules and the counters are select.cu's (see its header).
+// (kvs_topp_pass), and the kept positions as the plan (kvs_topp_write). At small batch on Hopper the
+// steps after the estimate run as one launch instead (kvs_topp_cluster: a thread-block cluster per row). The
+// conventions of a plan, the trust rules and the counters are select.cu's (see its header).
 //
 // The set is top_p::select's: the shortest prefix of the candidates sorted by the aggregated weight w
 // (max over the group's rows; descending, equal weights by position, ascending) whose mass reaches p of
@@ -24,6 +25,7 @@
 #include "batch.cuh"
 #include "block_reduce.cuh"
 #include "topk.cuh"
+#include "cluster_topk.cuh"
 
 #define TOPP_ETILE 1024                // candidates per CTA of the estimate, 4 per thread
 #define TOPP_THREADS 256               // threads of every later kernel (8 warps: choose_digit's layout)
@@ -232,6 +234,16 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOP
     }
 }
 
+// Adds v to the u64 at `p` in shared memory with two 32-bit atomics (native, where a 64-bit add on shared
+// memory is a compare-and-swap loop that spins under contention): the low word's wrap, which the adder
+// that causes it sees in the old value, carries into the high word. The sum is exact in any order.
+__device__ __forceinline__ void shared_add_u64(unsigned long long* p, unsigned long long v) {
+    unsigned* w = reinterpret_cast<unsigned*>(p);  // little-endian: w[0] the low word
+    const unsigned lo = (unsigned)v, old = atomicAdd(&w[0], lo);
+    const unsigned hi = (unsigned)(v >> 32) + (old + lo < old ? 1u : 0u);
+    if (hi != 0u) atomicAdd(&w[1], hi);
+}
+
 // Adds each lane's `v` into mass[bin * GROUP + g] for its bin (256 = none). A warp with few distinct bins
 // (the usual case: most weights share an exponent) sums each bin with a butterfly and adds it once;
 // otherwise every lane adds its own (distinct addresses rarely conflict).
@@ -242,7 +254,7 @@ __device__ __forceinline__ void bin_add(unsigned long long* mass, unsigned bin, 
     if (__popc(leaders) > 4) {
         if (bin < 256u)
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) atomicAdd(&mass[bin * GROUP + g], to_fixed(v[g]));
+            for (int g = 0; g < GROUP; ++g) shared_add_u64(&mass[bin * GROUP + g], to_fixed(v[g]));
         return;
     }
     for (unsigned rest = leaders; rest; rest &= rest - 1) {
@@ -254,7 +266,7 @@ __device__ __forceinline__ void bin_add(unsigned long long* mass, unsigned bin, 
             unsigned long long x = bin == b ? to_fixed(v[g]) : 0ull;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-            if (lane == src) atomicAdd(&mass[b * GROUP + g], x);
+            if (lane == src) shared_add_u64(&mass[b * GROUP + g], x);
         }
     }
 }
@@ -746,4 +758,319 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
         __threadfence();
         account(e, n, 0, t.r.lo, t.r.hi, b.bs_log2, 1, row_bytes, ctr, red_u);
     }
+}
+
+// Steps 2-8 in one launch (Hopper, sm_90; the launcher's choice while the rows' clusters fit in one wave of
+// one CTA per SM): a thread-block cluster of QC_CTAS CTAs per (KV head, sequence) holds the row's estimated
+// logits in shared memory (CTA `rank` the candidates rank * per <= j < (rank + 1) * per, per = the row's
+// candidates / QC_CTAS rounded up to 4), and the launches that were the barriers between the tiled kernels'
+// steps become cluster barriers: the normaliser (each CTA's f64 share, summed over the ranks in order), the
+// weights and the four radix passes (a pass's masses per bin summed over the cluster through distributed
+// shared memory, two alternating buffers), the summaries (a CTA is a tile), the boundary CTA's cut of the
+// ties and the write (each CTA's kept positions after those of the CTAs before it). The same set as the
+// tiled kernels: the same weights, digits and tie rule; only the normaliser's order of summation differs (as
+// it does between two tilings). Dynamic shared memory: 3 x 256 x GROUP u64 (two pass buffers, the merged
+// pass) and (GROUP + 1) x per f32 (the weights per query row, their maximum), src/policy/top_p/cuda.rs
+// `cluster_smem`. Grid (hk * QC_CTAS, seqs), TOPP_CL_THREADS threads.
+// Threads per CTA (src/policy/top_p/cuda.rs CLUSTER_THREADS). H200, 2026-11-28, with Quest(L/4) before it:
+// 256 / 512 / 1,024 threads, select 105 / 94 / 109 us at 1 x 32K, 210 / 171 / 167 us at 1 x 128K.
+#define TOPP_CL_THREADS 512
+extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(TOPP_CL_THREADS, 1)
+    kvs_topp_cluster(Batch b, int hk, const unsigned* base, i64 b_s, i64 b_h, const int* base_len, int ulog2, int maxc, const float* logits,
+                     const float* tmax, float p, unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes, i64 meta_row_bytes,
+                     unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
+#if KVS_CLUSTERS
+    static_assert(TOPP_CL_THREADS >= 256 && TOPP_CL_THREADS % 32 == 0 && QC_CTAS <= 32, "a pass needs a thread per bin; the peers are one warp's lanes");
+    extern __shared__ __align__(16) unsigned long long tpc_dyn[];
+    __shared__ double xz[GROUP];              // read by the cluster: this CTA's share of each row's normaliser
+    __shared__ unsigned long long xm[GROUP];  // read by the cluster: this CTA's mass tied at T, per row
+    __shared__ unsigned xc[4];                // read by the cluster: above T, tied at T, a non-finite weight, ties kept
+    __shared__ unsigned xcut;                 // read by the cluster: the boundary CTA's last kept tie
+    __shared__ unsigned long long pm[QC_CTAS][GROUP];
+    __shared__ unsigned pk[QC_CTAS][2];
+    __shared__ float m[GROUP], inv[GROUP];
+    __shared__ unsigned long long above[GROUP], acc[GROUP];
+    __shared__ double target[GROUP];
+    __shared__ unsigned long long wsum[8][GROUP];
+    __shared__ unsigned long long red_u[32], scan_tmp[TOPP_CL_THREADS / 32];
+    __shared__ double red_d[32];
+    __shared__ float red_f[32];
+    __shared__ int cnt[TOPP_CL_THREADS / 32 + 1];
+    __shared__ int pick, bnd, jcut, kept_b, bad_any, kb_all, jc_all;
+    const unsigned rank = cluster_rank();
+    const int h = blockIdx.x / QC_CTAS, s = blockIdx.y;
+    const ToppRow t = topp_row(b, s, h, hk, base, b_s, b_h, base_len, ulog2, maxc);
+    if (!t.r.decode) {  // the whole cluster holds this row: every CTA leaves here
+        if (rank == 0 && threadIdx.x == 0) plan_len[t.row] = -1;
+        return;
+    }
+    unsigned* e = plan + s * p_s + h * p_h;
+    const int per = ((t.nc + QC_CTAS - 1) / QC_CTAS + 3) & ~3;
+    const int a0 = min((int)rank * per, t.nc), a1 = min(a0 + per, t.nc), len = a1 - a0;
+    unsigned long long* hx = tpc_dyn;                         // [2][256 * GROUP]: this CTA's masses of a pass
+    unsigned long long* mass = hx + 2 * 256 * GROUP;          // [256 * GROUP]: the cluster's
+    float* P = reinterpret_cast<float*>(mass + 256 * GROUP);  // [GROUP][per]: logits, then weights
+    float* W = P + GROUP * per;                               // [per]: the aggregated weight, -1 outside the row
+    const float* x = logits + (i64)t.row * GROUP * maxc;
+    // The row's maxima (over the estimate tiles'), this CTA's logits staged, its share of the normalisers.
+    const int etiles = (maxc + TOPP_ETILE - 1) / TOPP_ETILE, ne = (t.nc + TOPP_ETILE - 1) / TOPP_ETILE;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        float v = -INFINITY;
+        for (int i = threadIdx.x; i < ne; i += blockDim.x) v = fmaxf(v, tmax[((i64)t.row * etiles + i) * GROUP + g]);
+        v = block_max(v, red_f);
+        if (threadIdx.x == 0) m[g] = v;
+    }
+    __syncthreads();
+    double z[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) z[g] = 0.0;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
+        const bool ok = t.valid(a0 + i);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            const float v = x[(i64)g * maxc + a0 + i];
+            P[g * per + i] = v;
+            if (ok) z[g] += (double)kvs_fast_exp(v - m[g]);
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const double zs = block_sum(z[g], red_d);
+        if (threadIdx.x == 0) xz[g] = zs;
+    }
+    for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x) hx[i] = 0ull;  // the first pass's buffer
+    cluster_sync();
+    if (threadIdx.x < GROUP) {
+        double zt = 0.0;
+        for (int q = 0; q < QC_CTAS; ++q) zt += ld_cluster_f64(&xz[threadIdx.x], q);
+        inv[threadIdx.x] = zt > 0.0 ? (float)(1.0 / zt) : 1.0f;
+    }
+    __syncthreads();
+    // The weights (P per query row, W their maximum) and the first pass's masses per top byte of W.
+    bool bad = false;
+    for (int i0 = 0; i0 < len; i0 += blockDim.x) {  // the same trip count in every warp: bin_add is warp-wide
+        const int i = i0 + threadIdx.x;
+        const bool in = i < len, ok = in && t.valid(a0 + i);
+        float pv[GROUP], wv = -1.f;
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            const float y = ok ? topp_weight(P[g * per + i], m[g], inv[g]) : 0.0f;
+            bad = bad || !isfinite(y);
+            if (ok) wv = g == 0 ? y : fmaxf(wv, y);
+            pv[g] = y;
+            if (in) P[g * per + i] = y;
+        }
+        if (in) W[i] = wv;
+        bin_add(hx, wv >= 0.0f ? (__float_as_uint(wv) >> 24) : 256u, pv);
+    }
+    const int bad_mine = __syncthreads_or(bad);
+    if (threadIdx.x == 0) xc[2] = (unsigned)bad_mine;
+    // A pass's masses summed over the cluster's CTAs (in rank order: integers, exact in any order).
+    auto merge = [&](const unsigned long long* part) {
+        cluster_sync();
+        for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x) {
+            unsigned long long v = 0ull;
+#pragma unroll
+            for (int q = 0; q < QC_CTAS; ++q) v += ld_cluster_u64(&part[i], q);
+            mass[i] = v;
+        }
+        __syncthreads();
+    };
+    merge(hx);
+    if (threadIdx.x == 0) {
+        unsigned any = 0u;
+        for (int q = 0; q < QC_CTAS; ++q) any |= ld_cluster(&xc[2], q);
+        bad_any = (int)any;
+    }
+    __syncthreads();
+    const bool keep_all = p >= 1.0f || (t.nc > 0 && bad_any != 0);
+    const bool search = !keep_all && t.nvalid() > 0;
+    // The radix search: digit `pass` from the cluster's masses, then the next byte's masses among the
+    // candidates matching the threshold's bits so far (into the buffer the cluster read two passes ago).
+    unsigned T = 0u;
+    if (search) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {  // the row's total: every bin of the first pass
+            const unsigned long long tot = block_sum(threadIdx.x < 256 ? mass[threadIdx.x * GROUP + g] : 0ull, red_u);
+            if (threadIdx.x == 0) {
+                above[g] = 0ull;
+                target[g] = (double)p * (double)tot;
+            }
+        }
+        __syncthreads();
+        for (int pass = 1;; ++pass) {
+            T |= choose_digit(mass, above, target, wsum, &pick) << (32 - 8 * pass);
+            if (pass == TOPP_PASSES) break;
+            const unsigned hmask = ~0u << (32 - 8 * pass);
+            const int shift = 24 - 8 * pass;
+            unsigned long long* part = hx + (pass & 1) * 256 * GROUP;
+            for (int i = threadIdx.x; i < 256 * GROUP; i += blockDim.x) part[i] = 0ull;
+            __syncthreads();
+            for (int i0 = 0; i0 < len; i0 += blockDim.x) {
+                const int i = i0 + threadIdx.x;
+                const float wv = i < len ? W[i] : -1.f;
+                const bool in = wv >= 0.0f && (__float_as_uint(wv) & hmask) == (T & hmask);
+                float pv[GROUP];
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) pv[g] = in ? P[g * per + i] : 0.0f;
+                bin_add(part, in ? ((__float_as_uint(wv) >> shift) & 255u) : 256u, pv);
+            }
+            merge(part);
+        }
+    }
+    // This CTA's summary at T (above it, tied, the tied mass per row), then the boundary CTA: the first
+    // whose tied mass, after the mass above T and the ties of the CTAs before it, makes every row reach.
+    unsigned long long gt = 0, ties = 0, tm[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) tm[g] = 0ull;
+    if (search)
+        for (int i = threadIdx.x; i < len; i += blockDim.x) {
+            const float wv = W[i];
+            if (!(wv >= 0.0f)) continue;
+            const unsigned k = __float_as_uint(wv);
+            gt += k > T;
+            if (k == T) {
+                ties += 1;
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) tm[g] += to_fixed(P[g * per + i]);
+            }
+        }
+    gt = block_sum(gt, red_u);
+    ties = block_sum(ties, red_u);
+    if (threadIdx.x == 0) {
+        xc[0] = (unsigned)gt;
+        xc[1] = (unsigned)ties;
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const unsigned long long v = block_sum(tm[g], red_u);
+        if (threadIdx.x == 0) xm[g] = v;
+    }
+    cluster_sync();
+    if (threadIdx.x < QC_CTAS) {
+        const unsigned q = threadIdx.x;
+        pk[q][0] = ld_cluster(&xc[0], q);
+        pk[q][1] = ld_cluster(&xc[1], q);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) pm[q][g] = ld_cluster_u64(&xm[g], q);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        bnd = QC_CTAS;  // none: every tie kept (cannot happen when the search ran; kept for safety)
+        jcut = -1;
+        kept_b = 0;
+        if (search) {
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) acc[g] = above[g];
+            for (int q = 0; q < QC_CTAS; ++q) {
+                bool reach = true;
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) reach = reach && (double)(acc[g] + pm[q][g]) >= target[g];
+                if (reach) {
+                    bnd = q;
+                    break;
+                }
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) acc[g] += pm[q][g];
+            }
+        }
+    }
+    __syncthreads();
+    const int bt = bnd;
+    // The boundary CTA's cut: a tie is kept while the mass before it does not reach every row's target
+    // (its ties in increasing position, 4 x TOPP_CL_THREADS at a time, a block scan of their masses).
+    if (search && (int)rank == bt) {
+        int kb = 0;
+        for (int c0 = 0; c0 < len; c0 += 4 * TOPP_CL_THREADS) {
+            const int i4 = c0 + 4 * threadIdx.x;
+            bool tied[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) tied[k] = i4 + k < len && W[i4 + k] >= 0.0f && __float_as_uint(W[i4 + k]) == T;
+            unsigned long long mk[4][GROUP], before[GROUP];
+            bool reach_before[4] = {true, true, true, true};
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                unsigned long long own = 0, tot;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    mk[k][g] = tied[k] ? to_fixed(P[g * per + i4 + k]) : 0ull;
+                    own += mk[k][g];
+                }
+                const unsigned long long incl = block_incl_scan(own, scan_tmp, &tot);  // its barriers order acc's update
+                before[g] = acc[g] + incl - own;
+                __syncthreads();  // every thread has read acc[g]
+                if (threadIdx.x == 0) acc[g] += tot;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) {
+                    reach_before[k] = reach_before[k] && (double)before[g] >= target[g];
+                    before[g] += mk[k][g];
+                }
+                if (tied[k] && !reach_before[k]) {
+                    kb += 1;
+                    atomicMax(&jcut, a0 + i4 + k);
+                }
+            }
+        }
+        kb = (int)block_sum((unsigned long long)kb, red_u);
+        if (threadIdx.x == 0) {
+            xc[3] = (unsigned)kb;
+            xcut = (unsigned)jcut;
+        }
+    }
+    cluster_sync();
+    if (threadIdx.x == 0) {
+        kb_all = bt < QC_CTAS ? (int)ld_cluster(&xc[3], bt) : 0;
+        jc_all = bt < QC_CTAS ? (int)ld_cluster(&xcut, bt) : -1;
+    }
+    __syncthreads();
+    // Kept candidates of CTA q; this CTA's place in the plan.
+    auto kept_in = [&](int q) -> int {
+        if (!search) {
+            if (!keep_all) return 0;
+            const int qa = min(q * per, t.nc), qz = min(qa + per, t.nc), lo = max(qa, t.ja), hi = min(qz - 1, t.jb);
+            return hi >= lo ? hi - lo + 1 : 0;
+        }
+        return (int)pk[q][0] + (q < bt ? (int)pk[q][1] : q == bt ? kb_all : 0);
+    };
+    int off = 0, total = 0;
+    for (int q = 0; q < QC_CTAS; ++q) {
+        const int k = kept_in(q);
+        off += q < (int)rank ? k : 0;
+        total += k;
+    }
+    const int n = min(total, cap), jc = jc_all;
+    if (off < cap) {
+        auto keep = [&](int i) {
+            const int j = a0 + i;
+            if (!t.valid(j)) return false;
+            if (!search) return keep_all;
+            const unsigned k = __float_as_uint(W[i]);
+            return k > T || (k == T && ((int)rank < bt || ((int)rank == bt && j <= jc)));
+        };
+        compact(len, keep, [&](int i) { return (unsigned)t.pos(a0 + i); }, e + off, cap - off, cnt);
+    }
+    if (rank == 0 && threadIdx.x == 0) {
+        plan_len[t.row] = n;
+        if (t.r.hi >= t.r.lo) {
+            atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
+            atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((t.r.hi >> b.bs_log2) - (t.r.lo >> b.bs_log2) + 1));
+        }
+        atomicAdd(&ctr[CTR_TOP_P_CANDIDATES], t.nvalid());
+        atomicAdd(&ctr[CTR_TOP_P_KEPT], (unsigned long long)n);
+        atomicAdd(&ctr[CTR_KV_BYTES], t.nvalid() * (unsigned long long)meta_row_bytes);
+    }
+    // The whole plan written (and no CTA leaves while another may read its shared memory): each CTA counts
+    // its entries, the one before its first (another CTA's) read through L2.
+    cluster_sync();
+    const int j0 = min(off, n), j1 = min(off + kept_in((int)rank), n);
+    account_entries([&](int j) { return (i64)__ldcg(e + j); }, j0, j1, 0, t.r.lo, t.r.hi, b.bs_log2, 1, row_bytes, ctr, red_u);
+#else
+    __trap();  // launched only on sm_90 and newer
+#endif
 }

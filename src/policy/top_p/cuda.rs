@@ -4,7 +4,10 @@
 //!
 //! The search is a radix select on the weights, 8 bits per pass, each pass a launch over tiles of every
 //! row (the launches are the barriers between passes): a long row is spread over many CTAs instead of one
-//! CTA per (sequence, KV head), and a batch of many rows over fewer CTAs per row.
+//! CTA per (sequence, KV head), and a batch of many rows over fewer CTAs per row. At small batch on Hopper
+//! the steps after the estimate are one launch instead (`kvs_topp_cluster`): a thread-block cluster per row
+//! holds the row's estimates in shared memory, and cluster barriers replace the launches between passes
+//! (seven launches of ~10-40 us each were a latency chain at batch 1).
 
 use crate::cuda::kernel_src::{kernel_file, KernelFile};
 use crate::cuda::launch::{self, KArgs};
@@ -26,6 +29,33 @@ const CHUNK: usize = 4 * THREADS;
 const TARGET_CTAS: usize = 1024;
 const PASSES: usize = 4;
 const STATES: usize = PASSES + 1;
+/// CTAs per row (one thread-block cluster) of `kvs_topp_cluster` (kernels/include/cluster_topk.cuh QC_CTAS).
+const CLUSTER_CTAS: usize = 8;
+/// Threads per CTA of `kvs_topp_cluster` (top_p.cu NT; H200: 512 against 256 and 1,024, journal 2026-11-28).
+const CLUSTER_THREADS: u32 = 512;
+/// Static shared memory of `kvs_topp_cluster`, at most (its scratch: a few KiB at 16 query rows per KV head).
+const CLUSTER_STATIC_SMEM: usize = 8 << 10;
+
+/// Dynamic shared memory of `kvs_topp_cluster` for `group` query rows per KV head and `per` candidates per
+/// CTA: two pass buffers and the merged pass (256 bins x group u64 each), the weights per query row and
+/// their maximum (f32 per candidate).
+fn cluster_smem(group: usize, per: usize) -> usize {
+    3 * 256 * group * 8 + (group + 1) * per * 4
+}
+
+/// Whether the steps after the estimate run as one cluster launch: on sm_90 and newer, where a CTA's part of
+/// a row fits in shared memory, while the rows' clusters fit in one wave of one CTA per SM (more rows fill
+/// the device with the tiled kernels). `KVS_TOPP_CLUSTER=0` / `=1` forces the tiled kernels / the cluster
+/// wherever it can run (so that tests cover both paths).
+fn use_cluster(cc_major: i32, rows: usize, num_sms: usize, fits: bool) -> bool {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("KVS_TOPP_CLUSTER").as_deref() {
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        _ => None,
+    });
+    cc_major >= 9 && fits && forced.unwrap_or(rows.saturating_mul(CLUSTER_CTAS) <= num_sms.max(1))
+}
 
 /// Top-p's stage for one call, and its workspace regions (top_p.cu's `TOPP_PARAMS` describes each).
 pub(crate) struct TopPStage {
@@ -105,6 +135,20 @@ impl CudaStage for TopPStage {
         k.ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale);
         k.i64(codes as i64).i64(qparams as i64).f32(a.softcap);
         launch::launch_dependent(pdl, cx.function("kvs_topp_estimate")?, tiles(ETILE), THREADS as u32, 0, &mut k, stream, "kvs_topp_estimate launch")?;
+        let gpu = cx.dev.gpu();
+        let smem = cluster_smem(cx.cfg.group_size(), maxc.div_ceil(CLUSTER_CTAS).next_multiple_of(4));
+        let dyn_max = (gpu.smem_optin.max(0) as usize).saturating_sub(CLUSTER_STATIC_SMEM);
+        if use_cluster(gpu.cc.0, ns * hk, gpu.num_sms.max(0) as usize, smem <= dyn_max) {
+            let f = cx.function("kvs_topp_cluster")?;
+            cx.dev.allow_smem_once(f, dyn_max)?;
+            let mut k = KArgs::new();
+            k.by_value(&cx.batch).i32(hk as i32);
+            k.i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.ulog2).i32(maxc as i32);
+            k.i64((cx.ws + self.logits as u64) as i64).i64((cx.ws + self.tmax as u64) as i64).f32(self.p);
+            k.i64(fin_ref.e as i64).i64(fin_ref.p_s).i64(fin_ref.p_h).i64(fin_ref.len as i64).i32(fin_ref.cap).i64(cx.row_bytes).i64((d / 2 + 4) as i64).i64(cx.ctr);
+            let grid = ((hk * CLUSTER_CTAS) as u32, ns as u32, 1);
+            return launch::launch_dependent(pdl, f, grid, CLUSTER_THREADS, smem as u32, &mut k, stream, "kvs_topp_cluster launch");
+        }
         for name in ["kvs_topp_norm", "kvs_topp_weights"] {
             launch::launch_dependent(pdl, cx.function(name)?, tiles(CHUNK * spt), THREADS as u32, 0, &mut common(), stream, name)?;
         }
@@ -117,5 +161,23 @@ impl CudaStage for TopPStage {
         k.f32(self.p);
         k.i64(fin_ref.e as i64).i64(fin_ref.p_s).i64(fin_ref.p_h).i64(fin_ref.len as i64).i32(fin_ref.cap).i64(cx.row_bytes).i64((d / 2 + 4) as i64).i64(cx.ctr);
         launch::launch_dependent(pdl, cx.function("kvs_topp_write")?, tiles(CHUNK * spt), THREADS as u32, 0, &mut k, stream, "kvs_topp_write launch")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_path_only_on_hopper_where_a_part_fits_and_the_clusters_fill_one_wave() {
+        // 1 x 128K at budget L/4, GQA 4: 4,096 candidates per CTA, 104 KiB of an H100's 227 KiB.
+        assert_eq!(cluster_smem(4, 4096), 106_496);
+        if std::env::var_os("KVS_TOPP_CLUSTER").is_some() {
+            return;  // forced either way
+        }
+        assert!(use_cluster(9, 8, 132, true));
+        assert!(!use_cluster(9, 17, 132, true), "136 CTAs on 132 SMs: the tiled kernels");
+        assert!(!use_cluster(8, 8, 132, true), "no clusters before sm_90");
+        assert!(!use_cluster(9, 8, 132, false), "a CTA's part does not fit in shared memory");
     }
 }
