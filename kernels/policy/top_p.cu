@@ -584,6 +584,42 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_pass(TOPP_PA
     }
 }
 
+// One chunk of the boundary tile's ties, in position order, 4 consecutive candidates per thread (tied[k] at
+// position j4 + k; weight(k, g) its weight in row g, asked only of ties): a tie is kept while the mass before
+// it does not yet reach every row's target (acc: the mass before the chunk, advanced past it here); kb counts
+// this thread's kept ties, jcut (shared) the last kept position. Block-wide.
+template <typename Weight>
+__device__ __forceinline__ void cut_tied_chunk(const bool (&tied)[4], Weight weight, int j4, unsigned long long* acc, const double* target,
+                                               unsigned long long* scan_tmp, int& kb, int* jcut) {
+    unsigned long long mk[4][GROUP], before[GROUP];
+    bool reach_before[4] = {true, true, true, true};
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        unsigned long long own = 0, tot;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            mk[k][g] = tied[k] ? to_fixed(weight(k, g)) : 0ull;
+            own += mk[k][g];
+        }
+        const unsigned long long incl = block_incl_scan(own, scan_tmp, &tot);  // its barriers order acc's update
+        before[g] = acc[g] + incl - own;
+        __syncthreads();  // every thread has read acc[g]
+        if (threadIdx.x == 0) acc[g] += tot;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            reach_before[k] = reach_before[k] && (double)before[g] >= target[g];
+            before[g] += mk[k][g];
+        }
+        if (tied[k] && !reach_before[k]) {
+            kb += 1;
+            atomicMax(jcut, j4 + k);
+        }
+    }
+}
+
 // Step 8: the kept positions, increasing, as the plan (at most cap), and the counters. The tied candidates
 // are taken in increasing position while the mass before them does not yet reach every row's target (as
 // top_p::select's finish), so the kept ties are those up to one position, jcut: tiles before the boundary
@@ -681,33 +717,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
             }
             float pv[4][GROUP] = {};
             if (any) load4(x, maxc, jb4, pv);
-            unsigned long long mk[4][GROUP], before[GROUP];
-            bool reach_before[4] = {true, true, true, true};
-#pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                unsigned long long own = 0, tot;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    mk[k][g] = tied[k] ? to_fixed(topp_weight(pv[k][g], m[g], inv[g])) : 0ull;
-                    own += mk[k][g];
-                }
-                const unsigned long long incl = block_incl_scan(own, scan_tmp, &tot);  // its barriers order acc's update
-                before[g] = acc[g] + incl - own;
-                __syncthreads();  // every thread has read acc[g]
-                if (threadIdx.x == 0) acc[g] += tot;
-            }
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-#pragma unroll
-                for (int g = 0; g < GROUP; ++g) {
-                    reach_before[k] = reach_before[k] && (double)before[g] >= target[g];
-                    before[g] += mk[k][g];
-                }
-                if (tied[k] && !reach_before[k]) {
-                    kb += 1;
-                    atomicMax(&jcut, jb4 + k);
-                }
-            }
+            cut_tied_chunk(tied, [&](int k, int g) { return topp_weight(pv[k][g], m[g], inv[g]); }, jb4, acc, target, scan_tmp, kb, &jcut);
         }
         kb = (int)block_sum((unsigned long long)kb, red_u);
         if (threadIdx.x == 0) kept_b = kb;
@@ -989,33 +999,7 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(TOPP_CL_THREADS, 1)
             bool tied[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k) tied[k] = i4 + k < len && W[i4 + k] >= 0.0f && __float_as_uint(W[i4 + k]) == T;
-            unsigned long long mk[4][GROUP], before[GROUP];
-            bool reach_before[4] = {true, true, true, true};
-#pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                unsigned long long own = 0, tot;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    mk[k][g] = tied[k] ? to_fixed(P[g * per + i4 + k]) : 0ull;
-                    own += mk[k][g];
-                }
-                const unsigned long long incl = block_incl_scan(own, scan_tmp, &tot);  // its barriers order acc's update
-                before[g] = acc[g] + incl - own;
-                __syncthreads();  // every thread has read acc[g]
-                if (threadIdx.x == 0) acc[g] += tot;
-            }
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-#pragma unroll
-                for (int g = 0; g < GROUP; ++g) {
-                    reach_before[k] = reach_before[k] && (double)before[g] >= target[g];
-                    before[g] += mk[k][g];
-                }
-                if (tied[k] && !reach_before[k]) {
-                    kb += 1;
-                    atomicMax(&jcut, a0 + i4 + k);
-                }
-            }
+            cut_tied_chunk(tied, [&](int k, int g) { return P[g * per + i4 + k]; }, a0 + i4, acc, target, scan_tmp, kb, &jcut);
         }
         kb = (int)block_sum((unsigned long long)kb, red_u);
         if (threadIdx.x == 0) {

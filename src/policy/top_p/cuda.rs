@@ -40,7 +40,7 @@ const CLUSTER_STATIC_SMEM: usize = 8 << 10;
 /// CTA: two pass buffers and the merged pass (256 bins x group u64 each), the weights per query row and
 /// their maximum (f32 per candidate).
 fn cluster_smem(group: usize, per: usize) -> usize {
-    3 * 256 * group * 8 + (group + 1) * per * 4
+    (3 * 256 * 8usize).saturating_mul(group).saturating_add((group + 1).saturating_mul(per).saturating_mul(4))
 }
 
 /// Whether the steps after the estimate run as one cluster launch: on sm_90 and newer, where a CTA's part of
@@ -172,6 +172,7 @@ mod tests {
     fn cluster_path_only_on_hopper_where_a_part_fits_and_the_clusters_fill_one_wave() {
         // 1 x 128K at budget L/4, GQA 4: 4,096 candidates per CTA, 104 KiB of an H100's 227 KiB.
         assert_eq!(cluster_smem(4, 4096), 106_496);
+        assert_eq!(cluster_smem(4, usize::MAX / 2), usize::MAX, "saturates: never a small size that would fit");
         if std::env::var_os("KVS_TOPP_CLUSTER").is_some() {
             return;  // forced either way
         }
