@@ -620,6 +620,18 @@ __device__ __forceinline__ void cut_tied_chunk(const bool (&tied)[4], Weight wei
     }
 }
 
+// A row's plan length and its counters but the plan's blocks and bytes (one thread).
+__device__ __forceinline__ void row_done(const Batch& b, const ToppRow& t, int n, int* plan_len, i64 meta_row_bytes, unsigned long long* ctr) {
+    plan_len[t.row] = n;
+    if (t.r.hi >= t.r.lo) {
+        atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
+        atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((t.r.hi >> b.bs_log2) - (t.r.lo >> b.bs_log2) + 1));
+    }
+    atomicAdd(&ctr[CTR_TOP_P_CANDIDATES], t.nvalid());
+    atomicAdd(&ctr[CTR_TOP_P_KEPT], (unsigned long long)n);
+    atomicAdd(&ctr[CTR_KV_BYTES], t.nvalid() * (unsigned long long)meta_row_bytes);
+}
+
 // Step 8: the kept positions, increasing, as the plan (at most cap), and the counters. The tied candidates
 // are taken in increasing position while the mass before them does not yet reach every row's target (as
 // top_p::select's finish), so the kept ties are those up to one position, jcut: tiles before the boundary
@@ -750,14 +762,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
         compact(max(0, a1 - a0), keep, [&](int i) { return (unsigned)t.pos(a0 + i); }, e + off, cap - off, cnt);
     }
     if (tile == 0 && threadIdx.x == 0) {
-        plan_len[t.row] = n;
-        if (t.r.hi >= t.r.lo) {
-            atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
-            atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((t.r.hi >> b.bs_log2) - (t.r.lo >> b.bs_log2) + 1));
-        }
-        atomicAdd(&ctr[CTR_TOP_P_CANDIDATES], t.nvalid());
-        atomicAdd(&ctr[CTR_TOP_P_KEPT], (unsigned long long)n);
-        atomicAdd(&ctr[CTR_KV_BYTES], t.nvalid() * (unsigned long long)meta_row_bytes);
+        row_done(b, t, n, plan_len, meta_row_bytes, ctr);
     }
     // The plan complete (every CTA of the row has written its part): the last one counts it.
     __threadfence();
@@ -1040,14 +1045,7 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(TOPP_CL_THREADS, 1)
         compact(len, keep, [&](int i) { return (unsigned)t.pos(a0 + i); }, e + off, cap - off, cnt);
     }
     if (rank == 0 && threadIdx.x == 0) {
-        plan_len[t.row] = n;
-        if (t.r.hi >= t.r.lo) {
-            atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
-            atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((t.r.hi >> b.bs_log2) - (t.r.lo >> b.bs_log2) + 1));
-        }
-        atomicAdd(&ctr[CTR_TOP_P_CANDIDATES], t.nvalid());
-        atomicAdd(&ctr[CTR_TOP_P_KEPT], (unsigned long long)n);
-        atomicAdd(&ctr[CTR_KV_BYTES], t.nvalid() * (unsigned long long)meta_row_bytes);
+        row_done(b, t, n, plan_len, meta_row_bytes, ctr);
     }
     // The whole plan written (and no CTA leaves while another may read its shared memory): each CTA counts
     // its entries, the one before its first (another CTA's) read through L2.
