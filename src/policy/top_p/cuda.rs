@@ -31,7 +31,7 @@ const PASSES: usize = 4;
 const STATES: usize = PASSES + 1;
 /// CTAs per row (one thread-block cluster) of `kvs_topp_cluster` (kernels/include/cluster_topk.cuh QC_CTAS).
 const CLUSTER_CTAS: usize = 8;
-/// Threads per CTA of `kvs_topp_cluster` (top_p.cu NT; H200: 512 against 256 and 1,024, journal 2026-11-28).
+/// Threads per CTA of `kvs_topp_cluster` (top_p.cu TOPP_CL_THREADS; H200: 512 against 256 and 1,024, journal 2026-11-28).
 const CLUSTER_THREADS: u32 = 512;
 /// Static shared memory of `kvs_topp_cluster`, at most (its scratch: a few KiB at 16 query rows per KV head).
 const CLUSTER_STATIC_SMEM: usize = 8 << 10;
