@@ -23,20 +23,25 @@ __device__ __forceinline__ unsigned cluster_rank() {
 // last read of another CTA's shared memory and before it exits, so that memory outlives the read.
 __device__ __forceinline__ void cluster_sync() { asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory"); }
 
+// The address, in the cluster's shared window, of the same shared-memory location as `p` in CTA `rank`.
+__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    unsigned ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    return ra;
+}
+
 // The word at the same shared-memory address as `p` in the cluster's CTA `rank`.
 __device__ __forceinline__ unsigned ld_cluster(const unsigned* p, unsigned rank) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p), ra, v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(ra) : "memory");
+    unsigned v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(cluster_addr(p, rank)) : "memory");
     return v;
 }
 
 // The 64-bit word at the same shared-memory address as `p` (8-byte aligned) in the cluster's CTA `rank`.
 __device__ __forceinline__ unsigned long long ld_cluster_u64(const unsigned long long* p, unsigned rank) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p), ra;
     unsigned long long v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(ra) : "memory");
+    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(cluster_addr(p, rank)) : "memory");
     return v;
 }
 __device__ __forceinline__ double ld_cluster_f64(const double* p, unsigned rank) {

@@ -813,7 +813,7 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(TOPP_CL_THREADS, 1)
     __shared__ double red_d[32];
     __shared__ float red_f[32];
     __shared__ int cnt[TOPP_CL_THREADS / 32 + 1];
-    __shared__ int pick, bnd, jcut, kept_b, bad_any, kb_all, jc_all;
+    __shared__ int pick, bnd, jcut, bad_any, kb_all, jc_all;
     const unsigned rank = cluster_rank();
     const int h = blockIdx.x / QC_CTAS, s = blockIdx.y;
     const ToppRow t = topp_row(b, s, h, hk, base, b_s, b_h, base_len, ulog2, maxc);
@@ -976,7 +976,6 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(TOPP_CL_THREADS, 1)
     if (threadIdx.x == 0) {
         bnd = QC_CTAS;  // none: every tie kept (cannot happen when the search ran; kept for safety)
         jcut = -1;
-        kept_b = 0;
         if (search) {
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) acc[g] = above[g];
