@@ -27,7 +27,6 @@
 #include "topk.cuh"
 #include "cluster_topk.cuh"
 
-#define TOPP_ETILE 1024                // candidates per CTA of the estimate, 4 per thread
 #define TOPP_THREADS 256               // threads of every later kernel (8 warps: choose_digit's layout)
 #define TOPP_CHUNK (4 * TOPP_THREADS)  // candidates per pass of a CTA's loop in the later kernels, 4 consecutive per thread
 #define TOPP_PASSES 4                  // radix passes of 8 bits over the 32-bit weight
@@ -58,7 +57,7 @@ struct TopPTile {
 // picks spt so that a call has about a thousand such CTAs: long rows split, many rows not over-split).
 #define TOPP_PARAMS                                                                                                               \
     Batch b, int hk, const unsigned *base, i64 b_s, i64 b_h, const int *base_len, int ulog2, int maxc, float *logits, float *w, \
-        float *tmax, double *psum, float *rown, unsigned long long *hist, TopPState *state, TopPTile *tsum, int *flags, int spt
+        float *tmax, double *psum, float *rown, unsigned long long *hist, TopPState *state, TopPTile *tsum, int *flags, int spt, int etile
 
 // One row's candidates: the base plan's units expanded to positions (increasing), `nc` of them, of which
 // [ja, jb] lie inside the row's limits.
@@ -184,8 +183,9 @@ __device__ __forceinline__ void estimate_row(const code_vec* cv, float mn, float
 // Step 1: INT4 estimates of every candidate's logits (the base plan's positions inside the row), as
 // estimate_weights, soft-capped.
 // Candidates outside the row get NaN. Also each CTA's maximum per row (tmax), and CTA 0 of a row clears
-// the row's histograms and flags for the later kernels. Grid (tiles of TOPP_ETILE candidates, KV heads,
-// seqs); each thread estimates 4 candidates, TOPP_THREADS apart (coalesced stores).
+// the row's histograms and flags for the later kernels. Grid (tiles of `etile` candidates, KV heads,
+// seqs); each thread estimates etile / TOPP_THREADS (1, 2 or 4) candidates, TOPP_THREADS apart (coalesced
+// stores).
 extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOPP_PARAMS, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
                                                                             const unsigned char* codes, const u16* qparams, float softcap) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
@@ -194,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOP
     __shared__ float qsum[GROUP];
     __shared__ float red[32];
     const ToppRow t = topp_row(b, blockIdx.z, blockIdx.y, hk, base, b_s, b_h, base_len, ulog2, maxc);
-    if ((int)(blockIdx.x * TOPP_ETILE) >= t.nc) return;  // also every row that is not a decode row
+    if ((int)(blockIdx.x * etile) >= t.nc) return;  // also every row that is not a decode row
     const int h = blockIdx.y;
     if (blockIdx.x == 0) {
         unsigned long long* hr = hist + (i64)t.row * TOPP_PASSES * 256 * GROUP;
@@ -206,8 +206,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOP
     float mx[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) mx[g] = -INFINITY;
-    for (int k = 0; k < TOPP_ETILE / TOPP_THREADS; ++k) {
-        const int j = blockIdx.x * TOPP_ETILE + k * TOPP_THREADS + threadIdx.x;
+    for (int k = 0; k < etile / TOPP_THREADS; ++k) {
+        const int j = blockIdx.x * etile + k * TOPP_THREADS + threadIdx.x;
         if (j >= t.nc) break;
         const int pos = t.pos(j);
         const i64 pb = (pos >= t.r.lo && pos <= t.r.hi) ? phys_block(b, blockIdx.z, pos >> b.bs_log2) : -1;
@@ -226,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOP
             mx[g] = fmaxf(mx[g], xv[g]);  // NaN ignored, as the CPU's fold with f32::max
         }
     }
-    const int etiles = (maxc + TOPP_ETILE - 1) / TOPP_ETILE;
+    const int etiles = (maxc + etile - 1) / etile;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
         const float m = block_max(mx[g], red);
@@ -391,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_norm(TOPP_PA
     __shared__ double red_d[32];
     TOPP_TILE_PROLOGUE
     if (tile >= nt) return;
-    const int etiles = (maxc + TOPP_ETILE - 1) / TOPP_ETILE, ne = (t.nc + TOPP_ETILE - 1) / TOPP_ETILE;
+    const int etiles = (maxc + etile - 1) / etile, ne = (t.nc + etile - 1) / etile;
     float m[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
@@ -792,8 +792,8 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_write(TOPP_P
 #define TOPP_CL_THREADS 512
 extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(TOPP_CL_THREADS, 1)
     kvs_topp_cluster(Batch b, int hk, const unsigned* base, i64 b_s, i64 b_h, const int* base_len, int ulog2, int maxc, const float* logits,
-                     const float* tmax, float p, unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes, i64 meta_row_bytes,
-                     unsigned long long* ctr) {
+                     const float* tmax, int etile, float p, unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes,
+                     i64 meta_row_bytes, unsigned long long* ctr) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
 #if KVS_CLUSTERS
@@ -830,7 +830,7 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(TOPP_CL_THREADS, 1)
     float* W = P + GROUP * per;                               // [per]: the aggregated weight, -1 outside the row
     const float* x = logits + (i64)t.row * GROUP * maxc;
     // The row's maxima (over the estimate tiles'), this CTA's logits staged, its share of the normalisers.
-    const int etiles = (maxc + TOPP_ETILE - 1) / TOPP_ETILE, ne = (t.nc + TOPP_ETILE - 1) / TOPP_ETILE;
+    const int etiles = (maxc + etile - 1) / etile, ne = (t.nc + etile - 1) / etile;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
         float v = -INFINITY;

@@ -17,10 +17,8 @@ use crate::error::Result;
 /// Top-p's kernels, compiled in the selection module (the registry's `SELECT_MODULE`).
 pub const KERNEL: KernelFile = kernel_file!("top_p.cu", "policy/top_p.cu");
 
-/// Candidates per CTA of the estimate kernel (`TOPP_ETILE`) and per pass of the later kernels' loops
-/// (`TOPP_CHUNK`), the kernels' threads, the radix passes and the search states per row (top_p.cu's
-/// defines).
-const ETILE: usize = 1024;
+/// The kernels' threads, candidates per pass of the later kernels' loops (`TOPP_CHUNK`), the radix passes
+/// and the search states per row (top_p.cu's defines).
 const THREADS: usize = 256;
 const CHUNK: usize = 4 * THREADS;
 /// About how many CTAs a launch of the later kernels should have: enough for every SM several times over
@@ -41,6 +39,13 @@ const CLUSTER_STATIC_SMEM: usize = 8 << 10;
 /// their maximum (f32 per candidate).
 fn cluster_smem(group: usize, per: usize) -> usize {
     (3 * 256 * 8usize).saturating_mul(group).saturating_add((group + 1).saturating_mul(per).saturating_mul(4))
+}
+
+/// Candidates per CTA of the estimate (`etile`: 1, 2 or 4 per thread): as many as keep at least 4 CTAs per SM
+/// (the estimate is a chain of dependent f32 operations per candidate, so a batch of few rows needs more,
+/// smaller CTAs in flight; many rows amortise each CTA's query load over 4 per thread).
+fn estimate_tile(rows: usize, maxc: usize, num_sms: usize) -> usize {
+    [4, 2].into_iter().find(|&per| rows.saturating_mul(maxc.div_ceil(THREADS * per)) >= 4 * num_sms.max(1)).unwrap_or(1) * THREADS
 }
 
 /// Whether the steps after the estimate run as one cluster launch: on sm_90 and newer, where a CTA's part of
@@ -88,7 +93,7 @@ impl CudaStage for TopPStage {
     fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
         let (ns, hk, g) = (cx.geo.num_seqs, cx.cfg.num_kv_heads, cx.cfg.group_size());
         self.maxc = cx.candidates();
-        let (etiles, stiles) = (self.maxc.div_ceil(ETILE), self.maxc.div_ceil(CHUNK));
+        let (etiles, stiles) = (self.maxc.div_ceil(THREADS), self.maxc.div_ceil(CHUNK));  // the smallest estimate tile
         self.base = ws.take_n(&[cx.rows_of(&cx.base), cx.base.cap, 4])?;
         self.base_len = ws.take_n(&[ns, hk, 4])?;
         self.logits = ws.take_n(&[ns, hk, g, self.maxc, 4])?;
@@ -116,6 +121,8 @@ impl CudaStage for TopPStage {
         // Chunks per CTA (a CTA's tile): rows x chunks spread over about TARGET_CTAS CTAs.
         let chunks = maxc.div_ceil(CHUNK);
         let spt = (ns * hk * chunks).div_ceil(TARGET_CTAS).clamp(1, chunks.max(1));
+        let gpu = cx.dev.gpu();
+        let etile = estimate_tile(ns * hk, maxc, gpu.num_sms.max(0) as usize);
         // Every kernel's leading parameters (top_p.cu's TOPP_PARAMS).
         let common = || {
             let mut k = KArgs::new();
@@ -124,7 +131,7 @@ impl CudaStage for TopPStage {
             for off in [self.logits, self.w, self.tmax, self.psum, self.rown, self.hist, self.state, self.tsum, self.flags] {
                 k.i64((cx.ws + off as u64) as i64);
             }
-            k.i32(spt as i32);
+            k.i32(spt as i32).i32(etile as i32);
             k
         };
         let tiles = |per: usize| (maxc.div_ceil(per) as u32, hk as u32, ns as u32);
@@ -134,8 +141,7 @@ impl CudaStage for TopPStage {
         let mut k = common();
         k.ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale);
         k.i64(codes as i64).i64(qparams as i64).f32(a.softcap);
-        launch::launch_dependent(pdl, cx.function("kvs_topp_estimate")?, tiles(ETILE), THREADS as u32, 0, &mut k, stream, "kvs_topp_estimate launch")?;
-        let gpu = cx.dev.gpu();
+        launch::launch_dependent(pdl, cx.function("kvs_topp_estimate")?, tiles(etile), THREADS as u32, 0, &mut k, stream, "kvs_topp_estimate launch")?;
         let smem = cluster_smem(cx.cfg.group_size(), maxc.div_ceil(CLUSTER_CTAS).next_multiple_of(4));
         let dyn_max = (gpu.smem_optin.max(0) as usize).saturating_sub(CLUSTER_STATIC_SMEM);
         if use_cluster(gpu.cc.0, ns * hk, gpu.num_sms.max(0) as usize, smem <= dyn_max) {
@@ -144,7 +150,7 @@ impl CudaStage for TopPStage {
             let mut k = KArgs::new();
             k.by_value(&cx.batch).i32(hk as i32);
             k.i64(base_ref.e as i64).i64(base_ref.p_s).i64(base_ref.p_h).i64(base_ref.len as i64).i32(base_ref.ulog2).i32(maxc as i32);
-            k.i64((cx.ws + self.logits as u64) as i64).i64((cx.ws + self.tmax as u64) as i64).f32(self.p);
+            k.i64((cx.ws + self.logits as u64) as i64).i64((cx.ws + self.tmax as u64) as i64).i32(etile as i32).f32(self.p);
             k.i64(fin_ref.e as i64).i64(fin_ref.p_s).i64(fin_ref.p_h).i64(fin_ref.len as i64).i32(fin_ref.cap).i64(cx.row_bytes).i64((d / 2 + 4) as i64).i64(cx.ctr);
             let grid = ((hk * CLUSTER_CTAS) as u32, ns as u32, 1);
             return launch::launch_dependent(pdl, f, grid, CLUSTER_THREADS, smem as u32, &mut k, stream, "kvs_topp_cluster launch");
@@ -180,5 +186,15 @@ mod tests {
         assert!(!use_cluster(9, 17, 132, true), "136 CTAs on 132 SMs: the tiled kernels");
         assert!(!use_cluster(8, 8, 132, true), "no clusters before sm_90");
         assert!(!use_cluster(9, 8, 132, false), "a CTA's part does not fit in shared memory");
+    }
+
+    #[test]
+    fn estimate_tiles_shrink_until_the_device_has_four_ctas_per_sm() {
+        // 32/8 heads, Quest(L/4) candidates, 132 SMs.
+        assert_eq!(estimate_tile(8, 8192, 132), 256, "1 x 32K: 256 CTAs of one candidate per thread");
+        assert_eq!(estimate_tile(8, 32768, 132), 256, "1 x 128K: 1,024 CTAs");
+        assert_eq!(estimate_tile(64, 8192, 132), 512, "8 x 32K: 1,024 CTAs of two per thread");
+        assert_eq!(estimate_tile(64, 32768, 132), 1024, "8 x 128K: 2,048 CTAs of four per thread");
+        assert_eq!(estimate_tile(0, 0, 0), 256);
     }
 }
