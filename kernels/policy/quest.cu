@@ -25,6 +25,7 @@
 // margin the tests use. A 0 * inf product (a zero half of the split against an infinite bound) makes the
 // page's score NaN, which the order key sorts first: the page is kept and its keys reach the attention.
 #include "mma.cuh"
+#include "split_f16.cuh"
 
 #define QM_PAD 8                    // f16 per staged row against ldmatrix bank conflicts (16 bytes)
 #define QM_NT ((GROUP + 7) / 8)     // 8-column tiles of query rows
@@ -40,27 +41,10 @@
 // Geometries the MMA path covers (the others score exactly as page_score_tile).
 #define QM_FITS (GROUP <= 16 && (HEAD_DIM <= 128 || GROUP <= 8))
 
-__device__ __forceinline__ void quest_mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// Two f32 -> f16x2 (first in the low half), rounded to nearest.
-__device__ __forceinline__ unsigned quest_f16x2(float first, float second) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(second), "f"(first));
-    return r;
-}
-// The larger of a and b, NaN if either is NaN (fmaxf would drop a NaN).
-__device__ __forceinline__ float quest_nanmax(float a, float b) { return (b > a || b != b) ? b : a; }
-
 // Query rows in the CTA's scratch `qs`: row g at g * QM_QSTR, in the staged rows' lane order (position p
 // holds channel (p % QC) * 16 + p / QC). The 8-float pad puts the fragment build's float2 reads (8 rows x 4
 // column pairs per warp) on distinct banks; the caller's scratch holds GROUP * (HEAD_DIM + 16) floats.
 #define QM_QSTR (HEAD_DIM + 8)
-
-// 2^e as a float, for -126 <= e <= 127 (exact).
-__device__ __forceinline__ float quest_pow2(int e) { return __int_as_float((e + 127) << 23); }
 
 // One half of the split query, scaled: v * 2^e (as two exact power-of-two products; |v| * 2^e stays below
 // 2^15, and a product that would round below f16's range is 0 in both f16 terms either way), then the
@@ -87,10 +71,7 @@ __device__ __forceinline__ void quest_mma_query(const SeqRow& r, int h, const el
             for (int c = lane; c < HEAD_DIM; c += 32) m = quest_nanmax(m, fabsf(qs[g * QM_QSTR + c]));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) m = quest_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
-        int x = 0;
-        const bool finite = m > 0.f && m <= 3.402823466e38f;
-        if (finite) frexpf(m, &x);
-        if (lane == 0) qe[g] = finite ? 15 - x : 0;  // max |q| * 2^e in [2^14, 2^15)
+        if (lane == 0) qe[g] = split_exponent(m);  // max |q| * 2^e in [2^14, 2^15)
     }
     __syncthreads();
     // Lane l of k-step ks holds, for query row nt * 8 + l / 4, the K indices k = ks * 16 + 2 (l % 4)

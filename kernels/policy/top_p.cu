@@ -26,6 +26,7 @@
 #include "block_reduce.cuh"
 #include "topk.cuh"
 #include "cluster_topk.cuh"
+#include "split_f16.cuh"
 
 #define TOPP_THREADS 256               // threads of every later kernel (8 warps: choose_digit's layout)
 #define TOPP_CHUNK (4 * TOPP_THREADS)  // candidates per pass of a CTA's loop in the later kernels, 4 consecutive per thread
@@ -233,6 +234,195 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOP
         if (threadIdx.x == 0) tmax[((i64)t.row * etiles + blockIdx.x) * GROUP + g] = m;
     }
 }
+
+// Step 1 on tensor cores (kvs_topp_estimate_mma; the host takes it where TE_FITS holds): the same
+// estimates, min * sum(q) + scale * dot(q, codes), with dot(q, codes) as an f16 matrix product: 16
+// candidates' codes (0..15, exact in f16) as the rows of A, the group's query rows as the columns of B,
+// each row scaled by 2^e and split into hi + lo f16 terms (split_f16.cuh), mma.sync m16n8k16 with f32
+// accumulation, then times 2^-e. The products are exact; the tensor core's additions are not the CPU's
+// order, so a logit differs from the CPU's within the bound of docs/policies.md ("Twilight top-p on the
+// device"). min * sum(q) and the rest stay the CPU's operations. K order: lane quad tt reads code words
+// tt * TE_WPT .. + TE_WPT - 1 of each candidate row (16-byte loads where they fit), and k-step ks takes
+// nibbles 4 (ks & 1) .. + 3 of its word ks / 2: k = 2 tt + e is channel te_channel(ks, k) below, the
+// same map in A and B. Same grid, tiles and outputs as kvs_topp_estimate; each warp takes 16 candidates
+// per round.
+#define TE_FITS (HEAD_DIM % 32 == 0 && GROUP <= 16)
+#if TE_FITS
+#define TE_NT ((GROUP + 7) / 8)  // 8-column tiles of query rows
+#define TE_KS (HEAD_DIM / 16)    // k-steps of a candidate row
+#define TE_WPT (HEAD_DIM / 32)   // code words (8 channels each) per lane of a quad, per candidate row
+
+// The channel that k index k (0..15) of k-step ks stands for (both operands use this map).
+__device__ __forceinline__ int te_channel(int ks, int k) {
+    const int tt = (k & 7) >> 1, e = k & 1, hi8 = k >> 3;
+    return 8 * (tt * TE_WPT + (ks >> 1)) + 4 * (ks & 1) + 2 * hi8 + e;
+}
+
+// Two 4-bit codes (bits 0-3 and 4-7 of `x`) as an f16x2, exactly: 1024 + c as f16 bits, minus 1024.
+__device__ __forceinline__ unsigned te_codes_f16x2(unsigned x) {
+    const unsigned v = (x & 0xFu) | ((x & 0xF0u) << 12) | 0x64006400u;
+    unsigned r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64006400u));
+    return r;
+}
+
+// A candidate row's TE_WPT code words of lane quad tt (zero when `row` < 0: no candidate there).
+__device__ __forceinline__ void te_load_words(const unsigned char* codes, i64 row, int tt, unsigned (&w)[TE_WPT]) {
+    if (row < 0) {
+#pragma unroll
+        for (int i = 0; i < TE_WPT; ++i) w[i] = 0u;
+        return;
+    }
+    const unsigned* src = reinterpret_cast<const unsigned*>(codes + row * (HEAD_DIM / 2)) + tt * TE_WPT;
+#if TE_WPT % 4 == 0
+#pragma unroll
+    for (int i = 0; i < TE_WPT; i += 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src + i);
+        w[i] = v.x, w[i + 1] = v.y, w[i + 2] = v.z, w[i + 3] = v.w;
+    }
+#elif TE_WPT % 2 == 0
+#pragma unroll
+    for (int i = 0; i < TE_WPT; i += 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(src + i);
+        w[i] = v.x, w[i + 1] = v.y;
+    }
+#else
+#pragma unroll
+    for (int i = 0; i < TE_WPT; ++i) w[i] = src[i];
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate_mma(TOPP_PARAMS, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale,
+                                                                                const unsigned char* codes, const u16* qparams, float softcap) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
+    __shared__ __align__(16) float qs[GROUP * HEAD_DIM];
+    __shared__ float qsum[GROUP];
+    __shared__ __align__(16) uint4 qb[TE_NT][TE_KS][32];  // B fragments per lane: hi b0, hi b1, lo b0, lo b1
+    __shared__ int qe[TE_NT * 8];                         // 2^e per query row
+    __shared__ float wmax[TOPP_THREADS / 32][GROUP];
+    const ToppRow t = topp_row(b, blockIdx.z, blockIdx.y, hk, base, b_s, b_h, base_len, ulog2, maxc);
+    if ((int)(blockIdx.x * etile) >= t.nc) return;  // also every row that is not a decode row
+    const int h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = TOPP_THREADS / 32;
+    if (blockIdx.x == 0) {
+        unsigned long long* hr = hist + (i64)t.row * TOPP_PASSES * 256 * GROUP;
+        for (int i = threadIdx.x; i < TOPP_PASSES * 256 * GROUP; i += blockDim.x) hr[i] = 0ull;
+        if (threadIdx.x < 2) flags[2 * t.row + threadIdx.x] = 0;
+    }
+    load_q(q, q0, q1, q2, t.r.t, h, scale, qs, qsum);  // the CPU's scaled rows and their ordered sums
+    for (int g = warp; g < TE_NT * 8; g += nw) {
+        float m = 0.f;
+        if (g < GROUP)
+            for (int c = lane; c < HEAD_DIM; c += 32) m = quest_nanmax(m, fabsf(qs[g * HEAD_DIM + c]));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = quest_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0) qe[g] = split_exponent(m);
+    }
+    __syncthreads();
+    // Lane l of k-step ks holds, for query row nt * 8 + l / 4, k = 2 (l % 4) + {0, 1} (b0) and + 8 (b1).
+    for (int i = threadIdx.x; i < TE_NT * TE_KS * 32; i += blockDim.x) {
+        const int l = i % 32, ks = (i / 32) % TE_KS, nt = i / (32 * TE_KS);
+        const int g = nt * 8 + l / 4, k0 = 2 * (l % 4);
+        unsigned hi[2] = {0u, 0u}, lo[2] = {0u, 0u};
+        if (g < GROUP) {
+            const int e = qe[g];
+            const float s1 = quest_pow2(e - e / 2), s2 = quest_pow2(e / 2);
+            const float* row = qs + g * HEAD_DIM;
+            const float v[4] = {row[te_channel(ks, k0)] * s1 * s2, row[te_channel(ks, k0 + 1)] * s1 * s2, row[te_channel(ks, k0 + 8)] * s1 * s2,
+                                row[te_channel(ks, k0 + 9)] * s1 * s2};
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                hi[half] = quest_f16x2(v[2 * half], v[2 * half + 1]);
+                lo[half] = quest_f16x2(v[2 * half] - kvs_f16_to_f32((u16)hi[half]), v[2 * half + 1] - kvs_f16_to_f32((u16)(hi[half] >> 16)));
+            }
+        }
+        qb[nt][ks][l] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
+    }
+    __syncthreads();
+    float* out = logits + (i64)t.row * GROUP * maxc;
+    const int qr = lane >> 2, tt = lane & 3, bs = 1 << b.bs_log2;
+    float mx[TE_NT][2];
+#pragma unroll
+    for (int nt = 0; nt < TE_NT; ++nt) mx[nt][0] = mx[nt][1] = -INFINITY;
+    for (int c0 = blockIdx.x * etile + warp * 16; c0 < min((int)(blockIdx.x + 1) * etile, t.nc); c0 += nw * 16) {
+        // This lane's two candidates (rows qr and qr + 8 of A): code row, min and scale.
+        i64 crow[2];
+        float mn[2], scl[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int j = c0 + qr + 8 * r;
+            crow[r] = -1;
+            mn[r] = scl[r] = 0.f;
+            if (j < t.nc) {
+                const int pos = t.pos(j);
+                const i64 pb = (pos >= t.r.lo && pos <= t.r.hi) ? phys_block(b, blockIdx.z, pos >> b.bs_log2) : -1;
+                if (pb >= 0) {
+                    crow[r] = (pb * bs + (pos & (bs - 1))) * hk + h;
+                    mn[r] = kvs_f16_to_f32(qparams[2 * crow[r]]);
+                    scl[r] = kvs_f16_to_f32(qparams[2 * crow[r] + 1]);
+                }
+            }
+        }
+        unsigned w0[TE_WPT], w1[TE_WPT];
+        te_load_words(codes, crow[0], tt, w0);
+        te_load_words(codes, crow[1], tt, w1);
+        float acc[TE_NT][4];
+#pragma unroll
+        for (int nt = 0; nt < TE_NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[nt][c] = 0.f;
+        // The k-steps accumulate in one chain, hi then lo term of each.
+#pragma unroll
+        for (int ks = 0; ks < TE_KS; ++ks) {
+            const int sh = 16 * (ks & 1);
+            const unsigned x0 = w0[ks >> 1] >> sh, x1 = w1[ks >> 1] >> sh;
+            const unsigned a[4] = {te_codes_f16x2(x0), te_codes_f16x2(x1), te_codes_f16x2(x0 >> 8), te_codes_f16x2(x1 >> 8)};
+#pragma unroll
+            for (int nt = 0; nt < TE_NT; ++nt) {
+                const uint4 bq = qb[nt][ks][lane];
+                quest_mma_f16(acc[nt], a, bq.x, bq.y);
+                quest_mma_f16(acc[nt], a, bq.z, bq.w);
+            }
+        }
+        // acc[nt][2 r + e]: candidate qr + 8 r, query row nt * 8 + 2 tt + e.
+#pragma unroll
+        for (int nt = 0; nt < TE_NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int g = nt * 8 + 2 * tt + e;
+                if (g >= GROUP) continue;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int j = c0 + qr + 8 * r;
+                    if (j >= t.nc) continue;
+                    float x = __int_as_float(0x7fffffff);  // outside the row: NaN, as kvs_topp_estimate
+                    if (crow[r] >= 0) {
+                        const float dot = ldexpf(acc[nt][2 * r + e], -qe[g]);
+                        x = kvs_decision_softcap(mn[r] * qsum[g] + scl[r] * dot, softcap);
+                        mx[nt][e] = fmaxf(mx[nt][e], x);  // NaN ignored, as the CPU's fold with f32::max
+                    }
+                    out[(i64)g * maxc + j] = x;
+                }
+            }
+    }
+    // Each query row's maximum: over the lanes of a quad position (same tt), then over the warps.
+#pragma unroll
+    for (int nt = 0; nt < TE_NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) mx[nt][e] = fmaxf(mx[nt][e], __shfl_xor_sync(0xffffffffu, mx[nt][e], o));
+            const int g = nt * 8 + 2 * tt + e;
+            if (lane < 4 && g < GROUP) wmax[warp][g] = mx[nt][e];
+        }
+    __syncthreads();
+    if (threadIdx.x < GROUP) {
+        float m = -INFINITY;
+        for (int w = 0; w < nw; ++w) m = fmaxf(m, wmax[w][threadIdx.x]);
+        tmax[((i64)t.row * ((maxc + etile - 1) / etile) + blockIdx.x) * GROUP + threadIdx.x] = m;
+    }
+}
+#endif
 
 // Adds v to the u64 at `p` in shared memory with two 32-bit atomics (native, where a 64-bit add on shared
 // memory is a compare-and-swap loop that spins under contention): the low word's wrap, which the adder

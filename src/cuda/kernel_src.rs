@@ -41,6 +41,7 @@ pub const FILES: &[KernelFile] = &[
     kernel_file!("params.cuh", "include/params.cuh"),
     kernel_file!("combine.cuh", "include/combine.cuh"),
     kernel_file!("mma.cuh", "include/mma.cuh"),
+    kernel_file!("split_f16.cuh", "include/split_f16.cuh"),
     kernel_file!("fp8.cuh", "include/fp8.cuh"),
     kernel_file!("kv_load.cuh", "include/kv_load.cuh"),
     kernel_file!("key_rows.cuh", "include/key_rows.cuh"),

@@ -9,6 +9,7 @@ use super::cuda::{capture, replay, DeviceCase};
 use super::fixture::{run_on_engine, write_rows, Fixture, Outputs};
 use super::reference::{max_abs_err, rel_err};
 use super::quest_agree::{quest_agreement, quest_alone};
+use super::top_p_agree::top_p_rows_agree;
 use super::{tolerance, CaseSpec};
 use kvsparse::cuda::driver::{self, check, cuda, CUstream};
 use kvsparse::engine::Engine;
@@ -33,6 +34,8 @@ pub struct SparseResult {
     pub lse_err: f64,
     /// Quest alone (the agreement contract): pages on which the sets differ, worst |S - S_k| / delta.
     pub quest: Option<(usize, f64)>,
+    /// `base > top_p` (the agreement contract): tokens on which the sets differ, the worst margin.
+    pub top_p: Option<(usize, f64)>,
     pub pass: bool,
     pub error: Option<String>,
 }
@@ -51,6 +54,7 @@ impl SparseResult {
             rel_err: f64::NAN,
             lse_err: f64::NAN,
             quest: None,
+            top_p: None,
             pass: false,
             error: None,
         }
@@ -218,6 +222,7 @@ pub fn run_sparse_case_keys(spec: &CaseSpec, policy: &str, seed: u64, key: Optio
         let (og, mut lg) = outs.to_f64(&f);
         res.rel_err = rel_err(&og, &oc);
         res.counters_mismatch = compare_counters(&c_cpu, &c_gpu);
+        let top_p = top_p_last(policy);
         match (quest_alone(policy), meta_cpu.as_ref()) {
             // Quest alone scores on tensor cores: its sets agree with the CPU's up to borderline pages.
             (Some(set), Some(meta)) => {
@@ -229,14 +234,28 @@ pub fn run_sparse_case_keys(spec: &CaseSpec, policy: &str, seed: u64, key: Optio
                     // Visited blocks and bytes follow the sets; the LSE of a row apart follows the GPU's set
                     // (its output is checked against the f64 reference over that set above).
                     res.counters_mismatch = compare_counters(&Counters { blocks_visited: 0, kv_bytes_read: 0, ..c_cpu }, &Counters { blocks_visited: 0, kv_bytes_read: 0, ..c_gpu });
-                    let hq = spec.num_q_heads;
-                    let g = hq / spec.num_kv_heads;
-                    for &(t, h) in &ag.rows_apart {
-                        for gi in 0..g {
-                            lc[t * hq + h * g + gi] = 0.0;
-                            lg[t * hq + h * g + gi] = 0.0;
-                        }
-                    }
+                    mask_rows(&mut lc, &mut lg, &ag.rows_apart, spec);
+                }
+            }
+            // `base > top_p(p < 1)`: the device estimates on tensor cores, so its sets agree with the CPU's up
+            // to borderline tokens (top_p_agree.rs); the candidates are the base's set on the CPU engine.
+            (None, Some(meta)) if top_p.is_some() => {
+                let (base, p) = top_p.expect("guarded");
+                let cand = base_candidates(spec, &base, seed, key)?;
+                let ag = top_p_rows_agree(&f, meta, &v_cpu, &v_gpu, &|s, h| cand.get(&(s, h)).cloned().unwrap_or_default(), p, &oc, &og);
+                res.decision_mismatch = ag.violation.clone().or_else(|| (ag.out_rel > ag.out_tol).then(|| format!("output over the GPU's sets: rel {:.3e} > {:.3e}", ag.out_rel, ag.out_tol)));
+                res.rel_err = ag.out_rel.min(res.rel_err);
+                res.top_p = Some((ag.differing, ag.worst_margin));
+                if !ag.rows_apart.is_empty() {
+                    let strip = |c: &Counters| {
+                        let mut c = c.clone();
+                        c.blocks_visited = 0;
+                        c.kv_bytes_read = 0;
+                        c[top_p::KEPT] = 0;
+                        c
+                    };
+                    res.counters_mismatch = compare_counters(&strip(&c_cpu), &strip(&c_gpu));
+                    mask_rows(&mut lc, &mut lg, &ag.rows_apart, spec);
                 }
             }
             _ => res.decision_mismatch = compare_visits(&v_cpu, &v_gpu),
@@ -251,6 +270,41 @@ pub fn run_sparse_case_keys(spec: &CaseSpec, policy: &str, seed: u64, key: Optio
         res.pass = false;
     }
     res
+}
+
+/// Zeroes the LSE of rows whose sets differ between the engines (they follow each engine's own set; the
+/// outputs of those rows are checked against an f64 attention over the GPU's set instead).
+fn mask_rows(lc: &mut [f64], lg: &mut [f64], rows: &[(usize, usize)], spec: &CaseSpec) {
+    let hq = spec.num_q_heads;
+    let g = hq / spec.num_kv_heads;
+    for &(t, h) in rows {
+        for gi in 0..g {
+            lc[t * hq + h * g + gi] = 0.0;
+            lg[t * hq + h * g + gi] = 0.0;
+        }
+    }
+}
+
+/// `base > top_p(p)` with p < 1 (a search that decides something): the base's spec and p.
+pub fn top_p_last(policy: &str) -> Option<(String, f32)> {
+    let parsed = kvsparse::policy::Policy::parse(policy).ok()?;
+    let pl = parsed.pipeline()?;
+    let p = pl.top_p.as_ref().filter(|_| pl.art.is_none())?.p;
+    let (base, _) = policy.rsplit_once('>')?;
+    (p < 1.0 && !policy.contains(';')).then(|| (base.trim().to_string(), p))
+}
+
+/// Each policy row's candidates: the tokens the CPU engine visits with the base selector alone, by
+/// (sequence, KV head), on the same fixture.
+fn base_candidates(spec: &CaseSpec, base: &str, seed: u64, key: Option<&dyn Fn(usize) -> f64>) -> Result<std::collections::HashMap<(usize, usize), Vec<usize>>> {
+    let mut f = Fixture::new(spec, seed);
+    if let Some(key) = key {
+        override_keys(&mut f, key);
+    }
+    let cpu = Engine::new(cfg_for(&f, base, Device::Cpu))?;
+    cpu.record_visits(true);
+    run_on_engine(&cpu, &mut f)?;
+    Ok(cpu.take_visits().into_iter().map(|v| ((v.seq_id - 1000) as usize, v.kv_head, v.spans.iter().flat_map(|&(a, b)| a..b).collect::<Vec<usize>>())).map(|(s, h, t)| ((s, h), t)).collect())
 }
 
 /// A decode step's cache write: the last position of every sequence of a decode-only fixture, taken
@@ -482,4 +536,18 @@ pub fn art_stop_tiles(spec: &CaseSpec, spec_at: &dyn Fn(f64) -> String, eps: f64
     }
     let err = if a.is_empty() { f64::NAN } else { rel_err(&a, &b) };
     Ok(((0..g.len()).map(|i| (g[i].0, cpu[i].0, loose[i].0, tight[i].0, cpu[i].1.max(g[i].1))).collect(), err))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top_p_last;
+
+    #[test]
+    fn top_p_last_names_the_base_of_a_deciding_search() {
+        assert_eq!(top_p_last("quest(budget=256, sink=4) > top_p(p=0.95)"), Some(("quest(budget=256, sink=4)".into(), 0.95)));
+        assert_eq!(top_p_last("all > top_p(p=0.9)"), Some(("all".into(), 0.9)));
+        assert_eq!(top_p_last("quest(budget=1000000) > top_p(p=1)"), None, "p = 1 keeps every candidate");
+        assert_eq!(top_p_last("quest(budget=256) > top_p(p=0.9) > art()"), None);
+        assert_eq!(top_p_last("quest(budget=256)"), None);
+    }
 }

@@ -66,6 +66,8 @@ pub struct TopPAgreement {
     pub out_rel: f64,
     pub out_tol: f64,
     pub violation: Option<String>,
+    /// (token row, KV head) of each row whose sets differ.
+    pub rows_apart: Vec<(usize, usize)>,
 }
 
 impl TopPAgreement {
@@ -101,7 +103,8 @@ fn row_reference(f: &Fixture, meta: &kvsparse::meta::MetaSnapshot, s: usize, h: 
     let n = cand.len();
     let cap = sp.softcap as f64;
     let mut logits = vec![vec![0f64; n]; g];
-    let mut a_max = 0f64;
+    let (mut a_max, mut b_max) = (0f64, 0f64);
+    let q_abs_max = q.iter().flatten().fold(0f64, |m, &x| m.max(x.abs()));
     for (j, &pos) in cand.iter().enumerate() {
         let blk = f.block_table[s * f.max_blocks + pos / bs] as usize;
         let r = (blk * bs + pos % bs) * hk + h;
@@ -109,6 +112,7 @@ fn row_reference(f: &Fixture, meta: &kvsparse::meta::MetaSnapshot, s: usize, h: 
         let code = |c: usize| ((codes[r * cb + c / 2] >> (4 * (c % 2))) & 15) as f64;
         let mn = half::f16::from_bits(qp[2 * r]).to_f64();
         let scl = half::f16::from_bits(qp[2 * r + 1]).to_f64();
+        b_max = b_max.max(scl.abs() * q_abs_max * (0..d).map(code).sum::<f64>());
         for (gi, qr) in q.iter().enumerate() {
             let (mut dot, mut abs, mut sq, mut sabs) = (0f64, 0f64, 0f64, 0f64);
             for c in 0..d {
@@ -123,7 +127,8 @@ fn row_reference(f: &Fixture, meta: &kvsparse::meta::MetaSnapshot, s: usize, h: 
         }
     }
     let u = 2f64.powi(-24);
-    let lambda = (d as f64 + 16.0) * u * a_max + if cap > 0.0 { cap * 2f64.powi(-17) } else { 0.0 };
+    // The CPU's scalar estimate, and the device's on tensor cores (docs/policies.md): both within lambda.
+    let lambda = (d as f64 + 16.0) * u * a_max + (2.125 * d as f64 + 8.0) * 2.0 * u * b_max + if cap > 0.0 { cap * 2f64.powi(-17) } else { 0.0 };
     let delta = 2.0 * ((2.0 * lambda).exp() - 1.0) + 2f64.powi(-20);
     let pr: Vec<Vec<f64>> = logits
         .iter()
@@ -200,33 +205,44 @@ pub fn top_p_agreement(spec: &CaseSpec, policy: &str, base: Base, p: f32, seed: 
     let mut v_gpu = gpu.take_visits();
     v_cpu.sort_by_key(|r| (r.seq_id, r.kv_head));
     v_gpu.sort_by_key(|r| (r.seq_id, r.kv_head));
+    let (oc, _) = outs_cpu.to_f64(&f);
+    let (og, _) = outs_gpu.to_f64(&f);
+    let lens = f.seq_lens.clone();
+    Ok(top_p_rows_agree(&f, &meta, &v_cpu, &v_gpu, &|s, _| base.candidates(lens[s] as usize), p, &oc, &og))
+}
+
+/// The check of one run: the engines' visit records (sorted by sequence and KV head), each row's candidate
+/// positions (`cand(s, h)`, increasing: the base selector's set on the CPU engine), the CPU engine's
+/// metadata and both engines' outputs (f64). Rows whose sets differ are listed in `rows_apart`.
+#[allow(clippy::too_many_arguments)]
+pub fn top_p_rows_agree(f: &Fixture, meta: &kvsparse::meta::MetaSnapshot, v_cpu: &[VisitRecord], v_gpu: &[VisitRecord], cand: &dyn Fn(usize, usize) -> Vec<usize>, p: f32, oc: &[f64], og: &[f64]) -> TopPAgreement {
+    let spec = &f.spec;
     let mut res = TopPAgreement { rows: v_cpu.len(), ..Default::default() };
     if v_cpu.len() != v_gpu.len() {
         res.violation = Some(format!("{} CPU policy rows vs {} GPU rows", v_cpu.len(), v_gpu.len()));
-        return Ok(res);
+        return res;
     }
-    let (oc, _) = outs_cpu.to_f64(&f);
-    let (og, _) = outs_gpu.to_f64(&f);
     let (hq, d) = (spec.num_q_heads, spec.head_dim);
     let g = hq / spec.num_kv_heads;
-    let mut want = oc.clone();
-    for (a, b) in v_cpu.iter().zip(&v_gpu) {
+    let mut want = oc.to_vec();
+    for (a, b) in v_cpu.iter().zip(v_gpu) {
         if (a.seq_id, a.kv_head) != (b.seq_id, b.kv_head) {
             res.violation = Some(format!("row order differs: seq {} head {} vs seq {} head {}", a.seq_id, a.kv_head, b.seq_id, b.kv_head));
-            return Ok(res);
+            return res;
         }
         let (s, h) = ((a.seq_id - 1000) as usize, a.kv_head);
         let (tc, tg) = (tokens_of(a), tokens_of(b));
         res.kept_cpu += tc.len();
         res.kept_gpu += tg.len();
-        let len = f.seq_lens[s] as usize;
-        let cand = base.candidates(len);
-        let rf = row_reference(&f, &meta, s, h, &cand, p);
+        let cand = cand(s, h);
+        let rf = row_reference(f, meta, s, h, &cand, p);
         res.max_allowed = res.max_allowed.max(2.0 * rf.delta);
         if tc == tg {
             continue;
         }
         res.rows_differing += 1;
+        let t = f.query_start_loc[s] as usize;
+        res.rows_apart.push((t, h));
         let index = |pos: usize| cand.binary_search(&pos).ok();
         let (mut ic, mut ig) = (vec![false; cand.len()], vec![false; cand.len()]);
         for (set, mark) in [(&tc, &mut ic), (&tg, &mut ig)] {
@@ -274,15 +290,14 @@ pub fn top_p_agreement(spec: &CaseSpec, policy: &str, base: Base, p: f32, seed: 
             }
         }
         // This row's outputs: an f64 attention over the GPU's own set.
-        let t = f.query_start_loc[s] as usize;
         for gi in 0..g {
-            let o = attend_f64(&f, s, t, h * g + gi, &tg);
+            let o = attend_f64(f, s, t, h * g + gi, &tg);
             want[(t * hq + h * g + gi) * d..][..d].copy_from_slice(&o);
         }
     }
-    res.out_rel = rel_err(&og, &want);
+    res.out_rel = rel_err(og, &want);
     res.out_tol = tolerance(spec.dtype).0;
-    Ok(res)
+    res
 }
 
 /// The GPU's visit records (sorted by sequence and head) of one fresh CUDA engine running `policy` on `f`.

@@ -43,9 +43,10 @@ fn cuda_sparse_decisions_agree_with_the_cpu_engine() {
                 r.name,
                 r.policy,
                 r.rows,
-                match (&r.decision_mismatch, r.quest) {
-                    (Some(_), _) => "DIFF".to_string(),
-                    (None, Some((n, ratio))) if n > 0 => format!("agree ({n} pages apart, worst |S - S_k| / delta {ratio:.2e})"),
+                match (&r.decision_mismatch, r.quest, r.top_p) {
+                    (Some(_), _, _) => "DIFF".to_string(),
+                    (None, Some((n, ratio)), _) if n > 0 => format!("agree ({n} pages apart, worst |S - S_k| / delta {ratio:.2e})"),
+                    (None, _, Some((n, margin))) if n > 0 => format!("agree ({n} tokens apart, worst margin {margin:.2e})"),
                     _ => "same".to_string(),
                 },
                 if r.meta_equal { "same" } else { "DIFF" },

@@ -48,6 +48,16 @@ fn estimate_tile(rows: usize, maxc: usize, num_sms: usize) -> usize {
     [4, 2].into_iter().find(|&per| rows.saturating_mul(maxc.div_ceil(THREADS * per)) >= 4 * num_sms.max(1)).unwrap_or(1) * THREADS
 }
 
+/// Whether the estimate runs on tensor cores (`kvs_topp_estimate_mma`, top_p.cu's `TE_FITS`): head sizes
+/// a multiple of 32, at most 16 query heads per KV head. Its logits agree with the CPU's within the bound
+/// of docs/policies.md instead of bit for bit; `KVS_TOPP_SCALAR_ESTIMATE=1` keeps the scalar kernel (the
+/// CPU's operations) everywhere, for tests and comparisons.
+fn estimate_on_tensor_cores(head_dim: usize, group: usize) -> bool {
+    static SCALAR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let scalar = *SCALAR.get_or_init(|| std::env::var("KVS_TOPP_SCALAR_ESTIMATE").is_ok_and(|v| v == "1"));
+    !scalar && head_dim % 32 == 0 && group <= 16
+}
+
 /// Whether the steps after the estimate run as one cluster launch: on sm_90 and newer, where a CTA's part of
 /// a row fits in shared memory, while the rows' clusters fit in one wave of one CTA per SM (more rows fill
 /// the device with the tiled kernels). `KVS_TOPP_CLUSTER=0` / `=1` forces the tiled kernels / the cluster
@@ -141,7 +151,8 @@ impl CudaStage for TopPStage {
         let mut k = common();
         k.ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale);
         k.i64(codes as i64).i64(qparams as i64).f32(a.softcap);
-        launch::launch_dependent(pdl, cx.function("kvs_topp_estimate")?, tiles(etile), THREADS as u32, 0, &mut k, stream, "kvs_topp_estimate launch")?;
+        let estimate = if estimate_on_tensor_cores(d, cx.cfg.group_size()) { "kvs_topp_estimate_mma" } else { "kvs_topp_estimate" };
+        launch::launch_dependent(pdl, cx.function(estimate)?, tiles(etile), THREADS as u32, 0, &mut k, stream, "kvs_topp_estimate launch")?;
         let smem = cluster_smem(cx.cfg.group_size(), maxc.div_ceil(CLUSTER_CTAS).next_multiple_of(4));
         let dyn_max = (gpu.smem_optin.max(0) as usize).saturating_sub(CLUSTER_STATIC_SMEM);
         if use_cluster(gpu.cc.0, ns * hk, gpu.num_sms.max(0) as usize, smem <= dyn_max) {
