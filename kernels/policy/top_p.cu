@@ -242,28 +242,36 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOP
 // accumulation, then times 2^-e. The products are exact; the tensor core's additions are not the CPU's
 // order, so a logit differs from the CPU's within the bound of docs/policies.md ("Twilight top-p on the
 // device"). min * sum(q) and the rest stay the CPU's operations. K order: lane quad tt reads code words
-// tt * TE_WPT .. + TE_WPT - 1 of each candidate row (16-byte loads where they fit), and k-step ks takes
-// nibbles 4 (ks & 1) .. + 3 of its word ks / 2: k = 2 tt + e is channel te_channel(ks, k) below, the
-// same map in A and B. Same grid, tiles and outputs as kvs_topp_estimate; each warp takes 16 candidates
+// tt * TE_WPT .. + TE_WPT - 1 of each candidate row (16-byte loads where they fit), and k-steps 2 jw and
+// 2 jw + 1 take its word jw as te_word_f16x2's nibble pairs: k is channel te_channel(ks, k) below, the
+// same map in A and B. Same grid, tiles and outputs as kvs_topp_estimate; each warp takes 32 candidates
 // per round.
 #define TE_FITS (HEAD_DIM % 32 == 0 && GROUP <= 16)
 #if TE_FITS
 #define TE_NT ((GROUP + 7) / 8)  // 8-column tiles of query rows
 #define TE_KS (HEAD_DIM / 16)    // k-steps of a candidate row
 #define TE_WPT (HEAD_DIM / 32)   // code words (8 channels each) per lane of a quad, per candidate row
+#define TE_MT 2                  // 16-candidate tiles per warp and round (the query's fragments loaded once)
 
-// The channel that k index k (0..15) of k-step ks stands for (both operands use this map).
+// The channel that k index k (0..15) of k-step ks stands for (both operands use this map): k-steps 2 jw
+// and 2 jw + 1 take word jw of the lane's, as the nibble pairs te_word_f16x2 makes of it.
 __device__ __forceinline__ int te_channel(int ks, int k) {
     const int tt = (k & 7) >> 1, e = k & 1, hi8 = k >> 3;
-    return 8 * (tt * TE_WPT + (ks >> 1)) + 4 * (ks & 1) + 2 * hi8 + e;
+    return 8 * (tt * TE_WPT + (ks >> 1)) + 2 * (ks & 1) + hi8 + 4 * e;
 }
 
-// Two 4-bit codes (bits 0-3 and 4-7 of `x`) as an f16x2, exactly: 1024 + c as f16 bits, minus 1024.
-__device__ __forceinline__ unsigned te_codes_f16x2(unsigned x) {
-    const unsigned v = (x & 0xFu) | ((x & 0xF0u) << 12) | 0x64006400u;
-    unsigned r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64006400u));
-    return r;
+// A word's 8 codes (nibbles n0..n7) as f16x2 pairs, exactly: p[i] = (n_i, n_{i+4}). The masked nibbles
+// OR'd into 0x6400 (1024) are 1024 + n, or 1024 + 16 n for the high nibble of a byte; one f16x2
+// subtraction or fused multiply-add (times 1/16, minus 64) leaves n. All values exact in f16.
+__device__ __forceinline__ void te_word_f16x2(unsigned w, unsigned (&p)[4]) {
+    const unsigned w8 = w >> 8;
+    const unsigned v[4] = {(w & 0x000F000Fu) | 0x64006400u, (w & 0x00F000F0u) | 0x64006400u, (w8 & 0x000F000Fu) | 0x64006400u,
+                           (w8 & 0x00F000F0u) | 0x64006400u};
+#pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+        asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(p[i]) : "r"(v[i]), "r"(0x64006400u));
+        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(p[i + 1]) : "r"(v[i + 1]), "r"(0x2C002C00u), "r"(0xD400D400u));  // x / 16 - 64
+    }
 }
 
 // A candidate row's TE_WPT code words of lane quad tt (zero when `row` < 0: no candidate there).
@@ -341,69 +349,92 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate_mma
     __syncthreads();
     float* out = logits + (i64)t.row * GROUP * maxc;
     const int qr = lane >> 2, tt = lane & 3, bs = 1 << b.bs_log2;
-    float mx[TE_NT][2];
+    // 2^-e of this lane's query rows nt * 8 + 2 tt + e, as two exact factors (e in [-113, 163]).
+    float sc1[TE_NT][2], sc2[TE_NT][2], mx[TE_NT][2];
 #pragma unroll
-    for (int nt = 0; nt < TE_NT; ++nt) mx[nt][0] = mx[nt][1] = -INFINITY;
-    for (int c0 = blockIdx.x * etile + warp * 16; c0 < min((int)(blockIdx.x + 1) * etile, t.nc); c0 += nw * 16) {
-        // This lane's two candidates (rows qr and qr + 8 of A): code row, min and scale.
-        i64 crow[2];
-        float mn[2], scl[2];
+    for (int nt = 0; nt < TE_NT; ++nt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int j = c0 + qr + 8 * r;
-            crow[r] = -1;
-            mn[r] = scl[r] = 0.f;
-            if (j < t.nc) {
-                const int pos = t.pos(j);
-                const i64 pb = (pos >= t.r.lo && pos <= t.r.hi) ? phys_block(b, blockIdx.z, pos >> b.bs_log2) : -1;
-                if (pb >= 0) {
-                    crow[r] = (pb * bs + (pos & (bs - 1))) * hk + h;
-                    mn[r] = kvs_f16_to_f32(qparams[2 * crow[r]]);
-                    scl[r] = kvs_f16_to_f32(qparams[2 * crow[r] + 1]);
-                }
-            }
+        for (int e = 0; e < 2; ++e) {
+            const int g = nt * 8 + 2 * tt + e, x = g < GROUP ? -qe[g] : 0;
+            sc1[nt][e] = quest_pow2(x - x / 2);
+            sc2[nt][e] = quest_pow2(x / 2);
+            mx[nt][e] = -INFINITY;
         }
-        unsigned w0[TE_WPT], w1[TE_WPT];
-        te_load_words(codes, crow[0], tt, w0);
-        te_load_words(codes, crow[1], tt, w1);
-        float acc[TE_NT][4];
+    // Each warp takes TE_MT * 16 candidates per round: rows qr and qr + 8 of each of its TE_MT tiles.
+    for (int c0 = blockIdx.x * etile + warp * TE_MT * 16; c0 < min((int)(blockIdx.x + 1) * etile, t.nc); c0 += nw * TE_MT * 16) {
+        i64 crow[TE_MT][2];
+        float mn[TE_MT][2], scl[TE_MT][2];
+        unsigned wd[TE_MT][2][TE_WPT];
 #pragma unroll
-        for (int nt = 0; nt < TE_NT; ++nt)
+        for (int m = 0; m < TE_MT; ++m)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[nt][c] = 0.f;
-        // The k-steps accumulate in one chain, hi then lo term of each.
-#pragma unroll
-        for (int ks = 0; ks < TE_KS; ++ks) {
-            const int sh = 16 * (ks & 1);
-            const unsigned x0 = w0[ks >> 1] >> sh, x1 = w1[ks >> 1] >> sh;
-            const unsigned a[4] = {te_codes_f16x2(x0), te_codes_f16x2(x1), te_codes_f16x2(x0 >> 8), te_codes_f16x2(x1 >> 8)};
-#pragma unroll
-            for (int nt = 0; nt < TE_NT; ++nt) {
-                const uint4 bq = qb[nt][ks][lane];
-                quest_mma_f16(acc[nt], a, bq.x, bq.y);
-                quest_mma_f16(acc[nt], a, bq.z, bq.w);
-            }
-        }
-        // acc[nt][2 r + e]: candidate qr + 8 r, query row nt * 8 + 2 tt + e.
-#pragma unroll
-        for (int nt = 0; nt < TE_NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int g = nt * 8 + 2 * tt + e;
-                if (g >= GROUP) continue;
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int j = c0 + qr + 8 * r;
-                    if (j >= t.nc) continue;
-                    float x = __int_as_float(0x7fffffff);  // outside the row: NaN, as kvs_topp_estimate
-                    if (crow[r] >= 0) {
-                        const float dot = ldexpf(acc[nt][2 * r + e], -qe[g]);
-                        x = kvs_decision_softcap(mn[r] * qsum[g] + scl[r] * dot, softcap);
-                        mx[nt][e] = fmaxf(mx[nt][e], x);  // NaN ignored, as the CPU's fold with f32::max
+            for (int r = 0; r < 2; ++r) {
+                const int j = c0 + 16 * m + qr + 8 * r;
+                crow[m][r] = -1;
+                mn[m][r] = scl[m][r] = 0.f;
+                if (j < t.nc) {
+                    const int pos = t.pos(j);
+                    const i64 pb = (pos >= t.r.lo && pos <= t.r.hi) ? phys_block(b, blockIdx.z, pos >> b.bs_log2) : -1;
+                    if (pb >= 0) {
+                        crow[m][r] = (pb * bs + (pos & (bs - 1))) * hk + h;
+                        mn[m][r] = kvs_f16_to_f32(qparams[2 * crow[m][r]]);
+                        scl[m][r] = kvs_f16_to_f32(qparams[2 * crow[m][r] + 1]);
                     }
-                    out[(i64)g * maxc + j] = x;
+                }
+                te_load_words(codes, crow[m][r], tt, wd[m][r]);
+            }
+        float acc[TE_MT][TE_NT][4];
+#pragma unroll
+        for (int m = 0; m < TE_MT; ++m)
+#pragma unroll
+            for (int nt = 0; nt < TE_NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[m][nt][c] = 0.f;
+        // The k-steps accumulate in one chain per tile, hi then lo term of each.
+#pragma unroll
+        for (int jw = 0; jw < TE_WPT; ++jw) {
+            unsigned pr[TE_MT][2][4];
+#pragma unroll
+            for (int m = 0; m < TE_MT; ++m)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) te_word_f16x2(wd[m][r][jw], pr[m][r]);
+#pragma unroll
+            for (int odd = 0; odd < 2; ++odd) {
+                const int ks = 2 * jw + odd;
+#pragma unroll
+                for (int nt = 0; nt < TE_NT; ++nt) {
+                    const uint4 bq = qb[nt][ks][lane];
+#pragma unroll
+                    for (int m = 0; m < TE_MT; ++m) {
+                        const unsigned a[4] = {pr[m][0][2 * odd], pr[m][1][2 * odd], pr[m][0][2 * odd + 1], pr[m][1][2 * odd + 1]};
+                        quest_mma_f16(acc[m][nt], a, bq.x, bq.y);
+                        quest_mma_f16(acc[m][nt], a, bq.z, bq.w);
+                    }
                 }
             }
+        }
+        // acc[m][nt][2 r + e]: candidate c0 + 16 m + qr + 8 r, query row nt * 8 + 2 tt + e.
+#pragma unroll
+        for (int m = 0; m < TE_MT; ++m)
+#pragma unroll
+            for (int nt = 0; nt < TE_NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int g = nt * 8 + 2 * tt + e;
+                    if (g >= GROUP) continue;
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int j = c0 + 16 * m + qr + 8 * r;
+                        if (j >= t.nc) continue;
+                        float x = __int_as_float(0x7fffffff);  // outside the row: NaN, as kvs_topp_estimate
+                        if (crow[m][r] >= 0) {
+                            const float dot = acc[m][nt][2 * r + e] * sc1[nt][e] * sc2[nt][e];
+                            x = kvs_decision_softcap(mn[m][r] * qsum[g] + scl[m][r] * dot, softcap);
+                            mx[nt][e] = fmaxf(mx[nt][e], x);  // NaN ignored, as the CPU's fold with f32::max
+                        }
+                        out[(i64)g * maxc + j] = x;
+                    }
+                }
     }
     // Each query row's maximum: over the lanes of a quad position (same tt), then over the warps.
 #pragma unroll
