@@ -18,6 +18,8 @@ Also FlashInfer's dense decode over every page (same HND cache) as the dense bas
 point checks the assembled step against a float32 reference over the same pages (the selected sets against
 torch.topk's, ties aside), so the peer is a correct Quest.
 
+`--graph` times every stage and the step as CUDA-graph replays (one graph per input rotation), as serving engines
+run decode; without it, eager calls (Python's launch cost included).
 Prints one line per point (microseconds: scores, top_k transform, top_k alone, attend, step, dense; step x dense)
 and writes a CSV. Needs torch and FlashInfer (its top-k and decode modules JIT-compile on first use: the slim
 wheel of scripts/repack_flashinfer_wheel.py keeps their sources)."""
@@ -37,6 +39,7 @@ ap.add_argument("--ctx", default="32768,131072")
 ap.add_argument("--heads", default="32/8")
 ap.add_argument("--budget-div", type=int, default=16, help="budget = context / this (tokens)")
 ap.add_argument("--max-kv-gib", type=float, default=40.0)
+ap.add_argument("--graph", action="store_true", help="time each stage and the step as CUDA-graph replays (as vLLM and SGLang run decode)")
 args = ap.parse_args()
 ints = lambda s: [int(x) for x in s.split(",") if x]
 dev = torch.device("cuda")
@@ -99,7 +102,6 @@ class Point:
             w.plan(dindptr, t.reshape(-1).contiguous(), dlast, hq, hkv, D, BS, pos_encoding_mode="NONE",
                    q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=D ** -0.5)
             self.dense.append(w)
-        self.r = 0
 
     def score(self, r):
         t = self.tables[r].long()
@@ -123,17 +125,29 @@ class Point:
     def attend(self, r):
         self.sparse.run(self.q[r].view(self.b * self.hkv, self.g, D), (self.kflat, self.vflat), out=self.out)
 
-    def step(self):
-        r = self.r
-        self.r = (r + 1) % self.rot
-        self.score(r)
-        self.select(r)
-        self.attend(r)
 
-    def dense_step(self):
-        r = self.r
-        self.r = (r + 1) % self.rot
-        self.dense[r].run(self.q[r], (self.kc, self.vc), out=self.dense_out)
+def graphed(fn):
+    """`fn` captured in a CUDA graph (after a warm-up on a side stream, as torch's docs ask), as its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def rotating(fns):
+    """Calls fns[0], fns[1], ... in turn (one per rotation of the inputs)."""
+    state = [0]
+
+    def call():
+        fns[state[0]]()
+        state[0] = (state[0] + 1) % len(fns)
+    return call
 
 
 def check():
@@ -178,12 +192,15 @@ for hq, hkv in [tuple(int(y) for y in h.split("/")) for h in args.heads.split(",
             try:
                 p = Point(b, L, hq, hkv, rot)
                 t = {}
-                t["scores"] = time_ms(lambda: p.score(0)) * 1e3
-                t["topk_pt"] = time_ms(lambda: p.select(0)) * 1e3
-                t["topk"] = time_ms(p.topk_alone) * 1e3
-                t["attend"] = time_ms(lambda: p.attend(0)) * 1e3
-                t["step"] = time_ms(p.step) * 1e3
-                t["dense"] = time_ms(p.dense_step) * 1e3
+                wrap = graphed if args.graph else (lambda fn: fn)
+                t["scores"] = time_ms(wrap(lambda: p.score(0))) * 1e3
+                t["topk_pt"] = time_ms(wrap(lambda: p.select(0))) * 1e3
+                t["topk"] = time_ms(wrap(p.topk_alone)) * 1e3
+                t["attend"] = time_ms(wrap(lambda: p.attend(0))) * 1e3
+                # The step and the dense baseline rotate over the inputs (one graph per rotation).
+                steps = [wrap(lambda r=r: (p.score(r), p.select(r), p.attend(r))) for r in range(p.rot)]
+                t["step"] = time_ms(rotating(steps)) * 1e3
+                t["dense"] = time_ms(rotating([wrap(lambda r=r: p.dense[r].run(p.q[r], (p.kc, p.vc), out=p.dense_out)) for r in range(p.rot)])) * 1e3
             except Exception as e:  # a kernel that refuses the point says why; the others still run
                 print(f"{b:>5} {L:>7} {hq:>3}/{hkv:<2} refused: {str(e).strip().splitlines()[-1][:150]}", flush=True)
                 continue
