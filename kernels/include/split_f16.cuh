@@ -30,3 +30,27 @@ __device__ __forceinline__ int split_exponent(float m) {
     if (finite) frexpf(m, &x);
     return finite ? 15 - x : 0;
 }
+
+// The exponent of a row of N values (`row`, shared memory), warp-wide: every lane returns split_exponent
+// of the row's max |v| (NaN if any value is NaN, which gives 0); 0 when the row is not `active`.
+template <int N>
+__device__ __forceinline__ int row_split_exponent(const float* row, bool active) {
+    float m = 0.f;
+    if (active)
+        for (int c = threadIdx.x & 31; c < N; c += 32) m = quest_nanmax(m, fabsf(row[c]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = quest_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+    return split_exponent(m);
+}
+
+// One lane's B fragment of a k-step from its four scaled values v (k = 2 (lane % 4) + {0, 1}, then + 8):
+// {hi b0, hi b1, lo b0, lo b1}, hi = f16(v) and lo = f16(v - hi).
+__device__ __forceinline__ uint4 split_b_fragment(const float (&v)[4]) {
+    unsigned hi[2], lo[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        hi[half] = quest_f16x2(v[2 * half], v[2 * half + 1]);
+        lo[half] = quest_f16x2(v[2 * half] - kvs_f16_to_f32((u16)hi[half]), v[2 * half + 1] - kvs_f16_to_f32((u16)(hi[half] >> 16)));
+    }
+    return make_uint4(hi[0], hi[1], lo[0], lo[1]);
+}

@@ -66,12 +66,8 @@ __device__ __forceinline__ void quest_mma_query(const SeqRow& r, int h, const el
     }
     __syncthreads();
     for (int g = warp; g < QM_NT * 8; g += nw) {
-        float m = 0.f;
-        if (g < GROUP)
-            for (int c = lane; c < HEAD_DIM; c += 32) m = quest_nanmax(m, fabsf(qs[g * QM_QSTR + c]));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = quest_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (lane == 0) qe[g] = split_exponent(m);  // max |q| * 2^e in [2^14, 2^15)
+        const int e = row_split_exponent<HEAD_DIM>(qs + g * QM_QSTR, g < GROUP);
+        if (lane == 0) qe[g] = e;  // max |q| * 2^e in [2^14, 2^15)
     }
     __syncthreads();
     // Lane l of k-step ks holds, for query row nt * 8 + l / 4, the K indices k = ks * 16 + 2 (l % 4)
@@ -80,7 +76,7 @@ __device__ __forceinline__ void quest_mma_query(const SeqRow& r, int h, const el
     for (int i = threadIdx.x; i < QM_NT * QM_KS * 32; i += blockDim.x) {
         const int l = i % 32, ks = (i / 32) % QM_KS, nt = i / (32 * QM_KS);
         const int g = nt * 8 + l / 4;
-        unsigned hi[2] = {0u, 0u}, lo[2] = {0u, 0u};
+        uint4 frag = make_uint4(0u, 0u, 0u, 0u);
         if (g < GROUP) {
             const int e = qe[g];
             const float s1 = quest_pow2(e - e / 2), s2 = quest_pow2(e / 2);  // qe in [-113, 163]
@@ -89,13 +85,9 @@ __device__ __forceinline__ void quest_mma_query(const SeqRow& r, int h, const el
             const float2 a = *reinterpret_cast<const float2*>(row), c = *reinterpret_cast<const float2*>(row + 8);
             const float v[4] = {quest_split_part(a.x, s1, s2, neg), quest_split_part(a.y, s1, s2, neg), quest_split_part(c.x, s1, s2, neg),
                                 quest_split_part(c.y, s1, s2, neg)};
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                hi[half] = quest_f16x2(v[2 * half], v[2 * half + 1]);
-                lo[half] = quest_f16x2(v[2 * half] - kvs_f16_to_f32((u16)hi[half]), v[2 * half + 1] - kvs_f16_to_f32((u16)(hi[half] >> 16)));
-            }
+            frag = split_b_fragment(v);
         }
-        qb[nt][ks][l] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
+        qb[nt][ks][l] = frag;
     }
     __syncthreads();
 }

@@ -319,32 +319,24 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate_mma
     }
     load_q(q, q0, q1, q2, t.r.t, h, scale, qs, qsum);  // the CPU's scaled rows and their ordered sums
     for (int g = warp; g < TE_NT * 8; g += nw) {
-        float m = 0.f;
-        if (g < GROUP)
-            for (int c = lane; c < HEAD_DIM; c += 32) m = quest_nanmax(m, fabsf(qs[g * HEAD_DIM + c]));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = quest_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (lane == 0) qe[g] = split_exponent(m);
+        const int e = row_split_exponent<HEAD_DIM>(qs + g * HEAD_DIM, g < GROUP);
+        if (lane == 0) qe[g] = e;
     }
     __syncthreads();
     // Lane l of k-step ks holds, for query row nt * 8 + l / 4, k = 2 (l % 4) + {0, 1} (b0) and + 8 (b1).
     for (int i = threadIdx.x; i < TE_NT * TE_KS * 32; i += blockDim.x) {
         const int l = i % 32, ks = (i / 32) % TE_KS, nt = i / (32 * TE_KS);
         const int g = nt * 8 + l / 4, k0 = 2 * (l % 4);
-        unsigned hi[2] = {0u, 0u}, lo[2] = {0u, 0u};
+        uint4 frag = make_uint4(0u, 0u, 0u, 0u);
         if (g < GROUP) {
             const int e = qe[g];
             const float s1 = quest_pow2(e - e / 2), s2 = quest_pow2(e / 2);
             const float* row = qs + g * HEAD_DIM;
             const float v[4] = {row[te_channel(ks, k0)] * s1 * s2, row[te_channel(ks, k0 + 1)] * s1 * s2, row[te_channel(ks, k0 + 8)] * s1 * s2,
                                 row[te_channel(ks, k0 + 9)] * s1 * s2};
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                hi[half] = quest_f16x2(v[2 * half], v[2 * half + 1]);
-                lo[half] = quest_f16x2(v[2 * half] - kvs_f16_to_f32((u16)hi[half]), v[2 * half + 1] - kvs_f16_to_f32((u16)(hi[half] >> 16)));
-            }
+            frag = split_b_fragment(v);
         }
-        qb[nt][ks][l] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
+        qb[nt][ks][l] = frag;
     }
     __syncthreads();
     float* out = logits + (i64)t.row * GROUP * maxc;

@@ -523,8 +523,9 @@ mod tests {
             take(checked(&[ns, hk, g, maxc, 4])?);
             take(checked(&[ns, hk, maxc, 4])?);
             // Since issue 34 (top-p's search over many CTAs): tile maxima, tile normalisers, row max and
-            // 1/normaliser, 4 histograms, 5 search states, tile summaries, flags.
-            let (etiles, stiles) = (maxc.div_ceil(1024), maxc.div_ceil(1024));
+            // 1/normaliser, 4 histograms, 5 search states, tile summaries, flags. Since 00ae4fb the tile
+            // maxima have room for the estimate's smallest tile (256 candidates).
+            let (etiles, stiles) = (maxc.div_ceil(256), maxc.div_ceil(1024));
             take(checked(&[ns, hk, etiles, g, 4])?);
             take(checked(&[ns, hk, stiles, g, 8])?);
             take(checked(&[ns, hk, 2, g, 4])?);
