@@ -307,3 +307,43 @@ pub fn gpu_visits(f: &Fixture, policy: &str) -> Result<Vec<VisitRecord>> {
     v.sort_by_key(|r| (r.seq_id, r.kv_head));
     Ok(v)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvsparse::tensor::DType;
+
+    /// The row check on the CPU engine's own records (no GPU): equal records agree; the same records with
+    /// the row's heaviest candidate dropped on the "GPU" side are a violation (far from the boundary), and
+    /// the same with the last kept candidate (at the boundary) are not.
+    #[test]
+    fn only_borderline_tokens_may_differ() {
+        let spec = CaseSpec::new("top-p-rows", DType::BF16, 64, 8, 2, 16, vec![(1, 300), (1, 700)]);
+        let mut f = Fixture::new(&spec, 7);
+        let cpu = Engine::new(cfg_for(&f, "all > top_p(p=0.9)", Device::Cpu)).expect("engine");
+        cpu.record_visits(true);
+        let outs = run_on_engine(&cpu, &mut f).expect("run");
+        let mut v = cpu.take_visits();
+        v.sort_by_key(|r| (r.seq_id, r.kv_head));
+        let meta = cpu.metadata_snapshot(0).expect("meta").expect("int4 copy");
+        let (oc, _) = outs.to_f64(&f);
+        let lens = f.seq_lens.clone();
+        let cand = |s: usize, _h: usize| Base::All.candidates(lens[s] as usize);
+        let same = top_p_rows_agree(&f, &meta, &v, &v, &cand, 0.9, &oc, &oc);
+        assert!(same.violation.is_none() && same.differing == 0 && same.rows == v.len(), "{same:?}");
+        // Row 0's candidates in the reference order: the heaviest, and the last one the CPU kept.
+        let (s, h) = ((v[0].seq_id - 1000) as usize, v[0].kv_head);
+        let c = cand(s, h);
+        let rf = row_reference(&f, &meta, s, h, &c, 0.9);
+        let kept = tokens_of(&v[0]);
+        let by_rank = |k: usize| c[(0..c.len()).find(|&j| rf.rank[j] == k).expect("a place")];
+        let last_kept = (0..c.len()).map(by_rank).take_while(|p| kept.contains(p)).last().expect("a kept token");
+        for (drop, far) in [(by_rank(0), true), (last_kept, false)] {
+            let mut g = v.clone();
+            g[0].spans = kept.iter().filter(|&&p| p != drop).map(|&p| (p, p + 1)).collect();
+            let ag = top_p_rows_agree(&f, &meta, &v, &g, &cand, 0.9, &oc, &oc);
+            assert_eq!(ag.differing, 1, "{ag:?}");
+            assert_eq!(ag.violation.is_some(), far, "token {drop} (far {far}): {ag:?}");
+        }
+    }
+}

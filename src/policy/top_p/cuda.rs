@@ -200,6 +200,17 @@ mod tests {
     }
 
     #[test]
+    fn the_estimate_takes_tensor_cores_where_top_p_cu_compiles_them() {
+        if std::env::var_os("KVS_TOPP_SCALAR_ESTIMATE").is_some() {
+            return;  // forced
+        }
+        // top_p.cu's TE_FITS: HEAD_DIM % 32 == 0 && GROUP <= 16.
+        for (d, g, fits) in [(64, 1, true), (96, 8, true), (128, 4, true), (256, 16, true), (80, 4, false), (112, 2, false), (128, 17, false)] {
+            assert_eq!(estimate_on_tensor_cores(d, g), fits, "head {d}, group {g}");
+        }
+    }
+
+    #[test]
     fn estimate_tiles_shrink_until_the_device_has_four_ctas_per_sm() {
         // 32/8 heads, Quest(L/4) candidates, 132 SMs.
         assert_eq!(estimate_tile(8, 8192, 132), 256, "1 x 32K: 256 CTAs of one candidate per thread");
