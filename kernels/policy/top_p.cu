@@ -181,6 +181,13 @@ __device__ __forceinline__ void estimate_row(const code_vec* cv, float mn, float
     }
 }
 
+// The estimate's CTA 0 of a row clears the row's histograms and flags for the later kernels (block-wide).
+__device__ __forceinline__ void clear_row_search(int row, unsigned long long* hist, int* flags) {
+    unsigned long long* hr = hist + (i64)row * TOPP_PASSES * 256 * GROUP;
+    for (int i = threadIdx.x; i < TOPP_PASSES * 256 * GROUP; i += blockDim.x) hr[i] = 0ull;
+    if (threadIdx.x < 2) flags[2 * row + threadIdx.x] = 0;
+}
+
 // Step 1: INT4 estimates of every candidate's logits (the base plan's positions inside the row), as
 // estimate_weights, soft-capped.
 // Candidates outside the row get NaN. Also each CTA's maximum per row (tmax), and CTA 0 of a row clears
@@ -197,11 +204,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOP
     const ToppRow t = topp_row(b, blockIdx.z, blockIdx.y, hk, base, b_s, b_h, base_len, ulog2, maxc);
     if ((int)(blockIdx.x * etile) >= t.nc) return;  // also every row that is not a decode row
     const int h = blockIdx.y;
-    if (blockIdx.x == 0) {
-        unsigned long long* hr = hist + (i64)t.row * TOPP_PASSES * 256 * GROUP;
-        for (int i = threadIdx.x; i < TOPP_PASSES * 256 * GROUP; i += blockDim.x) hr[i] = 0ull;
-        if (threadIdx.x < 2) flags[2 * t.row + threadIdx.x] = 0;
-    }
+    if (blockIdx.x == 0) clear_row_search(t.row, hist, flags);
     load_q(q, q0, q1, q2, t.r.t, h, scale, qs, qsum);
     float* out = logits + (i64)t.row * GROUP * maxc;
     float mx[GROUP];
@@ -312,11 +315,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate_mma
     const ToppRow t = topp_row(b, blockIdx.z, blockIdx.y, hk, base, b_s, b_h, base_len, ulog2, maxc);
     if ((int)(blockIdx.x * etile) >= t.nc) return;  // also every row that is not a decode row
     const int h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = TOPP_THREADS / 32;
-    if (blockIdx.x == 0) {
-        unsigned long long* hr = hist + (i64)t.row * TOPP_PASSES * 256 * GROUP;
-        for (int i = threadIdx.x; i < TOPP_PASSES * 256 * GROUP; i += blockDim.x) hr[i] = 0ull;
-        if (threadIdx.x < 2) flags[2 * t.row + threadIdx.x] = 0;
-    }
+    if (blockIdx.x == 0) clear_row_search(t.row, hist, flags);
     load_q(q, q0, q1, q2, t.r.t, h, scale, qs, qsum);  // the CPU's scaled rows and their ordered sums
     for (int g = warp; g < TE_NT * 8; g += nw) {
         const int e = row_split_exponent<HEAD_DIM>(qs + g * HEAD_DIM, g < GROUP);
