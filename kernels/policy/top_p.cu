@@ -92,6 +92,16 @@ __device__ __forceinline__ ToppRow topp_row(const Batch& b, int s, int h, int hk
     return t;
 }
 
+// Candidate j's row of the INT4 copy (slot x KV heads + h), or -1 when its position lies outside the row's
+// limits (no block there): the estimates' addressing.
+__device__ __forceinline__ i64 topp_code_row(const ToppRow& t, const Batch& b, int s, int hk, int h, int j) {
+    const int pos = t.pos(j);
+    const i64 pb = (pos >= t.r.lo && pos <= t.r.hi) ? phys_block(b, s, pos >> b.bs_log2) : -1;
+    if (pb < 0) return -1;
+    const int bs = 1 << b.bs_log2;
+    return (pb * bs + (pos & (bs - 1))) * hk + h;
+}
+
 // A candidate's estimated weight in one row, as softmax_decision: e = fast_exp(x - max), times f32(1/z)
 // (times 1 when z is not positive, which leaves e unchanged).
 __device__ __forceinline__ float topp_weight(float x, float m, float inv) { return kvs_fast_exp(x - m) * inv; }
@@ -213,14 +223,11 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate(TOP
     for (int k = 0; k < etile / TOPP_THREADS; ++k) {
         const int j = blockIdx.x * etile + k * TOPP_THREADS + threadIdx.x;
         if (j >= t.nc) break;
-        const int pos = t.pos(j);
-        const i64 pb = (pos >= t.r.lo && pos <= t.r.hi) ? phys_block(b, blockIdx.z, pos >> b.bs_log2) : -1;
-        if (pb < 0) {
+        const i64 row = topp_code_row(t, b, blockIdx.z, hk, h, j);
+        if (row < 0) {
             for (int g = 0; g < GROUP; ++g) out[(i64)g * maxc + j] = __int_as_float(0x7fffffff);
             continue;
         }
-        const int bs = 1 << b.bs_log2;
-        const i64 row = (pb * bs + (pos & (bs - 1))) * hk + h;
         float xv[GROUP];
         estimate_row(reinterpret_cast<const code_vec*>(codes + row * (HEAD_DIM / 2)), kvs_f16_to_f32(qparams[2 * row]), kvs_f16_to_f32(qparams[2 * row + 1]), qs,
                      qsum, softcap, xv);
@@ -339,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate_mma
     }
     __syncthreads();
     float* out = logits + (i64)t.row * GROUP * maxc;
-    const int qr = lane >> 2, tt = lane & 3, bs = 1 << b.bs_log2;
+    const int qr = lane >> 2, tt = lane & 3;
     // 2^-e of this lane's query rows nt * 8 + 2 tt + e, as two exact factors (e in [-113, 163]).
     float sc1[TE_NT][2], sc2[TE_NT][2], mx[TE_NT][2];
 #pragma unroll
@@ -361,17 +368,9 @@ extern "C" __global__ void __launch_bounds__(TOPP_THREADS) kvs_topp_estimate_mma
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int j = c0 + 16 * m + qr + 8 * r;
-                crow[m][r] = -1;
-                mn[m][r] = scl[m][r] = 0.f;
-                if (j < t.nc) {
-                    const int pos = t.pos(j);
-                    const i64 pb = (pos >= t.r.lo && pos <= t.r.hi) ? phys_block(b, blockIdx.z, pos >> b.bs_log2) : -1;
-                    if (pb >= 0) {
-                        crow[m][r] = (pb * bs + (pos & (bs - 1))) * hk + h;
-                        mn[m][r] = kvs_f16_to_f32(qparams[2 * crow[m][r]]);
-                        scl[m][r] = kvs_f16_to_f32(qparams[2 * crow[m][r] + 1]);
-                    }
-                }
+                crow[m][r] = j < t.nc ? topp_code_row(t, b, blockIdx.z, hk, h, j) : -1;
+                mn[m][r] = crow[m][r] >= 0 ? kvs_f16_to_f32(qparams[2 * crow[m][r]]) : 0.f;
+                scl[m][r] = crow[m][r] >= 0 ? kvs_f16_to_f32(qparams[2 * crow[m][r] + 1]) : 0.f;
                 te_load_words(codes, crow[m][r], tt, wd[m][r]);
             }
         float acc[TE_MT][TE_NT][4];
