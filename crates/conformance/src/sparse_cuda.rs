@@ -182,27 +182,28 @@ pub fn run_sparse_case(spec: &CaseSpec, policy: &str, seed: u64) -> SparseResult
     run_sparse_case_keys(spec, policy, seed, None)
 }
 
-/// Replaces every key the fixture writes by `key(row)` (row = the index of the written row, prior rows
-/// first): keys that make many scores the same.
-pub fn override_keys(f: &mut Fixture, key: &dyn Fn(usize) -> f64) {
-    let per = f.spec.num_kv_heads * f.spec.head_dim;
-    let np = f.prior.k.len() / per;
-    for i in 0..f.prior.k.len() {
-        f.prior.k.set(i, key(i / per));
+/// Fixture `spec`/`seed` with every key it writes replaced by `key(row)` when given (row = the index of the
+/// written row, prior rows first): keys that make many scores the same.
+pub fn fixture_with_keys(spec: &CaseSpec, seed: u64, key: Option<&dyn Fn(usize) -> f64>) -> Fixture {
+    let mut f = Fixture::new(spec, seed);
+    if let Some(key) = key {
+        let per = f.spec.num_kv_heads * f.spec.head_dim;
+        let np = f.prior.k.len() / per;
+        for i in 0..f.prior.k.len() {
+            f.prior.k.set(i, key(i / per));
+        }
+        for i in 0..f.new_k.len() {
+            f.new_k.set(i, key(np + i / per));
+        }
     }
-    for i in 0..f.new_k.len() {
-        f.new_k.set(i, key(np + i / per));
-    }
+    f
 }
 
 /// As `run_sparse_case`, with every key written replaced by `key(row)` (row = the index of the written row,
 /// prior rows first), when given: keys that make many pages score the same.
 pub fn run_sparse_case_keys(spec: &CaseSpec, policy: &str, seed: u64, key: Option<&dyn Fn(usize) -> f64>) -> SparseResult {
     let mut res = SparseResult::new(spec, policy, seed);
-    let mut f = Fixture::new(spec, seed);
-    if let Some(key) = key {
-        override_keys(&mut f, key);
-    }
+    let mut f = fixture_with_keys(spec, seed, key);
     let mut run = |res: &mut SparseResult| -> Result<()> {
         let cpu = Engine::new(cfg_for(&f, policy, Device::Cpu))?;
         cpu.record_visits(true);
@@ -233,7 +234,7 @@ pub fn run_sparse_case_keys(spec: &CaseSpec, policy: &str, seed: u64, key: Optio
                 if !ag.rows_apart.is_empty() {
                     // Visited blocks and bytes follow the sets; the LSE of a row apart follows the GPU's set
                     // (its output is checked against the f64 reference over that set above).
-                    res.counters_mismatch = compare_counters(&Counters { blocks_visited: 0, kv_bytes_read: 0, ..c_cpu }, &Counters { blocks_visited: 0, kv_bytes_read: 0, ..c_gpu });
+                    res.counters_mismatch = compare_counters(&without_set_counters(&c_cpu), &without_set_counters(&c_gpu));
                     mask_rows(&mut lc, &mut lg, &ag.rows_apart, spec);
                 }
             }
@@ -247,10 +248,9 @@ pub fn run_sparse_case_keys(spec: &CaseSpec, policy: &str, seed: u64, key: Optio
                 res.rel_err = ag.out_rel;
                 res.top_p = Some((ag.differing, ag.worst_margin));
                 if !ag.rows_apart.is_empty() {
+                    // As Quest's, and the tokens top-p kept.
                     let strip = |c: &Counters| {
-                        let mut c = c.clone();
-                        c.blocks_visited = 0;
-                        c.kv_bytes_read = 0;
+                        let mut c = without_set_counters(c);
                         c[top_p::KEPT] = 0;
                         c
                     };
@@ -270,6 +270,12 @@ pub fn run_sparse_case_keys(spec: &CaseSpec, policy: &str, seed: u64, key: Optio
         res.pass = false;
     }
     res
+}
+
+/// The counters without those that follow a row's set (visited blocks, bytes read): compared when the
+/// engines' sets differ on some rows.
+fn without_set_counters(c: &Counters) -> Counters {
+    Counters { blocks_visited: 0, kv_bytes_read: 0, ..c.clone() }
 }
 
 /// Zeroes the LSE of rows whose sets differ between the engines (they follow each engine's own set; the
@@ -297,10 +303,7 @@ pub fn top_p_last(policy: &str) -> Option<(String, f32)> {
 /// Each policy row's candidates: the tokens the CPU engine visits with the base selector alone, by
 /// (sequence, KV head), on the same fixture.
 fn base_candidates(spec: &CaseSpec, base: &str, seed: u64, key: Option<&dyn Fn(usize) -> f64>) -> Result<std::collections::HashMap<(usize, usize), Vec<usize>>> {
-    let mut f = Fixture::new(spec, seed);
-    if let Some(key) = key {
-        override_keys(&mut f, key);
-    }
+    let mut f = fixture_with_keys(spec, seed, key);
     let cpu = Engine::new(cfg_for(&f, base, Device::Cpu))?;
     cpu.record_visits(true);
     run_on_engine(&cpu, &mut f)?;

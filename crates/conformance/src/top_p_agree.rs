@@ -19,7 +19,7 @@
 
 use super::fixture::{run_on_engine, Fixture, Outputs};
 use super::reference::{attend_rows, rel_err};
-use super::sparse_cuda::{cfg_for, override_keys, run_fixture_cuda_policy};
+use super::sparse_cuda::{cfg_for, fixture_with_keys, run_fixture_cuda_policy};
 use super::{tolerance, CaseSpec};
 use kvsparse::engine::Engine;
 use kvsparse::error::Result;
@@ -192,10 +192,7 @@ pub(crate) fn attend_f64(f: &Fixture, s: usize, t: usize, hq: usize, tokens: &[u
 /// on the CPU and on CUDA device 0, and checks the GPU's sets against the reference as described above.
 pub fn top_p_agreement(spec: &CaseSpec, policy: &str, base: Base, p: f32, seed: u64, key: Option<&dyn Fn(usize) -> f64>) -> Result<TopPAgreement> {
     assert_eq!(spec.window, 0, "the reference's candidates assume no window");
-    let mut f = Fixture::new(spec, seed);
-    if let Some(key) = key {
-        override_keys(&mut f, key);
-    }
+    let mut f = fixture_with_keys(spec, seed, key);
     let cpu = Engine::new(cfg_for(&f, policy, Device::Cpu))?;
     cpu.record_visits(true);
     let outs_cpu = run_on_engine(&cpu, &mut f)?;
