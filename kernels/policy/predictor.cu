@@ -31,6 +31,8 @@
 #include "batch.cuh"
 #include "block_reduce.cuh"
 #include "topk.cuh"
+#include "cluster.cuh"
+#include "cluster_topk.cuh"
 #include "weights_pass.cuh"
 #include "kv_load.cuh"
 #include "mma.cuh"
@@ -420,6 +422,146 @@ __device__ __forceinline__ unsigned long long pred_span_bits(int p0, int s, int 
     return (z == 64 ? ~0ull : ((1ull << z) - 1ull)) & ~((1ull << a) - 1ull);
 }
 
+// One selection row (sequence s, KV head h) as both selection kernels see it: its visible range, mode,
+// the sink's and the local window's ends and the candidate blocks cb0 <= i < cb1 of which mm are chosen
+// (predictor::select), the crop its scores cover.
+struct PredSelRow {
+    SeqRow r;
+    int m, n, blk, nb, sink_end, local_start, cb0, cb1, mm, cnt, start, width;
+    bool all;  // DENSE and NOHIST rows: every visible position
+    const float* sc;
+};
+
+// The row's setup; false when it has no plan to make (its length written: -1 none, 0 empty). `lead`: the
+// one thread that writes the row's plan length and header.
+__device__ __forceinline__ bool pred_sel_row(const Batch& b, const PredState& st, const PredSpec& ps, const int* slot, const int* mode, const float* scores,
+                                             int nbmax, int s, int h, int* plan_len, bool lead, PredSelRow& w) {
+    const int hk = st.hk;
+    w.r = seq_row(b, s);
+    w.m = mode[s * hk + h];
+    if (!w.r.decode || w.m == PM_SKIP || w.m == PM_SEED) {
+        if (lead) plan_len[s * hk + h] = -1;
+        return false;
+    }
+    if (w.m == PM_EMPTY || w.r.hi < w.r.lo) {
+        if (lead) plan_len[s * hk + h] = 0;
+        return false;
+    }
+    w.n = w.r.hi + 1;
+    w.blk = ps.block;
+    w.nb = (w.n + w.blk - 1) / w.blk;
+    w.all = w.m == PM_DENSE || w.m == PM_NOHIST;
+    w.sink_end = min(ps.sink, w.n);
+    w.local_start = max(w.n - ps.local, 0);
+    w.cb0 = w.cb1 = w.mm = w.cnt = w.start = w.width = 0;
+    w.sc = scores + (i64)(s * hk + h) * nbmax;
+    if (!w.all) {
+        const long long sh = (long long)slot[s] * hk + h;
+        int* hd = st.hdr + sh * HDR_WORDS;
+        pred_crop(w.nb, ps, w.start, w.width);  // the scores of the crop: kvs_pred_average
+        if (lead) {
+            hd[HDR_START] = w.start;
+            hd[HDR_WIDTH] = w.width;
+            hd[HDR_PUSHED] = 0;
+            hd[HDR_ZVALID] = 1;
+        }
+        w.cb0 = w.sink_end >= w.n ? w.nb : w.sink_end / w.blk;
+        w.cb1 = min((w.local_start + w.blk - 1) / w.blk, w.nb);
+        w.cnt = max(w.cb1 - w.cb0, 0);
+        const long long extra = max((long long)ps.budget - (long long)ps.sink - (long long)ps.local, 0ll) / w.blk;
+        w.mm = (int)min(extra, (long long)w.cnt);
+    }
+    return true;
+}
+
+// Candidate block i's order key (-inf's outside the crop).
+__device__ __forceinline__ unsigned pred_key_at(const PredSelRow& w, int i) {
+    return kvs_order_key((i >= w.start && i < w.start + w.width) ? w.sc[i] : -INFINITY);
+}
+
+// Keys of candidates lo <= i < hi into kc[i - lo]: eight loads in flight per thread, then their keys (one
+// round trip per eight, not per key). Block-wide; the caller syncs.
+__device__ __forceinline__ void pred_stage_keys(const PredSelRow& w, int lo, int hi, unsigned* kc) {
+    for (int i0 = lo + threadIdx.x; i0 < hi; i0 += 8 * (int)blockDim.x) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int bk = i0 + u * (int)blockDim.x;
+            v[u] = (bk < hi && bk >= w.start && bk < w.start + w.width) ? w.sc[bk] : -INFINITY;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (i0 + u * (int)blockDim.x < hi) kc[i0 + u * blockDim.x - lo] = kvs_order_key(v[u]);
+    }
+}
+
+// Whether candidate block bk is chosen, given the cut tc of the keys key_of (exact at ties: the later block).
+template <typename KeyOf>
+__device__ __forceinline__ bool pred_chosen(const PredSelRow& w, const TopCut& tc, KeyOf key_of, int bk) {
+    if (bk < w.cb0 || bk >= w.cb1 || w.mm == 0) return false;
+    if (w.mm >= w.cnt) return true;
+    const unsigned k = key_of(bk);
+    return k > tc.thr || (k == tc.thr && bk >= tc.cut);
+}
+
+// A 64-position chunk's kept positions: visible, and in the sink, the local window or a chosen block.
+template <typename Sel>
+__device__ __forceinline__ unsigned long long pred_chunk_bits(const PredSelRow& w, int c, Sel sel) {
+    const int p0 = c * 64, blk = w.blk;
+    const unsigned long long vis = pred_span_bits(p0, w.r.lo, w.r.hi + 1);
+    if (w.all) return vis;
+    unsigned long long keep = pred_span_bits(p0, 0, w.sink_end) | pred_span_bits(p0, w.local_start, w.n);
+    if (blk >= 64) {
+        if (sel(p0 / blk)) keep = ~0ull;
+    } else {
+        const unsigned long long bm = (1ull << blk) - 1ull;
+        for (int q = 0; q < 64; q += blk)
+            if (sel((p0 + q) / blk)) keep |= bm << q;
+    }
+    return vis & keep;
+}
+
+// The plan entries of chunks my0 <= c < my1 (each thread its own run, `per` chunks at most), the first at
+// plan index `at`, written a warp at a time: for each of its lanes with kept positions in their j-th
+// chunk, the whole warp writes that chunk's entries (coalesced; no lane walks 64 positions alone). Entries
+// from `cap` on are dropped. Every thread of the CTA.
+template <typename Bits>
+__device__ __forceinline__ void pred_write_chunks(unsigned* e, int my0, int my1, int per, int at, int cap, Bits chunk_bits) {
+    const int lane = threadIdx.x & 31;
+    for (int j = 0; j < per; ++j) {  // uniform trip count
+        const int c = my0 + j;
+        const unsigned long long bits = c < my1 ? chunk_bits(c) : 0ull;
+        for (unsigned act = __ballot_sync(0xffffffffu, bits != 0ull); act; act &= act - 1u) {
+            const int l = __ffs(act) - 1;
+            const unsigned long long mb = __shfl_sync(0xffffffffu, bits, l);
+            const int base = __shfl_sync(0xffffffffu, at, l), cl = __shfl_sync(0xffffffffu, c, l);
+            const unsigned lo32 = (unsigned)mb, hi32 = (unsigned)(mb >> 32), below = (1u << lane) - 1u;
+            const int o0 = base + __popc(lo32 & below), o1 = base + __popc(lo32) + __popc(hi32 & below);
+            if ((lo32 >> lane) & 1u && o0 < cap) e[o0] = (unsigned)(cl * 64 + lane);
+            if ((hi32 >> lane) & 1u && o1 < cap) e[o1] = (unsigned)(cl * 64 + 32 + lane);
+        }
+        at += __popcll(bits);
+    }
+}
+
+// The row counters a selection adds once per row (`lead` thread): false for DENSE rows (counted as the
+// CPU counts dense rows: KV bytes only; nothing else follows).
+__device__ __forceinline__ bool pred_row_counters(const Batch& b, const PredSelRow& w, int np, i64 row_bytes, i64 k_row_bytes, bool lead,
+                                                  unsigned long long* ctr) {
+    const unsigned long long vis = (unsigned long long)(w.r.hi - w.r.lo + 1);
+    if (w.m == PM_DENSE) {
+        if (lead) atomicAdd(&ctr[CTR_KV_BYTES], vis * (unsigned long long)row_bytes);
+        return false;
+    }
+    if (lead) {
+        atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
+        atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((w.r.hi >> b.bs_log2) - (w.r.lo >> b.bs_log2) + 1));
+        // K read again for the history row: every visible key on a full row, else the attended ones.
+        atomicAdd(&ctr[CTR_KV_BYTES], (w.m == PM_PRED ? (unsigned long long)np : vis) * (unsigned long long)k_row_bytes);
+    }
+    return true;
+}
+
 // One CTA per (KV head, sequence): the selection from kvs_pred_average's scores (predictor::select: the
 // sink's and the local window's tokens and the best candidate blocks by (score, later block): topk32 over
 // the candidates' order keys, held in shared memory), the token plan (increasing positions, clipped to
@@ -439,118 +581,96 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
     __shared__ unsigned long long red[32];
     const int s = blockIdx.y, h = blockIdx.x, hk = st.hk;
     if (s == 0 && h == 0) rows_count(b, hk, row_bytes, ctr, red);
-    const SeqRow r = seq_row(b, s);
-    const int m = mode[s * hk + h];
-    if (!r.decode || m == PM_SKIP || m == PM_SEED) {
-        if (threadIdx.x == 0) plan_len[s * hk + h] = -1;
-        return;
-    }
-    if (m == PM_EMPTY || r.hi < r.lo) {
-        if (threadIdx.x == 0) plan_len[s * hk + h] = 0;
-        return;
-    }
-    const int n = r.hi + 1, blk = ps.block, nb = (n + blk - 1) / blk;
-    const bool all = m == PM_DENSE || m == PM_NOHIST;
-    const int sink_end = min(ps.sink, n), local_start = max(n - ps.local, 0);
-    int cb0 = 0, cb1 = 0, mm = 0, cnt = 0, start = 0, width = 0;
-    const float* sc = scores + (i64)(s * hk + h) * nbmax;
-    if (!all) {
-        const long long sh = (long long)slot[s] * hk + h;
-        int* hd = st.hdr + sh * HDR_WORDS;
-        pred_crop(nb, ps, start, width);  // the scores of the crop: kvs_pred_average
-        if (threadIdx.x == 0) {
-            hd[HDR_START] = start;
-            hd[HDR_WIDTH] = width;
-            hd[HDR_PUSHED] = 0;
-            hd[HDR_ZVALID] = 1;
-        }
-        cb0 = sink_end >= n ? nb : sink_end / blk;
-        cb1 = min((local_start + blk - 1) / blk, nb);
-        cnt = max(cb1 - cb0, 0);
-        const long long extra = max((long long)ps.budget - (long long)ps.sink - (long long)ps.local, 0ll) / blk;
-        mm = (int)min(extra, (long long)cnt);
-    }
-    auto key_at = [&](int i) { return kvs_order_key((i >= start && i < start + width) ? sc[i] : -INFINITY); };
-    const bool cached = cnt <= PRED_SEL_CACHE;
-    if (cached)
-        // Eight loads in flight per thread, then their keys (one round trip per eight, not per key).
-        for (int i0 = threadIdx.x; i0 < cnt; i0 += 8 * (int)blockDim.x) {
-            float v[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const int i = i0 + u * (int)blockDim.x, bk = cb0 + i;
-                v[u] = (i < cnt && bk >= start && bk < start + width) ? sc[bk] : -INFINITY;
-            }
-#pragma unroll
-            for (int u = 0; u < 8; ++u)
-                if (i0 + u * (int)blockDim.x < cnt) kcache[i0 + u * blockDim.x] = kvs_order_key(v[u]);
-        }
+    PredSelRow w;
+    if (!pred_sel_row(b, st, ps, slot, mode, scores, nbmax, s, h, plan_len, threadIdx.x == 0, w)) return;
+    const bool cached = w.cnt <= PRED_SEL_CACHE;
+    if (cached) pred_stage_keys(w, w.cb0, w.cb1, kcache);
     __syncthreads();
-    auto key_of = [&](int i) { return cached ? kcache[i - cb0] : key_at(i); };
-    TopCut tc{0u, cb0};
-    if (!all && mm > 0 && mm < cnt) tc = topk32(cb0, cb1, mm, key_of, hist, wsum, sel4);
-    auto sel = [&](int bk) {
-        if (bk < cb0 || bk >= cb1 || mm == 0) return false;
-        if (mm >= cnt) return true;
-        const unsigned k = key_of(bk);
-        return k > tc.thr || (k == tc.thr && bk >= tc.cut);
-    };
-    // A chunk's kept positions: visible, and in the sink, the local window or a chosen block.
-    auto chunk_bits = [&](int c) {
-        const int p0 = c * 64;
-        const unsigned long long vis = pred_span_bits(p0, r.lo, r.hi + 1);
-        if (all) return vis;
-        unsigned long long keep = pred_span_bits(p0, 0, sink_end) | pred_span_bits(p0, local_start, n);
-        if (blk >= 64) {
-            if (sel(p0 / blk)) keep = ~0ull;
-        } else {
-            const unsigned long long bm = (1ull << blk) - 1ull;
-            for (int q = 0; q < 64; q += blk)
-                if (sel((p0 + q) / blk)) keep |= bm << q;
-        }
-        return vis & keep;
-    };
+    auto key_of = [&](int i) { return cached ? kcache[i - w.cb0] : pred_key_at(w, i); };
+    TopCut tc{0u, w.cb0};
+    if (!w.all && w.mm > 0 && w.mm < w.cnt) tc = topk32(w.cb0, w.cb1, w.mm, key_of, hist, wsum, sel4);
+    auto chunk_bits = [&](int c) { return pred_chunk_bits(w, c, [&](int bk) { return pred_chosen(w, tc, key_of, bk); }); };
     unsigned* e = plan + s * p_s + h * p_h;
-    const int c0 = r.lo / 64, c1 = r.hi / 64, nch = c1 - c0 + 1;
+    const int c0 = w.r.lo / 64, c1 = w.r.hi / 64, nch = c1 - c0 + 1;
     const int per = (nch + (int)blockDim.x - 1) / (int)blockDim.x;
     const int my0 = c0 + (int)threadIdx.x * per, my1 = min(my0 + per, c1 + 1);
     int mine = 0;
     for (int c = my0; c < my1; ++c) mine += __popcll(chunk_bits(c));
     int total;
-    int at = block_excl_scan(mine, wsum, total);
-    // The writes, a warp at a time: for each of its lanes with kept positions in their j-th chunk, the
-    // whole warp writes that chunk's entries (coalesced; no lane walks 64 positions alone).
-    const int lane = threadIdx.x & 31;
-    for (int j = 0; j < per; ++j) {  // uniform trip count
-        const int c = my0 + j;
-        const unsigned long long bits = c < my1 ? chunk_bits(c) : 0ull;
-        for (unsigned act = __ballot_sync(0xffffffffu, bits != 0ull); act; act &= act - 1u) {
-            const int l = __ffs(act) - 1;
-            const unsigned long long mb = __shfl_sync(0xffffffffu, bits, l);
-            const int base = __shfl_sync(0xffffffffu, at, l), cl = __shfl_sync(0xffffffffu, c, l);
-            const unsigned lo32 = (unsigned)mb, hi32 = (unsigned)(mb >> 32), below = (1u << lane) - 1u;
-            const int o0 = base + __popc(lo32 & below), o1 = base + __popc(lo32) + __popc(hi32 & below);
-            if ((lo32 >> lane) & 1u && o0 < cap) e[o0] = (unsigned)(cl * 64 + lane);
-            if ((hi32 >> lane) & 1u && o1 < cap) e[o1] = (unsigned)(cl * 64 + 32 + lane);
-        }
-        at += __popcll(bits);
-    }
+    const int at = block_excl_scan(mine, wsum, total);
+    pred_write_chunks(e, my0, my1, per, at, cap, chunk_bits);
     const int np = total < cap ? total : cap;
     if (threadIdx.x == 0) plan_len[s * hk + h] = np;
-    const unsigned long long vis = (unsigned long long)(r.hi - r.lo + 1);
-    if (m == PM_DENSE) {
-        // Dense rows (no state slot): counted as the CPU counts dense rows (KV bytes only).
-        if (threadIdx.x == 0) atomicAdd(&ctr[CTR_KV_BYTES], vis * (unsigned long long)row_bytes);
-        return;
-    }
-    if (threadIdx.x == 0) {
-        atomicAdd(&ctr[CTR_POLICY_ROWS], 1ull);
-        atomicAdd(&ctr[CTR_BLOCKS_ELIGIBLE], (unsigned long long)((r.hi >> b.bs_log2) - (r.lo >> b.bs_log2) + 1));
-        // K read again for the history row: every visible key on a full row, else the attended ones.
-        atomicAdd(&ctr[CTR_KV_BYTES], (m == PM_PRED ? (unsigned long long)np : vis) * (unsigned long long)k_row_bytes);
-    }
+    if (!pred_row_counters(b, w, np, row_bytes, k_row_bytes, threadIdx.x == 0, ctr)) return;
     __syncthreads();  // the plan's entries are read back by account
-    account(e, np, 0, r.lo, r.hi, b.bs_log2, 1, row_bytes, ctr, red);
+    account(e, np, 0, w.r.lo, w.r.hi, b.bs_log2, 1, row_bytes, ctr, red);
+}
+
+// kvs_pred_select on Hopper (sm_90; the launcher's choice there while the clusters fit): the same set and
+// plan from a thread-block cluster of QC_CTAS CTAs per (KV head, sequence), so that a long row's radix
+// passes and chunk scans run over QC_CTAS SMs. CTA `rank` owns the blocks rank * per <= i < (rank + 1) *
+// per (per a whole number of 64-position chunks) and their chunks: their candidates' keys in its shared
+// memory, the cut of the row's candidates from cluster_topk_cut (the same cut, exact at ties), its chunks'
+// entries written after those of the CTAs before it (an exclusive prefix of the CTAs' counts), the
+// counters of its entries. Grid (hk * QC_CTAS, seqs), PRED_QC_THREADS threads.
+#define PRED_QC_THREADS 256  // src/policy/predictor/cuda.rs PRED_QC_THREADS; at least 256 (a thread per bin of a pass)
+#define PRED_QC_KEYS 4096    // a CTA's staged keys (more: read from the scores in global memory)
+extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(PRED_QC_THREADS)
+    kvs_pred_select_cluster(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot, const int* mode, float* scores, int nbmax,
+                            unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes, i64 k_row_bytes, unsigned long long* ctr) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
+#if KVS_CLUSTERS
+    QC_SCRATCH_N(PRED_QC_THREADS);
+    __shared__ unsigned kcache[PRED_QC_KEYS];
+    static_assert(PRED_QC_THREADS >= 256 && QC_CTAS <= 32, "a pass needs a thread per bin; the peers are one warp's lanes");
+    const unsigned rank = cluster_rank();
+    const int s = blockIdx.y, h = blockIdx.x / QC_CTAS, hk = st.hk;
+    const bool lead = rank == 0 && threadIdx.x == 0;
+    if (s == 0 && h == 0 && rank == 0) rows_count(b, hk, row_bytes, ctr, xs.red);
+    PredSelRow w;
+    // Uniform over the cluster: every CTA of it leaves here, or none.
+    if (!pred_sel_row(b, st, ps, slot, mode, scores, nbmax, s, h, plan_len, lead, w)) return;
+    // This CTA's blocks [b0, b1) and chunks [ch0, ch1): `per` blocks, a whole number of chunks (blocks are
+    // powers of two: a chunk lies in one block, or holds whole blocks).
+    const int bpc = w.blk >= 64 ? 1 : 64 / w.blk;
+    const int per = (((w.nb + QC_CTAS - 1) / QC_CTAS + bpc - 1) / bpc) * bpc;
+    const int b0 = min((int)rank * per, w.nb), b1 = min(b0 + per, w.nb);
+    const i64 ch0 = (i64)b0 * w.blk / 64, ch1 = b1 > b0 ? ((i64)b1 * w.blk + 63) / 64 : ch0;  // the last block's chunk once
+    // Its candidates [a0, a1) and their keys.
+    const int a0 = max(b0, w.cb0), a1 = min(b1, w.cb1);
+    const bool cached = a1 - a0 <= PRED_QC_KEYS;
+    const bool cut = !w.all && w.mm > 0 && w.mm < w.cnt;  // uniform over the cluster
+    if (cut && cached) pred_stage_keys(w, a0, a1, kcache);
+    __syncthreads();
+    auto key_of = [&](int i) { return cached ? kcache[i - a0] : pred_key_at(w, i); };
+    TopCut tc{0u, w.cb0};
+    if (cut) tc = cluster_topk_cut(w.cb0, w.cb1, w.nb, per, w.mm, rank, key_of, xs.xh, xs.xw, xs.sel, xs.wmm, xs.cnt);
+    // Its chunks within the visible range, each thread a contiguous run of them.
+    auto chunk_bits = [&](int c) { return pred_chunk_bits(w, c, [&](int bk) { return pred_chosen(w, tc, key_of, bk); }); };
+    const int c0 = (int)max(ch0, (i64)(w.r.lo / 64)), c1 = (int)min(ch1, (i64)(w.r.hi / 64 + 1));  // [c0, c1)
+    const int nch = max(c1 - c0, 0);
+    const int cper = (nch + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int my0 = c0 + (int)threadIdx.x * cper, my1 = min(my0 + cper, c1);
+    int mine = 0;
+    for (int c = my0; c < my1; ++c) mine += __popcll(chunk_bits(c));
+    int ctotal;
+    const int at = block_excl_scan(mine, xs.cnt, ctotal);
+    cluster_rank_prefix((unsigned)ctotal, rank, false, xs);
+    const int off = (int)xs.sel[0], total = (int)xs.sel[1];
+    unsigned* e = plan + s * p_s + h * p_h;
+    pred_write_chunks(e, my0, my1, cper, off + at, cap, chunk_bits);
+    const int np = total < cap ? total : cap;
+    if (lead) plan_len[s * hk + h] = np;
+    // No CTA leaves while another may read its shared memory; after this the whole plan is written.
+    cluster_sync();
+    if (!pred_row_counters(b, w, np, row_bytes, k_row_bytes, lead, ctr)) return;
+    // The entry before this CTA's first is another CTA's: read through L2 after the cluster barrier.
+    const int j0 = min(off, np), j1 = min(off + ctotal, np);
+    account_entries([&](int j) { return (i64)__ldcg(e + j); }, j0, j1, 0, w.r.lo, w.r.hi, b.bs_log2, 1, row_bytes, ctr, xs.red);
+#else
+    __trap();  // launched only on sm_90 and newer
+#endif
 }
 
 // The history rows: per (sequence, KV head) the weights of its token(s) over their positions (every

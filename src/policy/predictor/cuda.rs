@@ -66,6 +66,34 @@ const HIST_CTAS: usize = 1024;
 pub(crate) const HIST_PARTS: usize = 256;
 /// Keys `kvs_pred_logits` takes per CTA and iteration (8 warps x 16 keys x PL_KT) at head sizes up to 128.
 const HIST_KEYS_PER_CTA: usize = 256;
+/// CTAs per row (one thread-block cluster) and threads per CTA of kvs_pred_select_cluster
+/// (kernels/include/cluster_topk.cuh QC_CTAS, kernels/policy/predictor.cu PRED_QC_THREADS).
+const QC_CTAS: usize = 8;
+const PRED_QC_THREADS: u32 = 256;
+
+/// Whether a call's selection runs on thread-block clusters (kvs_pred_select_cluster, sm_90 and newer):
+/// for rows of at least [`CLUSTER_MIN_BLOCKS`] blocks while the rows' clusters fit in one wave of one CTA
+/// per SM. Otherwise one CTA per row (kvs_pred_select) does less work in all (H200, 32/8 heads, `predictor(budget=L/32)`,
+/// selection µs cluster / one CTA: 1 x 128K 31.8 / 45.8, 8 x 128K 78.8 / 79.8, 1 x 32K 25.9 / 22.9, 8 x 32K
+/// 43.1 / 31.6, 32 x 128K 238.9 / 189.4; docs/journal/2026-11-28.md). `KVS_PRED_SELECT=cta|cluster` forces
+/// the choice where the device has clusters (tests, benchmarks).
+fn select_on_clusters(cc_major: i32, num_sms: usize, rows: usize, blocks: usize) -> bool {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("KVS_PRED_SELECT").as_deref() {
+        Ok("cta") => Some(false),
+        Ok("cluster") => Some(true),
+        _ => None,
+    });
+    cc_major >= 9 && forced.unwrap_or_else(|| clusters_fit(num_sms, rows, blocks))
+}
+
+/// Blocks per row from which a row's selection pays for a cluster (between 2,048, where it loses, and 8,192).
+const CLUSTER_MIN_BLOCKS: usize = 4096;
+
+/// The default rule of [`select_on_clusters`].
+fn clusters_fit(num_sms: usize, rows: usize, blocks: usize) -> bool {
+    blocks >= CLUSTER_MIN_BLOCKS && rows.saturating_mul(QC_CTAS) <= num_sms
+}
 
 /// Whether a call's decode rows get their history rows from the tensor cores (`kvs_pred_logits` and
 /// `kvs_pred_weights`): a 16-bit cache of the queries' type, rows the tensor-core kernels can read (16-byte
@@ -349,7 +377,12 @@ impl PredictorDev {
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
         k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
         k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64((2 * d * es) as i64).i64((d * es) as i64).i64(ctr);
-        launch::launch_dependent(pdl, f("kvs_pred_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, 0, &mut k, stream, "kvs_pred_select launch")?;
+        let gpu = dev.gpu();
+        if select_on_clusters(gpu.cc.0, gpu.num_sms as usize, ns * hk, pw.nbmax) {
+            launch::launch_dependent(pdl, f("kvs_pred_select_cluster")?, ((hk * QC_CTAS) as u32, ns as u32, 1), PRED_QC_THREADS, 0, &mut k, stream, "kvs_pred_select_cluster launch")?;
+        } else {
+            launch::launch_dependent(pdl, f("kvs_pred_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, 0, &mut k, stream, "kvs_pred_select launch")?;
+        }
         mark(2)?;
 
         // The history rows. Prefill seeds (and, without `tc`, decode rows): three scalar passes in the CPU's
@@ -543,6 +576,16 @@ impl CudaStage for PredictorStage<'_> {
 #[cfg(test)]
 mod fragment_tests {
     use super::*;
+
+    #[test]
+    fn selection_takes_clusters_for_long_rows_in_one_wave() {
+        // H200-like, 132 SMs, 8 KV heads: 1 x 128K (8 rows of 8,193 blocks) on clusters; 1 x 32K (2,049
+        // blocks) and 8 x 128K (64 rows x 8 CTAs > 132) not.
+        assert!(clusters_fit(132, 8, 8193));
+        assert!(!clusters_fit(132, 8, 2049) && !clusters_fit(132, 64, 8193));
+        assert!(!clusters_fit(0, 1, 8193) && !clusters_fit(132, usize::MAX, usize::MAX));
+        assert!(!select_on_clusters(8, 132, 1, 8193), "no clusters before sm_90");
+    }
 
     /// Every second-layer weight sits at its lane, register and half, as hi + lo within 2^-16 of it;
     /// padding is zero; the shared memory the kernel asks for fits the built-in network.
