@@ -31,14 +31,31 @@ const QC_THREADS: u32 = 256;
 /// Pages per CTA of the tensor-core scorer (kvs_quest_scores_hist_mma): 64 (one tile), or 128-256 where the
 /// grid still has at least 4 waves of `slots` resident CTAs (batch 8-32 at long contexts): a CTA builds the
 /// query's fragments once for all its pages, and at 32 x 128K one CTA per 64 pages spent more of the SM on
-/// that build than on reading the bounds (journal 2026-11-28).
+/// that build than on reading the bounds (journal 2026-11-28). Between one and two waves of single tiles
+/// (1 x 128K), 128 pages: one wave instead of a second one a third full (select 32.9 -> 30.3 µs on the
+/// H200; under one wave, 1 x 32K, longer tiles lose: 18.5 -> 20.6).
 /// `KVS_QUEST_PAGES_PER_CTA` (64, 128, 192 or 256) forces the choice, so that tests cover the longer tiles
 /// on small batches.
 fn pages_per_cta(rows: usize, maxp: usize, slots: usize) -> usize {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let forced = *FORCED.get_or_init(|| std::env::var("KVS_QUEST_PAGES_PER_CTA").ok().and_then(|v| v.parse().ok()).filter(|v| [64, 128, 192, 256].contains(v)));
-    let tiles = rows.saturating_mul(maxp.div_ceil(64));
-    forced.unwrap_or(64 * (tiles / (4 * slots.max(1))).clamp(1, 4))
+    let (tiles, slots) = (rows.saturating_mul(maxp.div_ceil(64)), slots.max(1));
+    let ppc = if tiles > slots && tiles <= 2 * slots { 128 } else { 64 * (tiles / (4 * slots)).clamp(1, 4) };
+    forced.unwrap_or(ppc)
+}
+
+/// Whether the top-k runs on thread-block clusters (sm_90 and newer): while the rows' clusters fit in one
+/// wave of one CTA per SM. With more rows one CTA per row does less work in all (H200, 32/8 heads, select
+/// µs one CTA / cluster: 1 x 128K 47.1 / 40.1, 8 x 32K 58.8 / 60.3, 32 x 32K 152 / 182; journal 2026-11-26,
+/// "Sixth session"). `KVS_QUEST_TOPK=cta|cluster` forces the choice where the device has clusters.
+fn topk_on_clusters(cc_major: i32, num_sms: usize, rows: usize) -> bool {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("KVS_QUEST_TOPK").as_deref() {
+        Ok("cta") => Some(false),
+        Ok("cluster") => Some(true),
+        _ => None,
+    });
+    cc_major >= 9 && forced.unwrap_or(rows.saturating_mul(QC_CTAS as usize) <= num_sms.max(1))
 }
 
 /// Whether the tensor-core page scores cover this geometry (kernels/policy/quest.cu QM_FITS): elsewhere
@@ -107,12 +124,9 @@ impl CudaStage for Quest {
         k.by_value(&cx.batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
         k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
         k.i32(clamp(self.budget)).i32(clamp(self.sink)).i64(scores as i64).i32(maxp as i32);
-        // Thread-block clusters (sm_90 and newer) while the clusters fit in one wave of one CTA per SM: the
-        // top-k of a row over QC_CTAS CTAs, no key histogram. With more rows one CTA per row does less work
-        // in all (H200, 32/8 heads, select µs one CTA / cluster: 1 x 128K 47.1 / 40.1, 8 x 32K 58.8 / 60.3,
-        // 32 x 32K 152 / 182; journal 2026-11-26, "Sixth session").
+        // Thread-block clusters: the top-k of a row over QC_CTAS CTAs, no key histogram (topk_on_clusters).
         let gpu = cx.dev.gpu();
-        let cluster = gpu.cc.0 >= 9 && ns * hk * QC_CTAS as usize <= gpu.num_sms.max(1) as usize;
+        let cluster = topk_on_clusters(gpu.cc.0, gpu.num_sms.max(1) as usize, ns * hk);
         let mma = !self.exact && m.unit == page;
         k.i64(if cluster { 0 } else { qhist as i64 }).i64(cx.row_bytes).i64(cx.ctr);
         let scorer = if mma { "kvs_quest_scores_hist_mma" } else { "kvs_quest_scores_hist" };
@@ -156,8 +170,10 @@ mod tests {
 
     #[test]
     fn scorer_tiles_grow_only_where_the_grid_keeps_four_waves() {
-        // H200-like: 132 SMs x 5 CTAs. 1 x 128K (8 rows of 8,193 pages): one tile per CTA.
-        assert_eq!(pages_per_cta(8, 8193, 660), 64);
+        // H200-like: 132 SMs x 5 CTAs. 1 x 128K (8 rows of 8,193 pages): 1,032 tiles, 1.6 waves -> two
+        // tiles per CTA, one wave; 1 x 32K (264 tiles): one tile per CTA.
+        assert_eq!(pages_per_cta(8, 8193, 660), 128);
+        assert_eq!(pages_per_cta(8, 2049, 660), 64);
         // 8 x 128K: 8,256 tiles = 12.5 waves of one tile -> 3 tiles per CTA.
         assert_eq!(pages_per_cta(64, 8193, 660), 192);
         // 32 x 128K: at most 4 tiles per CTA.
