@@ -162,6 +162,16 @@ pub fn launch_smem(f: CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, 
     check(unsafe { (cuda()?.cuLaunchKernel)(f, grid.0, grid.1, grid.2, block, 1, 1, smem, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()) }, what)
 }
 
+/// A launch choice forced from the environment for tests and benchmarks, read once into `cell`:
+/// `Some(false)` when `var` is `off`, `Some(true)` when it is `on`, else `None` (the launcher's own rule).
+pub fn env_choice(cell: &'static std::sync::OnceLock<Option<bool>>, var: &str, off: &str, on: &str) -> Option<bool> {
+    *cell.get_or_init(|| match std::env::var(var) {
+        Ok(v) if v == off => Some(false),
+        Ok(v) if v == on => Some(true),
+        _ => None,
+    })
+}
+
 /// Programmatic dependent launch (sm_90 and newer, `KVS_PDL` unset or not "0"; read once per process):
 /// whether `launch_dependent` may let a kernel start while the previous kernel of its stream drains.
 pub fn pdl_enabled(cc_major: i32) -> bool {

@@ -79,11 +79,7 @@ const PRED_QC_THREADS: u32 = 256;
 /// the choice where the device has clusters (tests, benchmarks).
 fn select_on_clusters(cc_major: i32, num_sms: usize, rows: usize, blocks: usize) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| match std::env::var("KVS_PRED_SELECT").as_deref() {
-        Ok("cta") => Some(false),
-        Ok("cluster") => Some(true),
-        _ => None,
-    });
+    let forced = launch::env_choice(&FORCED, "KVS_PRED_SELECT", "cta", "cluster");
     cc_major >= 9 && forced.unwrap_or_else(|| clusters_fit(num_sms, rows, blocks))
 }
 

@@ -50,11 +50,7 @@ fn pages_per_cta(rows: usize, maxp: usize, slots: usize) -> usize {
 /// "Sixth session"). `KVS_QUEST_TOPK=cta|cluster` forces the choice where the device has clusters.
 fn topk_on_clusters(cc_major: i32, num_sms: usize, rows: usize) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| match std::env::var("KVS_QUEST_TOPK").as_deref() {
-        Ok("cta") => Some(false),
-        Ok("cluster") => Some(true),
-        _ => None,
-    });
+    let forced = launch::env_choice(&FORCED, "KVS_QUEST_TOPK", "cta", "cluster");
     cc_major >= 9 && forced.unwrap_or(rows.saturating_mul(QC_CTAS as usize) <= num_sms.max(1))
 }
 

@@ -64,11 +64,7 @@ fn estimate_on_tensor_cores(head_dim: usize, group: usize) -> bool {
 /// wherever it can run (so that tests cover both paths).
 fn use_cluster(cc_major: i32, rows: usize, num_sms: usize, fits: bool) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| match std::env::var("KVS_TOPP_CLUSTER").as_deref() {
-        Ok("0") => Some(false),
-        Ok("1") => Some(true),
-        _ => None,
-    });
+    let forced = launch::env_choice(&FORCED, "KVS_TOPP_CLUSTER", "0", "1");
     cc_major >= 9 && fits && forced.unwrap_or(rows.saturating_mul(CLUSTER_CTAS) <= num_sms.max(1))
 }
 
