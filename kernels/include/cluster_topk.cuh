@@ -8,7 +8,7 @@
 #include "topk.cuh"
 #include "cluster.cuh"
 
-#define QC_CTAS 8  // CTAs per row's cluster: src/policy/quest/cuda.rs QC_CTAS, src/policy/refresh/cuda.rs CLUSTER_CTAS
+#define QC_CTAS 8  // CTAs per row's cluster: src/cuda/launch.rs CLUSTER_CTAS
 #if KVS_CLUSTERS
 #define QC_CLUSTER_DIMS __cluster_dims__(QC_CTAS, 1, 1)
 

@@ -19,6 +19,16 @@ pub use super::kernel_src::{ATTENTION, ATTENTION_MMA, ATTENTION_PREFILL, CACHE_W
 /// (1024 was measured no faster for the top-k: its time is a serial chain of block-wide phases.)
 pub const TOPK_THREADS: u32 = 512;
 
+/// CTAs per row of the selection kernels that split a row over a thread-block cluster (Quest's top-k,
+/// top-p's search, RefreshKV's rebuild, the predictor's selection): kernels/include/cluster_topk.cuh QC_CTAS.
+pub const CLUSTER_CTAS: usize = 8;
+
+/// Whether the clusters of `rows` rows fit in one wave of one CTA per SM: the rule by which those kernels
+/// take clusters at small batch (more rows fill the device with one CTA per row, or tiles).
+pub fn clusters_fit_one_wave(rows: usize, num_sms: usize) -> bool {
+    rows.saturating_mul(CLUSTER_CTAS) <= num_sms.max(1)
+}
+
 /// Loaded modules by variant (source name + defines) and the functions looked up in them.
 #[derive(Default)]
 pub struct Modules {
@@ -222,4 +232,18 @@ pub fn allow_dynamic_smem(f: CUfunction, bytes: usize) -> Result<()> {
     const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: i32 = 8;
     // SAFETY: valid function handle; plain integer attribute.
     check(unsafe { (cuda()?.cuFuncSetAttribute)(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32) }, "cuFuncSetAttribute(max dynamic shared memory)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{clusters_fit_one_wave, CLUSTER_CTAS};
+
+    #[test]
+    fn cluster_ctas_mirror_the_kernels_and_fill_one_wave() {
+        let header = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/include/cluster_topk.cuh"));
+        assert!(header.contains(&format!("#define QC_CTAS {CLUSTER_CTAS} ")), "kernels/include/cluster_topk.cuh QC_CTAS");
+        // 132 SMs: 16 rows of 8 CTAs fit, 17 do not; a device reporting no SM counts as one.
+        assert!(clusters_fit_one_wave(16, 132) && !clusters_fit_one_wave(17, 132));
+        assert!(!clusters_fit_one_wave(1, 0) && !clusters_fit_one_wave(usize::MAX, 132));
+    }
 }

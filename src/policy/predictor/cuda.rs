@@ -66,9 +66,7 @@ const HIST_CTAS: usize = 1024;
 pub(crate) const HIST_PARTS: usize = 256;
 /// Keys `kvs_pred_logits` takes per CTA and iteration (8 warps x 16 keys x PL_KT) at head sizes up to 128.
 const HIST_KEYS_PER_CTA: usize = 256;
-/// CTAs per row (one thread-block cluster) and threads per CTA of kvs_pred_select_cluster
-/// (kernels/include/cluster_topk.cuh QC_CTAS, kernels/policy/predictor.cu PRED_QC_THREADS).
-const QC_CTAS: usize = 8;
+/// Threads per CTA of kvs_pred_select_cluster (kernels/policy/predictor.cu PRED_QC_THREADS).
 const PRED_QC_THREADS: u32 = 256;
 
 /// Whether a call's selection runs on thread-block clusters (kvs_pred_select_cluster, sm_90 and newer):
@@ -88,7 +86,7 @@ const CLUSTER_MIN_BLOCKS: usize = 4096;
 
 /// The default rule of [`select_on_clusters`].
 fn clusters_fit(num_sms: usize, rows: usize, blocks: usize) -> bool {
-    blocks >= CLUSTER_MIN_BLOCKS && rows.saturating_mul(QC_CTAS) <= num_sms
+    blocks >= CLUSTER_MIN_BLOCKS && launch::clusters_fit_one_wave(rows, num_sms)
 }
 
 /// Whether a call's decode rows get their history rows from the tensor cores (`kvs_pred_logits` and
@@ -375,7 +373,7 @@ impl PredictorDev {
         k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64((2 * d * es) as i64).i64((d * es) as i64).i64(ctr);
         let gpu = dev.gpu();
         if select_on_clusters(gpu.cc.0, gpu.num_sms as usize, ns * hk, pw.nbmax) {
-            launch::launch_dependent(pdl, f("kvs_pred_select_cluster")?, ((hk * QC_CTAS) as u32, ns as u32, 1), PRED_QC_THREADS, 0, &mut k, stream, "kvs_pred_select_cluster launch")?;
+            launch::launch_dependent(pdl, f("kvs_pred_select_cluster")?, ((hk * launch::CLUSTER_CTAS) as u32, ns as u32, 1), PRED_QC_THREADS, 0, &mut k, stream, "kvs_pred_select_cluster launch")?;
         } else {
             launch::launch_dependent(pdl, f("kvs_pred_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, 0, &mut k, stream, "kvs_pred_select launch")?;
         }

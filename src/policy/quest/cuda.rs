@@ -1,6 +1,6 @@
 //! Quest on the CUDA backend (kernels/policy/quest.cu): the page scores, then the top-k per row. On sm_90
 //! and newer, while the rows' clusters fit in one wave, the top-k of a row runs on a thread-block cluster (kvs_quest_topk_cluster: the row's keys
-//! split over QC_CTAS CTAs, each radix pass's counts summed through distributed shared memory); before
+//! split over CLUSTER_CTAS CTAs, each radix pass's counts summed through distributed shared memory); before
 //! that, on one CTA per row (kvs_quest_topk), with the scoring kernel folding in the first pass (per-row
 //! key histograms merged over the row's CTAs, checked against the keys and zeroed by the top-k). The page
 //! scores stay in the workspace for ART's priority order. The scores come from tensor cores
@@ -10,7 +10,7 @@
 //! tests compare with the CPU engine exactly).
 
 use crate::cuda::kernel_src::{kernel_file, KernelFile};
-use crate::cuda::launch::{self, KArgs};
+use crate::cuda::launch::{self, KArgs, CLUSTER_CTAS};
 use crate::cuda::stage::{CallShape, CudaStage, PageScores, StepCx, WsAlloc};
 use crate::cuda::driver::CUfunction;
 use crate::error::Result;
@@ -24,9 +24,8 @@ const QSEL_BINS: usize = 2048;
 /// Static shared memory of kvs_quest_topk and a margin (its gathered bin is 16 KiB), kept out of the
 /// dynamic shared memory its page keys may take.
 const TOPK_STATIC_SMEM: usize = 24 << 10;
-/// CTAs per row (one thread-block cluster) and threads per CTA of kvs_quest_topk_cluster (kernels/policy/quest.cu
-/// QC_CTAS, QC_THREADS).
-const QC_CTAS: u32 = 8;
+/// Threads per CTA of kvs_quest_topk_cluster (kernels/policy/quest.cu QC_THREADS; its CTAs per row:
+/// `launch::CLUSTER_CTAS`).
 const QC_THREADS: u32 = 256;
 /// Pages per CTA of the tensor-core scorer (kvs_quest_scores_hist_mma): 64 (one tile), or 128-256 where the
 /// grid still has at least 4 waves of `slots` resident CTAs (batch 8-32 at long contexts): a CTA builds the
@@ -51,7 +50,7 @@ fn pages_per_cta(rows: usize, maxp: usize, slots: usize) -> usize {
 fn topk_on_clusters(cc_major: i32, num_sms: usize, rows: usize) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     let forced = launch::env_choice(&FORCED, "KVS_QUEST_TOPK", "cta", "cluster");
-    cc_major >= 9 && forced.unwrap_or(rows.saturating_mul(QC_CTAS as usize) <= num_sms.max(1))
+    cc_major >= 9 && forced.unwrap_or(launch::clusters_fit_one_wave(rows, num_sms))
 }
 
 /// Whether the tensor-core page scores cover this geometry (kernels/policy/quest.cu QM_FITS): elsewhere
@@ -120,9 +119,9 @@ impl CudaStage for Quest {
         k.by_value(&cx.batch).ptr(q.data).i64(q.stride(0) as i64).i64(q.stride(1) as i64).i64(q.stride(2) as i64).f32(a.scale).i32(hk as i32);
         k.i64(m.qmin.as_ref().map_or(0, |b| b.ptr) as i64).i64(m.qmax.as_ref().map_or(0, |b| b.ptr) as i64).i32(m.unit as i32).i32(m.units_per_block as i32).i32(page as i32);
         k.i32(clamp(self.budget)).i32(clamp(self.sink)).i64(scores as i64).i32(maxp as i32);
-        // Thread-block clusters: the top-k of a row over QC_CTAS CTAs, no key histogram (topk_on_clusters).
+        // Thread-block clusters: the top-k of a row over CLUSTER_CTAS CTAs, no key histogram (topk_on_clusters).
         let gpu = cx.dev.gpu();
-        let cluster = topk_on_clusters(gpu.cc.0, gpu.num_sms.max(1) as usize, ns * hk);
+        let cluster = topk_on_clusters(gpu.cc.0, gpu.num_sms.max(0) as usize, ns * hk);
         let mma = !self.exact && m.unit == page;
         k.i64(if cluster { 0 } else { qhist as i64 }).i64(cx.row_bytes).i64(cx.ctr);
         let scorer = if mma { "kvs_quest_scores_hist_mma" } else { "kvs_quest_scores_hist" };
@@ -141,7 +140,7 @@ impl CudaStage for Quest {
         // scratch); longer rows read the scores from global memory.
         let dyn_max = (gpu.smem_optin as usize).saturating_sub(TOPK_STATIC_SMEM);
         let (name, grid, threads, keys) = if cluster {
-            ("kvs_quest_topk_cluster", (hk as u32 * QC_CTAS, ns as u32, 1), QC_THREADS, maxp.div_ceil(QC_CTAS as usize))
+            ("kvs_quest_topk_cluster", ((hk * CLUSTER_CTAS) as u32, ns as u32, 1), QC_THREADS, maxp.div_ceil(CLUSTER_CTAS))
         } else {
             ("kvs_quest_topk", (hk as u32, ns as u32, 1), launch::TOPK_THREADS, maxp)
         };

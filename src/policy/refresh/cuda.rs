@@ -24,7 +24,7 @@ use crate::cuda::batch::{BatchArg, Geometry, LogitsOut, PlanRef, Rows};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUfunction};
 use crate::cuda::kernel_src::{kernel_file, KernelFile};
-use crate::cuda::launch::{self, KArgs};
+use crate::cuda::launch::{self, KArgs, CLUSTER_CTAS};
 use crate::cuda::stage::{CallShape, CudaStage, Device, PolicyDevice, StepCx, WsAlloc};
 use crate::args::ForwardArgs;
 use crate::error::{Error, ErrorKind, Result};
@@ -103,8 +103,6 @@ const HIST_BINS: usize = 4096;
 const SEL_WORDS: usize = 4;
 /// Words per chunk of the rebuild's last-pass counts (kernels/refresh.cu RF_CCW).
 const CHUNK_COUNT_WORDS: usize = 258;
-/// CTAs per row of the rebuild on a thread-block cluster (kernels/include/cluster_topk.cuh QC_CTAS).
-const CLUSTER_CTAS: usize = 8;
 /// Static shared memory of kvs_refresh_top_cluster, at most (its staged weights, split statistics and
 /// the cluster's scratch): the rest of the device's opt-in limit holds its part of the row's keys.
 const CLUSTER_STATIC_SMEM: usize = 32 << 10;
@@ -125,7 +123,7 @@ const CLUSTER_MAX_POS: usize = 65536;
 fn cluster_rebuild(gpu: &crate::cuda::context::Gpu, ns: usize, hk: usize, max_pos: usize) -> bool {
     static CHUNKS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let chunks = *CHUNKS.get_or_init(|| std::env::var("KVS_BENCH_REFRESH_CHUNKS").is_ok_and(|v| v == "1"));
-    !chunks && gpu.cc.0 >= 9 && max_pos <= CLUSTER_MAX_POS && ns.saturating_mul(hk).saturating_mul(CLUSTER_CTAS) <= gpu.num_sms.max(1) as usize
+    !chunks && gpu.cc.0 >= 9 && max_pos <= CLUSTER_MAX_POS && launch::clusters_fit_one_wave(ns.saturating_mul(hk), gpu.num_sms.max(0) as usize)
 }
 
 fn weight_chunks(max_pos: usize) -> usize {

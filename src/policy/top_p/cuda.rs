@@ -10,7 +10,7 @@
 //! (seven launches of ~10-40 us each were a latency chain at batch 1).
 
 use crate::cuda::kernel_src::{kernel_file, KernelFile};
-use crate::cuda::launch::{self, KArgs};
+use crate::cuda::launch::{self, KArgs, CLUSTER_CTAS};
 use crate::cuda::stage::{CallShape, CudaStage, StepCx, WsAlloc};
 use crate::error::Result;
 
@@ -27,8 +27,6 @@ const CHUNK: usize = 4 * THREADS;
 const TARGET_CTAS: usize = 1024;
 const PASSES: usize = 4;
 const STATES: usize = PASSES + 1;
-/// CTAs per row (one thread-block cluster) of `kvs_topp_cluster` (kernels/include/cluster_topk.cuh QC_CTAS).
-const CLUSTER_CTAS: usize = 8;
 /// Threads per CTA of `kvs_topp_cluster` (top_p.cu TOPP_CL_THREADS; H200: 512 against 256 and 1,024, journal 2026-11-28).
 const CLUSTER_THREADS: u32 = 512;
 /// Static shared memory of `kvs_topp_cluster`, at most (its scratch: a few KiB at 16 query rows per KV head).
@@ -65,7 +63,7 @@ fn estimate_on_tensor_cores(head_dim: usize, group: usize) -> bool {
 fn use_cluster(cc_major: i32, rows: usize, num_sms: usize, fits: bool) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     let forced = launch::env_choice(&FORCED, "KVS_TOPP_CLUSTER", "0", "1");
-    cc_major >= 9 && fits && forced.unwrap_or(rows.saturating_mul(CLUSTER_CTAS) <= num_sms.max(1))
+    cc_major >= 9 && fits && forced.unwrap_or(launch::clusters_fit_one_wave(rows, num_sms))
 }
 
 /// Top-p's stage for one call, and its workspace regions (top_p.cu's `TOPP_PARAMS` describes each).
