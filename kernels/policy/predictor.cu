@@ -54,6 +54,9 @@ struct PredSpec {
 #ifndef PRED_PT
 #define PRED_PT 64  // image columns per column tile of kvs_pred_conv (a multiple of 16: a warp per 16)
 #endif
+#ifndef PRED_CONV_MINB
+#define PRED_CONV_MINB 3  // CTAs per SM kvs_pred_conv keeps resident (its registers: 80 at 3)
+#endif
 #define PRED_W1 0
 #define PRED_B1 (PRED_C1 * 9)
 #define PRED_W2 (PRED_B1 + PRED_C1)
@@ -197,7 +200,7 @@ __device__ __forceinline__ void pred_mma(float (&c)[4], const uint4& a, unsigned
 // implicit GEMM on the tensor cores in 3xBF16 (hi*hi + hi*lo + lo*hi, m16n8k16, f32 accumulation; each
 // warp 16 columns of every row of the band), then bias, ReLU and the 1x1 convolution over the channels (a
 // warp-shuffle sum). Two warps per 16 columns, one the band's even rows, the other its odd rows. Device arithmetic and its error bound: docs/policies.md (predictor, "On the GPU").
-extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batch b, PredState st, PredSpec ps, const float* wts, const uint4* frag,
+extern "C" __global__ void __launch_bounds__(PRED_THREADS, PRED_CONV_MINB) kvs_pred_conv(Batch b, PredState st, PredSpec ps, const float* wts, const uint4* frag,
                                                                            const int* slot, const int* mode) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
@@ -229,22 +232,35 @@ extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batc
     // A reused row keeps z where its receptive field is unchanged: rows 2 .. H - pushed - 3, columns
     // whose field lies inside the previous crop.
     auto row_reused = [&](int t) { return reuse && t >= 2 && t + pushed + 2 < H; };
-    const int nbands = (H + PRED_RB - 1) / PRED_RB;  // the most bands a tile has
+    const int nbands = (H + PRED_RB - 1) / PRED_RB;  // the bands of a tile that recomputes every row
+    // Tiles [0, t_all) reuse rows 2 .. H - pushed - 3: their bands cover rows 0, 1 (top) and H - pushed - 2 ..
+    // H - 1 (bottom); the tiles from t_all on (the previous crop's edge and past it) recompute every row.
+    // Items: the reused tiles' (band, tile) pairs band-major, then the others' (no empty items to skip).
+    const int x_all = wmin - PRED_PT - 2;
+    const int t_all = !reuse || x_all < 0 ? 0 : min(tiles, x_all / PRED_PT + 1);
+    const int nb_top = (2 + PRED_RB - 1) / PRED_RB, bottom = H - pushed - 2;
+    const int nb_reused = nb_top + (pushed + 2 + PRED_RB - 1) / PRED_RB;
+    const int n_reused = t_all * nb_reused, n_items = n_reused + (tiles - t_all) * nbands;
     bool staged = false;
-    for (int item = blockIdx.x; item < nbands * tiles; item += gridDim.x) {
-        const int band = item / tiles, tile = item % tiles, b0 = tile * PRED_PT;
-        const bool all_rows = !reuse || b0 + PRED_PT + 2 > wmin;
-        const int top_end = all_rows ? H : 2, bottom = all_rows ? H : H - pushed - 2;
-        const int nb_top = (top_end + PRED_RB - 1) / PRED_RB;
-        int a, R;
-        if (band < nb_top) {
-            a = band * PRED_RB;
-            R = min(PRED_RB, top_end - a);
+    for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
+        int tile, a, R;
+        if (item < n_reused) {
+            const int band = item / t_all;
+            tile = item % t_all;
+            if (band < nb_top) {
+                a = band * PRED_RB;
+                R = min(PRED_RB, 2 - a);
+            } else {
+                a = bottom + (band - nb_top) * PRED_RB;
+                R = min(PRED_RB, H - a);
+            }
         } else {
-            a = bottom + (band - nb_top) * PRED_RB;
-            if (a >= H) continue;  // uniform: nothing left in this tile
+            const int j = item - n_reused, nt = tiles - t_all;
+            tile = t_all + j % nt;
+            a = (j / nt) * PRED_RB;
             R = min(PRED_RB, H - a);
         }
+        const int b0 = tile * PRED_PT;
         __syncthreads();  // the previous item's tiles are no longer read
         if (!staged) {
             for (int i = threadIdx.x; i < PRED_FRAG_WORDS / 4; i += blockDim.x) afr[i] = frag[i];
@@ -275,42 +291,39 @@ extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batc
         __syncthreads();
         {
             {
-                // The first convolution: one pixel per thread and pass, every channel; 0 outside the image.
-                for (int i = threadIdx.x; i < (R + 2) * (PRED_PT + 2); i += blockDim.x) {
-                    const int rr = i / (PRED_PT + 2), cc = i % (PRED_PT + 2);
+                // The first convolution: one (pixel, channel quad) per thread and pass, so that a warp's
+                // 16-byte stores are conflict-free (a pixel's quads in consecutive lanes); 0 outside the image.
+                constexpr int NQ = PRED_C1P / 4;
+                for (int i = threadIdx.x; i < (R + 2) * (PRED_PT + 2) * NQ; i += blockDim.x) {
+                    const int px = i / NQ, qd = i % NQ;
+                    const int rr = px / (PRED_PT + 2), cc = px % (PRED_PT + 2);
                     const int tt = a - 1 + rr, bb = b0 - 1 + cc;
-                    const bool in = tt >= 0 && tt < H && bb >= 0 && bb < width;
-                    uint4* yp = reinterpret_cast<uint4*>(ys + i * PRED_PX);
-                    if (!in) {  // zero padding of the second convolution
-#pragma unroll
-                        for (int q = 0; q < PRED_C1P / 4; ++q) yp[q] = make_uint4(0u, 0u, 0u, 0u);
+                    uint4* yp = reinterpret_cast<uint4*>(ys + px * PRED_PX) + qd;
+                    if (!(tt >= 0 && tt < H && bb >= 0 && bb < width)) {  // zero padding of the second convolution
+                        *yp = make_uint4(0u, 0u, 0u, 0u);
                         continue;
                     }
                     float xin[9];
 #pragma unroll
                     for (int k = 0; k < 9; ++k) xin[k] = xs[(rr + k / 3) * (PRED_PT + 4) + cc + k % 3];
-                    unsigned hw[PRED_C1P / 2], lw[PRED_C1P / 2];
+                    // The quad (kc, tq): channels kc*16 + 2 tq, + 1, + 8, + 9.
+                    const int c0 = (qd / 4) * 16 + 2 * (qd % 4);
+                    float v[4];
 #pragma unroll
-                    for (int c = 0; c < PRED_C1P; c += 2) {
-                        float v[2];
+                    for (int j = 0; j < 4; ++j) {
+                        const int ch = c0 + (j & 1) + (j >> 1) * 8;
+                        float acc = 0.0f;
+                        if (ch < PRED_C1) {
+                            acc = b1[ch];
 #pragma unroll
-                        for (int j = 0; j < 2; ++j) {
-                            const int ch = c + j;
-                            float acc = 0.0f;
-                            if (ch < PRED_C1) {
-                                acc = b1[ch];
-#pragma unroll
-                                for (int k = 0; k < 9; ++k) acc = fmaf(w1[ch * 9 + k], xin[k], acc);
-                            }
-                            v[j] = pred_relu(acc);
+                            for (int k = 0; k < 9; ++k) acc = fmaf(w1[ch * 9 + k], xin[k], acc);
                         }
-                        pred_split2(v[0], v[1], hw[c / 2], lw[c / 2]);
+                        v[j] = pred_relu(acc);
                     }
-#pragma unroll
-                    for (int q = 0; q < PRED_C1P / 4; ++q) {
-                        const int p0 = (q / 4) * 8 + q % 4;  // the channel pair 2 tq of block kc (q = kc * 4 + tq)
-                        yp[q] = make_uint4(hw[p0], hw[p0 + 4], lw[p0], lw[p0 + 4]);
-                    }
+                    unsigned h01, l01, h89, l89;
+                    pred_split2(v[0], v[1], h01, l01);
+                    pred_split2(v[2], v[3], h89, l89);
+                    *yp = make_uint4(h01, h89, l01, l89);
                 }
                 __syncthreads();
                 // The second convolution: acc[mi][n] holds channels mi*16 + (g8, g8 + 8) of n-tile n (row
@@ -323,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batc
                     for (int n = 0; n < 2 * PRED_RBH; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) acc[mi][n][e] = 0.0f;
-#pragma unroll 3
+#pragma unroll
                 for (int kk = 0; kk < PRED_K16; ++kk) {
                     const int sp = kk / PRED_KC, kc = kk % PRED_KC, dt = sp / 3, db = sp % 3;
                     uint4 ah[PRED_MT], al[PRED_MT];
