@@ -23,6 +23,11 @@ pub const TRAVERSAL: KernelFile = kernel_file!("art_traversal.cuh", "policy/art/
 /// ART's priority order (kvs_art_priority), compiled in the selection module (the registry's `SELECT_MODULE`).
 pub const PRIORITY: KernelFile = kernel_file!("art.cu", "policy/art/priority.cu");
 
+/// Threads of a kvs_art_priority CTA and the entries it ranks (kernels/policy/art/priority.cu
+/// `ART_RANK_THREADS`, `ART_RANKS`: four lanes per entry).
+const ART_RANK_THREADS: u32 = 256;
+const ART_RANKS: usize = 64;
+
 /// ART's hook: 4 warps (one round = one 64-slot tile, [`super::ART_TILE`]) of 3 stages; its static
 /// shared memory (the probe's exchange, the decision's group summaries) within 4 KiB.
 /// `KVS_ART_NOPROBE=1` (benchmarks only) compiles ART's launch without the detector (the same order and
@@ -101,8 +106,8 @@ pub(crate) fn sink_limit(selector: &dyn SelectorKind) -> i32 {
 pub(crate) struct ArtStage {
     art: Art,
     sink_limit: i32,
-    /// The bitonic sort of kvs_art_priority holds a power of two >= the plan's capacity of 8-byte keys.
-    n2: usize,
+    /// kvs_art_priority holds a row's keys (8 bytes per entry of the plan's capacity) in shared memory.
+    keys: usize,
     /// Priority order (behind Quest): the ordered entries and their inverse, in the plan's layout.
     order: usize,
     inv: usize,
@@ -115,7 +120,7 @@ pub(crate) struct ArtStage {
 
 impl ArtStage {
     pub(crate) fn new(art: Art, sink_limit: i32) -> Self {
-        ArtStage { art, sink_limit, n2: 0, order: 0, inv: 0, probe: 0, arrive: 0, tmax: 0 }
+        ArtStage { art, sink_limit, keys: 0, order: 0, inv: 0, probe: 0, arrive: 0, tmax: 0 }
     }
 
     fn priority(&self) -> bool {
@@ -142,9 +147,9 @@ impl CudaStage for ArtStage {
 
     fn reserve(&mut self, cx: &CallShape, ws: &mut WsAlloc) -> Result<()> {
         let fin = &cx.fin;
-        self.n2 = fin.cap.next_power_of_two();
+        self.keys = fin.cap;
         if self.priority() {
-            ensure!(self.n2 * 8 + 1024 <= cx.smem_optin, Unsupported, "`art(order=priority)` on the CUDA backend sorts a row's plan in shared memory: {} entries is more than this device holds (use a smaller budget or order=recent)", fin.cap);
+            ensure!(self.keys.saturating_mul(8).saturating_add(1024) <= cx.smem_optin, Unsupported, "`art(order=priority)` on the CUDA backend sorts a row's plan in shared memory: {} entries is more than this device holds (use a smaller budget or order=recent)", fin.cap);
             self.order = ws.take_n(&[cx.rows_of(fin), fin.cap, 4])?;
             self.inv = ws.take_n(&[cx.rows_of(fin), fin.cap, 4])?;
         }
@@ -170,7 +175,7 @@ impl CudaStage for ArtStage {
         };
         let (hk, ns, base) = (cx.cfg.num_kv_heads, cx.geo.num_seqs, &cx.base);
         let f_ord = cx.function("kvs_art_priority")?;
-        let smem = self.n2 * 8;
+        let smem = self.keys * 8;
         if smem > 48 * 1024 {
             cx.dev.allow_smem_once(f_ord, (cx.dev.gpu().smem_optin as usize).saturating_sub(1024))?;
         }
@@ -178,8 +183,10 @@ impl CudaStage for ArtStage {
         let mut k = KArgs::new();
         k.by_value(&cx.batch).i32(hk as i32).i64(base.e as i64).i64(base.p_s).i64(base.p_h).i64(base.len as i64).i32(base.cap);
         k.i32(self.sink_limit).i32(sc.page as i32).i64(sc.at as i64).i32(sc.maxp as i32);
-        k.i64(order as i64).i64(inv as i64).i32(self.n2 as i32).i64(arrive as i64);
-        launch::launch_dependent(cx.pdl(), f_ord, (hk as u32, ns as u32, 1), 512, smem as u32, &mut k, cx.a.stream, "kvs_art_priority launch")
+        k.i64(order as i64).i64(inv as i64).i64(arrive as i64);
+        // Parts of a row's ranks (kernels/policy/art/priority.cu ART_RANKS entries each).
+        let parts = self.keys.div_ceil(ART_RANKS).max(1);
+        launch::launch_dependent(cx.pdl(), f_ord, (hk as u32, ns as u32, parts as u32), ART_RANK_THREADS, smem as u32, &mut k, cx.a.stream, "kvs_art_priority launch")
     }
 
     fn rows(&self, cx: &StepCx, _keys: usize) -> Option<Rows> {
@@ -281,5 +288,18 @@ impl RowVisits for ArtVisits {
         }
         normalize_spans(spans);
         Ok((visited as u32, tiles.len() as u32))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ART_RANKS, ART_RANK_THREADS};
+
+    #[test]
+    fn rank_launch_mirrors_the_priority_kernel() {
+        let src = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/policy/art/priority.cu"));
+        assert!(src.contains(&format!("#define ART_RANK_THREADS {ART_RANK_THREADS}\n")), "priority.cu ART_RANK_THREADS");
+        let split = ART_RANK_THREADS as usize / ART_RANKS;
+        assert!(src.contains(&format!("#define ART_RANK_SPLIT {split}\n")), "priority.cu ART_RANK_SPLIT");
     }
 }
