@@ -45,12 +45,19 @@ use crate::{bail, ensure};
 /// include).
 pub const PREDICTOR: Module = &[&kernel_file!("predictor.cu", "policy/predictor.cu")];
 
-/// CTAs per SM of one `kvs_pred_conv` launch, over all (sequence, KV head) pairs (each stages the weights
-/// once and walks its share of the (band, column tile) items): three waves of the three CTAs an SM holds.
-/// H200, 2026-11-27: 9 per SM (1,188 CTAs) against 2,048, 792 and 396: 1.39 / 1.32 / 1.35 / 1.24x dense at
-/// 8 x 128K, 1.05 / 0.84 / 1.03 / 0.98x at 8 x 32K, 0.84 / 0.74 / 0.85 / 0.80x at 1 x 128K (fewer CTAs stage
-/// the weights fewer times; too few leave the SMs idle at the tail).
-const CONV_CTAS_PER_SM: usize = 9;
+/// Most CTAs per SM of one `kvs_pred_conv` launch, over all (sequence, KV head) pairs (each stages the
+/// weights once and walks its share of the (band, column tile) items): four waves of the three CTAs an SM
+/// holds. H200, 2026-11-28 (items without empty bands): 12 per SM against 9 / 6 / 3: 379 against 391 / 410 /
+/// 463 us at 8 x 128K; at 1 x 128K (2,048 items) 9 (57.3 us) beat 12 (59.6) and 3 (67.0); at 1 x 32K (512
+/// items) 3 beat 9 (CNN 29.4 against 36.3 us): see [`conv_ctas_per_row`].
+const CONV_CTAS_PER_SM: usize = 12;
+/// A decode step's steady state recomputes two bands per column tile (rows 0-1, and the rows the new one
+/// reaches); `kvs_pred_conv` takes about 3 CTAs per 5 such items (1.7 items each) below its cap.
+fn conv_ctas_per_row(tiles: usize, rows: usize, num_sms: usize) -> usize {
+    let steady = tiles.saturating_mul(2).saturating_mul(3).div_ceil(5);
+    let cap = CONV_CTAS_PER_SM.saturating_mul(num_sms.max(1)).div_ceil(rows.max(1));
+    steady.min(cap).max(1)
+}
 /// Largest first-layer width the conv kernel accepts (its second convolution reduces over 9 x c1).
 const MAX_C1: usize = 32;
 /// Largest second-layer width (the kernel's accumulators: 16-channel tiles x rows per band).
@@ -354,7 +361,7 @@ impl PredictorDev {
         // Work items (band, column tile): a tile has at most ceil(history / rows per band) bands.
         let items = checked(&[pw.nbmax.div_ceil(pd.pt), ps.history.div_ceil(band_rows(pd.c2))])?;
         ensure!(hk < 65536 && ns < 65536 && items < (1 << 31), Unsupported, "predictor: too many KV heads, sequences or blocks for the CNN's grid");
-        let per = (CONV_CTAS_PER_SM * dev.gpu().num_sms.max(1) as usize).div_ceil(ns * hk).min(items).max(1);
+        let per = conv_ctas_per_row(pw.nbmax.div_ceil(pd.pt), ns * hk, dev.gpu().num_sms as usize).min(items).max(1);
         let conv = f("kvs_pred_conv")?;
         let smem = conv_smem_bytes(pd.c1, pd.c2, pd.pt);
         dev.allow_smem_once(conv, smem)?;
@@ -579,6 +586,16 @@ mod fragment_tests {
         assert!(!clusters_fit(132, 8, 2049) && !clusters_fit(132, 64, 8193));
         assert!(!clusters_fit(0, 1, 8193) && !clusters_fit(132, usize::MAX, usize::MAX));
         assert!(!select_on_clusters(8, 132, 1, 8193), "no clusters before sm_90");
+    }
+
+    /// 1.7 steady-state items per CTA below 12 CTAs per SM (H200: 132 SMs), never 0.
+    #[test]
+    fn conv_grid_follows_the_steady_items_under_its_cap() {
+        assert_eq!(conv_ctas_per_row(128, 8, 132), 154); // 1 x 128K, block 16, 64 columns per tile
+        assert_eq!(conv_ctas_per_row(32, 8, 132), 39); // 1 x 32K
+        assert_eq!(conv_ctas_per_row(128, 64, 132), 25); // 8 x 128K: the cap, 12 per SM
+        assert_eq!(conv_ctas_per_row(0, 0, 0), 1);
+        assert_eq!(conv_ctas_per_row(usize::MAX, 1, usize::MAX), usize::MAX.div_ceil(5)); // saturates, no overflow
     }
 
     /// Every second-layer weight sits at its lane, register and half, as hi + lo within 2^-16 of it;
