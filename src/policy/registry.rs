@@ -475,7 +475,8 @@ mod tests {
 
     /// The policy workspace's regions (offset, bytes) and total as src/cuda/sparse.rs laid them out before
     /// the stages had a trait (10d7224, `WsLayout`), transcribed: the reference the stages' layout must
-    /// equal byte for byte (same launches, same offsets); top-p's and ART's regions as issue 34 changed them.
+    /// equal byte for byte (same launches, same offsets); top-p's and ART's regions (and ART's shared-memory
+    /// limit) as issue 34 changed them.
     #[allow(clippy::too_many_arguments)]
     fn layout_10d7224(p: &Pipeline, cfg: &EngineConfig, geo: &Geometry, max_query_len: i32, smem_optin: usize, tensor_cores: bool, slots: bool) -> Result<(Vec<(usize, usize)>, usize)> {
         let (hk, bs, g) = (cfg.num_kv_heads, cfg.block_size, cfg.group_size());
@@ -498,9 +499,10 @@ mod tests {
         crate::ensure!(art_nsplit < 65536, Unsupported, "segments");
         take(checked(&[ns, hk, art_nsplit, 4])?);
         let art_priority = p.art.is_some_and(|art| art.order == Order::Priority);
-        let art_n2 = fin.0.next_power_of_two();
         if art_priority {
-            crate::ensure!(art_n2 * 8 + 1024 <= smem_optin, Unsupported, "priority");
+            // The priority order's keys in shared memory: since b541944 (a rank count) the plan's capacity of
+            // them, no longer its next power of two (a bitonic sort's).
+            crate::ensure!(fin.0 * 8 + 1024 <= smem_optin, Unsupported, "priority");
             take(checked(&[rows_of(&fin), fin.0, 4])?);
             take(checked(&[rows_of(&fin), fin.0, 4])?);
         }
