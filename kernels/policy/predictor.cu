@@ -54,9 +54,6 @@ struct PredSpec {
 #ifndef PRED_PT
 #define PRED_PT 64  // image columns per column tile of kvs_pred_conv (a multiple of 16: a warp per 16)
 #endif
-#ifndef PRED_CONV_MINB
-#define PRED_CONV_MINB 3  // CTAs per SM kvs_pred_conv keeps resident (its registers: 80 at 3)
-#endif
 #define PRED_W1 0
 #define PRED_B1 (PRED_C1 * 9)
 #define PRED_W2 (PRED_B1 + PRED_C1)
@@ -195,12 +192,13 @@ __device__ __forceinline__ void pred_mma(float (&c)[4], const uint4& a, unsigned
 // zero padding moved and the bottom ones the new rows reach, in bands of up to PRED_RB rows; the work
 // items are (band, tile), band-major, and a CTA walks items blockIdx.x, blockIdx.x + gridDim.x, ... (so
 // the bands of a tile that recomputes every row run on many CTAs), staging the weights at its first
-// non-empty item. A band: the image rows around it, the first convolution once per row it needs (f32 with fused
-// multiply-adds, every channel of a pixel per thread, stored as bf16 (hi, lo) words of channel pairs), then the second as an
+// item. A band: the image rows around it, the first convolution once per row it needs (f32 with fused
+// multiply-adds, a pixel's four-channel quad per thread, stored as bf16 (hi, lo) words of channel pairs), then the second as an
 // implicit GEMM on the tensor cores in 3xBF16 (hi*hi + hi*lo + lo*hi, m16n8k16, f32 accumulation; each
 // warp 16 columns of every row of the band), then bias, ReLU and the 1x1 convolution over the channels (a
-// warp-shuffle sum). Two warps per 16 columns, one the band's even rows, the other its odd rows. Device arithmetic and its error bound: docs/policies.md (predictor, "On the GPU").
-extern "C" __global__ void __launch_bounds__(PRED_THREADS, PRED_CONV_MINB) kvs_pred_conv(Batch b, PredState st, PredSpec ps, const float* wts, const uint4* frag,
+// warp-shuffle sum). Two warps per 16 columns, one the band's even rows, the other its odd rows; 3 CTAs per SM (80
+// registers, no spills; 2 per SM measured slower). Device arithmetic and its error bound: docs/policies.md (predictor, "On the GPU").
+extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batch b, PredState st, PredSpec ps, const float* wts, const uint4* frag,
                                                                            const int* slot, const int* mode) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
