@@ -390,20 +390,39 @@ extern "C" __global__ void __launch_bounds__(PRED_THREADS, 3) kvs_pred_conv(Batc
 }
 
 // The prediction of every CALIB / PRED row: b3 + the mean over the H image rows of z (summed in row
-// order), into `scores` [seqs][hk][nbmax] at the crop's blocks. Grid (column tiles of 256, hk, seqs).
-extern "C" __global__ void __launch_bounds__(256) kvs_pred_average(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
-                                                                   const int* mode, float* scores, int nbmax) {
-    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
-    KVS_GRID_LAUNCH_DEPENDENTS();
+// order), into `scores` [seqs][hk][nbmax] at the crop's blocks: a memory-bound read of every row of z. Grid
+// (column tiles of a CTA's threads, hk, seqs); a thread's column, several rows' loads in flight at once, then
+// their sum in row order. Two shapes (src/policy/predictor/cuda.rs picks one by the launch's columns): 256
+// columns per CTA with 8 rows in flight (`kvs_pred_average`), 128 with 32 (`kvs_pred_average_wide`, small
+// batches: more loads in flight per SM when there are few columns).
+#define PRED_AVG_THREADS 256
+#define PRED_AVG_WIDE_THREADS 128
+
+// This thread's column of z: false when the row is not predicted or the column is past its crop; else its
+// ring rows (row r of the image is zc + ((rbase + r) mod H) * wc) and where its score goes.
+__device__ __forceinline__ bool pred_average_column(const Batch& b, const PredState& st, const PredSpec& ps, const int* slot, const int* mode, float* scores,
+                                                    int nbmax, int threads, const float*& zc, int& rbase, float*& out) {
     const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
     int start, width;
-    if (!pred_cnn_crop(b, ps, mode, hk, s, h, start, width)) return;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= width) return;
+    if (!pred_cnn_crop(b, ps, mode, hk, s, h, start, width)) return false;
+    const int i = blockIdx.x * threads + threadIdx.x;
+    if (i >= width) return false;
     const long long sh = (long long)slot[s] * hk + h;
-    const int count = st.hdr[sh * HDR_WORDS + HDR_COUNT];
-    const float* zc = st.zc + sh * H * (long long)st.wc;
-    const int rbase = pred_mod((long long)count - H, H);  // ring row of image row 0
+    zc = st.zc + sh * H * (long long)st.wc + i;
+    rbase = pred_mod((long long)st.hdr[sh * HDR_WORDS + HDR_COUNT] - H, H);  // ring row of image row 0
+    out = scores + (i64)(s * hk + h) * nbmax + start + i;
+    return true;
+}
+
+extern "C" __global__ void __launch_bounds__(PRED_AVG_THREADS) kvs_pred_average(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
+                                                                                const int* mode, float* scores, int nbmax) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
+    const float* zc;
+    int rbase;
+    float* out;
+    if (!pred_average_column(b, st, ps, slot, mode, scores, nbmax, PRED_AVG_THREADS, zc, rbase, out)) return;
+    const int H = st.H;
     float acc = 0.0f;
     // Eight rows' loads in flight, then their sum in row order.
     for (int t0 = 0, r0 = rbase; t0 < H; t0 += 8) {
@@ -412,7 +431,7 @@ extern "C" __global__ void __launch_bounds__(256) kvs_pred_average(Batch b, Pred
         for (int u = 0; u < 8; ++u) {
             int ri = r0 + u;
             while (ri >= H) ri -= H;
-            v[u] = t0 + u < H ? zc[(long long)ri * st.wc + i] : 0.0f;
+            v[u] = t0 + u < H ? zc[(long long)ri * st.wc] : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u)
@@ -420,7 +439,32 @@ extern "C" __global__ void __launch_bounds__(256) kvs_pred_average(Batch b, Pred
         r0 += 8;
         while (r0 >= H) r0 -= H;
     }
-    scores[(i64)(s * hk + h) * nbmax + start + i] = wts[PRED_B3] + acc * (1.0f / (float)H);
+    *out = wts[PRED_B3] + acc * (1.0f / (float)H);
+}
+
+extern "C" __global__ void __launch_bounds__(PRED_AVG_WIDE_THREADS) kvs_pred_average_wide(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
+                                                                                          const int* mode, float* scores, int nbmax) {
+    KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
+    KVS_GRID_LAUNCH_DEPENDENTS();
+    const float* zc;
+    int rbase;
+    float* out;
+    if (!pred_average_column(b, st, ps, slot, mode, scores, nbmax, PRED_AVG_WIDE_THREADS, zc, rbase, out)) return;
+    const int H = st.H;
+    float acc = 0.0f;
+    // 32 rows' loads in flight, then their sum in row order (the same sum as kvs_pred_average's).
+    for (int t0 = 0; t0 < H; t0 += 32) {
+        float v[32];
+#pragma unroll
+        for (int u = 0; u < 32; ++u) {
+            const int t = t0 + u, ri = rbase + t < H ? rbase + t : rbase + t - H;  // rbase, t < H
+            v[u] = t < H ? zc[(long long)ri * st.wc] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 32; ++u)
+            if (t0 + u < H) acc += v[u];
+    }
+    *out = wts[PRED_B3] + acc * (1.0f / (float)H);
 }
 
 // Candidate keys kvs_pred_select keeps in shared memory (more are read from the scores in global memory).

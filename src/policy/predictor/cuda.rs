@@ -73,6 +73,26 @@ const HIST_CTAS: usize = 1024;
 pub(crate) const HIST_PARTS: usize = 256;
 /// Keys `kvs_pred_logits` takes per CTA and iteration (8 warps x 16 keys x PL_KT) at head sizes up to 128.
 const HIST_KEYS_PER_CTA: usize = 256;
+/// Threads (columns) per CTA of the time average's two shapes (kernels/policy/predictor.cu
+/// `PRED_AVG_THREADS`, `PRED_AVG_WIDE_THREADS`).
+const AVG_THREADS: usize = 256;
+const AVG_WIDE_THREADS: usize = 128;
+/// Launches of at most this many columns (rows x blocks) take `kvs_pred_average_wide` (32 rows' loads in
+/// flight per thread, 128 per CTA). H200, 2026-11-28, against `kvs_pred_average` (8 rows, 256): the mean step
+/// 158 -> 148 us at 1 x 128K (65,536 columns; the kernel alone level, 12.0 against 12.1 us) and 98 -> 89 us
+/// at 1 x 32K, while at 8 x 128K the wide shape lost (668 -> 698 us; kernel 44.6 -> 65.0 us).
+const AVG_WIDE_MAX_COLUMNS: usize = 65536;
+
+/// The time average's kernel and threads per CTA for `columns` (rows x blocks) in the launch;
+/// `KVS_PRED_AVERAGE=narrow|wide` forces the shape (tests, benchmarks).
+fn average_shape(columns: usize) -> (&'static str, usize) {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    if launch::env_choice(&FORCED, "KVS_PRED_AVERAGE", "narrow", "wide").unwrap_or(columns <= AVG_WIDE_MAX_COLUMNS) {
+        ("kvs_pred_average_wide", AVG_WIDE_THREADS)
+    } else {
+        ("kvs_pred_average", AVG_THREADS)
+    }
+}
 /// Threads per CTA of kvs_pred_select_cluster (kernels/policy/predictor.cu PRED_QC_THREADS).
 const PRED_QC_THREADS: u32 = 256;
 
@@ -373,7 +393,8 @@ impl PredictorDev {
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
         k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
-        launch::launch_dependent(pdl, f("kvs_pred_average")?, (pw.nbmax.div_ceil(256) as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_pred_average launch")?;
+        let (avg, at) = average_shape((ns * hk).saturating_mul(pw.nbmax));
+        launch::launch_dependent(pdl, f(avg)?, (pw.nbmax.div_ceil(at) as u32, hk as u32, ns as u32), at as u32, 0, &mut k, stream, "kvs_pred_average launch")?;
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(pd.weights.ptr as i64).i64(slot as i64).i64(mode as i64);
         k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
@@ -586,6 +607,16 @@ mod fragment_tests {
         assert!(!clusters_fit(132, 8, 2049) && !clusters_fit(132, 64, 8193));
         assert!(!clusters_fit(0, 1, 8193) && !clusters_fit(132, usize::MAX, usize::MAX));
         assert!(!select_on_clusters(8, 132, 1, 8193), "no clusters before sm_90");
+    }
+
+    #[test]
+    fn average_launch_mirrors_the_kernel() {
+        let src = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/policy/predictor.cu"));
+        assert!(src.contains(&format!("#define PRED_AVG_THREADS {AVG_THREADS}\n")), "predictor.cu PRED_AVG_THREADS");
+        assert!(src.contains(&format!("#define PRED_AVG_WIDE_THREADS {AVG_WIDE_THREADS}\n")), "predictor.cu PRED_AVG_WIDE_THREADS");
+        // One sequence of 8 KV heads at 128K (block 16) takes the wide shape, eight do not.
+        assert_eq!(average_shape(8 * 8192), ("kvs_pred_average_wide", AVG_WIDE_THREADS));
+        assert_eq!(average_shape(64 * 8192), ("kvs_pred_average", AVG_THREADS));
     }
 
     /// 1.7 steady-state items per CTA below 12 CTAs per SM (H200: 132 SMs), never 0.
