@@ -470,6 +470,18 @@ extern "C" __global__ void __launch_bounds__(PRED_AVG_WIDE_THREADS) kvs_pred_ave
 // Candidate keys kvs_pred_select keeps in shared memory (more are read from the scores in global memory).
 #define PRED_SEL_CACHE 8192
 
+// With the tensor-core history rows (`zero_ring`), the selection zeroes the ring row a decode row's history
+// row goes to (its blocks so far), which kvs_pred_weights then fills by atomicMax after the attention:
+// thread `tid` of `nt` over the row. Runs after this step's CNN, the row's last reader.
+__device__ __forceinline__ void pred_zero_ring_row(const PredState& st, const PredSpec& ps, const int* slot, int s, int h, int m, const SeqRow& r, int tid, int nt) {
+    if (m != PM_NOHIST && m != PM_CALIB && m != PM_PRED) return;
+    const long long sh = (long long)slot[s] * st.hk + h;
+    const int nbr = min((r.hi + ps.block) / ps.block, st.wc);
+    float* rw = st.ring + (sh * st.H + pred_mod(st.hdr[sh * HDR_WORDS + HDR_COUNT], st.H)) * (long long)st.wc;
+    for (int i = tid; i < nbr; i += nt) rw[i] = 0.0f;
+}
+
+
 // Bits lo .. hi - 1 of a 64-position chunk starting at p0 that [s, e) covers.
 __device__ __forceinline__ unsigned long long pred_span_bits(int p0, int s, int e) {
     const int a = max(s - p0, 0), z = min(e - p0, 64);
@@ -626,7 +638,7 @@ __device__ __forceinline__ bool pred_row_counters(const Batch& b, const PredSelR
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot,
                                                                            const int* mode, float* scores, int nbmax, unsigned* plan, i64 p_s,
                                                                            i64 p_h, int* plan_len, int cap, i64 row_bytes, i64 k_row_bytes,
-                                                                           unsigned long long* ctr) {
+                                                                           unsigned long long* ctr, int zero_ring) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ unsigned hist[256];
@@ -638,6 +650,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
     if (s == 0 && h == 0) rows_count(b, hk, row_bytes, ctr, red);
     PredSelRow w;
     if (!pred_sel_row(b, st, ps, slot, mode, scores, nbmax, s, h, plan_len, threadIdx.x == 0, w)) return;
+    if (zero_ring) pred_zero_ring_row(st, ps, slot, s, h, w.m, w.r, threadIdx.x, blockDim.x);
     const bool cached = w.cnt <= PRED_SEL_CACHE;
     if (cached) pred_stage_keys(w, w.cb0, w.cb1, kcache);
     __syncthreads();
@@ -672,7 +685,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) kvs_pred_select(Batch
 #define PRED_QC_KEYS 4096    // a CTA's staged keys (more: read from the scores in global memory)
 extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(PRED_QC_THREADS)
     kvs_pred_select_cluster(Batch b, PredState st, PredSpec ps, const float* wts, const int* slot, const int* mode, float* scores, int nbmax,
-                            unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes, i64 k_row_bytes, unsigned long long* ctr) {
+                            unsigned* plan, i64 p_s, i64 p_h, int* plan_len, int cap, i64 row_bytes, i64 k_row_bytes, unsigned long long* ctr,
+                            int zero_ring) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
 #if KVS_CLUSTERS
@@ -686,6 +700,7 @@ extern "C" __global__ void QC_CLUSTER_DIMS __launch_bounds__(PRED_QC_THREADS)
     PredSelRow w;
     // Uniform over the cluster: every CTA of it leaves here, or none.
     if (!pred_sel_row(b, st, ps, slot, mode, scores, nbmax, s, h, plan_len, lead, w)) return;
+    if (zero_ring) pred_zero_ring_row(st, ps, slot, s, h, w.m, w.r, rank * blockDim.x + threadIdx.x, QC_CTAS * blockDim.x);
     // This CTA's blocks [b0, b1) and chunks [ch0, ch1): `per` blocks, a whole number of chunks (blocks are
     // powers of two: a chunk lies in one block, or holds whole blocks).
     const int bpc = w.blk >= 64 ? 1 : 64 / w.blk;
@@ -907,13 +922,20 @@ __device__ __forceinline__ bool pl_row(const Batch& b, const int* mode, const in
     return true;
 }
 
+// Rows whose history row can come from the step's own attention (kernels/attention_mma.cu LOGITS=1, the
+// predictor's `Rows::PlanLogits`): it attends exactly their positions, a PRED row's plan and a NOHIST
+// row's every visible position. A CALIB row attends its predicted plan but pushes the full row.
+__device__ __forceinline__ bool pl_from_attention(int m) { return m == PM_PRED || m == PM_NOHIST; }
+
 // Pass 1: the logits of a decode row's query heads over its positions, 16 keys per warp and m16n8k16 MMA
 // (keys as M, query heads as N), written base 2 (times log2 e, after the scale and the soft-cap) to
 // `lgs` [seqs][hk][GROUP][lcap] by position index; each taking-part CTA's (pl_active) softmax statistics
-// per query head to `parts` [seqs][hk][GROUP][gridDim.x] (empty: (-inf, 0)); the new ring row zeroed. A lane loads 16 bytes of a key
+// per query head to `parts` [seqs][hk][GROUP][gridDim.x] (empty: (-inf, 0)). A lane loads 16 bytes of a key
 // row at dimensions 32 j + 8 tq and the query's same dimensions, so the k index of the MMA is a permutation
 // of the head dimension, the same for both operands. A missing block's key reads as zeros (as the scalar
-// pass). Grid (CTAs per row, hk, seqs).
+// pass). It runs after the step's attention, which wrote the logits of PRED and NOHIST rows
+// (pl_from_attention; this kernel leaves them alone), so CALIB rows only; the selection zeroed the new ring
+// rows. Grid (CTAs per row, hk, seqs).
 extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_logits(Batch b, const elem_t* q, i64 q0, i64 q1, i64 q2, float scale, float softcap,
                                                                          const kv_t* kc, i64 kc0, i64 kc1, i64 kc2, PredState st, PredSpec ps,
                                                                          const int* slot, const int* mode, const unsigned* plan, i64 p_s, i64 p_h,
@@ -922,18 +944,12 @@ extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_logits(Batch b
     KVS_GRID_LAUNCH_DEPENDENTS();
 #if KVS_DTYPE != 0 && !KV8 && HEAD_DIM % 32 == 0
     __shared__ float wm[PL_WARPS][PL_NT * 8], wsum[PL_WARPS][PL_NT * 8];
-    const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
+    const int s = blockIdx.z, h = blockIdx.y, hk = st.hk;
     SeqRow r;
     bool use_plan;
     int jlo, jend;
     if (!pl_row(b, mode, plan_len, cap, hk, s, h, r, use_plan, jlo, jend) || jend > lcap) return;
-    const long long sh = (long long)slot[s] * hk + h;
-    {
-        const int count = st.hdr[sh * HDR_WORDS + HDR_COUNT];
-        const int nbr = min((r.hi + ps.block) / ps.block, st.wc);
-        float* rw = st.ring + (sh * H + pred_mod(count, H)) * (long long)st.wc;
-        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < nbr; i += gridDim.x * blockDim.x) rw[i] = 0.0f;
-    }
+    if (pl_from_attention(mode[s * hk + h])) return;  // the step's attention wrote this row's logits
     const int act = pl_active(jend, gridDim.x);
     if ((int)blockIdx.x >= act) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g8 = lane >> 2, tq = lane & 3;
@@ -1036,15 +1052,68 @@ extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_logits(Batch b
 #endif
 }
 
+// A warp's weights (position's block `bk`, -1 none) max-pooled per block (segmented max: a row's positions
+// increase), one atomicMax on the bits per block and warp (non-negative floats order as their bits; 0 and
+// NaN never written).
+__device__ __forceinline__ void pl_pool_block(float w, int bk, int lane, unsigned* rw) {
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const float w2 = __shfl_down_sync(0xffffffffu, w, off);
+        const int b2 = __shfl_down_sync(0xffffffffu, bk, off);
+        if (lane + off < 32 && b2 == bk) w = fmaxf(w, w2);
+    }
+    const int prev = __shfl_up_sync(0xffffffffu, bk, 1);
+    if (bk >= 0 && (lane == 0 || prev != bk) && w > 0.0f) atomicMax(rw + bk, __float_as_uint(w));
+}
+
+// Pass 2 of a PRED / NOHIST row, from the step's attention (attention_mma.cu LOGITS, lg_maxpos = lcap): its
+// logits lgs[((s * hk + h) * lcap + pos) * GROUP + g] (the same extent per row as kvs_pred_logits' layout,
+// which CALIB rows keep) and its splits' statistics, `anparts` slots per query head (those past the
+// launch's splits hold (-inf, 0)), merged by a warp per head: each lane its slots in order, then the lanes
+// by a fixed butterfly (the same inputs give the same bits). The weights as below.
+__device__ __forceinline__ void pl_weights_from_attention(const SeqRow& r, const PredSpec& ps, bool use_plan, int jlo, int jend, const unsigned* pe,
+                                                          const float* la_row, const float2* pr_row, int anparts, unsigned* rw) {
+    __shared__ float lse[GROUP];
+    const int lane = threadIdx.x & 31;
+    for (int g = threadIdx.x >> 5; g < GROUP; g += PL_WARPS) {
+        const float2* pr = pr_row + (i64)g * anparts;
+        float m = -INFINITY, sm = 0.0f;
+        for (int i = lane; i < anparts; i += 32) pl_merge(m, sm, pr[i].x, pr[i].y);
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m, off), s2 = __shfl_xor_sync(0xffffffffu, sm, off);
+            pl_merge(m, sm, m2, s2);
+        }
+        if (lane == 0) lse[g] = m > -INFINITY ? m + log2f(sm) : INFINITY;
+    }
+    __syncthreads();
+    const int blk = ps.block, step = gridDim.x * blockDim.x;
+    for (int jb = blockIdx.x * blockDim.x + (threadIdx.x & ~31); jb < jend; jb += step) {  // uniform per warp
+        const int jj = jb + lane;
+        int bk = -1;
+        float w = 0.0f;
+        if (jj < jend) {
+            const int pos = use_plan ? (int)pe[jj] : jlo + jj;
+            if (pos >= r.lo && pos <= r.hi) {
+                bk = pos / blk;
+                const float* la = la_row + (i64)pos * GROUP;
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) w = fmaxf(w, exp2f(la[g] - lse[g]));
+            }
+        }
+        pl_pool_block(w, bk, lane, rw);
+    }
+}
+
 // Pass 2: each position's weight max over the query heads of 2^(l - lse) (lse merged from the CTAs'
-// statistics in CTA order, over the CTAs that took part: the same inputs give the same bits), max-pooled into the ring row per block:
-// a warp's consecutive positions reduced per block first (segmented max; a row's positions increase), one
-// atomicMax on the bits per block and warp (non-negative floats order as their bits; 0 and NaN never
-// written: a NaN logit makes the row 0, as the CPU's). Grid (CTAs per row, hk, seqs), `nparts` = the
-// grid of kvs_pred_logits.
+// statistics in CTA order, over the CTAs that took part: the same inputs give the same bits), max-pooled
+// into the ring row per block (pl_pool_block; a NaN logit makes the row 0, as the CPU's). Grid (CTAs per
+// row, hk, seqs), `nparts` = the grid of kvs_pred_logits (CALIB rows); PRED and NOHIST rows from the
+// attention (pl_weights_from_attention, `aparts`, `anparts`). The selection zeroed the ring rows.
 extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_weights(Batch b, PredState st, PredSpec ps, const int* slot, const int* mode,
                                                                           const unsigned* plan, i64 p_s, i64 p_h, const int* plan_len, int cap,
-                                                                          const float* lgs, int lcap, const float2* parts, int nparts) {
+                                                                          const float* lgs, int lcap, const float2* parts, int nparts,
+                                                                          const float2* aparts, int anparts) {
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ float lse[GROUP];
@@ -1054,6 +1123,14 @@ extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_weights(Batch 
     int jlo, jend;
     if (!pl_row(b, mode, plan_len, cap, hk, s, h, r, use_plan, jlo, jend) || jend > lcap) return;
     if ((int)(blockIdx.x * blockDim.x) >= jend) return;  // no positions for this CTA
+    const long long sh = (long long)slot[s] * hk + h;
+    const int count = st.hdr[sh * HDR_WORDS + HDR_COUNT];
+    unsigned* rw = reinterpret_cast<unsigned*>(st.ring + (sh * H + pred_mod(count, H)) * (long long)st.wc);
+    const unsigned* pe = plan + s * p_s + h * p_h;
+    if (pl_from_attention(mode[s * hk + h])) {
+        pl_weights_from_attention(r, ps, use_plan, jlo, jend, pe, lgs + (i64)(s * hk + h) * lcap * GROUP, aparts + (i64)(s * hk + h) * GROUP * anparts, anparts, rw);
+        return;
+    }
     if (threadIdx.x < GROUP) {
         const float2* pr = parts + ((i64)(s * hk + h) * GROUP + threadIdx.x) * nparts;
         float m = -INFINITY, sm = 0.0f;
@@ -1062,10 +1139,6 @@ extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_weights(Batch 
         lse[threadIdx.x] = m > -INFINITY ? m + log2f(sm) : INFINITY;
     }
     __syncthreads();
-    const long long sh = (long long)slot[s] * hk + h;
-    const int count = st.hdr[sh * HDR_WORDS + HDR_COUNT];
-    unsigned* rw = reinterpret_cast<unsigned*>(st.ring + (sh * H + pred_mod(count, H)) * (long long)st.wc);
-    const unsigned* pe = plan + s * p_s + h * p_h;
     const float* lrow = lgs + (i64)(s * hk + h) * GROUP * lcap;
     const int lane = threadIdx.x & 31, blk = ps.block;
     const int step = gridDim.x * blockDim.x;
@@ -1081,14 +1154,7 @@ extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_weights(Batch 
                 for (int g = 0; g < GROUP; ++g) w = fmaxf(w, exp2f(lrow[(i64)g * lcap + jj] - lse[g]));
             }
         }
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const float w2 = __shfl_down_sync(0xffffffffu, w, off);
-            const int b2 = __shfl_down_sync(0xffffffffu, bk, off);
-            if (lane + off < 32 && b2 == bk) w = fmaxf(w, w2);
-        }
-        const int prev = __shfl_up_sync(0xffffffffu, bk, 1);
-        if (bk >= 0 && (lane == 0 || prev != bk) && w > 0.0f) atomicMax(rw + bk, __float_as_uint(w));
+        pl_pool_block(w, bk, lane, rw);
     }
 }
 

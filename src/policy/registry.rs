@@ -575,6 +575,10 @@ mod tests {
             // history rows' CTA statistics per query head.
             take(checked(&[ns, hk, g, pw.lcap, 4])?);
             take(checked(&[ns, hk, g, crate::policy::predictor::cuda::HIST_PARTS, 8])?);
+            // Since the history rows come from the step's attention (tensor cores): its split statistics.
+            if crate::policy::predictor::cuda::tc_history(tensor_cores, cfg.cache_dtype, cfg.dtype, cfg.head_dim, g) {
+                take(checked(&[ns, hk, g, crate::policy::predictor::cuda::ATTN_PARTS, 8])?);
+            }
         }
         Ok((regions, off.max(256)))
     }

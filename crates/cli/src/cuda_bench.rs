@@ -55,7 +55,7 @@ fn prr_timeline(backend: &kvsparse::cuda::CudaBackend, stream: CUstream) -> Resu
 }
 
 /// Records events between the predictor's parts of later calls (None: stop; nothing for other policies).
-fn set_predictor_probe(backend: &kvsparse::cuda::CudaBackend, ev: Option<[CUevent; 4]>) {
+fn set_predictor_probe(backend: &kvsparse::cuda::CudaBackend, ev: Option<[CUevent; 5]>) {
     if let Some(p) = backend.policy_state().and_then(|s| s.downcast_ref::<kvsparse::policy::predictor::cuda::PredictorDev>()) {
         p.set_probe(ev);
     }
@@ -712,7 +712,7 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
     let mut pred_parts_us = [f64::NAN; 3];
     if matches!(engine.policy().pipeline().map(|pl| &pl.selector), Some(kvsparse::policy::Selector::Predictor(_))) {
         let api = cuda()?;
-        let mut evs = [std::ptr::null_mut(); 4];
+        let mut evs = [std::ptr::null_mut(); 5];
         for e in evs.iter_mut() {
             // SAFETY: out-parameter; destroyed below.
             check(unsafe { (api.cuEventCreate)(e, 0) }, "cuEventCreate")?;
@@ -723,11 +723,12 @@ pub fn bench_sparse_point(p: &Point, policy: &str, l2_bytes: usize, max_kv_bytes
             for i in 0..30 {
                 engine.attention_forward(&args[i % args.len()])?;
                 // SAFETY: events recorded by the call above.
-                unsafe { check((api.cuEventSynchronize)(evs[3]), "cuEventSynchronize")? };
-                for (k, part) in parts.iter_mut().enumerate() {
+                unsafe { check((api.cuEventSynchronize)(evs[4]), "cuEventSynchronize")? };
+                // Schedule + CNN, selection, history rows (the step's attention, between events 2 and 3, not).
+                for (part, (e0, e1)) in parts.iter_mut().zip([(0, 1), (1, 2), (3, 4)]) {
                     let mut ms = 0f32;
                     // SAFETY: both events recorded and complete.
-                    unsafe { check((api.cuEventElapsedTime)(&mut ms, evs[k], evs[k + 1]), "cuEventElapsedTime")? };
+                    unsafe { check((api.cuEventElapsedTime)(&mut ms, evs[e0], evs[e1]), "cuEventElapsedTime")? };
                     part.push(ms as f64 * 1e3);
                 }
             }

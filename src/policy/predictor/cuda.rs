@@ -1,8 +1,10 @@
 //! AttentionPredictor on the CUDA backend (kernels/predictor.cu): the block-attention history, the
 //! calibration schedule, the CNN and the selection on the device, agreeing with the CPU engine's decisions
 //! (`cpu.rs`, `mod.rs`) by the contract of design.md, within the error bounds of docs/policies.md: a
-//! decode row's history row from tensor-core logits over 16-bit caches ([`tc_history`]; in the CPU's
-//! arithmetic, bit for bit, over f32 and FP8 caches and for prefill seeds), the CNN's first convolution in
+//! decode row's history row from tensor-core logits over 16-bit caches ([`tc_history`]: the step's own
+//! attention's where it attends the row's positions, predicted and first steps; `kvs_pred_logits`' for a
+//! calibration step's full row; in the CPU's arithmetic, bit for bit, over f32 and FP8 caches and for
+//! prefill seeds), the CNN's first convolution in
 //! f32 with fused multiply-adds, its second on tensor cores in 3xBF16. No host decision inside a decode step:
 //! the launches and their grids follow from host-known bounds (block-table width, history, budgets), so a
 //! step is capturable in a CUDA graph.
@@ -27,7 +29,7 @@
 
 use parking_lot::Mutex;
 
-use crate::cuda::batch::{BatchArg, Geometry, PlanRef};
+use crate::cuda::batch::{BatchArg, Geometry, LogitsOut, PlanRef, Rows};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUfunction};
 use crate::cuda::kernel_src::{kernel_file, Module};
@@ -71,6 +73,9 @@ const CONV_SMEM: usize = 100 * 1024;
 const HIST_CTAS: usize = 1024;
 /// Most CTAs per (sequence, KV head) of `kvs_pred_logits`: its softmax statistics' slots per query head.
 pub(crate) const HIST_PARTS: usize = 256;
+/// Slots per query head for the attention's split statistics when it writes the history rows' logits
+/// (`Rows::PlanLogits`: the launch splits no more).
+pub(crate) const ATTN_PARTS: usize = 64;
 /// Keys `kvs_pred_logits` takes per CTA and iteration (8 warps x 16 keys x PL_KT) at head sizes up to 128.
 const HIST_KEYS_PER_CTA: usize = 256;
 /// Threads (columns) per CTA of the time average's two shapes (kernels/policy/predictor.cu
@@ -116,8 +121,8 @@ fn clusters_fit(num_sms: usize, rows: usize, blocks: usize) -> bool {
     blocks >= CLUSTER_MIN_BLOCKS && launch::clusters_fit_one_wave(rows, num_sms)
 }
 
-/// Whether a call's decode rows get their history rows from the tensor cores (`kvs_pred_logits` and
-/// `kvs_pred_weights`): a 16-bit cache of the queries' type, rows the tensor-core kernels can read (16-byte
+/// Whether a call's decode rows get their history rows from the tensor cores (the step's attention's
+/// logits, `Rows::PlanLogits`, or `kvs_pred_logits` for calibration rows; then `kvs_pred_weights`): a 16-bit cache of the queries' type, rows the tensor-core kernels can read (16-byte
 /// aligned, `tensor_cores`), head sizes in whole 32-element chunks and at most 16 query heads per KV head.
 /// Elsewhere (f32 and FP8 caches) the scalar passes compute them in the CPU's arithmetic.
 pub(crate) fn tc_history(tensor_cores: bool, cache_dtype: crate::tensor::DType, q_dtype: crate::tensor::DType, head_dim: usize, group: usize) -> bool {
@@ -250,8 +255,9 @@ pub struct PredictorDev {
     counters: DevBuf,
     num_layers: usize,
     /// Benchmarks only: events recorded between the step's parts (start, after the CNN, after the
-    /// selection, after the history update), when set.
-    probe: Mutex<Option<[crate::cuda::driver::CUevent; 4]>>,
+    /// selection, before and after the history rows: with tensor cores the step's attention runs between
+    /// the selection and the history rows), when set.
+    probe: Mutex<Option<[crate::cuda::driver::CUevent; 5]>>,
 }
 
 // SAFETY: the events are opaque driver handles, used only under the mutex.
@@ -350,25 +356,18 @@ impl PredictorDev {
         tc: bool,
     ) -> Result<()> {
         let pd = self;
-        let (hk, d, g, ns) = (cache.num_kv_heads, cache.head_dim, group, geo.num_seqs);
+        let (hk, d, ns) = (cache.num_kv_heads, cache.head_dim, geo.num_seqs);
         let stream = a.stream;
         let ps = pd.spec;
         let defines = pd.defines(base_defines);
         let f = |name: &'static str| -> Result<CUfunction> { dev.modules().function(dev.gpu(), "predictor", PREDICTOR, &defines, name) };
         let st = self.predictor_layer(dev, a.layer, pw.nbmax, stream, &f)?;
-        let spec = SpecArg { budget: clamp(ps.budget), block: clamp(ps.block), calib: clamp(ps.calib), sink: clamp(ps.sink), local: clamp(ps.local), pad: 0 };
+        let spec = pd.spec_arg();
         let (slot, gen, mode) = (lay.slot, lay.slot_gen, ws + lay.pred_mode as u64);
         let pctr = pd.counters.ptr + (a.layer * 16) as u64;
         let es = cache.dtype.size_bytes();
         let threads = (hk.next_multiple_of(32)).min(256) as u32;
-        let probe = *pd.probe.lock();
-        let mark = |i: usize| -> Result<()> {
-            match probe {
-                // SAFETY: events created by the benchmark, recorded on the call's stream.
-                Some(ev) => check(unsafe { (cuda()?.cuEventRecord)(ev[i], stream) }, "cuEventRecord"),
-                None => Ok(()),
-            }
-        };
+        let mark = |i: usize| pd.mark(i, stream);
         mark(0)?;
         // Every kernel of the step starts with KVS_GRID_WAIT(): dependent launches where the GPU has them
         // (kvs_pred_migrate, which grows the state outside capture, stays plain).
@@ -400,16 +399,55 @@ impl PredictorDev {
         k.i64((ws + lay.pred_scores as u64) as i64).i32(pw.nbmax as i32);
         k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64((2 * d * es) as i64).i64((d * es) as i64).i64(ctr);
         let gpu = dev.gpu();
+        // With `tc` the selection zeroes the ring rows the history rows go to (after the attention).
+        k.i32(tc as i32);
         if select_on_clusters(gpu.cc.0, gpu.num_sms as usize, ns * hk, pw.nbmax) {
             launch::launch_dependent(pdl, f("kvs_pred_select_cluster")?, ((hk * launch::CLUSTER_CTAS) as u32, ns as u32, 1), PRED_QC_THREADS, 0, &mut k, stream, "kvs_pred_select_cluster launch")?;
         } else {
             launch::launch_dependent(pdl, f("kvs_pred_select")?, (hk as u32, ns as u32, 1), launch::TOPK_THREADS, 0, &mut k, stream, "kvs_pred_select launch")?;
         }
         mark(2)?;
+        if !tc {
+            self.history_rows(dev, a, cache, geo, group, batch, base_defines, ws, lay, pw, fin, false)?;
+        }
+        Ok(())
+    }
 
-        // The history rows. Prefill seeds (and, without `tc`, decode rows): three scalar passes in the CPU's
-        // arithmetic, a decode row's keys read by the first only (its logits kept in the workspace for the
-        // other two). With `tc`, decode rows: the logits on the tensor cores, then the weights from them.
+    /// The history rows of a call's decode rows and prefill seeds, and the ring's bookkeeping; with `tc`
+    /// after the step's attention, whose logits (`Rows::PlanLogits` into the `pred_logits` region, its
+    /// statistics into `attn_parts`) give the rows it attended in full (PRED, NOHIST). Prefill seeds (and,
+    /// without `tc`, decode rows): three scalar passes in the CPU's arithmetic, a decode row's keys read by
+    /// the first only (its logits kept in the workspace for the other two). With `tc`, CALIB rows (the full
+    /// row while the attention took the predicted plan): their logits on the tensor cores
+    /// (`kvs_pred_logits`), then every decode row's weights.
+    #[allow(clippy::too_many_arguments)]
+    fn history_rows(
+        &self,
+        dev: &dyn Device,
+        a: &ForwardArgs,
+        cache: &KvCache,
+        geo: &Geometry,
+        group: usize,
+        batch: &BatchArg,
+        base_defines: &[String],
+        ws: u64,
+        lay: &PredRegions,
+        pw: &PredWs,
+        fin: &PlanRef,
+        tc: bool,
+    ) -> Result<()> {
+        let pd = self;
+        let (hk, d, g, ns) = (cache.num_kv_heads, cache.head_dim, group, geo.num_seqs);
+        let stream = a.stream;
+        let defines = pd.defines(base_defines);
+        let f = |name: &'static str| -> Result<CUfunction> { dev.modules().function(dev.gpu(), "predictor", PREDICTOR, &defines, name) };
+        let st = self.predictor_layer(dev, a.layer, pw.nbmax, stream, &f)?;
+        let spec = pd.spec_arg();
+        let (slot, mode) = (lay.slot, ws + lay.pred_mode as u64);
+        let threads = (hk.next_multiple_of(32)).min(256) as u32;
+        let mark = |i: usize| pd.mark(i, stream);
+        mark(3)?;
+        let pdl = dev.pdl();
         let q = &a.query;
         let kc = &cache.k;
         // The arguments both history-row kernels (kvs_pred_scores, kvs_pred_logits) start with: the batch,
@@ -454,16 +492,38 @@ impl PredictorDev {
             let mut k = KArgs::new();
             k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
             k.i64(fin.e as i64).i64(fin.p_s).i64(fin.p_h).i64(fin.len as i64).i32(fin.cap).i64(lg).i32(pw.lcap as i32).i64(parts).i32(logits_ctas as i32);
+            k.i64((ws + lay.attn_parts as u64) as i64).i32(ATTN_PARTS as i32);
             launch::launch_dependent(pdl, f("kvs_pred_weights")?, (weight_ctas as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_pred_weights launch")?;
         }
         let mut k = KArgs::new();
         k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64).i32(pw.rcap as i32);
         launch::launch_dependent(pdl, f("kvs_pred_finish")?, (ns as u32, 1, 1), threads, 0, &mut k, stream, "kvs_pred_finish launch")?;
-        mark(3)
+        mark(4)
+    }
+
+    /// Where the attention writes the decode rows' logits and split statistics (`Rows::PlanLogits`) for
+    /// [`Self::history_rows`]: the `pred_logits` region by position (its extent per row is the same as
+    /// `kvs_pred_logits`' layout's, which overwrites CALIB rows after the attention), `attn_parts`.
+    fn logits_out(ws: u64, lay: &PredRegions, pw: &PredWs) -> LogitsOut {
+        LogitsOut { lg: ws + lay.pred_logits as u64, maxpos: pw.lcap as i32, parts: ws + lay.attn_parts as u64, nparts: ATTN_PARTS as i32 }
+    }
+
+    fn spec_arg(&self) -> SpecArg {
+        let ps = &self.spec;
+        SpecArg { budget: clamp(ps.budget), block: clamp(ps.block), calib: clamp(ps.calib), sink: clamp(ps.sink), local: clamp(ps.local), pad: 0 }
+    }
+
+    /// Benchmarks only: records probe event `i` on `stream` when a benchmark set the events.
+    fn mark(&self, i: usize, stream: crate::cuda::driver::CUstream) -> Result<()> {
+        match *self.probe.lock() {
+            // SAFETY: events created by the benchmark, recorded on the call's stream.
+            Some(ev) => check(unsafe { (cuda()?.cuEventRecord)(ev[i], stream) }, "cuEventRecord"),
+            None => Ok(()),
+        }
     }
 
     /// Benchmarks only: record events between the predictor's parts of later calls (None: stop).
-    pub fn set_probe(&self, ev: Option<[crate::cuda::driver::CUevent; 4]>) {
+    pub fn set_probe(&self, ev: Option<[crate::cuda::driver::CUevent; 5]>) {
         *self.probe.lock() = ev;
     }
 
@@ -549,6 +609,7 @@ pub(crate) struct PredRegions {
     pred_bad: usize,
     pred_logits: usize,
     pred_parts: usize,
+    attn_parts: usize,
 }
 
 /// The predictor's stage for one call (None: the weights were not uploaded).
@@ -557,14 +618,14 @@ pub(crate) struct PredictorStage<'a> {
     spec: PredictorSpec,
     pw: Option<PredWs>,
     /// Offsets of the regions (slots filled at launch).
-    at: [usize; 7],
+    at: [usize; 8],
     /// Decode rows' history rows on the tensor cores ([`tc_history`]).
     tc: bool,
 }
 
 impl<'a> PredictorStage<'a> {
     pub(crate) fn new(state: Option<&'a PredictorDev>, spec: PredictorSpec) -> Self {
-        PredictorStage { state, spec, pw: None, at: [0; 7], tc: false }
+        PredictorStage { state, spec, pw: None, at: [0; 8], tc: false }
     }
 }
 
@@ -580,8 +641,12 @@ impl CudaStage for PredictorStage<'_> {
             ws.take_n(&[ns, hk, pw.rcap, 4])?,
             ws.take_n(&[ns, hk, cx.cfg.group_size(), pw.lcap, 4])?,
             ws.take_n(&[ns, hk, cx.cfg.group_size(), HIST_PARTS, 8])?,
+            0,
         ];
         self.tc = tc_history(cx.tensor_cores, cx.cfg.cache_dtype, cx.cfg.dtype, cx.cfg.head_dim, cx.cfg.group_size());
+        if self.tc {
+            self.at[7] = ws.take_n(&[ns, hk, cx.cfg.group_size(), ATTN_PARTS, 8])?;
+        }
         self.pw = Some(pw);
         Ok(())
     }
@@ -589,9 +654,30 @@ impl CudaStage for PredictorStage<'_> {
     fn select(&self, cx: &StepCx) -> Result<()> {
         let Some(pd) = self.state else { bail!(Internal, "predictor weights were not uploaded") };
         let pw = self.pw.as_ref().expect("predictor workspace");
-        let [pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits, pred_parts] = self.at;
-        let lay = PredRegions { slot: cx.slot, slot_gen: cx.slot_gen, pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits, pred_parts };
-        pd.predictor_step(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &lay, pw, &cx.fin, cx.ctr, self.tc)
+        pd.predictor_step(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &self.regions(cx), pw, &cx.fin, cx.ctr, self.tc)
+    }
+
+    /// With tensor cores, the attention also writes the decode rows' logits: the history rows it attended
+    /// in full come from them (K read once for both).
+    fn rows(&self, cx: &StepCx, keys: usize) -> Option<Rows> {
+        let pw = self.pw.as_ref()?;
+        self.tc.then(|| Rows::PlanLogits(cx.fin, keys, PredictorDev::logits_out(cx.ws, &self.regions(cx), pw)))
+    }
+
+    fn after_attention(&self, cx: &StepCx, _keys: usize) -> Result<()> {
+        if !self.tc || !cx.select {
+            return Ok(());
+        }
+        let Some(pd) = self.state else { bail!(Internal, "predictor weights were not uploaded") };
+        let pw = self.pw.as_ref().expect("predictor workspace");
+        pd.history_rows(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &self.regions(cx), pw, &cx.fin, true)
+    }
+}
+
+impl PredictorStage<'_> {
+    fn regions(&self, cx: &StepCx) -> PredRegions {
+        let [pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits, pred_parts, attn_parts] = self.at;
+        PredRegions { slot: cx.slot, slot_gen: cx.slot_gen, pred_mode, pred_scores, pred_rmax, pred_z, pred_bad, pred_logits, pred_parts, attn_parts }
     }
 }
 
