@@ -487,7 +487,11 @@ impl PredictorDev {
             let mut k = KArgs::new();
             rows_args(&mut k);
             k.i64(lg).i32(pw.lcap as i32).i64(parts);
-            launch::launch_dependent(pdl, f("kvs_pred_logits")?, (logits_ctas as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_pred_logits launch")?;
+            // A plain launch: as a programmatic dependent of the attention, a calibration step (1,024 CTAs of
+            // two per SM reading every key) took ~570 us longer at 32 x 128K with the same kernel times (H200,
+            // every step calibrating: 4,842 against 4,230 us); a predicted step's launch, which returns at once,
+            // pays ~1.4 us for it at 1 x 128K (docs/journal/2026-11-28.md, twenty-second session).
+            launch::launch_dependent(false, f("kvs_pred_logits")?, (logits_ctas as u32, hk as u32, ns as u32), 256, 0, &mut k, stream, "kvs_pred_logits launch")?;
             let weight_ctas = (geo.max_pos + 1).div_ceil(256).min(per).max(1);
             let mut k = KArgs::new();
             k.by_value(batch).by_value(&st).by_value(&spec).i64(slot as i64).i64(mode as i64);
