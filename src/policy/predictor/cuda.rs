@@ -29,15 +29,13 @@
 
 use parking_lot::Mutex;
 
-use crate::cuda::batch::{BatchArg, Geometry, LogitsOut, PlanRef, Rows};
+use crate::cuda::batch::{Geometry, LogitsOut, Rows};
 use crate::cuda::context::DevBuf;
 use crate::cuda::driver::{check, cuda, CUfunction};
 use crate::cuda::kernel_src::{kernel_file, Module};
 use crate::cuda::launch::{self, KArgs};
 use crate::cuda::stage::{CallShape, CudaStage, Device, PolicyDevice, StepCx, WsAlloc};
-use crate::args::ForwardArgs;
 use crate::error::Result;
-use crate::layout::KvCache;
 use crate::policy::predictor::PredictorWeights;
 use crate::policy::refresh;
 use super::PredictorSpec;
@@ -338,23 +336,8 @@ impl PredWs {
 impl PredictorDev {
     /// AttentionPredictor's whole decision for one call, enqueued on its stream: modes and schedule,
     /// the CNN, the selection (the plan `fin`), the history rows of decode rows and prefill seeds.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn predictor_step(
-        &self,
-        dev: &dyn Device,
-        a: &ForwardArgs,
-        cache: &KvCache,
-        geo: &Geometry,
-        group: usize,
-        batch: &BatchArg,
-        base_defines: &[String],
-        ws: u64,
-        lay: &PredRegions,
-        pw: &PredWs,
-        fin: &PlanRef,
-        ctr: i64,
-        tc: bool,
-    ) -> Result<()> {
+    pub(crate) fn predictor_step(&self, cx: &StepCx, lay: &PredRegions, pw: &PredWs, tc: bool) -> Result<()> {
+        let (dev, a, cache, geo, batch, base_defines, ws, fin, ctr) = (cx.dev, cx.a, cx.cache, cx.geo, &cx.batch, cx.defines, cx.ws, &cx.fin, cx.ctr);
         let pd = self;
         let (hk, d, ns) = (cache.num_kv_heads, cache.head_dim, geo.num_seqs);
         let stream = a.stream;
@@ -408,7 +391,7 @@ impl PredictorDev {
         }
         mark(2)?;
         if !tc {
-            self.history_rows(dev, a, cache, geo, group, batch, base_defines, ws, lay, pw, fin, false)?;
+            self.history_rows(cx, lay, pw, false)?;
         }
         Ok(())
     }
@@ -420,24 +403,10 @@ impl PredictorDev {
     /// the first only (its logits kept in the workspace for the other two). With `tc`, CALIB rows (the full
     /// row while the attention took the predicted plan): their logits on the tensor cores
     /// (`kvs_pred_logits`), then every decode row's weights.
-    #[allow(clippy::too_many_arguments)]
-    fn history_rows(
-        &self,
-        dev: &dyn Device,
-        a: &ForwardArgs,
-        cache: &KvCache,
-        geo: &Geometry,
-        group: usize,
-        batch: &BatchArg,
-        base_defines: &[String],
-        ws: u64,
-        lay: &PredRegions,
-        pw: &PredWs,
-        fin: &PlanRef,
-        tc: bool,
-    ) -> Result<()> {
+    fn history_rows(&self, cx: &StepCx, lay: &PredRegions, pw: &PredWs, tc: bool) -> Result<()> {
+        let (dev, a, cache, geo, batch, base_defines, ws, fin) = (cx.dev, cx.a, cx.cache, cx.geo, &cx.batch, cx.defines, cx.ws, &cx.fin);
         let pd = self;
-        let (hk, d, g, ns) = (cache.num_kv_heads, cache.head_dim, group, geo.num_seqs);
+        let (hk, d, g, ns) = (cache.num_kv_heads, cache.head_dim, cx.cfg.group_size(), geo.num_seqs);
         let stream = a.stream;
         let defines = pd.defines(base_defines);
         let f = |name: &'static str| -> Result<CUfunction> { dev.modules().function(dev.gpu(), "predictor", PREDICTOR, &defines, name) };
@@ -658,7 +627,7 @@ impl CudaStage for PredictorStage<'_> {
     fn select(&self, cx: &StepCx) -> Result<()> {
         let Some(pd) = self.state else { bail!(Internal, "predictor weights were not uploaded") };
         let pw = self.pw.as_ref().expect("predictor workspace");
-        pd.predictor_step(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &self.regions(cx), pw, &cx.fin, cx.ctr, self.tc)
+        pd.predictor_step(cx, &self.regions(cx), pw, self.tc)
     }
 
     /// With tensor cores, the attention also writes the decode rows' logits: the history rows it attended
@@ -674,7 +643,7 @@ impl CudaStage for PredictorStage<'_> {
         }
         let Some(pd) = self.state else { bail!(Internal, "predictor weights were not uploaded") };
         let pw = self.pw.as_ref().expect("predictor workspace");
-        pd.history_rows(cx.dev, cx.a, cx.cache, cx.geo, cx.cfg.group_size(), &cx.batch, cx.defines, cx.ws, &self.regions(cx), pw, &cx.fin, true)
+        pd.history_rows(cx, &self.regions(cx), pw, true)
     }
 }
 
