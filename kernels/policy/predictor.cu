@@ -2,7 +2,8 @@
 // slot, KV head), the calibration schedule, the CNN's forward pass, the selection and the history update,
 // making the decisions of the CPU engine (src/policy/predictor/{cpu,mod}.rs) by the agreement contract
 // (design.md), within stated error bounds (docs/policies.md): a decode row's history row from tensor-core
-// logits over 16-bit caches (kvs_pred_logits, kvs_pred_weights), else (f32 and FP8 caches, prefill seeds)
+// logits over 16-bit caches (the step's attention's for predicted and first steps, kvs_pred_logits' for a
+// calibration step's full row; then kvs_pred_weights), else (f32 and FP8 caches, prefill seeds)
 // in the decisions' arithmetic, bit for bit (decide.cuh, as the CPU's history_row; this module is compiled
 // with --fmad=false); the CNN's first convolution with explicit fused multiply-adds, the second on the
 // tensor cores in 3xBF16; so a set may differ from the CPU's at borderline blocks only. Batch geometry, radix top-k, accounting, SnapKV's scoring arithmetic
@@ -19,11 +20,13 @@
 // A stamp that differs from the slot's generation means a new sequence: the state reads as empty.
 //
 // A decode step (layer call): kvs_pred_prepare (mode per (sequence, KV head), schedule), kvs_pred_conv
-// (z rows), kvs_pred_average (the time average: scores), kvs_pred_select (top-k, token plan, counters),
-// the new history row (kvs_pred_logits + kvs_pred_weights on the tensor cores, or kvs_pred_scores x3: row
-// maxima, fixed-point normalisers, weights max-pooled into the ring row; a decode row's keys read once)
-// and kvs_pred_finish (ring bookkeeping); the attention reads the plan. Prefill chunks (q_len > 1) take the
-// SEED path of the same kernels: their last min(q_len, H) rows become the history.
+// (z rows), kvs_pred_average[_wide] (the time average: scores), kvs_pred_select[_cluster] (top-k, token
+// plan, counters), the new history row and kvs_pred_finish (ring bookkeeping). Over 16-bit caches the
+// selection zeroes the new ring row, the attention over the plan also writes its logits
+// (attention_mma.cu LOGITS), then kvs_pred_logits (calibration rows only) and kvs_pred_weights; else
+// kvs_pred_scores x3 before the attention (row maxima, fixed-point normalisers, weights max-pooled into the
+// ring row; a decode row's keys read once). Prefill chunks (q_len > 1) take the SEED path of the same
+// kernels: their last min(q_len, H) rows become the history.
 
 #include "common.cuh"
 #include "params.cuh"
