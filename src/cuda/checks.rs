@@ -102,6 +102,7 @@ impl DeviceChecks {
 
     /// Waits for `stream`, then reads the record and clears it: the fault recorded since the last take,
     /// as the CPU engine's error. Refused on a stream that is being captured (it cannot wait).
+    #[allow(clippy::not_unsafe_ptr_arg_deref)] // driver handles (CUstream, CUfunction): opaque, passed to the driver, never dereferenced here
     pub fn take(&self, gpu: &Gpu, stream: CUstream) -> Result<Option<Error>> {
         gpu.make_current()?;
         ensure!(!gpu.is_capturing(stream)?, InvalidArgument, "the device checks cannot be read on a stream that is being captured into a CUDA graph; read them after the capture (or a replay)");

@@ -64,6 +64,7 @@ impl Gpu {
     }
 
     /// Is `stream` being captured into a graph right now?
+    #[allow(clippy::not_unsafe_ptr_arg_deref)] // driver handles (CUstream, CUfunction): opaque, passed to the driver, never dereferenced here
     pub fn is_capturing(&self, stream: CUstream) -> Result<bool> {
         let mut st = 0;
         // SAFETY: valid stream handle by the caller's contract; out-parameter.

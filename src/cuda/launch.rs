@@ -165,6 +165,7 @@ pub fn launch(f: CUfunction, grid: (u32, u32, u32), block: u32, args: &mut KArgs
 }
 
 /// As `launch`, with `smem` bytes of dynamic shared memory (see `allow_dynamic_smem`).
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // driver handles (CUstream, CUfunction): opaque, passed to the driver, never dereferenced here
 pub fn launch_smem(f: CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: &mut KArgs, stream: CUstream, what: &str) -> Result<()> {
     let mut ptrs = args.pointers();
     // SAFETY: every argument pointer points into `args`, alive for the call; the kernel signature matches
@@ -195,6 +196,7 @@ pub fn pdl_enabled(cc_major: i32) -> bool {
 /// (kernels/include/common.cuh): they wait there for the previous kernel to finish and its writes to be
 /// visible, before any read or write of global memory and before any early return, so the order of
 /// effects is the stream's. Without `pdl` (older GPUs, `KVS_PDL=0`) it is a plain launch.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // driver handles (CUstream, CUfunction): opaque, passed to the driver, never dereferenced here
 pub fn launch_dependent(pdl: bool, f: CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: &mut KArgs, stream: CUstream, what: &str) -> Result<()> {
     if !pdl {
         return launch_smem(f, grid, block, smem, args, stream, what);
@@ -220,6 +222,7 @@ pub fn occupancy(f: CUfunction, block: u32) -> Result<i32> {
 }
 
 /// CTAs of `f` with `block` threads and `smem` bytes of dynamic shared memory per multiprocessor.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // driver handles (CUstream, CUfunction): opaque, passed to the driver, never dereferenced here
 pub fn occupancy_smem(f: CUfunction, block: u32, smem: usize) -> Result<i32> {
     let mut n = 0;
     // SAFETY: out-parameter, valid function.
@@ -228,6 +231,7 @@ pub fn occupancy_smem(f: CUfunction, block: u32, smem: usize) -> Result<i32> {
 }
 
 /// Lets `f` use up to `bytes` of dynamic shared memory (needed above 48 KiB).
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // driver handles (CUstream, CUfunction): opaque, passed to the driver, never dereferenced here
 pub fn allow_dynamic_smem(f: CUfunction, bytes: usize) -> Result<()> {
     const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: i32 = 8;
     // SAFETY: valid function handle; plain integer attribute.

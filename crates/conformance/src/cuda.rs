@@ -291,6 +291,7 @@ impl Drop for Graph {
 
 /// Captures what `body` enqueues on `stream` (thread-local mode) and instantiates it. The capture is
 /// ended whatever `body` returns; its error comes first.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // a driver handle (CUstream): opaque, passed to the driver, never dereferenced here
 pub fn capture(stream: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
     let api = cuda()?;
     // SAFETY: capture on the caller's stream; the graph is instantiated and returned.
@@ -308,6 +309,7 @@ pub fn capture(stream: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Gr
 }
 
 /// Launches `g` on `stream` and waits for it.
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // a driver handle (CUstream): opaque, passed to the driver, never dereferenced here
 pub fn replay(g: &Graph, stream: CUstream) -> Result<()> {
     let api = cuda()?;
     // SAFETY: an instantiated graph on the caller's stream.

@@ -261,6 +261,7 @@ impl PrrDevice {
     }
 
     /// Benchmarks only: the last PRR step's phase ends on `stream`, in ms after the fork (synchronizes).
+    #[allow(clippy::not_unsafe_ptr_arg_deref)] // driver handles (CUstream, CUfunction): opaque, passed to the driver, never dereferenced here
     pub fn timeline(&self, stream: CUstream) -> Result<Vec<(&'static str, f32)>> {
         let map = self.streams.lock();
         let Some(set) = map.get(&(stream as usize)) else {
