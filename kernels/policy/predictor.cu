@@ -88,6 +88,15 @@ __device__ __forceinline__ int pred_mod(long long a, int H) {
     return (int)(r < 0 ? r + H : r);
 }
 
+// Blocks of the ring row a token at position `pos` pushes (the blocks its positions 0..pos touch, within
+// the ring's width).
+__device__ __forceinline__ int pred_row_blocks(const PredState& st, const PredSpec& ps, int pos) { return min((pos + ps.block) / ps.block, st.wc); }
+
+// Ring row `a` (mod H) of (slot, KV head) `sh`: the a-th row pushed counting from the seed.
+__device__ __forceinline__ float* pred_ring_row(const PredState& st, long long sh, long long a) {
+    return st.ring + (sh * st.H + pred_mod(a, st.H)) * (long long)st.wc;
+}
+
 __device__ __forceinline__ float pred_relu(float v) { return v > 0.0f ? v : 0.0f; }
 
 // predictor::crop: the blocks between the sink's and the local window's.
@@ -479,8 +488,8 @@ extern "C" __global__ void __launch_bounds__(PRED_AVG_WIDE_THREADS) kvs_pred_ave
 __device__ __forceinline__ void pred_zero_ring_row(const PredState& st, const PredSpec& ps, const int* slot, int s, int h, int m, const SeqRow& r, int tid, int nt) {
     if (m != PM_NOHIST && m != PM_CALIB && m != PM_PRED) return;
     const long long sh = (long long)slot[s] * st.hk + h;
-    const int nbr = min((r.hi + ps.block) / ps.block, st.wc);
-    float* rw = st.ring + (sh * st.H + pred_mod(st.hdr[sh * HDR_WORDS + HDR_COUNT], st.H)) * (long long)st.wc;
+    const int nbr = pred_row_blocks(st, ps, r.hi);
+    float* rw = pred_ring_row(st, sh, st.hdr[sh * HDR_WORDS + HDR_COUNT]);
     for (int i = tid; i < nbr; i += nt) rw[i] = 0.0f;
 }
 
@@ -781,10 +790,10 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS) kvs_pred_scores(Batch b
     const long long sh = (long long)slot[s] * hk + h;
     const int count0 = seed ? 0 : st.hdr[sh * HDR_WORDS + HDR_COUNT];
     const int blk = ps.block;
-    auto row_of = [&](int tt) { return st.ring + (sh * H + pred_mod((long long)count0 + tt, H)) * (long long)st.wc; };
+    auto row_of = [&](int tt) { return pred_ring_row(st, sh, (long long)count0 + tt); };
     if (phase == 0) {
         for (int tt = 0; tt < ntok; ++tt) {
-            const int nbr = min((pos0 + tt + blk) / blk, st.wc);
+            const int nbr = pred_row_blocks(st, ps, pos0 + tt);
             float* rw = row_of(tt);
             for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < nbr; i += gridDim.x * blockDim.x) rw[i] = 0.0f;
         }
@@ -1055,25 +1064,43 @@ extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_logits(Batch b
 #endif
 }
 
-// A warp's weights (position's block `bk`, -1 none) max-pooled per block (segmented max: a row's positions
-// increase), one atomicMax on the bits per block and warp (non-negative floats order as their bits; 0 and
-// NaN never written).
-__device__ __forceinline__ void pl_pool_block(float w, int bk, int lane, unsigned* rw) {
+// A row's weights over its positions (index jj < jend: the plan's jj-th position, or jlo + jj), each
+// max_g 2^(logit(g, jj, pos) - lse[g]), max-pooled into the ring row `rw` per block: a warp's consecutive
+// positions reduced per block first (segmented max: a row's positions increase), one atomicMax on the bits
+// per block and warp (non-negative floats order as their bits; 0 and NaN never written). `logit` reads
+// where the row's logits are (inlined: each caller's loop is its own code).
+template <class Logit>
+__device__ __forceinline__ void pl_pool_row(const SeqRow& r, int blk, bool use_plan, int jlo, int jend, const unsigned* pe, const float* lse, unsigned* rw,
+                                            Logit logit) {
+    const int lane = threadIdx.x & 31, step = gridDim.x * blockDim.x;
+    for (int jb = blockIdx.x * blockDim.x + (threadIdx.x & ~31); jb < jend; jb += step) {  // uniform per warp
+        const int jj = jb + lane;
+        int bk = -1;
+        float w = 0.0f;
+        if (jj < jend) {
+            const int pos = use_plan ? (int)pe[jj] : jlo + jj;
+            if (pos >= r.lo && pos <= r.hi) {
+                bk = pos / blk;
 #pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const float w2 = __shfl_down_sync(0xffffffffu, w, off);
-        const int b2 = __shfl_down_sync(0xffffffffu, bk, off);
-        if (lane + off < 32 && b2 == bk) w = fmaxf(w, w2);
+                for (int g = 0; g < GROUP; ++g) w = fmaxf(w, exp2f(logit(g, jj, pos) - lse[g]));
+            }
+        }
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const float w2 = __shfl_down_sync(0xffffffffu, w, off);
+            const int b2 = __shfl_down_sync(0xffffffffu, bk, off);
+            if (lane + off < 32 && b2 == bk) w = fmaxf(w, w2);
+        }
+        const int prev = __shfl_up_sync(0xffffffffu, bk, 1);
+        if (bk >= 0 && (lane == 0 || prev != bk) && w > 0.0f) atomicMax(rw + bk, __float_as_uint(w));
     }
-    const int prev = __shfl_up_sync(0xffffffffu, bk, 1);
-    if (bk >= 0 && (lane == 0 || prev != bk) && w > 0.0f) atomicMax(rw + bk, __float_as_uint(w));
 }
 
 // Pass 2 of a PRED / NOHIST row, from the step's attention (attention_mma.cu LOGITS, lg_maxpos = lcap): its
 // logits lgs[((s * hk + h) * lcap + pos) * GROUP + g] (the same extent per row as kvs_pred_logits' layout,
 // which CALIB rows keep) and its splits' statistics, `anparts` slots per query head (those past the
 // launch's splits hold (-inf, 0)), merged by a warp per head: each lane its slots in order, then the lanes
-// by a fixed butterfly (the same inputs give the same bits). The weights as below.
+// by a fixed butterfly (the same inputs give the same bits). The weights by pl_pool_row.
 __device__ __forceinline__ void pl_weights_from_attention(const SeqRow& r, const PredSpec& ps, bool use_plan, int jlo, int jend, const unsigned* pe,
                                                           const float* la_row, const float2* pr_row, int anparts, unsigned* rw) {
     __shared__ float lse[GROUP];
@@ -1090,27 +1117,12 @@ __device__ __forceinline__ void pl_weights_from_attention(const SeqRow& r, const
         if (lane == 0) lse[g] = m > -INFINITY ? m + log2f(sm) : INFINITY;
     }
     __syncthreads();
-    const int blk = ps.block, step = gridDim.x * blockDim.x;
-    for (int jb = blockIdx.x * blockDim.x + (threadIdx.x & ~31); jb < jend; jb += step) {  // uniform per warp
-        const int jj = jb + lane;
-        int bk = -1;
-        float w = 0.0f;
-        if (jj < jend) {
-            const int pos = use_plan ? (int)pe[jj] : jlo + jj;
-            if (pos >= r.lo && pos <= r.hi) {
-                bk = pos / blk;
-                const float* la = la_row + (i64)pos * GROUP;
-#pragma unroll
-                for (int g = 0; g < GROUP; ++g) w = fmaxf(w, exp2f(la[g] - lse[g]));
-            }
-        }
-        pl_pool_block(w, bk, lane, rw);
-    }
+    pl_pool_row(r, ps.block, use_plan, jlo, jend, pe, lse, rw, [&](int g, int, int pos) { return la_row[(i64)pos * GROUP + g]; });
 }
 
 // Pass 2: each position's weight max over the query heads of 2^(l - lse) (lse merged from the CTAs'
 // statistics in CTA order, over the CTAs that took part: the same inputs give the same bits), max-pooled
-// into the ring row per block (pl_pool_block; a NaN logit makes the row 0, as the CPU's). Grid (CTAs per
+// into the ring row per block (pl_pool_row; a NaN logit makes the row 0, as the CPU's). Grid (CTAs per
 // row, hk, seqs), `nparts` = the grid of kvs_pred_logits (CALIB rows); PRED and NOHIST rows from the
 // attention (pl_weights_from_attention, `aparts`, `anparts`). The selection zeroed the ring rows.
 extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_weights(Batch b, PredState st, PredSpec ps, const int* slot, const int* mode,
@@ -1120,15 +1132,14 @@ extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_weights(Batch 
     KVS_GRID_WAIT();  // may run as a dependent launch (common.cuh): nothing before this line
     KVS_GRID_LAUNCH_DEPENDENTS();
     __shared__ float lse[GROUP];
-    const int s = blockIdx.z, h = blockIdx.y, hk = st.hk, H = st.H;
+    const int s = blockIdx.z, h = blockIdx.y, hk = st.hk;
     SeqRow r;
     bool use_plan;
     int jlo, jend;
     if (!pl_row(b, mode, plan_len, cap, hk, s, h, r, use_plan, jlo, jend) || jend > lcap) return;
     if ((int)(blockIdx.x * blockDim.x) >= jend) return;  // no positions for this CTA
     const long long sh = (long long)slot[s] * hk + h;
-    const int count = st.hdr[sh * HDR_WORDS + HDR_COUNT];
-    unsigned* rw = reinterpret_cast<unsigned*>(st.ring + (sh * H + pred_mod(count, H)) * (long long)st.wc);
+    unsigned* rw = reinterpret_cast<unsigned*>(pred_ring_row(st, sh, st.hdr[sh * HDR_WORDS + HDR_COUNT]));
     const unsigned* pe = plan + s * p_s + h * p_h;
     if (pl_from_attention(mode[s * hk + h])) {
         pl_weights_from_attention(r, ps, use_plan, jlo, jend, pe, lgs + (i64)(s * hk + h) * lcap * GROUP, aparts + (i64)(s * hk + h) * GROUP * anparts, anparts, rw);
@@ -1143,22 +1154,7 @@ extern "C" __global__ void __launch_bounds__(PL_THREADS) kvs_pred_weights(Batch 
     }
     __syncthreads();
     const float* lrow = lgs + (i64)(s * hk + h) * GROUP * lcap;
-    const int lane = threadIdx.x & 31, blk = ps.block;
-    const int step = gridDim.x * blockDim.x;
-    for (int jb = blockIdx.x * blockDim.x + (threadIdx.x & ~31); jb < jend; jb += step) {  // uniform per warp
-        const int jj = jb + lane;
-        int bk = -1;
-        float w = 0.0f;
-        if (jj < jend) {
-            const int pos = use_plan ? (int)pe[jj] : jlo + jj;
-            if (pos >= r.lo && pos <= r.hi) {
-                bk = pos / blk;
-#pragma unroll
-                for (int g = 0; g < GROUP; ++g) w = fmaxf(w, exp2f(lrow[(i64)g * lcap + jj] - lse[g]));
-            }
-        }
-        pl_pool_block(w, bk, lane, rw);
-    }
+    pl_pool_row(r, ps.block, use_plan, jlo, jend, pe, lse, rw, [&](int g, int jj, int) { return lrow[(i64)g * lcap + jj]; });
 }
 
 // Ring bookkeeping once the rows are written: one CTA per sequence. A decode row's row becomes the
@@ -1177,12 +1173,12 @@ extern "C" __global__ void kvs_pred_finish(Batch b, PredState st, PredSpec ps, c
         if (m == PM_SEED) {
             const int ntok = min(r.q_len, H), pos0 = r.hi + 1 - ntok;
             if (ntok * GROUP > rcap || pos0 < 0) continue;  // not seeded (the kernels above skipped it too)
-            for (int tt = 0; tt < ntok; ++tt) lens[tt] = min((pos0 + tt + ps.block) / ps.block, st.wc);
+            for (int tt = 0; tt < ntok; ++tt) lens[tt] = pred_row_blocks(st, ps, pos0 + tt);
             hd[HDR_COUNT] = ntok;
             hd[HDR_PUSHED] = ntok;
         } else {
             int c = hd[HDR_COUNT];
-            lens[pred_mod(c, H)] = min((r.hi + ps.block) / ps.block, st.wc);
+            lens[pred_mod(c, H)] = pred_row_blocks(st, ps, r.hi);
             c += 1;
             if (c >= 0x40000000) c -= H * (0x20000000 / H);  // same residues mod H, count stays >= H
             hd[HDR_COUNT] = c;
